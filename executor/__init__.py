@@ -1,0 +1,1 @@
+"""GPUMix executor: training worker, torchrun launcher, metrics store, job queue (torch)."""

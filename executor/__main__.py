@@ -1,0 +1,15 @@
+import sys
+
+from planner.cli import main
+
+COMMANDS = {
+    "launch": "executor.commands.launch",
+    "metrics": "executor.commands.metrics",
+    "stop": "executor.commands.stop",
+    "submit": "executor.commands.submit",
+    "queue": "executor.commands.queue",
+    "orchestrate": "executor.commands.orchestrate",
+}
+
+if __name__ == "__main__":
+    sys.exit(main("python -m executor", COMMANDS))

@@ -1,0 +1,1 @@
+"""GPUMix models: the torch decoders built from a planner.specs.ModelSpec."""

@@ -1,0 +1,1 @@
+"""GPUMix profiler: device inventory, micro-benchmarks, model tracing, step profiles (torch)."""

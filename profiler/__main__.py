@@ -1,0 +1,13 @@
+import sys
+
+from planner.cli import main
+
+COMMANDS = {
+    "memory": "profiler.commands.memory",
+    "inventory": "profiler.commands.inventory",
+    "bench": "profiler.commands.bench",
+    "profile": "profiler.commands.profile",
+}
+
+if __name__ == "__main__":
+    sys.exit(main("python -m profiler", COMMANDS))
