@@ -1,0 +1,237 @@
+"""Rendering helpers shared by every dashboard page.
+
+House rules these helpers make cheap to follow (docs/TEAM.md):
+- every number says whether it is *predicted*, *measured* or *estimated*
+  (`source_badge`, `metric`);
+- emulated devices are marked (`emulated_marker`, `device_label`);
+- bad input shows `st.error` with one clear line, never a traceback
+  (`show_errors`, `call_or_error`);
+- every chart axis has a unit (`style_figure`, `line_figure`);
+- SQLite connections shared between reruns come from `sqlite_connection`
+  (`st.cache_resource`).
+
+Names here are stable: other pages import them.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sqlite3
+from typing import Any, Callable, Iterator, TypeVar
+
+import streamlit as st
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PREDICTED = "predicted"
+MEASURED = "measured"
+ESTIMATED = "estimated"
+EMULATED = "emulated"
+
+# Streamlit markdown badge colours, one per kind of number
+_BADGE_COLOR = {PREDICTED: "blue", MEASURED: "green", ESTIMATED: "orange", EMULATED: "violet"}
+
+# Plotly defaults: a compact chart that reads on a laptop screen
+CHART_HEIGHT_PX = 320
+_CHART_MARGIN = dict(l=10, r=10, t=40, b=10)
+
+_KIB = 1024
+
+
+# ---- predicted / measured / emulated labels ------------------------------------------
+
+
+def source_badge(kind: str) -> str:
+    """Markdown for a small coloured badge: `:blue-badge[predicted]`.
+
+    Use inside `st.markdown`, `st.caption`, a metric label or a column header
+    rendered as markdown."""
+    color = _BADGE_COLOR.get(kind, "gray")
+    return f":{color}-badge[{kind}]"
+
+
+def show_source(kind: str) -> None:
+    """Render the predicted/measured/estimated badge on its own line."""
+    st.badge(kind, color=_BADGE_COLOR.get(kind, "gray"))
+
+
+def labelled(label: str, kind: str) -> str:
+    """`"Step time"`, `"measured"` -> `"Step time (measured)"`: for table columns and plain text."""
+    return f"{label} ({kind})"
+
+
+def metric(label: str, value: Any, kind: str, *, help: str | None = None, delta: Any = None) -> None:
+    """`st.metric` whose label carries the kind of number, e.g. "Iteration time · predicted".
+
+    `value` should already be formatted with its unit (see `fmt_bytes`, `fmt_seconds`)."""
+    st.metric(f"{label} {source_badge(kind)}", value, delta=delta, help=help)
+
+
+def emulated_marker(emulated: bool) -> str:
+    """The marker text for tables: "emulated" or ""."""
+    return EMULATED if emulated else ""
+
+
+def device_label(device: Any) -> str:
+    """A device's display name with its emulation spelled out (DeviceSpec.label when it has one)."""
+    label = getattr(device, "label", None)
+    if isinstance(label, str):
+        return label
+    t = getattr(device, "type", str(device))
+    return f"{t} (emulated)" if getattr(device, "emulated", False) else t
+
+
+def show_emulated_note(emulated: bool) -> None:
+    """One caption line under a table/chart that contains emulated devices."""
+    if emulated:
+        st.caption(
+            f"{source_badge(EMULATED)} Some devices are emulated on this machine "
+            "(slowdown and/or memory limit from the cluster file); their figures are not those of real hardware."
+        )
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+
+def error_message(exc: BaseException) -> str:
+    """The one line a user sees for a bad-input error."""
+    return str(exc).strip() or type(exc).__name__
+
+
+@contextlib.contextmanager
+def show_errors(what: str | None = None) -> Iterator[None]:
+    """Turn a ValueError (bad input: the library's contract) into `st.error`, no traceback.
+
+        with show_errors("Cannot compute the plan"):
+            plan = solve_plan(...)
+
+    Code after the `with` block still runs; check your result for None. Other
+    exceptions are logged and also shown as one line, because a dashboard user
+    should never see a traceback."""
+    try:
+        yield
+    except ValueError as e:
+        st.error(f"{what}: {error_message(e)}" if what else error_message(e), icon=":material/error:")
+    except (OSError, sqlite3.Error) as e:
+        log.warning("%s", e, exc_info=True)
+        msg = f"{type(e).__name__}: {error_message(e)}"
+        st.error(f"{what}: {msg}" if what else msg, icon=":material/error:")
+
+
+def call_or_error(fn: Callable[..., T], *args: Any, what: str | None = None, **kwargs: Any) -> T | None:
+    """`fn(*args, **kwargs)`, or None after showing the ValueError/OSError as `st.error`."""
+    with show_errors(what):
+        return fn(*args, **kwargs)
+    return None
+
+
+# ---- number formatting -------------------------------------------------------------------
+
+
+def fmt_bytes(n: float | int | None) -> str:
+    """Bytes in binary units: 1536 -> "1.5 KiB"."""
+    if n is None or (isinstance(n, float) and not math.isfinite(n)):
+        return "—"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < _KIB or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= _KIB
+    return f"{value:.1f} TiB"
+
+
+def fmt_seconds(s: float | None) -> str:
+    """Seconds with a sensible unit: 0.0123 -> "12.3 ms", 95 -> "1 min 35 s"."""
+    if s is None or not math.isfinite(s):
+        return "—"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{s:.2f} s"
+    minutes, sec = divmod(int(round(s)), 60)
+    if minutes < 120:
+        return f"{minutes} min {sec} s"
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+def fmt_rate(x: float | None, unit: str = "samples/s") -> str:
+    if x is None or not math.isfinite(x):
+        return "—"
+    return f"{x:,.1f} {unit}" if x < 1000 else f"{x:,.0f} {unit}"
+
+
+# ---- charts ------------------------------------------------------------------------------
+
+
+def style_figure(fig: Any, x_title: str, y_title: str, title: str | None = None, height: int = CHART_HEIGHT_PX) -> Any:
+    """Apply the dashboard's Plotly defaults. Axis titles must carry units: "step", "loss (nats)",
+    "time (s)", "memory (GiB)"."""
+    fig.update_layout(
+        title=title,
+        height=height,
+        margin=_CHART_MARGIN,
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+        hovermode="x unified",
+        template="plotly_white",
+    )
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text=y_title)
+    return fig
+
+
+def line_figure(
+    series: dict[str, tuple[list[float], list[float]]],
+    x_title: str,
+    y_title: str,
+    title: str | None = None,
+    height: int = CHART_HEIGHT_PX,
+) -> Any:
+    """A Plotly line chart from `{name: (xs, ys)}` with unit axis titles."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name, (xs, ys) in series.items():
+        fig.add_trace(go.Scatter(x=list(xs), y=list(ys), mode="lines+markers", name=name, marker=dict(size=4)))
+    return style_figure(fig, x_title, y_title, title=title, height=height)
+
+
+def show_figure(fig: Any, key: str | None = None) -> None:
+    """`st.plotly_chart` with the dashboard's settings (full width, no Plotly logo)."""
+    st.plotly_chart(fig, width="stretch", key=key, config={"displaylogo": False})
+
+
+# ---- shared resources --------------------------------------------------------------------
+
+
+@st.cache_resource(show_spinner=False)
+def _connection(path: str, mtime_key: float) -> sqlite3.Connection:
+    # read-only: the dashboard never writes a store it only watches (and never creates an
+    # empty file where a run's database is missing)
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False, timeout=5.0)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def sqlite_connection(path: str) -> sqlite3.Connection:
+    """A shared read-only connection to an SQLite file (one per file, reused across reruns).
+
+    Raises ValueError when the file is missing. A file replaced on disk (new inode)
+    gets a new connection."""
+    try:
+        st_ino = os.stat(path).st_ino
+    except OSError:
+        raise ValueError(f"no database at {path}") from None
+    return _connection(os.path.abspath(path), float(st_ino))
+
+
+def page_header(title: str, caption: str | None = None) -> None:
+    """Title and one-line explanation of what the page is for."""
+    st.title(title)
+    if caption:
+        st.caption(caption)
