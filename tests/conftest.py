@@ -1,0 +1,153 @@
+"""Shared test fixtures.
+
+- Every test gets its own GPUMIX_DATA_DIR (a tmp folder), so no test writes into data/.
+  Use the `data_dir` fixture to get its path.
+- `streamlit_server(data_dir)` starts the real dashboard on a free localhost port and
+  stops it — and every process started with that data dir (a launched run's torchrun
+  group included) — when the block ends. The browser test and
+  bench/dashboard_latency.py use it.
+- `launch_browser(playwright)` opens Debian's headless Chromium (never a downloaded build).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any, Iterator
+
+import pytest
+
+from planner.paths import ENV_DATA_DIR
+
+log = logging.getLogger(__name__)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(autouse=True)
+def data_dir(tmp_path, monkeypatch) -> str:
+    """A fresh GPUMIX_DATA_DIR for every test (planner/paths.py reads it on each call)."""
+    path = str(tmp_path / "gpumix-data")
+    os.makedirs(path, exist_ok=True)
+    monkeypatch.setenv(ENV_DATA_DIR, path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"streamlit exited with code {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"streamlit did not answer on {url} within {timeout_s:.0f} s")
+
+
+def processes_with_data_dir(path: str) -> list[Any]:
+    """Every live process of this user whose environment has GPUMIX_DATA_DIR=path: the
+    server, and whatever it launched (torchrun and its ranks inherit the environment)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get(ENV_DATA_DIR) == path:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def kill_processes_with_data_dir(path: str, grace_s: float = 5.0) -> int:
+    """SIGTERM, then SIGKILL after `grace_s`, every process started with this data dir.
+    Returns how many there were."""
+    import psutil
+
+    procs = processes_with_data_dir(path)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return len(procs)
+
+
+@contextlib.contextmanager
+def streamlit_server(data_dir: str, app: str = "app.py", timeout_s: float = 60.0) -> Iterator[str]:
+    """Run `streamlit run app` on a free port with GPUMIX_DATA_DIR=data_dir; yield its URL.
+
+    The server's log goes to <data_dir>/streamlit.log. On exit the server's process
+    group and every process carrying this data dir in its environment are killed."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, **{ENV_DATA_DIR: data_dir, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable, "-m", "streamlit", "run", app,
+        "--server.port", str(port),
+        "--server.address", "127.0.0.1",
+        "--server.headless", "true",
+        "--server.fileWatcherType", "none",
+        "--browser.gatherUsageStats", "false",
+    ]
+    log_path = os.path.join(data_dir, "streamlit.log")
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(url, proc, timeout_s)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        kill_processes_with_data_dir(data_dir)
+
+
+def server_log(data_dir: str) -> str:
+    try:
+        with open(os.path.join(data_dir, "streamlit.log"), encoding="utf-8", errors="replace") as fh:
+            return fh.read()[-4000:]
+    except OSError:
+        return ""
+
+
+def launch_browser(playwright: Any) -> Any:
+    """Debian's Chromium, headless, driven by playwright (no browser download)."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)

@@ -1,0 +1,45 @@
+"""The router: app.py opens, and every page it routes to renders without an exception.
+
+The page list is read from app.py itself, so a page added there is tested here."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+APP = os.path.join(ROOT, "app.py")
+# shared modules in ui/ that are not pages
+NOT_PAGES = {"__init__.py", "state.py", "common.py"}
+# first render of a page may import torch or solve a small ILP on a loaded 2-core machine
+TIMEOUT_S = 60
+
+
+def routed_pages() -> list[str]:
+    with open(APP, encoding="utf-8") as fh:
+        return re.findall(r'st\.Page\(\s*"(ui/[a-z_]+\.py)"', fh.read())
+
+
+def test_app_routes_every_page_file():
+    pages = routed_pages()
+    on_disk = {f"ui/{f}" for f in os.listdir(os.path.join(ROOT, "ui")) if f.endswith(".py") and f not in NOT_PAGES}
+    assert len(pages) == len(set(pages)) >= 7
+    assert set(pages) == on_disk
+
+
+def test_app_opens_on_inventory():
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    assert not at.exception
+    # the landing page is the local machine's inventory
+    assert any("nventory" in t.value for t in at.title), [t.value for t in at.title]
+
+
+@pytest.mark.parametrize("page", routed_pages())
+def test_every_page_renders_through_the_router(page):
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    assert not at.exception
+    at.switch_page(page).run()
+    assert not at.exception, f"{page}: {at.exception}"
+    assert not at.error or all("Traceback" not in e.value for e in at.error)
