@@ -20,9 +20,9 @@ class GpuType:
     fp32_tflops: float
     fp16_tflops: float
     bf16_tflops: float  # 0.0: no native bf16
-    memory_gbps: float  # HBM/GDDR bandwidth, GB/s
+    memory_gbps: float  # HBM/GDDR bandwidth in GB/s (bytes, decimal): see memory_bytes_per_s
     interconnect: str  # "nvlink4", "pcie4", ...
-    interconnect_gbps: float  # per-GPU peer bandwidth, GB/s (one direction)
+    interconnect_gbps: float  # per-GPU peer bandwidth in GB/s (bytes, one direction)
     vendor: str = "nvidia"
 
     @property
@@ -36,6 +36,15 @@ class GpuType:
         if dtype == "bf16" and self.supports_bf16:
             return self.bf16_tflops
         return self.fp16_tflops
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """`memory_gbps` is GB/s (decimal), unlike the Gbit/s of the cluster file's network."""
+        return self.memory_gbps * GB
+
+    @property
+    def interconnect_bytes_per_s(self) -> float:
+        return self.interconnect_gbps * GB
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,9 +92,11 @@ CATALOG: dict[str, GpuType] = {g.name: g for g in (
     _g("MI300X", 192, 163.4, 1307.0, 1307.0, 5300, "infinity-fabric", 64, vendor="amd"),
 )}
 
-# The local CPU worker. Its real figures come from `profiler bench`; these are
-# conservative placeholders for a 2-core VM used only until that has run
-# (memory: emulated devices give `memory_gb`, otherwise the host's RAM is read).
+# The local CPU worker (one core, one torch thread: what an executor rank uses).
+# Its real figures come from `profiler bench` / `profiler profile` (the profile
+# store, planner/profiles.py); these are conservative placeholders for one core
+# of a small VM, used only until those have run. Memory: 8 GiB per worker unless
+# the device gives `memory_gb` (an emulated limit).
 CPU_TYPE = "cpu"
 CATALOG[CPU_TYPE] = GpuType(CPU_TYPE, 8 * GIB, 0.05, 0.02, 0.02, 10, "shared-memory", 5, vendor="cpu")
 
@@ -97,3 +108,49 @@ def get_gpu_type(name: str) -> GpuType:
         raise ValueError(
             f"unknown GPU type {name!r}; known types: {', '.join(sorted(CATALOG))}"
         ) from None
+
+
+# Names CUDA/ROCm report (torch.cuda.get_device_name) -> catalog type. Checked in
+# order, first match wins; a `None` memory split means "any memory". The memory
+# split tells the 40/80 GB A100s and 16/32 GB V100s apart.
+_NAME_PATTERNS: tuple[tuple[str, tuple[tuple[float, str], ...]], ...] = (
+    ("h200", ((0, "H200"),)),
+    ("h100 pcie", ((0, "H100-PCIe"),)),
+    ("h100", ((0, "H100-SXM"),)),
+    ("a100", ((0, "A100-40GB"), (60, "A100-80GB"))),
+    ("v100", ((0, "V100-16GB"), (24, "V100-32GB"))),
+    ("l40s", ((0, "L40S"),)),
+    ("a10g", ((0, "A10G"),)),
+    ("a6000", ((0, "A6000"),)),
+    ("3090", ((0, "RTX3090"),)),
+    ("4090", ((0, "RTX4090"),)),
+    ("p100", ((0, "P100"),)),
+    ("p40", ((0, "P40"),)),
+    ("t4", ((0, "T4"),)),
+    ("l4", ((0, "L4"),)),
+    ("mi250x", ((0, "MI250X"),)),
+    ("mi300x", ((0, "MI300X"),)),
+)
+
+
+def match_gpu_type(device_name: str, memory_bytes: int | None = None) -> str | None:
+    """The catalog type of a device as the driver names it, or None when unknown.
+
+    "NVIDIA H200" -> "H200"; "NVIDIA A100-SXM4-80GB" -> "A100-80GB";
+    "Tesla V100-SXM2-16GB" with 16 GiB -> "V100-16GB". Words are matched on
+    token boundaries so "T4" does not match "RTX 4090"."""
+    tokens = " " + " ".join(device_name.lower().replace("-", " ").replace("_", " ").split()) + " "
+    for pattern, splits in _NAME_PATTERNS:
+        if f" {pattern} " not in tokens and not (pattern.isdigit() and pattern in tokens):
+            continue
+        mem_gib = (memory_bytes / GIB) if memory_bytes else None
+        if mem_gib is None:
+            # the name itself may carry the size ("A100-SXM4-80GB")
+            sizes = [int(t[:-2]) for t in tokens.split() if t.endswith("gb") and t[:-2].isdigit()]
+            mem_gib = sizes[0] if sizes else None
+        chosen = splits[0][1]
+        for threshold, name in splits:
+            if mem_gib is not None and mem_gib >= threshold:
+                chosen = name
+        return chosen
+    return None

@@ -63,7 +63,7 @@ class DeviceSpec:
         unknown = set(d) - {"type", "slowdown", "memory_gb"}
         if unknown:
             raise ValueError(f"{where}: unknown device keys {sorted(unknown)}")
-        if d["type"] not in CATALOG:
+        if not isinstance(d["type"], str) or d["type"] not in CATALOG:
             raise ValueError(f"{where}: unknown GPU type {d['type']!r}; known: {', '.join(sorted(CATALOG))}")
         slowdown = _positive_number(d.get("slowdown", 1.0), f"{where}: slowdown")
         mem = d.get("memory_gb")
@@ -166,8 +166,16 @@ class ClusterSpec:
             where = f"{source}: node {i}"
             if not isinstance(nd, dict):
                 raise ValueError(f"{where}: expected an object")
-            name = str(nd.get("name", f"n{i}"))
+            unknown = set(nd) - {"name", "datacenter", "gpus"}
+            if unknown:
+                raise ValueError(f"{where}: unknown node keys {sorted(unknown)}")
+            name = nd.get("name", f"n{i}")
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"{where}: 'name' must be a non-empty string, got {name!r}")
             where = f"{source}: node {name!r}"
+            datacenter = nd.get("datacenter", "dc0")
+            if not isinstance(datacenter, str) or not datacenter.strip():
+                raise ValueError(f"{where}: 'datacenter' must be a non-empty string, got {datacenter!r}")
             if name in seen:
                 raise ValueError(f"{where}: duplicate node name")
             seen.add(name)
@@ -186,15 +194,21 @@ class ClusterSpec:
                 raise ValueError(f"{where}: 'gpus' must be an object {{type: count}} or a list of devices")
             if not devices:
                 raise ValueError(f"{where}: has no devices")
-            nodes.append(NodeSpec(name, str(nd.get("datacenter", "dc0")), tuple(devices)))
+            nodes.append(NodeSpec(name, datacenter, tuple(devices)))
         net = d.get("network") or {}
         if not isinstance(net, dict):
             raise ValueError(f"{source}: 'network' must be an object")
+        unknown = set(net) - {"intra_node_gbps", "inter_node_gbps"}
+        if unknown:
+            raise ValueError(f"{source}: unknown network keys {sorted(unknown)}")
         network = NetworkSpec(
             _positive_number(net.get("intra_node_gbps", 300.0), f"{source}: network.intra_node_gbps"),
             _positive_number(net.get("inter_node_gbps", 100.0), f"{source}: network.inter_node_gbps"),
         )
-        return cls(str(d.get("name", "cluster")), tuple(nodes), network)
+        name = d.get("name", "cluster")
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{source}: 'name' must be a non-empty string, got {name!r}")
+        return cls(name, tuple(nodes), network)
 
     @classmethod
     def from_json(cls, text: str, source: str = "cluster") -> "ClusterSpec":
