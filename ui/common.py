@@ -230,6 +230,17 @@ def sqlite_connection(path: str) -> sqlite3.Connection:
     return _connection(os.path.abspath(path), float(st_ino))
 
 
+def page_link(page: str, label: str, icon: str | None = None) -> None:
+    """`st.page_link` to another page ("ui/launch.py"); nothing when the page is not routed
+    (a page file run on its own, as in a page's AppTest)."""
+    from streamlit.errors import StreamlitAPIException
+
+    try:
+        st.page_link(page, label=label, icon=icon)
+    except StreamlitAPIException as e:
+        log.debug("no link to %s: %s", page, e)
+
+
 def page_header(title: str, caption: str | None = None) -> None:
     """Title and one-line explanation of what the page is for."""
     st.title(title)

@@ -6,6 +6,8 @@ so that the keys stay in one place.
 """
 from __future__ import annotations
 
+import os
+
 import streamlit as st
 
 from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
@@ -22,8 +24,6 @@ def default_local_cluster() -> ClusterSpec:
 
         return build_local_cluster()
     except ImportError:
-        import os
-
         n = max(2, min(os.cpu_count() or 2, 4))
         return ClusterSpec("local", (NodeSpec("localhost", "local", (DeviceSpec("cpu"),) * n),))
 
@@ -53,3 +53,60 @@ def get_plan() -> Plan | None:
 
 def set_plan(plan: Plan) -> None:
     st.session_state["plan"] = plan
+
+
+def get_run_dir() -> str | None:
+    """The run this session launched or chose to watch (None after a browser reload)."""
+    return st.session_state.get("run_dir")
+
+
+def set_run_dir(run_dir: str | None) -> None:
+    st.session_state["run_dir"] = run_dir
+
+
+def list_run_dirs() -> list[str]:
+    """Every run folder the executor's store knows, newest first (by its plan file's time)."""
+    from executor import store  # the store reader is torch-free
+
+    dirs = set()
+    for item in store.list_runs():
+        # list_runs may give paths, dicts or records; all carry the run folder
+        path = item if isinstance(item, (str, os.PathLike)) else (
+            item.get("run_dir") if isinstance(item, dict) else getattr(item, "run_dir", None))
+        if path:
+            dirs.add(os.fspath(path))
+    return sorted(dirs, key=run_started_ts, reverse=True)
+
+
+def run_started_ts(run_dir: str) -> float:
+    """When a run started: its plan file is written first (0.0 when unknown)."""
+    for path in (os.path.join(run_dir, "plan.json"), run_dir):
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
+def find_live_run() -> str | None:
+    """The newest run whose SQLite store says "running": how a reloaded page or a
+    restarted app finds the run that kept going without it."""
+    from executor import store
+
+    for run_dir in list_run_dirs():
+        try:
+            if store.read_metrics(run_dir).get("status") == "running":
+                return run_dir
+        except Exception:  # a broken run folder must not hide a live one
+            continue
+    return None
+
+
+def current_run_dir() -> str | None:
+    """The run to monitor: this session's, else the live one found in the store."""
+    run_dir = get_run_dir()
+    if run_dir is None:
+        run_dir = find_live_run()
+        if run_dir is not None:
+            set_run_dir(run_dir)
+    return run_dir
