@@ -1,5 +1,20 @@
-"""GPUMix dashboard: a router over thin pages (widgets -> one library call -> render)."""
+"""GPUMix dashboard: a router over thin pages (widgets -> one library call -> render).
+
+Start: `python -m streamlit run app.py` (scripts/dashboard.sh). The app opens on the
+local inventory; Plan -> Launch & monitor is the path of a first run. Shared state
+lives in ui/state.py, shared rendering helpers in ui/common.py.
+"""
+import logging
+import os
+
 import streamlit as st
+
+from planner import paths
+from ui import state
+
+log = logging.getLogger(__name__)
+
+LIVE_CHECK_TTL_S = 2.0  # how stale the sidebar's "Running" link may be
 
 st.set_page_config(page_title="GPUMix", page_icon=":material/memory:", layout="wide")
 
@@ -19,4 +34,26 @@ PAGES = {
     ],
 }
 
-st.navigation(PAGES).run()
+page = st.navigation(PAGES)
+
+
+@st.cache_data(ttl=LIVE_CHECK_TTL_S, show_spinner=False)
+def live_run(data_dir: str) -> str | None:
+    return state.find_live_run()
+
+
+def live_run_link() -> None:
+    """In the sidebar on every page: the run that is going, found in the store (so it
+    survives a browser reload and an app restart), with a link to its monitor."""
+    try:
+        run_dir = live_run(paths.data_dir())
+    except Exception as e:  # the indicator must never break a page
+        log.debug("no live run indicator: %s", e)
+        return
+    if run_dir:
+        name = os.path.basename(run_dir.rstrip("/"))
+        st.sidebar.page_link(PAGES["Train"][1], label=f"Running: {name}", icon=":material/monitoring:")
+
+
+live_run_link()
+page.run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -146,6 +147,23 @@ def server_log(data_dir: str) -> str:
             return fh.read()[-4000:]
     except OSError:
         return ""
+
+
+STEPS_RE = re.compile(r"Steps recorded:\s*(\d+)")  # the live line of ui/launch.py
+WAIT_MS = 30_000  # one page or one widget reaction on a loaded 2-core machine
+
+
+def wait_idle(page: Any, timeout_ms: int = WAIT_MS) -> None:
+    """Until the script run that a click started has finished (the status widget disappears)."""
+    page.wait_for_timeout(150)  # the status widget appears only after a short delay
+    page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=timeout_ms)
+
+
+def steps_recorded(page: Any, timeout_ms: int = WAIT_MS) -> int:
+    loc = page.get_by_text(STEPS_RE).first
+    loc.wait_for(timeout=timeout_ms)
+    m = STEPS_RE.search(loc.inner_text())
+    return int(m.group(1)) if m else -1
 
 
 def launch_browser(playwright: Any) -> Any:
