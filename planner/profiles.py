@@ -22,7 +22,7 @@ import os
 import re
 import statistics
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Sequence
 
 from planner import paths
 from planner.catalog import CPU_TYPE, GB, get_gpu_type
@@ -84,6 +84,13 @@ class StepProfile:
     peak_tflops: float | None = None  # the peak `efficiency` refers to
     host: str = ""
     created: str = ""  # ISO time of the measurement
+    # matmul weights of the profiled model (ModelSpec.matmul_params): identifies the architecture
+    # (a longer position table, with_max_seq, does not change it)
+    num_matmul_params: int = 0
+
+    def matches(self, spec: ModelSpec) -> bool:
+        """Same model name and, when recorded, the same architecture."""
+        return self.model == spec.name and self.num_matmul_params in (0, spec.matmul_params())
 
     def step_time_s(self, micro_batch: int) -> float:
         """Forward+backward of one micro-batch of `micro_batch` samples."""
@@ -383,10 +390,10 @@ def find_measured(device_type: str, spec: ModelSpec, seq: int, dtype: str, recom
     except (TypeError, ValueError, KeyError) as e:
         log.warning("skipping malformed profile %s: %s", path, e)
         return None
-    if p.num_params and p.num_params != spec.num_params:
+    if not p.matches(spec):
         # same name, different architecture (e.g. two config.json in folders of one name)
-        log.warning("profile %s is of a different %s (%d parameters, not %d); ignoring it",
-                    path, spec.name, p.num_params, spec.num_params)
+        log.warning("profile %s is of a different %s (%d matmul parameters, not %d); ignoring it",
+                    path, spec.name, p.num_matmul_params, spec.matmul_params())
         return None
     return p if p.measured else None
 
@@ -402,8 +409,8 @@ def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, re
     if found is not None:
         return found
     profiles = load_step_profiles(store_dir)
-    counted = [p for p in profiles if p.measured and p.model == spec.name and p.seq == seq
-               and p.recompute == recompute and p.num_params in (0, spec.num_params) and p.flops_per_sample > 0]
+    counted = [p for p in profiles if p.measured and p.matches(spec) and p.seq == seq
+               and p.recompute == recompute and p.flops_per_sample > 0]
     if counted:
         flops, flops_src = counted[0].flops_per_sample, "counted FLOPs"
     else:
@@ -422,19 +429,27 @@ def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, re
 # ---- least squares (shared by the profiler's fits) --------------------------------------------------
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Least-squares `y = a + b·x`: returns (a, b, R²). R² = 1 − SS_res / SS_tot."""
+def fit_line(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None,
+             nonnegative_intercept: bool = False) -> tuple[float, float, float]:
+    """Weighted least squares `y = a + b·x`: returns (a, b, R²), R² = 1 − SS_res / SS_tot
+    (both weighted). `nonnegative_intercept`: when the free fit gives a < 0 (a fixed cost
+    below zero has no meaning), refit through the origin instead."""
     n = len(xs)
     if n < 2 or n != len(ys):
         raise ValueError(f"a line fit needs at least 2 points of (x, y), got {n}")
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
+    w = [1.0] * n if weights is None else [float(v) for v in weights]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
     if sxx == 0:
         raise ValueError("a line fit needs at least 2 distinct x values")
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx
     a = my - b * mx
-    ss_tot = sum((y - my) ** 2 for y in ys)
-    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    if nonnegative_intercept and a < 0:
+        a, b = 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs))
+    ss_tot = sum(wi * (y - my) ** 2 for wi, y in zip(w, ys))
+    ss_res = sum(wi * (y - a - b * x) ** 2 for wi, x, y in zip(w, xs, ys))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
     return a, b, r2
 

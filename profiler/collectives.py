@@ -1,0 +1,151 @@
+"""Collective benchmarks between local ranks: all-reduce, all-gather, broadcast.
+
+Spawns `world_size` processes (torch.multiprocessing, start method "spawn"), joins
+them with torch.distributed (gloo on CPU, NCCL on GPU: one GPU per rank), times each
+collective at sizes from 1 KiB to 64 MiB and fits `t = latency + size / bandwidth`.
+Each timing is the slowest rank's (a collective ends when its last rank ends), the
+median over repeats. `size` is the whole tensor: the all-reduced or broadcast buffer,
+the gathered output of an all-gather (planner.profiles.CollectiveFit).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import statistics
+import tempfile
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner.profiles import CollectiveFit, CollectiveProfile, fit_line
+
+log = logging.getLogger(__name__)
+
+KIB = 1024
+MIB = 1024 * KIB
+DEFAULT_SIZES_BYTES = tuple(KIB * 4**i for i in range(9))  # 1 KiB, 4 KiB, ..., 64 MiB
+OPS = ("all_reduce", "all_gather", "broadcast")
+FLOAT_BYTES = 4
+# Fewer repeats for big transfers (a 64 MiB all-reduce over gloo takes ~0.1 s), more for small
+# ones: their ~0.3 ms is easily doubled by one scheduler hiccup on a shared machine.
+LARGE_TRANSFER_BYTES = 4 * MIB
+SMALL_TRANSFER_BYTES = 256 * KIB
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+
+
+def _run_op(op: str, buf: torch.Tensor, out: torch.Tensor | None) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(buf)
+    elif op == "all_gather":
+        dist.all_gather_single(out, buf)
+    else:
+        dist.broadcast(buf, src=0)
+
+
+def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.device, world: int) -> list[float]:
+    numel = max(world, size_bytes // FLOAT_BYTES)
+    numel -= numel % world  # all-gather: the output splits evenly between ranks
+    if op == "all_gather":
+        buf = torch.ones(numel // world, device=device)
+        out = torch.empty(numel, device=device)
+    else:
+        buf, out = torch.ones(numel, device=device), None
+    samples = []
+    for i in range(warmup + repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        _run_op(op, buf, out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
+    # the slowest rank's time of each repeat
+    t = torch.tensor(samples, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], sizes: Sequence[int],
+            repeats: int, warmup: int, out_path: str) -> None:
+    torch.set_num_threads(1)  # as every executor rank
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result: dict[str, dict[str, float]] = {}
+        for op in ops:  # connections and buffers are set up lazily: pay for that untimed
+            _time_op(op, min(sizes), 1, 3, device, world)
+        for op in ops:
+            result[op] = {}
+            for size in sizes:
+                n = (max(2, repeats // 3) if size >= LARGE_TRANSFER_BYTES else
+                     3 * repeats if size <= SMALL_TRANSFER_BYTES else repeats)
+                result[op][str(size)] = statistics.median(_time_op(op, size, n, warmup, device, world))
+        if rank == 0:
+            with open(out_path, "w", encoding="utf-8") as fh:
+                json.dump(result, fh)
+    finally:
+        dist.destroy_process_group()
+
+
+def fit_collective(op: str, sizes_bytes: Sequence[int], times_s: Sequence[float]) -> CollectiveFit:
+    """`t = latency + size / bandwidth`, weighted by 1/t² (relative errors), so the small sizes
+    fix the latency and the large ones the bandwidth instead of the largest drowning the rest."""
+    weights = [1.0 / (t * t) for t in times_s]
+    latency, inv_bw, r2 = fit_line([float(s) for s in sizes_bytes], list(times_s), weights,
+                                   nonnegative_intercept=True)
+    if inv_bw <= 0:
+        raise ValueError(f"{op}: time does not grow with size ({list(times_s)}); cannot fit a bandwidth")
+    return CollectiveFit(op, latency, 1.0 / inv_bw, r2, tuple(int(s) for s in sizes_bytes), tuple(times_s))
+
+
+def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+                          ops: Sequence[str] = OPS, repeats: int = 5, warmup: int = 1, backend: str | None = None,
+                          device_type: str = "cpu", timeout_s: float = 300.0) -> CollectiveProfile:
+    """Spawn `world_size` local ranks, time `ops` at `sizes_bytes`, fit each op."""
+    if world_size < 2:
+        raise ValueError(f"a collective benchmark needs at least 2 ranks, got {world_size}")
+    unknown = set(ops) - set(OPS)
+    if unknown or not ops:
+        raise ValueError(f"unknown collectives {sorted(unknown)}; known: {', '.join(OPS)}")
+    if len(set(sizes_bytes)) < 2:
+        raise ValueError("need at least 2 distinct sizes to fit latency and bandwidth")
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
+    with tempfile.TemporaryDirectory(prefix="gpumix-coll-") as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        ctx = mp.start_processes(_worker, args=(world_size, free_port(), backend, tuple(ops), tuple(sizes_bytes),
+                                                repeats, warmup, out_path),
+                                 nprocs=world_size, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(f"collective benchmark did not finish in {timeout_s:.0f} s")
+        with open(out_path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    fits = []
+    for op in ops:
+        sizes = sorted(int(s) for s in raw[op])
+        fits.append(fit_collective(op, sizes, [raw[op][str(s)] for s in sizes]))
+    return CollectiveProfile(device_type, backend, world_size, tuple(fits), True, socket.gethostname())

@@ -1,0 +1,216 @@
+"""Step-time profiles, as Cephalo builds them: time forward+backward of one micro-batch at
+several micro-batch sizes on a local device, fit `α + β·m`, time the optimizer step.
+
+It measures exactly what an executor rank runs: the project's model
+(`models.decoder.build_model`), its loss (`models.runtime.micro_batch_loss`) and
+backward into `FlatShardedState`'s flat gradient buffer, then `FlatShardedState.step()`;
+on a CPU with one torch thread, as each executor rank has. Sizes are timed in
+interleaved rounds (every size once per round), so a burst of load from other
+processes hits all sizes alike, and each size's median is fitted.
+
+FLOPs per sample are counted with `torch.utils.flop_counter.FlopCounterMode` on the
+same code path under FakeTensorMode (no memory, so 7B-class models count in seconds).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import socket
+import statistics
+import time
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from models.decoder import build_model
+from models.runtime import FlatShardedState, micro_batch_loss
+from planner.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
+from planner.specs import ModelSpec, get_model, with_max_seq
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[float, str], None]
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Micro-batches large enough that compute, not Python overhead, dominates at seq 128 on one
+# core, so the line fit is not drowned by scheduler noise on a shared machine.
+DEFAULT_MICRO_BATCHES = (4, 8, 16, 32)
+DEFAULT_REPEATS = 5
+DEFAULT_WARMUP = 2
+MIN_FIT_POINTS = 4
+
+_aten = torch.ops.aten
+
+
+def _sdpa_cpu_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_cpu_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# FlopCounterMode knows the CUDA attention kernels but not the CPU one that
+# F.scaled_dot_product_attention takes on a CPU (and under FakeTensorMode on CPU): without
+# these the attention term (12·L·h·s per token) would be missing from the count.
+_CPU_ATTENTION_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_forward,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    return FlopCounterMode(display=False, custom_mapping=dict(_CPU_ATTENTION_FLOPS))
+
+
+def _noop(fraction: float, message: str) -> None:
+    pass
+
+
+def _model_for(spec: ModelSpec, seq: int) -> ModelSpec:
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+    return with_max_seq(spec, seq)
+
+
+def count_flops(spec: ModelSpec, seq: int, micro_batch: int = 1, recompute: str = "none",
+                dtype: str = "fp32") -> float:
+    """Training FLOPs (forward + backward) of one micro-batch, counted op by op on the
+    runtime's code path under FakeTensorMode: no real memory, no real compute."""
+    spec = _model_for(spec, seq)
+    with FakeTensorMode():
+        model = build_model(spec, recompute)
+        tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq))
+        targets = torch.randint(0, spec.vocab_size, (micro_batch, seq))
+        with flop_counter() as counter:
+            loss = micro_batch_loss(model, tokens, targets, micro_batch * seq, AUTOCAST[dtype])
+            loss.backward()
+    return float(counter.get_total_flops())
+
+
+@contextlib.contextmanager
+def executor_threads(device: torch.device) -> Iterator[None]:
+    """One torch thread on a CPU, as every executor rank runs; restored afterwards (the
+    dashboard profiles inside its own process)."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def local_device_type(device: torch.device) -> tuple[str, str]:
+    """(catalog type, device name) of a local torch device."""
+    from profiler.inventory import detect_devices
+
+    devices = detect_devices()
+    if device.type == "cuda":
+        d = next(d for d in devices if d.kind == "cuda" and d.index == (device.index or 0))
+        return d.catalog_type, d.name
+    return "cpu", next((d.name for d in devices if d.kind == "cpu"), "cpu")
+
+
+def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: ModelSpec, seq: int,
+                    micro_batches: Sequence[int], repeats: int, warmup: int, device: torch.device,
+                    autocast: torch.dtype | None, progress: Progress, span: tuple[float, float]
+                    ) -> dict[int, list[float]]:
+    """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
+    `warmup` untimed ones. Gradients accumulate into the flat buffer, as in a real step."""
+    gen = torch.Generator().manual_seed(0)
+    batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
+                   torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device)) for m in micro_batches}
+    times: dict[int, list[float]] = {m: [] for m in micro_batches}
+    rounds = warmup + repeats
+    lo, hi = span
+    for r in range(rounds):
+        # rotate the order each round: no size always runs first after a zero_grad
+        order = list(micro_batches)[r % len(micro_batches):] + list(micro_batches)[:r % len(micro_batches)]
+        state.zero_grad()
+        for m in order:
+            tokens, targets = batches[m]
+            _sync(device)
+            t0 = time.perf_counter()
+            micro_batch_loss(model, tokens, targets, m * seq, autocast).backward()
+            _sync(device)
+            if r >= warmup:
+                times[m].append(time.perf_counter() - t0)
+        progress(lo + (hi - lo) * (r + 1) / rounds,
+                 f"{'warm-up' if r < warmup else 'timing'} round {r + 1}/{rounds}")
+    return times
+
+
+def time_optimizer_step(state: FlatShardedState, repeats: int, device: torch.device) -> float:
+    """Median seconds of `FlatShardedState.step()` over the whole model (one rank owning it all)."""
+    state.step()  # warm-up: first step allocates nothing (state is preallocated) but warms caches
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        state.step()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
+                  micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, recompute: str = "none",
+                  repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, device: str | None = None,
+                  progress: Progress | None = None, store_dir: str | None = None, save: bool = True) -> StepProfile:
+    """Measure the step profile of `model` on a local device and (by default) save it to the store.
+
+    `progress(fraction, message)` is called as the work advances (fraction in [0, 1])."""
+    spec = get_model(model) if isinstance(model, str) else model
+    progress = progress or _noop
+    sizes = sorted({int(m) for m in micro_batches})
+    if len(sizes) < MIN_FIT_POINTS or sizes[0] < 1:
+        raise ValueError(f"need at least {MIN_FIT_POINTS} distinct positive micro-batch sizes, got {list(micro_batches)}")
+    if dtype not in AUTOCAST:
+        raise ValueError(f"dtype must be one of {sorted(AUTOCAST)}, got {dtype!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    run_spec = _model_for(spec, seq)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device_type, device_name = local_device_type(dev)
+
+    progress(0.0, f"counting FLOPs of {spec.name}")
+    flops_per_sample = count_flops(spec, seq, 1, recompute, dtype)
+    progress(0.05, f"building {spec.name} on {device_name}")
+    with executor_threads(dev):
+        torch.manual_seed(0)
+        net = build_model(run_spec, recompute).to(dev)
+        num_params = sum(p.numel() for p in net.parameters())
+        state = FlatShardedState(net, 0, num_params)
+        times = time_step_sizes(state, net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype],
+                                progress, (0.1, 0.9))
+        progress(0.9, "timing the optimizer step")
+        opt_s = time_optimizer_step(state, repeats, dev)
+    medians = [statistics.median(times[m]) for m in sizes]
+    # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
+    alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
+    peak = peak_tflops(device_type, dtype, store_dir)
+    efficiency = flops_per_sample / beta / 1e12 / peak if beta > 0 else None
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    host = socket.gethostname()
+    threads = "1 thread" if dev.type == "cpu" else device_name
+    profile = StepProfile(
+        device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / num_params, r2, True,
+        f"measured on {host} ({device_name}, {threads}) at {now}: medians of {repeats} at m={sizes}, R²={r2:.3f}",
+        flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,
+        now, num_matmul_params=spec.matmul_params())
+    log.info("profile %s on %s: alpha=%.4g s beta=%.4g s R2=%.4f", spec.name, device_type, alpha, beta, r2)
+    if save:
+        save_step_profile(profile, store_dir)
+    progress(1.0, f"done: α={alpha * 1e3:.2f} ms, β={beta * 1e3:.2f} ms/sample, R²={r2:.3f}")
+    return profile
