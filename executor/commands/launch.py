@@ -1,0 +1,58 @@
+"""`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K] [--corpus DIR]`
+
+Runs the plan with torchrun and returns when the run ends (exit 0: done or stopped,
+1: failed). A plan spanning several nodes prints the per-node torchrun commands instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+HELP = "run a plan for real with torchrun (uneven batches and shards); blocks until it ends"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan file (python -m planner plan --out P)")
+    p.add_argument("--steps", type=int, required=True, help="global steps to train")
+    p.add_argument("--run-dir", required=True, help="run folder: plan.json, logs/, metrics.sqlite, checkpoints/")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
+    p.add_argument("--corpus", default=None, metavar="DIR", help="folder of text files (default: Python's stdlib)")
+    p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.cli import print_json
+    from planner.plan import Plan
+
+    plan = Plan.load(args.plan)
+    from executor.launch import launch_run, multinode_commands, runs_here
+    from executor.store import read_metrics
+
+    if not runs_here(plan):
+        run_dir = os.path.abspath(args.run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        plan_path = os.path.join(run_dir, "plan.json")
+        plan.save(plan_path)
+        lines = multinode_commands(plan_path, plan, args.steps, run_dir, args.seed, args.resume,
+                                   args.checkpoint_every, args.corpus)
+        if args.json:
+            print_json({"status": "not started", "multinode_commands": lines})
+        else:
+            print(f"# plan spans {len(lines)} nodes: run one line on each node (first node = rendezvous host)")
+            print("\n".join(lines))
+        return 0
+    status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
+                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus)
+    m = read_metrics(args.run_dir)
+    if args.json:
+        print_json(m)
+    else:
+        last = m["steps"][-1] if m["steps"] else None
+        print(f"run {m['run_dir']}: {status}" + (f" ({m['reason']})" if m["reason"] else ""))
+        if last:
+            print(f"steps {last['step']}/{m['steps_target']}  loss {last['loss']:.4f}  "
+                  f"median step {m['median_step_s']:.3f} s (measured)  "
+                  f"predicted iteration {m['predicted_iteration_s']:.3f} s")
+    return 0 if status in ("done", "stopped") else 1

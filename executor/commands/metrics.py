@@ -1,0 +1,32 @@
+"""`python -m executor metrics --run-dir R [--json]`: the run's status, steps and ranks."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "show a run's metrics (status, loss, throughput, per-rank memory and wait time)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--json", action="store_true", help="one JSON object: status, steps, ranks, ...")
+    p.add_argument("--last", type=int, default=20, help="table mode: show the last N steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.store import read_metrics
+    from planner.cli import print_json, print_table
+
+    m = read_metrics(args.run_dir)
+    if args.json:
+        print_json(m)
+        return 0
+    emulated = " [emulated devices]" if m["emulated"] else ""
+    print(f"run {m['run_dir']}: {m['status']}{emulated}" + (f" — {m['reason']}" if m["reason"] else ""))
+    print(f"model {m['model']}, global batch {m['global_batch']}, seq {m['seq']}, {m['world_size']} ranks, "
+          f"{len(m['steps'])}/{m['steps_target']} steps")
+    print_table(m["steps"][-args.last:], ["step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s"])
+    print()
+    print_table(m["ranks"], ["rank", "type", "emulated", "micro_batch", "accum_steps", "shard_fraction",
+                             "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s", "median_wait_s",
+                             "predicted_step_s"])
+    return 0

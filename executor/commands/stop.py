@@ -1,0 +1,18 @@
+"""`python -m executor stop --run-dir R`: stop a running run (the whole process group)."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "stop a running run: torchrun's group and every rank; status becomes 'stopped'"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait before killing")
+
+
+def run(args: argparse.Namespace) -> int:
+    from executor.launch import stop_run
+
+    print(f"run {args.run_dir}: {stop_run(args.run_dir, timeout_s=args.timeout)}")
+    return 0

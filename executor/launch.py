@@ -1,0 +1,440 @@
+"""Launching a plan: torchrun as a process group, watched until the run ends.
+
+Process tree of a local run (every arrow is an argument list, never a shell):
+
+    [start_run: the dashboard] --new session--> python -m executor launch   (the launcher)
+        --new session--> python -m torch.distributed.run ... -m executor.worker   (torchrun)
+            --own session each (torchrun's choice)--> python -m executor.worker   (rank r)
+
+`launch_run` is the launcher: it builds the corpus cache, writes plan.json and the
+`run` row of metrics.sqlite, starts torchrun and polls it. A rank that dies makes
+torchrun stop the others (its own monitor, 0.1 s); our watchdog also kills everything
+left if a registered rank has been dead for `DEAD_RANK_GRACE_S` while torchrun still
+runs, and every worker leaves on its own when torchrun goes (executor.worker). At the
+end the launcher kills torchrun's group and every rank's session that is still alive,
+then records the status with the reason and the failed rank.
+
+`start_run` starts the launcher in a new session, so the run outlives the page (and the
+app) that started it; `stop_run` asks for a stop through the store and escalates to
+signals if the launcher does not answer.
+
+Multi-node: a plan whose used devices sit on more than one node, not all of them this
+machine ("localhost", "127.0.0.1", "local", this host's name), is not run here:
+`multinode_commands` gives the exact torchrun command for each node (c10d rendezvous on
+the first node). Each worker finds its plan device from GPUMIX_NODE and LOCAL_RANK, so
+the rank order the rendezvous picks does not matter. A single-node plan runs here,
+whatever the node is called: the command is run on that node.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from executor import checkpoint as ckpt
+from executor.corpus import build_corpus
+from executor.store import MetricsStore, _pid_alive, db_path, read_metrics
+from planner.paths import PROJECT_ROOT, runs_dir
+from planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+DEAD_RANK_GRACE_S = 10.0  # torchrun normally ends the group within a second; then we do
+TERM_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+DEFAULT_RDZV_PORT = 29500
+LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "local"}
+# secondary failures: the ranks that lost a peer, not the cause of the run's end
+_PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo",
+                "nccl", "signalexception", "terminated", "process group")
+
+
+# ---- the commands ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_args(plan_path: str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
+                checkpoint_every: int = 0, tokens_path: str | None = None, corpus_dir: str | None = None) -> list[str]:
+    args = ["-m", "executor.worker", "--plan", plan_path, "--steps", str(steps), "--run-dir", run_dir,
+            "--seed", str(seed), "--checkpoint-every", str(checkpoint_every)]
+    if tokens_path:
+        args += ["--tokens", tokens_path]
+    elif corpus_dir:
+        args += ["--corpus", corpus_dir]
+    if resume:
+        args.append("--resume")
+    return args
+
+
+def local_torchrun_command(num_ranks: int, port: int, wargs: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_ranks}", "--nnodes=1",
+            "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0", *wargs]
+
+
+def _is_local(node: str) -> bool:
+    return node in LOCAL_NAMES or node in {socket.gethostname(), socket.getfqdn()}
+
+
+def plan_nodes(plan: Plan) -> list[str]:
+    """The nodes with used devices, in plan order."""
+    out: list[str] = []
+    for a in plan.used:
+        if a.node not in out:
+            out.append(a.node)
+    return out
+
+
+def runs_here(plan: Plan) -> bool:
+    nodes = plan_nodes(plan)
+    return len(nodes) <= 1 or all(_is_local(n) for n in nodes)
+
+
+def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
+                       checkpoint_every: int = 0, corpus_dir: str | None = None,
+                       port: int = DEFAULT_RDZV_PORT) -> list[str]:
+    """One shell line per node: `GPUMIX_NODE=<node> python -m torch.distributed.run --nnodes=N
+    --nproc-per-node=k --node-rank=i --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> ...`.
+    Every node needs this repository, the plan file and the corpus folder at the same paths."""
+    nodes = plan_nodes(plan)
+    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", os.path.basename(os.path.abspath(run_dir)))
+    wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, corpus_dir=corpus_dir)
+    lines = []
+    for i, node in enumerate(nodes):
+        k = sum(1 for a in plan.used if a.node == node)
+        cmd = ["python", "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc-per-node={k}",
+               f"--node-rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{port}", f"--rdzv-id={run_id}",
+               "--max-restarts=0", *wargs]
+        lines.append(f"GPUMIX_NODE={shlex.quote(node)} {shlex.join(cmd)}")
+    return lines
+
+
+def new_run_dir(root: str | None = None) -> str:
+    root = root or runs_dir()
+    base = time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    for i in range(1000):
+        path = os.path.join(root, base if i == 0 else f"{base}-{i}")
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+    raise ValueError(f"cannot create a new run folder under {root}")
+
+
+def _load(plan: Plan | str) -> Plan:
+    return plan if isinstance(plan, Plan) else Plan.load(plan)
+
+
+def _check_args(plan: Plan, steps: int, checkpoint_every: int) -> None:
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+    if not plan.used:
+        raise ValueError("plan uses no device")
+    if not runs_here(plan):
+        raise ValueError(f"plan spans nodes {', '.join(plan_nodes(plan))}: run `python -m executor launch` "
+                         "to print the per-node torchrun commands")
+
+
+def _check_not_running(run_dir: str) -> None:
+    if os.path.exists(db_path(run_dir)):
+        with contextlib.suppress(ValueError):
+            m = read_metrics(run_dir)
+            if m["status"] == "running" and m["launcher_pid"] != os.getpid():
+                raise ValueError(f"run folder {run_dir} has a running run (launcher pid {m['launcher_pid']})")
+
+
+# ---- killing -----------------------------------------------------------------------------
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _worker_pids(store: MetricsStore) -> list[int]:
+    return [r[0] for r in store.conn.execute("SELECT pid FROM ranks WHERE pid IS NOT NULL")]
+
+
+def _is_our_worker(pid: int) -> bool:
+    """Guard against pid reuse: only signal a process that is one of our ranks."""
+    try:
+        import psutil
+
+        return "executor.worker" in " ".join(psutil.Process(pid).cmdline())
+    except Exception:
+        return False
+
+
+def _kill_everything(torchrun: subprocess.Popen | None, worker_pids: list[int]) -> None:
+    """SIGTERM torchrun's group and every rank's session, SIGKILL what is left after the grace."""
+    workers = [p for p in worker_pids if _is_our_worker(p)]
+    if torchrun is not None and torchrun.poll() is None:
+        _signal_group(torchrun.pid, signal.SIGTERM)
+    for pid in workers:
+        _signal_group(pid, signal.SIGTERM)  # each rank leads its own session (torchrun's start_new_session)
+    deadline = time.monotonic() + TERM_GRACE_S
+    while time.monotonic() < deadline:
+        alive = (torchrun is not None and torchrun.poll() is None) or any(_pid_alive(p) for p in workers)
+        if not alive:
+            break
+        time.sleep(0.1)
+    if torchrun is not None:
+        _signal_group(torchrun.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            torchrun.wait(timeout=5)
+    for pid in workers:
+        if _pid_alive(pid):
+            _signal_group(pid, signal.SIGKILL)
+
+
+# ---- why a run failed --------------------------------------------------------------------
+
+
+def _torchrun_exit_codes(log_path: str) -> dict[int, int]:
+    """rank -> exit code from torchrun's failure summary ("rank : 1 ... exitcode : -9")."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()[-200_000:]
+    except OSError:
+        return {}
+    return {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text)}
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {-code} ({signal.Signals(-code).name})"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def failure_reason(store: MetricsStore, torchrun_log: str, rc: int | None) -> tuple[str, int | None]:
+    """(reason, failed rank): a rank's own error unless it only lost a peer; else a rank that
+    died without a word (killed); else what torchrun said."""
+    events = [dict(zip(("rank", "kind", "message"), r)) for r in store.conn.execute(
+        "SELECT rank, kind, message FROM events ORDER BY id")]
+    failed = [e for e in events if e["kind"] == "rank_failed"]
+    primary = [e for e in failed if not any(p in e["message"].lower() for p in _PEER_ERRORS)]
+    if primary:
+        return primary[0]["message"], primary[0]["rank"]
+    codes = _torchrun_exit_codes(torchrun_log)
+    reported = {e["rank"] for e in failed}
+    registered = [r[0] for r in store.conn.execute("SELECT rank FROM ranks WHERE pid IS NOT NULL ORDER BY rank")]
+    silent = [r for r in registered if r not in reported]
+    if silent:
+        killed = [r for r in silent if codes.get(r, 0) < 0] or silent
+        r = killed[0]
+        return f"rank {r} died without reporting an error ({_describe_exit(codes.get(r))})", r
+    if failed:
+        return failed[0]["message"], failed[0]["rank"]
+    if codes:
+        r = min(codes)
+        return f"rank {r} failed ({_describe_exit(codes[r])})", r
+    return f"torchrun exited with code {rc} before the ranks started (see logs/torchrun.log)", None
+
+
+# ---- the launcher ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _stop_on_signals(flag: threading.Event):
+    """SIGTERM/SIGINT to the launcher = stop the run (only from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in old:
+        signal.signal(s, lambda *_: flag.set())
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
+               checkpoint_every: int = 0, corpus_dir: str | None = None) -> str:
+    """Run `plan` for `steps` global steps with torchrun; block until it ends.
+    Returns the final status: "done" | "failed" | "stopped". ValueError on bad input."""
+    plan = _load(plan)
+    _check_args(plan, steps, checkpoint_every)
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    _check_not_running(run_dir)
+    meta = ckpt.check_resumable(run_dir, plan) if resume else None
+    plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
+    plan.save(plan_path)
+    tokens = build_corpus(corpus_dir)
+    store = MetricsStore(run_dir)
+    store.init_run(plan, steps, seed, backend="gloo", resume=resume)
+    if meta is not None:
+        store.truncate_after(int(meta["step"]))
+        store.add_event("resume", f"resuming from the checkpoint of step {meta['step']}")
+    with open(os.path.join(run_dir, "launcher.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
+    cmd = local_torchrun_command(len(plan.used), free_port(),
+                                 worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume,
+                                             checkpoint_every, tokens_path=tokens))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+    torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
+    stop = threading.Event()
+    torchrun: subprocess.Popen | None = None
+    status, reason, failed_rank = "failed", None, None
+    try:
+        with _stop_on_signals(stop), open(torchrun_log, "ab") as out:
+            log.info("starting %s", shlex.join(cmd))
+            torchrun = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            with open(os.path.join(run_dir, "torchrun.pid"), "w") as fh:
+                fh.write(str(torchrun.pid))
+            dead_since: float | None = None
+            while torchrun.poll() is None:
+                if stop.is_set() or store.stop_requested():
+                    stop.set()
+                    break
+                dead = [p for p in _worker_pids(store) if not _pid_alive(p)]
+                if dead and dead_since is None:
+                    dead_since = time.monotonic()
+                if dead_since is not None and time.monotonic() - dead_since > DEAD_RANK_GRACE_S:
+                    log.warning("rank pid(s) %s dead for %.0f s while torchrun runs: ending the run",
+                                dead, DEAD_RANK_GRACE_S)
+                    break
+                time.sleep(POLL_S)
+        rc = torchrun.poll()
+        _kill_everything(torchrun, _worker_pids(store))
+        if stop.is_set() or store.stop_requested():
+            status, reason = "stopped", "stopped on request"
+        elif rc == 0 and _last_step(store) == steps:
+            status = "done"
+        else:
+            reason, failed_rank = failure_reason(store, torchrun_log, rc)
+    except BaseException as e:
+        reason = f"launcher error: {type(e).__name__}: {e}"
+        _kill_everything(torchrun, _worker_pids(store))
+        raise
+    finally:
+        store.finish(status, reason, failed_rank)
+        store.close()
+        log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
+    return status
+
+
+def _last_step(store: MetricsStore) -> int:
+    row = store.conn.execute("SELECT MAX(step) FROM steps").fetchone()
+    return int(row[0] or 0)
+
+
+# ---- non-blocking: the dashboard -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    run_dir: str
+    pid: int  # the launcher's
+
+    def metrics(self) -> dict:
+        return read_metrics(self.run_dir)
+
+    def status(self) -> str:
+        try:
+            return read_metrics(self.run_dir)["status"]
+        except ValueError:
+            return "running" if _pid_alive(self.pid) else "failed"
+
+    def wait(self, timeout_s: float | None = None) -> str:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.status() == "running":
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        return self.status()
+
+
+def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
+              checkpoint_every: int = 0, corpus_dir: str | None = None) -> RunHandle:
+    """Start `python -m executor launch ...` in a new session and return at once. The run
+    survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
+    folder under planner.paths.runs_dir()."""
+    plan = _load(plan)
+    _check_args(plan, steps, checkpoint_every)
+    run_dir = os.path.abspath(run_dir or new_run_dir())
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    _check_not_running(run_dir)
+    if resume:
+        ckpt.check_resumable(run_dir, plan)
+    plan_path = os.path.join(run_dir, "plan.json")
+    plan.save(plan_path)
+    # the run row exists before the launcher has imported anything: a page polling the store
+    # sees "running / starting" at once (the launcher rewrites the row with its own pid)
+    store = MetricsStore(run_dir)
+    store.init_run(plan, steps, seed, backend="gloo", resume=resume)
+    cmd = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps),
+           "--run-dir", run_dir, "--seed", str(seed), "--checkpoint-every", str(checkpoint_every)]
+    if resume:
+        cmd.append("--resume")
+    if corpus_dir:
+        cmd += ["--corpus", corpus_dir]
+    with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    store.conn.execute("UPDATE run SET launcher_pid = ? WHERE id = 1 AND phase = 'starting'", (proc.pid,))
+    store.close()
+    return RunHandle(run_dir, proc.pid)
+
+
+def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
+    """Stop the run: ask the launcher through the store; if it does not end the run within
+    `timeout_s` (or is gone), kill the launcher, torchrun's group and every rank, and
+    record "stopped". Returns the final status."""
+    if not os.path.exists(db_path(run_dir)):
+        raise ValueError(f"no run at {run_dir}")
+    m = read_metrics(run_dir)
+    if m["status"] != "running":
+        return m["status"]
+    store = MetricsStore(run_dir)
+    try:
+        store.request_stop()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _pid_alive(m["launcher_pid"]):
+            if read_metrics(run_dir)["status"] != "running":
+                return read_metrics(run_dir)["status"]
+            time.sleep(POLL_S)
+        pid = m["launcher_pid"]
+        if pid and _pid_alive(pid) and pid != os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # the launcher only: its group may be a user's shell
+        torchrun_pid = _read_pid(os.path.join(run_dir, "torchrun.pid"))
+        if torchrun_pid and _pid_alive(torchrun_pid):
+            _signal_group(torchrun_pid, signal.SIGKILL)
+        _kill_everything(None, _worker_pids(store))
+        if read_metrics(run_dir)["status"] in ("running", "failed"):
+            store.finish("stopped", "stopped on request (the launcher did not answer; killed)")
+        return "stopped"
+    finally:
+        store.close()
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        with open(path) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,272 @@
+"""The training worker: one process per used device, started by torchrun.
+
+    python -m torch.distributed.run --nproc_per_node=R -m executor.worker --plan P --steps N \
+        --run-dir D --tokens T.npy [--seed K] [--resume] [--checkpoint-every K]
+
+Rank r trains the plan's r-th used assignment (on a multi-node run: the LOCAL_RANK-th used
+device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
+
+1. the global sampler gives the step's `global_batch` windows, identical for any plan;
+   this rank takes its consecutive piece, in `accum_steps` micro-batches of `micro_batch`;
+2. forward + backward of each micro-batch, the loss divided by the GLOBAL token count
+   (models.runtime.micro_batch_loss), gradients accumulating in `flat_grads`;
+3. all-reduce (SUM) of `flat_grads`: the gradient of the global mean loss;
+4. AdamW on this rank's uneven slice of the flat parameters (shard_bounds of the plan's
+   shard fractions), then every slice is broadcast from its owner.
+
+Emulation: `slowdown` s sleeps (s-1) x the measured compute time of each micro-batch;
+`memory_gb` fails the rank with an out-of-memory message when the measured peak
+(executor.memtrack) exceeds it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from executor import checkpoint as ckpt
+from executor.corpus import Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
+from executor.memtrack import PeakMemory
+from executor.store import MetricsStore
+from models.decoder import build_model
+from models.runtime import FlatShardedState, micro_batch_loss, shard_bounds
+from planner.catalog import GIB
+from planner.plan import Assignment, Plan
+from planner.specs import get_model, with_max_seq
+
+log = logging.getLogger("executor.worker")
+
+ENV_NODE = "GPUMIX_NODE"  # multi-node runs: which plan node this torchrun agent is
+NUM_VAL_WINDOWS = 8  # fixed validation windows per evaluation (same every time)
+
+
+class EmulatedOutOfMemory(RuntimeError):
+    pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="executor.worker")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--tokens", help="the corpus token array (.npy), built by the launcher")
+    p.add_argument("--corpus", help="corpus folder (multi-node runs: each node builds its own token cache)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--val-every", type=int, default=50, help="validation loss every K steps (and at the last)")
+    p.add_argument("--measure-memory-every", type=int, default=0,
+                   help="measure peak memory every K steps (0: the first step of the process only)")
+    return p.parse_args(argv)
+
+
+def _redirect_output(run_dir: str, rank: int) -> None:
+    """Everything this rank prints (Python and C++) goes to logs/rank<r>.log."""
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    fd = os.open(os.path.join(run_dir, "logs", f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s",
+                        stream=sys.stderr, force=True)
+
+
+def _exit_when_orphaned() -> None:
+    """torchrun starts every worker in its own session, so killing torchrun's group does not
+    reach us: if our parent (the torchrun agent) goes away, leave instead of hanging in a
+    collective forever."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="orphan-watchdog", daemon=True).start()
+
+
+def my_position(plan: Plan, rank: int) -> int:
+    node = os.environ.get(ENV_NODE)
+    if not node:
+        return rank
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    on_node = [i for i, a in enumerate(plan.used) if a.node == node]
+    if local >= len(on_node):
+        raise ValueError(f"node {node!r} has {len(on_node)} used devices, no local rank {local}")
+    return on_node[local]
+
+
+def _is_emulated(a: Assignment) -> bool:
+    return a.emulated or a.slowdown != 1.0 or a.memory_gb is not None
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace, plan: Plan, rank: int, world: int, store: MetricsStore):
+        self.args, self.plan, self.rank, self.store = args, plan, rank, store
+        used = plan.used
+        if len(used) != world:
+            raise ValueError(f"plan has {len(used)} used devices but torchrun started {world} ranks")
+        self.cuda = torch.cuda.is_available() and plan.cluster.devices()[used[0].device_index][1].type != "cpu"
+        if self.cuda:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+            # bf16 autocast on GPUs (fp16 for types without bf16; no loss scaling: keep runs short)
+            self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.dtype)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(1)  # one core per rank: ranks must not fight over threads
+            self.autocast = None  # fp32 on CPU
+        dist.init_process_group("nccl" if self.cuda else "gloo")
+        self.position = my_position(plan, rank)
+        owners: list[int] = [0] * world
+        dist.all_gather_object(owners, self.position)
+        if sorted(owners) != list(range(world)):
+            raise ValueError(f"ranks claim plan positions {owners}: each used device must be taken once")
+        self.owner = {pos: r for r, pos in enumerate(owners)}  # plan position -> rank
+        self.a = used[self.position]
+        self.batches = [u.batch for u in used]
+
+        spec = with_max_seq(get_model(plan.model), plan.seq)
+        torch.manual_seed(args.seed)
+        self.model = build_model(spec, recompute=plan.recompute).to(self.device)
+        numel = sum(p.numel() for p in self.model.parameters())
+        self.bounds = shard_bounds(numel, [u.shard_fraction for u in used])
+        start, end = self.bounds[self.position]
+        self.state = FlatShardedState(self.model, start, end)
+        dist.broadcast(self.state.flat_params, src=self.owner[0])  # same initial weights, certainly
+
+        corpus = Corpus.load(args.tokens or build_corpus(args.corpus))
+        self.train_tokens, self.val_tokens = corpus.train, corpus.val
+        self.sampler = GlobalSampler(int(self.train_tokens.size), plan.seq, plan.global_batch, args.seed)
+        self.slices = batch_slices(self.batches, self.position, self.a.micro_batch) if self.a.batch else []
+        self.global_tokens = plan.global_batch * plan.seq
+        self.memory_limit_bytes = int(self.a.memory_gb * GIB) if self.a.memory_gb is not None else None
+        store.register_rank(rank, self.position, os.getpid(), end - start,
+                            PeakMemory(self.device).method)
+        log.info("rank %d = plan device %d (%s, micro_batch %d x %d, shard [%d, %d) of %d)%s", rank,
+                 self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, start, end, numel,
+                 " EMULATED" if _is_emulated(self.a) else "")
+
+    # ---- one step ------------------------------------------------------------------------
+    def _tensors(self, starts: np.ndarray, data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = windows(data, starts, self.plan.seq)
+        return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self, step: int, measure_memory: bool) -> dict[str, float | int | None]:
+        starts = self.sampler.starts(step)
+        st = self.state
+        resident = [st.flat_params, st.flat_grads, st.exp_avg, st.exp_avg_sq]
+        tracker = PeakMemory(self.device, resident) if measure_memory else contextlib.nullcontext()
+        compute_s = delay_s = wait_s = 0.0
+        local_loss = 0.0
+        t0 = time.perf_counter()
+        with tracker:
+            st.zero_grad()
+            for sl in self.slices:
+                x, y = self._tensors(starts[sl], self.train_tokens)
+                c0 = time.perf_counter()
+                loss = micro_batch_loss(self.model, x, y, self.global_tokens, self.autocast)
+                loss.backward()
+                self._sync()
+                c = time.perf_counter() - c0
+                compute_s += c
+                local_loss += float(loss.detach())
+                if self.a.slowdown > 1.0:  # emulate a slower device: it would have computed for s*c
+                    d = (self.a.slowdown - 1.0) * c
+                    time.sleep(d)
+                    delay_s += d
+            w0 = time.perf_counter()
+            dist.all_reduce(st.flat_grads, op=dist.ReduceOp.SUM)
+            w1 = time.perf_counter()
+            st.step()
+            w2 = time.perf_counter()
+            for pos, (s, e) in enumerate(self.bounds):
+                if e > s:
+                    dist.broadcast(st.flat_params[s:e], src=self.owner[pos])
+            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+            dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+            w3 = time.perf_counter()
+        wait_s = (w1 - w0) + (w3 - w2)
+        peak = tracker.peak_bytes if measure_memory else None
+        if peak is not None and self.memory_limit_bytes is not None and peak > self.memory_limit_bytes:
+            raise EmulatedOutOfMemory(
+                f"out of memory (emulated): rank {self.rank} ({self.a.type}, memory_gb {self.a.memory_gb:g}) "
+                f"measured peak {peak / GIB:.3f} GiB > limit {self.memory_limit_bytes / GIB:.3f} GiB")
+        return {"loss": float(loss_t.item()), "step_s": time.perf_counter() - t0, "compute_s": compute_s,
+                "delay_s": delay_s, "optimizer_s": w2 - w1, "wait_s": wait_s, "peak": peak}
+
+    @torch.no_grad()
+    def val_loss(self) -> float:
+        starts = val_starts(int(self.val_tokens.size), self.plan.seq, NUM_VAL_WINDOWS)
+        x, y = self._tensors(starts, self.val_tokens)
+        return float(micro_batch_loss(self.model, x, y, x.numel(), self.autocast))
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        args = self.args
+        first = 1
+        if args.resume:
+            done = ckpt.load(args.run_dir, self.state, self.position)
+            first = done + 1
+            log.info("resumed from the checkpoint of step %d", done)
+        lead = self.position == 0
+        for step in range(first, args.steps + 1):
+            every = args.measure_memory_every
+            measure = step == first or (every > 0 and step % every == 0)
+            m = self.train_step(step, measure)
+            self.store.record_rank_step(self.rank, step, m["compute_s"], m["delay_s"], m["optimizer_s"],
+                                        m["wait_s"], m["peak"])
+            if lead:
+                val = None
+                if step == args.steps or (args.val_every > 0 and step % args.val_every == 0):
+                    val = self.val_loss()
+                self.store.record_step(step, m["loss"], m["step_s"], self.plan.global_batch, self.plan.seq, val)
+            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
+                ckpt.save(args.run_dir, self.state, self.position, step, self.plan)
+                if lead:
+                    self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
+        dist.barrier()
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    _redirect_output(args.run_dir, rank)
+    _exit_when_orphaned()
+    store = MetricsStore(args.run_dir)
+    try:
+        plan = Plan.load(args.plan)
+        Trainer(args, plan, rank, world, store).run()
+    except BaseException as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.exception("rank %d failed", rank)
+        with contextlib.suppress(Exception):
+            store.add_event("rank_failed", f"rank {rank}: {type(e).__name__}: {msg}", rank)
+        raise
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
