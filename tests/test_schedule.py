@@ -1,0 +1,112 @@
+import pytest
+
+from planner.cluster import ClusterSpec
+from planner.jobs import JobSpec
+from planner.schedule import ClusterState, simulate_schedule
+from planner.specs import get_model
+from planner.trace import generate_trace
+
+CLUSTER = ClusterSpec.from_dict({"name": "mix", "nodes": [
+    {"name": "a0", "gpus": {"A100-80GB": 8}},
+    {"name": "v0", "gpus": {"V100-32GB": 8}}, {"name": "v1", "gpus": {"V100-32GB": 8}},
+    {"name": "t0", "gpus": {"T4": 8}}, {"name": "t1", "gpus": {"T4": 8}}]})
+DEVICES = [d for _, d in CLUSTER.devices()]
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return generate_trace(seed=3, num_jobs=120, cluster=CLUSTER, load=0.8)
+
+
+@pytest.fixture(scope="module")
+def results(trace):
+    return {p: simulate_schedule(trace, CLUSTER, p) for p in ("frenzy", "fifo")}
+
+
+@pytest.mark.parametrize("policy", ["frenzy", "fifo"])
+def test_every_job_finishes_after_it_arrives(results, trace, policy):
+    r = results[policy]
+    assert r.num_failed == 0 and len(r.records) == len(trace)
+    for rec in r.records:
+        assert rec.status == "done"
+        assert rec.job.submit_s <= rec.start_s < rec.end_s
+        assert rec.end_s - rec.start_s == pytest.approx(rec.job.steps * rec.option.iteration_s)
+    assert r.makespan_s >= max(rec.end_s for rec in r.records) - min(j.submit_s for j in trace) - 1e-6
+    assert 0 < r.gpu_utilization <= 1
+
+
+@pytest.mark.parametrize("policy", ["frenzy", "fifo"])
+def test_no_device_is_double_booked(results, policy):
+    by_device: dict[int, list[tuple[float, float]]] = {}
+    for rec in results[policy].records:
+        assert len(set(rec.devices)) == len(rec.devices) == rec.option.num_gpus
+        for i in rec.devices:
+            assert DEVICES[i].type == rec.option.gpu_type  # the devices are of the option's type
+            by_device.setdefault(i, []).append((rec.start_s, rec.end_s))
+    for spans in by_device.values():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start + 1e-9
+
+
+@pytest.mark.parametrize("policy", ["frenzy", "fifo"])
+def test_every_placement_fits_in_memory(results, policy):
+    memory = pytest.importorskip("planner.memory")
+    for rec in results[policy].records:
+        o = rec.option
+        cfg = memory.MemoryConfig(micro_batch=o.micro_batch, seq=rec.job.seq, dtype=o.dtype, recompute=o.recompute,
+                                  dp=o.num_gpus, zero=o.zero)
+        peak = memory.estimate_memory(get_model(rec.job.model), cfg).peak_bytes
+        assert peak <= min(DEVICES[i].memory_bytes for i in rec.devices)
+
+
+def test_fifo_serves_in_arrival_order_with_the_users_request(results):
+    recs = sorted(results["fifo"].records, key=lambda r: (r.job.submit_s, r.job.job_id))
+    starts = [r.start_s for r in recs]
+    assert starts == sorted(starts)  # head-of-line: nobody overtakes
+    for r in recs:
+        assert r.option.gpu_type == r.job.requested_type
+        if r.request_adjusted:
+            assert r.option.num_gpus > r.job.requested_gpus  # it OOMed at the requested count
+        else:
+            assert r.option.num_gpus == r.job.requested_gpus
+
+
+def test_frenzy_beats_fifo_on_average_jct(results):
+    assert results["frenzy"].avg_jct_s < 0.82 * results["fifo"].avg_jct_s
+
+
+def test_a_large_job_is_not_starved_by_a_stream_of_small_ones():
+    cluster = ClusterSpec.from_dict({"nodes": [{"name": "n", "gpus": {"A100-80GB": 8}}]})
+    big = JobSpec("big", "llama2-13b", 256, 4096, 200, 10.0)
+    small = [JobSpec(f"s{i}", "gpt2", 8, 512, 2000, 5.0 * i) for i in range(200)]
+    r = simulate_schedule([big, *small], cluster, "frenzy")
+    rec = {x.job.job_id: x for x in r.records}
+    assert rec["big"].start_s < max(j.submit_s for j in small)  # it did not wait for the stream to dry up
+
+
+def test_cluster_state_refuses_double_booking():
+    state = ClusterState(CLUSTER)
+    pool = next(p for p in state.pools if p.device.type == "T4")
+    devs = state.pick(pool, 4)
+    assert len({state._node_of[i] for i in devs}) == 1  # fits on one node: kept on one node
+    state.assign("a", devs)
+    with pytest.raises(RuntimeError, match="double booking"):
+        state.assign("b", devs[:1])
+    assert state.free_count(pool) == 12
+    assert state.release("a") == devs and state.free_count(pool) == 16
+
+
+def test_unfittable_job_fails_cleanly():
+    cluster = ClusterSpec.from_dict({"nodes": [{"name": "n", "gpus": {"T4": 1}}]})
+    r = simulate_schedule([JobSpec("x", "llama2-13b", 8, 4096, 10, 0.0), JobSpec("y", "gpt2", 8, 512, 10, 1.0)],
+                          cluster, "frenzy")
+    assert [x.status for x in r.records] == ["failed", "done"]
+    assert "memory" in r.records[0].reason
+
+
+def test_bad_policy_and_empty_trace():
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulate_schedule([JobSpec("x", "gpt2", 8, 512, 10, 0.0)], CLUSTER, "lottery")
+    with pytest.raises(ValueError, match="no jobs"):
+        simulate_schedule([], CLUSTER, "fifo")
