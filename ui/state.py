@@ -64,41 +64,14 @@ def set_run_dir(run_dir: str | None) -> None:
     st.session_state["run_dir"] = run_dir
 
 
-def list_run_dirs() -> list[str]:
-    """Every run folder the executor's store knows, newest first (by its plan file's time)."""
+def find_live_run() -> str | None:
+    """The newest run whose SQLite store says "running" (its launcher is alive): how a
+    reloaded page or a restarted app finds the run that kept going without it."""
     from executor import store  # the store reader is torch-free
 
-    dirs = set()
-    for item in store.list_runs():
-        # list_runs may give paths, dicts or records; all carry the run folder
-        path = item if isinstance(item, (str, os.PathLike)) else (
-            item.get("run_dir") if isinstance(item, dict) else getattr(item, "run_dir", None))
-        if path:
-            dirs.add(os.fspath(path))
-    return sorted(dirs, key=run_started_ts, reverse=True)
-
-
-def run_started_ts(run_dir: str) -> float:
-    """When a run started: its plan file is written first (0.0 when unknown)."""
-    for path in (os.path.join(run_dir, "plan.json"), run_dir):
-        try:
-            return os.stat(path).st_mtime
-        except OSError:
-            continue
-    return 0.0
-
-
-def find_live_run() -> str | None:
-    """The newest run whose SQLite store says "running": how a reloaded page or a
-    restarted app finds the run that kept going without it."""
-    from executor import store
-
-    for run_dir in list_run_dirs():
-        try:
-            if store.read_metrics(run_dir).get("status") == "running":
-                return run_dir
-        except Exception:  # a broken run folder must not hide a live one
-            continue
+    for run in store.list_runs():  # newest first
+        if run["status"] == "running":
+            return run["run_dir"]
     return None
 
 
