@@ -1,0 +1,202 @@
+"""The local orchestrator: queued jobs -> devices of this machine -> real runs.
+
+One pass (`tick`):
+1. poll every running job's run store (executor.store.read_metrics by its run folder);
+   a run that ended marks the job done or failed and frees its devices. The queue row
+   holds the run folder and launcher pid, so a restarted orchestrator (or app) picks
+   the runs up again: that is all re-attaching takes.
+2. rebuild the orchestrator state (planner.schedule.ClusterState) from the running
+   jobs — two jobs on one device raise at once;
+3. ask the same `frenzy` policy the simulator uses (planner.schedule.FrenzyPolicy over
+   MARP's options on the local cluster) which queued jobs start on which devices;
+4. for each: the heterogeneous planner's plan on exactly those devices
+   (planner.hetero.solve_plan on the sub-cluster), then executor.launch.start_run.
+A launch that fails marks the job failed with the reason and frees its devices.
+
+`run_forever(poll_s)` repeats `tick`. Only one pass runs at a time per queue (a file
+lock beside the database), so the dashboard and the CLI can both drive it.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from executor.queue import JobQueue, QueuedJob
+from planner.cluster import ClusterSpec, NodeSpec
+from planner.paths import runs_dir
+from planner.schedule import ClusterState, FrenzyPolicy, Running
+
+log = logging.getLogger(__name__)
+
+LOCAL_DTYPE = "fp32"  # CPU workers train in fp32 (gloo); a GPU cluster file may ask for bf16
+PLAN_TIME_LIMIT_S = 10.0
+
+
+@dataclass
+class TickReport:
+    """What one pass changed."""
+
+    started: list[int] = field(default_factory=list)
+    finished: list[tuple[int, str]] = field(default_factory=list)  # (job id, final state)
+    skipped: bool = False  # another pass held the lock
+
+    def to_dict(self) -> dict:
+        return {"started": self.started, "finished": [{"id": i, "state": s} for i, s in self.finished],
+                "skipped": self.skipped}
+
+
+def sub_cluster(cluster: ClusterSpec, devices: tuple[int, ...], name: str) -> ClusterSpec:
+    """The devices `devices` of `cluster` as a cluster of their own (same nodes, same order)."""
+    chosen = set(devices)
+    nodes, i = [], 0
+    for node in cluster.nodes:
+        keep = tuple(d for k, d in enumerate(node.devices, start=i) if k in chosen)
+        i += len(node.devices)
+        if keep:
+            nodes.append(NodeSpec(node.name, node.datacenter, keep))
+    return ClusterSpec(name, tuple(nodes), cluster.network)
+
+
+def _default_cluster() -> ClusterSpec:
+    from profiler.inventory import build_local_cluster
+
+    return build_local_cluster()
+
+
+class Orchestrator:
+    def __init__(self, queue: JobQueue | None = None, cluster: ClusterSpec | None = None,
+                 dtype: str = LOCAL_DTYPE, start: Callable | None = None, read: Callable | None = None) -> None:
+        self.queue = queue or JobQueue()
+        self.cluster = cluster or _default_cluster()
+        self.dtype = dtype
+        self._start = start  # executor.launch.start_run unless given (tests)
+        self._read = read  # executor.store.read_metrics unless given
+
+    @contextmanager
+    def _lock(self) -> Iterator[bool]:
+        with open(self.queue.path + ".lock", "a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def tick(self) -> TickReport:
+        report = TickReport()
+        with self._lock() as mine:
+            if not mine:
+                report.skipped = True
+                return report
+            running = self._poll_running(report)
+            self._start_queued(running, report)
+        return report
+
+    def run_forever(self, poll_s: float = 2.0, max_ticks: int | None = None,
+                    should_stop: Callable[[], bool] = lambda: False) -> None:
+        n = 0
+        while not should_stop() and (max_ticks is None or n < max_ticks):
+            report = self.tick()
+            if report.started or report.finished:
+                log.info("orchestrator: %s", report.to_dict())
+            n += 1
+            time.sleep(poll_s)
+
+    def cancel(self, job_id: int) -> str:
+        """Cancel a queued job, or stop a running one and mark it cancelled."""
+        job = self.queue.get(job_id)
+        if job.state == "queued":
+            self.queue.cancel(job_id)
+        elif job.state == "running":
+            from executor.launch import stop_run
+
+            if job.run_dir:
+                stop_run(job.run_dir)
+            self.queue.finish(job_id, "cancelled", "stopped on request")
+        return self.queue.get(job_id).state
+
+    # --- the pass, step by step ---
+
+    def _run_status(self, job: QueuedJob) -> tuple[str, str | None]:
+        read = self._read
+        if read is None:
+            from executor.store import read_metrics as read
+        try:
+            m = read(job.run_dir)
+        except ValueError as e:  # no run store: a launcher that died before writing it
+            return "failed", f"run store unreadable: {e}"
+        return m["status"], m.get("reason")
+
+    def _poll_running(self, report: TickReport) -> list[QueuedJob]:
+        still = []
+        for job in self.queue.list(["running"]):
+            status, reason = self._run_status(job)
+            if status == "running":
+                still.append(job)
+                continue
+            final = {"done": "done", "stopped": "cancelled"}.get(status, "failed")
+            if self.queue.finish(job.id, final, reason):
+                report.finished.append((job.id, final))
+        return still
+
+    def _start_queued(self, running: list[QueuedJob], report: TickReport) -> None:
+        queued = self.queue.list(["queued"])
+        if not queued:
+            return
+        state = ClusterState(self.cluster)
+        origin = min(j.submitted_s for j in queued)  # the policy's clock: seconds since the oldest submission
+        now = time.time() - origin
+        views = []
+        for job in running:
+            state.assign(str(job.id), job.devices)  # raises on a double booking
+            end = (job.started_s or origin) - origin + (job.predicted_duration_s or 0.0)
+            views.append(Running(str(job.id), state.pool_of(job.devices[0]), len(job.devices), max(end, now)))
+        by_id = {str(j.id): j for j in queued}
+        policy = FrenzyPolicy(self.cluster, self.dtype)
+        decisions = policy.decide(now, [j.job_spec(origin) for j in queued], state.free_counts(), views)
+        for job_id, reason in policy.failed().items():
+            if self.queue.finish(int(job_id), "failed", f"does not fit: {reason}"):
+                report.finished.append((int(job_id), "failed"))
+        for d in decisions:
+            job = by_id[d.job.job_id]
+            pool = next(p for p in state.pools if p.device == d.option.pool)
+            devices = state.pick(pool, d.option.num_gpus)
+            state.assign(d.job.job_id, devices)
+            try:
+                self._launch(job, devices)
+            except (ValueError, RuntimeError, OSError) as e:
+                log.warning("job %d failed to launch: %s", job.id, e)
+                state.release(d.job.job_id)
+                if self.queue.finish(job.id, "failed", f"launch failed: {e}"):
+                    report.finished.append((job.id, "failed"))
+                continue
+            report.started.append(job.id)
+
+    def _launch(self, job: QueuedJob, devices: tuple[int, ...]) -> None:
+        from planner.hetero import solve_plan
+
+        sub = sub_cluster(self.cluster, devices, f"{self.cluster.name}-job{job.id}")
+        result = solve_plan(sub, job.model, job.global_batch, seq=job.seq, dtype=self.dtype,
+                            time_limit_s=PLAN_TIME_LIMIT_S)
+        if result.plan is None:
+            raise ValueError(f"no plan on devices {list(devices)}: {result.reason or result.status}")
+        start = self._start
+        if start is None:
+            from executor.launch import start_run as start
+        run_dir = os.path.join(runs_dir(), f"job-{job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+        handle = start(result.plan, job.steps, run_dir=run_dir)
+        labels = [d.label for _, d in (self.cluster.devices()[i] for i in devices)]
+        predicted_s = result.plan.predicted_iteration_s * job.steps
+        if not self.queue.mark_running(job.id, devices, labels, handle.run_dir, handle.pid, predicted_s):
+            # cancelled between reading the queue and launching: stop what we started
+            from executor.launch import stop_run
+
+            stop_run(handle.run_dir)
