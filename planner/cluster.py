@@ -143,6 +143,32 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "nodes": [n.to_dict() for n in self.nodes], "network": self.network.to_dict()}
 
+    # --- editing (the dashboard's cluster editor): each returns a new, validated ClusterSpec ---
+    def with_devices(self, node: str, datacenter: str, device: DeviceSpec, count: int) -> "ClusterSpec":
+        """`count` more `device`s on node `node` (created in `datacenter` when it is new)."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"device count must be a positive integer, got {count!r}")
+        nodes = [n.to_dict() for n in self.nodes]
+        added = [device.to_dict()] * count
+        for nd in nodes:
+            if nd["name"] == node:
+                if nd["datacenter"] != datacenter:
+                    raise ValueError(f"node {node!r} is in datacenter {nd['datacenter']!r}, not {datacenter!r}")
+                nd["gpus"] = _device_list(nd["gpus"]) + added
+                break
+        else:
+            nodes.append({"name": node, "datacenter": datacenter, "gpus": added})
+        return ClusterSpec.from_dict({"name": self.name, "nodes": nodes, "network": self.network.to_dict()})
+
+    def without_node(self, node: str) -> "ClusterSpec":
+        nodes = [n.to_dict() for n in self.nodes if n.name != node]
+        if len(nodes) == len(self.nodes):
+            raise ValueError(f"no node {node!r} in cluster {self.name!r}")
+        return ClusterSpec.from_dict({"name": self.name, "nodes": nodes, "network": self.network.to_dict()})
+
+    def renamed(self, name: str) -> "ClusterSpec":
+        return ClusterSpec.from_dict({**self.to_dict(), "name": name})
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
@@ -226,6 +252,13 @@ class ClusterSpec:
         except OSError as e:
             raise ValueError(f"cannot read cluster file {path}: {e.strerror}") from None
         return cls.from_json(text, source=path)
+
+
+def _device_list(gpus: Any) -> list[dict[str, Any]]:
+    """A node's `gpus` in the list form (`{"T4": 2}` -> `[{"type": "T4"}, {"type": "T4"}]`)."""
+    if isinstance(gpus, dict):
+        return [{"type": t} for t, c in gpus.items() for _ in range(c)]
+    return list(gpus)
 
 
 def homogeneous_cluster(gpu_type: str, count: int, name: str | None = None) -> ClusterSpec:

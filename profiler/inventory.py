@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import socket
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -75,7 +76,18 @@ def _closest_catalog_type(memory_bytes: int) -> str:
     return min(gpus, key=lambda g: abs(g.memory_bytes - memory_bytes)).name
 
 
+# Device files a CUDA (or ROCm, or WSL) driver creates: without any of them there is no GPU,
+# and the dashboard's landing page need not pay for importing torch to learn that.
+_GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def _gpu_driver_present() -> bool:
+    return "torch" in sys.modules or any(os.path.exists(p) for p in _GPU_DRIVER_PATHS)
+
+
 def _cuda_devices() -> list[LocalDevice]:
+    if not _gpu_driver_present():
+        return []
     try:
         import torch
     except ImportError:

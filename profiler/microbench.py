@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from planner.profiles import DeviceBench, MatmulResult, save_device_bench
+from planner.profiles import DeviceBench, MatmulResult, StepProfile, save_device_bench
 from profiler.collectives import DEFAULT_SIZES_BYTES, benchmark_collectives
-from profiler.step_profile import executor_threads, local_device_type
+from profiler.step_profile import executor_threads, local_device_type, profile_local
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +115,15 @@ def run_bench(device: str | None = None, dtypes: Sequence[str] | None = None,
         save_device_bench(bench, store_dir)
     progress(1.0, "done")
     return bench
+
+
+def profile_machine(model: str, seq: int, dtype: str = "fp32", collectives: bool = False,
+                    progress: Progress | None = None, store_dir: str | None = None) -> tuple[DeviceBench, StepProfile]:
+    """What the dashboard's "Profile now" does: the micro-benchmarks (collectives only if asked:
+    they spawn processes), then the step profile of `model`; both saved to the store.
+    Returns (DeviceBench, StepProfile)."""
+    progress = progress or _noop
+    bench = run_bench(collective_sizes_bytes=DEFAULT_SIZES_BYTES if collectives else None,
+                      progress=lambda f, m: progress(0.4 * f, m), store_dir=store_dir)
+    profile = profile_local(model, seq, dtype, progress=lambda f, m: progress(0.4 + 0.6 * f, m), store_dir=store_dir)
+    return bench, profile

@@ -1,4 +1,200 @@
+"""Inventory (the landing page): this machine's devices and what was measured on them,
+"Profile now", and the cluster GPUMix plans for: edit it, upload it, save and download it.
+
+Widgets -> one library call -> render: detection is profiler.inventory, figures come from
+the profile store (planner.profiles), profiling is profiler.microbench.profile_machine,
+cluster edits are ClusterSpec methods; the chosen cluster goes to ui/state.set_cluster.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import pandas as pd
 import streamlit as st
 
-st.title("inventory")
-st.info("This page is being built.")
+from planner import paths
+from planner.catalog import CATALOG, CPU_TYPE, GIB
+from planner.cluster import ClusterSpec, DeviceSpec
+from planner.profiles import get_device_bench, load_step_profiles
+from planner.specs import PRESETS
+from profiler.inventory import build_local_cluster, detect_devices
+from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, page_header, show_emulated_note,
+                       show_errors, source_badge)
+from ui.state import get_cluster, get_model, set_cluster
+
+DEFAULT_PROFILE_SEQ = 128
+
+
+@st.cache_data(show_spinner=False)
+def _local_devices() -> list[dict]:
+    return [d.to_dict() for d in detect_devices()]
+
+
+def _render_local_devices() -> list[str]:
+    st.subheader("This machine")
+    devices = _local_devices()
+    st.dataframe(pd.DataFrame([{
+        "device": f"{d['kind']}:{d['index']}", "name": d["name"], "catalog type": d["catalog_type"],
+        "memory": fmt_bytes(d["memory_bytes"]), "compute capability": d["compute_capability"] or "",
+        "SMs": d["num_sms"] or "", "cores": d["num_cores"] or "",
+    } for d in devices]), hide_index=True, key="inv_devices_table")
+    return sorted({d["catalog_type"] for d in devices})
+
+
+def _render_measured(device_type: str) -> None:
+    bench = get_device_bench(device_type)
+    profiles = [p for p in load_step_profiles() if p.measured and p.device_type == device_type]
+    if bench is None and not profiles:
+        st.info(f"{device_type}: not profiled yet. Press **Profile now** to measure it.")
+        return
+    st.markdown(f"**{device_type}** — figures {source_badge(MEASURED)}")
+    if bench is not None:
+        cols = st.columns(3)
+        ar = bench.collectives.fit("all_reduce") if bench.collectives else None
+        with cols[0]:
+            metric("Matmul fp32", f"{bench.best_tflops('fp32') or 0:.3g} TFLOP/s", MEASURED,
+                   help=f"best n×n matmul, {bench.num_threads} thread(s), {bench.created}")
+        with cols[1]:
+            metric("Memory copy", f"{bench.memory_gbps:.3g} GB/s", MEASURED, help="read + write bytes per second")
+        with cols[2]:
+            metric("All-reduce", f"{ar.bandwidth_bytes_per_s / 1e9:.3g} GB/s" if ar else "not measured", MEASURED,
+                   help=(f"{bench.collectives.world_size} ranks, {bench.collectives.backend}, latency "
+                         f"{ar.latency_s * 1e6:.0f} µs" if ar else "tick 'Collectives too' or run "
+                         "`python -m profiler bench`"))
+    if profiles:
+        st.dataframe(pd.DataFrame([{
+            "model": p.model, "seq": p.seq, "dtype": p.dtype, "recompute": p.recompute,
+            "α (ms, measured)": p.alpha_s * 1e3, "β (ms/sample, measured)": p.beta_s * 1e3, "R²": p.r2,
+            "optimizer (ns/param, measured)": p.optimizer_s_per_param * 1e9,
+            "achieved TFLOP/s (measured)": p.achieved_tflops, "measured at": p.created,
+        } for p in profiles]), hide_index=True, key=f"inv_profiles_{device_type}")
+
+
+def _render_profile_now() -> None:
+    models = list(PRESETS)
+    current = get_model()
+    c1, c2, c3 = st.columns([2, 1, 1])
+    model = c1.selectbox("Model to profile", models, index=models.index(current) if current in models else 0,
+                         key="inv_profile_model")
+    seq = int(c2.number_input("Sequence length (tokens)", min_value=8, max_value=8192, value=DEFAULT_PROFILE_SEQ,
+                              step=8, key="inv_profile_seq"))
+    collectives = c3.checkbox("Collectives too (spawns 2 ranks)", value=False, key="inv_profile_collectives")
+    if st.button("Profile now", key="inv_profile_now", type="primary"):
+        from profiler.microbench import profile_machine  # torch: only when asked
+
+        bar = st.progress(0.0, text="starting")
+        result = call_or_error(profile_machine, model, seq, collectives=collectives,
+                               progress=lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m),
+                               what="Profiling failed")
+        if result is not None:
+            _, p = result
+            st.success(f"Measured {p.model} on {p.device_type}: α = {p.alpha_s * 1e3:.2f} ms, "
+                       f"β = {p.beta_s * 1e3:.2f} ms/sample, R² = {p.r2:.3f}")
+
+
+def _cluster_table(cluster: ClusterSpec) -> pd.DataFrame:
+    rows = []
+    for g in cluster.groups():
+        rows.append({"node": g.node, "datacenter": g.datacenter, "device": g.device.label, "count": g.count,
+                     "memory per device": fmt_bytes(g.device.memory_bytes),
+                     "emulated": emulated_marker(g.device.emulated)})
+    return pd.DataFrame(rows)
+
+
+def _apply_upload() -> None:
+    uploaded = st.file_uploader("Upload a cluster file (JSON)", type=["json"], key="inv_upload")
+    if uploaded is None:
+        return
+    data = uploaded.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        cluster = ClusterSpec.from_json(data.decode("utf-8"), source=uploaded.name)
+    except UnicodeDecodeError:
+        st.error(f"{uploaded.name}: not a text file (expected UTF-8 JSON)")
+        return
+    except ValueError as e:
+        st.error(f"Cannot use this cluster file: {e}")
+        return
+    # apply a given upload once: later edits must not be overwritten on every rerun
+    if st.session_state.get("inv_upload_applied") != digest:
+        st.session_state["inv_upload_applied"] = digest
+        set_cluster(cluster)
+        st.success(f"Loaded cluster {cluster.name!r} from {uploaded.name} ({cluster.num_devices} devices)")
+
+
+def _render_add_devices(cluster: ClusterSpec) -> None:
+    st.markdown("**Add devices**")
+    c1, c2, c3, c4 = st.columns(4)
+    node = c1.text_input("Node name", value="n1", key="inv_node_name")
+    dc = c2.text_input("Datacenter", value="dc0", key="inv_node_dc")
+    types = sorted(CATALOG, key=lambda t: (t == CPU_TYPE, t))
+    gpu_type = c3.selectbox("GPU type", types, key="inv_gpu_type",
+                            format_func=lambda t: f"{t} ({CATALOG[t].memory_bytes / GIB:.0f} GiB)")
+    count = int(c4.number_input("Count", min_value=1, max_value=1024, value=1, step=1, key="inv_gpu_count"))
+    e1, e2 = st.columns(2)
+    slowdown = float(e1.number_input("Emulated slowdown (1 = real speed)", min_value=1.0, max_value=100.0, value=1.0,
+                                     step=0.5, key="inv_slowdown"))
+    mem_gb = float(e2.number_input("Emulated memory limit (GiB, 0 = the type's own)", min_value=0.0, value=0.0,
+                                   step=1.0, key="inv_memory_gb"))
+    if st.button("Add to cluster", key="inv_add_node"):
+        with show_errors("Cannot add these devices"):
+            device = DeviceSpec(gpu_type, slowdown, mem_gb if mem_gb > 0 else None)
+            set_cluster(cluster.with_devices(node.strip(), dc.strip(), device, count))
+            st.rerun()
+
+
+def _render_cluster_files(cluster: ClusterSpec) -> None:
+    st.markdown("**Cluster files**")
+    c1, c2 = st.columns(2)
+    name = c1.text_input("Save as", value=cluster.name, key="inv_save_name")
+    if c1.button("Save cluster file", key="inv_save"):
+        with show_errors("Cannot save"):
+            safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name.strip())
+            if not safe:
+                raise ValueError("give the cluster file a name")
+            path = os.path.join(paths.clusters_dir(), f"{safe}.json")
+            cluster.renamed(name.strip()).save(path)
+            st.success(f"Saved {path}")
+    c1.download_button("Download cluster file", cluster.to_json(), file_name=f"{cluster.name}.json",
+                       mime="application/json", key="inv_download")
+    saved = sorted(f for f in os.listdir(paths.clusters_dir()) if f.endswith(".json"))
+    choice = c2.selectbox("Saved cluster files", saved or ["(none)"], key="inv_saved")
+    if c2.button("Use this file", key="inv_load", disabled=not saved):
+        loaded = call_or_error(ClusterSpec.load, os.path.join(paths.clusters_dir(), choice), what="Cannot load")
+        if loaded is not None:
+            set_cluster(loaded)
+            st.rerun()
+    if c2.button("Reset to this machine", key="inv_reset_local"):
+        set_cluster(build_local_cluster())
+        st.rerun()
+
+
+def _render_cluster() -> None:
+    st.subheader("Cluster")
+    _apply_upload()
+    cluster = get_cluster()
+    st.markdown(f"**{cluster.name}**: {cluster.num_devices} device(s) on {len(cluster.nodes)} node(s), "
+                f"network {cluster.network.intra_node_gbps:g} Gbit/s intra-node, "
+                f"{cluster.network.inter_node_gbps:g} Gbit/s inter-node")
+    st.dataframe(_cluster_table(cluster), hide_index=True, key="inv_cluster_table")
+    show_emulated_note(cluster.emulated)
+    nodes = [n.name for n in cluster.nodes]
+    r1, r2 = st.columns([3, 1])
+    gone = r1.selectbox("Node", nodes, key="inv_remove_node", label_visibility="collapsed")
+    if r2.button("Remove node", key="inv_remove", disabled=len(nodes) < 2):
+        with show_errors("Cannot remove"):
+            set_cluster(cluster.without_node(gone))
+            st.rerun()
+    _render_add_devices(cluster)
+    _render_cluster_files(cluster)
+
+
+page_header("Inventory", "This machine's devices, what was measured on them, and the cluster GPUMix plans for.")
+local_types = _render_local_devices()
+_render_profile_now()  # before the figures, so a profile just taken shows below at once
+for device_type in local_types:
+    _render_measured(device_type)
+st.divider()
+_render_cluster()

@@ -1,0 +1,46 @@
+"""`python -m profiler bench [--json]`: measured matmul TFLOP/s per dtype and size, memory GB/s,
+and all-reduce / all-gather / broadcast between local ranks fitted to latency + size/bandwidth.
+Results are saved to the profile store (the planner reads the collective bandwidth there)."""
+from __future__ import annotations
+
+import argparse
+
+from planner.cli import print_json, print_table
+from profiler.collectives import DEFAULT_SIZES_BYTES, KIB, MIB
+
+HELP = "measure matmul TFLOP/s, memory bandwidth and collective bandwidth on this machine"
+
+QUICK_COLLECTIVE_SIZES = (KIB, 16 * KIB, 256 * KIB, 4 * MIB)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--world-size", type=int, default=2, help="local ranks for the collectives (default 2)")
+    p.add_argument("--quick", action="store_true", help="collectives only up to 4 MiB")
+    p.add_argument("--no-collectives", action="store_true", help="skip the multi-process benchmark")
+    p.add_argument("--no-save", action="store_true", help="do not write the profile store")
+
+
+def run(args: argparse.Namespace) -> int:
+    from profiler.microbench import run_bench  # torch: only when the command runs
+
+    sizes = None if args.no_collectives else (QUICK_COLLECTIVE_SIZES if args.quick else DEFAULT_SIZES_BYTES)
+    bench = run_bench(args.device, collective_sizes_bytes=sizes, world_size=args.world_size, save=not args.no_save)
+    if args.json:
+        out = bench.to_dict()
+        out["measured"] = True
+        out["matmul_tflops"] = {dt: bench.best_tflops(dt) for dt in sorted({m.dtype for m in bench.matmul})}
+        if bench.collectives:
+            out["collective_gbps"] = {f.op: f.bandwidth_bytes_per_s / 1e9 for f in bench.collectives.fits}
+        print_json(out)
+        return 0
+    print(f"{bench.device_type} ({bench.device_name}), {bench.num_threads} thread(s) — measured")
+    print_table([{"dtype": m.dtype, "n": m.size, "TFLOP/s": m.tflops} for m in bench.matmul])
+    print(f"memory copy: {bench.memory_gbps:.3g} GB/s (read + write)")
+    if bench.collectives:
+        c = bench.collectives
+        print(f"\ncollectives: {c.world_size} ranks, {c.backend}; t = latency + size / bandwidth")
+        print_table([{"op": f.op, "latency_us": f.latency_s * 1e6, "bandwidth_GB/s": f.bandwidth_bytes_per_s / 1e9,
+                      "R2": f.r2} for f in c.fits])
+    return 0

@@ -1,0 +1,61 @@
+"""`python -m profiler profile --model M --seq S [--json]`: measure the step-time profile
+(forward+backward at several micro-batch sizes, fitted to α + β·m, and the optimizer step)
+of a model on a local device, with the executor's code path, and save it to the store."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from planner.cli import print_json, print_table
+
+HELP = "measure forward+backward time vs micro-batch (alpha + beta*m) on a local device"
+
+log = logging.getLogger(__name__)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    return sizes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name or path to a config.json")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--recompute", choices=("none", "full"), default="none")
+    p.add_argument("--micro-batches", type=_sizes, default=(4, 8, 16, 32), metavar="M1,M2,...",
+                   help="micro-batch sizes to time (at least 4; default 4,8,16,32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per size (median; default 5)")
+    p.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-save", action="store_true", help="do not write the profile store")
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.profiles import step_profile_path
+    from profiler.step_profile import profile_local  # torch: only when the command runs
+
+    def progress(fraction: float, message: str) -> None:
+        log.info("%3.0f%% %s", 100 * fraction, message)
+
+    p = profile_local(args.model, args.seq, args.dtype, args.micro_batches, args.recompute, repeats=args.repeats,
+                      device=args.device, progress=progress, save=not args.no_save)
+    path = None if args.no_save else step_profile_path(p.device_type, p.model, p.seq, p.dtype, p.recompute)
+    if args.json:
+        out = p.to_dict()
+        out["store_path"] = path
+        print_json(out)
+        return 0
+    print(f"{p.model} on {p.device_type}, seq {p.seq}, {p.dtype}, recompute {p.recompute} — {p.kind}")
+    print_table([{"micro_batch": m, "measured_s": t, "fit_s": p.step_time_s(m)}
+                 for m, t in zip(p.micro_batches, p.step_times_s)])
+    print(f"alpha = {p.alpha_s * 1e3:.3f} ms, beta = {p.beta_s * 1e3:.3f} ms/sample, R² = {p.r2:.4f}")
+    print(f"FLOPs/sample (counted) = {p.flops_per_sample:.4g}, achieved {p.achieved_tflops:.3g} TFLOP/s"
+          + (f" = {p.efficiency:.2f} of peak {p.peak_tflops:.3g}" if p.efficiency else ""))
+    print(f"optimizer step: {p.optimizer_s_per_param * 1e9:.3f} ns/parameter")
+    if path:
+        print(f"saved to {path}")
+    return 0
