@@ -1,0 +1,316 @@
+"""Atlas: plan one training job across datacenters (arXiv 2411.14458).
+
+Pipeline parallelism across datacenters, data parallelism inside each: every one
+of `num_pipelines` pipelines runs the same chain of stages, a DC holding `k` of
+them uses `num_pipelines · k` of its GPUs. The search chooses
+
+- which datacenters, in which pipeline order (consecutive ones need a WAN link),
+  and the GPU type each uses;
+- the DP degree (`num_pipelines`, a divisor of the micro-batch count) and the
+  number of stages per DC;
+- the layer split: minimize the slowest stage's time subject to each stage's
+  memory (`geo_costs`), with 1F1B's in-flight micro-batches per stage;
+- activation recomputation, when memory needs it;
+- `k` TCP connections per WAN transfer (the fewest that reach the link rate:
+  `min(link, k · window/RTT)`), and the order in which the pipelines take turns
+  on each WAN link (temporal sharing: "fifo" or "pipeline" priority).
+
+Candidates are ranked by a closed-form 1F1B estimate, the best few are run
+through the discrete-event simulator (`pipeline_sim`), and the simulated
+iteration time decides. The baselines (`geo_baselines`) use the same simulator.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from planner.geo_costs import GeoCosts, StageCost
+from planner.geo_scenario import GBPS, BITS_PER_BYTE, INTRA_DC_LATENCY_S, GeoScenario
+from planner.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 64  # past a few dozen parallel streams, real stacks lose to per-flow overheads
+STAGE_OPTIONS = (1, 2, 4, 8, 16, 32)  # stages per DC tried (plus "all the DC's GPUs")
+MAX_COMBINATIONS = 20000  # above this many stage-count combinations, try only {1, all}
+SIMULATE_TOP = 3  # candidates (by the closed-form estimate) run through the simulator
+TIE_TOLERANCE = 0.005  # within 0.5 % of the best iteration time, prefer fewer GPUs
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    dc: str
+    gpu_type: str
+    first_layer: int
+    num_layers: int
+    forward_s: float  # one micro-batch
+    backward_s: float
+    allreduce_s: float  # the stage's DP gradient all-reduce inside its DC
+    memory_bytes: int  # predicted peak per GPU
+    capacity_bytes: int  # GPU memory × headroom
+
+    def label(self) -> str:
+        last = self.first_layer + self.num_layers - 1
+        return f"{self.dc} {self.gpu_type} L{self.first_layer}-{last}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dc": self.dc, "gpu_type": self.gpu_type, "first_layer": self.first_layer,
+                "num_layers": self.num_layers, "forward_s": self.forward_s, "backward_s": self.backward_s,
+                "allreduce_s": self.allreduce_s, "memory_bytes": self.memory_bytes,
+                "capacity_bytes": self.capacity_bytes}
+
+
+@dataclass(frozen=True)
+class GeoPlan:
+    chain: tuple[str, ...]  # datacenters in pipeline order
+    stages: tuple[StagePlan, ...]
+    num_pipelines: int  # DP degree inside each datacenter
+    num_microbatches: int  # per pipeline
+    recompute: str
+    connections: tuple[tuple[str, int], ...]  # ("a-b", TCP connections per transfer) per WAN hop
+    link_order: str  # whose turn on a WAN link: "fifo" or "pipeline"
+    sharing: str = "temporal"  # "temporal" (Atlas) or "fair"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def gpus_per_dc(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.stages:
+            out[s.dc] = out.get(s.dc, 0) + self.num_pipelines
+        return out
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_pipelines * self.num_stages
+
+    def layer_split(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.stages:
+            out[s.dc] = out.get(s.dc, 0) + s.num_layers
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"datacenters": list(self.chain), "gpus_per_dc": self.gpus_per_dc(),
+                "layers_per_dc": self.layer_split(), "dp_degree": self.num_pipelines,
+                "num_stages": self.num_stages, "microbatches_per_pipeline": self.num_microbatches,
+                "recompute": self.recompute, "connections": dict(self.connections),
+                "link_order": self.link_order, "wan_sharing": self.sharing,
+                "stages": [s.to_dict() for s in self.stages]}
+
+
+def _link_name(x: str, y: str) -> str:
+    return f"{x}-{y}"
+
+
+def build_job(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan, schedule: str = "1f1b") -> PipelineJob:
+    """The simulator's view of a plan: stages, and a channel per boundary (LAN or WAN link)."""
+    channels: dict[str, Channel] = {}
+    hops = []
+    conns = dict(plan.connections)
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        if a.dc == b.dc:
+            dc = scenario.datacenter(a.dc)
+            name = f"lan:{a.dc}"
+            channels[name] = Channel(name, INTRA_DC_LATENCY_S, dc.intra_dc_gbps, dc.intra_dc_gbps)
+        else:
+            link = scenario.link(a.dc, b.dc)
+            name = _link_name(a.dc, b.dc)
+            channels[name] = Channel(name, link.one_way_latency_s, link.throughput_gbps(conns[name]), link.gbps,
+                                     plan.sharing)
+        hops.append(name)
+    stages = tuple(Stage(s.forward_s, s.backward_s, s.allreduce_s, s.label()) for s in plan.stages)
+    return PipelineJob(stages, tuple(hops), tuple(channels.values()), plan.num_pipelines,
+                       plan.num_microbatches, costs.transfer_bytes, schedule, plan.link_order)
+
+
+def _chains(scenario: GeoScenario, all_datacenters: bool = False) -> list[tuple[str, ...]]:
+    """Every order of every subset of DCs (or of all of them) in which consecutive DCs share a WAN link."""
+    names = [dc.name for dc in scenario.datacenters]
+    out = []
+    for n in range(len(names) if all_datacenters else 1, len(names) + 1):
+        for perm in itertools.permutations(names, n):
+            if all(scenario.has_link(x, y) for x, y in zip(perm, perm[1:])):
+                out.append(perm)
+    return out
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def split_layers(layer_s: list[float], head_s: float, caps: list[int], num_layers: int) -> list[int] | None:
+    """Layers per stage minimizing the slowest stage (stage j: n_j · layer_s[j], plus head_s on the
+    last), with 1 <= n_j <= caps[j] and Σ n_j = num_layers. Bisection on the bottleneck time T:
+    T is feasible when filling each stage up to min(cap, T / layer_s) reaches num_layers."""
+    p = len(layer_s)
+    if p > num_layers or any(c < 1 for c in caps) or sum(caps) < num_layers:
+        return None
+
+    def fill(t: float) -> list[int] | None:
+        counts, left = [], num_layers
+        for j in range(p):
+            room = t - (head_s if j == p - 1 else 0.0)
+            n = min(caps[j], int(room / layer_s[j] + 1e-9), left - (p - 1 - j))
+            if n < 1:
+                return None
+            counts.append(n)
+            left -= n
+        return counts if left == 0 else None
+
+    lo, hi = 0.0, max(layer_s) * num_layers + head_s
+    best = fill(hi)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    return best
+
+
+def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, bool]], d: int, m: int) -> float:
+    """Closed-form 1F1B iteration time used only to rank candidates: one micro-batch's round trip
+    through every stage and hop, then (m-1) periods of the bottleneck resource (a stage's
+    compute, or a shared WAN direction carrying d transfers per period), then the all-reduce.
+    hops: (one transfer's serialisation s, latency s, the link's busy s per period)."""
+    period = max(s.forward_s + s.backward_s for s in plan_stages)
+    for _, _, busy in hops:
+        period = max(period, busy)
+    first = sum(s.forward_s + s.backward_s for s in plan_stages) + sum(2 * (w + lat) for w, lat, _ in hops)
+    return first + (m - 1) * period + max(s.allreduce_s for s in plan_stages)
+
+
+NETWORKS = ("atlas", "single_fair")  # k saturating connections + temporal sharing | 1 connection + fair sharing
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    estimate_s: float
+    num_gpus: int
+    plan: GeoPlan
+
+
+def _wan_hops(scenario: GeoScenario, chain: tuple[str, ...], network: str) -> dict:
+    """(connections, per-transfer Gbit/s, link Gbit/s, one-way latency) per consecutive DC pair."""
+    out = {}
+    for x, y in zip(chain, chain[1:]):
+        link = scenario.link(x, y)
+        k = min(MAX_CONNECTIONS, link.connections_to_saturate()) if network == "atlas" else 1
+        out[(x, y)] = (k, link.throughput_gbps(k), link.gbps, link.one_way_latency_s)
+    return out
+
+
+def _candidates(scenario: GeoScenario, costs: GeoCosts, network: str, all_datacenters: bool) -> list[_Candidate]:
+    num_mb = scenario.global_batch // scenario.micro_batch
+    L = costs.spec.num_layers
+    out: list[_Candidate] = []
+    for chain in _chains(scenario, all_datacenters):
+        dcs = [scenario.datacenter(n) for n in chain]
+        wan = _wan_hops(scenario, chain, network)
+        for types in itertools.product(*[[g for g, _ in dc.gpus] for dc in dcs]):
+            counts = [dict(dc.gpus)[g] for dc, g in zip(dcs, types)]
+            for d in _divisors(num_mb, min(counts)):
+                options = [sorted({k for k in STAGE_OPTIONS if k <= c // d} | {min(c // d, L)}) for c in counts]
+                combos = 1
+                for o in options:
+                    combos *= len(o)
+                if combos > MAX_COMBINATIONS:
+                    options = [sorted({1, o[-1]}) for o in options]
+                for ks in itertools.product(*options):
+                    if sum(ks) > L:
+                        continue
+                    for rc in ("none", "full"):
+                        cand = _make_candidate(scenario, costs, chain, types, ks, d, num_mb // d, rc, wan, network)
+                        if cand is not None:
+                            out.append(cand)
+                            break  # recomputation only when the plan does not fit without it
+    return out
+
+
+def _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network) -> _Candidate | None:
+    where = [(dc, g) for dc, g, k in zip(chain, types, ks) for _ in range(k)]
+    p = len(where)
+    layer_s = [costs.layer_time_s(g, rc) for _, g in where]
+    head_s = costs.head_time_s(where[-1][1], rc)
+    caps = [costs.max_layers(g, j, p, m, d, rc) for j, (_, g) in enumerate(where)]
+    split = split_layers(layer_s, head_s, caps, costs.spec.num_layers)
+    if split is None:
+        return None
+    stages, first = [], 0
+    for j, ((dc, g), n) in enumerate(zip(where, split)):
+        stages.append(costs.stage_cost(dc, g, first, n, j, p, m, d, rc))
+        first += n
+    bits = costs.transfer_bytes * BITS_PER_BYTE
+    hops = []
+    for a, b in zip(where, where[1:]):
+        if a[0] == b[0]:
+            wire = bits / (scenario.datacenter(a[0]).intra_dc_gbps * GBPS)
+            hops.append((wire, INTRA_DC_LATENCY_S, wire))
+        else:
+            _, rate, cap, lat = wan[(a[0], b[0])]
+            wire = bits / (rate * GBPS)
+            # temporal: d transfers one after another; fair: d at once, at most the link's capacity
+            busy = d * wire if network == "atlas" else max(wire, d * bits / (cap * GBPS))
+            hops.append((wire, lat, busy))
+    plan = GeoPlan(
+        chain, tuple(StagePlan(s.dc, s.gpu_type, s.first_layer, s.num_layers, s.forward_s, s.backward_s,
+                               s.allreduce_s, s.memory_bytes, s.capacity_bytes) for s in stages),
+        d, m, rc, tuple((_link_name(x, y), wan[(x, y)][0]) for x, y in zip(chain, chain[1:])), "fifo",
+        "temporal" if network == "atlas" else "fair")
+    return _Candidate(_estimate_s(stages, hops, d, m), plan.num_gpus, plan)
+
+
+def _better(a: tuple[float, int], b: tuple[float, int] | None) -> bool:
+    """(iteration_s, num_gpus): faster wins; within TIE_TOLERANCE, fewer GPUs win."""
+    if b is None:
+        return True
+    if abs(a[0] - b[0]) <= TIE_TOLERANCE * min(a[0], b[0]):
+        return a[1] < b[1]
+    return a[0] < b[0]
+
+
+@dataclass(frozen=True)
+class AtlasResult:
+    plan: GeoPlan
+    sim: SimResult
+    num_candidates: int
+    solve_time_s: float
+
+
+def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: str = "1f1b",
+                network: str = "atlas", all_datacenters: bool = False,
+                simulate_top: int = SIMULATE_TOP) -> AtlasResult:
+    """The fastest memory-feasible plan (by simulated iteration time) for `scenario`.
+
+    `network="single_fair"` with `all_datacenters=True` is the pipeline baseline: the same
+    search, but one TCP connection per transfer, fair sharing, and every datacenter used."""
+    if network not in NETWORKS:
+        raise ValueError(f"network must be one of {NETWORKS}, got {network!r}")
+    t0 = time.perf_counter()
+    costs = costs or GeoCosts(scenario)
+    cands = _candidates(scenario, costs, network, all_datacenters)
+    if not cands:
+        raise ValueError(
+            f"no memory-feasible plan{' using every datacenter' if all_datacenters else ''}: {costs.spec.name} "
+            f"at micro_batch {scenario.micro_batch}, seq {scenario.seq} does not fit the GPUs "
+            f"even with recomputation and one layer per GPU"
+        )
+    ranked = sorted(cands, key=lambda c: (c.estimate_s, c.num_gpus))
+    best: tuple[float, int] | None = None
+    best_plan, best_sim = None, None
+    shortlist = ranked[:simulate_top]
+    for cand in shortlist:
+        temporal = network == "atlas" and cand.plan.num_pipelines > 1 and len(cand.plan.chain) > 1
+        for order in ("fifo", "pipeline") if temporal else ("fifo",):
+            plan = replace(cand.plan, link_order=order)
+            sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
+            if _better((sim.iteration_s, plan.num_gpus), best):
+                best, best_plan, best_sim = (sim.iteration_s, plan.num_gpus), plan, sim
+    log.info("geo %s: %d candidates, simulated %d, best %.3f s", network, len(cands), len(shortlist), best[0])
+    return AtlasResult(best_plan, best_sim, len(cands), time.perf_counter() - t0)
