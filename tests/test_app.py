@@ -9,6 +9,8 @@ import re
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from tests.conftest import fabricate_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APP = os.path.join(ROOT, "app.py")
 # shared modules in ui/ that are not pages
@@ -43,3 +45,43 @@ def test_every_page_renders_through_the_router(page):
     at.switch_page(page).run()
     assert not at.exception, f"{page}: {at.exception}"
     assert not at.error or all("Traceback" not in e.value for e in at.error)
+
+
+def test_sidebar_links_the_live_run_found_in_the_store(data_dir):
+    fabricate_run("old", 3, "done")
+    fabricate_run("live", 2, None)  # running: its launcher (this process) is alive
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    assert not at.exception
+    links = [e.proto.label for e in at.get("page_link")]
+    assert links == ["Running: live"]
+
+
+def test_no_live_run_no_sidebar_link(data_dir):
+    fabricate_run("old", 3, "stopped")
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    assert not at.exception
+    assert not at.get("page_link")
+
+
+def _state_probe() -> None:
+    import streamlit as st
+
+    from ui import state
+
+    plan = state.get_or_default_plan()
+    st.write(f"plan {plan.model} {plan.global_batch} {sum(a.batch for a in plan.assignments)} {len(plan.used)}")
+    st.write(f"live {state.current_run_dir()}")
+
+
+def test_a_new_user_gets_the_default_plan_and_finds_the_live_run(data_dir):
+    from ui import state
+
+    run = fabricate_run("live", 1, None)
+    at = AppTest.from_function(_state_probe, default_timeout=TIMEOUT_S).run()
+    assert not at.exception, at.exception
+    lines = [m.value for m in at.markdown]
+    batch = state.DEFAULT_GLOBAL_BATCH
+    assert lines[0].startswith(f"plan {state.DEFAULT_MODEL} {batch} {batch} ")
+    assert int(lines[0].split()[-1]) >= 1
+    assert lines[1] == f"live {os.path.abspath(run)}"
+    assert at.session_state["run_dir"] == os.path.abspath(run)

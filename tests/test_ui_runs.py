@@ -13,58 +13,17 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from executor.store import MetricsStore
-from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.paths import runs_dir
-from planner.plan import Assignment, Plan
+from tests.conftest import GLOBAL_BATCH, STEP_S, fabricate_run, losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "ui", "runs.py")
-GLOBAL_BATCH = 4
-SEQ = 64
-STEP_S = 0.25
-
-
-def two_cpu_plan(slowdown: float = 1.0) -> Plan:
-    dev = DeviceSpec("cpu", slowdown=slowdown)
-    cluster = ClusterSpec("local", (NodeSpec("localhost", "local", (DeviceSpec("cpu"), dev)),))
-    emulated = dev.emulated
-    asg = (
-        Assignment(0, "localhost", "cpu", 2, 1, 2, 0.5, 10**7, 0.1),
-        Assignment(1, "localhost", "cpu", 1, 2, 2, 0.5, 10**7, 0.1, emulated=emulated, slowdown=slowdown),
-    )
-    return Plan(cluster, "tiny", GLOBAL_BATCH, SEQ, "fp32", "none", asg, 0.1, 40.0)
-
-
-def losses(offset: float, n: int) -> list[float]:
-    return [offset + 4.0 / (1 + i) for i in range(n)]
-
-
-def make_run(name: str, n_steps: int, status: str | None, slowdown: float = 1.0, loss_offset: float = 0.0) -> str:
-    """A run folder as the executor writes it: plan.json + metrics.sqlite through MetricsStore.
-    status None leaves it running (its 'launcher' is this test process, which is alive)."""
-    run_dir = os.path.join(runs_dir(), name)
-    os.makedirs(run_dir)
-    plan = two_cpu_plan(slowdown)
-    plan.save(os.path.join(run_dir, "plan.json"))
-    store = MetricsStore(run_dir)
-    try:
-        store.init_run(plan, steps_target=100, seed=0, backend="gloo")
-        for step, loss in enumerate(losses(loss_offset, n_steps)):
-            for rank in (0, 1):
-                store.record_rank_step(rank, step, 0.2, 0.0, 0.01, 0.02, 5_000_000 + rank)
-            store.record_step(step, loss, STEP_S, GLOBAL_BATCH, SEQ)
-        if status is not None:
-            store.finish(status)
-    finally:
-        store.close()
-    return run_dir
 
 
 @pytest.fixture
 def runs(data_dir):
-    a = make_run("run-a", 6, "done")
-    b = make_run("run-b", 4, "stopped", slowdown=3.0, loss_offset=1.0)
+    a = fabricate_run("run-a", 6, "done")
+    b = fabricate_run("run-b", 4, "stopped", slowdown=3.0, loss_offset=1.0)
     # a folder whose database is garbage, and one that never got a database
     bad = os.path.join(runs_dir(), "run-broken")
     os.makedirs(bad)
@@ -96,7 +55,7 @@ def test_history_lists_good_runs_and_names_the_broken_ones(runs):
 
 
 def test_a_running_run_is_listed_as_running(data_dir):
-    make_run("live", 3, None)
+    fabricate_run("live", 3, None)
     at = open_page()
     df = at.dataframe[0].value
     assert list(df["status"]) == ["running"]

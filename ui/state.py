@@ -6,6 +6,7 @@ so that the keys stay in one place.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import streamlit as st
@@ -14,6 +15,9 @@ from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.plan import Plan
 
 DEFAULT_MODEL = "tiny"
+# the first plan a new user gets: small enough that the tiny model's step takes well under
+# a second on two CPU workers, large enough to split unevenly
+DEFAULT_GLOBAL_BATCH = 8
 
 
 def default_local_cluster() -> ClusterSpec:
@@ -53,6 +57,27 @@ def get_plan() -> Plan | None:
 
 def set_plan(plan: Plan) -> None:
     st.session_state["plan"] = plan
+
+
+@st.cache_data(show_spinner="Computing the default plan…", max_entries=16)
+def _solve_default_plan(cluster_json: str, model: str, global_batch: int) -> Plan:
+    from planner.hetero import solve_plan
+
+    cluster = ClusterSpec.from_dict(json.loads(cluster_json))
+    result = solve_plan(cluster, model, global_batch)
+    if result.plan is None:
+        raise ValueError(f"no plan for {model} at global batch {global_batch}: {result.reason or result.status}")
+    return result.plan
+
+
+def get_or_default_plan() -> Plan:
+    """The session's plan, else the default one (this machine, the default model and global
+    batch), so that Launch works for a user who never opened Plan. Raises ValueError."""
+    plan = get_plan()
+    if plan is None:
+        plan = _solve_default_plan(json.dumps(get_cluster().to_dict()), get_model(), DEFAULT_GLOBAL_BATCH)
+        set_plan(plan)
+    return plan
 
 
 def get_run_dir() -> str | None:
