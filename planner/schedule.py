@@ -145,9 +145,14 @@ class FrenzyPolicy:
     name = "frenzy"
 
     def __init__(self, cluster: ClusterSpec, dtype: str = "bf16", cheap_slack: float = 1.25,
-                 min_efficiency: float = 0.7, reserve_after_s: float = 0.0) -> None:
+                 min_efficiency: float = 0.7, reserve_after_s: float = 0.0, order: str = "hrrn",
+                 user_requests: bool = False) -> None:
+        if order not in ("hrrn", "arrival"):
+            raise ValueError(f"order must be 'hrrn' or 'arrival', got {order!r}")
         self.cluster, self.dtype = cluster, dtype
-        self.reserve_after_s = reserve_after_s
+        self.reserve_after_s, self.order = reserve_after_s, order
+        # ablation: frenzy's queueing (order, reservation, backfill) over the users' own requests
+        self._requests = FifoPolicy(cluster, dtype) if user_requests else None
         self.cheap_slack, self.min_efficiency = cheap_slack, min_efficiency
         self._pools = {p.device: p for p in cluster_pools(cluster)}
         self._options: dict[str, list[ResourceOption]] = {}
@@ -158,6 +163,9 @@ class FrenzyPolicy:
         """The job's usable options: per pool, counts from the smallest that fits up to where
         adding GPUs stops paying (GPU-seconds within 1/min_efficiency of the pool's smallest)."""
         opts = self._options.get(job.job_id)
+        if opts is None and self._requests is not None:
+            opts = [o for o in (self._requests.request(job)[0],) if o is not None]
+            self._failed.update(self._requests.failed())
         if opts is None:
             opts = []
             all_opts = estimate_options(job, self.cluster, self.dtype)
@@ -167,16 +175,19 @@ class FrenzyPolicy:
                 floor.setdefault(pool, o.gpu_seconds)
                 if o.gpu_seconds * self.min_efficiency <= floor[pool]:
                     opts.append(o)
-            self._options[job.job_id] = opts
-            self._ref_s[job.job_id] = min((o.duration_s for o in opts), default=math.inf)
             if not opts:
                 self._failed[job.job_id] = "does not fit in memory on any device pool of the cluster"
+        if job.job_id not in self._options:
+            self._options[job.job_id] = opts
+            self._ref_s[job.job_id] = min((o.duration_s for o in opts), default=math.inf)
         return opts
 
     def failed(self) -> dict[str, str]:
         return dict(self._failed)
 
     def _rank(self, now: float, job: JobSpec) -> tuple:
+        if self.order == "arrival":  # ablation: GPUMix's sizing and backfilling, first-come order
+            return (-job.priority, job.submit_s, job.job_id)
         ref = self._ref_s[job.job_id]
         return (-job.priority, -(now - job.submit_s + ref) / ref, job.submit_s)
 

@@ -54,6 +54,7 @@ MIN_DURATION_S = 5 * 60  # on the user's request: 5 minutes ...
 MAX_DURATION_S = 24 * 3600  # ... to a day, log-uniform
 SWEEP_PROBABILITY = 0.25  # a burst: one user submits a sweep of 3-8 copies at once
 FAMOUS_TYPE_PREFERENCE = 2.0  # users pick a type in proportion to how many there are, the big one 2x as often ...
+GPUS_PER_NODE = 8
 OVERSIZE_FACTORS = ((0.5, 0.10), (1, 0.40), (2, 0.25), (4, 0.15), (8, 0.10))  # ... and this × the count it needs
 
 
@@ -118,7 +119,8 @@ def _user_request(rng: random.Random, model: str, seq: int, batch: int, pools: S
     pool = rng.choices(choices, weights=weights)[0]
     need = fits[pool][0]
     factor = rng.choices([f for f, _ in OVERSIZE_FACTORS], weights=[w for _, w in OVERSIZE_FACTORS])[0]
-    count = max(1, min(int(need * factor), pool.count, batch))
+    # oversizing stops at a whole node ("give me a node") unless the job needs more than one
+    count = max(1, min(int(need * factor), max(need, GPUS_PER_NODE), pool.count, batch))
     run_n = count if count >= need else need  # an undersized request OOMs; the user reruns at `need`
     opt = estimate_option(job, pool, run_n, dtype, net)
     return pool, count, run_n, (opt.iteration_s if opt else fits[pool][1])
