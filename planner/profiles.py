@@ -52,8 +52,6 @@ DEFAULT_CPU_ALPHA_PER_LAYER_S = 0.1e-3
 # memory bandwidth (a streaming kernel).
 ADAM_BYTES_PER_PARAM = 32
 STREAM_EFFICIENCY = 0.7
-# Full activation recomputation runs the forward twice: 8·N instead of 6·N FLOPs per token.
-FULL_RECOMPUTE_FLOPS_FACTOR = 4.0 / 3.0
 
 
 @dataclass(frozen=True)
@@ -365,9 +363,16 @@ def calibration(device_type: str, dtype: str, store_dir: str | None = None,
 
 
 def analytic_flops_per_sample(spec: ModelSpec, seq: int, recompute: str = "none") -> float:
-    """Training FLOPs of one sample: ModelSpec.flops_per_token (6·N + attention) × seq."""
-    f = spec.flops_per_token(seq) * seq
-    return f * FULL_RECOMPUTE_FLOPS_FACTOR if recompute == "full" else f
+    """Training FLOPs of one sample: ModelSpec.flops_per_token (6·N + attention) × seq.
+
+    Full recomputation (models/decoder.py checkpoints each block, not the LM head) runs
+    every block's forward once more: + 2·N_blocks + 4·L·h·s per token (a third of the
+    blocks' 6·N_blocks + 12·L·h·s)."""
+    per_token = spec.flops_per_token(seq)
+    if recompute == "full":
+        block_matmul_params = spec.matmul_params() - spec.vocab_size * spec.hidden
+        per_token += 2.0 * block_matmul_params + 4.0 * spec.num_layers * spec.hidden * seq
+    return per_token * seq
 
 
 def _check_args(seq: int, dtype: str, recompute: str) -> None:

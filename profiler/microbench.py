@@ -88,6 +88,8 @@ def run_bench(device: str | None = None, dtypes: Sequence[str] | None = None,
     """Matmul TFLOP/s per dtype and size, memory GB/s and (unless `collective_sizes_bytes`
     is None) the collective fits between `world_size` local ranks; saved to the store."""
     progress = progress or _noop
+    if collective_sizes_bytes and world_size < 2:  # fail before minutes of matmuls, not after
+        raise ValueError(f"a collective benchmark needs at least 2 ranks, got {world_size}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     device_type, device_name = local_device_type(dev)
     gpu = dev.type == "cuda"

@@ -66,3 +66,86 @@ def test_homogeneous_helper():
     c = homogeneous_cluster("T4", 3)
     assert c.num_devices == 3 and c.device_types() == ["T4"]
     assert json.loads(c.to_json())["nodes"][0]["gpus"] == {"T4": 3}
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ({"nodes": [{"name": "a", "gpus": {"T4": 1}, "gpu": 3}]}, "unknown node keys"),
+    ({"nodes": [{"name": "a", "gpus": {"T4": 1}}], "network": {"wan_gbps": 1}}, "unknown network keys"),
+    ({"nodes": [{"name": "a", "gpus": [{"type": ["T4"]}]}]}, "unknown GPU type"),
+    ({"nodes": [{"name": "", "gpus": {"T4": 1}}]}, "'name' must be a non-empty string"),
+    ({"nodes": [{"name": 7, "gpus": {"T4": 1}}]}, "'name' must be a non-empty string"),
+    ({"nodes": [{"name": "a", "datacenter": None, "gpus": {"T4": 1}}]}, "'datacenter' must be"),
+    ({"nodes": [{"name": "a", "gpus": {"T4": 1.5}}]}, "non-negative integer"),
+    ({"nodes": [{"name": "a", "gpus": {"T4": True}}]}, "non-negative integer"),
+    ({"nodes": [{"name": "a", "gpus": [{"type": "cpu", "memory_gb": -2}]}]}, "memory_gb must be a positive"),
+    ({"nodes": [{"name": "a", "gpus": [{"type": "cpu", "speed": 2}]}]}, "unknown device keys"),
+    ({"nodes": [{"name": "a", "gpus": "T4"}]}, "'gpus' must be"),
+    ({"nodes": [{"name": "a", "gpus": {"T4": 1}}], "network": {"intra_node_gbps": float("nan")}}, "intra_node_gbps"),
+    ({"nodes": [{"name": "a", "gpus": {"T4": 1}}], "network": {"intra_node_gbps": 0}}, "intra_node_gbps"),
+    ([1, 2], "expected a JSON object"),
+])
+def test_more_bad_clusters_name_the_problem(doc, needle):
+    with pytest.raises(ValueError, match=needle):
+        ClusterSpec.from_dict(doc)
+
+
+def test_cluster_file_round_trips_through_disk(tmp_path):
+    path = str(tmp_path / "lab.json")
+    c = ClusterSpec.from_dict(GOOD)
+    c.save(path)
+    assert ClusterSpec.load(path) == c
+    assert json.loads(open(path).read())["nodes"][1]["gpus"] == {"V100-32GB": 2, "T4": 2}
+
+
+def test_editing_helpers_validate_and_keep_emulation():
+    from planner.cluster import DeviceSpec
+
+    c = homogeneous_cluster("T4", 2)
+    c = c.with_devices("n0", "dc0", DeviceSpec("cpu", slowdown=3.0), 1)
+    c = c.with_devices("n1", "dc-b", DeviceSpec("H200"), 4)
+    assert c.num_devices == 7 and c.emulated
+    assert [(g.node, g.device.label, g.count) for g in c.groups()] == [
+        ("n0", "T4", 2), ("n0", "cpu (emulated: slowdown 3x)", 1), ("n1", "H200", 4)]
+    assert ClusterSpec.from_json(c.to_json()) == c
+    assert c.without_node("n0").device_types() == ["H200"]
+    assert c.renamed("lab2").name == "lab2"
+    with pytest.raises(ValueError, match="datacenter 'dc0', not 'dc-x'"):
+        c.with_devices("n0", "dc-x", DeviceSpec("T4"), 1)
+    with pytest.raises(ValueError, match="positive integer"):
+        c.with_devices("n2", "dc0", DeviceSpec("T4"), 0)
+    with pytest.raises(ValueError, match="no node 'zz'"):
+        c.without_node("zz")
+    with pytest.raises(ValueError, match="'name' must be a non-empty string"):
+        c.with_devices(" ", "dc0", DeviceSpec("T4"), 1)
+
+
+@pytest.mark.parametrize("name,memory_gib,expected", [
+    ("NVIDIA H200", 140, "H200"),
+    ("NVIDIA H100 80GB HBM3", 80, "H100-SXM"),
+    ("NVIDIA H100 PCIe", 80, "H100-PCIe"),
+    ("NVIDIA A100-SXM4-80GB", None, "A100-80GB"),
+    ("NVIDIA A100-PCIE-40GB", 40, "A100-40GB"),
+    ("Tesla V100-SXM2-16GB", 16, "V100-16GB"),
+    ("Tesla V100-SXM2-32GB", 32, "V100-32GB"),
+    ("Tesla T4", 15, "T4"),
+    ("NVIDIA L4", 22, "L4"),
+    ("NVIDIA GeForce RTX 4090", 24, "RTX4090"),
+    ("NVIDIA RTX A6000", 48, "A6000"),
+    ("AMD Instinct MI250X", 64, "MI250X"),
+    ("NVIDIA B200", 180, None),
+])
+def test_driver_names_map_to_catalog_types(name, memory_gib, expected):
+    from planner.catalog import match_gpu_type
+
+    assert match_gpu_type(name, memory_gib * 2**30 if memory_gib else None) == expected
+
+
+def test_catalog_units_and_dtype_fallbacks():
+    h200 = get_gpu_type("H200")
+    assert h200.memory_bytes_per_s == 4.8e12 and h200.peak_tflops("bf16") == 989.0
+    assert get_gpu_type("T4").peak_tflops("bf16") == 65.0  # no bf16: fp16 rate
+    assert get_gpu_type("A100-80GB").peak_tflops("fp32") == 19.5
+    # faster parts are faster in the catalog too (orders the planner relies on)
+    assert get_gpu_type("H100-SXM").bf16_tflops > get_gpu_type("A100-80GB").bf16_tflops > get_gpu_type("L4").bf16_tflops
+    with pytest.raises(ValueError, match="unknown GPU type 'B300'"):
+        get_gpu_type("B300")
