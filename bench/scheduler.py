@@ -24,30 +24,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.cluster import ClusterSpec  # noqa: E402
 from planner.schedule import FrenzyPolicy, simulate_schedule  # noqa: E402
-from planner.trace import generate_trace  # noqa: E402
+from planner.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster  # noqa: E402
 
-GPUS_PER_NODE = 8
-# (seed, number of jobs, {type: count})
-SCENARIOS = (
-    (1, 300, {"A100-80GB": 16, "V100-32GB": 24, "T4": 24}),
-    (2, 800, {"H100-SXM": 32, "A100-80GB": 64, "V100-32GB": 64, "T4": 96}),
-    (3, 2000, {"H100-SXM": 128, "A100-80GB": 256, "A100-40GB": 128, "V100-32GB": 256, "T4": 256}),
-)
+# (seed, number of jobs, number of GPUs: planner.trace.DEMO_CLUSTERS)
+SCENARIOS = ((1, 300, 64), (2, 800, 256), (3, 2000, 1024))
 TARGET_JCT_REDUCTION = 0.18
 TARGET_OVERHEAD_MS = 10.0
 HOUR_S = 3600.0
 
 
-def mixed_cluster(types: dict[str, int]) -> ClusterSpec:
-    nodes = [{"name": f"{t.lower()}-{k}", "datacenter": "dc0", "gpus": {t: GPUS_PER_NODE}}
-             for t, n in types.items() for k in range(n // GPUS_PER_NODE)]
-    return ClusterSpec.from_dict({"name": f"mixed-{sum(types.values())}", "nodes": nodes,
-                                  "network": {"intra_node_gbps": 600, "inter_node_gbps": 200}})
-
-
-def run_scenario(seed: int, num_jobs: int, types: dict[str, int], load: float) -> dict:
+def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float) -> dict:
+    types = DEMO_CLUSTERS[num_gpus]
     cluster = mixed_cluster(types)
     jobs = generate_trace(seed, num_jobs, cluster, load=load)
     rows = {}
@@ -71,7 +59,7 @@ def main() -> int:
                     help="requested GPU-seconds per device-second of each trace's span")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    results = [run_scenario(seed, n, types, args.load) for seed, n, types in SCENARIOS]
+    results = [run_scenario(seed, n, gpus, args.load) for seed, n, gpus in SCENARIOS]
     largest = max(results, key=lambda r: r["num_devices"])
     checks = {
         "frenzy_avg_jct_reduction_ge_18pct_on_every_trace": all(

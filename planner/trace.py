@@ -58,6 +58,25 @@ GPUS_PER_NODE = 8
 OVERSIZE_FACTORS = ((0.5, 0.10), (1, 0.40), (2, 0.25), (4, 0.15), (8, 0.10))  # ... and this × the count it needs
 
 
+# Mixed pools the bench and the dashboard simulate: 3, 4 and 5 GPU types, 8 GPUs a node.
+DEMO_CLUSTERS: dict[int, dict[str, int]] = {
+    64: {"A100-80GB": 16, "V100-32GB": 24, "T4": 24},
+    256: {"H100-SXM": 32, "A100-80GB": 64, "V100-32GB": 64, "T4": 96},
+    1024: {"H100-SXM": 128, "A100-80GB": 256, "A100-40GB": 128, "V100-32GB": 256, "T4": 256},
+}
+
+
+def mixed_cluster(types: dict[str, int], gpus_per_node: int = GPUS_PER_NODE) -> ClusterSpec:
+    """One node per `gpus_per_node` GPUs of each type (a remainder makes a smaller node)."""
+    nodes = []
+    for t, n in types.items():
+        for k in range(0, n, gpus_per_node):
+            nodes.append({"name": f"{t.lower()}-{k // gpus_per_node}", "datacenter": "dc0",
+                          "gpus": {t: min(gpus_per_node, n - k)}})
+    return ClusterSpec.from_dict({"name": f"mixed-{sum(types.values())}", "nodes": nodes,
+                                  "network": {"intra_node_gbps": 600, "inter_node_gbps": 200}})
+
+
 def generate_trace(seed: int, num_jobs: int, cluster: ClusterSpec, load: float = 0.9,
                    dtype: str = "bf16") -> list[JobSpec]:
     """`num_jobs` jobs whose requests (types and counts) exist in `cluster`."""

@@ -1,4 +1,179 @@
+"""Scheduler: submit models without choosing devices; the queue, its runs over time; frenzy vs fifo.
+
+Widgets -> one library call -> render: executor.queue.JobQueue (submit, list),
+executor.orchestrator.Orchestrator.tick (one scheduler pass on this machine's devices),
+planner.schedule.simulate_schedule (a generated trace on a simulated mixed pool).
+"""
+from __future__ import annotations
+
+import time
+
 import streamlit as st
 
-st.title("scheduler")
-st.info("This page is being built.")
+from executor.queue import JobQueue
+from planner.schedule import simulate_schedule
+from planner.specs import PRESETS
+from planner.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster
+from ui.common import MEASURED, PREDICTED, metric, page_header, show_errors, show_figure, style_figure
+from ui.state import default_local_cluster
+
+HOUR_S = 3600.0
+LOCAL_MODELS = ("tiny", "tiny-llama", "small", "gpt2")  # what a CPU machine trains in minutes
+AUTO_TICK_S = 2.0
+
+
+def gantt(rows: list[dict], title: str, x_title: str):
+    """Horizontal bars, one per (device, job) from rows of {device, job, start, end}; one colour per job."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+
+    palette = qualitative.Plotly
+    index = {job: k for k, job in enumerate(dict.fromkeys(r["job"] for r in rows))}
+    fig = go.Figure(go.Bar(
+        y=[r["device"] for r in rows], x=[r["end"] - r["start"] for r in rows], base=[r["start"] for r in rows],
+        orientation="h", customdata=[r["job"] for r in rows], showlegend=False,
+        marker_color=[palette[index[r["job"]] % len(palette)] for r in rows],
+        hovertemplate="job %{customdata}<br>start %{base:.4g}, length %{x:.4g}<extra></extra>"))
+    fig.update_layout(hovermode="closest")
+    fig.update_yaxes(type="category", autorange="reversed")
+    num_devices = len({r["device"] for r in rows})
+    return style_figure(fig, x_title, "device", title=title, height=min(900, max(260, 16 * num_devices)))
+
+
+@st.cache_resource(show_spinner=False)
+def _local_cluster():
+    return default_local_cluster()
+
+
+def _orchestrator():
+    from executor.orchestrator import Orchestrator  # planner + hetero: only when a pass runs
+
+    return Orchestrator(JobQueue(), _local_cluster())
+
+
+def submit_panel() -> None:
+    c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
+    model = c1.selectbox("Model", LOCAL_MODELS + tuple(m for m in PRESETS if m not in LOCAL_MODELS),
+                         key="sched_model")
+    batch = c2.number_input("Global batch (samples)", min_value=1, value=8, step=1, key="sched_global_batch")
+    steps = c3.number_input("Steps", min_value=1, value=20, step=1, key="sched_steps")
+    c4.write("")
+    if c4.button("Submit", key="sched_submit", type="primary"):
+        with show_errors("Cannot queue the job"):
+            job_id = JobQueue().submit(model, int(batch), int(steps))
+            st.success(f"Queued job {job_id}: GPUMix picks its devices at the next scheduler pass.")
+
+
+def tick_panel() -> None:
+    c1, c2 = st.columns([1, 3])
+    if c1.button("Run scheduler pass", key="sched_tick"):
+        with show_errors("Scheduler pass failed"):
+            report = _orchestrator().tick()
+            c2.info(f"started {report.started or 'none'}; finished "
+                    f"{', '.join(f'{i} ({s})' for i, s in report.finished) or 'none'}")
+    c1.toggle("Run passes in the background", key="sched_auto", help=f"a pass every {AUTO_TICK_S:g} s while open")
+
+
+def queue_table(jobs) -> None:
+    if not jobs:
+        st.caption("The queue is empty: submit a job above.")
+        return
+    rows = [{"id": j.id, "state": j.state, "model": j.model, "global batch": j.global_batch, "seq": j.seq,
+             "steps": j.steps, "devices": ", ".join(f"{i}: {lab}" for i, lab in zip(j.devices, j.device_labels)),
+             "duration (s, predicted)": j.predicted_duration_s,
+             "ran (s, measured)": (j.ended_s or time.time()) - j.started_s if j.started_s else None,
+             "run folder": j.run_dir or "", "reason": j.reason or ""} for j in jobs]
+    st.dataframe(rows, hide_index=True, width="stretch", key="sched_queue_table")
+
+
+def real_gantt(jobs) -> None:
+    ran = [j for j in jobs if j.started_s and j.devices]
+    if not ran:
+        return
+    t0 = min(j.started_s for j in ran)
+    now = time.time()
+    rows = [{"device": f"{i}: {lab}", "job": j.id, "start": j.started_s - t0, "end": (j.ended_s or now) - t0}
+            for j in ran for i, lab in zip(j.devices, j.device_labels)]
+    show_figure(gantt(rows, "Local devices over time (measured)", "time since the first start (s)"),
+                key="sched_real_gantt")
+
+
+def local_queue() -> None:
+    st.subheader("Local queue (real runs)")
+    submit_panel()
+    tick_panel()
+
+    @st.fragment(run_every=AUTO_TICK_S if st.session_state.get("sched_auto") else None)
+    def live() -> None:
+        if st.session_state.get("sched_auto"):
+            with show_errors("Scheduler pass failed"):
+                _orchestrator().tick()
+        with show_errors("Cannot read the queue"):
+            jobs = JobQueue().list()
+            queue_table(jobs)
+            real_gantt(jobs)
+
+    live()
+
+
+@st.cache_data(show_spinner="Simulating both policies...", max_entries=8)
+def _simulate(seed: int, num_gpus: int, num_jobs: int, load: float) -> dict:
+    cluster = mixed_cluster(DEMO_CLUSTERS[num_gpus])
+    jobs = generate_trace(seed, num_jobs, cluster, load=load)
+    types = [d.type for _, d in cluster.devices()]
+    out = {}
+    for policy in ("frenzy", "fifo"):
+        r = simulate_schedule(jobs, cluster, policy)
+        out[policy] = {"summary": r.to_dict(jobs=False),
+                       "rows": [{"device": f"{i:04d} {types[i]}", "job": x.job.job_id, "start": x.start_s / HOUR_S,
+                                 "end": x.end_s / HOUR_S} for x in r.records if x.status == "done"
+                                for i in x.devices]}
+    return out
+
+
+def simulation() -> None:
+    st.subheader("Simulation: frenzy against fifo on a generated trace")
+    st.caption("fifo: first come first served on each user's own request (type, count). frenzy: GPUMix picks "
+               "type, count and configuration from the memory model. Times are predicted by the cost model; "
+               "the scheduling overhead is measured.")
+    c1, c2, c3, c4 = st.columns(4)
+    seed = c1.number_input("Trace seed", min_value=0, value=1, step=1, key="sched_trace_seed")
+    num_gpus = c2.selectbox("GPUs in the pool", tuple(DEMO_CLUSTERS), key="sched_num_gpus",
+                            format_func=lambda n: f"{n} ({', '.join(DEMO_CLUSTERS[n])})")
+    num_jobs = c3.number_input("Jobs", min_value=10, max_value=3000, value=200, step=10, key="sched_num_jobs")
+    load = c4.slider("Requested load", 0.1, 1.5, 0.6, 0.1, key="sched_load",
+                     help="requested GPU-seconds per device-second of the trace's span")
+    if st.button("Simulate", key="sched_simulate", type="primary"):
+        st.session_state["sched_result"] = (int(seed), int(num_gpus), int(num_jobs), float(load))
+    args = st.session_state.get("sched_result")
+    if not args:
+        return
+    with show_errors("Simulation failed"):
+        res = _simulate(*args)
+        fr, ff = res["frenzy"]["summary"], res["fifo"]["summary"]
+        gain = 1 - fr["avg_jct_s"] / ff["avg_jct_s"]
+        cards = [("Avg JCT frenzy / fifo", f"{fr['avg_jct_s'] / HOUR_S:.2f} / {ff['avg_jct_s'] / HOUR_S:.2f} h",
+                  PREDICTED),
+                 ("Avg JCT reduction", f"{100 * gain:.1f} %", PREDICTED),
+                 ("p99 JCT frenzy / fifo", f"{fr['p99_jct_s'] / HOUR_S:.1f} / {ff['p99_jct_s'] / HOUR_S:.1f} h",
+                  PREDICTED),
+                 ("GPU utilization frenzy / fifo", f"{fr['gpu_utilization']:.0%} / {ff['gpu_utilization']:.0%}",
+                  PREDICTED),
+                 ("Decision time frenzy", f"{fr['scheduling_overhead_ms_per_job']:.2f} ms/job", MEASURED)]
+        for col, (label, value, kind) in zip(st.columns(len(cards)), cards):
+            with col:
+                metric(label, value, kind)
+        keys = ("avg_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization", "scheduling_overhead_ms_per_job",
+                "num_failed")
+        st.dataframe([{"policy": p, **{k: res[p]["summary"][k] for k in keys}} for p in ("frenzy", "fifo")],
+                     hide_index=True, key="sched_sim_table")
+        policy = st.radio("Gantt of", ("frenzy", "fifo"), horizontal=True, key="sched_gantt_policy")
+        show_figure(gantt(res[policy]["rows"], f"{policy}: devices over time (predicted)", "time (h)"),
+                    key="sched_sim_gantt")
+
+
+page_header("Scheduler", "Submit a model, not a GPU request: GPUMix predicts what fits where and places the job.")
+st.caption(f"Local devices: {', '.join(d.label for _, d in _local_cluster().devices())}")
+local_queue()
+st.divider()
+simulation()

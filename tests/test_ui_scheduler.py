@@ -1,0 +1,51 @@
+import os
+
+from streamlit.testing.v1 import AppTest
+
+from executor.queue import JobQueue
+
+PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "scheduler.py")
+
+
+def _page():
+    at = AppTest.from_file(PAGE, default_timeout=120)
+    at.run()
+    assert not at.exception
+    return at
+
+
+def test_submit_and_a_scheduler_pass_that_fails_an_unfittable_job():
+    at = _page()
+    at.selectbox(key="sched_model").set_value("llama2-13b")  # 13B never fits a CPU worker: no real launch
+    at.number_input(key="sched_global_batch").set_value(4)
+    at.number_input(key="sched_steps").set_value(2)
+    at.button(key="sched_submit").click().run()
+    assert not at.exception and not at.error
+    [job] = JobQueue().list()
+    assert (job.model, job.global_batch, job.steps, job.state) == ("llama2-13b", 4, 2, "queued")
+    at.button(key="sched_tick").click().run()
+    assert not at.exception
+    assert JobQueue().get(job.id).state == "failed"
+    assert any("fit" in str(row) for row in at.dataframe[0].value.to_dict("records"))
+
+
+def test_bad_submission_shows_an_error_not_a_traceback(monkeypatch):
+    at = _page()
+    monkeypatch.setattr(JobQueue, "submit", lambda *a, **k: (_ for _ in ()).throw(ValueError("unknown model 'x'")))
+    at.button(key="sched_submit").click().run()
+    assert not at.exception
+    assert any("unknown model" in e.value for e in at.error)
+
+
+def test_simulation_compares_frenzy_and_fifo():
+    at = _page()
+    at.number_input(key="sched_trace_seed").set_value(4)
+    at.selectbox(key="sched_num_gpus").set_value(64)
+    at.number_input(key="sched_num_jobs").set_value(60)
+    at.button(key="sched_simulate").click().run()
+    assert not at.exception and not at.error
+    table = at.dataframe[-1].value  # the simulation table (the queue is empty)
+    assert list(table["policy"]) == ["frenzy", "fifo"]
+    assert (table["avg_jct_s"] > 0).all() and (table["num_failed"] == 0).all()
+    labels = " ".join(m.label for m in at.metric)
+    assert "predicted" in labels and "measured" in labels
