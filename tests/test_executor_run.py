@@ -149,3 +149,20 @@ def test_emulated_memory_limit_fails_the_rank_with_an_out_of_memory_message(data
     assert "out of memory (emulated)" in m["reason"] and "rank 1" in m["reason"]
     assert m["ranks"][1]["emulated"] and not m["ranks"][0]["emulated"]
     assert processes_with_data_dir(data_dir) == []
+
+
+def test_metrics_cli_prints_the_design_json_shape(runs):
+    import json
+    import subprocess
+    import sys
+
+    d, _ = runs
+    out = subprocess.run([sys.executable, "-m", "executor", "metrics", "--run-dir", d["three"], "--json"],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    m = json.loads(out.stdout)
+    assert m["status"] == "done"
+    assert len(m["steps"]) == 5 and {"step", "loss", "samples_per_s", "step_s"} <= set(m["steps"][0])
+    assert len(m["ranks"]) == 3 and {"rank", "peak_memory_bytes"} <= set(m["ranks"][0])
+    table = subprocess.run([sys.executable, "-m", "executor", "metrics", "--run-dir", d["three"]],
+                           capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "done" in table.stdout and "peak_memory_bytes" in table.stdout

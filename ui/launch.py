@@ -1,4 +1,270 @@
+"""Launch & monitor: run the session's plan for real and watch it live.
+
+Widgets -> executor.launch.start_run / stop_run, executor.store.read_metrics -> render.
+The run is a separate process group (a new session), so it survives a browser reload
+and an app restart: the page finds it again from the SQLite store (ui.state.current_run_dir).
+The live panel is an `st.fragment(run_every=1 s)` that reads only SQLite. Measured figures
+sit beside the plan's predictions; emulated devices are marked.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import pandas as pd
 import streamlit as st
 
-st.title("launch")
-st.info("This page is being built.")
+from planner.plan import Plan
+from ui import common, state
+
+log = logging.getLogger(__name__)
+
+LIVE_REFRESH_S = 1.0
+DEFAULT_STEPS = 200
+MIB = 2**20
+
+
+def _store():
+    from executor import store  # torch-free
+
+    return store
+
+
+# ---- launching -------------------------------------------------------------------------
+
+
+def plan_frame(plan: Plan) -> pd.DataFrame:
+    devices = plan.cluster.devices()
+    rows = []
+    for a in plan.used:
+        dev = devices[a.device_index][1] if a.device_index < len(devices) else None
+        rows.append({
+            "node": a.node, "device": common.device_label(dev) if dev else a.type,
+            "emulated": common.emulated_marker(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None),
+            "micro-batch × accum": f"{a.micro_batch} × {a.accum_steps}", "batch": a.batch,
+            "shard fraction": round(a.shard_fraction, 4),
+            "memory (predicted, MiB)": round(a.predicted_memory_bytes / MIB, 1),
+            "step (predicted, s)": a.predicted_step_s,
+        })
+    return pd.DataFrame(rows)
+
+
+def render_launch(plan: Plan | None) -> None:
+    st.subheader("Launch")
+    if plan is None:
+        st.info("No plan in this session yet: compute one on **Plan** first, then come back to launch it.",
+                icon=":material/info:")
+        common.page_link("ui/plan.py", "Go to Plan", ":material/account_tree:")
+        return
+    from executor.launch import multinode_commands, runs_here
+
+    st.caption(f"Plan: **{plan.model}**, global batch {plan.global_batch}, seq {plan.seq}, {plan.dtype}, "
+               f"{len(plan.used)} ranks on {plan.cluster.name}")
+    st.dataframe(plan_frame(plan), hide_index=True, key="launch_plan_table")
+    c1, c2 = st.columns(2)
+    with c1:
+        common.metric("Iteration time", common.fmt_seconds(plan.predicted_iteration_s), common.PREDICTED)
+    with c2:
+        common.metric("Throughput", common.fmt_rate(plan.predicted_samples_per_s), common.PREDICTED)
+    common.show_emulated_note(any(a.emulated or a.slowdown != 1.0 for a in plan.used))
+    steps = st.number_input("Steps", min_value=1, max_value=1_000_000, value=DEFAULT_STEPS, step=50,
+                            key="launch_steps")
+    ckpt_every = st.number_input("Checkpoint every (steps, 0 = never)", min_value=0, value=0, step=50,
+                                 key="launch_checkpoint_every")
+    if not runs_here(plan):
+        st.warning("This plan spans several nodes: run one of these commands on each node "
+                   "(c10d rendezvous on the first).", icon=":material/lan:")
+        st.code("\n".join(multinode_commands("plan.json", plan, int(steps), "RUN_DIR")), language="bash")
+        return
+    if st.button("Launch", type="primary", key="launch_button", icon=":material/rocket_launch:"):
+        from executor.launch import start_run
+
+        with common.show_errors("Cannot launch"), st.spinner("Starting the launcher…"):
+            handle = start_run(plan, int(steps), checkpoint_every=int(ckpt_every))
+            state.set_run_dir(handle.run_dir)
+            st.session_state["launch_run_select"] = handle.run_dir
+            st.toast(f"Launched {os.path.basename(handle.run_dir)}", icon=":material/rocket_launch:")
+
+
+# ---- choosing the run to watch -----------------------------------------------------------
+
+
+def pick_run() -> str | None:
+    runs = _store().list_runs()
+    current = state.current_run_dir()
+    dirs = [r["run_dir"] for r in runs]
+    if current and current not in dirs and os.path.isdir(current):
+        dirs.insert(0, current)
+    if not dirs:
+        st.caption("No runs yet.")
+        return None
+    labels = {r["run_dir"]: f"{r['name']} — {r['status']}, {r['steps_recorded']} steps" for r in runs}
+    if st.session_state.get("launch_run_select") not in dirs:
+        st.session_state["launch_run_select"] = current if current in dirs else dirs[0]
+    choice = st.selectbox("Run to watch", dirs, key="launch_run_select",
+                          format_func=lambda d: labels.get(d, os.path.basename(d)))
+    state.set_run_dir(choice)
+    return choice
+
+
+# ---- the live panel ------------------------------------------------------------------------
+
+
+def ranks_frame(m: dict[str, Any]) -> pd.DataFrame:
+    rows = []
+    for r in m["ranks"]:
+        compute = (r["median_compute_s"] or 0.0) + (r["median_emulated_delay_s"] or 0.0)
+        rows.append({
+            "rank": r["rank"], "node": r["node"], "type": r["type"], "emulated": common.emulated_marker(r["emulated"]),
+            "slowdown": r["slowdown"], "micro-batch × accum": f"{r['micro_batch']} × {r['accum_steps']}",
+            "shard fraction": r["shard_fraction"],
+            "peak memory (measured, MiB)": None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / MIB,
+            "memory (predicted, MiB)": None if r["predicted_memory_bytes"] is None
+            else r["predicted_memory_bytes"] / MIB,
+            "compute/step (measured median, s)": compute if r["median_compute_s"] is not None else None,
+            "wait/step (measured median, s)": r["median_wait_s"],
+            "step (predicted, s)": r["predicted_step_s"],
+        })
+    return pd.DataFrame(rows)
+
+
+def per_rank_series(m: dict[str, Any], column: str) -> dict[str, tuple[list[float], list[float]]]:
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    emulated = {r["rank"]: r["emulated"] for r in m["ranks"]}
+    for row in m["rank_steps"]:
+        name = f"rank {row['rank']}" + (" (emulated)" if emulated.get(row["rank"]) else "")
+        xs, ys = out.setdefault(name, ([], []))
+        xs.append(row["step"])
+        ys.append(row[column])
+    return out
+
+
+def memory_figure(m: dict[str, Any]) -> Any:
+    import plotly.graph_objects as go
+
+    names = [f"rank {r['rank']}" + (" (emulated)" if r["emulated"] else "") for r in m["ranks"]]
+    fig = go.Figure([
+        go.Bar(name="peak (measured)", x=names, y=[(r["peak_memory_bytes"] or 0) / MIB for r in m["ranks"]]),
+        go.Bar(name="predicted", x=names, y=[(r["predicted_memory_bytes"] or 0) / MIB for r in m["ranks"]]),
+    ])
+    fig.update_layout(barmode="group")
+    return common.style_figure(fig, "rank", "memory (MiB)", title="Per-rank memory")
+
+
+def throughput_figure(m: dict[str, Any]) -> Any:
+    steps = m["steps"]
+    series = {"measured": ([s["step"] for s in steps], [s["samples_per_s"] for s in steps])}
+    if m.get("predicted_samples_per_s") and steps:
+        series["predicted (plan)"] = ([steps[0]["step"], steps[-1]["step"]], [m["predicted_samples_per_s"]] * 2)
+    return common.line_figure(series, "step", "throughput (samples/s)", title="Throughput")
+
+
+def render_status(m: dict[str, Any]) -> None:
+    status, steps = m["status"], m["steps"]
+    st.markdown(f"Run status: {status}")
+    st.markdown(f"Steps recorded: {len(steps)}")
+    target = m.get("steps_target") or 0
+    if status == "running" and not steps:
+        up = sum(1 for r in m["ranks"] if r.get("pid"))
+        world = m.get("world_size") or 1
+        st.progress(min(1.0, up / world), text=f"Starting: {up}/{world} ranks up, waiting for the first step…")
+    elif target:
+        done = steps[-1]["step"] if steps else 0
+        st.progress(min(1.0, done / target), text=f"step {done} of {target}")
+    if status == "failed":
+        rank = f" (rank {m['failed_rank']})" if m.get("failed_rank") is not None else ""
+        st.error(f"The run failed{rank}: {m.get('reason') or 'no reason recorded'}", icon=":material/error:")
+    elif status == "stopped":
+        st.warning(f"Stopped: {m.get('reason') or 'on request'}", icon=":material/stop_circle:")
+    common.show_emulated_note(m["emulated"])
+
+
+def render_numbers(m: dict[str, Any]) -> None:
+    steps = m["steps"]
+    c1, c2, c3, c4 = st.columns(4)
+    with c1:
+        common.metric("Loss", f"{steps[-1]['loss']:.4f}" if steps else "—", common.MEASURED,
+                      help="training loss of the last step, nats/token")
+    with c2:
+        common.metric("Step time (median)", common.fmt_seconds(m.get("median_step_s")), common.MEASURED)
+    with c3:
+        common.metric("Step time", common.fmt_seconds(m.get("predicted_iteration_s")), common.PREDICTED,
+                      help="the plan's predicted iteration time")
+    with c4:
+        med = m.get("median_step_s")
+        common.metric("Throughput (median)", common.fmt_rate(m["global_batch"] / med if med else None),
+                      common.MEASURED)
+
+
+def render_charts(m: dict[str, Any]) -> None:
+    steps = m["steps"]
+    if not steps:
+        return
+    xs = [s["step"] for s in steps]
+    loss = {"training": (xs, [s["loss"] for s in steps])}
+    val = [(s["step"], s["val_loss"]) for s in steps if s["val_loss"] is not None]
+    if val:
+        loss["validation"] = ([v[0] for v in val], [v[1] for v in val])
+    c1, c2 = st.columns(2)
+    with c1:
+        common.show_figure(common.line_figure(loss, "step", "loss (nats/token)", title="Loss (measured)"),
+                           key="launch_loss_chart")
+    with c2:
+        common.show_figure(throughput_figure(m), key="launch_speed_chart")
+    c3, c4 = st.columns(2)
+    with c3:
+        common.show_figure(memory_figure(m), key="launch_memory_chart")
+    with c4:
+        fig = common.line_figure(per_rank_series(m, "wait_s"), "step", "wait time (s)",
+                                 title="Per-rank wait in collectives (measured)")
+        common.show_figure(fig, key="launch_wait_chart")
+    st.caption(f"Per rank: {common.source_badge(common.MEASURED)} beside the plan's "
+               f"{common.source_badge(common.PREDICTED)} figures")
+    st.dataframe(ranks_frame(m), hide_index=True, key="launch_ranks_table")
+
+
+def render_monitor(run_dir: str) -> None:
+    try:
+        live = _store().read_metrics(run_dir)["status"] == "running"
+    except ValueError:
+        live = True  # the launcher has not written the store yet
+
+    @st.fragment(run_every=LIVE_REFRESH_S if live else None)
+    def panel() -> None:
+        try:
+            m = _store().read_metrics(run_dir)
+        except ValueError as e:
+            st.markdown("Run status: starting")
+            st.markdown("Steps recorded: 0")
+            st.caption(common.error_message(e))
+            return
+        stop = st.button("Stop", key="stop_button", icon=":material/stop_circle:", disabled=m["status"] != "running")
+        if stop:
+            from executor.launch import stop_run
+
+            with common.show_errors("Cannot stop"), st.spinner("Stopping every rank…"):
+                stop_run(run_dir)
+            m = _store().read_metrics(run_dir)
+        render_status(m)
+        render_numbers(m)
+        render_charts(m)
+
+    panel()
+
+
+def render() -> None:
+    common.page_header("Launch & monitor",
+                       "Run the session's plan with torchrun on this machine and watch it live (SQLite, every second).")
+    render_launch(state.get_plan())
+    st.divider()
+    st.subheader("Monitor")
+    with common.show_errors("Cannot list the runs"):
+        run_dir = pick_run()
+        if run_dir:
+            st.caption(f"Run folder: `{run_dir}`")
+            render_monitor(run_dir)
+
+
+if __name__ == "__main__":  # Streamlit runs pages as __main__; tests import the helpers above
+    render()
