@@ -1,0 +1,383 @@
+"""Cephalo's heterogeneous plan as an ILP: per device a (micro-batch, accumulation steps), a share of
+the sharded training state, or nothing; no device over its memory; the shortest iteration.
+
+The cost model (planner/cost.py) builds the coefficient tables; this module only consumes them.
+The ILP counts devices per *class* (identical DeviceSpec within a scope), so its size grows with
+types × candidate choices, not with the device count. A *scope* fixes the link bandwidth (one
+node: intra-node; several: inter-node) and a *bucket* of world sizes k fixes the collective time
+comm(k) (exact up to cost.EXACT_WORLD_SIZES devices, priced at the bucket's top above).
+
+The problem of one scope and bucket (classes g, choices c = (m, n) of class g):
+    minimize    T
+    subject to  Σ_c x[g,c] ≤ count[g]                                   (devices)
+                Σ_{g,c} m·n·x[g,c] = B                                   (batch)
+                Σ_{g,c} x[g,c]·f[g,c] = 1                                (shards)
+                f[g,c] ≤ max_share[g,c]                                  (memory ≤ capacity × headroom)
+                T ≥ compute[g,c] + opt[g]·f[g,c] + comm   if x[g,c] ≥ 1  (time of each used device)
+                lo ≤ Σ x[g,c] ≤ hi                                       (world size in the bucket)
+(identical devices on the same choice hold equal shares f[g,c]: the split that minimizes their time).
+The products x·f and the time rows are nonlinear in (x, f, T). For a *fixed* T they are not: a device on
+choice c can hold at most cap[g,c](T) = min(max_share, (T − comm − compute)/opt) of the state, so with
+F[g,c] = x·f the shards row becomes Σ F = 1 with F[g,c] ≤ cap[g,c](T)·x[g,c], and choices slower
+than T − comm simply drop out. Feasibility only grows with T, so the least T is found by bisection:
+first over the breakpoints compute + comm (where the choice set changes), then continuously. Each
+feasible probe's configuration is priced exactly (its optimal shares by water-filling), which moves
+the upper end of the interval at once to a real plan's time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import pulp
+
+from planner.catalog import GIB, get_gpu_type
+from planner.cluster import ClusterSpec
+from planner.cost import ClassTable, CostModel, ScopeTable, world_size_buckets
+from planner.plan import Assignment, Plan
+from planner.specs import get_model, with_max_seq
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full")
+# Default context when --seq is not given: the model's own, capped where activations of one
+# sample would already crowd a 24 GB part for the 7B-class presets (Cephalo trains at 2,048).
+DEFAULT_MAX_SEQ = 2048
+# Shares below this are solver round-off, not a slice worth a rank's optimizer call.
+SHARE_EPS = 1e-9
+# The bisection stops when the best plan is within this factor of the proven lower bound
+# (unless the caller's `gap` is looser): far below the noise of any measured step time.
+BISECTION_TOL = 1e-5
+# Bisection steps of the water-filling that prices one configuration's shares (2^-60: exact in float).
+WATER_FILL_STEPS = 60
+
+
+@dataclass(frozen=True)
+class HeteroResult:
+    status: str  # "optimal" | "feasible" (time limit reached before the bisection closed)
+    objective_s: float  # the least iteration time found (= plan.predicted_iteration_s up to bucket pricing)
+    plan: Plan | None
+    solve_time_s: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ScopeSolution:
+    status: str
+    objective_s: float
+    per_device: dict[int, tuple[int, int, float]]  # device index -> (m, n, share)
+
+
+# a configuration: (class index, choice index, number of devices)
+Config = list[tuple[int, int, int]]
+
+
+def validate_inputs(global_batch: int, seq: int | None, dtype: str, recompute: str, headroom: float,
+                    time_limit_s: float, gap: float) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch must be a positive integer, got {global_batch!r}")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
+    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+        raise ValueError(f"time limit must be positive, got {time_limit_s!r}")
+    if not (isinstance(gap, (int, float)) and 0 <= gap < 1):
+        raise ValueError(f"gap must be in [0, 1), got {gap!r}")
+
+
+def share_cap(cls: ClassTable, c: int, t_s: float, comm_s: float) -> float:
+    """The most state one device of `cls` on choice c can hold and still end by t_s:
+    min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
+    ch = cls.choices[c]
+    slack_s = t_s - comm_s - ch.compute_s
+    if slack_s < 0:
+        return -1.0
+    opt_s = cls.coeffs.optimizer_s
+    return ch.max_share if opt_s <= 0 else min(ch.max_share, slack_s / opt_s)
+
+
+def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
+          time_limit_s: float, threads: int | None = None) -> Config | None:
+    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s, or None."""
+    prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
+    prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
+    entries = []  # (g, c, x, F)
+    for g, cls in enumerate(table.classes):
+        xs = []
+        for c, ch in enumerate(cls.choices):
+            cap = share_cap(cls, c, t_s, comm_s)
+            if cap < 0 or (ch.batch == 0 and cap <= 0):
+                continue  # too slow for t_s, or a state-only device that could hold nothing
+            ub = cls.count if ch.batch == 0 else min(cls.count, global_batch // ch.batch)
+            if ub < 1:
+                continue
+            # x[g,c]: how many devices of class g take choice c
+            x = pulp.LpVariable(f"x_{g}_{c}", lowBound=0, upBound=ub, cat="Integer")
+            # F[g,c]: the state share those devices hold together (F = x·f, f their equal per-device share)
+            F = pulp.LpVariable(f"F_{g}_{c}", lowBound=0)
+            # memory and time at t_s: each device's f ≤ cap(t_s), so F ≤ cap·x
+            prob += F <= cap * x, f"cap_{g}_{c}"
+            xs.append(x)
+            entries.append((g, c, x, F))
+        if xs:
+            # devices: a class lends at most its count
+            prob += pulp.lpSum(xs) <= cls.count, f"devices_{g}"
+    if not entries:
+        return None
+    # batch: Σ m·n·x = the global batch
+    prob += pulp.lpSum(table.classes[g].choices[c].batch * x for g, c, x, _ in entries) == global_batch, "batch"
+    # shards: the devices can hold the whole state (≥: any surplus capacity is simply left unused)
+    prob += pulp.lpSum(F for *_, F in entries) >= 1, "shards"
+    # world size: the number of used devices lies in the bucket comm_s was priced for
+    k = pulp.lpSum(x for _, _, x, _ in entries)
+    prob += k >= world[0], "world_lo"
+    prob += k <= world[1], "world_hi"
+    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(time_limit_s, 0.01), threads=threads))
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return None
+    return [(g, c, int(round(x.value() or 0))) for g, c, x, _ in entries if round(x.value() or 0) > 0]
+
+
+def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[float, list[float]] | None:
+    """The least iteration time of a configuration and each entry's per-device share: water-filling,
+    the least t with Σ x·cap(t) ≥ 1 (cap grows with t), by bisection. None if the state cannot fit."""
+    def capacity(t_s: float) -> float:
+        return sum(x * max(share_cap(table.classes[g], c, t_s, comm_s), 0.0) for g, c, x in config)
+
+    lo = max(table.classes[g].choices[c].compute_s for g, c, _ in config) + comm_s
+    hi = lo + max(table.classes[g].coeffs.optimizer_s for g, _, _ in config)
+    if capacity(hi) < 1 - 1e-12:
+        return None
+    if capacity(lo) < 1:
+        for _ in range(WATER_FILL_STEPS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if capacity(mid) >= 1 else (mid, hi)
+        lo = hi
+    caps = [max(share_cap(table.classes[g], c, lo, comm_s), 0.0) for g, c, _ in config]
+    total = sum(x * cap for (_, _, x), cap in zip(config, caps))
+    return lo, [cap / total for cap in caps]
+
+
+def _breakpoints(table: ScopeTable, comm_s: float, lo_s: float, hi_s: float) -> list[float]:
+    """Iteration times at which the set of fast-enough choices changes, inside (lo_s, hi_s)."""
+    pts = {ch.compute_s + comm_s for cls in table.classes for ch in cls.choices}
+    return sorted(t for t in pts if lo_s < t < hi_s)
+
+
+def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
+                 deadline: float, tol: float) -> tuple[float, Config, bool] | None:
+    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent).
+    Returns (time, configuration, proven within tol) or None if nothing beats upper_s."""
+    comm_s = table.comm_s(world[1])
+    best: tuple[float, Config] | None = None
+    lo, hi = lower_s, upper_s
+    if math.isinf(hi):  # no incumbent: the slowest choice bounds every plan
+        hi = max(ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices) + comm_s
+
+    def try_at(t_s: float) -> bool:
+        nonlocal lo, hi, best
+        config = probe(table, global_batch, world, comm_s, t_s, deadline - time.monotonic())
+        priced = price_config(table, config, comm_s) if config else None
+        if priced is None:
+            lo = max(lo, t_s)
+            return False
+        if priced[0] < hi or best is None:
+            best, hi = (priced[0], config), min(hi, priced[0])
+        return True
+
+    # the top of the interval: is there any plan at all below the incumbent?
+    if not try_at(hi if math.isinf(upper_s) else upper_s * (1 - tol)):
+        return None
+    points = _breakpoints(table, comm_s, lo, hi)
+    while points and time.monotonic() < deadline:
+        mid = points[len(points) // 2]
+        ok = try_at(mid)
+        points = [t for t in points if lo < t < hi and (t < mid if ok else t > mid)]
+    while hi - lo > tol * hi and time.monotonic() < deadline:
+        try_at(0.5 * (lo + hi))
+    return best[0], best[1], hi - lo <= tol * hi
+
+
+def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
+                upper_s: float = math.inf) -> ScopeSolution | None:
+    """The best plan of one scope over its world-size buckets, or None if none beats upper_s."""
+    fluid_s = _lower_bound_s(table, global_batch)
+    buckets = world_size_buckets(table.num_devices)
+    # the bucket with every device first (usually the best), then by their lower bounds
+    order = sorted(buckets, key=lambda b: (b[1] != table.num_devices, fluid_s + table.comm_s(b[0])))
+    best: tuple[float, Config, int, bool] | None = None
+    proven = True
+    for world in order:
+        incumbent = best[0] if best else upper_s
+        lower_s = max(fluid_s, _lower_bound_s(table, global_batch, world[1])) + table.comm_s(world[0])
+        if lower_s >= incumbent:
+            continue
+        if time.monotonic() >= deadline:
+            proven = False
+            break
+        found = solve_bucket(table, global_batch, world, lower_s, incumbent, deadline, tol)
+        if found is not None:
+            best = (found[0], found[1], world[1], found[2])
+            proven = proven and found[2]
+    if best is None:
+        return None
+    t_s, config, hi_world, ok = best
+    _, shares = price_config(table, config, table.comm_s(hi_world))
+    per_device: dict[int, tuple[int, int, float]] = {}
+    free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
+    for (g, c, x), share in zip(config, shares):
+        ch = table.classes[g].choices[c]
+        for _ in range(x):
+            per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
+    return ScopeSolution("optimal" if proven and ok else "feasible", t_s, per_device)
+
+
+def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
+    """Fluid bound: the `max_devices` fastest devices that can compute at all, at 1/β each, with no α,
+    optimizer or collectives."""
+    rates = sorted((1.0 / cls.coeffs.beta_s for cls in table.classes if any(ch.batch for ch in cls.choices)
+                    for _ in range(cls.count)), reverse=True)
+    rate = sum(rates[:max_devices] if max_devices is not None else rates)
+    return global_batch / rate if rate > 0 else math.inf
+
+
+def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
+    return min(_lower_bound_s(table, global_batch, hi) + table.comm_s(lo)
+               for lo, hi in world_size_buckets(table.num_devices))
+
+
+def explain_infeasible(cost: CostModel, global_batch: int) -> str:
+    """Why no plan exists: which devices cannot hold even the smallest shard or micro-batch."""
+    problems, can_compute, state_room = [], False, 0.0
+    counts: dict = {}
+    for _, d in cost.cluster.devices():
+        counts[d] = counts.get(d, 0) + 1
+    for d, c in cost.coeffs.items():
+        cap = c.capacity_bytes
+        base = c.memory_bytes(0, 0.0)
+        one = c.memory_bytes(1, 0.0)
+        if base > cap:
+            problems.append(f"{d.label} cannot hold even the smallest shard (needs {base / GIB:.2f} GiB > "
+                            f"{cap / GIB:.2f} GiB = capacity × headroom)")
+            continue
+        per_share = c.memory_bytes(0, 1.0) - base
+        state_room += counts[d] * (1.0 if per_share <= 0 else min(1.0, (cap - base) / per_share))
+        if one > cap:
+            problems.append(f"{d.label} cannot hold micro-batch 1 (needs {one / GIB:.2f} GiB > {cap / GIB:.2f} GiB)")
+        else:
+            can_compute = True
+    if not can_compute:
+        return "no device can hold a micro-batch of 1: " + "; ".join(problems)
+    if state_room < 1.0:
+        return (f"the sharded optimizer state does not fit: the devices hold at most {state_room:.0%} of it"
+                + (f" ({'; '.join(problems)})" if problems else ""))
+    return (f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices"
+            + (f" ({'; '.join(problems)})" if problems else ""))
+
+
+def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
+                          micro_batches: Sequence[int] | None = None,
+                          upper_bound_s: float = math.inf) -> tuple[ScopeSolution, str]:
+    """The best plan over every scope: (solution, scope name). `upper_bound_s` (a known plan's time)
+    drops every choice slower than it from the tables. Raises ValueError when nothing fits."""
+    deadline = time.monotonic() + time_limit_s
+    tol = max(gap, BISECTION_TOL)
+    tables = [cost.scope_table(name, multi, [i for _, ix in members for i in ix], global_batch, micro_batches,
+                               upper_bound_s)
+              for name, multi, members in cost.scopes()]
+    bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
+    best: tuple[ScopeSolution, str, float] | None = None
+    proven = True
+    for table in sorted(tables, key=lambda t: bounds[t.name]):
+        incumbent = best[2] if best else math.inf
+        if bounds[table.name] >= incumbent * (1 - tol):
+            continue
+        if time.monotonic() >= deadline:
+            proven = False
+            break
+        sol = solve_scope(table, global_batch, deadline, tol, incumbent)
+        if sol is None:
+            continue
+        proven = proven and sol.status == "optimal"
+        t_s, _ = cost.estimate_iteration_s([sol.per_device.get(i, (0, 0, 0.0))
+                                            for i in range(cost.cluster.num_devices)])
+        if t_s < incumbent:
+            best = (sol, table.name, t_s)
+    if best is None:
+        if upper_bound_s < math.inf:  # pruning by a known plan's time cannot cut every plan; stay safe
+            return solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches)
+        raise ValueError(f"no feasible plan: {explain_infeasible(cost, global_batch)}")
+    sol = best[0]
+    if not proven:
+        sol = ScopeSolution("feasible", sol.objective_s, sol.per_device)
+    return sol, best[1]
+
+
+def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: str, recompute: str,
+               per_device: Sequence[tuple[int, int, float]], notes: Sequence[str] = (), solve_s: float = 0.0,
+               baselines: dict | None = None) -> Plan:
+    """A Plan from per-device (m, n, share): shares renormalized to sum to 1, predictions filled."""
+    devices = cost.cluster.devices()
+    shares = [f if f > SHARE_EPS else 0.0 for _, _, f in per_device]
+    total = sum(shares)
+    shares = [f / total for f in shares] if total > 0 else shares
+    per_device = [(m, n, f) for (m, n, _), f in zip(per_device, shares)]
+    iteration_s, steps = cost.estimate_iteration_s(per_device)
+    assignments = []
+    for i, ((node, dev), (m, n, f)) in enumerate(zip(devices, per_device)):
+        mem = int(cost.estimate_memory_bytes(dev, m, f)) if (m * n > 0 or f > 0) else 0
+        assignments.append(Assignment(i, node.name, dev.type, m, n, m * n, f, mem, steps[i],
+                                      dev.emulated, dev.slowdown, dev.memory_gb))
+    return Plan(cost.cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), iteration_s,
+                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes))
+
+
+def plan_notes(cost: CostModel, dtype: str) -> list[str]:
+    notes = []
+    for t in sorted({d.type for d in cost.coeffs}):
+        if dtype == "bf16" and not get_gpu_type(t).supports_bf16:
+            notes.append(f"{t} has no bf16: it trains in fp16")
+    estimated = sorted({d.type for d, c in cost.coeffs.items() if not c.measured})
+    if estimated:
+        notes.append(f"step times estimated (not measured) for {', '.join(estimated)}")
+    if cost.cluster.emulated:
+        notes.append("some devices are emulated (slowdown / memory limit from the cluster file)")
+    return notes
+
+
+def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
+               recompute: str = "none", headroom: float = 0.9, time_limit_s: float = 10.0, gap: float = 0.0,
+               micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None) -> HeteroResult:
+    """The fastest plan of `model` on `cluster` at `global_batch` under the cost model."""
+    from planner.baselines import estimate_baselines, estimate_memory_aware
+
+    validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
+    if micro_batches is not None and (not micro_batches or any(
+            isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro_batches)):
+        raise ValueError(f"micro_batches must be positive integers, got {micro_batches!r}")
+    spec = get_model(model)
+    seq = seq if seq is not None else min(spec.max_seq, DEFAULT_MAX_SEQ)
+    spec = with_max_seq(spec, seq)
+    started = time.perf_counter()
+    cost = CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir)
+    baselines = estimate_baselines(cost, global_batch)
+    bounds = [b.predicted_iteration_s for b in (*baselines.values(), estimate_memory_aware(cost, global_batch))]
+    upper = min((b for b in bounds if b is not None), default=math.inf)
+    sol, scope = solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches, upper)
+    solve_s = time.perf_counter() - started
+    notes = plan_notes(cost, dtype) + [f"scope: {scope}"]
+    plan = build_plan(cost, model, global_batch, seq, dtype, recompute,
+                      [sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)],
+                      notes, solve_s, baselines)
+    log.info("plan for %s on %s: %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name,
+             plan.predicted_iteration_s, sol.status, scope, solve_s)
+    return HeteroResult(sol.status, sol.objective_s, plan, solve_s)
