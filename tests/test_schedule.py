@@ -110,3 +110,25 @@ def test_bad_policy_and_empty_trace():
         simulate_schedule([JobSpec("x", "gpt2", 8, 512, 10, 0.0)], CLUSTER, "lottery")
     with pytest.raises(ValueError, match="no jobs"):
         simulate_schedule([], CLUSTER, "fifo")
+
+
+def test_cli_schedule_json_and_bad_trace(tmp_path, capsys):
+    import json
+
+    from planner.__main__ import COMMANDS
+    from planner.cli import main
+    from planner.trace import save_trace
+
+    cluster_path, trace_path = str(tmp_path / "c.json"), str(tmp_path / "t.csv")
+    CLUSTER.save(cluster_path)
+    save_trace(generate_trace(5, 30, CLUSTER), trace_path)
+    assert main("python -m planner", COMMANDS, ["schedule", "--cluster", cluster_path, "--trace", trace_path,
+                                                 "--policy", "fifo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("avg_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization", "scheduling_overhead_ms_per_job"):
+        assert out[key] >= 0
+    assert len(out["jobs"]) == 30 and out["policy"] == "fifo"
+    with open(trace_path, "a") as fh:
+        fh.write("zz,1,gpt2,8,128,ten,,\n")
+    assert main("python -m planner", COMMANDS, ["schedule", "--cluster", cluster_path, "--trace", trace_path]) == 2
+    assert "column 'steps'" in capsys.readouterr().err

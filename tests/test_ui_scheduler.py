@@ -46,6 +46,7 @@ def test_simulation_compares_frenzy_and_fifo():
     assert not at.exception and not at.error
     table = at.dataframe[-1].value  # the simulation table (the queue is empty)
     assert list(table["policy"]) == ["frenzy", "fifo"]
-    assert (table["avg_jct_s"] > 0).all() and (table["num_failed"] == 0).all()
+    assert (table["avg JCT (h, predicted)"] > 0).all() and (table["failed jobs"] == 0).all()
+    assert table["avg JCT (h, predicted)"][0] < table["avg JCT (h, predicted)"][1]
     labels = " ".join(m.label for m in at.metric)
     assert "predicted" in labels and "measured" in labels
