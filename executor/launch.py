@@ -292,7 +292,7 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
     cmd = local_torchrun_command(len(plan.used), free_port(),
                                  worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume,
                                              checkpoint_every, tokens_path=tokens))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GPUMIX_LAUNCHED="1",
                PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
     stop = threading.Event()

@@ -99,7 +99,8 @@ class MetricsStore:
         self.conn.close()
 
     # ---- the launcher ------------------------------------------------------------------
-    def init_run(self, plan: Plan, steps_target: int, seed: int, backend: str, resume: bool = False) -> None:
+    def init_run(self, plan: Plan, steps_target: int, seed: int, backend: str, resume: bool = False,
+                 prefill_ranks: bool = True) -> None:
         now = time.time()
         used = plan.used
         emulated = any(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None for a in used)
@@ -117,7 +118,7 @@ class MetricsStore:
                  seed, backend, plan.predicted_iteration_s, plan.predicted_samples_per_s,
                  json.dumps(plan_summary(plan)), os.getpid(), socket.gethostname()),
             )
-            for pos, a in enumerate(used):
+            for pos, a in enumerate(used if prefill_ranks else ()):  # local runs: rank = plan position
                 self.conn.execute(
                     "INSERT OR REPLACE INTO ranks (rank, position, device_index, node, type, micro_batch, accum_steps,"
                     " batch, shard_fraction, slowdown, memory_gb, emulated, predicted_memory_bytes, predicted_step_s)"
@@ -157,13 +158,17 @@ class MetricsStore:
             self.conn.execute("DELETE FROM rank_steps WHERE step > ?", (step,))
 
     # ---- the ranks ---------------------------------------------------------------------
-    def register_rank(self, rank: int, position: int, pid: int, shard_numel: int, memory_method: str) -> None:
+    def register_rank(self, rank: int, position: int, a: Any, pid: int, shard_numel: int, memory_method: str) -> None:
+        """A rank is up: its pid, and the plan device it trains (a multi-node rendezvous may order
+        ranks differently from the plan, so the rank's own row is rewritten from its assignment)."""
+        emulated = int(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None)
         self.conn.execute(
-            "INSERT INTO ranks (rank, position, pid, started_s, shard_numel, memory_method) VALUES (?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT(rank) DO UPDATE SET position = excluded.position, pid = excluded.pid,"
-            " started_s = excluded.started_s, shard_numel = excluded.shard_numel,"
-            " memory_method = excluded.memory_method",
-            (rank, position, pid, time.time(), shard_numel, memory_method))
+            "INSERT OR REPLACE INTO ranks (rank, position, device_index, node, type, micro_batch, accum_steps,"
+            " batch, shard_fraction, shard_numel, slowdown, memory_gb, emulated, predicted_memory_bytes,"
+            " predicted_step_s, pid, started_s, memory_method) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (rank, position, a.device_index, a.node, a.type, a.micro_batch, a.accum_steps, a.batch, a.shard_fraction,
+             shard_numel, a.slowdown, a.memory_gb, emulated, a.predicted_memory_bytes, a.predicted_step_s, pid,
+             time.time(), memory_method))
 
     def record_rank_step(self, rank: int, step: int, compute_s: float, emulated_delay_s: float, optimizer_s: float,
                          wait_s: float, peak_memory_bytes: int | None) -> None:

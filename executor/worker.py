@@ -46,6 +46,7 @@ from planner.specs import get_model, with_max_seq
 log = logging.getLogger("executor.worker")
 
 ENV_NODE = "GPUMIX_NODE"  # multi-node runs: which plan node this torchrun agent is
+ENV_LAUNCHED = "GPUMIX_LAUNCHED"  # set by executor.launch; without it (multi-node) rank 0 keeps the run row
 NUM_VAL_WINDOWS = 8  # fixed validation windows per evaluation (same every time)
 
 
@@ -153,7 +154,11 @@ class Trainer:
         self.slices = batch_slices(self.batches, self.position, self.a.micro_batch) if self.a.batch else []
         self.global_tokens = plan.global_batch * plan.seq
         self.memory_limit_bytes = int(self.a.memory_gb * GIB) if self.a.memory_gb is not None else None
-        store.register_rank(rank, self.position, os.getpid(), end - start,
+        self.standalone = os.environ.get(ENV_LAUNCHED) != "1"
+        if self.standalone and rank == 0:  # no launcher on this node: rank 0 writes the run row
+            store.init_run(plan, args.steps, args.seed, backend="nccl" if self.cuda else "gloo", resume=True,
+                           prefill_ranks=False)
+        store.register_rank(rank, self.position, self.a, os.getpid(), end - start,
                             PeakMemory(self.device).method)
         log.info("rank %d = plan device %d (%s, micro_batch %d x %d, shard [%d, %d) of %d)%s", rank,
                  self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, start, end, numel,
@@ -242,6 +247,8 @@ class Trainer:
                 if lead:
                     self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
         dist.barrier()
+        if self.standalone and self.rank == 0:
+            self.store.finish("done")
 
 
 @record
@@ -259,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("rank %d failed", rank)
         with contextlib.suppress(Exception):
             store.add_event("rank_failed", f"rank {rank}: {type(e).__name__}: {msg}", rank)
+            if os.environ.get(ENV_LAUNCHED) != "1":
+                store.finish("failed", f"rank {rank}: {type(e).__name__}: {msg}", rank)
         raise
     finally:
         if dist.is_initialized():

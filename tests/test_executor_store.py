@@ -26,7 +26,7 @@ def test_store_records_as_it_goes_and_reads_the_design_contract(tmp_path):
     m = read_metrics(run)
     assert m["status"] == "running" and m["phase"] == "starting" and m["emulated"] is True
     assert m["steps"] == [] and [r["rank"] for r in m["ranks"]] == [0, 1]
-    s.register_rank(1, 1, os.getpid(), 100, "test")
+    s.register_rank(1, 1, small_plan().used[1], os.getpid(), 100, "test")
     s.record_rank_step(0, 1, 0.1, 0.0, 0.01, 0.2, 5000)
     s.record_rank_step(1, 1, 0.1, 0.2, 0.01, 0.0, 7000)
     s.record_rank_step(1, 2, 0.1, 0.2, 0.01, 0.0, None)
