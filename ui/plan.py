@@ -1,4 +1,155 @@
+"""Plan: the fastest heterogeneous plan of a model on a cluster (Cephalo's ILP, planner/hetero.py).
+
+Widgets -> one library call (`solve_plan`, cached) -> render: the per-device table, memory against
+capacity, predicted samples/s against the baselines, the plan file to download. The plan is stored
+in the session (ui/state.set_plan) so that the Launch page runs it.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
 import streamlit as st
 
-st.title("plan")
-st.info("This page is being built.")
+from planner.cluster import ClusterSpec
+from planner.hetero import DTYPES, solve_plan
+from planner.paths import PROJECT_ROOT
+from planner.plan import Plan
+from planner.specs import PRESETS
+from ui.common import (MEASURED, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
+                       show_emulated_note, show_errors, show_figure, style_figure)
+from ui.state import DEFAULT_GLOBAL_BATCH, get_cluster, get_model, get_plan, set_plan
+
+GIB = 2**30
+EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "clusters")
+SESSION_SOURCE = "This machine (session cluster)"
+UPLOAD_SOURCE = "Upload a cluster file…"
+HEADROOM = 0.9  # the planner's default: the capacity line on the memory chart
+
+
+@st.cache_data(show_spinner="Solving the plan…", max_entries=32)
+def compute_plan(cluster_json: str, model: str, global_batch: int, seq: int | None, dtype: str) -> Plan:
+    """solve_plan on a cluster given as JSON (hashable for the cache). Raises ValueError."""
+    cluster = ClusterSpec.from_dict(json.loads(cluster_json))
+    result = solve_plan(cluster, model, global_batch, seq=seq, dtype=dtype, headroom=HEADROOM)
+    if result.plan is None:
+        raise ValueError(result.reason or f"no plan ({result.status})")
+    return result.plan
+
+
+def example_clusters() -> dict[str, str]:
+    return {os.path.basename(p): p for p in sorted(glob.glob(os.path.join(EXAMPLES_DIR, "*.json")))}
+
+
+def choose_cluster() -> ClusterSpec | None:
+    examples = example_clusters()
+    source = st.selectbox("Cluster", [SESSION_SOURCE, *examples, UPLOAD_SOURCE], key="plan_cluster_source")
+    if source == SESSION_SOURCE:
+        return get_cluster()
+    if source == UPLOAD_SOURCE:
+        up = st.file_uploader("Cluster file (JSON)", type=["json"], key="plan_cluster_upload")
+        if up is None:
+            st.info("Upload a cluster file to plan for it.")
+            return None
+        with show_errors("Bad cluster file"):
+            return ClusterSpec.from_json(up.getvalue().decode("utf-8", errors="replace"), source=up.name)
+        return None
+    with show_errors("Bad cluster file"):
+        return ClusterSpec.load(examples[source])
+    return None
+
+
+def inputs() -> tuple[ClusterSpec | None, str, int, int | None, str]:
+    cluster = choose_cluster()
+    current = get_model()
+    models = list(PRESETS) if current in PRESETS else [current, *PRESETS]
+    c1, c2, c3, c4 = st.columns(4)
+    model = c1.selectbox("Model", models, index=models.index(current), key="plan_model")
+    batch = c2.number_input("Global batch (samples)", min_value=1, value=DEFAULT_GLOBAL_BATCH, step=1,
+                            key="plan_global_batch")
+    seq = c3.number_input("Sequence length (tokens)", min_value=0, value=0, step=64, key="plan_seq",
+                          help="0: the model's own, at most 2,048")
+    dtype = c4.selectbox("Dtype", DTYPES, key="plan_dtype")
+    return cluster, model, int(batch), (int(seq) or None), dtype
+
+
+def device_rows(plan: Plan) -> list[dict]:
+    devices = plan.cluster.devices()
+    return [{
+        "device": a.device_index, "node": a.node, "type": devices[a.device_index][1].label,
+        "micro-batch": a.micro_batch, "accum. steps": a.accum_steps, "batch (samples)": a.batch,
+        "shard fraction": round(a.shard_fraction, 4),
+        labelled("memory (GiB)", PREDICTED): round(a.predicted_memory_bytes / GIB, 3),
+        "capacity (GiB)": round(devices[a.device_index][1].memory_bytes / GIB, 2),
+        labelled("step (s)", PREDICTED): round(a.predicted_step_s, 6) if a.used else None,
+        "used": a.used,
+    } for a in plan.assignments]
+
+
+def memory_figure(plan: Plan):
+    import plotly.graph_objects as go
+
+    devices = plan.cluster.devices()
+    names = [f"{a.device_index} · {devices[a.device_index][1].label}" for a in plan.assignments]
+    capacity = [devices[a.device_index][1].memory_bytes / GIB for a in plan.assignments]
+    fig = go.Figure([
+        go.Bar(x=names, y=[a.predicted_memory_bytes / GIB for a in plan.assignments], name="predicted peak"),
+        go.Bar(x=names, y=capacity, name="capacity", opacity=0.35),
+        go.Scatter(x=names, y=[c * HEADROOM for c in capacity], mode="markers", name=f"capacity × {HEADROOM:g}",
+                   marker=dict(symbol="line-ew-open", size=28)),
+    ])
+    fig.update_layout(barmode="overlay")
+    return style_figure(fig, "device", "memory (GiB)", title="Memory per device: predicted vs capacity")
+
+
+def throughput_figure(plan: Plan):
+    import plotly.graph_objects as go
+
+    names, rates, text = ["GPUMix plan"], [plan.predicted_samples_per_s], [fmt_rate(plan.predicted_samples_per_s)]
+    for name, b in plan.baselines.items():
+        names.append(name)
+        if b.oom or not b.predicted_iteration_s:
+            rates.append(0.0)
+            text.append("out of memory")
+        else:
+            rate = plan.global_batch / b.predicted_iteration_s
+            rates.append(rate)
+            text.append(fmt_rate(rate))
+    fig = go.Figure(go.Bar(x=names, y=rates, text=text, textposition="auto"))
+    return style_figure(fig, "plan", "throughput (samples/s, predicted)", title="Predicted samples/s vs baselines")
+
+
+def render(plan: Plan) -> None:
+    st.subheader(f"{plan.model} on {plan.cluster.name}: global batch {plan.global_batch}, seq {plan.seq}, {plan.dtype}")
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        metric("Iteration time", fmt_seconds(plan.predicted_iteration_s), PREDICTED)
+    with c2:
+        metric("Throughput", fmt_rate(plan.predicted_samples_per_s), PREDICTED)
+    with c3:
+        metric("Solve time", fmt_seconds(plan.solve_s), MEASURED)
+    st.dataframe(device_rows(plan), key="plan_table", hide_index=True)
+    show_emulated_note(plan.cluster.emulated)
+    left, right = st.columns(2)
+    with left:
+        show_figure(memory_figure(plan), key="plan_memory_chart")
+    with right:
+        show_figure(throughput_figure(plan), key="plan_baselines_chart")
+    for note in plan.notes:
+        st.caption(note)
+    st.download_button("Download the plan (JSON)", plan.to_json(), file_name=f"plan-{plan.cluster.name}.json",
+                       mime="application/json", key="plan_download")
+    page_link("ui/launch.py", "Launch this plan", icon=":material/rocket_launch:")
+
+
+page_header("Plan", "Per-device micro-batch, accumulation steps and state shard for a mixed cluster: "
+                    "no device out of memory, the shortest predicted iteration.")
+cluster, model, batch, seq, dtype = inputs()
+clicked = st.button("Compute plan", key="plan_compute", type="primary")
+if cluster is not None and (clicked or get_plan() is None):
+    with show_errors("Cannot compute the plan"):
+        set_plan(compute_plan(json.dumps(cluster.to_dict()), model, batch, seq, dtype))
+plan = get_plan()
+if plan is not None:
+    render(plan)
