@@ -10,7 +10,9 @@ One pass (`tick`):
 3. ask the same `frenzy` policy the simulator uses (planner.schedule.FrenzyPolicy over
    MARP's options on the local cluster) which queued jobs start on which devices;
 4. for each: the heterogeneous planner's plan on exactly those devices
-   (planner.hetero.solve_plan on the sub-cluster), then executor.launch.start_run.
+   (planner.hetero.solve_plan on the sub-cluster) — or, when devices of other types
+   would otherwise idle this pass, a mixed-type plan over both if it is predicted
+   clearly faster — then executor.launch.start_run.
 A launch that fails marks the job failed with the reason and frees its devices.
 
 `run_forever(poll_s)` repeats `tick`. Only one pass runs at a time per queue (a file
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 LOCAL_DTYPE = "fp32"  # CPU workers train in fp32 (gloo); a GPU cluster file may ask for bf16
 PLAN_TIME_LIMIT_S = 10.0
+MIXED_GAIN = 0.9  # take idle devices of other types only for a predicted >= 10 % shorter iteration
 
 
 @dataclass
@@ -165,13 +168,16 @@ class Orchestrator:
         for job_id, reason in policy.failed().items():
             if self.queue.finish(int(job_id), "failed", f"does not fit: {reason}"):
                 report.finished.append((int(job_id), "failed"))
-        for d in decisions:
-            job = by_id[d.job.job_id]
+        picked = []
+        for d in decisions:  # reserve every decision's devices first: what is left is idle this pass
             pool = next(p for p in state.pools if p.device == d.option.pool)
             devices = state.pick(pool, d.option.num_gpus)
             state.assign(d.job.job_id, devices)
+            picked.append((d, devices))
+        for d, devices in picked:
+            job = by_id[d.job.job_id]
             try:
-                self._launch(job, devices)
+                self._launch(job, devices, state)
             except (ValueError, RuntimeError, OSError) as e:
                 log.warning("job %d failed to launch: %s", job.id, e)
                 state.release(d.job.job_id)
@@ -180,7 +186,7 @@ class Orchestrator:
                 continue
             report.started.append(job.id)
 
-    def _launch(self, job: QueuedJob, devices: tuple[int, ...]) -> None:
+    def _plan(self, job: QueuedJob, devices: tuple[int, ...]):
         from planner.hetero import solve_plan
 
         sub = sub_cluster(self.cluster, devices, f"{self.cluster.name}-job{job.id}")
@@ -188,13 +194,30 @@ class Orchestrator:
                             time_limit_s=PLAN_TIME_LIMIT_S)
         if result.plan is None:
             raise ValueError(f"no plan on devices {list(devices)}: {result.reason or result.status}")
+        return result.plan
+
+    def _launch(self, job: QueuedJob, devices: tuple[int, ...], state: ClusterState) -> None:
+        """Plan on the policy's devices; if other kinds of devices sit idle this pass, also plan on
+        them together (the heterogeneous planner mixes types) and keep that when it is predicted
+        clearly faster. The job then holds only the devices its plan uses."""
+        plan = self._plan(job, devices)
+        pools = {state.pool_of(i) for i in devices}
+        idle = tuple(i for i, owner in enumerate(state.owner) if owner is None and state.pool_of(i) not in pools)
+        if idle:
+            both = tuple(sorted(devices + idle))
+            mixed = self._plan(job, both)
+            if mixed.predicted_iteration_s < MIXED_GAIN * plan.predicted_iteration_s:
+                state.release(str(job.id))
+                devices = tuple(both[a.device_index] for a in mixed.assignments if a.used)
+                state.assign(str(job.id), devices)
+                plan = self._plan(job, devices) if len(devices) < len(both) else mixed
         start = self._start
         if start is None:
             from executor.launch import start_run as start
         run_dir = os.path.join(runs_dir(), f"job-{job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-        handle = start(result.plan, job.steps, run_dir=run_dir)
+        handle = start(plan, job.steps, run_dir=run_dir)
         labels = [d.label for _, d in (self.cluster.devices()[i] for i in devices)]
-        predicted_s = result.plan.predicted_iteration_s * job.steps
+        predicted_s = plan.predicted_iteration_s * job.steps
         if not self.queue.mark_running(job.id, devices, labels, handle.run_dir, handle.pid, predicted_s):
             # cancelled between reading the queue and launching: stop what we started
             from executor.launch import stop_run

@@ -102,3 +102,16 @@ def test_two_real_tiny_jobs_submitted_at_once_run_and_finish():
         spans.append((j.started_s, j.ended_s, set(j.devices)))
     (s0, e0, d0), (s1, e1, d1) = sorted(spans, key=lambda x: x[0])
     assert e0 <= s1 or not (d0 & d1)  # overlapping in time -> disjoint devices
+
+
+def test_idle_devices_of_another_type_join_through_a_mixed_plan():
+    mixed = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "localhost", "gpus": [
+        {"type": "cpu"}, {"type": "cpu", "slowdown": 1.5}]}]})
+    runs = FakeRuns()
+    q = JobQueue()
+    j = q.submit("small", 32, 5)
+    Orchestrator(q, mixed, start=runs.start, read=runs.read).tick()
+    job = q.get(j)
+    plan = runs.plans[job.run_dir]
+    assert sorted(job.devices) == [0, 1] and len(plan.used) == 2  # both kinds used by one plan
+    assert {a.type for a in plan.used} == {"cpu"} and any(a.emulated for a in plan.used)
