@@ -4,9 +4,12 @@ Given one simulated training iteration, place prefill requests into the idle
 intervals of the GPUs whose stage leaves enough memory free for the inference
 model, each request on one GPU and entirely inside one idle interval, so no
 training operation moves (the caller re-simulates with the placements as
-reserved intervals to prove it). A free GPU takes the first waiting request
-(arrival order) that fits the rest of its gap; with a backlog the queue never
-empties and requests come in the proportions of the prompt-length distribution.
+reserved intervals to prove it). A free GPU takes, among the first LOOKAHEAD
+waiting requests, the longest that fits the rest of its gap (best fit, oldest on
+a tie). With `requests_per_s`, requests arrive as a Poisson process with lengths in
+the distribution's proportions, and the time to first token is measured. With a
+backlog, requests of every listed length are always waiting: the bubbles take
+what fits, so the served mix (reported) leans to the shorter prompts.
 
 Prefill time: the profile store's forward time of one sequence of the prompt's
 length on that GPU type (a third of `get_step_profile(...).step_time_s(1)`; the
@@ -68,7 +71,9 @@ class PrefillResult:
 
     def summary(self) -> dict:
         ttft = self.ttft_s()
+        served = [p.tokens for p in self.placements]
         return {
+            "served_mean_prompt_tokens": statistics.fmean(served) if served else None,
             "prefill_requests_served": len(self.placements),
             "prefill_requests_offered": None if self.backlog else self.requests_offered,
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),
@@ -118,7 +123,7 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
         fits = {n: prefill_time_s(spec, n, g, dtype) for n in lengths if need[n] <= free}
         if fits:
             dur[j] = fits
-    gaps = {(r, j): sim.idle_intervals(r, j) for r in range(sim.job.num_pipelines) for j in dur}
+    gaps = {(r, j): steady_state_gaps(sim.idle_intervals(r, j), T) for r in range(sim.job.num_pipelines) for j in dur}
     # a prompt length that fits no GPU's memory or no gap can never be served by this job
     longest = {j: max((e - s for (_, jj), g in gaps.items() if jj == j for s, e in g), default=0.0) for j in dur}
     servable = {n for j in dur for n, t in dur[j].items() if t <= longest[j]}
@@ -130,13 +135,12 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     if servable != set(lengths):
         res.note = f"prompt lengths {sorted(set(lengths) - servable)} fit no GPU's free memory or idle interval"
 
-    # the queue: (arrival, index, tokens); a backlog is refilled as it drains
-    gen = _request_lengths(workload)
+    # the queue: (arrival, index, tokens); a backlog holds one of each servable length, refilled
     queue: list[tuple[float, int, int]] = []
     if workload.backlog:
-        gen = (n for n in gen if n in servable)
-        queue = [(0.0, i, next(gen)) for i in range(LOOKAHEAD)]
+        queue = [(0.0, i, n) for i, n in enumerate(sorted(servable))]
     else:
+        gen = _request_lengths(workload)
         rng, t = random.Random(seed), 0.0
         while True:
             t += rng.expovariate(workload.requests_per_s)
@@ -153,20 +157,20 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     while heap and queue:
         t, w, gi = heapq.heappop(heap)
         gap_end = gaps[w][gi][1]
-        pick = None
+        pick, longest_fit = None, 0.0
         for qi, (arrival, idx, n) in enumerate(queue[:LOOKAHEAD]):
             if arrival > t:
                 break  # the queue is in arrival order
-            if n in dur[w[1]] and t + dur[w[1]][n] <= gap_end:
-                pick = qi
-                break
+            took = dur[w[1]].get(n)
+            if took is not None and t + took <= gap_end and took > longest_fit:
+                pick, longest_fit = qi, took  # best fit: the longest waiting request the gap holds
         if pick is not None:
             arrival, idx, n = queue.pop(pick)
             end = t + dur[w[1]][n]
             res.placements.append(PrefillPlacement(idx, n, w[0], w[1], arrival, t, end))
             heapq.heappush(heap, (end, w, gi))
             if workload.backlog:
-                queue.append((0.0, next_index, next(gen)))
+                queue.insert(pick, (0.0, next_index, n))
                 next_index += 1
             continue
         later = next((a for a, _, _ in queue[:LOOKAHEAD] if a > t), None)
@@ -177,9 +181,24 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     return res
 
 
+def steady_state_gaps(gaps: list[tuple[float, float]], iteration_s: float) -> list[tuple[float, float]]:
+    """Iterations repeat back to back, so a GPU idle at the end of one and at the start of the next
+    has one idle interval across the boundary: [last gap's start, T + first gap's end)."""
+    if len(gaps) > 1 and gaps[0][0] <= 0.0 and gaps[-1][1] >= iteration_s:
+        return gaps[1:-1] + [(gaps[-1][0], iteration_s + gaps[0][1])]
+    return gaps
+
+
 def reservations(result: PrefillResult) -> dict[tuple[int, int], list[tuple[float, float]]]:
-    """The placements as intervals each GPU is taken (pipeline_sim's `reserved`)."""
+    """The placements as intervals each GPU is taken (pipeline_sim's `reserved`); a prefill that
+    runs past the iteration's end continues at the start of the next (same timeline)."""
+    T = result.iteration_s
     out: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for p in result.placements:
-        out.setdefault((p.pipeline, p.stage), []).append((p.start_s, p.end_s))
+        took = out.setdefault((p.pipeline, p.stage), [])
+        if p.end_s <= T:
+            took.append((p.start_s, p.end_s))
+        else:
+            took += [(p.start_s, T)] if p.start_s < T else []
+            took.append((max(p.start_s, T) - T, p.end_s - T))
     return out

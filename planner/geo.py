@@ -21,8 +21,10 @@ iteration time decides. The baselines (`geo_baselines`) use the same simulator.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,9 +36,11 @@ from planner.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulat
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64  # past a few dozen parallel streams, real stacks lose to per-flow overheads
-STAGE_OPTIONS = (1, 2, 4, 8, 16, 32)  # stages per DC tried (plus "all the DC's GPUs")
-MAX_COMBINATIONS = 20000  # above this many stage-count combinations, try only {1, all}
-SIMULATE_TOP = 3  # candidates (by the closed-form estimate) run through the simulator
+STAGE_OPTIONS = (1, 2, 4, 8)  # stages per DC tried (plus "all the DC's GPUs")
+MAX_COMBINATIONS = 2000  # above this many stage-count combinations, try only {1, all}
+SIMULATE_TOP = 16  # most candidates (by the closed-form estimate) run through the simulator
+KEEP_PER_SUBSET = 3  # candidates kept per subset of datacenters
+SHORTLIST_FACTOR = 2.0  # simulate the kept candidates estimated within 2x of the best
 TIE_TOLERANCE = 0.005  # within 0.5 % of the best iteration time, prefer fewer GPUs
 
 
@@ -128,14 +132,14 @@ def build_job(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan, schedule: s
                        plan.num_microbatches, costs.transfer_bytes, schedule, plan.link_order)
 
 
-def _chains(scenario: GeoScenario, all_datacenters: bool = False) -> list[tuple[str, ...]]:
-    """Every order of every subset of DCs (or of all of them) in which consecutive DCs share a WAN link."""
+def _chains(scenario: GeoScenario, all_datacenters: bool = False) -> dict[frozenset, list[tuple[str, ...]]]:
+    """Per subset of DCs (or only all of them): its orders in which consecutive DCs share a WAN link."""
     names = [dc.name for dc in scenario.datacenters]
-    out = []
+    out: dict[frozenset, list[tuple[str, ...]]] = {}
     for n in range(len(names) if all_datacenters else 1, len(names) + 1):
         for perm in itertools.permutations(names, n):
             if all(scenario.has_link(x, y) for x, y in zip(perm, perm[1:])):
-                out.append(perm)
+                out.setdefault(frozenset(perm), []).append(perm)
     return out
 
 
@@ -174,16 +178,24 @@ def split_layers(layer_s: list[float], head_s: float, caps: list[int], num_layer
     return best
 
 
-def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, bool]], d: int, m: int) -> float:
+def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, float]], d: int, m: int) -> float:
     """Closed-form 1F1B iteration time used only to rank candidates: one micro-batch's round trip
-    through every stage and hop, then (m-1) periods of the bottleneck resource (a stage's
-    compute, or a shared WAN direction carrying d transfers per period), then the all-reduce.
+    through every stage and hop, then (m-1) periods of the bottleneck. The period is the slowest
+    of: a stage's compute; a shared WAN direction's busy time per period (d transfers); and
+    1F1B's in-flight limit: stage j keeps at most min(p-j, m) micro-batches in flight, so it
+    waits for the round trip from j to the end and back once per that many micro-batches.
     hops: (one transfer's serialisation s, latency s, the link's busy s per period)."""
+    p = len(plan_stages)
     period = max(s.forward_s + s.backward_s for s in plan_stages)
     for _, _, busy in hops:
         period = max(period, busy)
-    first = sum(s.forward_s + s.backward_s for s in plan_stages) + sum(2 * (w + lat) for w, lat, _ in hops)
-    return first + (m - 1) * period + max(s.allreduce_s for s in plan_stages)
+    trip = 0.0
+    for j in range(p - 1, -1, -1):
+        trip += plan_stages[j].forward_s + plan_stages[j].backward_s
+        if j < p - 1:
+            trip += 2 * (hops[j][0] + hops[j][1])
+        period = max(period, trip / min(p - j, m))
+    return trip + (m - 1) * period + max(s.allreduce_s for s in plan_stages)
 
 
 NETWORKS = ("atlas", "single_fair")  # k saturating connections + temporal sharing | 1 connection + fair sharing
@@ -206,31 +218,73 @@ def _wan_hops(scenario: GeoScenario, chain: tuple[str, ...], network: str) -> di
     return out
 
 
-def _candidates(scenario: GeoScenario, costs: GeoCosts, network: str, all_datacenters: bool) -> list[_Candidate]:
+def _lower_bound_s(costs: GeoCosts, where_types: list[str], wan_busy: float, m: int, rc: str) -> float:
+    """A bound no plan of these stages beats (branch and bound): the stage time can be no lower
+    than the perfectly balanced L / Σ(1/t_j), the first micro-batch crosses every layer."""
+    inv = sum(1.0 / costs.layer_time_s(g, rc) for g in where_types)
+    balanced = costs.spec.num_layers / inv
+    fastest = min(costs.layer_time_s(g, rc) for g in where_types)
+    return (m - 1) * max(balanced, wan_busy) + costs.spec.num_layers * fastest
+
+
+def _candidates(scenario: GeoScenario, costs: GeoCosts, network: str, all_datacenters: bool,
+                keep: int) -> tuple[list[_Candidate], int]:
+    """The `keep` best candidates by estimate of every subset of DCs, and how many
+    configurations were considered.
+
+    Phase 1 searches GPU types, DP degree and stages per DC for each subset of DCs in one
+    order (compute and memory barely depend on the order); phase 2 puts each kept
+    configuration in its best order (the WAN hops, latencies and first/last stage differ)."""
     num_mb = scenario.global_batch // scenario.micro_batch
     L = costs.spec.num_layers
+    bits = costs.transfer_bytes * BITS_PER_BYTE
+    considered = 0
     out: list[_Candidate] = []
-    for chain in _chains(scenario, all_datacenters):
+    for orders in _chains(scenario, all_datacenters).values():
+        best: list[tuple[float, int, int, _Candidate]] = []  # max-heap of the kept: (-estimate, -gpus, id, cand)
+        counter = itertools.count()
+        chain = orders[0]
         dcs = [scenario.datacenter(n) for n in chain]
         wan = _wan_hops(scenario, chain, network)
         for types in itertools.product(*[[g for g, _ in dc.gpus] for dc in dcs]):
             counts = [dict(dc.gpus)[g] for dc, g in zip(dcs, types)]
-            for d in _divisors(num_mb, min(counts)):
-                options = [sorted({k for k in STAGE_OPTIONS if k <= c // d} | {min(c // d, L)}) for c in counts]
-                combos = 1
-                for o in options:
-                    combos *= len(o)
-                if combos > MAX_COMBINATIONS:
-                    options = [sorted({1, o[-1]}) for o in options]
+            for d in sorted(_divisors(num_mb, min(counts)), reverse=True):
+                m = num_mb // d
+                # the busiest WAN direction per period (temporal: d transfers in a row; fair: link-bound)
+                wan_busy = max([d * bits / (r * GBPS) if network == "atlas" else
+                                max(bits / (r * GBPS), d * bits / (cap * GBPS)) for _, r, cap, _ in wan.values()],
+                               default=0.0)
+                options = [sorted({k for k in STAGE_OPTIONS if k <= c // d} | {min(c // d, L)}, reverse=True)
+                           for c in counts]
+                if math.prod(len(o) for o in options) > MAX_COMBINATIONS:
+                    options = [sorted({1, o[0]}, reverse=True) for o in options]
                 for ks in itertools.product(*options):
                     if sum(ks) > L:
                         continue
+                    considered += 1
+                    where_types = [g for g, k in zip(types, ks) for _ in range(k)]
                     for rc in ("none", "full"):
-                        cand = _make_candidate(scenario, costs, chain, types, ks, d, num_mb // d, rc, wan, network)
+                        if len(best) >= keep and _lower_bound_s(costs, where_types, wan_busy, m, rc) >= -best[0][0]:
+                            continue
+                        cand = _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network)
                         if cand is not None:
-                            out.append(cand)
+                            heapq.heappush(best, (-cand.estimate_s, -cand.num_gpus, next(counter), cand))
+                            if len(best) > keep:
+                                heapq.heappop(best)
                             break  # recomputation only when the plan does not fit without it
-    return out
+        for _, _, _, cand in best:  # phase 2
+            p = cand.plan
+            per_dc = {dc: (next(s.gpu_type for s in p.stages if s.dc == dc),
+                           sum(1 for s in p.stages if s.dc == dc)) for dc in p.chain}
+            for other_chain in orders[1:]:
+                considered += 1
+                other = _make_candidate(scenario, costs, other_chain, [per_dc[n][0] for n in other_chain],
+                                        [per_dc[n][1] for n in other_chain], p.num_pipelines, p.num_microbatches,
+                                        p.recompute, _wan_hops(scenario, other_chain, network), network)
+                if other is not None and other.estimate_s < cand.estimate_s:
+                    cand = other
+            out.append(cand)
+    return sorted(out, key=lambda c: (c.estimate_s, c.num_gpus)), considered
 
 
 def _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network) -> _Candidate | None:
@@ -266,13 +320,21 @@ def _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network) -
     return _Candidate(_estimate_s(stages, hops, d, m), plan.num_gpus, plan)
 
 
-def _better(a: tuple[float, int], b: tuple[float, int] | None) -> bool:
-    """(iteration_s, num_gpus): faster wins; within TIE_TOLERANCE, fewer GPUs win."""
+def _better(a: tuple[float, int, int], b: tuple[float, int, int] | None) -> bool:
+    """(iteration_s, -prefill-capable GPUs, GPUs): faster wins; within TIE_TOLERANCE, the plan
+    leaving more GPUs room for prefill, then the one with fewer GPUs."""
     if b is None:
         return True
     if abs(a[0] - b[0]) <= TIE_TOLERANCE * min(a[0], b[0]):
-        return a[1] < b[1]
+        return a[1:] < b[1:]
     return a[0] < b[0]
+
+
+def prefill_capable_gpus(plan: GeoPlan, prefill_bytes: int | None) -> int:
+    """GPUs whose stage leaves `prefill_bytes` free (0 without a prefill workload)."""
+    if not prefill_bytes:
+        return 0
+    return plan.num_pipelines * sum(1 for s in plan.stages if s.capacity_bytes - s.memory_bytes >= prefill_bytes)
 
 
 @dataclass(frozen=True)
@@ -285,7 +347,7 @@ class AtlasResult:
 
 def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: str = "1f1b",
                 network: str = "atlas", all_datacenters: bool = False,
-                simulate_top: int = SIMULATE_TOP) -> AtlasResult:
+                simulate_top: int = SIMULATE_TOP, prefill_bytes: int | None = None) -> AtlasResult:
     """The fastest memory-feasible plan (by simulated iteration time) for `scenario`.
 
     `network="single_fair"` with `all_datacenters=True` is the pipeline baseline: the same
@@ -294,23 +356,33 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
         raise ValueError(f"network must be one of {NETWORKS}, got {network!r}")
     t0 = time.perf_counter()
     costs = costs or GeoCosts(scenario)
-    cands = _candidates(scenario, costs, network, all_datacenters)
+    cands, considered = _candidates(scenario, costs, network, all_datacenters, keep=KEEP_PER_SUBSET)
     if not cands:
         raise ValueError(
             f"no memory-feasible plan{' using every datacenter' if all_datacenters else ''}: {costs.spec.name} "
             f"at micro_batch {scenario.micro_batch}, seq {scenario.seq} does not fit the GPUs "
             f"even with recomputation and one layer per GPU"
         )
-    ranked = sorted(cands, key=lambda c: (c.estimate_s, c.num_gpus))
-    best: tuple[float, int] | None = None
+    # the estimate only ranks: simulate every kept configuration that is not far off the best
+    # the best of each subset of datacenters first, then the rest by estimate
+    firsts, seen = [], set()
+    for c in cands:
+        if frozenset(c.plan.chain) not in seen:
+            seen.add(frozenset(c.plan.chain))
+            firsts.append(c)
+    rest = [c for c in cands if c not in firsts]
+    shortlist = [c for c in firsts + rest if c.estimate_s <= SHORTLIST_FACTOR * cands[0].estimate_s][:simulate_top]
+    best: tuple[float, int, int] | None = None
     best_plan, best_sim = None, None
-    shortlist = ranked[:simulate_top]
     for cand in shortlist:
-        temporal = network == "atlas" and cand.plan.num_pipelines > 1 and len(cand.plan.chain) > 1
-        for order in ("fifo", "pipeline") if temporal else ("fifo",):
-            plan = replace(cand.plan, link_order=order)
-            sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
-            if _better((sim.iteration_s, plan.num_gpus), best):
-                best, best_plan, best_sim = (sim.iteration_s, plan.num_gpus), plan, sim
-    log.info("geo %s: %d candidates, simulated %d, best %.3f s", network, len(cands), len(shortlist), best[0])
-    return AtlasResult(best_plan, best_sim, len(cands), time.perf_counter() - t0)
+        sim = simulate_pipeline(build_job(scenario, costs, cand.plan, schedule))
+        key = (sim.iteration_s, -prefill_capable_gpus(cand.plan, prefill_bytes), cand.plan.num_gpus)
+        if _better(key, best):
+            best, best_plan, best_sim = key, cand.plan, sim
+    if network == "atlas" and best_plan.num_pipelines > 1 and len(best_plan.chain) > 1:
+        plan = replace(best_plan, link_order="pipeline")  # the other turn-taking rule on the WAN
+        sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
+        if sim.iteration_s < best[0]:
+            best, best_plan, best_sim = (sim.iteration_s, *best[1:]), plan, sim
+    log.info("geo %s: %d configurations, simulated %d, best %.3f s", network, considered, len(shortlist), best[0])
+    return AtlasResult(best_plan, best_sim, considered, time.perf_counter() - t0)

@@ -107,13 +107,16 @@ class GeoCosts:
         """Fallback when planner.memory is absent: states 16 B/param (ZeRO-1 over dp), activations
         per layer per micro-batch s·b·h·(34 + 5·a·s/h) bytes in 16-bit, 2·s·b·h with full
         recomputation plus one layer re-materialized (Korthikanti et al. 2022, eq. 1-2);
-        logits s·b·V in fp32 and their gradient on the last stage."""
+        logits s·b·V in fp32 and their gradient on the last stage. The models' attention is
+        F.scaled_dot_product_attention, which on a GPU in bf16/fp16 runs FlashAttention and
+        keeps no s×s scores: the 5·a·s/h term is dropped there (kept for fp32)."""
         s = self.spec
         w, g, opt = STATE_BYTES["fp32" if self.dtype == "fp32" else "mixed"]
         per_param = w + g + opt / dp
         scale = 2 if self.dtype == "fp32" else 1
         sbh = self.tokens * s.hidden
-        full_layer = sbh * (34 + 5 * s.num_heads * self.seq / s.hidden) * scale
+        scores = 0.0 if self.dtype in ("bf16", "fp16") else 5 * s.num_heads * self.seq / s.hidden
+        full_layer = sbh * (34 + scores) * scale
         act = 2 * sbh * scale if recompute == "full" else full_layer
         base = full_layer if recompute == "full" else 0.0
         if first:

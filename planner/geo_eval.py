@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.bubbletea import PrefillResult, reservations, simulate_bubbletea
+from planner.bubbletea import PrefillResult, prefill_memory_bytes, reservations, simulate_bubbletea
 from planner.geo import AtlasResult, GeoPlan, solve_atlas
 from planner.geo_costs import GeoCosts
 from planner.geo_scenario import BITS_PER_BYTE, GBPS, GeoScenario
@@ -71,10 +71,12 @@ def _widest_tree(scenario: GeoScenario, dcs: list[str], connections: int) -> tup
     return (min(l.throughput_gbps(connections) for l in used), max(l.one_way_latency_s for l in used))
 
 
-def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts) -> BaselineOutcome:
+def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts,
+                         datacenters: list[str] | None = None) -> BaselineOutcome:
+    """DP across `datacenters` (default: all of them)."""
     desc = "data parallel across datacenters, gradient all-reduce over the WAN"
     num_mb = scenario.global_batch // scenario.micro_batch
-    names = [dc.name for dc in scenario.datacenters]
+    names = datacenters or [dc.name for dc in scenario.datacenters]
     # throughput of each DC alone on the whole batch decides its share
     rate = {}
     for n in names:
@@ -85,32 +87,27 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts) -> BaselineOutc
             pass  # the model does not fit this DC: it takes no share
     if not rate:
         return BaselineOutcome("dp_across_dcs", None, None, 0, desc, "no datacenter holds a full replica")
-    # shares in whole micro-batches, largest remainder; granularity keeps DP divisors available
+    # shares in whole micro-batches by largest remainder, in grains that keep DP divisors available
     grain = 8 if num_mb >= 8 * len(rate) else 1
-    units = num_mb // grain
-    total = sum(rate.values())
+    units, total = num_mb // grain, sum(rate.values())
     share = {n: int(units * r / total) for n, r in rate.items()}
     for n in sorted(rate, key=lambda n: units * rate[n] / total - share[n], reverse=True)[:units - sum(share.values())]:
         share[n] += 1
     share = {n: u * grain for n, u in share.items()}
     share[max(rate, key=rate.get)] += num_mb - sum(share.values())  # the remainder goes to the fastest DC
-    sims: list[tuple[AtlasResult, str]] = []
-    for n, mbs in share.items():
-        if mbs > 0:
-            sims.append((solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch)), n))
-    used = [n for _, n in sims]
-    gpus = sum(r.plan.num_gpus for r, _ in sims)
-    compute_end = max(r.sim.iteration_s for r, _ in sims)
+    sims = {n: solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch)) for n, mbs in share.items() if mbs}
+    gpus = sum(r.plan.num_gpus for r in sims.values())
+    compute_end = max(r.sim.iteration_s for r in sims.values())
     wan_s = 0.0
-    if len(used) > 1:
-        connections = min(r.plan.num_gpus for r, _ in sims)  # one connection per GPU's shard
-        gbps, lat = _widest_tree(scenario, used, connections)
+    if len(sims) > 1:
+        connections = min(r.plan.num_gpus for r in sims.values())  # one connection per GPU's shard
+        gbps, lat = _widest_tree(scenario, list(sims), connections)
         grad_bits = costs.grad_bytes(costs.spec.num_params) * BITS_PER_BYTE
-        D = len(used)
+        D = len(sims)
         wan_s = 2 * (D - 1) / D * grad_bits / (gbps * GBPS) + 2 * (D - 1) * lat
     iteration = compute_end + wan_s
-    busy = sum(r.sim.compute_busy_s() for r, _ in sims)
-    note = f"WAN all-reduce {wan_s:.3g} s after compute {compute_end:.3g} s over {', '.join(used)}"
+    busy = sum(r.sim.compute_busy_s() for r in sims.values())
+    note = f"WAN all-reduce {wan_s:.3g} s after compute {compute_end:.3g} s over {', '.join(sims)}"
     return BaselineOutcome("dp_across_dcs", iteration, busy / (gpus * iteration), gpus, desc, note)
 
 
@@ -202,7 +199,10 @@ def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool 
     """Plan `scenario` with Atlas, simulate it, its baselines and BubbleTea's prefill."""
     t0 = time.perf_counter()
     costs = GeoCosts(scenario)
-    atlas = solve_atlas(scenario, costs, schedule)
+    inf = scenario.inference
+    need = None if inf is None else prefill_memory_bytes(get_model(inf.model), min(t for t, _ in inf.prompt_tokens),
+                                                          scenario.dtype)
+    atlas = solve_atlas(scenario, costs, schedule, prefill_bytes=need)
     solve_s = time.perf_counter() - t0
     base = simulate_baselines(scenario, costs) if baselines else {}
     pre, same = run_prefill(scenario, atlas.plan, atlas.sim)

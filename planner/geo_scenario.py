@@ -236,6 +236,17 @@ class GeoScenario:
         pairs = [frozenset((l.a, l.b)) for l in self.wan]
         if len(set(pairs)) != len(pairs):
             raise ValueError("scenario: two wan links join the same pair of datacenters")
+        reach, frontier = {names[0]}, [names[0]]  # every DC must be reachable over the WAN
+        while frontier:
+            x = frontier.pop()
+            for link in self.wan:
+                for y in ((link.b,) if link.a == x else (link.a,) if link.b == x else ()):
+                    if y not in reach:
+                        reach.add(y)
+                        frontier.append(y)
+        if len(reach) < len(names):
+            lost = [n for n in names if n not in reach]
+            raise ValueError(f"scenario: no wan link connects datacenters {lost} to {names[0]!r}: add a link")
         if self.global_batch % self.micro_batch:
             raise ValueError(
                 f"scenario: global_batch {self.global_batch} is not a multiple of micro_batch {self.micro_batch}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.geo_scenario import BITS_PER_BYTE, GBPS
 
@@ -338,4 +338,11 @@ class _Sim:
 def simulate_pipeline(job: PipelineJob,
                       reserved: dict[tuple[int, int], list[tuple[float, float]]] | None = None) -> SimResult:
     """One training iteration of `job`; `reserved[(pipeline, stage)]` are intervals the GPU is taken."""
-    return _Sim(job, reserved or {}).run()
+    if reserved or job.num_pipelines == 1 or any(c.sharing != "dedicated" for c in job.channels):
+        return _Sim(job, reserved or {}).run()
+    # no shared link and nothing reserved: the pipelines are identical; simulate one, copy it
+    one = _Sim(replace(job, num_pipelines=1), {}).run()
+    d = job.num_pipelines
+    ops = [replace(o, pipeline=r) for r in range(d) for o in one.ops]
+    transfers = [replace(t, pipeline=r) for r in range(d) for t in one.transfers]
+    return SimResult(job, one.iteration_s, ops, transfers, {k: v * d for k, v in one.channel_bits.items()})
