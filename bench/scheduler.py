@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from planner.options import clear_caches  # noqa: E402
 from planner.schedule import FrenzyPolicy, simulate_schedule  # noqa: E402
 from planner.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster  # noqa: E402
 
@@ -42,6 +43,7 @@ def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float) -> dict:
     for name, policy in (("fifo", "fifo"), ("frenzy", "frenzy"),
                          ("frenzy-arrival", FrenzyPolicy(cluster, order="arrival")),
                          ("queue-only", FrenzyPolicy(cluster, user_requests=True))):
+        clear_caches()  # each policy pays for its own option estimates (cold caches), as in a fresh process
         r = simulate_schedule(jobs, cluster, policy)
         d = r.to_dict(jobs=False)
         d["policy"] = name
