@@ -71,20 +71,26 @@ def _widest_tree(scenario: GeoScenario, dcs: list[str], connections: int) -> tup
     return (min(l.throughput_gbps(connections) for l in used), max(l.one_way_latency_s for l in used))
 
 
-def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts,
-                         datacenters: list[str] | None = None) -> BaselineOutcome:
-    """DP across `datacenters` (default: all of them)."""
+def solve_each_dc(scenario: GeoScenario) -> dict[str, AtlasResult]:
+    """The best plan of each datacenter alone on the whole batch (those the model fits)."""
+    out = {}
+    for dc in scenario.datacenters:
+        try:
+            out[dc.name] = solve_atlas(_sub_scenario(scenario, dc.name, scenario.global_batch))
+        except ValueError:
+            pass  # the model does not fit this DC
+    return out
+
+
+def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: list[str] | None = None,
+                         alone: dict[str, AtlasResult] | None = None) -> BaselineOutcome:
+    """DP across `datacenters` (default: all of them); `alone` = solve_each_dc(scenario) if known."""
     desc = "data parallel across datacenters, gradient all-reduce over the WAN"
     num_mb = scenario.global_batch // scenario.micro_batch
     names = datacenters or [dc.name for dc in scenario.datacenters]
+    alone = solve_each_dc(scenario) if alone is None else alone
     # throughput of each DC alone on the whole batch decides its share
-    rate = {}
-    for n in names:
-        try:
-            alone = solve_atlas(_sub_scenario(scenario, n, scenario.global_batch))
-            rate[n] = scenario.global_batch / alone.sim.iteration_s
-        except ValueError:
-            pass  # the model does not fit this DC: it takes no share
+    rate = {n: scenario.global_batch / alone[n].sim.iteration_s for n in names if n in alone}
     if not rate:
         return BaselineOutcome("dp_across_dcs", None, None, 0, desc, "no datacenter holds a full replica")
     # shares in whole micro-batches by largest remainder, in grains that keep DP divisors available
@@ -95,7 +101,8 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts,
         share[n] += 1
     share = {n: u * grain for n, u in share.items()}
     share[max(rate, key=rate.get)] += num_mb - sum(share.values())  # the remainder goes to the fastest DC
-    sims = {n: solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch)) for n, mbs in share.items() if mbs}
+    sims = {n: alone[n] if mbs == num_mb else solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch))
+            for n, mbs in share.items() if mbs}
     gpus = sum(r.plan.num_gpus for r in sims.values())
     compute_end = max(r.sim.iteration_s for r in sims.values())
     wan_s = 0.0
@@ -118,7 +125,8 @@ def _from_atlas(name: str, result: AtlasResult, desc: str) -> BaselineOutcome:
 
 
 def simulate_baselines(scenario: GeoScenario, costs: GeoCosts) -> dict[str, BaselineOutcome]:
-    out = {"dp_across_dcs": simulate_dp_baseline(scenario, costs)}
+    alone = solve_each_dc(scenario)
+    out = {"dp_across_dcs": simulate_dp_baseline(scenario, costs, alone=alone)}
     desc = "pipeline across every datacenter, 1 TCP connection per transfer, fair sharing"
     try:
         out["pp_single_connection_fair"] = _from_atlas(
@@ -126,16 +134,12 @@ def simulate_baselines(scenario: GeoScenario, costs: GeoCosts) -> dict[str, Base
             solve_atlas(scenario, costs, network="single_fair", all_datacenters=True), desc)
     except ValueError as e:
         out["pp_single_connection_fair"] = BaselineOutcome("pp_single_connection_fair", None, None, 0, desc, str(e))
-    best: BaselineOutcome | None = None
-    for dc in scenario.datacenters:
-        try:
-            r = solve_atlas(_sub_scenario(scenario, dc.name, scenario.global_batch))
-        except ValueError:
-            continue
-        if best is None or r.sim.iteration_s < best.iteration_s:
-            best = _from_atlas("best_single_dc", r, f"best plan inside one datacenter ({dc.name})")
-    out["best_single_dc"] = best or BaselineOutcome("best_single_dc", None, None, 0, "one datacenter only",
-                                                    "the model fits no single datacenter")
+    if alone:
+        name = min(alone, key=lambda n: alone[n].sim.iteration_s)
+        out["best_single_dc"] = _from_atlas("best_single_dc", alone[name], f"best plan inside one datacenter ({name})")
+    else:
+        out["best_single_dc"] = BaselineOutcome("best_single_dc", None, None, 0, "one datacenter only",
+                                                "the model fits no single datacenter")
     return out
 
 

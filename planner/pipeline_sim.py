@@ -343,6 +343,7 @@ def simulate_pipeline(job: PipelineJob,
     # no shared link and nothing reserved: the pipelines are identical; simulate one, copy it
     one = _Sim(replace(job, num_pipelines=1), {}).run()
     d = job.num_pipelines
-    ops = [replace(o, pipeline=r) for r in range(d) for o in one.ops]
-    transfers = [replace(t, pipeline=r) for r in range(d) for t in one.transfers]
+    ops = [Op(r, o.stage, o.kind, o.microbatch, o.start_s, o.end_s) for r in range(d) for o in one.ops]
+    transfers = [Transfer(r, t.hop, t.direction, t.microbatch, t.ready_s, t.start_s, t.end_s)
+                 for r in range(d) for t in one.transfers]
     return SimResult(job, one.iteration_s, ops, transfers, {k: v * d for k, v in one.channel_bits.items()})
