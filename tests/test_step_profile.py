@@ -83,3 +83,22 @@ def test_threads_are_restored_and_bad_input_is_rejected():
         profile_local("tiny", 128, dtype="int8", save=False)
     with pytest.raises(ValueError, match="unknown model"):
         profile_local("nope", 128, save=False)
+
+
+def test_profile_cli_json_and_bad_input(data_dir):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "profiler", "profile", "--model", "tiny", "--seq", "32",
+                        "--micro-batches", "1,2,3,4", "--repeats", "1", "--json"],
+                       cwd=root, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["measured"] is True and doc["model"] == "tiny" and doc["micro_batches"] == [1, 2, 3, 4]
+    assert doc["store_path"].startswith(data_dir) and os.path.exists(doc["store_path"])
+    r = subprocess.run([sys.executable, "-m", "profiler", "profile", "--model", "tiny", "--micro-batches", "x"],
+                       cwd=root, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
