@@ -159,9 +159,15 @@ class Orchestrator:
         now = time.time() - origin
         views = []
         for job in running:
-            state.assign(str(job.id), job.devices)  # raises on a double booking
+            held = tuple(i for i in job.devices if i < self.cluster.num_devices)
+            if len(held) != len(job.devices):  # the machine has fewer devices than when it started
+                log.warning("job %d holds devices %s beyond this cluster's %d", job.id, job.devices,
+                            self.cluster.num_devices)
+            if not held:
+                continue
+            state.assign(str(job.id), held)  # raises on a double booking
             end = (job.started_s or origin) - origin + (job.predicted_duration_s or 0.0)
-            views.append(Running(str(job.id), state.pool_of(job.devices[0]), len(job.devices), max(end, now)))
+            views.append(Running(str(job.id), state.pool_of(held[0]), len(held), max(end, now)))
         by_id = {str(j.id): j for j in queued}
         policy = FrenzyPolicy(self.cluster, self.dtype)
         decisions = policy.decide(now, [j.job_spec(origin) for j in queued], state.free_counts(), views)

@@ -5,10 +5,10 @@ CSV header: `job_id,submit_s,model,global_batch,seq,steps,requested_type,request
 
 The generator draws what shared GPU clusters show (Philly / Helios / Acme traces:
 most jobs small, a few large; durations spanning minutes to a day; arrivals in bursts
-of hyper-parameter sweeps) and user requests the way people make them by hand:
-the well-known big GPU more often than not, the count a power of two, often twice or
-four times what the job needs ("to be safe", a whole 8-GPU node), sometimes half of
-it (the job would OOM). Each job's step count is chosen so that its run *on its
+of hyper-parameter sweeps) and user requests the way people make them by hand: a
+type in proportion to how many the pool has, the biggest-memory one twice as often;
+the count a power of two, often twice to eight times what the job needs ("to be
+safe", up to a whole 8-GPU node), sometimes half of it (the job would OOM). Each job's step count is chosen so that its run *on its
 user's request* lasts the drawn duration; arrivals are scaled so the requested
 GPU-seconds load the cluster to `load`.
 """
@@ -77,7 +77,7 @@ def mixed_cluster(types: dict[str, int], gpus_per_node: int = GPUS_PER_NODE) -> 
                                   "network": {"intra_node_gbps": 600, "inter_node_gbps": 200}})
 
 
-def generate_trace(seed: int, num_jobs: int, cluster: ClusterSpec, load: float = 0.9,
+def generate_trace(seed: int, num_jobs: int, cluster: ClusterSpec, load: float = 0.6,
                    dtype: str = "bf16") -> list[JobSpec]:
     """`num_jobs` jobs whose requests (types and counts) exist in `cluster`."""
     if num_jobs <= 0:
@@ -88,7 +88,7 @@ def generate_trace(seed: int, num_jobs: int, cluster: ClusterSpec, load: float =
     pools = sorted(cluster_pools(cluster), key=lambda p: -p.count)
     famous = max(pools, key=lambda p: (p.device.memory_bytes, get_gpu_type(p.device.type).peak_tflops(dtype)))
     net = cluster.network.inter_node_gbps
-    drafts: list[tuple[JobSpec, float, int]] = []  # (job with steps=1, offset in its burst, requested gpus)
+    drafts: list[tuple[JobSpec, float, float]] = []  # (job, burst index + offset, GPU-seconds it occupies)
     burst = 0
     while len(drafts) < num_jobs:
         mix = rng.choices(MODEL_MIX, weights=[m.weight for m in MODEL_MIX])[0]
