@@ -156,8 +156,9 @@ class GeoReport:
 
     @property
     def baseline_iteration_s(self) -> float | None:
-        """The slowest feasible baseline is not the point: this is DP across datacenters (DESIGN.md)."""
-        return self.baselines["dp_across_dcs"].iteration_s
+        """DESIGN.md's baseline: data parallelism across the datacenters (None when not run)."""
+        dp = self.baselines.get("dp_across_dcs")
+        return dp.iteration_s if dp else None
 
     def to_dict(self) -> dict[str, Any]:
         util = self.sim.gpu_utilization()
