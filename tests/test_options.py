@@ -7,7 +7,7 @@ from planner.options import MEMORY_HEADROOM, cluster_pools, estimate_option, est
 CLUSTER = ClusterSpec.from_dict({"name": "t", "nodes": [
     {"name": "a", "gpus": {"A100-80GB": 8}},
     {"name": "v", "gpus": {"V100-32GB": 8}},
-    {"name": "t0", "gpus": {"T4": 8}}, {"name": "t1", "gpus": {"T4": 8}}]})
+    *({"name": f"t{k}", "gpus": {"T4": 8}} for k in range(4))]})
 
 
 def _pool(t):
@@ -16,7 +16,7 @@ def _pool(t):
 
 def test_pools_count_devices_and_largest_node_group():
     t4 = _pool("T4")
-    assert (t4.count, t4.max_per_node) == (16, 8)
+    assert (t4.count, t4.max_per_node) == (32, 8)
 
 
 @pytest.mark.parametrize("model, seq, batch", [("gpt2", 1024, 64), ("llama2-7b", 4096, 64),
