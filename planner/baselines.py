@@ -14,7 +14,7 @@ import math
 from typing import Sequence
 
 from planner.cluster import DeviceSpec
-from planner.cost import MAX_MICRO_BATCH, CostModel
+from planner.cost import MAX_MICRO_BATCH, CostModel, max_share_fitting
 from planner.plan import BaselineResult, Plan
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,8 @@ def estimate_memory_aware(cost: CostModel, global_batch: int) -> BaselineResult:
     rooms = []
     for _, d in devices:
         c = cost.coeffs[d]
-        m = 1 if c.memory_bytes(1, 0.0) <= c.capacity_bytes else 0
-        base, per_share = c.memory_bytes(m, 0.0), c.memory_bytes(m, 1.0) - c.memory_bytes(m, 0.0)
-        room = 0.0 if base > c.capacity_bytes else 1.0 if per_share <= 0 else (c.capacity_bytes - base) / per_share
-        rooms.append(min(room, 1.0))
+        room = max_share_fitting(c.memory_fn, 1, c.capacity_bytes)
+        rooms.append(max(room if room >= 0 else max_share_fitting(c.memory_fn, 0, c.capacity_bytes), 0.0))
     if sum(rooms) < 1.0:
         return BaselineResult(None, True, "memory-aware: the state does not fit")
     shares = [r / sum(rooms) for r in rooms]

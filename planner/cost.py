@@ -13,8 +13,8 @@ What one optimizer step costs on the executor's runtime (models/runtime.py):
   across nodes), or what `profiler bench` measured between local CPU workers.
 An iteration ends when the slowest device ends: `T = max_i (compute_i + optimizer_i) + comm(k)`.
 
-Memory is the memory model's (planner/memory.py), affine in the shard fraction; the tables hold
-it at `f = 0` and its slope in `f` for every candidate micro-batch.
+Memory is the memory model's (planner/memory.py), increasing in the shard fraction; the tables hold,
+for every candidate micro-batch, the largest shard fraction that still fits (`Choice.max_share`).
 
 Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
 in `link_bandwidth_bytes_per_s`.
@@ -42,6 +42,8 @@ INTRA_NODE_HOP_LATENCY_S = 5e-6
 INTER_NODE_HOP_LATENCY_S = 25e-6
 # The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
 MAX_MICRO_BATCH = 64
+# The runtime's sharding in ZeRO terms (planner/memory.py): only the AdamW state is sharded.
+RUNTIME_ZERO_STAGE = 1
 # The ILP prices the world size k exactly up to this count; above it k falls in buckets
 # (9–16, 17–32, ...) priced at their largest k, a safe upper bound (comm grows with k).
 EXACT_WORLD_SIZES = 8
@@ -111,7 +113,7 @@ class Choice:
     accum_steps: int
     compute_s: float
     memory_fixed_bytes: float  # at shard fraction 0
-    memory_per_share_bytes: float  # d memory / d shard fraction
+    memory_per_share_bytes: float  # memory at f = 1 minus at f = 0 (the slope where the peak is affine)
     max_share: float  # largest per-device shard fraction that fits (≤ 1)
 
     @property
@@ -158,46 +160,68 @@ def link_bandwidth_bytes_per_s(gbps: float) -> float:
     return gbps * GBIT / BITS_PER_BYTE
 
 
-# The memory model takes shard fractions in (0, 1]; the line through these two is extended to 0.
-SHARE_PROBES = (0.5, 1.0)
+# The memory model takes shard fractions in (0, 1]; a device without a shard is asked at this one
+# (round(f·P) = 0 parameters for any model below 10^12 parameters).
+NO_SHARE = 1e-12
+# max_share is found to this precision in the shard fraction (far below one parameter's worth
+# that matters: the runtime rounds slices to whole parameters anyway).
+SHARE_TOL = 1e-9
 
 
-def interpolated_memory_fn(memory_at: Callable[[int, float], float]) -> MemoryFn:
-    """Memory is affine in the shard fraction: evaluate the model at two fractions per
-    micro-batch (cached) and interpolate; micro-batch 0 (state only) is extrapolated from 1 and 2
-    when the model refuses 0 (it is affine in the micro-batch too)."""
+def cached_memory_fn(memory_at: Callable[[int, float], float]) -> MemoryFn:
+    """The memory model as (m, f) -> bytes, cached; f = 0 asked at NO_SHARE; micro-batch 0 (state
+    only) extrapolated from 1 and 2 if the model refuses it (each of its phases is affine in m)."""
 
     @lru_cache(maxsize=None)
-    def at(m: int, f: float) -> float:
+    def fn(m: int, f: float) -> float:
+        f = max(f, NO_SHARE)
         if m == 0:
             try:
                 return float(memory_at(0, f))
             except ValueError:
-                return 2.0 * at(1, f) - at(2, f)
+                return 2.0 * fn(1, f) - fn(2, f)
         return float(memory_at(m, f))
-
-    def fn(m: int, f: float) -> float:
-        f0, f1 = SHARE_PROBES
-        lo, hi = at(m, f0), at(m, f1)
-        return lo + (f - f0) * (hi - lo) / (f1 - f0)
 
     return fn
 
 
+def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: float) -> float:
+    """The largest shard fraction f ≤ 1 with memory(m, f) ≤ capacity; −1 if even f = 0 does not fit.
+    Memory grows with f and is piecewise affine (the peak is the largest of a few affine moments of the
+    step): secant steps, exact on one affine piece, alternating with bisection, which always halves."""
+    lo, hi = 0.0, 1.0
+    mem_lo, mem_hi = memory_fn(micro_batch, lo), memory_fn(micro_batch, hi)
+    if mem_hi <= capacity_bytes:
+        return 1.0
+    if mem_lo > capacity_bytes:
+        return -1.0
+    for step in range(200):
+        if hi - lo <= SHARE_TOL:
+            break
+        x = 0.5 * (lo + hi) if step % 2 else lo + (capacity_bytes - mem_lo) * (hi - lo) / (mem_hi - mem_lo)
+        x = min(max(x, lo + SHARE_TOL / 2), hi - SHARE_TOL / 2)
+        mem_x = memory_fn(micro_batch, x)
+        if mem_x <= capacity_bytes:
+            lo, mem_lo = x, mem_x
+        else:
+            hi, mem_hi = x, mem_x
+    return lo
+
+
 def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int) -> MemoryFn:
-    """The memory model of planner/memory.py for this runtime (flat fp32 params and grads,
-    AdamW state sharded by the shard fraction)."""
+    """The memory model of planner/memory.py for this runtime: ZeRO stage 1 in its terms (flat fp32
+    params and grads in full on every device, AdamW state sharded by the shard fraction)."""
     try:
         from planner.memory import MemoryConfig, estimate_memory  # the memory engineer's model
     except ImportError:  # not in this tree yet
-        return interpolated_memory_fn(_fallback_memory_at(spec, seq, dtype, recompute))
+        return cached_memory_fn(_fallback_memory_at(spec, seq, dtype, recompute))
 
     def memory_at(m: int, f: float) -> float:
         cfg = MemoryConfig(micro_batch=m, seq=seq, dtype=dtype, recompute=recompute, dp=max(world_size, 1),
-                           zero=2, shard_fraction=f)
+                           zero=RUNTIME_ZERO_STAGE, shard_fraction=f)
         return estimate_memory(spec, cfg).peak_bytes
 
-    return interpolated_memory_fn(memory_at)
+    return cached_memory_fn(memory_at)
 
 
 def _fallback_memory_at(spec: ModelSpec, seq: int, dtype: str, recompute: str) -> Callable[[int, float], float]:
@@ -320,11 +344,11 @@ class CostModel:
             1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
         out = []
         for m in [0] + [m for m in ms if 0 < m <= global_batch]:
+            max_share = max_share_fitting(c.memory_fn, m, c.capacity_bytes)
+            if max_share < 0:
+                continue
             fixed = c.memory_bytes(m, 0.0)
             per_share = c.memory_bytes(m, 1.0) - fixed
-            if fixed > c.capacity_bytes:
-                continue
-            max_share = 1.0 if per_share <= 0 else min(1.0, (c.capacity_bytes - fixed) / per_share)
             for n in ([0] if m == 0 else range(1, global_batch // m + 1)):
                 compute = c.compute_s(m, n)
                 if compute > max_compute_s:

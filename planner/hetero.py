@@ -36,7 +36,7 @@ import pulp
 
 from planner.catalog import GIB, get_gpu_type
 from planner.cluster import ClusterSpec
-from planner.cost import ClassTable, CostModel, ScopeTable, world_size_buckets
+from planner.cost import RUNTIME_ZERO_STAGE, ClassTable, CostModel, ScopeTable, max_share_fitting, world_size_buckets
 from planner.plan import Assignment, Plan
 from planner.specs import get_model, with_max_seq
 
@@ -202,6 +202,10 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
         mid = points[len(points) // 2]
         ok = try_at(mid)
         points = [t for t in points if lo < t < hi and (t < mid if ok else t > mid)]
+    # between breakpoints only the shares' room changes: the best configuration found so far is
+    # usually already optimal (price_config placed its shares exactly), which one probe just below proves
+    if hi - lo > tol * hi and time.monotonic() < deadline:
+        try_at(hi * (1 - tol))
     while hi - lo > tol * hi and time.monotonic() < deadline:
         try_at(0.5 * (lo + hi))
     return best[0], best[1], hi - lo <= tol * hi
@@ -256,32 +260,37 @@ def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:
-    """Why no plan exists: which devices cannot hold even the smallest shard or micro-batch."""
-    problems, can_compute, state_room = [], False, 0.0
-    counts: dict = {}
+    """Why no plan exists: which devices cannot hold even the smallest shard or micro-batch, or
+    how much of the state the devices can hold (with no batch, and beside a micro-batch of 1)."""
+    problems, can_compute, room_idle, room_busy = [], False, 0.0, 0.0
+
+    def room(c, m: int) -> float:
+        return max_share_fitting(c.memory_fn, m, c.capacity_bytes)
+
     for _, d in cost.cluster.devices():
-        counts[d] = counts.get(d, 0) + 1
-    for d, c in cost.coeffs.items():
-        cap = c.capacity_bytes
-        base = c.memory_bytes(0, 0.0)
-        one = c.memory_bytes(1, 0.0)
-        if base > cap:
-            problems.append(f"{d.label} cannot hold even the smallest shard (needs {base / GIB:.2f} GiB > "
-                            f"{cap / GIB:.2f} GiB = capacity × headroom)")
-            continue
-        per_share = c.memory_bytes(0, 1.0) - base
-        state_room += counts[d] * (1.0 if per_share <= 0 else min(1.0, (cap - base) / per_share))
-        if one > cap:
-            problems.append(f"{d.label} cannot hold micro-batch 1 (needs {one / GIB:.2f} GiB > {cap / GIB:.2f} GiB)")
+        c = cost.coeffs[d]
+        idle, busy = room(c, 0), room(c, 1)
+        room_idle += max(idle, 0.0)
+        room_busy += max(busy, idle, 0.0) if busy < 0 else busy
+        if idle < 0:
+            problems.append(f"{d.label} cannot hold even the smallest shard (needs {c.memory_bytes(0, 0.0) / GIB:.2f}"
+                            f" GiB > {c.capacity_bytes / GIB:.2f} GiB = capacity × headroom)")
+        elif busy < 0:
+            problems.append(f"{d.label} cannot hold micro-batch 1 (needs {c.memory_bytes(1, 0.0) / GIB:.2f} GiB > "
+                            f"{c.capacity_bytes / GIB:.2f} GiB)")
         else:
             can_compute = True
+    problems = list(dict.fromkeys(problems))  # one line per kind of device
+    detail = f" ({'; '.join(problems)})" if problems else ""
     if not can_compute:
         return "no device can hold a micro-batch of 1: " + "; ".join(problems)
-    if state_room < 1.0:
-        return (f"the sharded optimizer state does not fit: the devices hold at most {state_room:.0%} of it"
-                + (f" ({'; '.join(problems)})" if problems else ""))
-    return (f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices"
-            + (f" ({'; '.join(problems)})" if problems else ""))
+    if room_idle < 1.0:
+        return f"the sharded optimizer state does not fit: the devices hold at most {room_idle:.0%} of it{detail}"
+    if room_busy < 1.0:
+        return (f"the sharded optimizer state does not fit beside the micro-batches: with micro-batch 1 the devices "
+                f"hold at most {room_busy:.0%} of it{detail}")
+    return f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices{detail}"
+
 
 
 def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
@@ -338,7 +347,7 @@ def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: 
         assignments.append(Assignment(i, node.name, dev.type, m, n, m * n, f, mem, steps[i],
                                       dev.emulated, dev.slowdown, dev.memory_gb))
     return Plan(cost.cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), iteration_s,
-                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes))
+                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=RUNTIME_ZERO_STAGE)
 
 
 def plan_notes(cost: CostModel, dtype: str) -> list[str]:

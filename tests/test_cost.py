@@ -1,0 +1,141 @@
+"""The planner's cost model (planner/cost.py): units, collectives, choices, slowdown, memory linearity."""
+import math
+
+import pytest
+
+from planner.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from planner.cost import (BITS_PER_BYTE, CommModel, CostModel, DeviceCoeffs, build_comm_model, build_device_coeffs,
+                          cached_memory_fn, link_bandwidth_bytes_per_s, max_share_fitting, world_size_buckets)
+from planner.specs import get_model
+
+GB = 1e9
+
+
+def test_gbps_become_bytes_per_second():
+    assert link_bandwidth_bytes_per_s(8.0) == pytest.approx(1e9)
+    assert BITS_PER_BYTE == 8
+
+
+def test_ring_all_reduce_and_broadcasts_by_hand():
+    comm = CommModel(bandwidth_bytes_per_s=1e9, hop_latency_s=1e-3, grad_bytes=4e9, param_bytes=4e9)
+    assert comm.comm_s(1) == 0.0  # one device: nothing to reduce
+    # k = 4: all-reduce 2·3/4·4e9/1e9 = 6 s + 2 calls × 2 hops × 1 ms; broadcasts 4 s + 4 calls × 2 hops × 1 ms
+    assert comm.comm_s(4) == pytest.approx(6.0 + 0.004 + 4.0 + 0.008)
+    times = [comm.comm_s(k) for k in range(1, 40)]
+    assert times == sorted(times)  # more devices never cost less (the ILP's bucket pricing relies on it)
+
+
+def test_slowest_link_sets_the_bandwidth():
+    cluster = ClusterSpec("c", (NodeSpec("a", "dc", (DeviceSpec("L4"),)), NodeSpec("b", "dc", (DeviceSpec("L4"),))),
+                          NetworkSpec(intra_node_gbps=400, inter_node_gbps=80))
+    one_node = build_comm_model([DeviceSpec("L4")], False, cluster, num_params=1000)
+    two_nodes = build_comm_model([DeviceSpec("L4")], True, cluster, num_params=1000)
+    assert one_node.bandwidth_bytes_per_s == pytest.approx(50e9)
+    assert two_nodes.bandwidth_bytes_per_s == pytest.approx(10e9)
+    assert two_nodes.grad_bytes == 4000  # flat fp32 gradients
+
+
+def test_world_size_buckets_cover_every_count_once():
+    for n in (1, 5, 8, 9, 100, 1024):
+        covered = [k for lo, hi in world_size_buckets(n) for k in range(lo, hi + 1)]
+        assert covered == list(range(1, n + 1))
+    assert len(world_size_buckets(1024)) <= 16
+
+
+def test_emulated_slowdown_multiplies_every_time():
+    spec = get_model("tiny")
+    plain = build_device_coeffs(DeviceSpec("cpu"), spec, 64, "fp32", "none", 0.9, 2)
+    slow = build_device_coeffs(DeviceSpec("cpu", slowdown=3.0), spec, 64, "fp32", "none", 0.9, 2)
+    assert slow.alpha_s == pytest.approx(3 * plain.alpha_s)
+    assert slow.beta_s == pytest.approx(3 * plain.beta_s)
+    assert slow.optimizer_s == pytest.approx(3 * plain.optimizer_s)
+    assert slow.compute_s(4, 3) == pytest.approx(3 * (slow.alpha_s + 4 * slow.beta_s))
+
+
+def test_emulated_memory_sets_the_capacity_and_bf16_falls_back():
+    spec = get_model("tiny")
+    small = build_device_coeffs(DeviceSpec("cpu", memory_gb=2.0), spec, 64, "fp32", "none", 0.5, 2)
+    assert small.capacity_bytes == pytest.approx(2.0 * 2**30 * 0.5)
+    assert build_device_coeffs(DeviceSpec("T4"), spec, 64, "bf16", "none", 0.9, 2).dtype == "fp16"
+    assert build_device_coeffs(DeviceSpec("A100-80GB"), spec, 64, "bf16", "none", 0.9, 2).dtype == "bf16"
+
+
+def test_choices_respect_memory_and_the_compute_bound():
+    d = DeviceSpec("L4")
+    coeffs = DeviceCoeffs(d, "fp32", alpha_s=1.0, beta_s=0.5, optimizer_s=0.1, capacity_bytes=5 * GB,
+                          memory_fn=lambda m, f: 1 * GB + 1 * GB * m + 8 * GB * f)
+    cluster = ClusterSpec("c", (NodeSpec("n", "dc", (d,)),))
+    cost = CostModel(cluster, 1, {d: coeffs}, lambda devs, multi: CommModel(1.0, 0.0, 0.0, 0.0))
+    choices = cost.choices(d, global_batch=8)
+    assert {c.micro_batch for c in choices} == {0, 1, 2, 4}  # m = 8 needs 9 GB > 5 GB
+    by_key = {(c.micro_batch, c.accum_steps): c for c in choices}
+    assert by_key[(4, 2)].compute_s == pytest.approx(2 * (1.0 + 0.5 * 4))
+    assert by_key[(2, 1)].max_share == pytest.approx((5 - 3) / 8)
+    assert by_key[(0, 0)].max_share == pytest.approx(0.5)
+    assert all(c.batch <= 8 for c in choices)
+    bounded = cost.choices(d, global_batch=8, max_compute_s=3.0)
+    assert bounded and all(c.compute_s <= 3.0 for c in bounded)
+
+
+def test_memory_fn_asks_the_model_and_extrapolates_state_only_devices():
+    calls = []
+
+    def model(m, f):
+        if m == 0 or not 0 < f <= 1:
+            raise ValueError("micro_batch 0 refused here; shard_fraction in (0, 1] like planner.memory")
+        calls.append((m, f))
+        return 100 + 10 * m + 1000 * f
+
+    fn = cached_memory_fn(model)
+    assert fn(3, 0.25) == pytest.approx(100 + 30 + 250)
+    assert fn(0, 0.0) == pytest.approx(100)  # f = 0 asked at a vanishing share; m = 0 from m = 1, 2
+    fn(3, 0.25)
+    assert len(set(calls)) == len(calls)  # cached
+
+
+def test_max_share_is_the_largest_fitting_fraction_of_a_piecewise_affine_peak():
+    # the peak is the larger of two affine moments (like planner.memory's phases): a kink at f = 0.2
+    fn = cached_memory_fn(lambda m, f: max(1000 + 100 * m + 500 * f, 1050 + 100 * m + 250 * f))
+    assert fn(1, 0.0) == pytest.approx(1150)
+    cap = 1100 + 100 + 200  # f where 1000 + 100 + 500 f = 1400 -> f = 0.6
+    assert max_share_fitting(fn, 1, cap) == pytest.approx(0.6, abs=1e-8)
+    assert max_share_fitting(fn, 1, 1e9) == 1.0
+    assert max_share_fitting(fn, 1, 1000) == -1.0
+
+
+def test_cost_model_memory_is_the_memory_model_and_max_share_is_tight():
+    memory = pytest.importorskip("planner.memory")
+    if not hasattr(memory, "estimate_memory"):
+        pytest.skip("planner.memory.estimate_memory has not landed")
+    spec = get_model("gpt2")
+    c = build_device_coeffs(DeviceSpec("cpu", memory_gb=2.5), spec, 256, "fp32", "none", 0.9, 4)
+    for m, f in [(1, 0.1), (2, 0.3), (4, 0.8)]:
+        cfg = memory.MemoryConfig(micro_batch=m, seq=256, dtype="fp32", recompute="none", dp=4, zero=1,
+                                  shard_fraction=f)
+        assert c.memory_bytes(m, f) == memory.estimate_memory(spec, cfg).peak_bytes
+        # the runtime keeps full fp32 params and grads on every device: only the AdamW state shrinks with f
+        assert memory.estimate_memory(spec, cfg).grads_bytes == 4 * spec.num_params
+    for m in (1, 2, 4):
+        share = max_share_fitting(c.memory_fn, m, c.capacity_bytes)
+        assert 0 < share < 1
+        assert c.memory_bytes(m, share) <= c.capacity_bytes < c.memory_bytes(m, share + 1e-6)
+    # within one phase the peak is affine in the micro-batch (checked where no phase switch occurs)
+    d1 = c.memory_bytes(3, 0.5) - c.memory_bytes(2, 0.5)
+    assert c.memory_bytes(4, 0.5) - c.memory_bytes(3, 0.5) == pytest.approx(d1, rel=1e-6)
+
+
+def test_iteration_time_is_the_slowest_device_plus_collectives():
+    a, b = DeviceSpec("L4"), DeviceSpec("T4")
+    mem = lambda m, f: 0.0  # noqa: E731
+    coeffs = {a: DeviceCoeffs(a, "fp32", 0.0, 1.0, 2.0, GB, mem), b: DeviceCoeffs(b, "fp32", 0.0, 3.0, 2.0, GB, mem)}
+    cluster = ClusterSpec("c", (NodeSpec("n0", "dc", (a,)), NodeSpec("n1", "dc", (b,))))
+    cost = CostModel(cluster, 1, coeffs, lambda devs, multi: CommModel(1.0, 0.0, 2.0 if multi else 1.0, 0.0))
+    t, steps = cost.estimate_iteration_s([(2, 1, 0.5), (1, 1, 0.5)])
+    # comm across nodes: 2·(2−1)/2·2 bytes / 1 B/s = 2 s; devices: 2 + 1 and 3 + 1
+    assert t == pytest.approx(4 + 2)
+    assert steps == pytest.approx([3 + 2, 4 + 2])
+    t_alone, steps = cost.estimate_iteration_s([(3, 1, 1.0), (0, 0, 0.0)])
+    assert t_alone == pytest.approx(3 + 2) and steps[1] == 0.0
+    with pytest.raises(ValueError):
+        cost.estimate_iteration_s([(0, 0, 0.0), (0, 0, 0.0)])
+    assert math.isfinite(t)
