@@ -1,4 +1,265 @@
+"""Geo: training across datacenters over a WAN (Atlas) with prefill in the bubbles (BubbleTea).
+
+Widgets (datacenters, WAN links, model and batch, inference workload) -> one library call
+(`planner.geo_eval.simulate_geo`, cached) -> render: the plan, a Gantt timeline of one
+simulated iteration (training and prefill in different colours), GPU utilization and
+iteration time against the baselines. Every figure here is simulated from the cost model.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
 import streamlit as st
 
-st.title("geo")
-st.info("This page is being built.")
+from planner.catalog import CATALOG
+from planner.geo_eval import GeoReport, simulate_geo
+from planner.geo_scenario import GeoScenario
+from planner.paths import PROJECT_ROOT
+from planner.specs import PRESETS
+from ui.common import fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
+
+SIMULATED = "simulated"
+EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
+DEFAULT_EXAMPLE = "paper_like.json"
+MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pipelines
+COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "P": "#2ca02c"}
+NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-reduce", "P": "prefill (BubbleTea)"}
+GIB = 2**30
+
+
+@st.cache_data(show_spinner="Planning and simulating…", max_entries=16)
+def compute(scenario_json: str) -> GeoReport:
+    """simulate_geo on a scenario given as JSON (hashable for the cache). Raises ValueError."""
+    return simulate_geo(GeoScenario.from_dict(json.loads(scenario_json)))
+
+
+def examples() -> dict[str, str]:
+    return {os.path.basename(p): p for p in sorted(glob.glob(os.path.join(EXAMPLES_DIR, "*.json")))}
+
+
+def load_example(name: str) -> dict[str, Any]:
+    with open(examples()[name], encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def reset_editors() -> None:
+    for key in ("geo_dcs", "geo_links", "geo_model", "geo_global_batch", "geo_micro_batch", "geo_seq",
+                "geo_inf_model", "geo_prompts", "geo_mode", "geo_rate"):
+        st.session_state.pop(key, None)
+    st.session_state.pop("geo_report", None)
+
+
+def _blank(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or v == ""
+
+
+def scenario_from_widgets(dcs: pd.DataFrame, links: pd.DataFrame, fields: dict[str, Any]) -> dict[str, Any]:
+    """The scenario JSON (DESIGN.md) from the editors' rows; one row per (datacenter, GPU type)."""
+    centers: dict[str, dict[str, Any]] = {}
+    for i, row in enumerate(dcs.to_dict("records"), start=1):
+        if all(_blank(v) for v in row.values()):
+            continue
+        if _blank(row.get("name")) or _blank(row.get("gpu_type")) or _blank(row.get("count")):
+            raise ValueError(f"datacenter row {i}: name, gpu_type and count are all needed")
+        dc = centers.setdefault(str(row["name"]), {"name": str(row["name"]), "gpus": {}})
+        dc["gpus"][str(row["gpu_type"])] = dc["gpus"].get(str(row["gpu_type"]), 0) + float(row["count"])
+        if not _blank(row.get("intra_dc_gbps")):
+            dc["intra_dc_gbps"] = float(row["intra_dc_gbps"])
+    for dc in centers.values():
+        dc["gpus"] = {k: int(v) if float(v).is_integer() else v for k, v in dc["gpus"].items()}
+    wan = []
+    for i, row in enumerate(links.to_dict("records"), start=1):
+        if all(_blank(v) for v in row.values()):
+            continue
+        if any(_blank(row.get(k)) for k in ("a", "b", "gbps", "rtt_ms")):
+            raise ValueError(f"wan link row {i}: a, b, gbps and rtt_ms are all needed")
+        link = {"a": str(row["a"]), "b": str(row["b"]), "gbps": float(row["gbps"]), "rtt_ms": float(row["rtt_ms"])}
+        if not _blank(row.get("per_connection_gbps")):
+            link["per_connection_gbps"] = float(row["per_connection_gbps"])
+        wan.append(link)
+    return {"name": fields["name"], "datacenters": list(centers.values()), "wan": wan, **fields["training"],
+            "inference": fields["inference"]}
+
+
+def parse_prompts(text: str) -> list[int]:
+    try:
+        tokens = [int(x) for x in text.replace(";", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"prompt lengths must be comma-separated integers, got {text!r}") from None
+    if not tokens:
+        raise ValueError("give at least one prompt length")
+    return tokens
+
+
+def inputs(example: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The editors; the scenario dict, or None after showing the error."""
+    st.subheader("Datacenters and WAN links")
+    dc_rows = [{"name": dc["name"], "gpu_type": t, "count": n, "intra_dc_gbps": dc.get("intra_dc_gbps")}
+               for dc in example["datacenters"] for t, n in dc["gpus"].items()]
+    types = sorted(t for t in CATALOG if t != "cpu")
+    dcs = st.data_editor(
+        pd.DataFrame(dc_rows, columns=["name", "gpu_type", "count", "intra_dc_gbps"]), key="geo_dcs",
+        num_rows="dynamic", width="stretch",
+        column_config={"gpu_type": st.column_config.SelectboxColumn("GPU type", options=types),
+                       "count": st.column_config.NumberColumn("GPUs", min_value=1, step=1),
+                       "intra_dc_gbps": st.column_config.NumberColumn("intra-DC Gbit/s", min_value=0.1)})
+    link_rows = [{"a": l["a"], "b": l["b"], "gbps": l["gbps"], "rtt_ms": l["rtt_ms"],
+                  "per_connection_gbps": l.get("per_connection_gbps")} for l in example["wan"]]
+    links = st.data_editor(
+        pd.DataFrame(link_rows, columns=["a", "b", "gbps", "rtt_ms", "per_connection_gbps"]), key="geo_links",
+        num_rows="dynamic", width="stretch",
+        column_config={"gbps": st.column_config.NumberColumn("Gbit/s", min_value=0.001),
+                       "rtt_ms": st.column_config.NumberColumn("RTT (ms)", min_value=0.1),
+                       "per_connection_gbps": st.column_config.NumberColumn(
+                           "one TCP connection (Gbit/s)", help="empty: 6 MiB window / RTT")})
+    st.subheader("Training and inference")
+    models = list(PRESETS)
+    c1, c2, c3, c4 = st.columns(4)
+    model = c1.selectbox("Model", models, index=models.index(example["model"]) if example["model"] in models else 0,
+                         key="geo_model")
+    batch = c2.number_input("Global batch (sequences)", min_value=1, value=int(example["global_batch"]),
+                            key="geo_global_batch")
+    micro = c3.number_input("Micro-batch", min_value=1, value=int(example.get("micro_batch", 1)), key="geo_micro_batch")
+    seq = c4.number_input("Sequence (tokens)", min_value=16, value=int(example.get("seq", 2048)), step=256,
+                          key="geo_seq")
+    inf = example.get("inference") or {"model": "llama3-8b", "prompt_tokens": 1024, "backlog": True}
+    pt = inf["prompt_tokens"]
+    pt_text = ", ".join(str(t) for t in (pt["tokens"] if isinstance(pt, dict) else pt if isinstance(pt, list) else [pt]))
+    c1, c2, c3, c4 = st.columns(4)
+    inf_model = c1.selectbox("Prefill model", models, index=models.index(inf["model"]) if inf["model"] in models else 0,
+                             key="geo_inf_model")
+    prompts = c2.text_input("Prompt lengths (tokens, equally likely)", value=pt_text, key="geo_prompts")
+    mode = c3.radio("Requests", ["backlog", "arrival rate"], index=0 if inf.get("backlog") else 1, key="geo_mode",
+                    horizontal=True)
+    rate = c4.number_input("Requests/s", min_value=0.1, value=float(inf.get("requests_per_s") or 50.0),
+                           key="geo_rate", disabled=mode == "backlog")
+    with show_errors("Bad scenario"):
+        workload: dict[str, Any] = {"model": inf_model, "prompt_tokens": parse_prompts(prompts)}
+        workload.update({"backlog": True} if mode == "backlog" else {"requests_per_s": float(rate)})
+        fields = {"name": os.path.splitext(name)[0],
+                  "training": {"model": model, "global_batch": int(batch), "micro_batch": int(micro), "seq": int(seq)},
+                  "inference": workload}
+        scenario = scenario_from_widgets(dcs, links, fields)
+        GeoScenario.from_dict(scenario)  # validate now: the error names the problem
+        return scenario
+    return None
+
+
+def gantt(report: GeoReport) -> go.Figure:
+    """One simulated iteration: a row per GPU (pipeline, stage) of the first few pipelines."""
+    d = min(report.plan.num_pipelines, MAX_GANTT_PIPELINES)
+    stages = report.plan.stages
+    bars: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": []} for k in COLORS}
+
+    def row(r: int, j: int) -> str:
+        return f"p{r} s{j} · {stages[j].dc} {stages[j].gpu_type}"
+
+    for o in report.sim.ops:
+        if o.pipeline < d:
+            b = bars[o.kind]
+            b["y"].append(row(o.pipeline, o.stage)), b["base"].append(o.start_s), b["x"].append(o.end_s - o.start_s)
+    if report.prefill is not None:
+        for p in report.prefill.placements:
+            if p.pipeline < d:
+                b = bars["P"]
+                b["y"].append(row(p.pipeline, p.stage)), b["base"].append(p.start_s), b["x"].append(p.end_s - p.start_s)
+    fig = go.Figure()
+    for kind, b in bars.items():
+        if b["x"]:
+            fig.add_trace(go.Bar(y=b["y"], x=b["x"], base=b["base"], orientation="h", name=NAMES[kind],
+                                 marker_color=COLORS[kind], hovertemplate="%{base:.3f} s + %{x:.3f} s"))
+    order = [row(r, j) for r in range(d) for j in range(len(stages))]
+    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
+    fig.update_layout(barmode="overlay", bargap=0.15)
+    shown = f"pipelines 0–{d - 1} of {report.plan.num_pipelines}" if d < report.plan.num_pipelines else "all pipelines"
+    return style_figure(fig, "time in the iteration (s, simulated)", "GPU (pipeline, stage)",
+                        title=f"One iteration, simulated ({shown})", height=max(320, 22 * len(order) + 120))
+
+
+def comparison_figures(report: GeoReport) -> tuple[go.Figure, go.Figure]:
+    names = ["atlas (plan)"] + list(report.baselines)
+    its = [report.sim.iteration_s] + [b.iteration_s for b in report.baselines.values()]
+    utils = [report.sim.gpu_utilization()] + [b.gpu_utilization for b in report.baselines.values()]
+    keep = [i for i, t in enumerate(its) if t is not None]
+    fig_t = go.Figure(go.Bar(x=[names[i] for i in keep], y=[its[i] for i in keep], marker_color="#1f77b4"))
+    style_figure(fig_t, "plan", "iteration time (s, simulated)", title="Iteration time, simulated (lower is better)")
+    x = [names[i] for i in keep]
+    fig_u = go.Figure(go.Bar(x=x, y=[100 * utils[i] for i in keep], name="training only", marker_color="#1f77b4"))
+    if report.prefill is not None:
+        fig_u.add_trace(go.Bar(x=[names[0]], y=[100 * report.prefill.gpu_utilization_with_prefill()],
+                               name="with prefill (BubbleTea)", marker_color="#2ca02c"))
+    fig_u.update_layout(barmode="group")
+    style_figure(fig_u, "plan", "GPU utilization (%, simulated)", title="GPU utilization, simulated")
+    return fig_t, fig_u
+
+
+def render(report: GeoReport) -> None:
+    out = report.to_dict()
+    plan = out["plan"]
+    c = st.columns(5)
+    with c[0]:
+        metric("Iteration", fmt_seconds(out["iteration_s"]), SIMULATED)
+    with c[1]:
+        dp = out.get("speedup_vs_dp_across_dcs")
+        metric("vs DP across DCs", f"{dp:.1f}× faster" if dp else "n/a", SIMULATED)
+    with c[2]:
+        metric("GPU utilization", f"{100 * out['gpu_utilization']:.1f} %", SIMULATED)
+    with c[3]:
+        metric("with prefill", f"{100 * out['gpu_utilization_with_prefill']:.1f} %", SIMULATED)
+    with c[4]:
+        metric("Prefill", f"{out['prefill_tokens_per_s']:,.0f} tokens/s", SIMULATED)
+    st.subheader("Plan")
+    st.markdown(
+        f"Pipeline **{' → '.join(plan['datacenters'])}**, {plan['dp_degree']} data-parallel pipelines × "
+        f"{plan['num_stages']} stages ({sum(plan['gpus_per_dc'].values())} GPUs), recompute {plan['recompute']}, "
+        f"WAN turn order {plan['link_order']}; TCP connections per transfer: "
+        f"{', '.join(f'{k}: {v}' for k, v in plan['connections'].items()) or 'no WAN hop'}.")
+    st.dataframe(pd.DataFrame([{
+        "stage": j, "datacenter": s["dc"], "GPU": s["gpu_type"],
+        "layers": f"{s['first_layer']}–{s['first_layer'] + s['num_layers'] - 1}",
+        "forward (s, predicted)": s["forward_s"], "backward (s, predicted)": s["backward_s"],
+        "memory (GiB, predicted)": s["memory_bytes"] / GIB, "capacity (GiB)": s["capacity_bytes"] / GIB,
+    } for j, s in enumerate(plan["stages"])]), width="stretch", hide_index=True)
+    show_figure(gantt(report), key="geo_gantt")
+    fig_t, fig_u = comparison_figures(report)
+    c1, c2 = st.columns(2)
+    with c1:
+        show_figure(fig_t, key="geo_iteration_bars")
+    with c2:
+        show_figure(fig_u, key="geo_util_bars")
+    st.dataframe(pd.DataFrame([{"baseline": k, "iteration (s, simulated)": v["iteration_s"],
+                                "GPUs": v["num_gpus"], "what": v["description"], "note": v["note"]}
+                               for k, v in out["baselines"].items()]), width="stretch", hide_index=True)
+    if report.prefill is not None:
+        pre = out["prefill"]
+        st.caption(f"BubbleTea (simulated): {pre['prefill_requests_served']} prefill requests in one iteration on "
+                   f"stages {pre['eligible_stages']}; training timeline unchanged: "
+                   f"{out['training_unchanged_by_prefill']}. {pre['note']}")
+
+
+page_header("Geo", "Train across datacenters over a WAN (Atlas: pipeline across DCs, data parallel inside, "
+                   "several TCP connections, WAN shared in turns) and fill the bubbles with inference prefill "
+                   "(BubbleTea). All figures are simulated.")
+names = list(examples())
+if not names:
+    st.error(f"no example scenarios in {EXAMPLES_DIR}")
+    st.stop()
+choice = st.selectbox("Start from example", names, index=names.index(DEFAULT_EXAMPLE) if DEFAULT_EXAMPLE in names else 0,
+                      key="geo_example", on_change=reset_editors)
+scenario = inputs(load_example(choice), choice)
+current = json.dumps(scenario, sort_keys=True) if scenario is not None else None
+if st.button("Plan", key="geo_plan", type="primary", disabled=scenario is None) and current is not None:
+    st.session_state.pop("geo_report", None)
+    with show_errors("Cannot plan this scenario"):
+        st.session_state["geo_report"] = (current, compute(current))
+shown = st.session_state.get("geo_report")
+if shown is not None:
+    if shown[0] != current:
+        st.info("The inputs changed since this plan: press Plan to update it.")
+    render(shown[1])

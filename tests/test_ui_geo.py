@@ -1,0 +1,41 @@
+"""The Geo page on its own (streamlit AppTest): edit, plan, render, and bad input."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+TIMEOUT_S = 120
+
+
+@pytest.fixture
+def app():
+    at = AppTest.from_file("../ui/geo.py", default_timeout=TIMEOUT_S)
+    at.run()
+    assert not at.exception
+    return at
+
+
+def test_plan_renders_summary_gantt_and_bars(app):
+    app.selectbox(key="geo_example").set_value("three_dc_slow_link.json").run()
+    app.button(key="geo_plan").click().run()
+    assert not app.exception
+    assert not app.error
+    labels = " ".join(m.label for m in app.metric)
+    assert "simulated" in labels and "Iteration" in labels
+    text = " ".join(md.value for md in app.markdown)
+    assert "virginia" in text  # the plan summary names the datacenters
+    charts = app.get("plotly_chart")
+    assert len(charts) == 3  # Gantt, iteration bars, utilization bars
+    import json
+
+    gantt = json.loads(charts[0].proto.spec)
+    names = {t.get("name") for t in gantt["data"]}
+    assert {"training forward", "training backward", "prefill (BubbleTea)"} <= names
+    assert "simulated" in gantt["layout"]["xaxis"]["title"]["text"]
+
+
+def test_bad_input_shows_an_error_not_a_traceback(app):
+    app.number_input(key="geo_micro_batch").set_value(3).run()  # 64 is not a multiple of 3
+    assert not app.exception
+    assert any("micro_batch 3" in e.value for e in app.error)
+    app.text_input(key="geo_prompts").set_value("a lot").run()
+    assert not app.exception
+    assert any("prompt lengths" in e.value for e in app.error)
