@@ -72,20 +72,23 @@ def _render_measured(device_type: str) -> None:
         } for p in profiles]), hide_index=True, key=f"inv_profiles_{device_type}")
 
 
-def _render_profile_now() -> None:
+def _render_profile_now(has_cpu_only: bool) -> None:
     models = list(PRESETS)
     current = get_model()
-    c1, c2, c3 = st.columns([2, 1, 1])
+    c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
     model = c1.selectbox("Model to profile", models, index=models.index(current) if current in models else 0,
                          key="inv_profile_model")
     seq = int(c2.number_input("Sequence length (tokens)", min_value=8, max_value=8192, value=DEFAULT_PROFILE_SEQ,
                               step=8, key="inv_profile_seq"))
-    collectives = c3.checkbox("Collectives too (spawns 2 ranks)", value=False, key="inv_profile_collectives")
+    # a CPU trains in fp32 (bf16 there is emulated and slow); a GPU in bf16
+    dtypes = ["fp32", "bf16"] if has_cpu_only else ["bf16", "fp32", "fp16"]
+    dtype = c3.selectbox("Precision", dtypes, key="inv_profile_dtype")
+    collectives = c4.checkbox("Collectives too (spawns 2 ranks)", value=False, key="inv_profile_collectives")
     if st.button("Profile now", key="inv_profile_now", type="primary"):
         from profiler.microbench import profile_machine  # torch: only when asked
 
         bar = st.progress(0.0, text="starting")
-        result = call_or_error(profile_machine, model, seq, collectives=collectives,
+        result = call_or_error(profile_machine, model, seq, dtype, collectives=collectives,
                                progress=lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m),
                                what="Profiling failed")
         if result is not None:
@@ -193,7 +196,7 @@ def _render_cluster() -> None:
 
 page_header("Inventory", "This machine's devices, what was measured on them, and the cluster GPUMix plans for.")
 local_types = _render_local_devices()
-_render_profile_now()  # before the figures, so a profile just taken shows below at once
+_render_profile_now(local_types == [CPU_TYPE])  # before the figures, so a profile just taken shows below at once
 for device_type in local_types:
     _render_measured(device_type)
 st.divider()
