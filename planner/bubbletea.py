@@ -119,8 +119,9 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     need = {n: prefill_memory_bytes(spec, n, dtype) for n in lengths}
     # per stage: prefill time of each prompt length that fits the memory training leaves free
     dur: dict[int, dict[int, float]] = {}
+    took = {(g, n): prefill_time_s(spec, n, g, dtype) for g in set(stage_gpu_types) for n in lengths}
     for j, (g, free) in enumerate(zip(stage_gpu_types, stage_free_bytes)):
-        fits = {n: prefill_time_s(spec, n, g, dtype) for n in lengths if need[n] <= free}
+        fits = {n: took[(g, n)] for n in lengths if need[n] <= free}
         if fits:
             dur[j] = fits
     gaps = {(r, j): steady_state_gaps(sim.idle_intervals(r, j), T) for r in range(sim.job.num_pipelines) for j in dur}
