@@ -212,9 +212,11 @@ WAIT_MS = 30_000  # one page or one widget reaction on a loaded 2-core machine
 
 
 def wait_idle(page: Any, timeout_ms: int = WAIT_MS) -> None:
-    """Until the script run that a click started has finished (the status widget disappears)."""
+    """Until the script run that a click or a load started has finished (the status widget
+    is gone) and every element has drawn (no loading skeletons left: lazy JS chunks)."""
     page.wait_for_timeout(150)  # the status widget appears only after a short delay
     page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=timeout_ms)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=timeout_ms)
 
 
 def steps_recorded(page: Any, timeout_ms: int = WAIT_MS) -> int:

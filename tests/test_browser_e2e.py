@@ -1,0 +1,153 @@
+"""End to end in a real browser: the path a user takes, in headless Debian Chromium.
+
+Start the dashboard (its own GPUMIX_DATA_DIR), open every page, compute a plan for
+this machine (tiny model, small global batch), launch it as a real 2-rank run, watch
+"Steps recorded" grow, reload the browser mid-run (the page must find the run again
+from SQLite and keep counting), stop it, find it under Runs. Screenshots of each
+page go to artifacts/screenshots/. Every process the test started is killed at the
+end, and the test checks that none is left.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from tests.conftest import (
+    CHROMIUM,
+    ROOT,
+    WAIT_MS,
+    kill_processes_with_data_dir,
+    launch_browser,
+    processes_with_data_dir,
+    server_log,
+    steps_recorded,
+    streamlit_server,
+    wait_idle,
+)
+
+pytest.importorskip("playwright")
+if not os.path.exists(CHROMIUM):
+    pytest.skip("Debian chromium is not installed (scripts/install.sh installs it)", allow_module_level=True)
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SHOTS = os.path.join(ROOT, "artifacts", "screenshots")
+# sidebar title -> url path (app.py)
+PAGES = {"Inventory": "", "Model & memory": "memory", "Plan": "plan", "Launch & monitor": "launch",
+         "Runs": "runs", "Scheduler": "scheduler", "Geo": "geo"}
+GLOBAL_BATCH = 4  # 2 CPU ranks, small enough that a step takes well under a second
+RUN_STEPS = 2000  # far more than the test watches: the run must still be going when it is stopped
+
+
+def shot(page: Page, name: str) -> None:
+    os.makedirs(SHOTS, exist_ok=True)
+    page.screenshot(path=os.path.join(SHOTS, f"{name}.png"), full_page=True)
+
+
+def open_page(page: Page, title: str) -> None:
+    """Click the sidebar link, as a user does (a URL change would start a new session)."""
+    page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=title, exact=True).click()
+    page.wait_for_url(re.compile(rf"/{PAGES[title]}/?$"), timeout=WAIT_MS)
+    page.locator('[data-testid="stMain"] h1').first.wait_for(timeout=WAIT_MS)
+
+
+def assert_no_exception(page: Page, where: str) -> None:
+    n = page.locator('[data-testid="stException"]').count()
+    assert n == 0, f"{where}: the page shows a traceback"
+
+
+def wait_steps_at_least(page: Page, n: int, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    seen = -1
+    while time.monotonic() < deadline:
+        try:
+            seen = steps_recorded(page, timeout_ms=5_000)
+        except Exception:  # the fragment re-renders the line while we read it
+            seen = -1
+        if seen >= n:
+            return seen
+        page.wait_for_timeout(500)
+    raise AssertionError(f"Steps recorded stayed at {seen}, wanted >= {n} within {timeout_s:.0f} s")
+
+
+def click_key(page: Page, key: str) -> None:
+    page.locator(f".st-key-{key} button").first.click()
+
+
+def fill_number(page: Page, key: str, value: int) -> None:
+    box = page.locator(f".st-key-{key} input").first
+    box.fill(str(value))
+    box.press("Enter")
+    wait_idle(page)
+
+
+def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
+    runs_root = os.path.join(data_dir, "runs")
+    t0 = time.monotonic()
+    with streamlit_server(data_dir) as url, sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 2200})  # Streamlit scrolls inside its main area: a tall window shows the whole page
+        try:
+            # 1. the app opens on the local inventory
+            page.goto(url)
+            page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
+            wait_idle(page, 60_000)
+            assert_no_exception(page, "Inventory")
+            shot(page, "01-inventory")
+
+            # 2. every page renders
+            for i, title in enumerate(list(PAGES)[1:], start=2):
+                open_page(page, title)
+                wait_idle(page, 60_000)
+                assert_no_exception(page, title)
+                shot(page, f"{i:02d}-{title.split()[0].lower()}")
+
+            # 3. a plan for this machine: default (tiny) model, small global batch
+            open_page(page, "Plan")
+            fill_number(page, "plan_global_batch", GLOBAL_BATCH)
+            click_key(page, "plan_compute")
+            wait_idle(page, 60_000)
+            assert_no_exception(page, "Plan after compute")
+            shot(page, "10-plan-computed")
+
+            # 4. launch it and watch it move
+            open_page(page, "Launch & monitor")
+            fill_number(page, "launch_steps", RUN_STEPS)
+            click_key(page, "launch_button")
+            first = wait_steps_at_least(page, 1, timeout_s=60)
+            grown = wait_steps_at_least(page, first + 3, timeout_s=30)
+            assert_no_exception(page, "Launch & monitor while running")
+            shot(page, "11-launch-running")
+            run_names = os.listdir(runs_root)
+            assert len(run_names) == 1, run_names
+
+            # 5. a browser reload loses the session; the page finds the run in SQLite again
+            page.reload()
+            after_reload = wait_steps_at_least(page, grown + 1, timeout_s=30)
+            assert after_reload > grown
+            shot(page, "12-launch-after-reload")
+
+            # 6. stop it
+            click_key(page, "stop_button")
+            page.get_by_text(re.compile(r"Run status:\s*stopped")).first.wait_for(timeout=WAIT_MS)
+            shot(page, "13-launch-stopped")
+
+            # 7. it is in the history
+            open_page(page, "Runs")
+            page.get_by_text(run_names[0]).first.wait_for(timeout=WAIT_MS)
+            assert_no_exception(page, "Runs")
+            shot(page, "14-runs")
+        except Exception:
+            shot(page, "99-failure")
+            print(server_log(data_dir))
+            raise
+        finally:
+            browser.close()
+            kill_processes_with_data_dir(data_dir)
+    # the server, torchrun and both ranks are gone
+    assert processes_with_data_dir(data_dir) == []
+    print(f"browser end-to-end: {time.monotonic() - t0:.1f} s")
