@@ -178,7 +178,8 @@ def split_layers(layer_s: list[float], head_s: float, caps: list[int], num_layer
     return best
 
 
-def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, float]], d: int, m: int) -> float:
+def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, float]], d: int, m: int,
+                costs: GeoCosts) -> float:
     """Closed-form 1F1B iteration time used only to rank candidates: one micro-batch's round trip
     through every stage and hop, then (m-1) periods of the bottleneck. The period is the slowest
     of: a stage's compute; a shared WAN direction's busy time per period (d transfers); and
@@ -194,7 +195,7 @@ def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, flo
         trip += plan_stages[j].forward_s + plan_stages[j].backward_s
         if j < p - 1:
             trip += 2 * (hops[j][0] + hops[j][1])
-        period = max(period, trip / min(p - j, m))
+        period = max(period, trip / costs.in_flight(j, p, m))
     return trip + (m - 1) * period + max(s.allreduce_s for s in plan_stages)
 
 
@@ -317,7 +318,7 @@ def _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network) -
                                s.allreduce_s, s.memory_bytes, s.capacity_bytes) for s in stages),
         d, m, rc, tuple((_link_name(x, y), wan[(x, y)][0]) for x, y in zip(chain, chain[1:])), "fifo",
         "temporal" if network == "atlas" else "fair")
-    return _Candidate(_estimate_s(stages, hops, d, m), plan.num_gpus, plan)
+    return _Candidate(_estimate_s(stages, hops, d, m, costs), plan.num_gpus, plan)
 
 
 def _better(a: tuple[float, int, int], b: tuple[float, int, int] | None) -> bool:
@@ -355,7 +356,9 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
     if network not in NETWORKS:
         raise ValueError(f"network must be one of {NETWORKS}, got {network!r}")
     t0 = time.perf_counter()
-    costs = costs or GeoCosts(scenario)
+    costs = costs or GeoCosts(scenario, schedule)
+    if costs.schedule != schedule:
+        raise ValueError(f"cost tables are for {costs.schedule}, not {schedule}")
     cands, considered = _candidates(scenario, costs, network, all_datacenters, keep=KEEP_PER_SUBSET)
     if not cands:
         raise ValueError(

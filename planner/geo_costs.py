@@ -11,8 +11,8 @@ recomputation the backward also re-runs the forward (8·N instead of 6·N).
 
 Memory: `planner.memory.estimate_memory` (the project's memory model) when it
 is available, read as `base + layers · per_layer` (the difference of a 2-layer
-and a 1-layer model) plus the activations of 1F1B's extra in-flight micro-batches
-(stage j of p keeps min(p − j, m) micro-batches' activations). `base` holds the
+and a 1-layer model) plus the activations of the extra in-flight micro-batches
+(1F1B: stage j of p keeps min(p − j, m) micro-batches' activations; GPipe all m). `base` holds the
 embeddings, LM head and logits on every stage, which over-estimates middle
 stages (safe side). Without the memory model, the documented formula below.
 """
@@ -54,8 +54,9 @@ class StageCost:
 class GeoCosts:
     """Cost tables of one scenario's training model (cached per GPU type and recompute mode)."""
 
-    def __init__(self, scenario: GeoScenario):
+    def __init__(self, scenario: GeoScenario, schedule: str = "1f1b"):
         self.scenario = scenario
+        self.schedule = schedule  # GPipe keeps every micro-batch's activations; 1F1B at most p - j
         self.spec: ModelSpec = with_max_seq(get_model(scenario.model), scenario.seq)
         self.seq, self.micro_batch, self.dtype = scenario.seq, scenario.micro_batch, scenario.dtype
         self.tokens = self.seq * self.micro_batch
@@ -125,8 +126,12 @@ class GeoCosts:
             base += (s.vocab_size * s.hidden + s.final_norm_params()) * per_param + 2 * 4 * self.tokens * s.vocab_size
         return base, s.block_params() * per_param + act, act
 
+    def in_flight(self, j: int, p: int, m: int) -> int:
+        """Micro-batches whose activations stage j of p holds at once."""
+        return m if self.schedule == "gpipe" else min(p - j, m)
+
     def stage_memory_bytes(self, num_layers: int, j: int, p: int, m: int, dp: int, recompute: str) -> int:
-        base, per_layer = self._memory_terms(j == 0, j == p - 1, min(p - j, m), dp, recompute)
+        base, per_layer = self._memory_terms(j == 0, j == p - 1, self.in_flight(j, p, m), dp, recompute)
         return int(base + num_layers * per_layer)
 
     def capacity_bytes(self, gpu_type: str) -> int:
@@ -134,7 +139,7 @@ class GeoCosts:
 
     def max_layers(self, gpu_type: str, j: int, p: int, m: int, dp: int, recompute: str) -> int:
         """The most layers stage j (of p) fits on one GPU of `gpu_type`."""
-        base, per_layer = self._memory_terms(j == 0, j == p - 1, min(p - j, m), dp, recompute)
+        base, per_layer = self._memory_terms(j == 0, j == p - 1, self.in_flight(j, p, m), dp, recompute)
         return int((self.capacity_bytes(gpu_type) - base) // per_layer)
 
     # --- communication ---

@@ -71,12 +71,12 @@ def _widest_tree(scenario: GeoScenario, dcs: list[str], connections: int) -> tup
     return (min(l.throughput_gbps(connections) for l in used), max(l.one_way_latency_s for l in used))
 
 
-def solve_each_dc(scenario: GeoScenario) -> dict[str, AtlasResult]:
+def solve_each_dc(scenario: GeoScenario, schedule: str = "1f1b") -> dict[str, AtlasResult]:
     """The best plan of each datacenter alone on the whole batch (those the model fits)."""
     out = {}
     for dc in scenario.datacenters:
         try:
-            out[dc.name] = solve_atlas(_sub_scenario(scenario, dc.name, scenario.global_batch))
+            out[dc.name] = solve_atlas(_sub_scenario(scenario, dc.name, scenario.global_batch), schedule=schedule)
         except ValueError:
             pass  # the model does not fit this DC
     return out
@@ -88,7 +88,7 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: li
     desc = "data parallel across datacenters, gradient all-reduce over the WAN"
     num_mb = scenario.global_batch // scenario.micro_batch
     names = datacenters or [dc.name for dc in scenario.datacenters]
-    alone = solve_each_dc(scenario) if alone is None else alone
+    alone = solve_each_dc(scenario, costs.schedule) if alone is None else alone
     # throughput of each DC alone on the whole batch decides its share
     rate = {n: scenario.global_batch / alone[n].sim.iteration_s for n in names if n in alone}
     if not rate:
@@ -101,7 +101,8 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: li
         share[n] += 1
     share = {n: u * grain for n, u in share.items()}
     share[max(rate, key=rate.get)] += num_mb - sum(share.values())  # the remainder goes to the fastest DC
-    sims = {n: alone[n] if mbs == num_mb else solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch))
+    sims = {n: alone[n] if mbs == num_mb else
+            solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch), schedule=costs.schedule)
             for n, mbs in share.items() if mbs}
     gpus = sum(r.plan.num_gpus for r in sims.values())
     compute_end = max(r.sim.iteration_s for r in sims.values())
@@ -125,13 +126,13 @@ def _from_atlas(name: str, result: AtlasResult, desc: str) -> BaselineOutcome:
 
 
 def simulate_baselines(scenario: GeoScenario, costs: GeoCosts) -> dict[str, BaselineOutcome]:
-    alone = solve_each_dc(scenario)
+    alone = solve_each_dc(scenario, costs.schedule)
     out = {"dp_across_dcs": simulate_dp_baseline(scenario, costs, alone=alone)}
     desc = "pipeline across every datacenter, 1 TCP connection per transfer, fair sharing"
     try:
         out["pp_single_connection_fair"] = _from_atlas(
             "pp_single_connection_fair",
-            solve_atlas(scenario, costs, network="single_fair", all_datacenters=True), desc)
+            solve_atlas(scenario, costs, costs.schedule, network="single_fair", all_datacenters=True), desc)
     except ValueError as e:
         out["pp_single_connection_fair"] = BaselineOutcome("pp_single_connection_fair", None, None, 0, desc, str(e))
     if alone:
@@ -203,7 +204,7 @@ def run_prefill(scenario: GeoScenario, plan: GeoPlan, sim: SimResult) -> tuple[P
 def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool = True) -> GeoReport:
     """Plan `scenario` with Atlas, simulate it, its baselines and BubbleTea's prefill."""
     t0 = time.perf_counter()
-    costs = GeoCosts(scenario)
+    costs = GeoCosts(scenario, schedule)
     inf = scenario.inference
     need = None if inf is None else prefill_memory_bytes(get_model(inf.model), min(t for t, _ in inf.prompt_tokens),
                                                           scenario.dtype)

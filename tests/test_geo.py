@@ -74,6 +74,10 @@ def test_memory_grows_with_layers_and_in_flight_microbatches():
     # 1F1B: stage 1 of 4 keeps 3 micro-batches in flight, stage 2 keeps 2
     assert costs.stage_memory_bytes(4, 1, 4, 8, 1, "none") > costs.stage_memory_bytes(4, 2, 4, 8, 1, "none")
     assert costs.stage_memory_bytes(4, 1, 4, 8, 1, "full") < costs.stage_memory_bytes(4, 1, 4, 8, 1, "none")
+    # GPipe keeps all 8 micro-batches' activations on every stage
+    gpipe = GeoCosts(GeoScenario.from_dict(small_dict()), schedule="gpipe")
+    assert gpipe.stage_memory_bytes(4, 1, 4, 8, 1, "none") > costs.stage_memory_bytes(4, 1, 4, 8, 1, "none")
+    assert gpipe.in_flight(3, 4, 8) == 8 and costs.in_flight(3, 4, 8) == 1
 
 
 def test_atlas_leaves_out_the_slow_dc_and_saturates_the_link(report):
