@@ -1,0 +1,279 @@
+"""Per-GPU peak memory of one training step of THIS project's runtime (Frenzy's MARP, made exact).
+
+Pure Python, no torch: a plan or a schedule calls this thousands of times (< 10 ms each).
+
+What is modelled (models/runtime.py + models/decoder.py; the profiler's MemTracker trace of the
+same code is the reference, bench/memory_accuracy.py measures the error):
+
+* Model states, bytes per parameter (P = spec.num_params, f = the shard fraction):
+  flat fp32 params 4·P, flat fp32 grads 4·P, AdamW exp_avg + exp_avg_sq 8·round(f·P) in fp32
+  (mixed precision keeps fp32 master weights, so bf16 adds no state; the "16 B/param" of
+  Rajbhandari et al. 2020 for mixed-precision Adam is 4 + 4 + 8 here because grads are fp32).
+* Activations: the tensors autograd saves in forward, per layer and token, counted from the
+  decoder's code (each term below names the tensor); Korthikanti et al. 2022 give the generic
+  form s·b·h·(34 + 5as/h) bytes; SDPA's fused kernel keeps only a log-sum-exp per head and
+  token instead of the a·s² attention matrix, so the 5as/h term is 4·a bytes per token here.
+  With recompute="full" each block keeps only its fp32 input (4·h bytes per token) and the
+  last block's activations are rebuilt in backward.
+* The loss: logits (B·T·V), log_softmax's saved output and two gradients of that size, all fp32.
+* bf16/fp16 (torch.autocast): a 2-byte copy of every matmul weight, saved for backward; each
+  Linear saves its own 2-byte copy of an fp32 input.
+* The optimizer step walks the slice in chunks of 2^24 elements; torch's AdamW makes two
+  temporaries per chunk (sqrt(v), sqrt(v)/c): 8·min(slice, 2^24) bytes.
+
+The peak is the largest of a few moments of the step (see `_phases`): the start of backward
+(the loss gradients), the last block's backward, the end of backward for a tied head, and
+the optimizer step. Each moment is AFFINE in micro_batch (activation terms scale with
+micro_batch·seq tokens; states and weight terms do not) and AFFINE in shard_fraction (only
+optimizer_bytes and the step's temporaries, through round(f·P)); the peak is their maximum.
+
+ZeRO stages (per GPU, f = shard fraction, 1/dp by default): 0 nothing sharded; 1 AdamW state
+·f; 2 + gradients ·f; 3 + parameters ·f. THE RUNTIME IS STAGE 1: it keeps the full flat fp32
+gradient buffer (accumulated over micro-batches, then all-reduced) and shards only the AdamW
+state, unevenly. A plan executed by models/runtime.py should say zero=1 (zero=0 when one GPU
+holds the whole state). Stages 2-3, tensor parallelism (Megatron: blocks and activations ÷tp,
+except the layer-norm inputs and the residual stream) and pipeline parallelism (each stage
+holds ceil(L/pp) layers and, in 1F1B, up to pp micro-batches of the first stage's
+activations) are analytic only: the runtime does not run them, so no trace checks them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+FP32_BYTES = 4
+HALF_BYTES = 2  # bf16 / fp16 autocast compute copies
+INT64_BYTES = 8
+STEP_CHUNK_NUMEL = 1 << 24  # models/runtime.py: the optimizer step works on slices of this size
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """One GPU's share of a training step. seq None means the model's max_seq; shard_fraction
+    None means 1/dp (the even split); micro_batch 0 is a GPU that only holds state."""
+
+    micro_batch: int = 1
+    seq: int | None = None
+    dtype: str = "fp32"  # fp32, or bf16/fp16 autocast with fp32 master weights
+    recompute: str = "none"  # "full": torch.utils.checkpoint around every block
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    shard_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.micro_batch) or self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be an integer >= 0, got {self.micro_batch!r}")
+        if self.seq is not None and (not is_int(self.seq) or self.seq < 1):
+            raise ValueError(f"seq must be a positive integer, got {self.seq!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        for name in ("dp", "tp", "pp"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        f = self.shard_fraction
+        if f is not None:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 < f <= 1.0):
+                raise ValueError(f"shard_fraction must be in (0, 1], got {f!r}")
+            if self.zero == 0 and f != 1.0:
+                raise ValueError(f"shard_fraction {f} needs zero >= 1: zero=0 keeps the whole state on every GPU")
+
+    @property
+    def fraction(self) -> float:
+        """This GPU's share of the sharded state: shard_fraction, else 1/dp (1 with zero=0)."""
+        if self.zero == 0:
+            return 1.0
+        return float(self.shard_fraction) if self.shard_fraction is not None else 1.0 / self.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU at the peak moment of the step; peak_bytes is their sum."""
+
+    num_params: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    other_bytes: int
+    peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate_for(spec: Any, cfg: MemoryConfig) -> int:
+    """Check `cfg` against the model; returns the sequence length used."""
+    seq = cfg.seq or spec.max_seq
+    if seq > spec.max_seq:
+        raise ValueError(f"seq {seq} > the model's max_seq {spec.max_seq}")
+    if spec.num_heads % cfg.tp or spec.num_kv_heads % cfg.tp:
+        raise ValueError(f"tp={cfg.tp} must divide num_heads {spec.num_heads} and num_kv_heads "
+                         f"{spec.num_kv_heads} (remainders {spec.num_heads % cfg.tp}, {spec.num_kv_heads % cfg.tp})")
+    if cfg.pp > spec.num_layers:
+        raise ValueError(f"pp={cfg.pp} > num_layers {spec.num_layers}: a stage needs at least one layer")
+    return seq
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The per-GPU sizes the formulas use (tp shards heads and the ffn, pp the layers)."""
+
+    layers: int  # blocks on this GPU
+    h: int  # hidden (the residual stream is never sharded)
+    hq: int  # query/output width on this GPU: h / tp
+    kv: int  # key/value width on this GPU: num_kv_heads * head_dim / tp
+    f: int  # ffn width on this GPU
+    heads: int  # query heads on this GPU
+    vocab: int  # vocabulary rows on this GPU (Megatron splits the head and embedding by tp)
+    head_dim: int
+    gpt2: bool
+    tied: bool
+
+
+def _shape(spec: Any, cfg: MemoryConfig) -> _Shape:
+    tp = cfg.tp
+    return _Shape(
+        layers=math.ceil(spec.num_layers / cfg.pp), h=spec.hidden, hq=spec.hidden // tp,
+        kv=spec.num_kv_heads * spec.head_dim // tp, f=math.ceil(spec.ffn_hidden / tp),
+        heads=spec.num_heads // tp, vocab=math.ceil(spec.vocab_size / tp), head_dim=spec.head_dim,
+        gpt2=spec.family == "gpt2", tied=spec.tied_embeddings,
+    )
+
+
+def _local_params(spec: Any, cfg: MemoryConfig) -> int:
+    """Parameters this GPU holds before ZeRO-3: all of them without TP/PP (the runtime); with
+    PP the first stage (its blocks + the embeddings, the larger end), with TP Megatron's split
+    (matmuls and embeddings ÷tp, norms and row-parallel biases replicated: ignored, < 0.1 %)."""
+    if cfg.tp == 1 and cfg.pp == 1:
+        return spec.num_params
+    blocks = math.ceil(spec.num_layers / cfg.pp) * spec.block_params()
+    ends = spec.embedding_params() + spec.final_norm_params() if cfg.pp == 1 else spec.embedding_params()
+    return math.ceil((blocks + ends) / cfg.tp)
+
+
+def _layer_saved_bytes_per_token(s: _Shape, w: int) -> int:
+    """Bytes autograd keeps per token for one block (models/decoder.py Block.forward), no recompute.
+
+    w is the compute width: 4 (fp32) or 2 (autocast). Under autocast each Linear saves its own
+    2-byte copy of its fp32 input (q/k/v: 3 copies of the attention norm's output; up, and
+    gate for SwiGLU: 1 or 2 of the MLP norm's); in fp32 they share one 4-byte tensor."""
+    residual = 2 * FP32_BYTES * s.h  # block input x and x + attn(...) (LayerNorm/RMSNorm inputs)
+    if s.gpt2:
+        norms = 2 * 2 * FP32_BYTES  # LayerNorm keeps mean and rstd, (B, T, 1) each
+    else:
+        norms = 2 * (FP32_BYTES + FP32_BYTES * s.h)  # RMSNorm keeps rsqrt (B, T, 1) and x*rsqrt (B, T, h)
+    if w == FP32_BYTES:
+        norm_outputs = 2 * FP32_BYTES * s.h
+    else:
+        norm_outputs = (3 + (1 if s.gpt2 else 2)) * w * s.h
+    attention = w * (2 * s.hq + 2 * s.kv) + FP32_BYTES * s.heads  # q, k, v, SDPA out; fp32 log-sum-exp per head
+    mlp = (2 if s.gpt2 else 4) * w * s.f  # GELU: up, gelu(up); SwiGLU: gate, silu(gate), up, product
+    return residual + norms + norm_outputs + attention + mlp
+
+
+def _block_matmul_params(spec: Any, s: _Shape) -> int:
+    return s.h * (s.hq + 2 * s.kv) + s.hq * s.h + (2 if s.gpt2 else 3) * s.h * s.f
+
+
+def _phases(spec: Any, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]]:
+    """(activation bytes, other bytes) on top of the model states at each candidate peak moment."""
+    s = _shape(spec, cfg)
+    autocast = cfg.dtype != "fp32"
+    w = HALF_BYTES if autocast else FP32_BYTES
+    tokens = cfg.micro_batch * seq  # N = B·T
+    if cfg.pp > 1:  # 1F1B: the first stage holds up to pp micro-batches in flight (Narayanan et al. 2021)
+        tokens *= cfg.pp
+    h, f, V, L = s.h, s.f, s.vocab, s.layers
+    inputs = 2 * INT64_BYTES * cfg.micro_batch * seq  # tokens and targets, (B, T) int64
+    # the forward's shared tensors: GPT-2 position ids (T,) int64; RoPE cos and sin (T, hd) in
+    # the compute dtype, plus the inv_freq buffer (hd/2,) fp32
+    buffers = 0 if s.gpt2 else FP32_BYTES * (s.head_dim // 2)
+    shared = (INT64_BYTES * seq if s.gpt2 else 2 * seq * s.head_dim * w) + buffers
+    layer = _layer_saved_bytes_per_token(s, w)
+    final_norm = 2 * FP32_BYTES if s.gpt2 else FP32_BYTES + FP32_BYTES * h
+    final = FP32_BYTES * h + final_norm + (w * h if autocast else FP32_BYTES * h)  # x_L, norm, head input
+    block_copies = w * _block_matmul_params(spec, s) if autocast else 0  # autocast weight copies
+    head_copy = w * V * h if autocast else 0
+    head_grad_pending = FP32_BYTES * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
+    dy = FP32_BYTES * h * tokens  # gradient of the residual stream
+    recompute = cfg.recompute == "full"
+    kept = (FP32_BYTES * h if recompute else layer) * L * tokens  # checkpoint keeps each block's fp32 input
+    kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
+
+    # Inside one block's backward (the largest transient, models/decoder.py MLP in reverse):
+    # down_proj: grad of its output (autocast: a w-byte cast), grad of its input (w·f per token),
+    # its weight grad (w·h·f); SwiGLU's mul: two w·f gradients on top of the incoming one.
+    bias = w * h if spec.linear_bias else 0
+    in_block = max(
+        (w * h if autocast else 0) * tokens + w * f * tokens + w * h * f + bias,
+        0 if s.gpt2 else 2 * w * f * tokens,
+    )
+    phases = {
+        # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
+        # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
+        "loss": (kept + final * tokens, inputs + shared + kept_copies + head_copy
+                 + 3 * FP32_BYTES * V * tokens * (1 if cfg.micro_batch else 0)),
+        # the untied head's weight grad: fp32, the grad of the logits (B·T, V) is still held,
+        # with the grad of the head's input (B·T, h) and the weight grad (V, h); autocast: the
+        # logits' grads and the head's weight copy are gone, the weight grad exists as a w-byte
+        # matmul output and its fp32 cast for AccumulateGrad
+        "head": (kept + final * tokens, inputs + shared + kept_copies
+                 + (w * h * tokens + (w + FP32_BYTES) * V * h if autocast
+                    else FP32_BYTES * (V * tokens + h * tokens + V * h))),
+        # the last block's backward (recompute: its activations and weight copies rebuilt)
+        "last_block": (kept + ((layer - FP32_BYTES * h) * tokens if recompute else 0),
+                       inputs + shared + kept_copies + (block_copies if recompute else 0) + dy
+                       + head_grad_pending + in_block),
+        "step": (0, inputs + buffers),  # + the step's temporaries (estimate_memory adds them)
+    }
+    if autocast:
+        # end of forward: autocast caches the weight copies of every block (checkpointed or not)
+        # until its context exits, when the head writes the w-byte logits (B·T, V) from the
+        # w-byte copy of the final norm's fp32 output (still referenced: 4·h per token)
+        phases["forward_end"] = (kept + final * tokens, inputs + shared + L * block_copies + head_copy
+                                 + (w * V + FP32_BYTES * h) * tokens)
+    if cfg.micro_batch == 0:
+        phases = {"step": phases["step"]}
+    elif s.tied:
+        # end of backward: the head's grad, the embedding's grad and their sum, (V, h) fp32 each
+        phases["tied_embedding"] = (0, inputs + 3 * FP32_BYTES * V * h)
+    return phases
+
+
+def estimate_memory(spec: Any, cfg: MemoryConfig) -> MemoryBreakdown:
+    """Predicted per-GPU peak bytes of one training step of `spec` under `cfg` (see module doc)."""
+    seq = validate_for(spec, cfg)
+    n = spec.num_params
+    local = _local_params(spec, cfg)
+    f = cfg.fraction
+    params = FP32_BYTES * (math.ceil(f * local) if cfg.zero >= 3 else local)
+    grads = FP32_BYTES * (math.ceil(f * local) if cfg.zero >= 2 else local)
+    shard = local if cfg.zero == 0 else int(round(f * local))
+    # exp_avg + exp_avg_sq fp32, and one fp32 step scalar per chunk (torch.optim.AdamW state)
+    optimizer = 2 * FP32_BYTES * shard + FP32_BYTES * math.ceil(shard / STEP_CHUNK_NUMEL)
+    step_temps = 2 * FP32_BYTES * min(shard, STEP_CHUNK_NUMEL)  # sqrt(v) and sqrt(v)/c of one chunk
+    phases = _phases(spec, cfg, seq)
+    act, other = phases["step"]
+    phases["step"] = (act, other + step_temps)
+    act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
+    states = params + grads + optimizer
+    return MemoryBreakdown(num_params=n, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+                           activations_bytes=act, other_bytes=other, peak_bytes=states + act + other)
