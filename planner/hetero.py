@@ -112,11 +112,17 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
     prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
     entries = []  # (g, c, x, F)
     for g, cls in enumerate(table.classes):
-        xs = []
+        # at a fixed t_s two choices of one batch differ only in their share room: keep the roomiest
+        best_of_batch: dict[int, tuple[float, int]] = {}
         for c, ch in enumerate(cls.choices):
             cap = share_cap(cls, c, t_s, comm_s)
             if cap < 0 or (ch.batch == 0 and cap <= 0):
                 continue  # too slow for t_s, or a state-only device that could hold nothing
+            if ch.batch not in best_of_batch or cap > best_of_batch[ch.batch][0]:
+                best_of_batch[ch.batch] = (cap, c)
+        xs = []
+        for batch, (cap, c) in sorted(best_of_batch.items()):
+            ch = cls.choices[c]
             ub = cls.count if ch.batch == 0 else min(cls.count, global_batch // ch.batch)
             if ub < 1:
                 continue
@@ -174,9 +180,11 @@ def _breakpoints(table: ScopeTable, comm_s: float, lo_s: float, hi_s: float) -> 
 
 
 def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
-                 deadline: float, tol: float) -> tuple[float, Config, bool] | None:
-    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent).
-    Returns (time, configuration, proven within tol) or None if nothing beats upper_s."""
+                 deadline: float, tol: float, hint_s: float = math.inf) -> tuple[float, Config, bool] | None:
+    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent);
+    `hint_s`, a known plan's time, is tried first (a probe near the optimum has fewer choices to
+    weigh than one at the slowest choice). Returns (time, configuration, proven within tol) or None
+    if nothing beats upper_s."""
     comm_s = table.comm_s(world[1])
     best: tuple[float, Config] | None = None
     lo, hi = lower_s, upper_s
@@ -195,7 +203,10 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
         return True
 
     # the top of the interval: is there any plan at all below the incumbent?
-    if not try_at(hi if math.isinf(upper_s) else upper_s * (1 - tol)):
+    if math.isinf(upper_s):
+        if not (lo < hint_s < hi and try_at(hint_s)) and not try_at(hi):
+            return None
+    elif not try_at(upper_s * (1 - tol)):
         return None
     points = _breakpoints(table, comm_s, lo, hi)
     while points and time.monotonic() < deadline:
@@ -212,7 +223,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
 
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
-                upper_s: float = math.inf) -> ScopeSolution | None:
+                upper_s: float = math.inf, hint_s: float = math.inf) -> ScopeSolution | None:
     """The best plan of one scope over its world-size buckets, or None if none beats upper_s."""
     fluid_s = _lower_bound_s(table, global_batch)
     buckets = world_size_buckets(table.num_devices)
@@ -228,7 +239,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         if time.monotonic() >= deadline:
             proven = False
             break
-        found = solve_bucket(table, global_batch, world, lower_s, incumbent, deadline, tol)
+        found = solve_bucket(table, global_batch, world, lower_s, incumbent, deadline, tol, hint_s)
         if found is not None:
             best = (found[0], found[1], world[1], found[2])
             proven = proven and found[2]
@@ -313,7 +324,7 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         if time.monotonic() >= deadline:
             proven = False
             break
-        sol = solve_scope(table, global_batch, deadline, tol, incumbent)
+        sol = solve_scope(table, global_batch, deadline, tol, incumbent, upper_bound_s)
         if sol is None:
             continue
         proven = proven and sol.status == "optimal"
