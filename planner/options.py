@@ -22,6 +22,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
 from planner.catalog import get_gpu_type
 from planner.cluster import ClusterSpec, DeviceSpec
@@ -211,11 +212,17 @@ def estimate_options(job: JobSpec, cluster: ClusterSpec, dtype: str = "bf16",
                      headroom: float = MEMORY_HEADROOM) -> list[ResourceOption]:
     """Per pool: the smallest count that fits, then each larger count that is predicted faster
     (a Pareto front of GPUs against duration). Empty when the job fits nowhere."""
+    return options_on_pools(job, cluster_pools(cluster), cluster.network.inter_node_gbps, dtype, headroom)
+
+
+def options_on_pools(job: JobSpec, pools: Sequence[Pool], inter_node_gbps: float, dtype: str = "bf16",
+                     headroom: float = MEMORY_HEADROOM) -> list[ResourceOption]:
+    """estimate_options over pools computed once (a scheduler reuses them for every job)."""
     get_model(job.model)  # unknown model -> ValueError naming it
-    return list(_options(job, tuple(cluster_pools(cluster)), cluster.network.inter_node_gbps, dtype, headroom))
+    return list(_options(job, pools, inter_node_gbps, dtype, headroom))
 
 
-def _options(job: JobSpec, pools: tuple[Pool, ...], inter_node_gbps: float, dtype: str, headroom: float):
+def _options(job: JobSpec, pools: Sequence[Pool], inter_node_gbps: float, dtype: str, headroom: float):
     for pool in pools:
         best_s = math.inf
         for n in candidate_counts(pool.count):

@@ -30,13 +30,13 @@ import heapq
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 from planner.catalog import get_gpu_type
 from planner.cluster import ClusterSpec
 from planner.jobs import JobSpec
-from planner.options import Pool, ResourceOption, candidate_counts, cluster_pools, estimate_option, estimate_options
+from planner.options import Pool, ResourceOption, candidate_counts, cluster_pools, estimate_option, options_on_pools
 
 log = logging.getLogger(__name__)
 
@@ -150,37 +150,57 @@ class FrenzyPolicy:
         if order not in ("hrrn", "arrival"):
             raise ValueError(f"order must be 'hrrn' or 'arrival', got {order!r}")
         self.cluster, self.dtype = cluster, dtype
+        self.cheap_slack, self.min_efficiency = cheap_slack, min_efficiency
         self.reserve_after_s, self.order = reserve_after_s, order
         # ablation: frenzy's queueing (order, reservation, backfill) over the users' own requests
         self._requests = FifoPolicy(cluster, dtype) if user_requests else None
-        self.cheap_slack, self.min_efficiency = cheap_slack, min_efficiency
-        self._pools = {p.device: p for p in cluster_pools(cluster)}
-        self._options: dict[str, list[ResourceOption]] = {}
+        self._pool_list = cluster_pools(cluster)
+        self._pool_index = {p.device: k for k, p in enumerate(self._pool_list)}
+        # per job: [(pool index, option of ONE step, price)]; a job's duration is steps × iteration_s
+        self._options: dict[str, list[tuple[int, ResourceOption, float]]] = {}
+        self._by_shape: dict[tuple, list[tuple[int, ResourceOption, float]]] = {}
         self._ref_s: dict[str, float] = {}
         self._failed: dict[str, str] = {}
 
     def options(self, job: JobSpec) -> list[ResourceOption]:
         """The job's usable options: per pool, counts from the smallest that fits up to where
         adding GPUs stops paying (GPU-seconds within 1/min_efficiency of the pool's smallest)."""
-        opts = self._options.get(job.job_id)
-        if opts is None and self._requests is not None:
-            opts = [o for o in (self._requests.request(job)[0],) if o is not None]
+        return [replace(o, duration_s=o.iteration_s * job.steps) for _, o, _ in self._entries(job)]
+
+    def _entries(self, job: JobSpec) -> list[tuple[int, ResourceOption, float]]:
+        entries = self._options.get(job.job_id)
+        if entries is not None:
+            return entries
+        if self._requests is not None:
+            req = self._requests.request(job)[0]
+            entries = [] if req is None else [self._entry(replace(req, duration_s=req.iteration_s))]
             self._failed.update(self._requests.failed())
-        if opts is None:
-            opts = []
-            all_opts = estimate_options(job, self.cluster, self.dtype)
-            floor: dict[Pool, float] = {}
-            for o in all_opts:  # per pool in increasing count; GPU-seconds grow with count
-                pool = self._pools[o.pool]
-                floor.setdefault(pool, o.gpu_seconds)
-                if o.gpu_seconds * self.min_efficiency <= floor[pool]:
-                    opts.append(o)
-            if not opts:
+        else:
+            entries = self._shape_entries(job)
+            if not entries:
                 self._failed[job.job_id] = "does not fit in memory on any device pool of the cluster"
-        if job.job_id not in self._options:
-            self._options[job.job_id] = opts
-            self._ref_s[job.job_id] = min((o.duration_s for o in opts), default=math.inf)
-        return opts
+        self._options[job.job_id] = entries
+        self._ref_s[job.job_id] = job.steps * min((o.iteration_s for _, o, _ in entries), default=math.inf)
+        return entries
+
+    def _entry(self, o: ResourceOption) -> tuple[int, ResourceOption, float]:
+        # price: peak FLOP/s × count — among nearly-as-fast options the cheaper devices win,
+        # keeping the big parts free for the jobs that need them
+        return self._pool_index[o.pool], o, o.num_gpus * get_gpu_type(o.pool.type).peak_tflops(o.dtype)
+
+    def _shape_entries(self, job: JobSpec) -> list[tuple[int, ResourceOption, float]]:
+        """Options of one step, shared by all jobs of the same (model, seq, global batch): sweeps
+        and repeated submissions cost a dictionary look-up."""
+        key = (job.model, job.seq, job.global_batch)
+        if key not in self._by_shape:
+            one_step = replace(job, steps=1)
+            entries, floor = [], {}
+            for o in options_on_pools(one_step, self._pool_list, self.cluster.network.inter_node_gbps, self.dtype):
+                floor.setdefault(o.pool, o.gpu_seconds)  # per pool in increasing count; GPU-seconds grow
+                if o.gpu_seconds * self.min_efficiency <= floor[o.pool]:
+                    entries.append(self._entry(o))
+            self._by_shape[key] = entries
+        return self._by_shape[key]
 
     def failed(self) -> dict[str, str]:
         return dict(self._failed)
@@ -193,9 +213,8 @@ class FrenzyPolicy:
 
     def decide(self, now: float, waiting: Sequence[JobSpec], free: dict[Pool, int],
                running: Sequence[Running]) -> list[Decision]:
-        pools = {p.device: p for p in free}
-        free = dict(free)
-        todo = [j for j in waiting if self.options(j)]
+        free_n = [free.get(p, 0) for p in self._pool_list]  # by pool index: no hashing in the loop
+        todo = [j for j in waiting if self._entries(j)]
         todo.sort(key=lambda j: self._rank(now, j))
         # The oldest job goes first; if it cannot start it holds the one reservation (EASY).
         head = min(todo, key=lambda j: (j.submit_s, j.job_id), default=None)
@@ -205,55 +224,47 @@ class FrenzyPolicy:
         else:
             head = None
         out: list[Decision] = []
-        reservation: tuple[Pool, float] | None = None  # (pool, start time) held for the head
+        reserved_pool, reserved_s = -1, math.inf  # the head's reservation: pool index, start time
         extra = 0  # devices of the reserved pool that stay free at the reservation time
         for job in todo:
-            if not any(free.values()):
+            if not any(free_n):
                 break
-            best, best_key = None, None
-            fastest = min((o.duration_s for o in self._options[job.job_id]
-                           if free[pools[o.pool]] >= o.num_gpus), default=math.inf)
-            for o in self._options[job.job_id]:
-                pool = pools[o.pool]
-                if free[pool] < o.num_gpus or o.duration_s > self.cheap_slack * fastest:
+            entries = self._entries(job)
+            fastest_s = min((o.iteration_s for k, o, _ in entries if free_n[k] >= o.num_gpus), default=math.inf)
+            best = None
+            for k, o, price in entries:
+                if free_n[k] < o.num_gpus or o.iteration_s > self.cheap_slack * fastest_s:
                     continue
-                if reservation and pool == reservation[0] and now + o.duration_s > reservation[1] \
-                        and o.num_gpus > extra:
+                if k == reserved_pool and now + job.steps * o.iteration_s > reserved_s and o.num_gpus > extra:
                     continue  # would delay the reserved job
-                # nearly as fast -> the cheaper devices (peak FLOP/s × count), keeping big parts free
-                key = (_price(o), o.duration_s)
-                if best_key is None or key < best_key:
-                    best, best_key = o, key
+                if best is None or (price, o.iteration_s) < (best[2], best[1].iteration_s):
+                    best = (k, o, price)
             if best is not None:
-                pool = pools[best.pool]
-                free[pool] -= best.num_gpus
-                if reservation and pool == reservation[0] and now + best.duration_s > reservation[1]:
-                    extra -= best.num_gpus
-                out.append(Decision(job, best))
+                k, o, _ = best
+                free_n[k] -= o.num_gpus
+                if k == reserved_pool and now + job.steps * o.iteration_s > reserved_s:
+                    extra -= o.num_gpus
+                out.append(Decision(job, replace(o, duration_s=o.iteration_s * job.steps)))
             elif job is head:
-                reservation, extra = self._reserve(job, pools, free, running, now)
+                reserved_pool, reserved_s, extra = self._reserve(job, free_n, running, now)
         return out
 
-    def _reserve(self, job: JobSpec, pools: dict, free: dict[Pool, int], running: Sequence[Running],
-                 now: float) -> tuple[tuple[Pool, float] | None, int]:
-        """Earliest (pool, time) at which one of the job's options can start as devices free up."""
+    def _reserve(self, job: JobSpec, free_n: list[int], running: Sequence[Running],
+                 now: float) -> tuple[int, float, int]:
+        """(pool index, start time, devices to spare then) of the option that can start — and so
+        finish — earliest as running jobs end; (-1, inf, 0) when none can."""
         best = None
-        for o in self._options[job.job_id]:
-            pool = pools[o.pool]
-            have, t = free[pool], now
+        for k, o, _ in self._entries(job):
+            pool = self._pool_list[k]
+            have, t = free_n[k], now
             for r in sorted((r for r in running if r.pool == pool), key=lambda r: r.end_s):
                 if have >= o.num_gpus:
                     break
                 have, t = have + r.num_gpus, r.end_s
-            if have >= o.num_gpus and (best is None or t + o.duration_s < best[0]):
-                best = (t + o.duration_s, pool, t, have - o.num_gpus)
-        if best is None:
-            return None, 0
-        return (best[1], best[2]), best[3]
-
-
-def _price(o: ResourceOption) -> float:
-    return o.num_gpus * get_gpu_type(o.pool.type).peak_tflops(o.dtype)
+            end = t + job.steps * o.iteration_s
+            if have >= o.num_gpus and (best is None or end < best[0]):
+                best = (end, k, t, have - o.num_gpus)
+        return (-1, math.inf, 0) if best is None else best[1:]
 
 
 class FifoPolicy:
