@@ -14,7 +14,8 @@ device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
 4. AdamW on this rank's uneven slice of the flat parameters (shard_bounds of the plan's
    shard fractions), then every slice is broadcast from its owner.
 
-Emulation: `slowdown` s sleeps (s-1) x the measured compute time of each micro-batch;
+Emulation: `slowdown` s sleeps (s-1) x the measured compute time of each micro-batch and of
+the optimizer step on the rank's slice (the planner's cost model slows both);
 `memory_gb` fails the rank with an out-of-memory message when the measured peak
 (executor.memtrack) exceeds it.
 """
@@ -197,15 +198,25 @@ class Trainer:
                     time.sleep(d)
                     delay_s += d
             w0 = time.perf_counter()
+            # the step's loss travels beside the gradients (async: one latency, not two)
+            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+            loss_work = dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, async_op=True)
             dist.all_reduce(st.flat_grads, op=dist.ReduceOp.SUM)
             w1 = time.perf_counter()
             st.step()
+            self._sync()
             w2 = time.perf_counter()
-            for pos, (s, e) in enumerate(self.bounds):
-                if e > s:
-                    dist.broadcast(st.flat_params[s:e], src=self.owner[pos])
-            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+            optimizer_s = w2 - w1
+            if self.a.slowdown > 1.0:  # the slower device is slower at its optimizer slice too
+                d = (self.a.slowdown - 1.0) * optimizer_s
+                time.sleep(d)
+                delay_s += d
+                w2 = time.perf_counter()
+            # every slice from its owner, all in flight at once; wait before the next forward reads them
+            works = [dist.broadcast(st.flat_params[s:e], src=self.owner[pos], async_op=True)
+                     for pos, (s, e) in enumerate(self.bounds) if e > s]
+            for w in (*works, loss_work):
+                w.wait()
             w3 = time.perf_counter()
         wait_s = (w1 - w0) + (w3 - w2)
         peak = tracker.peak_bytes if measure_memory else None
@@ -214,7 +225,7 @@ class Trainer:
                 f"out of memory (emulated): rank {self.rank} ({self.a.type}, memory_gb {self.a.memory_gb:g}) "
                 f"measured peak {peak / GIB:.3f} GiB > limit {self.memory_limit_bytes / GIB:.3f} GiB")
         return {"loss": float(loss_t.item()), "step_s": time.perf_counter() - t0, "compute_s": compute_s,
-                "delay_s": delay_s, "optimizer_s": w2 - w1, "wait_s": wait_s, "peak": peak}
+                "delay_s": delay_s, "optimizer_s": optimizer_s, "wait_s": wait_s, "peak": peak}
 
     @torch.no_grad()
     def val_loss(self) -> float:
