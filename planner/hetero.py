@@ -94,6 +94,10 @@ def validate_inputs(global_batch: int, seq: int | None, dtype: str, recompute: s
         raise ValueError(f"gap must be in [0, 1), got {gap!r}")
 
 
+class ProbeTimeout(Exception):
+    """CBC ran out of time before it proved a probe feasible or infeasible."""
+
+
 def share_cap(cls: ClassTable, c: int, t_s: float, comm_s: float) -> float:
     """The most state one device of `cls` on choice c can hold and still end by t_s:
     min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
@@ -148,9 +152,11 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
     prob += k >= world[0], "world_lo"
     prob += k <= world[1], "world_hi"
     prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(time_limit_s, 0.01), threads=threads))
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return [(g, c, int(round(x.value() or 0))) for g, c, x, _ in entries if round(x.value() or 0) > 0]
+    if prob.status == pulp.LpStatusInfeasible:
         return None
-    return [(g, c, int(round(x.value() or 0))) for g, c, x, _ in entries if round(x.value() or 0) > 0]
+    raise ProbeTimeout(f"CBC stopped ({pulp.LpStatus[prob.status]}) before deciding t = {t_s:.6g} s")
 
 
 def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[float, list[float]] | None:
@@ -179,47 +185,70 @@ def _breakpoints(table: ScopeTable, comm_s: float, lo_s: float, hi_s: float) -> 
     return sorted(t for t in pts if lo_s < t < hi_s)
 
 
+class _Bisection:
+    """The interval [lo, hi] known to hold the least iteration time of one scope and bucket, and the
+    best configuration found (its exact time is hi)."""
+
+    def __init__(self, table: ScopeTable, global_batch: int, world: tuple[int, int], lo_s: float, hi_s: float,
+                 deadline: float):
+        self.table, self.global_batch, self.world, self.deadline = table, global_batch, world, deadline
+        self.comm_s = table.comm_s(world[1])
+        self.lo, self.hi = lo_s, hi_s
+        self.best: tuple[float, Config] | None = None
+
+    def try_at(self, t_s: float) -> bool:
+        """Probe t_s: a feasible configuration lowers hi to its exact time, infeasibility raises lo.
+        ProbeTimeout (undecided) moves neither."""
+        config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic())
+        priced = price_config(self.table, config, self.comm_s) if config else None
+        if priced is None:
+            self.lo = max(self.lo, t_s)
+            return False
+        if self.best is None or priced[0] < self.hi:
+            self.best, self.hi = (priced[0], config), min(self.hi, priced[0])
+        return True
+
+    def closed(self, tol: float) -> bool:
+        return self.hi - self.lo <= tol * self.hi
+
+    def time_left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+
 def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
                  deadline: float, tol: float, hint_s: float = math.inf) -> tuple[float, Config, bool] | None:
     """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent);
     `hint_s`, a known plan's time, is tried first (a probe near the optimum has fewer choices to
     weigh than one at the slowest choice). Returns (time, configuration, proven within tol) or None
     if nothing beats upper_s."""
-    comm_s = table.comm_s(world[1])
-    best: tuple[float, Config] | None = None
-    lo, hi = lower_s, upper_s
-    if math.isinf(hi):  # no incumbent: the slowest choice bounds every plan
-        hi = max(ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices) + comm_s
-
-    def try_at(t_s: float) -> bool:
-        nonlocal lo, hi, best
-        config = probe(table, global_batch, world, comm_s, t_s, deadline - time.monotonic())
-        priced = price_config(table, config, comm_s) if config else None
-        if priced is None:
-            lo = max(lo, t_s)
-            return False
-        if priced[0] < hi or best is None:
-            best, hi = (priced[0], config), min(hi, priced[0])
-        return True
-
-    # the top of the interval: is there any plan at all below the incumbent?
-    if math.isinf(upper_s):
-        if not (lo < hint_s < hi and try_at(hint_s)) and not try_at(hi):
+    top_s = upper_s
+    if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
+        top_s = max(ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices)
+        top_s += table.comm_s(world[1])
+    search = _Bisection(table, global_batch, world, lower_s, top_s, deadline)
+    try:
+        # the top of the interval: is there any plan at all below the incumbent?
+        if math.isinf(upper_s):
+            if not (lower_s < hint_s < top_s and search.try_at(hint_s)) and not search.try_at(top_s):
+                return None
+        elif not search.try_at(upper_s * (1 - tol)):
             return None
-    elif not try_at(upper_s * (1 - tol)):
-        return None
-    points = _breakpoints(table, comm_s, lo, hi)
-    while points and time.monotonic() < deadline:
-        mid = points[len(points) // 2]
-        ok = try_at(mid)
-        points = [t for t in points if lo < t < hi and (t < mid if ok else t > mid)]
-    # between breakpoints only the shares' room changes: the best configuration found so far is
-    # usually already optimal (price_config placed its shares exactly), which one probe just below proves
-    if hi - lo > tol * hi and time.monotonic() < deadline:
-        try_at(hi * (1 - tol))
-    while hi - lo > tol * hi and time.monotonic() < deadline:
-        try_at(0.5 * (lo + hi))
-    return best[0], best[1], hi - lo <= tol * hi
+        points = _breakpoints(table, search.comm_s, search.lo, search.hi)
+        while points and search.time_left():
+            mid = points[len(points) // 2]
+            ok = search.try_at(mid)
+            points = [t for t in points if search.lo < t < search.hi and (t < mid if ok else t > mid)]
+        # between breakpoints only the shares' room changes: the best configuration found so far is
+        # usually already optimal (price_config placed its shares exactly), which one probe just below proves
+        if not search.closed(tol) and search.time_left():
+            search.try_at(search.hi * (1 - tol))
+        while not search.closed(tol) and search.time_left():
+            search.try_at(0.5 * (search.lo + search.hi))
+    except ProbeTimeout as e:  # undecided: the search stops with what it has, unproven
+        log.warning("%s", e)
+        return (search.best[0], search.best[1], False) if search.best else None
+    assert search.best is not None
+    return search.best[0], search.best[1], search.closed(tol)
 
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
@@ -303,7 +332,6 @@ def explain_infeasible(cost: CostModel, global_batch: int) -> str:
     return f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices{detail}"
 
 
-
 def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
                           micro_batches: Sequence[int] | None = None,
                           upper_bound_s: float = math.inf) -> tuple[ScopeSolution, str]:
@@ -333,6 +361,9 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         if t_s < incumbent:
             best = (sol, table.name, t_s)
     if best is None:
+        if time.monotonic() >= deadline:
+            raise ValueError(f"the solver's time limit of {time_limit_s:g} s ran out before it found a plan; "
+                             "allow more time")
         if upper_bound_s < math.inf:  # pruning by a known plan's time cannot cut every plan; stay safe
             return solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches)
         raise ValueError(f"no feasible plan: {explain_infeasible(cost, global_batch)}")
@@ -377,7 +408,12 @@ def plan_notes(cost: CostModel, dtype: str) -> list[str]:
 def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
                recompute: str = "none", headroom: float = 0.9, time_limit_s: float = 10.0, gap: float = 0.0,
                micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None) -> HeteroResult:
-    """The fastest plan of `model` on `cluster` at `global_batch` under the cost model."""
+    """The fastest plan of `model` on `cluster` at `global_batch` under the cost model (planner/cost.py).
+
+    `gap`: stop once the plan is within this relative distance of the proven lower bound (the
+    bisection always closes to BISECTION_TOL at least); `time_limit_s` bounds the whole search.
+    `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
+    ValueError on bad input and when no plan fits, naming why."""
     from planner.baselines import estimate_baselines, estimate_memory_aware
 
     validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
@@ -400,4 +436,5 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
                       notes, solve_s, baselines)
     log.info("plan for %s on %s: %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name,
              plan.predicted_iteration_s, sol.status, scope, solve_s)
-    return HeteroResult(sol.status, sol.objective_s, plan, solve_s)
+    reason = "" if sol.status == "optimal" else f"time limit of {time_limit_s:g} s reached before optimality was proven"
+    return HeteroResult(sol.status, sol.objective_s, plan, solve_s, reason)
