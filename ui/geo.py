@@ -160,15 +160,16 @@ def gantt(report: GeoReport) -> go.Figure:
     def row(r: int, j: int) -> str:
         return f"p{r} s{j} · {stages[j].dc} {stages[j].gpu_type}"
 
+    def add(kind: str, pipeline: int, stage: int, start_s: float, end_s: float) -> None:
+        if pipeline < d:
+            bars[kind]["y"].append(row(pipeline, stage))
+            bars[kind]["base"].append(start_s)
+            bars[kind]["x"].append(end_s - start_s)
+
     for o in report.sim.ops:
-        if o.pipeline < d:
-            b = bars[o.kind]
-            b["y"].append(row(o.pipeline, o.stage)), b["base"].append(o.start_s), b["x"].append(o.end_s - o.start_s)
-    if report.prefill is not None:
-        for p in report.prefill.placements:
-            if p.pipeline < d:
-                b = bars["P"]
-                b["y"].append(row(p.pipeline, p.stage)), b["base"].append(p.start_s), b["x"].append(p.end_s - p.start_s)
+        add(o.kind, o.pipeline, o.stage, o.start_s, o.end_s)
+    for p in report.prefill.placements if report.prefill is not None else []:
+        add("P", p.pipeline, p.stage, p.start_s, p.end_s)
     fig = go.Figure()
     for kind, b in bars.items():
         if b["x"]:
@@ -213,7 +214,9 @@ def render(report: GeoReport) -> None:
     with c[3]:
         metric("with prefill", f"{100 * out['gpu_utilization_with_prefill']:.1f} %", SIMULATED)
     with c[4]:
-        metric("Prefill", f"{out['prefill_tokens_per_s']:,.0f} tokens/s", SIMULATED)
+        rate = out["prefill_tokens_per_s"]
+        metric("Prefill", f"{rate / 1e3:,.1f}k tok/s" if rate >= 1e4 else f"{rate:,.0f} tok/s", SIMULATED,
+               help="prefill tokens per second of the training iteration")
     st.subheader("Plan")
     st.markdown(
         f"Pipeline **{' → '.join(plan['datacenters'])}**, {plan['dp_degree']} data-parallel pipelines × "
@@ -239,6 +242,7 @@ def render(report: GeoReport) -> None:
     if report.prefill is not None:
         pre = out["prefill"]
         st.caption(f"BubbleTea (simulated): {pre['prefill_requests_served']} prefill requests in one iteration on "
+                   "idle GPU time only (a bar past the iteration's end continues into the next iteration's start); "
                    f"stages {pre['eligible_stages']}; training timeline unchanged: "
                    f"{out['training_unchanged_by_prefill']}. {pre['note']}")
 
