@@ -12,7 +12,9 @@ Store layout (JSON, one file per profile, under `planner.paths.profiles_dir()`,
 i.e. `$GPUMIX_DATA_DIR/profiles`, or a `store_dir` argument):
     steps/<device>__<model>__s<seq>__<dtype>__<recompute>.json   StepProfile
     bench/<device>.json                                          DeviceBench
-Pure Python (no torch): the planner imports this.
+Profiles describe a real device type; an *emulated* device's `slowdown` (cluster file)
+multiplies them in the planner's cost model, never here. Pure Python (no torch): the
+planner imports this.
 """
 from __future__ import annotations
 

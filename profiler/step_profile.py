@@ -203,7 +203,7 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     efficiency = flops_per_sample / beta / 1e12 / peak if beta > 0 else None
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = socket.gethostname()
-    threads = "1 thread" if dev.type == "cpu" else device_name
+    threads = "1 torch thread" if dev.type == "cpu" else str(dev)
     profile = StepProfile(
         device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / num_params, r2, True,
         f"measured on {host} ({device_name}, {threads}) at {now}: medians of {repeats} at m={sizes}, R²={r2:.3f}",
