@@ -91,6 +91,9 @@ class CommModel:
     grad_bytes: float  # the flat fp32 gradient buffer
     param_bytes: float  # the flat fp32 parameter buffer (broadcast slice by slice)
     source: str = ""
+    # a measured broadcast (profiler bench): bytes/s of one broadcast and its latency per call
+    broadcast_bytes_per_s: float | None = None
+    broadcast_call_latency_s: float | None = None
 
     def comm_s(self, world_size: int) -> float:
         """All-reduce of the gradients: ring bandwidth term 2·(k−1)/k·bytes/bw; then k broadcasts of
@@ -101,7 +104,9 @@ class CommModel:
             return 0.0
         call_latency_s = math.ceil(math.log2(k)) * self.hop_latency_s
         all_reduce_s = 2 * (k - 1) / k * self.grad_bytes / self.bandwidth_bytes_per_s + 2 * call_latency_s
-        broadcast_s = self.param_bytes / self.bandwidth_bytes_per_s + k * call_latency_s
+        bcast_bw = self.broadcast_bytes_per_s or self.bandwidth_bytes_per_s
+        bcast_latency_s = call_latency_s if self.broadcast_call_latency_s is None else self.broadcast_call_latency_s
+        broadcast_s = self.param_bytes / bcast_bw + k * bcast_latency_s
         return all_reduce_s + broadcast_s
 
 
@@ -272,8 +277,12 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
             w = prof.world_size
             # the fit's bandwidth is size/time (algorithm bandwidth); a ring moves 2(w−1)/w of it per rank
             bus = fit.bandwidth_bytes_per_s * 2 * (w - 1) / w
-            hop = max(fit.latency_s, 0.0) / math.ceil(math.log2(w))
-            return CommModel(bus, hop, grad_bytes, param_bytes, f"measured {prof.backend} all-reduce, {w} ranks")
+            hop = max(fit.latency_s, 0.0) / (2 * math.ceil(math.log2(w)))  # comm_s: 2 calls' latency per all-reduce
+            bcast = prof.fit("broadcast")
+            bcast_bw = bcast.bandwidth_bytes_per_s if bcast and bcast.bandwidth_bytes_per_s > 0 else None
+            bcast_lat = max(bcast.latency_s, 0.0) if bcast_bw else None
+            return CommModel(bus, hop, grad_bytes, param_bytes, f"measured {prof.backend} collectives, {w} ranks",
+                             bcast_bw, bcast_lat)
     net = cluster.network
     gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
     hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S

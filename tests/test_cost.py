@@ -139,3 +139,18 @@ def test_iteration_time_is_the_slowest_device_plus_collectives():
     with pytest.raises(ValueError):
         cost.estimate_iteration_s([(0, 0, 0.0), (0, 0, 0.0)])
     assert math.isfinite(t)
+
+
+def test_local_cpu_workers_use_the_measured_collectives(data_dir):
+    from planner.profiles import CollectiveFit, CollectiveProfile, DeviceBench, save_device_bench
+
+    fits = (CollectiveFit("all_reduce", 2e-4, 1e9, 0.99), CollectiveFit("broadcast", 1e-4, 2e9, 0.99))
+    save_device_bench(DeviceBench("cpu", "test cpu", 1, (), 5.0, CollectiveProfile("cpu", "gloo", 2, fits)))
+    cpu = DeviceSpec("cpu")
+    cluster = ClusterSpec("c", (NodeSpec("n", "dc", (cpu, cpu)),), NetworkSpec(1.0, 1.0))
+    comm = build_comm_model([cpu], False, cluster, num_params=10**6)
+    assert "measured gloo" in comm.source
+    # k = 2 reproduces the fits: all-reduce 2e-4 + 4e6/1e9 s, two broadcasts of 2e6 B in all 1e-4 each + 4e6/2e9 s
+    assert comm.comm_s(2) == pytest.approx(2e-4 + 4e6 / 1e9 + 2 * 1e-4 + 4e6 / 2e9)
+    # across nodes the cluster file's figure applies, measured or not
+    assert "cluster file" in build_comm_model([cpu], True, cluster, num_params=10**6).source
