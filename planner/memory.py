@@ -55,7 +55,8 @@ STEP_CHUNK_NUMEL = 1 << 24  # models/runtime.py: the optimizer step works on sli
 @dataclass(frozen=True)
 class MemoryConfig:
     """One GPU's share of a training step. seq None means the model's max_seq; shard_fraction
-    None means 1/dp (the even split); micro_batch 0 is a GPU that only holds state."""
+    None means 1/dp (the even split), 0 a GPU without optimizer state; micro_batch 0 is a GPU
+    that only holds state."""
 
     micro_batch: int = 1
     seq: int | None = None
@@ -87,8 +88,9 @@ class MemoryConfig:
             raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         f = self.shard_fraction
         if f is not None:
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 < f <= 1.0):
-                raise ValueError(f"shard_fraction must be in (0, 1], got {f!r}")
+            # 0 is allowed here: a GPU that computes but owns no slice of the AdamW state
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 <= f <= 1.0):
+                raise ValueError(f"shard_fraction must be in [0, 1], got {f!r}")
             if self.zero == 0 and f != 1.0:
                 raise ValueError(f"shard_fraction {f} needs zero >= 1: zero=0 keeps the whole state on every GPU")
 
@@ -273,6 +275,11 @@ def estimate_memory(spec: Any, cfg: MemoryConfig) -> MemoryBreakdown:
     phases = _phases(spec, cfg, seq)
     act, other = phases["step"]
     phases["step"] = (act, other + step_temps)
+    if cfg.zero >= 3:
+        # analytic ZeRO-3 (Rajbhandari et al. 2020): one block's fp32 parameters gathered for
+        # compute while the next one is prefetched, at every moment of forward and backward
+        gather = 2 * FP32_BYTES * math.ceil(spec.block_params() / cfg.tp)
+        phases = {k: (a, o + (gather if k != "step" else 0)) for k, (a, o) in phases.items()}
     act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
     states = params + grads + optimizer
     return MemoryBreakdown(num_params=n, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
