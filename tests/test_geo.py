@@ -145,3 +145,20 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, content, match):
     assert r.returncode == 2
     assert match in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "Traceback" not in r.stderr
+
+
+def test_stage_memory_is_at_least_the_memory_models_for_its_layers(report):
+    memory = pytest.importorskip("planner.memory")
+    if not hasattr(memory, "estimate_memory"):
+        pytest.skip("memory model not in yet")
+    from dataclasses import replace
+
+    sc = GeoScenario.from_dict(small_dict())
+    spec = GeoCosts(sc).spec
+    plan = report.plan
+    for s in plan.stages:
+        cfg = memory.MemoryConfig(micro_batch=sc.micro_batch, seq=sc.seq, dtype=sc.dtype,
+                                  dp=plan.num_pipelines, zero=1 if plan.num_pipelines > 1 else 0)
+        alone = memory.estimate_memory(replace(spec, num_layers=s.num_layers), cfg).peak_bytes
+        # the stage holds these layers (plus in-flight micro-batches) and still fits its GPU
+        assert alone <= s.memory_bytes <= s.capacity_bytes
