@@ -216,10 +216,7 @@ def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: flo
 def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int) -> MemoryFn:
     """The memory model of planner/memory.py for this runtime: ZeRO stage 1 in its terms (flat fp32
     params and grads in full on every device, AdamW state sharded by the shard fraction)."""
-    try:
-        from planner.memory import MemoryConfig, estimate_memory  # the memory engineer's model
-    except ImportError:  # not in this tree yet
-        return cached_memory_fn(_fallback_memory_at(spec, seq, dtype, recompute))
+    from planner.memory import MemoryConfig, estimate_memory
 
     def memory_at(m: int, f: float) -> float:
         cfg = MemoryConfig(micro_batch=m, seq=seq, dtype=dtype, recompute=recompute, dp=max(world_size, 1),
@@ -227,21 +224,6 @@ def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, wor
         return estimate_memory(spec, cfg).peak_bytes
 
     return cached_memory_fn(memory_at)
-
-
-def _fallback_memory_at(spec: ModelSpec, seq: int, dtype: str, recompute: str) -> Callable[[int, float], float]:
-    """Stand-in until planner/memory.py lands: fp32 params + grads (8 B/param), AdamW 8 B/param × f,
-    activations s·b·h·(34 + 5·a·s/h) bytes per layer in 16-bit, 2·s·b·h with full recomputation
-    (Korthikanti et al. 2022), doubled in fp32, plus fp32 logits s·b·V."""
-    width_factor = 2.0 if dtype == "fp32" else 1.0
-    sh = seq * spec.hidden
-    per_layer = 2 * sh if recompute == "full" else sh * (34 + 5 * spec.num_heads * seq / spec.hidden)
-    per_sample = spec.num_layers * per_layer * width_factor + FP32_BYTES * seq * spec.vocab_size
-
-    def memory_at(m: int, f: float) -> float:
-        return 8.0 * spec.num_params + 8.0 * spec.num_params * f + per_sample * m
-
-    return memory_at
 
 
 def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
