@@ -158,7 +158,8 @@ def test_stage_memory_is_at_least_the_memory_models_for_its_layers(report):
     plan = report.plan
     for s in plan.stages:
         cfg = memory.MemoryConfig(micro_batch=sc.micro_batch, seq=sc.seq, dtype=sc.dtype,
-                                  dp=plan.num_pipelines, zero=1 if plan.num_pipelines > 1 else 0)
+                                  recompute=plan.recompute, dp=plan.num_pipelines,
+                                  zero=1 if plan.num_pipelines > 1 else 0)
         alone = memory.estimate_memory(replace(spec, num_layers=s.num_layers), cfg).peak_bytes
         # the stage holds these layers (plus in-flight micro-batches) and still fits its GPU
         assert alone <= s.memory_bytes <= s.capacity_bytes
