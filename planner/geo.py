@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from planner.catalog import get_gpu_type
 from planner.geo_costs import GeoCosts, StageCost
 from planner.geo_scenario import GBPS, BITS_PER_BYTE, INTRA_DC_LATENCY_S, GeoScenario
 from planner.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
@@ -132,13 +133,31 @@ def build_job(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan, schedule: s
                        plan.num_microbatches, costs.transfer_bytes, schedule, plan.link_order)
 
 
-def _chains(scenario: GeoScenario, all_datacenters: bool = False) -> dict[frozenset, list[tuple[str, ...]]]:
-    """Per subset of DCs (or only all of them): its orders in which consecutive DCs share a WAN link."""
-    names = [dc.name for dc in scenario.datacenters]
-    out: dict[frozenset, list[tuple[str, ...]]] = {}
-    for n in range(len(names) if all_datacenters else 1, len(names) + 1):
-        for perm in itertools.permutations(names, n):
-            if all(scenario.has_link(x, y) for x, y in zip(perm, perm[1:])):
+Unit = tuple[str, str]  # (datacenter, GPU type): the GPUs of one type in one DC
+MAX_UNITS = 6  # more (DC, type) groups than this: each DC offers only its type of most TFLOP/s
+
+
+def _units(scenario: GeoScenario) -> list[Unit]:
+    units = [(dc.name, g) for dc in scenario.datacenters for g, _ in dc.gpus]
+    if len(units) <= MAX_UNITS:
+        return units
+    return [(dc.name, max(dc.gpus, key=lambda gn: gn[1] * get_gpu_type(gn[0]).peak_tflops(scenario.dtype))[0])
+            for dc in scenario.datacenters]
+
+
+def _chains(scenario: GeoScenario, all_datacenters: bool = False) -> dict[frozenset, list[tuple[Unit, ...]]]:
+    """Per set of units: its orders in which consecutive units are in one DC or share a WAN link,
+    and a DC's units are next to each other (the pipeline crosses each WAN link once)."""
+    units = _units(scenario)
+    names = {dc.name for dc in scenario.datacenters}
+    out: dict[frozenset, list[tuple[Unit, ...]]] = {}
+    for n in range(1, len(units) + 1):
+        for perm in itertools.permutations(units, n):
+            dcs = [u[0] for u in perm]
+            runs = [x for i, x in enumerate(dcs) if i == 0 or dcs[i - 1] != x]
+            if len(runs) != len(set(runs)) or (all_datacenters and set(runs) != names):
+                continue
+            if all(x == y or scenario.has_link(x, y) for x, y in zip(dcs, dcs[1:])):
                 out.setdefault(frozenset(perm), []).append(perm)
     return out
 
@@ -209,10 +228,12 @@ class _Candidate:
     plan: GeoPlan
 
 
-def _wan_hops(scenario: GeoScenario, chain: tuple[str, ...], network: str) -> dict:
+def _wan_hops(scenario: GeoScenario, chain: tuple[Unit, ...], network: str) -> dict:
     """(connections, per-transfer Gbit/s, link Gbit/s, one-way latency) per consecutive DC pair."""
     out = {}
-    for x, y in zip(chain, chain[1:]):
+    for (x, _), (y, _) in zip(chain, chain[1:]):
+        if x == y:
+            continue
         link = scenario.link(x, y)
         k = min(MAX_CONNECTIONS, link.connections_to_saturate()) if network == "atlas" else 1
         out[(x, y)] = (k, link.throughput_gbps(k), link.gbps, link.one_way_latency_s)
@@ -230,10 +251,10 @@ def _lower_bound_s(costs: GeoCosts, where_types: list[str], wan_busy: float, m: 
 
 def _candidates(scenario: GeoScenario, costs: GeoCosts, network: str, all_datacenters: bool,
                 keep: int) -> tuple[list[_Candidate], int]:
-    """The `keep` best candidates by estimate of every subset of DCs, and how many
-    configurations were considered.
+    """The `keep` best candidates by estimate of every set of units (a DC's GPUs of one type),
+    and how many configurations were considered.
 
-    Phase 1 searches GPU types, DP degree and stages per DC for each subset of DCs in one
+    Phase 1 searches the DP degree and the stages per unit for each set of units in one
     order (compute and memory barely depend on the order); phase 2 puts each kept
     configuration in its best order (the WAN hops, latencies and first/last stage differ)."""
     num_mb = scenario.global_batch // scenario.micro_batch
@@ -245,51 +266,48 @@ def _candidates(scenario: GeoScenario, costs: GeoCosts, network: str, all_datace
         best: list[tuple[float, int, int, _Candidate]] = []  # max-heap of the kept: (-estimate, -gpus, id, cand)
         counter = itertools.count()
         chain = orders[0]
-        dcs = [scenario.datacenter(n) for n in chain]
         wan = _wan_hops(scenario, chain, network)
-        for types in itertools.product(*[[g for g, _ in dc.gpus] for dc in dcs]):
-            counts = [dict(dc.gpus)[g] for dc, g in zip(dcs, types)]
-            for d in sorted(_divisors(num_mb, min(counts)), reverse=True):
-                m = num_mb // d
-                # the busiest WAN direction per period (temporal: d transfers in a row; fair: link-bound)
-                wan_busy = max([d * bits / (r * GBPS) if network == "atlas" else
-                                max(bits / (r * GBPS), d * bits / (cap * GBPS)) for _, r, cap, _ in wan.values()],
-                               default=0.0)
-                options = [sorted({k for k in STAGE_OPTIONS if k <= c // d} | {min(c // d, L)}, reverse=True)
-                           for c in counts]
-                if math.prod(len(o) for o in options) > MAX_COMBINATIONS:
-                    options = [sorted({1, o[0]}, reverse=True) for o in options]
-                for ks in itertools.product(*options):
-                    if sum(ks) > L:
+        counts = [dict(scenario.datacenter(dc).gpus)[g] for dc, g in chain]
+        for d in sorted(_divisors(num_mb, min(counts)), reverse=True):
+            m = num_mb // d
+            # the busiest WAN direction per period (temporal: d transfers in a row; fair: link-bound)
+            wan_busy = max([d * bits / (r * GBPS) if network == "atlas" else
+                            max(bits / (r * GBPS), d * bits / (cap * GBPS)) for _, r, cap, _ in wan.values()],
+                           default=0.0)
+            options = [sorted({k for k in STAGE_OPTIONS if k <= c // d} | {min(c // d, L)}, reverse=True)
+                       for c in counts]
+            if math.prod(len(o) for o in options) > MAX_COMBINATIONS:
+                options = [sorted({1, o[0]}, reverse=True) for o in options]
+            for ks in itertools.product(*options):
+                if sum(ks) > L:
+                    continue
+                considered += 1
+                where_types = [g for (_, g), k in zip(chain, ks) for _ in range(k)]
+                for rc in ("none", "full"):
+                    if len(best) >= keep and _lower_bound_s(costs, where_types, wan_busy, m, rc) >= -best[0][0]:
                         continue
-                    considered += 1
-                    where_types = [g for g, k in zip(types, ks) for _ in range(k)]
-                    for rc in ("none", "full"):
-                        if len(best) >= keep and _lower_bound_s(costs, where_types, wan_busy, m, rc) >= -best[0][0]:
-                            continue
-                        cand = _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network)
-                        if cand is not None:
-                            heapq.heappush(best, (-cand.estimate_s, -cand.num_gpus, next(counter), cand))
-                            if len(best) > keep:
-                                heapq.heappop(best)
-                            break  # recomputation only when the plan does not fit without it
+                    cand = _make_candidate(scenario, costs, chain, ks, d, m, rc, wan, network)
+                    if cand is not None:
+                        heapq.heappush(best, (-cand.estimate_s, -cand.num_gpus, next(counter), cand))
+                        if len(best) > keep:
+                            heapq.heappop(best)
+                        break  # recomputation only when the plan does not fit without it
         for _, _, _, cand in best:  # phase 2
             p = cand.plan
-            per_dc = {dc: (next(s.gpu_type for s in p.stages if s.dc == dc),
-                           sum(1 for s in p.stages if s.dc == dc)) for dc in p.chain}
+            per_unit = {u: sum(1 for s in p.stages if (s.dc, s.gpu_type) == u) for u in orders[0]}
             for other_chain in orders[1:]:
                 considered += 1
-                other = _make_candidate(scenario, costs, other_chain, [per_dc[n][0] for n in other_chain],
-                                        [per_dc[n][1] for n in other_chain], p.num_pipelines, p.num_microbatches,
-                                        p.recompute, _wan_hops(scenario, other_chain, network), network)
+                other = _make_candidate(scenario, costs, other_chain, [per_unit[u] for u in other_chain],
+                                        p.num_pipelines, p.num_microbatches, p.recompute,
+                                        _wan_hops(scenario, other_chain, network), network)
                 if other is not None and other.estimate_s < cand.estimate_s:
                     cand = other
             out.append(cand)
     return sorted(out, key=lambda c: (c.estimate_s, c.num_gpus)), considered
 
 
-def _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network) -> _Candidate | None:
-    where = [(dc, g) for dc, g, k in zip(chain, types, ks) for _ in range(k)]
+def _make_candidate(scenario, costs, chain, ks, d, m, rc, wan, network) -> _Candidate | None:
+    where = [u for u, k in zip(chain, ks) for _ in range(k)]
     p = len(where)
     layer_s = [costs.layer_time_s(g, rc) for _, g in where]
     head_s = costs.head_time_s(where[-1][1], rc)
@@ -313,10 +331,11 @@ def _make_candidate(scenario, costs, chain, types, ks, d, m, rc, wan, network) -
             # temporal: d transfers one after another; fair: d at once, at most the link's capacity
             busy = d * wire if network == "atlas" else max(wire, d * bits / (cap * GBPS))
             hops.append((wire, lat, busy))
+    dcs = tuple(x for i, (x, _) in enumerate(chain) if i == 0 or chain[i - 1][0] != x)
     plan = GeoPlan(
-        chain, tuple(StagePlan(s.dc, s.gpu_type, s.first_layer, s.num_layers, s.forward_s, s.backward_s,
+        dcs, tuple(StagePlan(s.dc, s.gpu_type, s.first_layer, s.num_layers, s.forward_s, s.backward_s,
                                s.allreduce_s, s.memory_bytes, s.capacity_bytes) for s in stages),
-        d, m, rc, tuple((_link_name(x, y), wan[(x, y)][0]) for x, y in zip(chain, chain[1:])), "fifo",
+        d, m, rc, tuple((_link_name(x, y), wan[(x, y)][0]) for x, y in zip(dcs, dcs[1:])), "fifo",
         "temporal" if network == "atlas" else "fair")
     return _Candidate(_estimate_s(stages, hops, d, m, costs), plan.num_gpus, plan)
 

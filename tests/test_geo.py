@@ -163,3 +163,15 @@ def test_stage_memory_is_at_least_the_memory_models_for_its_layers(report):
         alone = memory.estimate_memory(replace(spec, num_layers=s.num_layers), cfg).peak_bytes
         # the stage holds these layers (plus in-flight micro-batches) and still fits its GPU
         assert alone <= s.memory_bytes <= s.capacity_bytes
+
+
+def test_a_datacenter_with_two_gpu_types_uses_both_faster_ones_with_more_layers():
+    d = small_dict()
+    d["datacenters"], d["wan"] = [{"name": "a", "gpus": {"A100-80GB": 4, "H100-SXM": 4}}], []
+    mixed = solve_atlas(GeoScenario.from_dict(d))
+    assert mixed.plan.chain == ("a",) and {s.gpu_type for s in mixed.plan.stages} == {"A100-80GB", "H100-SXM"}
+    h100 = max(s.num_layers for s in mixed.plan.stages if s.gpu_type == "H100-SXM")
+    a100 = max(s.num_layers for s in mixed.plan.stages if s.gpu_type == "A100-80GB")
+    assert h100 > a100  # 989 vs 312 TFLOP/s: the split follows speed
+    d["datacenters"] = [{"name": "a", "gpus": {"H100-SXM": 4}}]
+    assert mixed.sim.iteration_s < solve_atlas(GeoScenario.from_dict(d)).sim.iteration_s
