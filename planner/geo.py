@@ -4,10 +4,10 @@ Pipeline parallelism across datacenters, data parallelism inside each: every one
 of `num_pipelines` pipelines runs the same chain of stages, a DC holding `k` of
 them uses `num_pipelines · k` of its GPUs. The search chooses
 
-- which datacenters, in which pipeline order (consecutive ones need a WAN link),
-  and the GPU type each uses;
+- which datacenters and which of their GPU types ("units": a DC's GPUs of one
+  type), in which pipeline order (consecutive DCs need a WAN link);
 - the DP degree (`num_pipelines`, a divisor of the micro-batch count) and the
-  number of stages per DC;
+  number of stages per unit, hence how many GPUs of each DC are used;
 - the layer split: minimize the slowest stage's time subject to each stage's
   memory (`geo_costs`), with 1F1B's in-flight micro-batches per stage;
 - activation recomputation, when memory needs it;
@@ -17,7 +17,7 @@ them uses `num_pipelines · k` of its GPUs. The search chooses
 
 Candidates are ranked by a closed-form 1F1B estimate, the best few are run
 through the discrete-event simulator (`pipeline_sim`), and the simulated
-iteration time decides. The baselines (`geo_baselines`) use the same simulator.
+iteration time decides. The baselines (`geo_eval`) use the same search and simulator.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ MAX_COMBINATIONS = 2000  # above this many stage-count combinations, try only {1
 SIMULATE_TOP = 16  # most candidates (by the closed-form estimate) run through the simulator
 KEEP_PER_SUBSET = 3  # candidates kept per subset of datacenters
 SHORTLIST_FACTOR = 2.0  # simulate the kept candidates estimated within 2x of the best
-TIE_TOLERANCE = 0.005  # within 0.5 % of the best iteration time, prefer fewer GPUs
+TIE_TOLERANCE = 0.005  # within 0.5 % of the best iteration time: more room for prefill, then fewer GPUs
 
 
 @dataclass(frozen=True)
