@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default="gpt2-xl")
     ap.add_argument("--per-gpu-batch", type=int, default=8)
+    ap.add_argument("--recompute", choices=("none", "full"), default="full",
+                    help="full: every type, 16 GB parts included, can hold a micro-batch")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = []
@@ -49,7 +51,8 @@ def main() -> int:
         times, result = [], None
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            result = solve_plan(cluster, args.model, args.per_gpu_batch * n, dtype="bf16", seq=1024)
+            result = solve_plan(cluster, args.model, args.per_gpu_batch * n, dtype="bf16", seq=1024,
+                                recompute=args.recompute)
             times.append(time.perf_counter() - t0)
         plan = result.plan
         rows.append({"num_gpus": n, "num_types": len(TYPES), "global_batch": args.per_gpu_batch * n,
@@ -62,7 +65,7 @@ def main() -> int:
     if args.json:
         print(json.dumps({"model": args.model, "rows": rows, "target_1024_s": TARGET_1024_S, "ok": ok}, indent=2))
     else:
-        print(f"model {args.model}, bf16, seq 1024, global batch {args.per_gpu_batch}/GPU, "
+        print(f"model {args.model}, bf16, seq 1024, recompute {args.recompute}, global batch {args.per_gpu_batch}/GPU, "
               f"median of {args.repeats} solves")
         print(f"{'GPUs':>6} {'median s':>9} {'min s':>7} {'status':>8} {'used':>5} {'iter s (pred.)':>15}")
         for r in rows:

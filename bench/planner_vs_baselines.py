@@ -63,12 +63,13 @@ def main() -> int:
     def fmt(x: float | None, suffix: str = "") -> str:
         return "OOM" if x is None else f"{x:.3g}{suffix}"
 
-    header = (f"{'cluster':<22} {'model':<11} {'B':>4} {'plan s':>8} {'even':>12} {'proportional':>14} "
+    header = (f"{'cluster':<22} {'model':<11} {'B':>4} {'dtype/recompute':<16} {'plan s':>8} {'even':>12} {'proportional':>14} "
               f"{'best single type':>17} {'solve s':>8}")
     print(header)
     for r in rows:
         name = f"{r['cluster']} ({r['num_gpus']})"
-        print(f"{name:<22} {r['model']:<11} {r['global_batch']:>4} {r['plan_iteration_s']:>8.3g} "
+        setting = f"{r['dtype']}/{r['recompute']}"
+        print(f"{name:<22} {r['model']:<11} {r['global_batch']:>4} {setting:<16} {r['plan_iteration_s']:>8.3g} "
               f"{fmt(r['even_iteration_s']) + ' ' + fmt(r['speedup_vs_even'], 'x'):>12} "
               f"{fmt(r['proportional_iteration_s']) + ' ' + fmt(r['speedup_vs_proportional'], 'x'):>14} "
               f"{fmt(r['best_homogeneous_iteration_s']) + ' ' + fmt(r['speedup_vs_best_homogeneous'], 'x'):>17} "

@@ -45,8 +45,9 @@ MAX_MICRO_BATCH = 64
 # The runtime's sharding in ZeRO terms (planner/memory.py): only the AdamW state is sharded.
 RUNTIME_ZERO_STAGE = 1
 # The ILP prices the world size k exactly up to this count; above it k falls in buckets
-# (9–16, 17–32, ...) priced at their largest k, a safe upper bound (comm grows with k).
+# (9–11, 12–15, ...) priced at their largest k, a safe upper bound (comm grows with k).
 EXACT_WORLD_SIZES = 8
+WORLD_BUCKET_GROWTH = 1.4
 
 MemoryFn = Callable[[int, float], float]  # (micro_batch, shard_fraction) -> peak bytes
 
@@ -380,11 +381,12 @@ class CostModel:
 
 def world_size_buckets(max_world_size: int) -> list[tuple[int, int]]:
     """[lo, hi] ranges of the number of used devices the ILP distinguishes: each k exactly up
-    to EXACT_WORLD_SIZES, then doubling ranges."""
+    to EXACT_WORLD_SIZES, then ranges growing by WORLD_BUCKET_GROWTH (priced at hi: a few % of
+    the collective time at most, and only where hundreds of devices share it)."""
     out = [(k, k) for k in range(1, min(max_world_size, EXACT_WORLD_SIZES) + 1)]
     lo = EXACT_WORLD_SIZES + 1
     while lo <= max_world_size:
-        hi = min(2 * (lo - 1), max_world_size)
+        hi = min(max(lo, int((lo - 1) * WORLD_BUCKET_GROWTH)), max_world_size)
         out.append((lo, hi))
         lo = hi + 1
     return out

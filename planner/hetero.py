@@ -5,7 +5,8 @@ The cost model (planner/cost.py) builds the coefficient tables; this module only
 The ILP counts devices per *class* (identical DeviceSpec within a scope), so its size grows with
 types × candidate choices, not with the device count. A *scope* fixes the link bandwidth (one
 node: intra-node; several: inter-node) and a *bucket* of world sizes k fixes the collective time
-comm(k) (exact up to cost.EXACT_WORLD_SIZES devices, priced at the bucket's top above).
+comm(k) (exact up to cost.EXACT_WORLD_SIZES devices, priced at the bucket's top above; a bucket's
+best plan with k devices is then re-priced at k and the bucket narrowed to [lo, k] and searched again).
 
 The problem of one scope and bucket (classes g, choices c = (m, n) of class g):
     minimize    T
@@ -269,9 +270,18 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
             proven = False
             break
         found = solve_bucket(table, global_batch, world, lower_s, incumbent, deadline, tol, hint_s)
-        if found is not None:
-            best = (found[0], found[1], world[1], found[2])
-            proven = proven and found[2]
+        while found is not None:
+            t_s, config, ok = found
+            best = (t_s, config, world[1], ok)
+            proven = proven and ok
+            # the bucket priced its collectives at its largest k; with fewer devices the plan is cheaper,
+            # and the narrower bucket [lo, k] (priced at k) may hold a better plan still
+            k = sum(x for _, _, x in config)
+            if k >= world[1]:
+                break
+            world = (world[0], k)
+            best = (price_config(table, config, table.comm_s(k))[0], config, k, ok)
+            found = solve_bucket(table, global_batch, world, lower_s, best[0], deadline, tol)
     if best is None:
         return None
     t_s, config, hi_world, ok = best
