@@ -200,11 +200,11 @@ class InferenceWorkload:
         dist = tuple((t, w / total) for t, w in zip(toks, ws))
         backlog = d.get("backlog", False)
         rate = d.get("requests_per_s")
-        if backlog not in (False, None, 0):
+        if backlog not in (True, False, None):
+            raise ValueError(f"{where}: 'backlog' must be true or false, got {backlog!r}")
+        if backlog:
             if rate is not None:
                 raise ValueError(f"{where}: give either 'requests_per_s' or 'backlog', not both")
-            if backlog is not True and not (isinstance(backlog, int) and backlog > 0):
-                raise ValueError(f"{where}: 'backlog' must be true (or a positive count), got {backlog!r}")
             return cls(model, dist, None, True)
         if rate is None:
             raise ValueError(f"{where}: give 'requests_per_s' (arrival rate) or 'backlog': true")

@@ -57,6 +57,7 @@ def mutate(path, value):
     (("model",), "llama9-1t", "unknown model"),
     (("wan", 0, "speed"), 1, "unknown keys \\['speed'\\]"),
     (("inference", "backlog"), True, "either 'requests_per_s' or 'backlog'"),
+    (("inference", "backlog"), 5, "'backlog' must be true or false"),
     (("inference", "requests_per_s"), KeyError, "give 'requests_per_s'"),
     (("datacenters", 1, "name"), "dc-a", "names repeat"),
 ])
