@@ -152,4 +152,7 @@ if cluster is not None and (clicked or get_plan() is None):
         set_plan(compute_plan(json.dumps(cluster.to_dict()), model, batch, seq, dtype))
 plan = get_plan()
 if plan is not None:
+    if cluster is None or (plan.cluster.name, plan.model, plan.global_batch, plan.dtype) != (
+            cluster.name, model, batch, dtype):
+        st.caption("Showing the last computed plan: press **Compute plan** for the inputs above.")
     render(plan)
