@@ -2,7 +2,7 @@
 
     python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 32] [--seq 128] [--json]
 
-1. Profiles this machine with the profiler (step profile of `tiny` at the bench's seq,
+1. Profiles this machine with the profiler before each round (step profile of `tiny` at the seq,
    gloo collectives), into a private GPUMIX_DATA_DIR, so the planner prices with
    what this machine does now.
 2. Emulated heterogeneity: two CPU ranks, one with slowdown 3 (the cluster file's
@@ -78,10 +78,13 @@ def even_plan(cluster: Any, global_batch: int, seq: int) -> Any:
 # ---- measuring -----------------------------------------------------------------------------
 
 
-def profile_machine(seq: int) -> None:
+def profile_machine(seq: int, collectives: bool) -> None:
+    """The step profile of `tiny` at `seq` (and, once, the gloo collectives) into the store."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    for cmd in (["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches", "1,2,4,8,16"],
-                ["-m", "profiler", "bench", "--quick"]):
+    cmds = [["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches", "1,2,4,8,16"]]
+    if collectives:
+        cmds.append(["-m", "profiler", "bench", "--quick"])
+    for cmd in cmds:
         subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -188,27 +191,46 @@ def memory_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def breakdown(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rank of the planned runs: where the measured step went, beside the predicted step."""
+    rows = []
+    for rank in range(len(runs[0]["ranks"])):
+        rs = [r["ranks"][rank] for r in runs]
+        rows.append({"rank": rank, "slowdown": rs[0]["slowdown"],
+                     "compute_s": median([x["median_compute_s"] for x in rs]),
+                     "emulated_delay_s": median([x["median_emulated_delay_s"] for x in rs]),
+                     "wait_s": median([x["median_wait_s"] for x in rs]),
+                     "predicted_step_s": median([x["predicted_step_s"] for x in rs])})
+    return rows
+
+
 def run_bench(steps: int, rounds: int, global_batch: int, seq: int, slowdown: float, root: str,
               profile: bool = True) -> dict[str, Any]:
     from planner.hetero import solve_plan
 
     t_start = time.monotonic()
-    if profile:
-        profile_machine(seq)
     hetero = emulated_cluster(slowdown)
-    planned = solve_plan(hetero, MODEL, global_batch, seq=seq, dtype="fp32").plan
-    even = even_plan(hetero, global_batch, seq)
-    homo = even_plan(emulated_cluster(1.0), global_batch, seq)
     runs: dict[str, list[dict[str, Any]]] = {"planned": [], "even": [], "ours": [], "ddp": []}
-    for i in range(rounds):  # alternate, so load from other processes hits both sides alike
+    predicted: dict[str, list[float]] = {"planned": [], "even": [], "homogeneous": []}
+    for i in range(rounds):  # alternate, so load from other processes hits every side alike
+        if profile:  # re-profile each round: the plan prices this machine as it is now
+            profile_machine(seq, collectives=i == 0)
+        planned = solve_plan(hetero, MODEL, global_batch, seq=seq, dtype="fp32").plan
+        even = even_plan(hetero, global_batch, seq)
+        homo = even_plan(emulated_cluster(1.0), global_batch, seq)
+        for key, plan in (("planned", planned), ("even", even), ("homogeneous", homo)):
+            predicted[key].append(plan.predicted_iteration_s)
         runs["planned"].append(launch(planned, steps, root, f"planned-{i}"))
+        runs["planned"][-1]["predicted_iteration_s"] = planned.predicted_iteration_s
         runs["even"].append(launch(even, steps, root, f"even-{i}"))
         runs["ours"].append(launch(homo, steps, root, f"homogeneous-ours-{i}"))
         runs["ddp"].append(ddp_launch(global_batch, seq, homo.used[0].micro_batch, steps, root, f"homogeneous-ddp-{i}"))
     med = {k: median(pooled(v)) for k, v in runs.items()}
     rate = {k: global_batch / v for k, v in med.items()}
     speedup = rate["planned"] / rate["even"]
-    pred_err = (med["planned"] - planned.predicted_iteration_s) / planned.predicted_iteration_s
+    # each round's planned run against its own plan's prediction; the median of those errors
+    pred_err = median([(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
+                       for r in runs["planned"]])
     ddp_ratio = rate["ours"] / rate["ddp"]
     mem = memory_rows(runs["planned"][:1] + runs["even"][:1] + runs["ours"][:1])
     mem_ok = all(r["error"] is not None and abs(r["error"]) <= MEMORY_TOL for r in mem)
@@ -217,10 +239,12 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, slowdown: fl
         "config": {"model": MODEL, "global_batch": global_batch, "seq": seq, "steps": steps, "rounds": rounds,
                    "slowdown": slowdown, "median_over": f"steps {SKIP_STEPS + 1}..{steps} of every run"},
         "planned_split": [(a.micro_batch, a.accum_steps, round(a.shard_fraction, 4)) for a in planned.used],
+        "planned_splits_per_round": [[(x["micro_batch"], x["accum_steps"]) for x in r["ranks"]]
+                                     for r in runs["planned"]],
         "even_split": [(a.micro_batch, a.accum_steps, round(a.shard_fraction, 4)) for a in even.used],
         "median_step_s": med, "samples_per_s": rate,
-        "predicted_iteration_s": {"planned": planned.predicted_iteration_s, "even": even.predicted_iteration_s,
-                                  "homogeneous": homo.predicted_iteration_s},
+        "predicted_iteration_s": {k: median(v) for k, v in predicted.items()},
+        "planned_breakdown": breakdown(runs["planned"]),
         "checks": {
             "planned_vs_even_speedup": {"value": speedup, "min": SPEEDUP_MIN, "ok": speedup >= SPEEDUP_MIN},
             "planned_iteration_vs_prediction": {"value": pred_err, "tol": PREDICTION_TOL,
@@ -249,6 +273,10 @@ def print_report(r: dict[str, Any]) -> None:
     for label, key, p in rows:
         ps = f"{p:.4f}" if p is not None else "—"
         print(f"  {label:<34}{r['median_step_s'][key]:>16.4f}{r['samples_per_s'][key]:>12.1f}{ps:>15}")
+    print("  planned runs, per rank (medians): compute + emulated delay + wait in collectives vs predicted step")
+    for b in r["planned_breakdown"]:
+        print(f"    rank {b['rank']} (slowdown {b['slowdown']:g}): {b['compute_s']:.4f} + {b['emulated_delay_s']:.4f} + "
+              f"{b['wait_s']:.4f} s  vs {b['predicted_step_s']:.4f} s predicted")
     ch = r["checks"]
     print(f"  planned / even samples/s      = {ch['planned_vs_even_speedup']['value']:.2f}x  (>= {SPEEDUP_MIN}x) "
           f"{'PASS' if ch['planned_vs_even_speedup']['ok'] else 'FAIL'}")
