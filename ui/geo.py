@@ -223,6 +223,9 @@ def render(report: GeoReport) -> None:
         f"{plan['num_stages']} stages ({sum(plan['gpus_per_dc'].values())} GPUs), recompute {plan['recompute']}, "
         f"WAN turn order {plan['link_order']}; TCP connections per transfer: "
         f"{', '.join(f'{k}: {v}' for k, v in plan['connections'].items()) or 'no WAN hop'}.")
+    if out["wan_utilization"]:
+        st.caption("WAN utilization per link direction (simulated): " +
+                   ", ".join(f"{k} {100 * v:.0f} %" for k, v in sorted(out["wan_utilization"].items())))
     st.dataframe(pd.DataFrame([{
         "stage": j, "datacenter": s["dc"], "GPU": s["gpu_type"],
         "layers": f"{s['first_layer']}–{s['first_layer'] + s['num_layers'] - 1}",

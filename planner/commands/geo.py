@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
                      "gpu_utilization": b["gpu_utilization"] if it is not None else "-",
                      "speedup": it / out["iteration_s"] if it else "-"})
     print_table(rows)
+    if out["wan_utilization"]:
+        print("WAN utilization (simulated): " +
+              ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(out["wan_utilization"].items())))
     if out["prefill"] is not None:
         pre = out["prefill"]
         print()
