@@ -62,7 +62,9 @@ class Plan:
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     solve_s: float = 0.0
     notes: tuple[str, ...] = ()
-    zero: int = 2  # the executor's runtime: gradients reduced, AdamW state sharded unevenly
+    # models/runtime.py is ZeRO stage 1: full flat fp32 params and grads on every rank, the
+    # AdamW state sharded unevenly by shard_fraction (planner/memory.py docstring)
+    zero: int = 1
 
     def __post_init__(self) -> None:
         total = sum(a.batch for a in self.assignments)
@@ -126,7 +128,7 @@ class Plan:
                 baselines={k: BaselineResult(**v) for k, v in d.get("baselines", {}).items()},
                 solve_s=float(d.get("solve_s", 0.0)),
                 notes=tuple(d.get("notes", ())),
-                zero=int(d.get("zero", 2)),
+                zero=int(d.get("zero", 1)),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
