@@ -1,4 +1,158 @@
+"""Model & memory: will a training step fit on a GPU? (planner/memory.py, issue 2)
+
+Widgets -> one library call (`estimate_memory`) -> render: the predicted per-GPU breakdown as a
+stacked bar beside the datasheet capacity of a catalog GPU type, and a fits / does-not-fit line.
+"Trace now" runs the profiler's MemTracker trace of the same step for small models (measured).
+"""
+from __future__ import annotations
+
+import json
+import os
+
 import streamlit as st
 
-st.title("memory")
-st.info("This page is being built.")
+from planner.catalog import CATALOG
+from planner.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
+from planner.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
+from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, page_header, show_errors, show_figure,
+                       style_figure)
+from ui.state import get_model as get_session_model
+from ui.state import set_model
+
+GIB = 2**30
+UPLOAD = "Upload a config.json…"
+DEFAULT_GPU = "A100-80GB"
+COMPONENTS = ("params", "grads", "optimizer", "activations", "other")
+TRACE_LIMIT_PARAMS = 200_000_000  # "Trace now" on this page: small models only (seconds, not minutes)
+REAL_TRACE_LIMIT_PARAMS = 20_000_000  # above this the trace uses fake tensors (no real memory)
+
+
+def choose_model() -> ModelSpec | None:
+    names = list(PRESETS)
+    current = get_session_model()
+    index = names.index(current) if current in names else (len(names) if current.endswith(".json") else 0)
+    choice = st.selectbox("Model", [*names, UPLOAD], index=index, key="mem_model")
+    if choice != UPLOAD:
+        set_model(choice)
+        return get_model(choice)
+    up = st.file_uploader("Hugging Face config.json (GPT-2, Llama, Mistral, Qwen2)", type=["json"], key="mem_upload")
+    if up is None:
+        st.info("Upload a config.json to see its memory.")
+        return None
+    with show_errors(f"Bad config file {up.name}"):
+        try:
+            cfg = json.loads(up.getvalue().decode("utf-8", errors="replace"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e.msg} at line {e.lineno}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError("expected a JSON object")
+        return spec_from_hf_dict(cfg, name=os.path.splitext(up.name)[0] or "uploaded", source=up.name)
+    return None
+
+
+def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
+    c1, c2, c3, c4 = st.columns(4)
+    micro_batch = c1.number_input("Micro-batch (samples)", min_value=1, max_value=4096, value=1, key="mem_micro_batch")
+    seq = c2.number_input("Sequence (tokens)", min_value=1, value=min(spec.max_seq, 1024), key="mem_seq",
+                          help=f"at most the model's max_seq ({spec.max_seq})")
+    dtype = c3.selectbox("Precision", DTYPES, key="mem_dtype",
+                         help="bf16/fp16: autocast compute with fp32 master weights, grads and AdamW state")
+    recompute = c4.selectbox("Recomputation", RECOMPUTE, key="mem_recompute",
+                             help="full: keep only each block's input, recompute the block in backward")
+    c5, c6, c7, c8 = st.columns(4)
+    zero = c5.selectbox("ZeRO stage", ZERO_STAGES, index=1, key="mem_zero",
+                        help="the runtime is stage 1 (AdamW state sharded, full fp32 grads); 2 and 3 are analytic")
+    dp = c6.number_input("World size (data parallel GPUs)", min_value=1, max_value=100_000, value=1, key="mem_dp")
+    fraction = c7.number_input("Shard fraction (0 = even, 1/world size)", min_value=0.0, max_value=1.0, value=0.0,
+                               step=0.05, format="%.4f", key="mem_shard_fraction",
+                               help="this GPU's share of the sharded state; Cephalo shards unevenly")
+    gpu_names = sorted(CATALOG)
+    gpu = c8.selectbox("GPU type", gpu_names, index=gpu_names.index(DEFAULT_GPU) if DEFAULT_GPU in gpu_names else 0,
+                       key="mem_gpu_type")
+    with show_errors("Invalid settings"):
+        return MemoryConfig(micro_batch=int(micro_batch), seq=int(seq), dtype=dtype, recompute=recompute,
+                            dp=int(dp), zero=int(zero), shard_fraction=float(fraction) or None), gpu
+    return None, gpu
+
+
+def breakdown_figure(b: MemoryBreakdown, capacity_bytes: int, gpu: str):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    x = [labelled("per-GPU peak", PREDICTED)]
+    for name in COMPONENTS:
+        fig.add_trace(go.Bar(x=x, y=[getattr(b, f"{name}_bytes") / GIB], name=name,
+                             hovertemplate=f"{name}: %{{y:.3f}} GiB<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=[capacity_bytes / GIB], mode="markers+text", name=f"{gpu} capacity",
+                             marker=dict(symbol="line-ew-open", size=60, line=dict(width=3, color="crimson")),
+                             text=[f"{gpu} capacity"], textposition="top center"))
+    fig.add_hline(y=capacity_bytes / GIB, line_dash="dash", line_color="crimson")
+    fig.update_layout(barmode="stack")
+    return style_figure(fig, "", "memory (GiB)", title="Per-GPU memory at the step's peak (predicted)")
+
+
+def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -> None:
+    """Run the profiler's MemTracker trace of the same step (measured) on demand."""
+    if spec.num_params > TRACE_LIMIT_PARAMS or cfg.zero >= 2:
+        st.caption("Trace now: small models with ZeRO 0/1 only here; use `python -m profiler memory --fake` "
+                   "for large ones.")
+        return
+    if not st.button("Trace now (measured)", key="mem_trace"):
+        return
+    from profiler.tracing import trace_memory  # torch: only when asked
+
+    fake = spec.num_params > REAL_TRACE_LIMIT_PARAMS
+    with show_errors("Trace failed"), st.spinner("Tracing one training step…"):
+        traced = trace_memory(spec, cfg, fake=fake)
+        err = 100.0 * (predicted.peak_bytes - traced["peak_bytes"]) / traced["peak_bytes"]
+        metric("Peak memory", fmt_bytes(traced["peak_bytes"]), MEASURED,
+               help="MemTracker over one forward+backward+AdamW step" + (" (fake tensors)" if fake else ""))
+        st.caption(f"predicted − measured: {err:+.2f} %")
+
+
+def main() -> None:
+    page_header("Model & memory", "Will one training step fit? The per-GPU peak memory of this project's runtime, "
+                "predicted by the memory model (planner/memory.py).")
+    spec = choose_model()
+    if spec is None:
+        return
+    st.caption(f"{spec.name}: {spec.family} family, {spec.num_params:,} parameters, {spec.num_layers} layers, "
+               f"hidden {spec.hidden}, {spec.num_heads} heads ({spec.num_kv_heads} kv), vocab {spec.vocab_size}, "
+               f"max seq {spec.max_seq}")
+    cfg, gpu = choose_config(spec)
+    if cfg is None:
+        return
+    b = None
+    with show_errors("Cannot estimate memory"):
+        b = estimate_memory(spec, cfg)
+    if b is None:
+        return
+    capacity = CATALOG[gpu].memory_bytes
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        metric("Peak memory per GPU", fmt_bytes(b.peak_bytes), PREDICTED)
+    with c2:
+        metric("Model states (params + grads + AdamW)",
+               fmt_bytes(b.params_bytes + b.grads_bytes + b.optimizer_bytes), PREDICTED)
+    with c3:
+        st.metric(f"{gpu} capacity (datasheet)", fmt_bytes(capacity))
+    share = b.peak_bytes / capacity
+    if share <= 1.0:
+        st.success(f"Fits on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.0%} of "
+                   f"{fmt_bytes(capacity)} (CUDA context and allocator fragmentation not included).")
+    else:
+        st.error(f"Does not fit on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.0%} of "
+                 f"{fmt_bytes(capacity)}. Try recomputation, a smaller micro-batch, bf16 or a larger world size.")
+    show_figure(breakdown_figure(b, capacity, gpu), key="mem_chart")
+    st.dataframe([{"component": name, labelled("bytes", PREDICTED): getattr(b, f"{name}_bytes"),
+                   labelled("GiB", PREDICTED): round(getattr(b, f"{name}_bytes") / GIB, 4)}
+                  for name in (*COMPONENTS, "peak")], hide_index=True)
+    if cfg.tp == 1 and cfg.zero <= 1:
+        st.caption(f"ZeRO {cfg.zero} is what the runtime runs: this figure is checked against MemTracker traces "
+                   "(bench/memory_accuracy.py).")
+    else:
+        st.caption(f"ZeRO {cfg.zero}: analytic (the runtime keeps full gradients, stage 1).")
+    show_trace(spec, cfg, b)
+
+
+main()
