@@ -3,7 +3,8 @@
 1. Time to first render of each page, two ways: a click on the page's sidebar link in
    an open tab (how a user moves around) and a fresh tab opening the page's URL (a new
    session: the browser parses Streamlit's JS again). Each until the title is on screen
-   and until everything has drawn (script run over, no loading skeleton left). The very
+   and until everything has drawn (script run over, no loading skeleton left:
+   tests/conftest.RENDERED_JS). The very
    first load (cold caches) is reported apart, and so is a one-line Streamlit app loaded
    the same way, now, as the floor that Streamlit and this machine's load set.
 2. Metric row -> browser: a running run (fabricated: plan.json + metrics.sqlite written
@@ -31,15 +32,13 @@ sys.path.insert(0, ROOT)
 
 from executor.store import MetricsStore  # noqa: E402
 from planner.paths import ENV_DATA_DIR  # noqa: E402
-from tests.conftest import fabricate_run, launch_browser, streamlit_server, write_step  # noqa: E402
+from tests.conftest import RENDERED_JS, fabricate_run, launch_browser, streamlit_server, write_step  # noqa: E402
 
 TARGET_S = 2.0
 PAGES = {"Inventory": "inventory", "Model & memory": "memory", "Plan": "plan", "Launch & monitor": "launch",
          "Runs": "runs", "Scheduler": "scheduler", "Geo": "geo"}
 FIRST_STEPS = 3  # rows the fabricated run has when the page opens
 PAGE_TIMEOUT_MS = 60_000
-RENDERED_JS = """() => !document.querySelector('[data-testid="stStatusWidget"]')
-                  && !document.querySelector('[data-testid="stSkeleton"]')"""
 
 
 def _new_page(browser):

@@ -211,12 +211,20 @@ STEPS_RE = re.compile(r"Steps recorded:\s*(\d+)")  # the live line of ui/launch.
 WAIT_MS = 30_000  # one page or one widget reaction on a loaded 2-core machine
 
 
+# The page is idle and drawn: connected, no script run going (Streamlit's own e2e tests read these
+# attributes of stApp), and no loading skeleton left (lazy JS chunks: charts, tables).
+RENDERED_JS = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  return !!app && app.dataset.testConnectionState === 'CONNECTED'
+    && app.dataset.testScriptState === 'notRunning'
+    && !document.querySelector('[data-testid="stSkeleton"]');
+}"""
+
+
 def wait_idle(page: Any, timeout_ms: int = WAIT_MS) -> None:
-    """Until the script run that a click or a load started has finished (the status widget
-    is gone) and every element has drawn (no loading skeletons left: lazy JS chunks)."""
-    page.wait_for_timeout(150)  # the status widget appears only after a short delay
-    page.locator('[data-testid="stStatusWidget"]').wait_for(state="hidden", timeout=timeout_ms)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stSkeleton\"]')", timeout=timeout_ms)
+    """Until the script run that a load or a click started has finished and everything has drawn."""
+    page.wait_for_timeout(100)  # let a click's rerun request reach the client's state first
+    page.wait_for_function(RENDERED_JS, timeout=timeout_ms, polling="raf")
 
 
 def steps_recorded(page: Any, timeout_ms: int = WAIT_MS) -> int:

@@ -9,6 +9,7 @@ end, and the test checks that none is left.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -31,6 +32,7 @@ from tests.conftest import (
 pytest.importorskip("playwright")
 if not os.path.exists(CHROMIUM):
     pytest.skip("Debian chromium is not installed (scripts/install.sh installs it)", allow_module_level=True)
+from playwright.sync_api import Error as PlaywrightError  # noqa: E402
 from playwright.sync_api import Page, sync_playwright  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -44,7 +46,10 @@ RUN_STEPS = 2000  # far more than the test watches: the run must still be going 
 
 
 def shot(page: Page, name: str) -> None:
+    """A screenshot once the page has drawn (best effort: a failing page is shot as it is)."""
     os.makedirs(SHOTS, exist_ok=True)
+    with contextlib.suppress(PlaywrightError):
+        wait_idle(page, 10_000)
     page.screenshot(path=os.path.join(SHOTS, f"{name}.png"), full_page=True)
 
 
@@ -66,7 +71,7 @@ def wait_steps_at_least(page: Page, n: int, timeout_s: float) -> int:
     while time.monotonic() < deadline:
         try:
             seen = steps_recorded(page, timeout_ms=5_000)
-        except Exception:  # the fragment re-renders the line while we read it
+        except PlaywrightError:  # the fragment re-renders the line while we read it
             seen = -1
         if seen >= n:
             return seen
@@ -88,6 +93,9 @@ def fill_number(page: Page, key: str, value: int) -> None:
 def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
     runs_root = os.path.join(data_dir, "runs")
     t0 = time.monotonic()
+
+    def done(what: str) -> None:  # phase times, shown with -s (where the 2.5 min budget goes)
+        print(f"  {time.monotonic() - t0:6.1f} s  {what}")
     with streamlit_server(data_dir) as url, sync_playwright() as pw:
         browser = launch_browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 2200})  # Streamlit scrolls inside its main area: a tall window shows the whole page
@@ -98,6 +106,7 @@ def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
             wait_idle(page, 60_000)
             assert_no_exception(page, "Inventory")
             shot(page, "01-inventory")
+            done(f"opened on Inventory")
 
             # 2. every page renders
             for i, title in enumerate(list(PAGES)[1:], start=2):
@@ -105,6 +114,7 @@ def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
                 wait_idle(page, 60_000)
                 assert_no_exception(page, title)
                 shot(page, f"{i:02d}-{title.split()[0].lower()}")
+                done(f"{title}")
 
             # 3. a plan for this machine: default (tiny) model, small global batch
             open_page(page, "Plan")
@@ -113,6 +123,7 @@ def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
             wait_idle(page, 60_000)
             assert_no_exception(page, "Plan after compute")
             shot(page, "10-plan-computed")
+            done(f"plan computed")
 
             # 4. launch it and watch it move
             open_page(page, "Launch & monitor")
@@ -122,6 +133,7 @@ def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
             grown = wait_steps_at_least(page, first + 3, timeout_s=30)
             assert_no_exception(page, "Launch & monitor while running")
             shot(page, "11-launch-running")
+            done(f"launched, steps {first} -> {grown}")
             run_names = os.listdir(runs_root)
             assert len(run_names) == 1, run_names
 
@@ -130,17 +142,20 @@ def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
             after_reload = wait_steps_at_least(page, grown + 1, timeout_s=30)
             assert after_reload > grown
             shot(page, "12-launch-after-reload")
+            done(f"reloaded, steps {after_reload}")
 
             # 6. stop it
             click_key(page, "stop_button")
             page.get_by_text(re.compile(r"Run status:\s*stopped")).first.wait_for(timeout=WAIT_MS)
             shot(page, "13-launch-stopped")
+            done(f"stopped")
 
             # 7. it is in the history
             open_page(page, "Runs")
             page.get_by_text(run_names[0]).first.wait_for(timeout=WAIT_MS)
             assert_no_exception(page, "Runs")
             shot(page, "14-runs")
+            done(f"found under Runs")
         except Exception:
             shot(page, "99-failure")
             print(server_log(data_dir))

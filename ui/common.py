@@ -171,12 +171,13 @@ def fmt_rate(x: float | None, unit: str = "samples/s") -> str:
 
 def style_figure(fig: Any, x_title: str, y_title: str, title: str | None = None, height: int = CHART_HEIGHT_PX) -> Any:
     """Apply the dashboard's Plotly defaults. Axis titles must carry units: "step", "loss (nats)",
-    "time (s)", "memory (GiB)"."""
+    "time (s)", "memory (GiB)". The title sits at the top left, the legend on its own row
+    under it (they never overlap)."""
     fig.update_layout(
-        title=title,
+        title=dict(text=title, x=0, xanchor="left", y=0.98, yanchor="top") if title else None,
         height=height,
-        margin=_CHART_MARGIN,
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+        margin=dict(_CHART_MARGIN, t=_CHART_MARGIN["t"] + (30 if title else 0)),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0),
         hovermode="x unified",
         template="plotly_white",
     )
