@@ -99,7 +99,7 @@ def pick_run() -> str | None:
     if not dirs:
         st.caption("No runs yet.")
         return None
-    labels = {r["run_dir"]: f"{r['name']} — {r['status']}, {r['steps_recorded']} steps" for r in runs}
+    labels = {r["run_dir"]: f"{r['name']} — {r['status']}" + (" (emulated)" if r["emulated"] else "") for r in runs}
     if st.session_state.get("launch_run_select") not in dirs:
         st.session_state["launch_run_select"] = current if current in dirs else dirs[0]
     choice = st.selectbox("Run to watch", dirs, key="launch_run_select",
@@ -193,8 +193,8 @@ def render_numbers(m: dict[str, Any]) -> None:
                       help="the plan's predicted iteration time")
     with c4:
         med = m.get("median_step_s")
-        common.metric("Throughput (median)", common.fmt_rate(m["global_batch"] / med if med else None),
-                      common.MEASURED)
+        common.metric("Samples/s (median)", f"{m['global_batch'] / med:,.1f}" if med else "—", common.MEASURED,
+                      help=f"global batch {m['global_batch']} / median step time")
 
 
 def render_charts(m: dict[str, Any]) -> None:
