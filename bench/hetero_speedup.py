@@ -1,6 +1,6 @@
 """Does the heterogeneous plan pay off on real processes? Measured side by side in one run.
 
-    python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 32] [--seq 128] [--json]
+    python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 48] [--seq 128] [--json]
 
 1. Profiles this machine with the profiler before each round (step profile of `tiny` at the seq,
    gloo collectives), into a private GPUMIX_DATA_DIR, so the planner prices with
@@ -81,7 +81,8 @@ def even_plan(cluster: Any, global_batch: int, seq: int) -> Any:
 def profile_machine(seq: int, collectives: bool) -> None:
     """The step profile of `tiny` at `seq` (and, once, the gloo collectives) into the store."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    cmds = [["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches", "1,2,4,8,16"]]
+    cmds = [["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches", "1,2,4,8,16",
+             "--repeats", "7"]]
     if collectives:
         cmds.append(["-m", "profiler", "bench", "--quick"])
     for cmd in cmds:
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--global-batch", type=int, default=48)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--slowdown", type=float, default=3.0)
     p.add_argument("--data-dir", help="GPUMIX_DATA_DIR for profiles and runs (default: a new temporary folder)")

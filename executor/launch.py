@@ -155,7 +155,8 @@ def _check_not_running(run_dir: str) -> None:
     if os.path.exists(db_path(run_dir)):
         with contextlib.suppress(ValueError):
             m = read_metrics(run_dir)
-            if m["status"] == "running" and m["launcher_pid"] != os.getpid():
+            # start_run (our parent) writes the row before we run: that one is ours
+            if m["status"] == "running" and m["launcher_pid"] not in (os.getpid(), os.getppid()):
                 raise ValueError(f"run folder {run_dir} has a running run (launcher pid {m['launcher_pid']})")
 
 
