@@ -25,7 +25,9 @@ The peak is the largest of a few moments of the step (see `_phases`): the start 
 (the loss gradients), the last block's backward, the end of backward for a tied head, and
 the optimizer step. Each moment is AFFINE in micro_batch (activation terms scale with
 micro_batch·seq tokens; states and weight terms do not) and AFFINE in shard_fraction (only
-optimizer_bytes and the step's temporaries, through round(f·P)); the peak is their maximum.
+optimizer_bytes and the step's temporaries, through round(f·P); the temporaries stop growing
+once the slice exceeds one 2^24-element chunk, i.e. 128 MiB); the peak is their maximum, so a
+coefficient table should interpolate each of `estimate_peak_phases` and take the max.
 
 ZeRO stages (per GPU, f = shard fraction, 1/dp by default): 0 nothing sharded; 1 AdamW state
 ·f; 2 + gradients ·f; 3 + parameters ·f. THE RUNTIME IS STAGE 1: it keeps the full flat fp32
@@ -262,6 +264,18 @@ def _phases(spec: Any, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]
 
 def estimate_memory(spec: Any, cfg: MemoryConfig) -> MemoryBreakdown:
     """Predicted per-GPU peak bytes of one training step of `spec` under `cfg` (see module doc)."""
+    return _estimate(spec, cfg)[0]
+
+
+def estimate_peak_phases(spec: Any, cfg: MemoryConfig) -> dict[str, int]:
+    """Total bytes at each candidate peak moment ("forward_end", "loss", "head", "last_block",
+    "tied_embedding", "step"; those that apply). Each is affine in micro_batch and in
+    shard_fraction; estimate_memory's peak_bytes is their maximum. A coefficient table built
+    from a few points should interpolate each phase and take the max, not interpolate the max."""
+    return _estimate(spec, cfg)[1]
+
+
+def _estimate(spec: Any, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
     seq = validate_for(spec, cfg)
     n = spec.num_params
     local = _local_params(spec, cfg)
@@ -282,5 +296,6 @@ def estimate_memory(spec: Any, cfg: MemoryConfig) -> MemoryBreakdown:
         phases = {k: (a, o + (gather if k != "step" else 0)) for k, (a, o) in phases.items()}
     act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
     states = params + grads + optimizer
-    return MemoryBreakdown(num_params=n, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
-                           activations_bytes=act, other_bytes=other, peak_bytes=states + act + other)
+    breakdown = MemoryBreakdown(num_params=n, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+                                activations_bytes=act, other_bytes=other, peak_bytes=states + act + other)
+    return breakdown, {k: states + a + o for k, (a, o) in phases.items()}

@@ -1,0 +1,144 @@
+"""planner/memory.py: ZeRO and shard-fraction arithmetic by hand, affinity, bad input, no torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from planner.memory import MemoryConfig, estimate_memory, estimate_peak_phases
+from planner.specs import PRESETS
+
+TINY = PRESETS["tiny"]
+P = 124_672  # tiny: 2·block(49_984) + wte 256·64 + wpe 128·64 + ln_f 128
+STEP_SCALAR = 4  # torch.optim.AdamW's fp32 step count, one per 2^24-element chunk
+
+
+def test_tiny_param_count_by_hand():
+    block = 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64
+    assert block == 49_984
+    assert TINY.num_params == 2 * block + 256 * 64 + 128 * 64 + 2 * 64 == P
+
+
+@pytest.mark.parametrize("zero,params,grads,optimizer", [
+    (0, 4 * P, 4 * P, 8 * P + STEP_SCALAR),  # nothing sharded
+    (1, 4 * P, 4 * P, 8 * 31_168 + STEP_SCALAR),  # AdamW state ÷4 (P/4 = 31_168 exactly)
+    (2, 4 * P, 4 * 31_168, 8 * 31_168 + STEP_SCALAR),  # + gradients
+    (3, 4 * 31_168, 4 * 31_168, 8 * 31_168 + STEP_SCALAR),  # + parameters
+])
+def test_zero_stages_by_hand(zero, params, grads, optimizer):
+    b = estimate_memory(TINY, MemoryConfig(dp=4, zero=zero))
+    assert (b.num_params, b.params_bytes, b.grads_bytes, b.optimizer_bytes) == (P, params, grads, optimizer)
+    assert b.peak_bytes == b.params_bytes + b.grads_bytes + b.optimizer_bytes + b.activations_bytes + b.other_bytes
+
+
+def test_uneven_shard_fraction_by_hand():
+    # a GPU holding 30 % of the state of an 8-GPU job: round(0.3 · 124_672) = round(37_401.6) = 37_402
+    b = estimate_memory(TINY, MemoryConfig(dp=8, zero=1, shard_fraction=0.3))
+    assert b.optimizer_bytes == 8 * 37_402 + STEP_SCALAR
+    assert b.grads_bytes == 4 * P  # the runtime (stage 1) keeps the full gradient
+    b2 = estimate_memory(TINY, MemoryConfig(dp=8, zero=2, shard_fraction=0.3))
+    assert b2.grads_bytes == 4 * 37_402  # ceil(37_401.6)
+    # the default shard is the even one, 1/dp
+    assert estimate_memory(TINY, MemoryConfig(dp=8, zero=1)).optimizer_bytes == 8 * 15_584 + STEP_SCALAR
+
+
+def test_7b_model_states_are_16_bytes_per_param_unsharded():
+    spec = PRESETS["llama2-7b"]
+    b = estimate_memory(spec, MemoryConfig(seq=512, dtype="bf16"))
+    n = spec.num_params
+    assert b.params_bytes + b.grads_bytes == 8 * n
+    assert b.optimizer_bytes == 8 * n + 4 * -(-n // 2**24)
+
+
+def _affine(values: list[int], tol: int = 16) -> bool:
+    return all(abs((values[i + 2] - values[i + 1]) - (values[i + 1] - values[i])) <= tol
+               for i in range(len(values) - 2))
+
+
+@pytest.mark.parametrize("name,dtype,recompute", [("llama2-7b", "bf16", "full"), ("gpt2", "fp32", "none"),
+                                                  ("tiny-llama", "bf16", "full")])
+def test_every_phase_is_affine_in_shard_fraction_and_micro_batch(name, dtype, recompute):
+    spec = PRESETS[name]
+
+    def phases(m: int, f: float) -> dict[str, int]:
+        return estimate_peak_phases(spec, MemoryConfig(micro_batch=m, seq=128, dtype=dtype, recompute=recompute,
+                                                       zero=1, dp=4, shard_fraction=f))
+
+    # (the step's chunk temporaries saturate at 2^24 elements: all four shards stay on one side)
+    by_f = [phases(2, f) for f in (0.25, 0.5, 0.75, 1.0)]
+    by_m = [phases(m, 0.25) for m in (1, 2, 3, 4)]
+    for k in by_f[0]:
+        assert _affine([p[k] for p in by_f]), k  # rounding of f·P only
+        assert _affine([p[k] for p in by_m], tol=0), k
+    # the peak is the largest phase
+    cfg = MemoryConfig(micro_batch=2, seq=128, dtype=dtype, recompute=recompute, zero=1, dp=4, shard_fraction=0.25)
+    assert estimate_memory(spec, cfg).peak_bytes == max(estimate_peak_phases(spec, cfg).values())
+
+
+def test_recompute_and_bf16_reduce_activations():
+    spec = PRESETS["gpt2-medium"]
+    base = estimate_memory(spec, MemoryConfig(micro_batch=8, seq=1024))
+    full = estimate_memory(spec, MemoryConfig(micro_batch=8, seq=1024, recompute="full"))
+    bf16 = estimate_memory(spec, MemoryConfig(micro_batch=8, seq=1024, dtype="bf16"))
+    assert full.peak_bytes < 0.6 * base.peak_bytes
+    assert bf16.activations_bytes < base.activations_bytes
+
+
+def test_tp_pp_are_analytic_and_divide_the_model():
+    spec = PRESETS["llama2-13b"]
+    one = estimate_memory(spec, MemoryConfig(seq=2048, dtype="bf16"))
+    split = estimate_memory(spec, MemoryConfig(seq=2048, dtype="bf16", tp=4, pp=2))
+    assert split.params_bytes < one.params_bytes / 7  # ÷8, plus the first stage's embedding
+    assert split.peak_bytes < one.peak_bytes / 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(micro_batch=-1), "micro_batch"),
+    (dict(seq=0), "seq"),
+    (dict(dtype="fp8"), "dtype"),
+    (dict(recompute="some"), "recompute"),
+    (dict(dp=0), "dp"),
+    (dict(zero=4), "zero"),
+    (dict(zero=1, shard_fraction=1.5), "shard_fraction"),
+    (dict(zero=0, shard_fraction=0.5), "zero >= 1"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MemoryConfig(**kwargs)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (MemoryConfig(seq=256), "max_seq 128"),
+    (MemoryConfig(tp=3), "tp=3 must divide num_heads 4"),
+    (MemoryConfig(pp=3), "pp=3 > num_layers 2"),
+])
+def test_bad_config_for_model(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(TINY, cfg)
+
+
+def test_state_only_gpu():
+    b = estimate_memory(replace(TINY), MemoryConfig(micro_batch=0, dp=2, zero=1))
+    assert b.activations_bytes == 0 and b.peak_bytes > b.params_bytes + b.grads_bytes
+
+
+def test_planner_memory_imports_no_torch():
+    code = "import sys, planner.memory, planner.commands.memory; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_json_and_bad_input():
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "planner", "memory", "--model", "tiny", "--dp", "4", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    d = json.loads(out)
+    assert d["optimizer_bytes"] == 8 * 31_168 + STEP_SCALAR and d["measured"] is False
+    for args in (["--model", "nope"], ["--model", "tiny", "--shard-fraction", "1.5"],
+                 ["--model", "tiny", "--tp", "3"], ["--model", "tiny", "--micro-batch", "x"],
+                 ["--model", "tiny", "--seq", "4096"]):
+        r = subprocess.run([sys.executable, "-m", "planner", "memory", *args], capture_output=True, text=True)
+        assert r.returncode == 2, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
