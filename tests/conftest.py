@@ -165,11 +165,14 @@ def kill_processes_with_data_dir(path: str, grace_s: float = 5.0) -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(data_dir: str, app: str = "app.py", timeout_s: float = 60.0) -> Iterator[str]:
+def streamlit_server(data_dir: str, app: str = "app.py", timeout_s: float = 60.0,
+                     kill_everything: bool = True) -> Iterator[str]:
     """Run `streamlit run app` on a free port with GPUMIX_DATA_DIR=data_dir; yield its URL.
 
     The server's log goes to <data_dir>/streamlit.log. On exit the server's process
-    group and every process carrying this data dir in its environment are killed."""
+    group is killed and, with `kill_everything`, every process carrying this data dir in
+    its environment too; without it a run the app launched (its own session) survives,
+    as it does when a user restarts the app."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, **{ENV_DATA_DIR: data_dir, "PYTHONUNBUFFERED": "1"})
@@ -196,7 +199,8 @@ def streamlit_server(data_dir: str, app: str = "app.py", timeout_s: float = 60.0
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-        kill_processes_with_data_dir(data_dir)
+        if kill_everything:
+            kill_processes_with_data_dir(data_dir)
 
 
 def server_log(data_dir: str) -> str:

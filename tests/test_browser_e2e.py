@@ -2,8 +2,9 @@
 
 Start the dashboard (its own GPUMIX_DATA_DIR), open every page, compute a plan for
 this machine (tiny model, small global batch), launch it as a real 2-rank run, watch
-"Steps recorded" grow, reload the browser mid-run (the page must find the run again
-from SQLite and keep counting), stop it, find it under Runs. Screenshots of each
+"Steps recorded" grow, reload the browser mid-run and then restart the app (each
+time the page must find the run again from SQLite and keep counting), stop it,
+find it under Runs. Screenshots of each
 page go to artifacts/screenshots/. Every process the test started is killed at the
 end, and the test checks that none is left.
 """
@@ -42,7 +43,7 @@ SHOTS = os.path.join(ROOT, "artifacts", "screenshots")
 PAGES = {"Inventory": "", "Model & memory": "memory", "Plan": "plan", "Launch & monitor": "launch",
          "Runs": "runs", "Scheduler": "scheduler", "Geo": "geo"}
 GLOBAL_BATCH = 4  # 2 CPU ranks, small enough that a step takes well under a second
-RUN_STEPS = 2000  # far more than the test watches: the run must still be going when it is stopped
+RUN_STEPS = 100_000  # far more than the test watches: the run must still be going when it is stopped
 
 
 def shot(page: Page, name: str) -> None:
@@ -90,72 +91,87 @@ def fill_number(page: Page, key: str, value: int) -> None:
     wait_idle(page)
 
 
-def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
+def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
+    from executor.store import read_metrics
+
     runs_root = os.path.join(data_dir, "runs")
     t0 = time.monotonic()
 
     def done(what: str) -> None:  # phase times, shown with -s (where the 2.5 min budget goes)
         print(f"  {time.monotonic() - t0:6.1f} s  {what}")
-    with streamlit_server(data_dir) as url, sync_playwright() as pw:
+
+    with sync_playwright() as pw:
         browser = launch_browser(pw)
-        page = browser.new_page(viewport={"width": 1400, "height": 2200})  # Streamlit scrolls inside its main area: a tall window shows the whole page
+        # Streamlit scrolls inside its main area: a tall window shows the whole page in a screenshot
+        page = browser.new_page(viewport={"width": 1400, "height": 2200})
         try:
-            # 1. the app opens on the local inventory
-            page.goto(url)
-            page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
-            wait_idle(page, 60_000)
-            assert_no_exception(page, "Inventory")
-            shot(page, "01-inventory")
-            done(f"opened on Inventory")
-
-            # 2. every page renders
-            for i, title in enumerate(list(PAGES)[1:], start=2):
-                open_page(page, title)
+            # the first app: it dies at the end of this block, the run it launched does not
+            with streamlit_server(data_dir, kill_everything=False) as url:
+                # 1. the app opens on the local inventory
+                page.goto(url)
+                page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
                 wait_idle(page, 60_000)
-                assert_no_exception(page, title)
-                shot(page, f"{i:02d}-{title.split()[0].lower()}")
-                done(f"{title}")
+                assert_no_exception(page, "Inventory")
+                shot(page, "01-inventory")
+                done("opened on Inventory")
 
-            # 3. a plan for this machine: default (tiny) model, small global batch
-            open_page(page, "Plan")
-            fill_number(page, "plan_global_batch", GLOBAL_BATCH)
-            click_key(page, "plan_compute")
-            wait_idle(page, 60_000)
-            assert_no_exception(page, "Plan after compute")
-            shot(page, "10-plan-computed")
-            done(f"plan computed")
+                # 2. every page renders
+                for i, title in enumerate(list(PAGES)[1:], start=2):
+                    open_page(page, title)
+                    wait_idle(page, 60_000)
+                    assert_no_exception(page, title)
+                    shot(page, f"{i:02d}-{title.split()[0].lower()}")
+                    done(title)
 
-            # 4. launch it and watch it move
-            open_page(page, "Launch & monitor")
-            fill_number(page, "launch_steps", RUN_STEPS)
-            click_key(page, "launch_button")
-            first = wait_steps_at_least(page, 1, timeout_s=60)
-            grown = wait_steps_at_least(page, first + 3, timeout_s=30)
-            assert_no_exception(page, "Launch & monitor while running")
-            shot(page, "11-launch-running")
-            done(f"launched, steps {first} -> {grown}")
-            run_names = os.listdir(runs_root)
-            assert len(run_names) == 1, run_names
+                # 3. a plan for this machine: default (tiny) model, small global batch
+                open_page(page, "Plan")
+                fill_number(page, "plan_global_batch", GLOBAL_BATCH)
+                click_key(page, "plan_compute")
+                wait_idle(page, 60_000)
+                assert_no_exception(page, "Plan after compute")
+                shot(page, "10-plan-computed")
+                done("plan computed")
 
-            # 5. a browser reload loses the session; the page finds the run in SQLite again
-            page.reload()
-            after_reload = wait_steps_at_least(page, grown + 1, timeout_s=30)
-            assert after_reload > grown
-            shot(page, "12-launch-after-reload")
-            done(f"reloaded, steps {after_reload}")
+                # 4. launch it and watch it move
+                open_page(page, "Launch & monitor")
+                fill_number(page, "launch_steps", RUN_STEPS)
+                click_key(page, "launch_button")
+                first = wait_steps_at_least(page, 1, timeout_s=60)
+                grown = wait_steps_at_least(page, first + 3, timeout_s=30)
+                assert_no_exception(page, "Launch & monitor while running")
+                shot(page, "11-launch-running")
+                done(f"launched, steps {first} -> {grown}")
+                run_names = os.listdir(runs_root)
+                assert len(run_names) == 1, run_names
+                run_dir = os.path.join(runs_root, run_names[0])
 
-            # 6. stop it
-            click_key(page, "stop_button")
-            page.get_by_text(re.compile(r"Run status:\s*stopped")).first.wait_for(timeout=WAIT_MS)
-            shot(page, "13-launch-stopped")
-            done(f"stopped")
+                # 5. a browser reload loses the session; the page finds the run in SQLite again
+                page.reload()
+                after_reload = wait_steps_at_least(page, grown + 1, timeout_s=30)
+                shot(page, "12-launch-after-reload")
+                done(f"reloaded, steps {after_reload}")
 
-            # 7. it is in the history
-            open_page(page, "Runs")
-            page.get_by_text(run_names[0]).first.wait_for(timeout=WAIT_MS)
-            assert_no_exception(page, "Runs")
-            shot(page, "14-runs")
-            done(f"found under Runs")
+            # 6. the app is gone; the run is not
+            assert read_metrics(run_dir)["status"] == "running"
+            done("app stopped, run still running")
+            with streamlit_server(data_dir, kill_everything=False) as url:
+                page.goto(f"{url}/{PAGES['Launch & monitor']}")
+                after_restart = wait_steps_at_least(page, after_reload + 1, timeout_s=60)
+                shot(page, "13-launch-after-restart")
+                done(f"app restarted, steps {after_restart}")
+
+                # 7. stop it
+                click_key(page, "stop_button")
+                page.get_by_text(re.compile(r"Run status:\s*stopped")).first.wait_for(timeout=WAIT_MS)
+                shot(page, "14-launch-stopped")
+                done("stopped")
+
+                # 8. it is in the history
+                open_page(page, "Runs")
+                page.get_by_text(run_names[0]).first.wait_for(timeout=WAIT_MS)
+                assert_no_exception(page, "Runs")
+                shot(page, "15-runs")
+                done("found under Runs")
         except Exception:
             shot(page, "99-failure")
             print(server_log(data_dir))
@@ -163,6 +179,7 @@ def test_plan_launch_watch_reload_stop_and_find_the_run(data_dir):
         finally:
             browser.close()
             kill_processes_with_data_dir(data_dir)
-    # the server, torchrun and both ranks are gone
+    assert read_metrics(run_dir)["status"] == "stopped"
+    # the servers, the launcher, torchrun and both ranks are gone
     assert processes_with_data_dir(data_dir) == []
     print(f"browser end-to-end: {time.monotonic() - t0:.1f} s")
