@@ -72,7 +72,8 @@ def test_profiler_cli():
                         "--seq", "64", "--dp", "2", "--json"], capture_output=True, text=True, check=True)
     d = json.loads(r.stdout)
     assert d["measured"] is True and all(k in d for k in ("num_params", *KEYS))
-    for args in (["--model", "nope"], ["--model", "tiny", "--shard-fraction", "0"], ["--model", "tiny", "--tp", "2"]):
+    # (tp/pp/ZeRO-2+ rejection is tested in-process above: these fail before torch is imported)
+    for args in (["--model", "nope"], ["--model", "tiny", "--shard-fraction", "0"]):
         r = subprocess.run([sys.executable, "-m", "profiler", "memory", *args], capture_output=True, text=True)
         assert r.returncode == 2, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

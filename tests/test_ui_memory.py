@@ -80,3 +80,12 @@ def test_upload_config(tmp_path):
     at.run()
     assert not at.exception
     assert any("unsupported model_type" in e.value for e in at.error)
+
+
+def test_trace_now_shows_the_measured_peak():
+    at = _page()
+    at.button(key="mem_trace").click().run()
+    assert not at.exception
+    assert any("measured" in m.label for m in at.metric), [m.label for m in at.metric]
+    line = next(c.value for c in at.caption if "predicted − measured" in c.value)
+    assert abs(float(line.split(":")[1].strip().rstrip("%").strip())) <= 8.0
