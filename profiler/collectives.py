@@ -1,7 +1,8 @@
 """Collective benchmarks between local ranks: all-reduce, all-gather, broadcast.
 
-Spawns `world_size` processes (torch.multiprocessing, start method "spawn"), joins
-them with torch.distributed (gloo on CPU, NCCL on GPU: one GPU per rank), times each
+Starts `world_size` fresh Python processes (`python -m profiler.collectives`: plain
+subprocesses, so the caller's `__main__` — a Streamlit script, pytest — is never
+re-imported as multiprocessing's "spawn" would), joins them with torch.distributed (gloo on CPU, NCCL on GPU: one GPU per rank), times each
 collective at sizes from 1 KiB to 64 MiB and fits `t = latency + size / bandwidth`.
 Each timing is the slowest rank's (a collective ends when its last rank ends), the
 median over repeats. `size` is the whole tensor: the all-reduced or broadcast buffer,
@@ -14,17 +15,20 @@ import logging
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from planner.profiles import CollectiveFit, CollectiveProfile, fit_line
 
 log = logging.getLogger(__name__)
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -105,6 +109,45 @@ def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], 
         dist.destroy_process_group()
 
 
+def _run_ranks(config: dict, tmp: str, timeout_s: float) -> dict:
+    """Run one `python -m profiler.collectives` per rank; the timings rank 0 wrote."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
+    procs, logs = [], []
+    try:
+        for rank in range(config["world"]):
+            log_path = os.path.join(tmp, f"rank{rank}.log")
+            logs.append(log_path)
+            with open(log_path, "w", encoding="utf-8") as fh:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "profiler.collectives", json.dumps({**config, "rank": rank})],
+                    cwd=PROJECT_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break  # one rank died: the others would wait for it forever
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if timed_out:
+        raise TimeoutError(f"collective benchmark did not finish in {timeout_s:.0f} s")
+    # the rank that failed by itself first, not one we killed after it
+    failed = sorted(((p.returncode < 0, r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0))
+    if failed:
+        _, rank, code = failed[0]
+        with open(logs[rank], encoding="utf-8", errors="replace") as fh:
+            tail = fh.read()[-1500:]
+        raise RuntimeError(f"collective benchmark rank {rank} exited with code {code}:\n{tail}")
+    with open(config["out_path"], encoding="utf-8") as fh:
+        return json.load(fh)
+
+
 def fit_collective(op: str, sizes_bytes: Sequence[int], times_s: Sequence[float]) -> CollectiveFit:
     """`t = latency + size / bandwidth`, weighted by 1/t² (relative errors), so the small sizes
     fix the latency and the large ones the bandwidth instead of the largest drowning the rest."""
@@ -119,7 +162,7 @@ def fit_collective(op: str, sizes_bytes: Sequence[int], times_s: Sequence[float]
 def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
                           ops: Sequence[str] = OPS, repeats: int = 5, warmup: int = 1, backend: str | None = None,
                           device_type: str = "cpu", timeout_s: float = 300.0) -> CollectiveProfile:
-    """Spawn `world_size` local ranks, time `ops` at `sizes_bytes`, fit each op."""
+    """Start `world_size` local ranks, time `ops` at `sizes_bytes`, fit each op."""
     if world_size < 2:
         raise ValueError(f"a collective benchmark needs at least 2 ranks, got {world_size}")
     unknown = set(ops) - set(OPS)
@@ -130,22 +173,19 @@ def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFA
     backend = backend or default_backend()
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
+    config = {"world": world_size, "port": free_port(), "backend": backend, "ops": list(ops),
+              "sizes": [int(x) for x in sizes_bytes], "repeats": repeats, "warmup": warmup}
     with tempfile.TemporaryDirectory(prefix="gpumix-coll-") as tmp:
-        out_path = os.path.join(tmp, "result.json")
-        ctx = mp.start_processes(_worker, args=(world_size, free_port(), backend, tuple(ops), tuple(sizes_bytes),
-                                                repeats, warmup, out_path),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                raise TimeoutError(f"collective benchmark did not finish in {timeout_s:.0f} s")
-        with open(out_path, encoding="utf-8") as fh:
-            raw = json.load(fh)
+        config["out_path"] = os.path.join(tmp, "result.json")
+        raw = _run_ranks(config, tmp, timeout_s)
     fits = []
     for op in ops:
         sizes = sorted(int(s) for s in raw[op])
         fits.append(fit_collective(op, sizes, [raw[op][str(s)] for s in sizes]))
     return CollectiveProfile(device_type, backend, world_size, tuple(fits), True, socket.gethostname())
+
+
+if __name__ == "__main__":  # one rank, started by _run_ranks
+    cfg = json.loads(sys.argv[1])
+    _worker(cfg["rank"], cfg["world"], cfg["port"], cfg["backend"], cfg["ops"], cfg["sizes"], cfg["repeats"],
+            cfg["warmup"], cfg["out_path"])
