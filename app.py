@@ -55,5 +55,7 @@ def live_run_link() -> None:
         st.sidebar.page_link(PAGES["Train"][1], label=f"Running: {name}", icon=":material/monitoring:")
 
 
+st.sidebar.caption("First run: **Plan** computes a plan for this machine, **Launch & monitor** runs it "
+                   "and shows it live. Numbers are marked *predicted* or *measured*.")
 live_run_link()
 page.run()

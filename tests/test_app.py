@@ -85,3 +85,50 @@ def test_a_new_user_gets_the_default_plan_and_finds_the_live_run(data_dir):
     assert int(lines[0].split()[-1]) >= 1
     assert lines[1] == f"live {os.path.abspath(run)}"
     assert at.session_state["run_dir"] == os.path.abspath(run)
+
+
+# ---- ui/common: the helpers every page uses ------------------------------------------------
+
+
+def _errors_probe() -> None:
+    import streamlit as st
+
+    from ui import common
+
+    with common.show_errors("Cannot plan"):
+        raise ValueError("global batch 7 cannot be split over 2 devices")
+    st.write(f"after {common.call_or_error(int, 'x', what='Steps')}")
+    common.metric("Iteration time", common.fmt_seconds(0.0123), common.PREDICTED)
+
+
+def test_bad_input_becomes_one_error_line_not_a_traceback():
+    at = AppTest.from_function(_errors_probe, default_timeout=TIMEOUT_S).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == [
+        "Cannot plan: global batch 7 cannot be split over 2 devices",
+        "Steps: invalid literal for int() with base 10: 'x'",
+    ]
+    assert at.markdown[0].value == "after None"  # the page went on
+    assert at.metric[0].label == "Iteration time :blue-badge[predicted]" and at.metric[0].value == "12.3 ms"
+
+
+def test_formatting_and_chart_defaults():
+    from ui import common
+
+    assert common.fmt_bytes(1536) == "1.5 KiB" and common.fmt_bytes(3 * 2**30) == "3.0 GiB"
+    assert common.fmt_seconds(2.5e-4) == "250 µs" and common.fmt_seconds(95) == "95.00 s"
+    assert common.fmt_seconds(3 * 3600 + 60) == "3 h 1 min"
+    fig = common.line_figure({"a": ([0, 1], [2.0, 1.5])}, "step", "loss (nats/token)", title="Loss")
+    assert fig.layout.xaxis.title.text == "step" and fig.layout.yaxis.title.text == "loss (nats/token)"
+    assert list(fig.data[0].y) == [2.0, 1.5]
+
+
+def test_profiles_version_changes_when_a_profile_is_written(data_dir):
+    from planner import paths
+    from ui import common
+
+    before = common.profiles_version()
+    os.makedirs(os.path.join(paths.profiles_dir(), "steps"), exist_ok=True)
+    with open(os.path.join(paths.profiles_dir(), "steps", "cpu__tiny.json"), "w") as fh:
+        fh.write("{}")
+    assert common.profiles_version() > before

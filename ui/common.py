@@ -30,10 +30,11 @@ T = TypeVar("T")
 PREDICTED = "predicted"
 MEASURED = "measured"
 ESTIMATED = "estimated"
+SIMULATED = "simulated"  # a cost-model simulation (Geo, Scheduler): a kind of prediction
 EMULATED = "emulated"
 
 # Streamlit markdown badge colours, one per kind of number
-_BADGE_COLOR = {PREDICTED: "blue", MEASURED: "green", ESTIMATED: "orange", EMULATED: "violet"}
+_BADGE_COLOR = {PREDICTED: "blue", SIMULATED: "blue", MEASURED: "green", ESTIMATED: "orange", EMULATED: "violet"}
 
 # Plotly defaults: a compact chart that reads on a laptop screen
 CHART_HEIGHT_PX = 320
@@ -229,6 +230,19 @@ def sqlite_connection(path: str) -> sqlite3.Connection:
     except OSError:
         raise ValueError(f"no database at {path}") from None
     return _connection(os.path.abspath(path), float(st_ino))
+
+
+def profiles_version() -> int:
+    """Changes whenever the profile store changes (newest file time, ns): add it to the
+    arguments of an `st.cache_data` planner call so that "Profile now" invalidates it."""
+    from planner import paths
+
+    newest = 0
+    for folder, _, files in os.walk(paths.profiles_dir()):
+        for name in files:
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime_ns)
+    return newest
 
 
 def page_link(page: str, label: str, icon: str | None = None) -> None:

@@ -60,7 +60,7 @@ def set_plan(plan: Plan) -> None:
 
 
 @st.cache_data(show_spinner="Computing the default plan…", max_entries=16)
-def _solve_default_plan(cluster_json: str, model: str, global_batch: int) -> Plan:
+def _solve_default_plan(cluster_json: str, model: str, global_batch: int, profiles_version: int) -> Plan:
     from planner.hetero import solve_plan
 
     cluster = ClusterSpec.from_dict(json.loads(cluster_json))
@@ -75,7 +75,10 @@ def get_or_default_plan() -> Plan:
     batch), so that Launch works for a user who never opened Plan. Raises ValueError."""
     plan = get_plan()
     if plan is None:
-        plan = _solve_default_plan(json.dumps(get_cluster().to_dict()), get_model(), DEFAULT_GLOBAL_BATCH)
+        from ui.common import profiles_version
+
+        plan = _solve_default_plan(json.dumps(get_cluster().to_dict()), get_model(), DEFAULT_GLOBAL_BATCH,
+                                   profiles_version())
         set_plan(plan)
     return plan
 
