@@ -20,6 +20,10 @@ same code is the reference, bench/memory_accuracy.py measures the error):
   Linear saves its own 2-byte copy of an fp32 input.
 * The optimizer step walks the slice in chunks of 2^24 elements; torch's AdamW makes two
   temporaries per chunk (sqrt(v), sqrt(v)/c): 8·min(slice, 2^24) bytes.
+* Communication: none. The executor all-reduces flat_grads and broadcasts flat_params slices
+  in place (NCCL/gloo internal buffers are outside the PyTorch allocator and not counted),
+  and the CUDA context, cuBLAS workspaces and allocator fragmentation are not modelled:
+  compare the peak against capacity × headroom, not against the full capacity.
 
 The peak is the largest of a few moments of the step (see `_phases`): the start of backward
 (the loss gradients), the last block's backward, the end of backward for a tied head, and
@@ -43,6 +47,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from planner.specs import ModelSpec
 
 DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
@@ -123,7 +129,7 @@ class MemoryBreakdown:
         return asdict(self)
 
 
-def validate_for(spec: Any, cfg: MemoryConfig) -> int:
+def validate_for(spec: ModelSpec, cfg: MemoryConfig) -> int:
     """Check `cfg` against the model; returns the sequence length used."""
     seq = cfg.seq or spec.max_seq
     if seq > spec.max_seq:
@@ -152,7 +158,7 @@ class _Shape:
     tied: bool
 
 
-def _shape(spec: Any, cfg: MemoryConfig) -> _Shape:
+def _shape(spec: ModelSpec, cfg: MemoryConfig) -> _Shape:
     tp = cfg.tp
     return _Shape(
         layers=math.ceil(spec.num_layers / cfg.pp), h=spec.hidden, hq=spec.hidden // tp,
@@ -162,7 +168,7 @@ def _shape(spec: Any, cfg: MemoryConfig) -> _Shape:
     )
 
 
-def _local_params(spec: Any, cfg: MemoryConfig) -> int:
+def _local_params(spec: ModelSpec, cfg: MemoryConfig) -> int:
     """Parameters this GPU holds before ZeRO-3: all of them without TP/PP (the runtime); with
     PP the first stage (its blocks + the embeddings, the larger end), with TP Megatron's split
     (matmuls and embeddings ÷tp, norms and row-parallel biases replicated: ignored, < 0.1 %)."""
@@ -193,11 +199,11 @@ def _layer_saved_bytes_per_token(s: _Shape, w: int) -> int:
     return residual + norms + norm_outputs + attention + mlp
 
 
-def _block_matmul_params(spec: Any, s: _Shape) -> int:
+def _block_matmul_params(spec: ModelSpec, s: _Shape) -> int:
     return s.h * (s.hq + 2 * s.kv) + s.hq * s.h + (2 if s.gpt2 else 3) * s.h * s.f
 
 
-def _phases(spec: Any, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]]:
+def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]]:
     """(activation bytes, other bytes) on top of the model states at each candidate peak moment."""
     s = _shape(spec, cfg)
     autocast = cfg.dtype != "fp32"
@@ -234,7 +240,7 @@ def _phases(spec: Any, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]
         # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
         # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
         "loss": (kept + final * tokens, inputs + shared + kept_copies + head_copy
-                 + 3 * FP32_BYTES * V * tokens * (1 if cfg.micro_batch else 0)),
+                 + 3 * FP32_BYTES * V * tokens),
         # the untied head's weight grad: fp32, the grad of the logits (B·T, V) is still held,
         # with the grad of the head's input (B·T, h) and the weight grad (V, h); autocast: the
         # logits' grads and the head's weight copy are gone, the weight grad exists as a w-byte
@@ -262,12 +268,12 @@ def _phases(spec: Any, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]
     return phases
 
 
-def estimate_memory(spec: Any, cfg: MemoryConfig) -> MemoryBreakdown:
+def estimate_memory(spec: ModelSpec, cfg: MemoryConfig) -> MemoryBreakdown:
     """Predicted per-GPU peak bytes of one training step of `spec` under `cfg` (see module doc)."""
     return _estimate(spec, cfg)[0]
 
 
-def estimate_peak_phases(spec: Any, cfg: MemoryConfig) -> dict[str, int]:
+def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
     """Total bytes at each candidate peak moment ("forward_end", "loss", "head", "last_block",
     "tied_embedding", "step"; those that apply). Each is affine in micro_batch and in
     shard_fraction; estimate_memory's peak_bytes is their maximum. A coefficient table built
@@ -275,7 +281,7 @@ def estimate_peak_phases(spec: Any, cfg: MemoryConfig) -> dict[str, int]:
     return _estimate(spec, cfg)[1]
 
 
-def _estimate(spec: Any, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
+def _estimate(spec: ModelSpec, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
     seq = validate_for(spec, cfg)
     n = spec.num_params
     local = _local_params(spec, cfg)
