@@ -132,3 +132,13 @@ def test_profiles_version_changes_when_a_profile_is_written(data_dir):
     with open(os.path.join(paths.profiles_dir(), "steps", "cpu__tiny.json"), "w") as fh:
         fh.write("{}")
     assert common.profiles_version() > before
+
+
+def test_config_listens_on_localhost_without_usage_stats_or_tracebacks():
+    import tomllib
+
+    with open(os.path.join(ROOT, ".streamlit", "config.toml"), "rb") as fh:
+        cfg = tomllib.load(fh)
+    assert cfg["server"]["address"] == "127.0.0.1"
+    assert cfg["browser"]["gatherUsageStats"] is False
+    assert cfg["client"]["showErrorDetails"] == "none"
