@@ -403,34 +403,35 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
 
 def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
     """Stop the run: ask the launcher through the store; if it does not end the run within
-    `timeout_s` (or is gone), kill the launcher, torchrun's group and every rank, and
-    record "stopped". Returns the final status."""
+    `timeout_s` (or is gone, leaving torchrun and the ranks behind), kill the launcher,
+    torchrun's group and every rank, and record "stopped". Returns the final status."""
     if not os.path.exists(db_path(run_dir)):
         raise ValueError(f"no run at {run_dir}")
     m = read_metrics(run_dir)
-    if m["status"] != "running":
-        return m["status"]
+    launcher = m["launcher_pid"] if m["launcher_pid"] != os.getpid() else None
+    torchrun_pid = _read_pid(os.path.join(run_dir, "torchrun.pid"))
     store = MetricsStore(run_dir)
     try:
+        workers = [p for p in _worker_pids(store) if _is_our_worker(p)]
+        left = _pid_alive(launcher) or (torchrun_pid is not None and _pid_alive(torchrun_pid)) or bool(workers)
+        if m["status"] != "running" and not left:
+            return m["status"]
         store.request_stop()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _pid_alive(m["launcher_pid"]):
-            if read_metrics(run_dir)["status"] != "running":
-                return read_metrics(run_dir)["status"]
-            time.sleep(POLL_S)
-        pid = m["launcher_pid"]
-        if pid and _pid_alive(pid) and pid != os.getpid():
+        while time.monotonic() < deadline and _pid_alive(launcher):
+            time.sleep(POLL_S)  # the launcher polls the flag, ends everything and records "stopped"
+        if launcher and _pid_alive(launcher):
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)  # the launcher only: its group may be a user's shell
-        torchrun_pid = _read_pid(os.path.join(run_dir, "torchrun.pid"))
+                os.kill(launcher, signal.SIGKILL)  # the launcher only: its group may be a user's shell
         if torchrun_pid and _pid_alive(torchrun_pid):
             _signal_group(torchrun_pid, signal.SIGKILL)
         _kill_everything(None, _worker_pids(store))
-        if read_metrics(run_dir)["status"] in ("running", "failed"):
-            store.finish("stopped", "stopped on request (the launcher did not answer; killed)")
-        return "stopped"
+        row = store.conn.execute("SELECT status FROM run WHERE id = 1").fetchone()
+        if row is None or row[0] == "running":
+            store.finish("stopped", "stopped on request (the launcher did not end the run; killed)")
     finally:
         store.close()
+    return read_metrics(run_dir)["status"]
 
 
 def _read_pid(path: str) -> int | None:
