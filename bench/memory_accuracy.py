@@ -51,7 +51,7 @@ MATRIX = [
     ("qwen2-0.5b", 8, 512, "bf16", "none", 0.5),
     ("tinyllama-1.1b", 8, 2048, "bf16", "full", 0.125),
     ("tinyllama-1.1b", 2, 512, "fp32", "none", None),
-    ("tinyllama-1.1b", 1, 4096, "fp32", "full", 0.5),
+    ("tinyllama-1.1b", 1, 2048, "fp32", "full", 0.5),
     ("gpt-2.7b", 1, 2048, "bf16", "full", 0.25),
     ("llama2-7b", 1, 4096, "bf16", "full", 0.125),
     ("llama2-7b", 2, 2048, "bf16", "none", 0.25),
