@@ -99,7 +99,9 @@ class FlatShardedState:
         for chunk in chunks:
             k = chunk.numel()
             self.optimizer.state[chunk] = {
-                "step": torch.zeros((), dtype=torch.float32),
+                # a host scalar, as torch.optim.AdamW makes it; torch.tensor (not zeros) so that
+                # FakeTensorMode keeps its value and the step's .item() works when traced
+                "step": torch.tensor(0.0),
                 "exp_avg": self.exp_avg[off:off + k],
                 "exp_avg_sq": self.exp_avg_sq[off:off + k],
             }
