@@ -165,8 +165,10 @@ def ddp_worker(args: argparse.Namespace) -> int:
     if rank == 0:
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump({"step_s": step_s, "losses": losses}, fh)
+    dist.barrier()
     dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    os._exit(0)  # as executor.worker: skip the teardown where torch's gloo threads sometimes abort
 
 
 # ---- the benchmark -----------------------------------------------------------------------

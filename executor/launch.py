@@ -207,14 +207,20 @@ def _kill_everything(torchrun: subprocess.Popen | None, worker_pids: list[int]) 
 # ---- why a run failed --------------------------------------------------------------------
 
 
-def _torchrun_exit_codes(log_path: str) -> dict[int, int]:
-    """rank -> exit code from torchrun's failure summary ("rank : 1 ... exitcode : -9")."""
+_RANK_EXIT = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def _torchrun_exit_codes(log_path: str) -> tuple[dict[int, int], int | None]:
+    """(rank -> exit code, the root-cause rank) from torchrun's failure summary
+    ("rank : 1 (local_rank: 1)" then "exitcode : -9"; the "Root Cause" block names the first)."""
     try:
         with open(log_path, encoding="utf-8", errors="replace") as fh:
             text = fh.read()[-200_000:]
     except OSError:
-        return {}
-    return {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text)}
+        return {}, None
+    codes = {int(r): int(c) for r, c in _RANK_EXIT.findall(text)}
+    root = _RANK_EXIT.search(text[text.rfind("Root Cause"):]) if "Root Cause" in text else None
+    return codes, int(root.group(1)) if root else None
 
 
 def _describe_exit(code: int | None) -> str:
@@ -236,12 +242,13 @@ def failure_reason(store: MetricsStore, torchrun_log: str, rc: int | None) -> tu
     primary = [e for e in failed if not any(p in e["message"].lower() for p in _PEER_ERRORS)]
     if primary:
         return primary[0]["message"], primary[0]["rank"]
-    codes = _torchrun_exit_codes(torchrun_log)
-    reported = {e["rank"] for e in failed}
+    codes, root = _torchrun_exit_codes(torchrun_log)
+    reported = {e["rank"] for e in events if e["kind"] in ("rank_failed", "rank_done")}
     registered = [r[0] for r in store.conn.execute("SELECT rank FROM ranks WHERE pid IS NOT NULL ORDER BY rank")]
     silent = [r for r in registered if r not in reported]
     if silent:
-        killed = [r for r in silent if codes.get(r, 0) < 0] or silent
+        # torchrun's first observed failure, unless it is a rank that spoke; then one killed by a signal
+        killed = [r for r in silent if r == root] or [r for r in silent if codes.get(r, 0) < 0] or silent
         r = killed[0]
         return f"rank {r} died without reporting an error ({_describe_exit(codes.get(r))})", r
     if failed:
@@ -323,8 +330,10 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
         _kill_everything(torchrun, _worker_pids(store))
         if stop.is_set() or store.stop_requested():
             status, reason = "stopped", "stopped on request"
-        elif rc == 0 and _last_step(store) == steps:
+        elif _last_step(store) == steps and (rc == 0 or _all_ranks_done(store)):
             status = "done"
+            if rc != 0:  # every rank said it finished; one crashed on its way out
+                store.add_event("exit", f"torchrun exit code {rc} after every rank reported all steps done")
         else:
             reason, failed_rank = failure_reason(store, torchrun_log, rc)
     except BaseException as e:
@@ -336,6 +345,13 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
         store.close()
         log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
     return status
+
+
+def _all_ranks_done(store: MetricsStore) -> bool:
+    world, started = store.conn.execute("SELECT world_size, started_s FROM run WHERE id = 1").fetchone()
+    done = store.conn.execute("SELECT COUNT(DISTINCT rank) FROM events WHERE kind = 'rank_done' AND time_s >= ?",
+                              (started,)).fetchone()[0]  # this launch's ranks, not a resumed run's earlier ones
+    return bool(world) and done >= world
 
 
 def _last_step(store: MetricsStore) -> int:

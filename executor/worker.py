@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = Plan.load(args.plan)
         Trainer(args, plan, rank, world, store).run()
+        store.add_event("rank_done", f"rank {rank}: all steps done", rank)
     except BaseException as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         log.exception("rank %d failed", rank)
@@ -285,7 +286,13 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         store.close()
-    return 0
+    # Leave without the interpreter's teardown: torch 2.13's gloo threads sometimes abort in
+    # C++ static destructors at exit ("terminate called without an active exception") after
+    # all work is done. Everything is written: the store is closed, the logs are flushed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":
