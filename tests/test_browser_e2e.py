@@ -54,6 +54,17 @@ def shot(page: Page, name: str) -> None:
     page.screenshot(path=os.path.join(SHOTS, f"{name}.png"), full_page=True)
 
 
+@contextlib.contextmanager
+def shot_on_failure(page: Page, data_dir: str):
+    """On an error: a screenshot and the server's log, while the server still runs."""
+    try:
+        yield
+    except BaseException:
+        shot(page, "99-failure")
+        print(server_log(data_dir))
+        raise
+
+
 def open_page(page: Page, title: str) -> None:
     """Click the sidebar link, as a user does (a URL change would start a new session)."""
     page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=title, exact=True).click()
@@ -78,6 +89,18 @@ def wait_steps_at_least(page: Page, n: int, timeout_s: float) -> int:
             return seen
         page.wait_for_timeout(500)
     raise AssertionError(f"Steps recorded stayed at {seen}, wanted >= {n} within {timeout_s:.0f} s")
+
+
+LOSS_POINTS_JS = """() => {
+  const e = document.querySelector('.st-key-launch_loss_chart .js-plotly-plot');
+  return e && e.data && e.data.length ? e.data[0].x.length : -1;
+}"""
+
+
+def wait_loss_chart_points(page: Page, n: int, timeout_s: float) -> int:
+    """Until the live loss chart (Plotly, key launch_loss_chart) holds at least n steps."""
+    page.wait_for_function(f"() => ({LOSS_POINTS_JS})() >= {n}", timeout=timeout_s * 1000, polling=200)
+    return page.evaluate(LOSS_POINTS_JS)
 
 
 def click_key(page: Page, key: str) -> None:
@@ -106,7 +129,7 @@ def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
         page = browser.new_page(viewport={"width": 1400, "height": 2200})
         try:
             # the first app: it dies at the end of this block, the run it launched does not
-            with streamlit_server(data_dir, kill_everything=False) as url:
+            with streamlit_server(data_dir, kill_everything=False) as url, shot_on_failure(page, data_dir):
                 # 1. the app opens on the local inventory
                 page.goto(url)
                 page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
@@ -138,9 +161,12 @@ def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
                 click_key(page, "launch_button")
                 first = wait_steps_at_least(page, 1, timeout_s=60)
                 grown = wait_steps_at_least(page, first + 3, timeout_s=30)
+                # the live loss chart gains steps too
+                points = wait_loss_chart_points(page, 1, timeout_s=30)
+                more_points = wait_loss_chart_points(page, points + 3, timeout_s=30)
                 assert_no_exception(page, "Launch & monitor while running")
                 shot(page, "11-launch-running")
-                done(f"launched, steps {first} -> {grown}")
+                done(f"launched, steps {first} -> {grown}, loss chart points {points} -> {more_points}")
                 run_names = os.listdir(runs_root)
                 assert len(run_names) == 1, run_names
                 run_dir = os.path.join(runs_root, run_names[0])
@@ -154,7 +180,7 @@ def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
             # 6. the app is gone; the run is not
             assert read_metrics(run_dir)["status"] == "running"
             done("app stopped, run still running")
-            with streamlit_server(data_dir, kill_everything=False) as url:
+            with streamlit_server(data_dir, kill_everything=False) as url, shot_on_failure(page, data_dir):
                 page.goto(f"{url}/{PAGES['Launch & monitor']}")
                 after_restart = wait_steps_at_least(page, after_reload + 1, timeout_s=60)
                 shot(page, "13-launch-after-restart")
@@ -168,14 +194,13 @@ def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
 
                 # 8. it is in the history
                 open_page(page, "Runs")
-                page.get_by_text(run_names[0]).first.wait_for(timeout=WAIT_MS)
+                # a row of the history table (glide draws on a canvas; its cells are an ARIA grid)
+                page.locator('[data-testid="stDataFrame"] [role="gridcell"]', has_text=run_names[0]).first.wait_for(
+                    state="attached", timeout=WAIT_MS)
+                page.locator(".st-key-runs_export", has_text=run_names[0]).wait_for(timeout=WAIT_MS)
                 assert_no_exception(page, "Runs")
                 shot(page, "15-runs")
                 done("found under Runs")
-        except Exception:
-            shot(page, "99-failure")
-            print(server_log(data_dir))
-            raise
         finally:
             browser.close()
             kill_processes_with_data_dir(data_dir)
