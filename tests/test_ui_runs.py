@@ -108,3 +108,29 @@ def test_only_broken_folders_still_renders(data_dir):
         fh.write(b"\x00" * 10)
     at = open_page()
     assert any("half-written" in w.value for w in at.warning)
+
+
+def test_per_rank_table_puts_measured_beside_predicted_in_mib(runs):
+    at = open_page()
+    at.selectbox(key="runs_export_run").select("run-b").run()
+    df = at.dataframe[-1].value
+    assert list(df["rank"]) == [0, 1]
+    assert list(df["emulated"]) == ["", "emulated"]  # rank 1 of run-b has slowdown 3
+    assert df["peak memory (measured, MiB)"].tolist() == pytest.approx([5_000_000 / 2**20, 5_000_001 / 2**20])
+    assert df["memory (predicted, MiB)"].tolist() == pytest.approx([10**7 / 2**20] * 2)
+
+
+def test_shared_sqlite_connection_is_reused_and_read_only(runs):
+    import sqlite3
+
+    from ui import common
+
+    a, _ = runs
+    path = os.path.join(a, "metrics.sqlite")
+    conn = common.sqlite_connection(path)
+    assert conn is common.sqlite_connection(path)
+    assert conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0] == 6
+    with pytest.raises(sqlite3.OperationalError):
+        conn.execute("DELETE FROM steps")
+    with pytest.raises(ValueError):
+        common.sqlite_connection(os.path.join(runs_dir(), "run-nodb", "metrics.sqlite"))
