@@ -1,8 +1,9 @@
 """Micro-benchmarks of one local device: matmul TFLOP/s per dtype and size, memory bandwidth,
 and (profiler/collectives.py) collective bandwidth between local ranks.
 
-On a CPU everything runs with one torch thread, as each executor rank does, so the
-figures describe one `cpu` worker of the cluster file. Times are medians of repeats
+On a CPU everything runs with one torch thread, as each executor rank does, timed by that
+thread's CPU time (profiler.step_profile.step_clock), so the figures describe one `cpu`
+worker of the cluster file (collectives: wall time, since waiting is their cost). Times are medians of repeats
 after a warm-up; the results go to the profile store (planner.profiles.DeviceBench),
 where the planner reads them.
 """
@@ -12,14 +13,13 @@ import datetime
 import logging
 import socket
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from planner.profiles import DeviceBench, MatmulResult, StepProfile, save_device_bench
 from profiler.collectives import DEFAULT_SIZES_BYTES, benchmark_collectives
-from profiler.step_profile import executor_threads, local_device_type, profile_local
+from profiler.step_profile import executor_threads, local_device_type, profile_local, step_clock
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,17 @@ def _sync(device: torch.device) -> None:
 
 def _median_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int,
                  budget_s: float | None = None) -> float:
+    clock = step_clock(device)  # a CPU: this thread's CPU time, as the step profiles
     for _ in range(warmup):
         fn()
     samples: list[float] = []
     spent = 0.0
     while len(samples) < repeats:
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         _sync(device)
-        samples.append(time.perf_counter() - t0)
+        samples.append(clock() - t0)
         spent += samples[-1]
         if budget_s is not None and spent > budget_s and len(samples) >= 3:
             break

@@ -6,7 +6,9 @@ It measures exactly what an executor rank runs: the project's model
 backward into `FlatShardedState`'s flat gradient buffer, then `FlatShardedState.step()`;
 on a CPU with one torch thread, as each executor rank has. Sizes are timed in
 interleaved rounds (every size once per round), so a burst of load from other
-processes hits all sizes alike, and each size's median is fitted.
+processes hits all sizes alike, and each size's median is fitted. On a CPU the clock
+is the compute thread's CPU time (`step_clock`): the work of one dedicated core, not
+what the neighbours on a shared machine ran meanwhile.
 
 FLOPs per sample are counted with `torch.utils.flop_counter.FlopCounterMode` on the
 same code path under FakeTensorMode (no memory, so 7B-class models count in seconds).
@@ -111,6 +113,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_clock(device: torch.device) -> Callable[[], float]:
+    """The clock a step is timed with. On a CPU: the CPU time of this thread. With one torch
+    thread, forward, backward (autograd runs CPU work on the calling thread) and the optimizer
+    all run on it, so this is the work of one dedicated core, which is what a cpu worker of
+    the cluster file is; wall time on a shared machine would add whatever the neighbours ran
+    meanwhile (measured here: 2x at a load average of 7 on 2 cores). On a GPU: wall time
+    between synchronizations."""
+    if device.type == "cpu":
+        return time.thread_time
+    return time.perf_counter
+
+
+def clock_name(device: torch.device) -> str:
+    return "thread CPU time" if device.type == "cpu" else "wall time"
+
+
 def local_device_type(device: torch.device) -> tuple[str, str]:
     """(catalog type, device name) of a local torch device."""
     from profiler.inventory import detect_devices
@@ -128,6 +146,7 @@ def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: Model
                     ) -> dict[int, list[float]]:
     """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
     `warmup` untimed ones. Gradients accumulate into the flat buffer, as in a real step."""
+    clock = step_clock(device)
     gen = torch.Generator().manual_seed(0)
     batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
                    torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device)) for m in micro_batches}
@@ -141,11 +160,11 @@ def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: Model
         for m in order:
             tokens, targets = batches[m]
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             micro_batch_loss(model, tokens, targets, m * seq, autocast).backward()
             _sync(device)
             if r >= warmup:
-                times[m].append(time.perf_counter() - t0)
+                times[m].append(clock() - t0)
         progress(lo + (hi - lo) * (r + 1) / rounds,
                  f"{'warm-up' if r < warmup else 'timing'} round {r + 1}/{rounds}")
     return times
@@ -153,14 +172,15 @@ def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: Model
 
 def time_optimizer_step(state: FlatShardedState, repeats: int, device: torch.device) -> float:
     """Median seconds of `FlatShardedState.step()` over the whole model (one rank owning it all)."""
+    clock = step_clock(device)
     state.step()  # warm-up: first step allocates nothing (state is preallocated) but warms caches
     samples = []
     for _ in range(repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         state.step()
         _sync(device)
-        samples.append(time.perf_counter() - t0)
+        samples.append(clock() - t0)
     return statistics.median(samples)
 
 
@@ -206,7 +226,8 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     threads = "1 torch thread" if dev.type == "cpu" else str(dev)
     profile = StepProfile(
         device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / num_params, r2, True,
-        f"measured on {host} ({device_name}, {threads}) at {now}: medians of {repeats} at m={sizes}, R²={r2:.3f}",
+        f"measured on {host} ({device_name}, {threads}) at {now}: {clock_name(dev)}, medians of {repeats} at "
+        f"m={sizes}, R²={r2:.3f}",
         flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,
         now, num_matmul_params=spec.matmul_params())
     log.info("profile %s on %s: alpha=%.4g s beta=%.4g s R2=%.4f", spec.name, device_type, alpha, beta, r2)
