@@ -14,6 +14,7 @@ from ui import state
 
 log = logging.getLogger(__name__)
 
+LAUNCH_URL_PATH = "launch"
 LIVE_CHECK_TTL_S = 2.0  # how stale the sidebar's "Running" link may be
 
 st.set_page_config(page_title="GPUMix", page_icon=":material/memory:", layout="wide")
@@ -25,7 +26,7 @@ PAGES = {
     ],
     "Train": [
         st.Page("ui/plan.py", title="Plan", icon=":material/account_tree:", url_path="plan"),
-        st.Page("ui/launch.py", title="Launch & monitor", icon=":material/rocket_launch:", url_path="launch"),
+        st.Page("ui/launch.py", title="Launch & monitor", icon=":material/rocket_launch:", url_path=LAUNCH_URL_PATH),
         st.Page("ui/runs.py", title="Runs", icon=":material/history:", url_path="runs"),
     ],
     "Fleet": [
@@ -55,7 +56,19 @@ def live_run_link() -> None:
         st.sidebar.page_link(PAGES["Train"][1], label=f"Running: {name}", icon=":material/monitoring:")
 
 
+def ensure_a_plan_to_launch() -> None:
+    """Launch & monitor opened before Plan (a new user, a reloaded tab): give it the
+    default plan for this machine, so that "Launch" runs it. Only there: a cluster edit on
+    Inventory must not trigger a solve."""
+    if page.url_path == LAUNCH_URL_PATH and state.get_plan() is None:
+        try:
+            state.get_or_default_plan()
+        except ValueError as e:  # the page says how to get a plan
+            log.info("no default plan: %s", e)
+
+
 st.sidebar.caption("First run: **Plan** computes a plan for this machine, **Launch & monitor** runs it "
                    "and shows it live. Numbers are marked *predicted* or *measured*.")
 live_run_link()
+ensure_a_plan_to_launch()
 page.run()

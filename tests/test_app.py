@@ -142,3 +142,20 @@ def test_config_listens_on_localhost_without_usage_stats_or_tracebacks():
     assert cfg["server"]["address"] == "127.0.0.1"
     assert cfg["browser"]["gatherUsageStats"] is False
     assert cfg["client"]["showErrorDetails"] == "none"
+
+
+def test_launch_opened_first_has_the_default_plan_to_launch(data_dir):
+    from ui import state
+
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    at.switch_page("ui/launch.py").run()
+    assert not at.exception
+    plan = at.session_state["plan"]
+    assert plan.model == state.DEFAULT_MODEL and plan.global_batch == state.DEFAULT_GLOBAL_BATCH
+    assert at.button(key="launch_button")  # one click away
+
+
+def test_inventory_does_not_solve_a_plan(data_dir):
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    assert not at.exception
+    assert "plan" not in at.session_state
