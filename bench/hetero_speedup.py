@@ -223,12 +223,23 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, slowdown: fl
         homo = even_plan(emulated_cluster(1.0), global_batch, seq)
         for key, plan in (("planned", planned), ("even", even), ("homogeneous", homo)):
             predicted[key].append(plan.predicted_iteration_s)
-        runs["planned"].append(launch(planned, steps, root, f"planned-{i}"))
-        runs["planned"][-1]["predicted_iteration_s"] = planned.predicted_iteration_s
-        runs["even"].append(launch(even, steps, root, f"even-{i}"))
-        runs["ours"].append(launch(homo, steps, root, f"homogeneous-ours-{i}"))
-        runs["ddp"].append(ddp_launch(global_batch, seq, homo.used[0].micro_batch, steps, root, f"homogeneous-ddp-{i}"))
+        jobs = {
+            "planned": lambda: dict(launch(planned, steps, root, f"planned-{i}"),
+                                    predicted_iteration_s=planned.predicted_iteration_s),
+            "even": lambda: launch(even, steps, root, f"even-{i}"),
+            "ours": lambda: launch(homo, steps, root, f"homogeneous-ours-{i}"),
+            "ddp": lambda: ddp_launch(global_batch, seq, homo.used[0].micro_batch, steps, root,
+                                      f"homogeneous-ddp-{i}"),
+        }
+        # each pair swaps its order every round (AB, BA): a load that drifts during the bench hits
+        # both sides alike; the planned run stays within one run of the profile it was priced with
+        order = ("planned", "even", "ours", "ddp") if i % 2 == 0 else ("even", "planned", "ddp", "ours")
+        for key in order:
+            runs[key].append(jobs[key]())
     med = {k: median(pooled(v)) for k, v in runs.items()}
+    per_round = {"planned_vs_even": [median(e["step_s"]) / median(p["step_s"]) for p, e in zip(runs["planned"],
+                                                                                               runs["even"])],
+                 "ours_vs_ddp": [median(d["step_s"]) / median(o["step_s"]) for o, d in zip(runs["ours"], runs["ddp"])]}
     rate = {k: global_batch / v for k, v in med.items()}
     speedup = rate["planned"] / rate["even"]
     # each round's planned run against its own plan's prediction; the median of those errors
@@ -257,6 +268,7 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, slowdown: fl
                                     "ok": mem_ok},
         },
         "ours_vs_ddp_max_loss_rel_diff": loss_gap,
+        "per_round_ratios": per_round,
         "memory": mem,
         "bench_wall_s": time.monotonic() - t_start,
     }
@@ -288,6 +300,8 @@ def print_report(r: dict[str, Any]) -> None:
     print(f"  this runtime / DDP samples/s  = {ch['ours_vs_ddp_throughput']['value']:.2f}x  (>= {DDP_RATIO_MIN}x) "
           f"{'PASS' if ch['ours_vs_ddp_throughput']['ok'] else 'FAIL'}   "
           f"(loss curves differ by <= {r['ours_vs_ddp_max_loss_rel_diff']:.1e} relative)")
+    print(f"  per round: planned/even {', '.join(f'{x:.2f}x' for x in r['per_round_ratios']['planned_vs_even'])}; "
+          f"ours/DDP {', '.join(f'{x:.2f}x' for x in r['per_round_ratios']['ours_vs_ddp'])}")
     print("  per-rank peak memory: measured (live tensor bytes, first step) vs predicted (planner.memory)")
     for m in r["memory"]:
         print(f"    {m['run']:<22} rank {m['rank']} (slowdown {m['slowdown']:g}, m={m['micro_batch']}, "
