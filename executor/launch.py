@@ -292,6 +292,8 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
     tokens = build_corpus(corpus_dir)
     store = MetricsStore(run_dir)
     store.init_run(plan, steps, seed, backend="gloo", resume=resume)
+    if plan.dtype != "fp32" and all(a.type == "cpu" for a in plan.used):
+        store.add_event("note", f"plan dtype {plan.dtype}: CPU ranks train in fp32 (autocast is for GPUs)")
     if meta is not None:
         store.truncate_after(int(meta["step"]))
         store.add_event("resume", f"resuming from the checkpoint of step {meta['step']}")

@@ -120,9 +120,15 @@ class Trainer:
         used = plan.used
         if len(used) != world:
             raise ValueError(f"plan has {len(used)} used devices but torchrun started {world} ranks")
-        self.cuda = torch.cuda.is_available() and plan.cluster.devices()[used[0].device_index][1].type != "cpu"
+        my_type = used[my_position(plan, rank)].type
+        self.cuda = my_type != "cpu"
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.cuda and local_rank >= torch.cuda.device_count():
+            # never pretend: a plan for GPUs does not silently train on this CPU
+            raise ValueError(f"plan device {my_type!r} needs CUDA device {local_rank}, this machine has "
+                             f"{torch.cuda.device_count()}; plan for the 'cpu' type to run on CPU workers")
         if self.cuda:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
             # bf16 autocast on GPUs (fp16 for types without bf16; no loss scaling: keep runs short)
             self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.dtype)

@@ -53,3 +53,17 @@ def test_multinode_plan_prints_one_c10d_torchrun_command_per_node(tmp_path):
             assert flag in argv, (flag, argv)
         assert argv[argv.index("-m", 3) + 1] == "executor.worker" and "--plan" in argv
     assert not os.path.exists(tmp_path / "r" / "metrics.sqlite")  # nothing ran here
+
+
+def test_a_gpu_plan_on_a_machine_without_that_gpu_fails_with_a_clear_reason(tmp_path):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: nothing to refuse")
+    cluster = ClusterSpec("g", (NodeSpec("localhost", "local", (DeviceSpec("A100-80GB"),)),))
+    Plan(cluster, "tiny", 2, 16, "bf16", "none", (Assignment(0, "localhost", "A100-80GB", 2, 1, 2, 1.0, 0, 0.0),),
+         0.0, 0.0).save(str(tmp_path / "p.json"))
+    r = executor("launch", "--plan", str(tmp_path / "p.json"), "--steps", "2", "--run-dir", str(tmp_path / "r"))
+    assert r.returncode == 1
+    assert "failed" in r.stdout and "needs CUDA device 0" in r.stdout, r.stdout
