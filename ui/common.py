@@ -38,6 +38,7 @@ _BADGE_COLOR = {PREDICTED: "blue", SIMULATED: "blue", MEASURED: "green", ESTIMAT
 
 # Plotly defaults: a compact chart that reads on a laptop screen
 CHART_HEIGHT_PX = 320
+MAX_MARKER_POINTS = 200  # line charts draw markers up to this many points per series
 _CHART_MARGIN = dict(l=10, r=10, t=40, b=10)
 
 _KIB = 1024
@@ -199,7 +200,10 @@ def line_figure(
 
     fig = go.Figure()
     for name, (xs, ys) in series.items():
-        fig.add_trace(go.Scatter(x=list(xs), y=list(ys), mode="lines+markers", name=name, marker=dict(size=4)))
+        # one SVG node per marker: past a few hundred points (a live run) the browser redraws
+        # too slowly to keep up with a 1 s refresh, and a line reads as well
+        mode = "lines+markers" if len(xs) <= MAX_MARKER_POINTS else "lines"
+        fig.add_trace(go.Scatter(x=list(xs), y=list(ys), mode=mode, name=name, marker=dict(size=4)))
     return style_figure(fig, x_title, y_title, title=title, height=height)
 
 
