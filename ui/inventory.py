@@ -92,6 +92,9 @@ def _render_profile_now(has_cpu_only: bool) -> None:
                                progress=lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m),
                                what="Profiling failed")
         if result is not None:
+            from planner.options import clear_caches  # the scheduler's cached profile figures are stale now
+
+            clear_caches()
             _, p = result
             st.success(f"Measured {p.model} on {p.device_type}: α = {p.alpha_s * 1e3:.2f} ms, "
                        f"β = {p.beta_s * 1e3:.2f} ms/sample, R² = {p.r2:.3f}")
