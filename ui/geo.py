@@ -22,9 +22,8 @@ from planner.geo_eval import GeoReport, simulate_geo
 from planner.geo_scenario import GeoScenario
 from planner.paths import PROJECT_ROOT
 from planner.specs import PRESETS
-from ui.common import fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
+from ui.common import SIMULATED, fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
 
-SIMULATED = "simulated"
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
 DEFAULT_EXAMPLE = "paper_like.json"
 MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pipelines

@@ -18,7 +18,7 @@ from planner.paths import PROJECT_ROOT
 from planner.plan import Plan
 from planner.specs import PRESETS
 from ui.common import (MEASURED, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
-                       show_emulated_note, show_errors, show_figure, style_figure)
+                       profiles_version, show_emulated_note, show_errors, show_figure, style_figure)
 from ui.state import DEFAULT_GLOBAL_BATCH, get_cluster, get_model, get_plan, set_plan
 
 GIB = 2**30
@@ -29,8 +29,10 @@ HEADROOM = 0.9  # the planner's default: the capacity line on the memory chart
 
 
 @st.cache_data(show_spinner="Solving the plan…", max_entries=32)
-def compute_plan(cluster_json: str, model: str, global_batch: int, seq: int | None, dtype: str) -> Plan:
-    """solve_plan on a cluster given as JSON (hashable for the cache). Raises ValueError."""
+def compute_plan(cluster_json: str, model: str, global_batch: int, seq: int | None, dtype: str,
+                 profiles_version: int = 0) -> Plan:
+    """solve_plan on a cluster given as JSON (hashable for the cache). Raises ValueError.
+    `profiles_version` only keys the cache: a new profile ("Profile now") re-solves."""
     cluster = ClusterSpec.from_dict(json.loads(cluster_json))
     result = solve_plan(cluster, model, global_batch, seq=seq, dtype=dtype, headroom=HEADROOM)
     if result.plan is None:
@@ -100,6 +102,9 @@ def memory_figure(plan: Plan):
                    marker=dict(symbol="line-ew-open", size=28)),
     ])
     fig.update_layout(barmode="overlay")
+    if max((a.predicted_memory_bytes for a in plan.assignments), default=0) < 0.02 * max(capacity, default=1) * GIB:
+        # a tiny model next to a large capacity would be an invisible sliver on a linear axis
+        fig.update_yaxes(type="log")
     return style_figure(fig, "device", "memory (GiB)", title="Memory per device: predicted vs capacity")
 
 
@@ -129,6 +134,8 @@ def render(plan: Plan) -> None:
         metric("Throughput", fmt_rate(plan.predicted_samples_per_s), PREDICTED)
     with c3:
         metric("Solve time", fmt_seconds(plan.solve_s), MEASURED)
+    for note in plan.notes:
+        st.info(note)
     st.dataframe(device_rows(plan), key="plan_table", hide_index=True)
     show_emulated_note(plan.cluster.emulated)
     left, right = st.columns(2)
@@ -136,8 +143,6 @@ def render(plan: Plan) -> None:
         show_figure(memory_figure(plan), key="plan_memory_chart")
     with right:
         show_figure(throughput_figure(plan), key="plan_baselines_chart")
-    for note in plan.notes:
-        st.caption(note)
     st.download_button("Download the plan (JSON)", plan.to_json(), file_name=f"plan-{plan.cluster.name}.json",
                        mime="application/json", key="plan_download")
     page_link("ui/launch.py", "Launch this plan", icon=":material/rocket_launch:")
@@ -149,7 +154,7 @@ cluster, model, batch, seq, dtype = inputs()
 clicked = st.button("Compute plan", key="plan_compute", type="primary")
 if cluster is not None and (clicked or get_plan() is None):
     with show_errors("Cannot compute the plan"):
-        set_plan(compute_plan(json.dumps(cluster.to_dict()), model, batch, seq, dtype))
+        set_plan(compute_plan(json.dumps(cluster.to_dict()), model, batch, seq, dtype, profiles_version()))
 plan = get_plan()
 if plan is not None:
     if cluster is None or (plan.cluster.name, plan.model, plan.global_batch, plan.dtype) != (

@@ -71,7 +71,7 @@ def tick_panel() -> None:
             report = _orchestrator().tick()
             c2.info(f"started {report.started or 'none'}; finished "
                     f"{', '.join(f'{i} ({s})' for i, s in report.finished) or 'none'}")
-    c1.toggle("Run passes in the background", key="sched_auto", help=f"a pass every {AUTO_TICK_S:g} s while open")
+    c1.toggle("Auto passes", key="sched_auto", help=f"run a scheduler pass in the background every {AUTO_TICK_S:g} s while this page is open")
 
 
 def queue_table(jobs) -> None:
