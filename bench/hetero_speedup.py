@@ -19,7 +19,11 @@
 
 Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory
 tracker, step 2 allocator warm-up), pooled over rounds. The machine is shared: the ratios
-of runs taken alternately are the figures to read, not absolute seconds.
+of runs taken alternately are the figures to read, not absolute seconds. On a 2-core machine
+that other processes keep busy, the two ranks contend for the cores while both compute, so
+in-run compute per sample exceeds the profile's (taken by one process) and the planned split,
+where both ranks compute most of the step, suffers more than the even one, where the fast
+rank idles: the per-rank breakdown printed for the planned runs shows where the time went.
 """
 from __future__ import annotations
 
