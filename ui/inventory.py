@@ -20,7 +20,7 @@ from planner.cluster import ClusterSpec, DeviceSpec
 from planner.profiles import get_device_bench, load_step_profiles
 from planner.specs import PRESETS
 from profiler.inventory import build_local_cluster, detect_devices
-from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, page_header, show_emulated_note,
+from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, page_header, page_link, show_emulated_note,
                        show_errors, source_badge)
 from ui.state import get_cluster, get_model, set_cluster
 
@@ -186,6 +186,7 @@ def _render_cluster() -> None:
                 f"{cluster.network.inter_node_gbps:g} Gbit/s inter-node")
     st.dataframe(_cluster_table(cluster), hide_index=True, key="inv_cluster_table")
     show_emulated_note(cluster.emulated)
+    page_link("ui/plan.py", "Next: plan a training run on this cluster", icon=":material/account_tree:")
     nodes = [n.name for n in cluster.nodes]
     r1, r2 = st.columns([3, 1])
     gone = r1.selectbox("Node", nodes, key="inv_remove_node", label_visibility="collapsed")
