@@ -67,8 +67,7 @@ def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
                                step=0.05, format="%.4f", key="mem_shard_fraction",
                                help="this GPU's share of the sharded state; Cephalo shards unevenly")
     gpu_names = sorted(CATALOG)
-    gpu = c8.selectbox("GPU type", gpu_names, index=gpu_names.index(DEFAULT_GPU) if DEFAULT_GPU in gpu_names else 0,
-                       key="mem_gpu_type")
+    gpu = c8.selectbox("GPU type", gpu_names, index=gpu_names.index(default_gpu_type()), key="mem_gpu_type")
     with show_errors("Invalid settings"):
         return MemoryConfig(micro_batch=int(micro_batch), seq=int(seq), dtype=dtype, recompute=recompute,
                             dp=int(dp), zero=int(zero), shard_fraction=float(fraction) or None), gpu
@@ -78,17 +77,34 @@ def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
 def breakdown_figure(b: MemoryBreakdown, capacity_bytes: int, gpu: str):
     import plotly.graph_objects as go
 
+    # A tiny model next to a big GPU would be an invisible sliver: switch to MiB and leave the
+    # capacity line out (it is named in the title) when the peak is under 5 % of it.
+    small = b.peak_bytes < 0.05 * capacity_bytes
+    unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
     fig = go.Figure()
     x = [labelled("per-GPU peak", PREDICTED)]
     for name in COMPONENTS:
-        fig.add_trace(go.Bar(x=x, y=[getattr(b, f"{name}_bytes") / GIB], name=name,
-                             hovertemplate=f"{name}: %{{y:.3f}} GiB<extra></extra>"))
-    fig.add_trace(go.Scatter(x=x, y=[capacity_bytes / GIB], mode="markers+text", name=f"{gpu} capacity",
-                             marker=dict(symbol="line-ew-open", size=60, line=dict(width=3, color="crimson")),
-                             text=[f"{gpu} capacity"], textposition="top center"))
-    fig.add_hline(y=capacity_bytes / GIB, line_dash="dash", line_color="crimson")
+        fig.add_trace(go.Bar(x=x, y=[getattr(b, f"{name}_bytes") / scale], name=name,
+                             hovertemplate=f"{name}: %{{y:.3f}} {unit}<extra></extra>"))
+    title = "Per-GPU memory at the step's peak (predicted)"
+    if small:
+        title += f": {b.peak_bytes / capacity_bytes:.2%} of the {gpu}'s {fmt_bytes(capacity_bytes)}"
+    else:
+        fig.add_hline(y=capacity_bytes / scale, line_dash="dash", line_color="crimson",
+                      annotation_text=f"{gpu} capacity", annotation_position="top left")
     fig.update_layout(barmode="stack")
-    return style_figure(fig, "", "memory (GiB)", title="Per-GPU memory at the step's peak (predicted)")
+    return style_figure(fig, "", f"memory ({unit})", title=title)
+
+
+def default_gpu_type() -> str:
+    """The first device type of the session's cluster (this machine by default), else DEFAULT_GPU."""
+    from ui.state import get_cluster
+
+    try:
+        types = get_cluster().device_types()
+    except Exception:  # the page must open even when the inventory cannot be read
+        types = []
+    return types[0] if types and types[0] in CATALOG else DEFAULT_GPU
 
 
 def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -> None:
@@ -138,14 +154,14 @@ def main() -> None:
         st.metric(f"{gpu} capacity (datasheet)", fmt_bytes(capacity))
     share = b.peak_bytes / capacity
     if share <= 1.0:
-        st.success(f"Fits on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.0%} of "
+        st.success(f"Fits on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.1%} of "
                    f"{fmt_bytes(capacity)} (CUDA context and allocator fragmentation not included).")
     else:
-        st.error(f"Does not fit on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.0%} of "
+        st.error(f"Does not fit on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.1%} of "
                  f"{fmt_bytes(capacity)}. Try recomputation, a smaller micro-batch, bf16 or a larger world size.")
     show_figure(breakdown_figure(b, capacity, gpu), key="mem_chart")
     st.dataframe([{"component": name, labelled("bytes", PREDICTED): getattr(b, f"{name}_bytes"),
-                   labelled("GiB", PREDICTED): round(getattr(b, f"{name}_bytes") / GIB, 4)}
+                   labelled("size", PREDICTED): fmt_bytes(getattr(b, f"{name}_bytes"))}
                   for name in (*COMPONENTS, "peak")], hide_index=True)
     if cfg.tp == 1 and cfg.zero <= 1:
         st.caption(f"ZeRO {cfg.zero} is what the runtime runs: this figure is checked against MemTracker traces "
