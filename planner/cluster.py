@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.catalog import CATALOG, GIB, get_gpu_type
+from planner.jsonio import dumps, save_json_file
 
 
 def _positive_number(value: Any, what: str) -> float:
@@ -170,11 +171,10 @@ class ClusterSpec:
         return ClusterSpec.from_dict({**self.to_dict(), "name": name})
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return dumps(self.to_dict())
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.to_json() + "\n")
+        save_json_file(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "cluster") -> "ClusterSpec":

@@ -11,13 +11,13 @@ Link model (DESIGN.md, "Geo"): one TCP connection moves at most `window / RTT`
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from planner.catalog import get_gpu_type
+from planner.jsonio import load_json_file
 from planner.specs import get_model
 
 GBPS = 1e9  # bits per second in one Gbit/s
@@ -314,13 +314,7 @@ class GeoScenario:
 
     @classmethod
     def load(cls, path: str) -> "GeoScenario":
-        try:
-            with open(path, encoding="utf-8") as fh:
-                raw = json.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"scenario file not found: {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"scenario file {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        raw = load_json_file(path, "scenario file")
         if isinstance(raw, dict) and "name" not in raw:
             raw = {**raw, "name": os.path.splitext(os.path.basename(path))[0]}
         return cls.from_dict(raw)

@@ -6,11 +6,11 @@ The JSON written by `python -m planner plan --json` *is* a plan file.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from planner.cluster import ClusterSpec
+from planner.jsonio import dumps, load_json_file, save_json_file
 
 PLAN_VERSION = 1
 
@@ -102,11 +102,10 @@ class Plan:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return dumps(self.to_dict())
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.to_json() + "\n")
+        save_json_file(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
@@ -137,11 +136,4 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        try:
-            with open(path, encoding="utf-8") as fh:
-                d = json.load(fh)
-        except OSError as e:
-            raise ValueError(f"cannot read plan file {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"plan file {path}: malformed JSON: {e.msg} at line {e.lineno}") from None
-        return cls.from_dict(d, source=path)
+        return cls.from_dict(load_json_file(path, "plan file"), source=path)

@@ -7,10 +7,11 @@ it, and the parameter count below is exact for the real published checkpoints
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+from planner.jsonio import load_json_file
 
 FAMILIES = ("gpt2", "llama")
 
@@ -132,13 +133,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, path: str) -> "ModelSpec":
         """Read a Hugging Face `config.json` (GPT-2, Llama, Mistral, Qwen2) offline."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config file {path} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        cfg = load_json_file(path, "config file")
         if not isinstance(cfg, dict):
             raise ValueError(f"config file {path}: expected a JSON object")
         name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "custom"

@@ -135,7 +135,7 @@ def test_cli_json_and_table(tmp_path):
 @pytest.mark.parametrize("content,match", [
     ("{not json", "not valid JSON"),
     (json.dumps(small_dict(wan=[{"a": "a", "b": "z", "gbps": 1, "rtt_ms": 10}])), "unknown datacenter 'z'"),
-    (None, "not found"),
+    (None, "no such file"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, content, match):
     path = tmp_path / "bad.json"
