@@ -14,8 +14,10 @@ device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
 4. AdamW on this rank's uneven slice of the flat parameters (shard_bounds of the plan's
    shard fractions), then every slice is broadcast from its owner.
 
-Emulation: `slowdown` s sleeps (s-1) x the measured compute time of each micro-batch and of
-the optimizer step on the rank's slice (the planner's cost model slows both);
+Emulation: `slowdown` s sleeps (s-1) x the measured compute of the rank's micro-batches (one
+sleep after them) and of its optimizer slice (the planner's cost model slows both); on CPU
+"compute" is the thread's CPU time, so other processes' share of a busy machine is not
+multiplied (see Trainer._work_clock);
 `memory_gb` fails the rank with an out-of-memory message when the measured peak
 (executor.memtrack) exceeds it.
 """
@@ -176,6 +178,12 @@ class Trainer:
         x, y = windows(data, starts, self.plan.seq)
         return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
 
+    def _work_clock(self) -> float:
+        """The clock an emulated slowdown scales. CPU: this thread's CPU time (torch runs one
+        thread per rank), so time the OS gave to other processes on a shared machine is not
+        stretched s-fold as if it were the device's work. CUDA: wall time after a sync."""
+        return time.perf_counter() if self.cuda else time.thread_time()
+
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -185,36 +193,38 @@ class Trainer:
         st = self.state
         resident = [st.flat_params, st.flat_grads, st.exp_avg, st.exp_avg_sq]
         tracker = PeakMemory(self.device, resident) if measure_memory else contextlib.nullcontext()
-        compute_s = delay_s = wait_s = 0.0
+        compute_s = work_s = delay_s = wait_s = 0.0
         local_loss = 0.0
         t0 = time.perf_counter()
         with tracker:
             st.zero_grad()
             for sl in self.slices:
                 x, y = self._tensors(starts[sl], self.train_tokens)
-                c0 = time.perf_counter()
+                c0, u0 = time.perf_counter(), self._work_clock()
                 loss = micro_batch_loss(self.model, x, y, self.global_tokens, self.autocast)
                 loss.backward()
                 self._sync()
-                c = time.perf_counter() - c0
-                compute_s += c
+                compute_s += time.perf_counter() - c0
+                work_s += self._work_clock() - u0
                 local_loss += float(loss.detach())
-                if self.a.slowdown > 1.0:  # emulate a slower device: it would have computed for s*c
-                    d = (self.a.slowdown - 1.0) * c
-                    time.sleep(d)
-                    delay_s += d
+            if self.a.slowdown > 1.0:
+                # emulate a slower device: it would have worked s x as long. One sleep for all
+                # micro-batches: a core that idles between them comes back cold (caches, clock)
+                # and would inflate the next micro-batch's time, and so the delay, again.
+                delay_s = (self.a.slowdown - 1.0) * work_s
+                time.sleep(delay_s)
             w0 = time.perf_counter()
             # the step's loss travels beside the gradients (async: one latency, not two)
             loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
             loss_work = dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, async_op=True)
             dist.all_reduce(st.flat_grads, op=dist.ReduceOp.SUM)
-            w1 = time.perf_counter()
+            w1, u1 = time.perf_counter(), self._work_clock()
             st.step()
             self._sync()
             w2 = time.perf_counter()
             optimizer_s = w2 - w1
             if self.a.slowdown > 1.0:  # the slower device is slower at its optimizer slice too
-                d = (self.a.slowdown - 1.0) * optimizer_s
+                d = (self.a.slowdown - 1.0) * (self._work_clock() - u1)
                 time.sleep(d)
                 delay_s += d
                 w2 = time.perf_counter()
