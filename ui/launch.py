@@ -68,6 +68,10 @@ def render_launch(plan: Plan | None) -> None:
     with c2:
         common.metric("Throughput", common.fmt_rate(plan.predicted_samples_per_s), common.PREDICTED)
     common.show_emulated_note(any(a.emulated or a.slowdown != 1.0 for a in plan.used))
+    for note in plan.notes:
+        st.caption(f":material/info: {note}")
+    if any("estimat" in n for n in plan.notes):
+        common.page_link("ui/inventory.py", "Profile this machine for measured predictions", ":material/speed:")
     steps = st.number_input("Steps", min_value=1, max_value=1_000_000, value=DEFAULT_STEPS, step=50,
                             key="launch_steps")
     ckpt_every = st.number_input("Checkpoint every (steps, 0 = never)", min_value=0, value=0, step=50,
@@ -99,7 +103,9 @@ def pick_run() -> str | None:
     if not dirs:
         st.caption("No runs yet.")
         return None
-    labels = {r["run_dir"]: f"{r['name']} — {r['status']}" + (" (emulated)" if r["emulated"] else "") for r in runs}
+    # no status in the label: the selector is outside the live panel, so it would go stale
+    labels = {r["run_dir"]: f"{r['name']} — {r['model']}, {r['world_size']} ranks"
+              + (" (emulated)" if r["emulated"] else "") for r in runs}
     if st.session_state.get("launch_run_select") not in dirs:
         st.session_state["launch_run_select"] = current if current in dirs else dirs[0]
     choice = st.selectbox("Run to watch", dirs, key="launch_run_select",
@@ -162,6 +168,8 @@ def throughput_figure(m: dict[str, Any]) -> Any:
 
 def render_status(m: dict[str, Any]) -> None:
     status, steps = m["status"], m["steps"]
+    st.caption(f"This run: **{m.get('model')}**, global batch {m.get('global_batch')}, seq {m.get('seq')}, "
+               f"{m.get('dtype')}, {m.get('world_size')} ranks")
     st.markdown(f"Run status: {status}")
     st.markdown(f"Steps recorded: {len(steps)}")
     target = m.get("steps_target") or 0
