@@ -3,8 +3,9 @@
     python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 48] [--seq 128] [--json]
 
 1. Profiles this machine with the profiler before each round (step profile of `tiny` at the seq,
-   gloo collectives), into a private GPUMIX_DATA_DIR, so the planner prices with
-   what this machine does now.
+   timed with 2 concurrent workers by wall time, as the runs' two ranks compute; gloo
+   collectives), into a private GPUMIX_DATA_DIR, so the planner prices with what this
+   machine does now.
 2. Emulated heterogeneity: two CPU ranks, one with slowdown 3 (the cluster file's
    emulation; executor.worker sleeps 2x each micro-batch's and optimizer step's measured
    compute). The planner's split (planner.hetero.solve_plan) against the even split (the
@@ -20,10 +21,10 @@
 Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory
 tracker, step 2 allocator warm-up), pooled over rounds. The machine is shared: the ratios
 of runs taken alternately are the figures to read, not absolute seconds. On a 2-core machine
-that other processes keep busy, the two ranks contend for the cores while both compute, so
-in-run compute per sample exceeds the profile's (taken by one process) and the planned split,
-where both ranks compute most of the step, suffers more than the even one, where the fast
-rank idles: the per-rank breakdown printed for the planned runs shows where the time went.
+that other processes keep busy, the two ranks contend for the cores while both compute; the
+profile is taken under the same contention (two concurrent processes), but the load of other
+processes drifts between profile and run: the per-rank breakdown printed for the planned runs
+shows where the time went.
 """
 from __future__ import annotations
 
@@ -85,8 +86,10 @@ def even_plan(cluster: Any, global_batch: int, seq: int) -> Any:
 def profile_machine(seq: int, collectives: bool) -> None:
     """The step profile of `tiny` at `seq` (and, once, the gloo collectives) into the store."""
     env = dict(os.environ, PYTHONPATH=ROOT)
+    # --workers 2: the runs' two CPU ranks compute at once on this machine's cores, so the profile
+    # is timed that way too (two concurrent processes, wall time), as the ranks report their compute
     cmds = [["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches", "1,2,4,8,16",
-             "--repeats", "7"]]
+             "--repeats", "7", "--workers", "2"]]
     if collectives:
         cmds.append(["-m", "profiler", "bench", "--quick"])
     for cmd in cmds:

@@ -10,6 +10,13 @@ processes hits all sizes alike, and each size's median is fitted. On a CPU the c
 is the compute thread's CPU time (`step_clock`): the work of one dedicated core, not
 what the neighbours on a shared machine ran meanwhile.
 
+Local CPU workers share this machine's cores with each other (and with torchrun and whatever
+else runs): with `workers=N` (N > 1) the measurement runs the way such a run executes, as
+Cephalo profiles in the real environment: N − 1 companion processes run the same
+forward+backward loop concurrently while this one times, and the clock is wall time (what a
+rank's step takes when N ranks compute at once: contention for cores, caches and memory
+bandwidth included), the clock executor.worker reports its compute in.
+
 FLOPs per sample are counted with `torch.utils.flop_counter.FlopCounterMode` on the
 same code path under FakeTensorMode (no memory, so 7B-class models count in seconds).
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import multiprocessing as mp
 import socket
 import statistics
 import time
@@ -113,20 +121,77 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_clock(device: torch.device) -> Callable[[], float]:
+def step_clock(device: torch.device, workers: int = 1) -> Callable[[], float]:
     """The clock a step is timed with. On a CPU: the CPU time of this thread. With one torch
     thread, forward, backward (autograd runs CPU work on the calling thread) and the optimizer
     all run on it, so this is the work of one dedicated core, which is what a cpu worker of
     the cluster file is; wall time on a shared machine would add whatever the neighbours ran
     meanwhile (measured here: 2x at a load average of 7 on 2 cores). On a GPU: wall time
-    between synchronizations."""
-    if device.type == "cpu":
+    between synchronizations. `workers` > 1 (local CPU workers profiled concurrently, see
+    `concurrent_workers`): wall time, since sharing the cores with the other workers is then
+    what is being measured."""
+    if device.type == "cpu" and workers <= 1:
         return time.thread_time
     return time.perf_counter
 
 
-def clock_name(device: torch.device) -> str:
-    return "thread CPU time" if device.type == "cpu" else "wall time"
+def clock_name(device: torch.device, workers: int = 1) -> str:
+    if device.type != "cpu":
+        return "wall time"
+    return "thread CPU time" if workers <= 1 else f"wall time with {workers} concurrent workers"
+
+
+def _companion(spec: ModelSpec, seq: int, micro_batches: Sequence[int], recompute: str, dtype: str,
+               ready: "mp.synchronize.Event", stop: "mp.synchronize.Event") -> None:
+    """One companion worker (a spawned process): the executor rank's loop — forward+backward of
+    every profiled micro-batch size, then the optimizer step — on one torch thread, until `stop`.
+    `ready` is set after the first (warm-up) round, so timing starts under full contention."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = build_model(spec, recompute)
+    state = FlatShardedState(net, 0, sum(p.numel() for p in net.parameters()))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, spec.vocab_size, (m, seq), generator=gen),
+                torch.randint(0, spec.vocab_size, (m, seq), generator=gen)) for m in micro_batches]
+    while not stop.is_set():
+        state.zero_grad()
+        for tokens, targets in batches:
+            micro_batch_loss(net, tokens, targets, tokens.numel(), AUTOCAST[dtype]).backward()
+            if stop.is_set():
+                break
+        state.step()
+        ready.set()
+
+
+@contextlib.contextmanager
+def concurrent_workers(device: torch.device, workers: int, spec: ModelSpec, seq: int,
+                       micro_batches: Sequence[int], recompute: str, dtype: str) -> Iterator[None]:
+    """Run `workers` − 1 companion processes (the other local CPU workers of a run) while the
+    body times; nothing on a GPU or for one worker. Spawned, not forked: a fork of a process
+    whose torch thread pools have started can hang."""
+    if device.type != "cpu" or workers <= 1:
+        yield
+        return
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    readies = [ctx.Event() for _ in range(workers - 1)]
+    procs = [ctx.Process(target=_companion, args=(spec, seq, tuple(micro_batches), recompute, dtype, r, stop),
+                         daemon=True, name=f"profile-companion-{i}") for i, r in enumerate(readies)]
+    for p in procs:
+        p.start()
+    try:
+        for p, r in zip(procs, readies):
+            while not r.wait(1.0):
+                if not p.is_alive():
+                    raise RuntimeError(f"profiling companion worker exited with code {p.exitcode}")
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30.0)
+            if p.is_alive():
+                p.terminate()
+                p.join(5.0)
 
 
 def local_device_type(device: torch.device) -> tuple[str, str]:
@@ -142,11 +207,11 @@ def local_device_type(device: torch.device) -> tuple[str, str]:
 
 def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: ModelSpec, seq: int,
                     micro_batches: Sequence[int], repeats: int, warmup: int, device: torch.device,
-                    autocast: torch.dtype | None, progress: Progress, span: tuple[float, float]
-                    ) -> dict[int, list[float]]:
+                    autocast: torch.dtype | None, progress: Progress, span: tuple[float, float],
+                    workers: int = 1) -> dict[int, list[float]]:
     """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
     `warmup` untimed ones. Gradients accumulate into the flat buffer, as in a real step."""
-    clock = step_clock(device)
+    clock = step_clock(device, workers)
     gen = torch.Generator().manual_seed(0)
     batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
                    torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device)) for m in micro_batches}
@@ -170,9 +235,9 @@ def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: Model
     return times
 
 
-def time_optimizer_step(state: FlatShardedState, repeats: int, device: torch.device) -> float:
+def time_optimizer_step(state: FlatShardedState, repeats: int, device: torch.device, workers: int = 1) -> float:
     """Median seconds of `FlatShardedState.step()` over the whole model (one rank owning it all)."""
-    clock = step_clock(device)
+    clock = step_clock(device, workers)
     state.step()  # warm-up: first step allocates nothing (state is preallocated) but warms caches
     samples = []
     for _ in range(repeats):
@@ -187,9 +252,12 @@ def time_optimizer_step(state: FlatShardedState, repeats: int, device: torch.dev
 def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                   micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, recompute: str = "none",
                   repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, device: str | None = None,
-                  progress: Progress | None = None, store_dir: str | None = None, save: bool = True) -> StepProfile:
+                  progress: Progress | None = None, store_dir: str | None = None, save: bool = True,
+                  workers: int = 1) -> StepProfile:
     """Measure the step profile of `model` on a local device and (by default) save it to the store.
 
+    `workers`: how many local CPU workers will train at once on this machine; > 1 times under
+    that many concurrent processes, by wall time (module docstring). Ignored on a GPU.
     `progress(fraction, message)` is called as the work advances (fraction in [0, 1])."""
     spec = get_model(model) if isinstance(model, str) else model
     progress = progress or _noop
@@ -200,8 +268,11 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
         raise ValueError(f"dtype must be one of {sorted(AUTOCAST)}, got {dtype!r}")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
     run_spec = _model_for(spec, seq)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    workers = workers if dev.type == "cpu" else 1
     device_type, device_name = local_device_type(dev)
 
     progress(0.0, f"counting FLOPs of {spec.name}")
@@ -212,10 +283,13 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
         net = build_model(run_spec, recompute).to(dev)
         num_params = sum(p.numel() for p in net.parameters())
         state = FlatShardedState(net, 0, num_params)
-        times = time_step_sizes(state, net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype],
-                                progress, (0.1, 0.9))
-        progress(0.9, "timing the optimizer step")
-        opt_s = time_optimizer_step(state, repeats, dev)
+        if workers > 1:
+            progress(0.08, f"starting {workers - 1} concurrent companion worker(s)")
+        with concurrent_workers(dev, workers, run_spec, seq, sizes, recompute, dtype):
+            times = time_step_sizes(state, net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype],
+                                    progress, (0.1, 0.9), workers)
+            progress(0.9, "timing the optimizer step")
+            opt_s = time_optimizer_step(state, repeats, dev, workers)
     medians = [statistics.median(times[m]) for m in sizes]
     # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
     alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
@@ -226,7 +300,7 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     threads = "1 torch thread" if dev.type == "cpu" else str(dev)
     profile = StepProfile(
         device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / num_params, r2, True,
-        f"measured on {host} ({device_name}, {threads}) at {now}: {clock_name(dev)}, medians of {repeats} at "
+        f"measured on {host} ({device_name}, {threads}) at {now}: {clock_name(dev, workers)}, medians of {repeats} at "
         f"m={sizes}, R²={r2:.3f}",
         flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,
         now, num_matmul_params=spec.matmul_params())

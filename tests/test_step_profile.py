@@ -1,4 +1,5 @@
 """Step-time profiles measured on this machine's CPU with the executor's code path."""
+import contextlib
 import statistics
 import time
 
@@ -85,6 +86,34 @@ def test_threads_are_restored_and_bad_input_is_rejected():
         profile_local("tiny", 128, dtype="int8", save=False)
     with pytest.raises(ValueError, match="unknown model"):
         profile_local("nope", 128, save=False)
+
+
+def test_concurrent_workers_time_under_a_running_companion(data_dir):
+    """workers=2: a companion process computes while every timing round runs (seen from the
+    progress callback), the clock is wall time, and the companion is gone afterwards."""
+    import psutil
+
+    def companions():  # spawned multiprocessing children (not its resource tracker)
+        out = []
+        for c in psutil.Process().children():
+            with contextlib.suppress(psutil.Error):
+                if c.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(c.cmdline()):
+                    out.append(c)
+        return out
+
+    alive_during_timing = []
+
+    def progress(fraction, message):
+        if message.startswith("timing round"):
+            alive_during_timing.append(len(companions()))
+
+    p = profile_local("tiny", 32, micro_batches=(1, 2, 3, 4), repeats=2, warmup=1, save=False, workers=2,
+                      progress=progress)
+    assert alive_during_timing and min(alive_during_timing) >= 1, alive_during_timing
+    assert "wall time with 2 concurrent workers" in p.source and p.beta_s > 0
+    assert not companions()
+    with pytest.raises(ValueError, match="workers"):
+        profile_local("tiny", 32, micro_batches=(1, 2, 3, 4), save=False, workers=0)
 
 
 def test_profile_cli_json_and_bad_input(data_dir):

@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="micro-batch sizes to time (at least 4; default 4,8,16,32)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per size (median; default 5)")
     p.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="local CPU workers that will train at once on this machine: time with that many "
+                        "concurrent processes, by wall time (default 1: one process, thread CPU time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-save", action="store_true", help="do not write the profile store")
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("%3.0f%% %s", 100 * fraction, message)
 
     p = profile_local(args.model, args.seq, args.dtype, args.micro_batches, args.recompute, repeats=args.repeats,
-                      device=args.device, progress=progress, save=not args.no_save)
+                      device=args.device, progress=progress, save=not args.no_save, workers=args.workers)
     path = None if args.no_save else step_profile_path(p.device_type, p.model, p.seq, p.dtype, p.recompute)
     if args.json:
         out = p.to_dict()
