@@ -124,9 +124,18 @@ def profile_machine(model: str, seq: int, dtype: str = "fp32", collectives: bool
                     progress: Progress | None = None, store_dir: str | None = None) -> tuple[DeviceBench, StepProfile]:
     """What the dashboard's "Profile now" does: the micro-benchmarks (collectives only if asked:
     they spawn processes), then the step profile of `model`; both saved to the store.
-    Returns (DeviceBench, StepProfile)."""
+    Returns (DeviceBench, StepProfile).
+
+    On a CPU the step profile runs under as many concurrent workers as the local cluster has
+    `cpu` devices: that is how the executor's ranks share the cores (contention included)."""
     progress = progress or _noop
     bench = run_bench(collective_sizes_bytes=DEFAULT_SIZES_BYTES if collectives else None,
                       progress=lambda f, m: progress(0.4 * f, m), store_dir=store_dir)
-    profile = profile_local(model, seq, dtype, progress=lambda f, m: progress(0.4 + 0.6 * f, m), store_dir=store_dir)
+    workers = 1
+    if not torch.cuda.is_available():  # profile_local picks the GPU when there is one
+        from profiler.inventory import build_local_cluster
+
+        workers = sum(1 for _, d in build_local_cluster().devices() if d.type == "cpu")
+    profile = profile_local(model, seq, dtype, progress=lambda f, m: progress(0.4 + 0.6 * f, m),
+                            store_dir=store_dir, workers=max(1, workers))
     return bench, profile
