@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -74,3 +75,6 @@ def main(prog: str, commands: dict[str, str], argv: Sequence[str] | None = None)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `... | head`: the reader left; no traceback, no second error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

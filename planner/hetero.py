@@ -99,6 +99,10 @@ class ProbeTimeout(Exception):
     """CBC ran out of time before it proved a probe feasible or infeasible."""
 
 
+# two share caps within this relative distance are a tie (float noise of equal step times)
+CAP_TIE_REL = 1e-9
+
+
 def share_cap(cls: ClassTable, c: int, t_s: float, comm_s: float) -> float:
     """The most state one device of `cls` on choice c can hold and still end by t_s:
     min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
@@ -123,7 +127,11 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
             cap = share_cap(cls, c, t_s, comm_s)
             if cap < 0 or (ch.batch == 0 and cap <= 0):
                 continue  # too slow for t_s, or a state-only device that could hold nothing
-            if ch.batch not in best_of_batch or cap > best_of_batch[ch.batch][0]:
+            best = best_of_batch.get(ch.batch)
+            # on a tie (a profile with α = 0 prices m=1 × n=4 like m=4 × n=1) take the larger
+            # micro-batch: every accumulation step has fixed costs the profile may not resolve
+            if best is None or cap > best[0] * (1 + CAP_TIE_REL) or (
+                    cap >= best[0] * (1 - CAP_TIE_REL) and ch.micro_batch > cls.choices[best[1]].micro_batch):
                 best_of_batch[ch.batch] = (cap, c)
         xs = []
         for batch, (cap, c) in sorted(best_of_batch.items()):
