@@ -62,6 +62,16 @@ def test_non_binding_memory_splits_evenly_into_one_micro_batch_each():
     assert [(m, n) for m, n, _ in per_device] == [(2, 1), (2, 1)]
 
 
+
+def test_equal_time_choices_take_the_larger_micro_batch():
+    # α = 0: m=1 × n=4 and m=4 × n=1 predict the same time; fewer accumulation steps win the tie
+    mem = affine_memory(0, 1 * GB, 4 * GB)
+    cost = make_cost([[A, A]], {A: coeffs(A, 0.0, 1.0, 0.0, 100 * GB, mem)})
+    per_device, t = solve(cost, 8)
+    assert t == pytest.approx(4.0)
+    assert [(m, n) for m, n, _ in per_device] == [(4, 1), (4, 1)]
+
+
 def test_binding_memory_limits_the_small_device_to_micro_batch_1_and_a_small_shard():
     # the small device holds m=1 only (1 GB) and f ≤ 0.125 (0.5 GB / 4 GB):
     # options are (A:1, B:3) -> max(2, 4) = 4 and (A:2 as 2×1, B:2) -> max(4, 3) = 4; unconstrained it is 3
