@@ -39,6 +39,17 @@ FLOAT_BYTES = 4
 # ones: their ~0.3 ms is easily doubled by one scheduler hiccup on a shared machine.
 LARGE_TRANSFER_BYTES = 4 * MIB
 SMALL_TRANSFER_BYTES = 256 * KIB
+# A sample times several back-to-back ops (then divides): the ranks leave the barrier before a
+# sample up to a few ms apart on a busy CPU, a skew larger than a small op itself; back to back,
+# as the executor issues them, that skew is paid once per sample, not once per op.
+SMALL_OPS_PER_SAMPLE = 16
+MEDIUM_OPS_PER_SAMPLE = 4
+
+
+def ops_per_sample(size_bytes: int) -> int:
+    if size_bytes <= SMALL_TRANSFER_BYTES:
+        return SMALL_OPS_PER_SAMPLE
+    return MEDIUM_OPS_PER_SAMPLE if size_bytes < LARGE_TRANSFER_BYTES else 1
 
 
 def free_port() -> int:
@@ -68,17 +79,19 @@ def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.
         out = torch.empty(numel, device=device)
     else:
         buf, out = torch.ones(numel, device=device), None
+    per_sample = ops_per_sample(size_bytes)
     samples = []
     for i in range(warmup + repeats):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        _run_op(op, buf, out)
+        for _ in range(per_sample):
+            _run_op(op, buf, out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= warmup:
-            samples.append(time.perf_counter() - t0)
+            samples.append((time.perf_counter() - t0) / per_sample)
     # the slowest rank's time of each repeat
     t = torch.tensor(samples, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

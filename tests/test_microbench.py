@@ -36,7 +36,9 @@ def test_fit_collective_recovers_latency_and_bandwidth():
 
 @pytest.mark.slow
 def test_two_rank_gloo_collectives_run_fit_and_reach_the_store():
-    sizes = (KIB, 16 * KIB, 256 * KIB, 2048 * KIB)
+    # the largest size must be bandwidth-bound: gloo's latency on a busy 2-core machine is ~1 ms,
+    # about what 2 MiB takes, so 8 MiB (~7 ms at ~1.2 GB/s)
+    sizes = (KIB, 16 * KIB, 256 * KIB, 8192 * KIB)
     bench = run_bench("cpu", dtypes=("fp32",), sizes=(64,), copy_bytes=8 * 2**20, collective_sizes_bytes=sizes)
     prof = bench.collectives
     assert prof.backend == "gloo" and prof.world_size == 2 and prof.device_type == "cpu"
@@ -44,7 +46,7 @@ def test_two_rank_gloo_collectives_run_fit_and_reach_the_store():
     for f in prof.fits:
         assert f.sizes_bytes == sizes and len(f.times_s) == 4 and all(t > 0 for t in f.times_s)
         assert f.latency_s >= 0 and f.bandwidth_bytes_per_s > 0
-        # moving 2 MiB takes longer than moving 1 KiB, even on a noisy machine
+        # moving 8 MiB takes longer than moving 1 KiB, even on a noisy machine
         assert f.times_s[-1] > f.times_s[0]
     assert get_collective_profile("cpu") == prof  # saved where the planner reads it
     with pytest.raises(ValueError, match="at least 2 ranks"):
