@@ -68,6 +68,9 @@ class MemoryConfig:
 
     micro_batch: int = 1
     seq: int | None = None
+    # micro-batches this GPU runs per optimizer step; at zero >= 2 the runtime keeps every
+    # micro-batch's unit-boundary activations (layer-wise accumulation, planner/units.py)
+    accum_steps: int = 1
     dtype: str = "fp32"  # fp32, or bf16/fp16 autocast with fp32 master weights
     recompute: str = "none"  # "full": torch.utils.checkpoint around every block
     dp: int = 1
@@ -82,6 +85,8 @@ class MemoryConfig:
 
         if not is_int(self.micro_batch) or self.micro_batch < 0:
             raise ValueError(f"micro_batch must be an integer >= 0, got {self.micro_batch!r}")
+        if not is_int(self.accum_steps) or self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}")
         if self.seq is not None and (not is_int(self.seq) or self.seq < 1):
             raise ValueError(f"seq must be a positive integer, got {self.seq!r}")
         if self.dtype not in DTYPES:
