@@ -1,0 +1,290 @@
+"""The optimizer of the sharded runtime: AdamW, the LR schedule, clipping and loss scaling on flat shards.
+
+The sharded runtime (models/sharded.py) keeps, per model unit, a 1-D fp32 master-parameter shard,
+its gradient shard and the AdamW moments of that shard; nothing here sees an nn.Module or a
+process group. What a rank does per optimizer step, in order:
+
+    norm_sq = global_grad_norm_sq(grad_shards)          # local, fp64; the runtime all-reduces it
+    found_inf = not isfinite(norm_sq)                     # an inf/nan anywhere makes the sum inf/nan
+    scaler.update(found_inf); skip the step if found_inf  # fp16 only; the scale is 1.0 otherwise
+    total_norm = sqrt(norm_sq) / scale_used               # the norm of the unscaled gradient
+    g *= clip_coefficient(total_norm, cfg.max_grad_norm) / scale_used   # unscale and clip in one pass
+    adamw_step_(p, g, m, v, step, lr_at(step, total_steps, cfg), cfg, decay_ranges(...))
+
+(`scale_used` is the scale the backward ran with, read before `update`.) Training recipe defaults
+(betas 0.9/0.95, weight decay 0.1 on matrices only, clipping at 1.0, cosine to 10 % of the peak)
+are those of GPT-3 (Brown et al. 2020, appendix B.1) and Llama 2 (Touvron et al. 2023, §2.2).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# Elements the optimizer step and the norm walk at a time; planner/memory.py counts the
+# temporaries of one chunk (see adamw_step_ and global_grad_norm_sq).
+STEP_CHUNK_NUMEL = 1 << 24
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (no division by zero)
+CLIP_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate (after warmup)
+    betas: tuple[float, float] = (0.9, 0.95)  # GPT-3 / Llama: 0.95, not 0.999, for stability at scale
+    eps: float = 1e-8  # torch.optim.AdamW's default
+    weight_decay: float = 0.1  # decoupled (AdamW), matrices and embeddings only: see decay_ranges
+    max_grad_norm: float | None = 1.0  # clip by the global norm over all shards; None = no clipping
+    warmup_steps: int = 0  # linear warmup; the runtime's callers pick a default from the run length
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio at the last step
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"OptimConfig.lr must be a finite number > 0, got {self.lr!r}")
+        betas = self.betas
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"OptimConfig.betas must be two numbers in [0, 1), got {betas!r}")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))  # a JSON list -> tuple
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"OptimConfig.eps must be a finite number > 0, got {self.eps!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay)
+                and self.weight_decay >= 0):
+            raise ValueError(f"OptimConfig.weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm is not None and not (
+                isinstance(self.max_grad_norm, (int, float)) and math.isfinite(self.max_grad_norm)
+                and self.max_grad_norm > 0):
+            raise ValueError(f"OptimConfig.max_grad_norm must be None or a finite number > 0, "
+                             f"got {self.max_grad_norm!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0):
+            raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> OptimConfig:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"OptimConfig: unknown field(s) {sorted(unknown)}")
+        return cls(**d)
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """The learning rate of optimizer step `step` (counted from 1) of a `total_steps`-step run.
+
+    Linear warmup (Goyal et al. 2017, "Accurate, Large Minibatch SGD", §2.2), then half a cosine
+    (Loshchilov & Hutter 2017, SGDR, eq. 5, one cycle without restarts), as GPT-3 and Llama train:
+        step <= W:          lr · step / W
+        W < step <= T:      lr_min + (lr - lr_min) · ½ · (1 + cos(π · (step - W) / (T - W)))
+        step >= T:          lr_min                    (exactly, and constant beyond T)
+    with W = cfg.warmup_steps, T = total_steps, lr_min = lr · cfg.min_lr_ratio.
+    When T <= W the warmup is never cut short: the cosine phase is empty, the ramp reaches lr at
+    step W (so step T == W gets lr, not lr_min) and every step after W gets lr_min.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"lr_at: step counts from 1, got {step!r}")
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"lr_at: total_steps must be an integer >= 1, got {total_steps!r}")
+    warmup = cfg.warmup_steps
+    lr_min = cfg.lr * cfg.min_lr_ratio
+    if step <= warmup:
+        return cfg.lr * step / warmup
+    if step >= total_steps:
+        return lr_min
+    progress = (step - warmup) / (total_steps - warmup)  # in (0, 1)
+    return lr_min + (cfg.lr - lr_min) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def decay_ranges(param_shapes: Sequence[tuple[int, ...]], start: int, end: int) -> list[tuple[int, int]]:
+    """The [a, b) ranges of the shard flat[start:end] that weight decay applies to, in shard
+    coordinates (0 .. end - start), adjacent ranges merged.
+
+    `param_shapes` are one unit's parameters in the order they lie back to back in the flat
+    buffer. Parameters with ndim >= 2 (linear weights, embeddings) decay; ndim <= 1 (norm weights,
+    biases, gains) do not, as in GPT-3 / nanoGPT's optimizer groups.
+    """
+    numels = [math.prod(shape) for shape in param_shapes]
+    total = sum(numels)
+    if not (0 <= start <= end <= total):
+        raise ValueError(f"decay_ranges: need 0 <= start <= end <= {total} (the unit's numel), "
+                         f"got start={start}, end={end}")
+    ranges: list[tuple[int, int]] = []
+    offset = 0
+    for shape, numel in zip(param_shapes, numels):
+        a, b = max(offset, start), min(offset + numel, end)
+        offset += numel
+        if len(shape) < 2 or a >= b:
+            continue
+        a, b = a - start, b - start
+        if ranges and ranges[-1][1] == a:
+            ranges[-1] = (ranges[-1][0], b)
+        else:
+            ranges.append((a, b))
+    return ranges
+
+
+@torch.no_grad()
+def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
+                cfg: OptimConfig, decay: Sequence[tuple[int, int]], chunk_numel: int = STEP_CHUNK_NUMEL) -> None:
+    """One AdamW update of a flat shard, in place: the math of torch.optim.AdamW(foreach=False,
+    fused=False, capturable=False, amsgrad=False, maximize=False), torch/optim/adam.py
+    `_single_tensor_adam`, operation by operation:
+
+        param[decay] *= 1 - lr · wd                       (decoupled decay, decay ranges only)
+        exp_avg.lerp_(grad, 1 - β1)
+        exp_avg_sq.mul_(β2).addcmul_(grad, grad, value=1 - β2)
+        denom = sqrt(exp_avg_sq) / sqrt(1 - β2^step) + eps
+        param.addcdiv_(exp_avg, denom, value=-lr / (1 - β1^step))
+
+    `step` is the step number after the increment (1 for the first update); the bias corrections
+    are computed in Python floats from it, as torch does from its step tensor's value.
+
+    Temporaries: ONE fp32 buffer of min(len(param), chunk_numel) elements, allocated once and
+    reused for every chunk (it holds sqrt(v), then denom, in place), i.e. 4·min(n, chunk_numel)
+    bytes; no step tensor either. torch's own step makes two per tensor (sqrt(v) and
+    sqrt(v) / c, alive together); sqrt(out=), div_ and add_ run the same kernels on the same
+    values, so the result does not change.
+    """
+    n = param.numel()
+    for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dim() != 1 or t.numel() != n or t.dtype != torch.float32:
+            raise ValueError(f"adamw_step_: {name} must be a 1-D fp32 tensor of {n} elements, "
+                             f"got shape {tuple(t.shape)} {t.dtype}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"adamw_step_: step counts from 1 (after the increment), got {step!r}")
+    if chunk_numel < 1:
+        raise ValueError(f"adamw_step_: chunk_numel must be >= 1, got {chunk_numel}")
+    if any(not (0 <= a < b <= n) for a, b in decay):
+        raise ValueError(f"adamw_step_: decay ranges must lie in [0, {n}), got {list(decay)}")
+    if n == 0:
+        return
+    beta1, beta2 = cfg.betas
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2 ** 0.5
+    decay_factor = 1 - lr * cfg.weight_decay
+    buf = torch.empty(min(n, chunk_numel), dtype=torch.float32, device=param.device)  # (chunk,) fp32
+
+    for lo in range(0, n, chunk_numel):
+        hi = min(lo + chunk_numel, n)
+        p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]  # views
+        if cfg.weight_decay != 0:  # torch skips the multiply when wd == 0
+            for a, b in decay:
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    param[a:b].mul_(decay_factor)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = buf[: hi - lo]
+        torch.sqrt(v, out=denom)
+        denom.div_(bias_correction2_sqrt).add_(cfg.eps)
+        p.addcdiv_(m, denom, value=-step_size)
+
+
+def global_grad_norm_sq(shards: Iterable[Tensor], chunk_numel: int = STEP_CHUNK_NUMEL) -> Tensor:
+    """The sum of squares of every element of `shards`, a 0-d fp64 tensor on the shards' device
+    (CPU when there are none). Local only: the runtime all-reduces (SUM) it across ranks, then the
+    global norm is its square root. Non-finite if any gradient element is inf or nan, so the same
+    number answers the fp16 loss scaler's "found inf".
+
+    Temporaries: one fp64 copy of a chunk at a time, 8·min(len(shard), chunk_numel) bytes.
+    """
+    total: Tensor | None = None
+    for shard in shards:
+        flat = shard.reshape(-1)
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for lo in range(0, flat.numel(), chunk_numel):
+            c = flat[lo:lo + chunk_numel].to(torch.float64)  # (chunk,) fp64
+            total += torch.dot(c, c)
+            del c
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """The factor torch.nn.utils.clip_grad_norm_ multiplies every gradient by:
+    min(1, max_norm / (total_norm + 1e-6)); 1.0 when clipping is off (max_norm None)."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (float(total_norm) + CLIP_EPS))
+
+
+def _as_fp32(x: float) -> float:
+    """x rounded to fp32 (inf on overflow), as GradScaler stores its scale."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+class DynamicLossScaler:
+    """torch.amp.GradScaler's scale policy (aten `_amp_update_scale_`), for flat shards: fp16
+    training on GPUs without bf16 (V100, T4, P40). The loss is multiplied by `scale` before
+    backward; the runtime unscales the gradient shards itself (module docstring).
+
+    update(found_inf): an inf/nan gradient multiplies the scale by `backoff_factor` and restarts
+    the count of good steps; `growth_interval` good steps in a row multiply it by `growth_factor`
+    (kept only if finite in fp32). The scale is kept in fp32, as GradScaler keeps it.
+    Disabled (bf16 / fp32 training): scale 1.0 and update does nothing.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True) -> None:
+        if not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"DynamicLossScaler: init_scale must be a finite number > 0, got {init_scale!r}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"DynamicLossScaler: growth_factor must be > 1, got {growth_factor!r}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"DynamicLossScaler: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"DynamicLossScaler: growth_interval must be an integer >= 1, got {growth_interval!r}")
+        self.enabled = bool(enabled)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self._scale = _as_fp32(init_scale)
+        self._growth_tracker = 0  # good steps since the last growth or backoff
+
+    @property
+    def scale(self) -> float:
+        return self._scale if self.enabled else 1.0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self._scale = _as_fp32(self._scale * self.backoff_factor)
+            self._growth_tracker = 0
+            log.info("loss scale backed off to %g (inf/nan gradient, step skipped)", self._scale)
+            return
+        self._growth_tracker += 1
+        if self._growth_tracker == self.growth_interval:
+            grown = _as_fp32(self._scale * self.growth_factor)
+            if math.isfinite(grown):
+                self._scale = grown
+            self._growth_tracker = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "enabled": self.enabled}
+
+    def load_state_dict(self, d: dict) -> None:
+        missing = {"scale", "growth_tracker"} - set(d)
+        if missing:
+            raise ValueError(f"DynamicLossScaler.load_state_dict: missing {sorted(missing)}")
+        self._scale = _as_fp32(float(d["scale"]))
+        self._growth_tracker = int(d["growth_tracker"])
+        self.growth_factor = float(d.get("growth_factor", self.growth_factor))
+        self.backoff_factor = float(d.get("backoff_factor", self.backoff_factor))
+        self.growth_interval = int(d.get("growth_interval", self.growth_interval))
+        self.enabled = bool(d.get("enabled", self.enabled))
