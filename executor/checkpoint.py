@@ -1,31 +1,82 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): `<run_dir>/checkpoints/step_NNNNNN/`.
+"""Logical, reshardable checkpoints: `<run_dir>/checkpoints/step_NNNNNN/`.
 
-What a checkpoint holds: the flat fp32 parameters (the same on every rank after the
-broadcast, so DCP writes them once) and each rank's AdamW slice under its own key
-(`optim_<plan position>`: bounds, step count, exp_avg, exp_avg_sq). The data order needs
-no state: the global sampler is a function of (seed, step). So a resumed run repeats
-exactly the steps it would have taken. `latest.json` names the newest complete
-checkpoint; rank 0 writes it (atomically) only after every rank's save returned.
-Resuming needs the same plan (model, global batch, shard fractions): the slices must match.
+What a checkpoint holds is the *logical* training state, not one plan's layout: for every
+model unit (planner/units.py: "embed", "block.0" .. "head") the whole flat fp32 master
+parameter and its AdamW moments, stored as the slices the saving ranks happened to own.
+Loading fills each rank's *new* slice [start, end) from whichever old slices overlap it, so
+`--resume` works on a plan with other devices, other shard fractions or another ZeRO stage
+(a GPU was added or died). Only what changes the trajectory's meaning is refused: another
+model (unit names or sizes), another sequence length or global batch (the data order, a
+function of (seed, step, global batch, seq), depends on them).
+
+Files of one checkpoint, one pair per plan position p (the saving rank):
+    shard_<p>.bin    raw little-endian fp32: for each unit in order, master, exp_avg,
+                     exp_avg_sq of the slice, back to back (no pickle: a reader memory-maps
+                     the file and copies only the byte ranges it needs)
+    meta_<p>.json    the slice bounds and byte offsets per unit, the runtime's scalar state
+                     (optimizer step, loss scale, ...), the step; written after the .bin is
+                     complete and fsynced, so its presence means the shard is whole
+and, in `<run_dir>/checkpoints/`, `latest.json`, which position 0 replaces atomically only
+after every position's meta is in place (a barrier when torch.distributed is initialized).
+A run that dies mid-save leaves a step folder that latest.json never names.
+
+Memory: saving writes each slice straight from its tensor (a GPU tensor is copied to the host
+one at a time); loading memory-maps the old shards and copies the overlapping ranges into the
+runtime's tensors in place, so no rank ever holds another rank's file, nor its own twice.
+Scalar state is replicated across ranks (one optimizer step count, one loss scale), so a
+load takes old position 0's.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from planner.plan import Plan
+from planner.specs import get_model
+from planner.units import runtime_units
 
 log = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest.json"
+FORMAT = "gpumix-logical-1"  # latest.json's "format": DCP checkpoints of older versions have none
+FIELDS = ("master", "exp_avg", "exp_avg_sq")  # per unit, in this order in shard_<p>.bin
+DTYPE = np.dtype("<f4")  # fp32 masters and moments, little-endian on disk whatever the host
+
+
+def shard_path(ckpt_path: str, position: int) -> str:
+    return os.path.join(ckpt_path, f"shard_{position}.bin")
+
+
+def meta_path(ckpt_path: str, position: int) -> str:
+    return os.path.join(ckpt_path, f"meta_{position}.json")
+
+
+def plan_units(plan: Plan) -> dict[str, int]:
+    """{unit name: numel} of the plan's model, in forward order."""
+    return {u.name: u.numel for u in runtime_units(get_model(plan.model))}
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """A short hash of the layout a checkpoint was saved under (devices, fractions, stage): it
+    tells a resharding resume from a same-plan one in the logs; it never refuses a resume."""
+    layout = {"devices": [a.type for a in plan.used], "shard_fractions": [a.shard_fraction for a in plan.used],
+              "zero": plan.zero, "dtype": plan.dtype}
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def checkpoint_meta(plan: Plan, step: int, path: str) -> dict[str, Any]:
-    return {"step": step, "path": path, "model": plan.model, "global_batch": plan.global_batch, "seq": plan.seq,
-            "shard_fractions": [a.shard_fraction for a in plan.used]}
+    """What latest.json says about the checkpoint of `step` saved under `plan` at `path`."""
+    return {"format": FORMAT, "step": step, "path": path, "model": plan.model, "global_batch": plan.global_batch,
+            "seq": plan.seq, "num_positions": len(plan.used), "units": plan_units(plan),
+            "shard_fractions": [a.shard_fraction for a in plan.used], "zero": plan.zero,
+            "plan_fingerprint": plan_fingerprint(plan)}
 
 
 def latest(run_dir: str) -> dict[str, Any] | None:
@@ -37,54 +88,226 @@ def latest(run_dir: str) -> dict[str, Any] | None:
         return None
 
 
-def check_resumable(run_dir: str, plan: Plan) -> dict[str, Any]:
-    """The checkpoint to resume from; ValueError when there is none or it belongs to another plan."""
+def _require_latest(run_dir: str) -> dict[str, Any]:
     meta = latest(run_dir)
     if meta is None:
         raise ValueError(f"cannot resume: no checkpoint in {os.path.join(run_dir, CKPT_DIR)}")
-    want = checkpoint_meta(plan, meta["step"], meta["path"])
-    for key in ("model", "global_batch", "seq", "shard_fractions"):
-        if meta.get(key) != want[key]:
-            raise ValueError(f"cannot resume: the checkpoint's {key} {meta.get(key)!r} differs from the plan's "
-                             f"{want[key]!r}")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"cannot resume: the checkpoint's format {meta.get('format')!r} is not {FORMAT!r} "
+                         f"(written by an older GPUMix)")
     return meta
 
 
-def _state_dict(state: Any, position: int) -> dict[str, Any]:
-    optim: dict[str, Any] = {"start": state.start, "end": state.end, "step": state.step_count}
-    if state.end > state.start:  # an empty slice has no tensors to save
-        optim["exp_avg"], optim["exp_avg_sq"] = state.exp_avg, state.exp_avg_sq
-    return {"flat_params": state.flat_params, f"optim_{position}": optim}
+def _units_mismatch(saved: dict[str, int], want: dict[str, int]) -> str | None:
+    """One phrase naming the first difference between two unit layouts, or None."""
+    if list(saved) != list(want):
+        extra, missing = sorted(set(saved) - set(want)), sorted(set(want) - set(saved))
+        return f"units {len(saved)} vs {len(want)} (checkpoint only: {extra or '-'}, plan only: {missing or '-'})"
+    for name, numel in saved.items():
+        if numel != want[name]:
+            return f"unit {name!r} has {numel} parameters in the checkpoint, {want[name]} in the plan"
+    return None
 
 
-def save(run_dir: str, state: Any, position: int, step: int, plan: Plan) -> str:
+def check_resumable(run_dir: str, plan: Plan) -> dict[str, Any]:
+    """The checkpoint to resume `plan` from; ValueError (one line, naming the key and both values)
+    when there is none or it cannot continue under this plan. Other devices, shard fractions or
+    ZeRO stage are fine: load() reshards."""
+    meta = _require_latest(run_dir)
+    for key, want in (("global_batch", plan.global_batch), ("seq", plan.seq)):
+        if meta.get(key) != want:
+            raise ValueError(f"cannot resume: the checkpoint's {key} {meta.get(key)!r} differs from the plan's "
+                             f"{want!r} (the data order depends on it)")
+    diff = _units_mismatch(meta["units"], plan_units(plan))
+    if diff is not None:
+        raise ValueError(f"cannot resume: the checkpoint's model {meta.get('model')!r} differs from the plan's "
+                         f"{plan.model!r}: {diff}")
+    if meta.get("plan_fingerprint") != plan_fingerprint(plan):
+        log.info("resuming step %d on another layout: %d positions %s -> %d positions %s (resharding)",
+                 meta["step"], meta["num_positions"], meta.get("shard_fractions"), len(plan.used),
+                 [a.shard_fraction for a in plan.used])
+    return meta
+
+
+# ---- save --------------------------------------------------------------------------------
+
+
+def _write_atomic_json(path: str, doc: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _host_array(t: Any) -> np.ndarray:
+    """The tensor's values as a contiguous little-endian fp32 array (no copy for a CPU fp32 tensor)."""
+    arr = t.detach().to("cpu").contiguous().numpy()
+    return np.ascontiguousarray(arr, dtype=DTYPE)
+
+
+def _write_shard(ckpt_path: str, runtime: Any, position: int) -> list[dict[str, Any]]:
+    """shard_<p>.bin, fsynced; returns the per-unit bounds and byte offsets for the meta."""
+    units, offset = [], 0
+    tmp = f"{shard_path(ckpt_path, position)}.tmp"
+    with open(tmp, "wb") as fh:
+        for u in runtime.units:
+            if not 0 <= u.start <= u.end <= u.numel:
+                raise ValueError(f"unit {u.name!r}: slice [{u.start}, {u.end}) is not inside [0, {u.numel})")
+            entry: dict[str, Any] = {"name": u.name, "numel": u.numel, "start": u.start, "end": u.end, "offsets": {}}
+            for field in FIELDS:
+                arr = _host_array(getattr(u, field))
+                if arr.shape != (u.end - u.start,):
+                    raise ValueError(f"unit {u.name!r}: {field} has shape {tuple(arr.shape)}, the slice "
+                                     f"[{u.start}, {u.end}) needs ({u.end - u.start},)")
+                entry["offsets"][field] = offset
+                arr.tofile(fh)
+                offset += arr.nbytes
+            units.append(entry)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, shard_path(ckpt_path, position))
+    return units
+
+
+def _distributed() -> bool:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    path = os.path.join(os.path.abspath(run_dir), CKPT_DIR, f"step_{step:06d}")
-    dcp.save(_state_dict(state, position), checkpoint_id=path)
-    if dist.get_rank() == 0:
-        tmp = os.path.join(run_dir, CKPT_DIR, f"{LATEST}.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(checkpoint_meta(plan, step, path), fh)
-        os.replace(tmp, os.path.join(run_dir, CKPT_DIR, LATEST))
-    dist.barrier()  # nobody goes on (and maybe dies) before latest.json names this checkpoint
-    log.info("checkpoint of step %d saved to %s", step, path)
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _complete(ckpt_path: str, step: int, num_positions: int, fingerprint: str) -> list[int]:
+    """Positions whose meta for this save is missing (empty: the checkpoint is whole)."""
+    missing = []
+    for q in range(num_positions):
+        try:
+            with open(meta_path(ckpt_path, q), encoding="utf-8") as fh:
+                m = json.load(fh)
+        except (OSError, json.JSONDecodeError):
+            missing.append(q)
+            continue
+        if (m.get("step"), m.get("num_positions"), m.get("plan_fingerprint")) != (step, num_positions, fingerprint):
+            missing.append(q)  # a stale file of another attempt at this step
+    return missing
+
+
+def save(run_dir: str, runtime: Any, position: int, step: int, plan: Plan) -> str:
+    """Write this position's shard and meta for `step`; collective (every rank calls it). Position 0
+    names the checkpoint in latest.json once every position's files are complete. Without
+    torch.distributed (one process saving for several positions, as tests do) whichever call
+    completes the set writes latest.json. Returns the checkpoint folder."""
+    run_dir = os.path.abspath(run_dir)
+    path = os.path.join(run_dir, CKPT_DIR, f"step_{step:06d}")
+    os.makedirs(path, exist_ok=True)
+    meta = checkpoint_meta(plan, step, path)
+    units = _write_shard(path, runtime, position)
+    _write_atomic_json(meta_path(path, position), {
+        "step": step, "position": position, "num_positions": meta["num_positions"],
+        "plan_fingerprint": meta["plan_fingerprint"], "dtype": DTYPE.str, "units": units,
+        "scalar_state": runtime.scalar_state()})
+    _barrier()  # every rank's meta is on disk before position 0 looks
+    distributed = _distributed()
+    if position == 0 or not distributed:
+        missing = _complete(path, step, meta["num_positions"], meta["plan_fingerprint"])
+        if not missing:
+            _write_atomic_json(os.path.join(run_dir, CKPT_DIR, LATEST), meta)
+            log.info("checkpoint of step %d saved to %s", step, path)
+        elif distributed:
+            raise RuntimeError(f"checkpoint of step {step}: positions {missing} wrote no complete meta in {path}")
+    _barrier()  # nobody goes on (and maybe dies) before latest.json names this checkpoint
     return path
 
 
-def load(run_dir: str, state: Any, position: int) -> int:
-    """Load the newest checkpoint into `state` in place; return its step."""
-    import torch
-    import torch.distributed.checkpoint as dcp
+# ---- load --------------------------------------------------------------------------------
 
-    meta = latest(run_dir)
-    if meta is None:
-        raise ValueError(f"cannot resume: no checkpoint in {os.path.join(run_dir, CKPT_DIR)}")
-    sd = _state_dict(state, position)
-    dcp.load(sd, checkpoint_id=meta["path"])
-    optim = sd[f"optim_{position}"]
-    if "exp_avg" not in optim:
-        optim["exp_avg"] = optim["exp_avg_sq"] = torch.zeros(0)
-    state.load_state_dict(optim)
+
+@dataclass(frozen=True)
+class _Slice:
+    unit: str
+    position: int
+    start: int
+    end: int
+    offsets: dict[str, int]
+
+
+class _ShardReader:
+    """The old shards, memory-mapped on first use: a position whose slices overlap none of this
+    rank's is never opened. `read` returns a view of the mapped file (no bytes read yet)."""
+
+    def __init__(self, ckpt_path: str) -> None:
+        self.ckpt_path = ckpt_path
+        self._maps: dict[int, np.memmap] = {}
+
+    def read(self, s: _Slice, field: str, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of the unit (global indices, inside the old slice s) of `field`."""
+        mm = self._maps.get(s.position)
+        if mm is None:
+            # mode "c" (copy-on-write): a writable view for torch.from_numpy; the file never changes
+            mm = self._maps[s.position] = np.memmap(shard_path(self.ckpt_path, s.position), dtype=DTYPE, mode="c")
+        first = s.offsets[field] // DTYPE.itemsize + (lo - s.start)
+        return mm[first:first + (hi - lo)]
+
+
+def _old_layout(ckpt_path: str, num_positions: int) -> tuple[dict[str, list[_Slice]], dict[str, Any]]:
+    """{unit: old slices sorted by start}, checked to tile [0, numel); and old position 0's scalar state."""
+    slices: dict[str, list[_Slice]] = {}
+    numels: dict[str, int] = {}
+    scalar: dict[str, Any] = {}
+    for q in range(num_positions):
+        with open(meta_path(ckpt_path, q), encoding="utf-8") as fh:
+            m = json.load(fh)
+        if q == 0:
+            scalar = m["scalar_state"]
+        for u in m["units"]:
+            numels[u["name"]] = u["numel"]
+            slices.setdefault(u["name"], []).append(_Slice(u["name"], q, u["start"], u["end"], u["offsets"]))
+    for name, parts in slices.items():
+        parts.sort(key=lambda s: s.start)
+        edge = 0
+        for s in parts:
+            if s.start != edge:
+                raise ValueError(f"checkpoint {ckpt_path}: unit {name!r} slices do not tile [0, {numels[name]}) "
+                                 f"(position {s.position} starts at {s.start}, expected {edge})")
+            edge = s.end
+        if edge != numels[name]:
+            raise ValueError(f"checkpoint {ckpt_path}: unit {name!r} slices end at {edge}, not {numels[name]}")
+    return slices, scalar
+
+
+def load(run_dir: str, runtime: Any, position: int) -> int:
+    """Fill `runtime`'s slices (in place) from the newest checkpoint, whatever plan saved it; load
+    its scalar state; call runtime.after_load() (collective); return the checkpoint's step."""
+    import torch
+
+    meta = _require_latest(run_dir)
+    path = os.path.join(os.path.abspath(run_dir), CKPT_DIR, os.path.basename(meta["path"]))
+    if not os.path.isdir(path):  # a run folder that was moved keeps its step folders beside latest.json
+        path = meta["path"]
+    diff = _units_mismatch(meta["units"], {u.name: u.numel for u in runtime.units})
+    if diff is not None:
+        raise ValueError(f"cannot load {path} into this model: {diff}")
+    slices, scalar = _old_layout(path, int(meta["num_positions"]))
+    reader = _ShardReader(path)
+    for u in runtime.units:
+        for s in slices[u.name]:
+            lo, hi = max(s.start, u.start), min(s.end, u.end)
+            if lo >= hi:
+                continue
+            for field in FIELDS:
+                dest = getattr(u, field)
+                src = torch.from_numpy(reader.read(s, field, lo, hi))
+                with torch.no_grad():
+                    dest[lo - u.start:hi - u.start].copy_(src)
+    runtime.load_scalar_state(scalar)
+    runtime.after_load()
+    log.info("position %d loaded the checkpoint of step %d from %s (%d old positions)", position, meta["step"],
+             path, meta["num_positions"])
     return int(meta["step"])
