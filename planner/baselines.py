@@ -5,16 +5,18 @@
 - `proportional`: batch proportional to each device's speed (1/β), shards even.
 - `best_homogeneous`: the best single-type subset of the cluster, run evenly.
 Each device runs its batch as the largest power-of-two micro-batch that divides it and fits
-(fewer, larger micro-batches amortize α). `evaluate_plan` re-prices a given plan.
+(fewer, larger micro-batches amortize α). All are priced at the cost model's ZeRO stage (the
+plan's). `evaluate_plan` re-prices a given plan at its own stage.
 """
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from typing import Sequence
 
 from planner.cluster import DeviceSpec
-from planner.cost import MAX_MICRO_BATCH, CostModel, max_share_fitting
+from planner.cost import MAX_MICRO_BATCH, CostModel
 from planner.plan import BaselineResult, Plan
 
 log = logging.getLogger(__name__)
@@ -25,10 +27,10 @@ def fastest_fitting_split(cost: CostModel, device: DeviceSpec, batch: int, share
     dividing it that fits with `share` of the state; (0, 0) for no batch; None if nothing fits."""
     c = cost.coeffs[device]
     if batch == 0:
-        return (0, 0) if c.memory_bytes(0, share) <= c.capacity_bytes else None
+        return (0, 0) if c.memory_bytes(0, 0, share) <= c.capacity_bytes else None
     m = 1 << (min(batch, MAX_MICRO_BATCH).bit_length() - 1)
     while m >= 1:
-        if batch % m == 0 and c.memory_bytes(m, share) <= c.capacity_bytes:
+        if batch % m == 0 and c.memory_bytes(m, batch // m, share) <= c.capacity_bytes:
             return m, batch // m
         m //= 2
     return None
@@ -96,13 +98,12 @@ def estimate_memory_aware(cost: CostModel, global_batch: int) -> BaselineResult:
     devices = cost.cluster.devices()
     rooms = []
     for _, d in devices:
-        c = cost.coeffs[d]
-        room = max_share_fitting(c.memory_fn, 1, c.capacity_bytes)
-        rooms.append(max(room if room >= 0 else max_share_fitting(c.memory_fn, 0, c.capacity_bytes), 0.0))
+        room = cost.max_share(d, 1, 1)
+        rooms.append(max(room if room >= 0 else cost.max_share(d, 0, 0), 0.0))
     if sum(rooms) < 1.0:
         return BaselineResult(None, True, "memory-aware: the state does not fit")
     shares = [r / sum(rooms) for r in rooms]
-    speeds = [cost.coeffs[d].speed_samples_per_s if cost.coeffs[d].memory_bytes(1, f) <= cost.coeffs[d].capacity_bytes
+    speeds = [cost.coeffs[d].speed_samples_per_s if cost.coeffs[d].memory_bytes(1, 1, f) <= cost.coeffs[d].capacity_bytes
               else 0.0 for (_, d), f in zip(devices, shares)]
     if sum(speeds) <= 0:
         return BaselineResult(None, True, "memory-aware: no device holds a micro-batch of 1")
@@ -119,19 +120,27 @@ def estimate_baselines(cost: CostModel, global_batch: int) -> dict[str, Baseline
 
 def evaluate_plan(plan: Plan, headroom: float = 0.9, profiles_dir: str | None = None) -> Plan:
     """The same plan with its predictions (memory, step and iteration time, baselines) recomputed
-    by the current cost model; a note for each device predicted over capacity × headroom."""
+    by the current cost model at the plan's own ZeRO stage; a note for each device predicted over
+    capacity × headroom. The other stages' figures from the solve are kept as they were."""
     from planner.hetero import build_plan, plan_notes
+    from planner.plan import ZeroCandidate
     from planner.specs import get_model, with_max_seq
 
     spec = with_max_seq(get_model(plan.model), plan.seq)
-    cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, headroom, profiles_dir)
+    cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, headroom, profiles_dir,
+                           zero=plan.zero)
     per_device = [(a.micro_batch, a.accum_steps, a.shard_fraction) for a in plan.assignments]
     notes = plan_notes(cost, plan.dtype)
+    fits = True
     for a in plan.assignments:
         dev = plan.cluster.devices()[a.device_index][1]
         cap = cost.coeffs[dev].capacity_bytes
-        if a.used and cost.estimate_memory_bytes(dev, a.micro_batch, a.shard_fraction) > cap:
+        if a.used and cost.estimate_memory_bytes(dev, a.micro_batch, a.accum_steps, a.shard_fraction) > cap:
+            fits = False
             notes.append(f"device {a.device_index} ({dev.label}) is predicted over its memory "
                          f"capacity × headroom {headroom:g}")
-    return build_plan(cost, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute, per_device,
-                      notes, plan.solve_s, estimate_baselines(cost, plan.global_batch))
+    evaluated = build_plan(cost, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute, per_device,
+                           notes, plan.solve_s, estimate_baselines(cost, plan.global_batch))
+    candidates = dict(plan.zero_candidates)
+    candidates[plan.zero] = ZeroCandidate(evaluated.predicted_iteration_s, fits, "re-evaluated")
+    return replace(evaluated, zero_candidates=candidates)

@@ -1,20 +1,27 @@
 """The planner's cost model: time and memory of one device, and the coefficient tables the ILP consumes.
 
-What one optimizer step costs on the executor's runtime (models/runtime.py):
+What one optimizer step costs on the executor's sharded runtime (models/sharded.py) at ZeRO stage z:
 - compute: `n` micro-batches of `m` samples, each `α + β·m` seconds (the device type's
-  StepProfile, planner/profiles.py), times the device's emulated `slowdown`;
+  StepProfile, planner/profiles.py), times the device's emulated `slowdown`. At z ≥ 2 with n > 1
+  the runtime accumulates layer by layer (planner/units.py): it keeps only each micro-batch's unit
+  boundaries and recomputes every unit's forward in its backward, so such a choice is priced with
+  the type's recompute="full" profile; n = 1, and every choice at z = 1, with the plan's recompute;
 - optimizer: AdamW over the device's slice of the flat state, `optimizer_s_per_param · N · f`
   (shard fraction `f`), times `slowdown`;
-- collectives, none of them hidden behind compute: one ring all-reduce (SUM) of the full flat
-  fp32 gradient buffer after the last micro-batch, `2·(k−1)/k · 4N` bytes per rank, then every
-  rank broadcasts its slice of the fp32 parameters, `4N` bytes in all; each collective call also
-  pays a latency per ring hop. `k` is the number of devices the plan uses; the bandwidth is the
-  slowest link among them (the cluster's `intra_node_gbps` on one node, `inter_node_gbps`
-  across nodes), or what `profiler bench` measured between local CPU workers.
+- collectives exactly as `planner.units.step_collectives(spec, z)` lists them: the all-gathers in
+  the compute dtype (2 bytes for bf16/fp16, 4 for fp32 and on the CPU), the reduce-scatters in
+  fp32, each a ring costing (k−1)/k · bytes / bandwidth per rank, plus a latency per call
+  (⌈log2 k⌉ hops). NO overlap with compute is assumed: the runtime synchronizes per unit (its
+  prefetch hides at most one gather); measured overlap is a later issue. `k` is the number of
+  devices the plan uses; the bandwidth is the slowest link among them (the cluster's
+  `intra_node_gbps` on one node, `inter_node_gbps` across nodes), or what `profiler bench`
+  measured between local CPU workers.
 An iteration ends when the slowest device ends: `T = max_i (compute_i + optimizer_i) + comm(k)`.
 
-Memory is the memory model's (planner/memory.py), increasing in the shard fraction; the tables hold,
-for every candidate micro-batch, the largest shard fraction that still fits (`Choice.max_share`).
+Memory is the memory model's (planner/memory.py) for the actual (m, n, f) of a choice: increasing in
+the shard fraction, and at z ≥ 2 in the accumulation steps too (every micro-batch's unit-boundary
+activations are kept). The tables hold, for every candidate (m, n), the largest shard fraction that
+still fits (`Choice.max_share`); at z = 1 memory does not depend on n, so it is found once per m.
 
 Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
 in `link_bandwidth_bytes_per_s`.
@@ -27,55 +34,75 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable, Sequence
 
+from planner.catalog import CPU_TYPE
 from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.options import device_dtype
 from planner.specs import ModelSpec
+from planner.units import ZERO_STAGES, step_collectives
 
 log = logging.getLogger(__name__)
 
 BITS_PER_BYTE = 8
 GBIT = 1e9  # the cluster file's *_gbps are Gbit/s (DESIGN.md)
-FP32_BYTES = 4  # the runtime keeps flat fp32 params and grads (models/runtime.py)
+FP32_BYTES = 4  # master weights and reduce-scattered gradients are fp32 (planner/units.py)
+HALF_BYTES = 2  # bf16 / fp16: what the runtime gathers parameters in on a GPU
 # Per-hop latency of one collective step when nothing was measured: NCCL's ring step costs a few
 # microseconds over NVLink/PCIe and tens over a datacenter network (NCCL tests, 8-byte all-reduce).
 INTRA_NODE_HOP_LATENCY_S = 5e-6
 INTER_NODE_HOP_LATENCY_S = 25e-6
 # The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
 MAX_MICRO_BATCH = 64
-# The runtime's sharding in ZeRO terms (planner/memory.py): only the AdamW state is sharded.
+# The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
 RUNTIME_ZERO_STAGE = 1
 # The ILP prices the world size k exactly up to this count; above it k falls in buckets
 # (9–11, 12–15, ...) priced at their largest k, a safe upper bound (comm grows with k).
 EXACT_WORLD_SIZES = 8
 WORLD_BUCKET_GROWTH = 1.4
 
-MemoryFn = Callable[[int, float], float]  # (micro_batch, shard_fraction) -> peak bytes
+MemoryFn = Callable[[int, int, float], float]  # (micro_batch, accum_steps, shard_fraction) -> peak bytes
 
 
 @dataclass(frozen=True)
 class DeviceCoeffs:
-    """The cost figures of one kind of device (type + emulation) for one model, seq and dtype.
-    Times include the emulated slowdown."""
+    """The cost figures of one kind of device (type + emulation) for one model, seq, dtype and ZeRO
+    stage. Times include the emulated slowdown."""
 
     device: DeviceSpec
     dtype: str  # what this type trains in (bf16 falls back to fp16 where unsupported)
-    alpha_s: float  # fixed cost of one micro-batch
-    beta_s: float  # cost per sample of a micro-batch
+    alpha_s: float  # fixed cost of one micro-batch (the plan's recompute)
+    beta_s: float  # cost per sample of a micro-batch (the plan's recompute)
     optimizer_s: float  # AdamW over the whole state (f = 1)
     capacity_bytes: float  # memory × headroom: what a plan may use
-    memory_fn: MemoryFn = field(compare=False, repr=False)  # (m, f) -> bytes
+    memory_fn: MemoryFn = field(compare=False, repr=False)  # (m, n, f) -> bytes
     measured: bool = False  # the step profile was measured (else estimated)
     source: str = ""
+    # layer-wise accumulation (zero ≥ 2): n > 1 recomputes every unit's forward, priced by the
+    # recompute="full" profile below, and memory depends on n
+    layerwise: bool = False
+    recompute_alpha_s: float | None = None
+    recompute_beta_s: float | None = None
 
     def compute_s(self, micro_batch: int, accum_steps: int) -> float:
-        return accum_steps * (self.alpha_s + self.beta_s * micro_batch) if micro_batch > 0 else 0.0
+        if micro_batch <= 0:
+            return 0.0
+        if self.layerwise and accum_steps > 1 and self.recompute_alpha_s is not None:
+            return accum_steps * (self.recompute_alpha_s + (self.recompute_beta_s or 0.0) * micro_batch)
+        return accum_steps * (self.alpha_s + self.beta_s * micro_batch)
 
     def step_s(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> float:
         """Compute plus the optimizer step on the device's shard (collectives excluded)."""
         return self.compute_s(micro_batch, accum_steps) + self.optimizer_s * shard_fraction
 
-    def memory_bytes(self, micro_batch: int, shard_fraction: float) -> float:
-        return self.memory_fn(micro_batch, shard_fraction)
+    def memory_accum_steps(self, accum_steps: int) -> int:
+        """The accumulation steps memory depends on: n at zero ≥ 2, none (1) at zero 1."""
+        return max(accum_steps, 1) if self.layerwise else 1
+
+    def memory_bytes(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> float:
+        return self.memory_fn(micro_batch, self.memory_accum_steps(accum_steps), shard_fraction)
+
+    def max_share(self, micro_batch: int, accum_steps: int) -> float:
+        """The largest shard fraction that fits beside (m, n); −1 if none does (max_share_fitting)."""
+        return max_share_fitting(self.memory_fn, micro_batch, self.capacity_bytes, self.memory_accum_steps(accum_steps))
 
     @property
     def speed_samples_per_s(self) -> float:
@@ -85,30 +112,34 @@ class DeviceCoeffs:
 
 @dataclass(frozen=True)
 class CommModel:
-    """Collective costs of one step for the devices of one scope (one node, or several)."""
+    """Collective costs of one optimizer step for the devices of one scope (one node, or several):
+    what planner.units.step_collectives says the runtime all-gathers and reduce-scatters."""
 
-    bandwidth_bytes_per_s: float  # ring bus bandwidth per rank
+    bandwidth_bytes_per_s: float  # ring bus bandwidth per rank (all-gathers; reduce-scatters too unless below)
     hop_latency_s: float
-    grad_bytes: float  # the flat fp32 gradient buffer
-    param_bytes: float  # the flat fp32 parameter buffer (broadcast slice by slice)
+    gather_bytes: float  # all-gathered per step, full buffers in the compute dtype
+    reduce_bytes: float  # reduce-scattered per step, full buffers in fp32
+    num_calls: int = 0  # collective calls per step (each pays a latency)
     source: str = ""
-    # a measured broadcast (profiler bench): bytes/s of one broadcast and its latency per call
-    broadcast_bytes_per_s: float | None = None
-    broadcast_call_latency_s: float | None = None
+    # measured (profiler bench between local workers): the reduce-scatters' bus bandwidth and the latency of one call
+    reduce_bandwidth_bytes_per_s: float | None = None
+    call_latency_s: float | None = None
+
+    def call_latency(self, world_size: int) -> float:
+        """One call's latency: measured, else ⌈log2 k⌉ hops (NCCL/gloo use trees or PAT for small sizes)."""
+        if self.call_latency_s is not None:
+            return self.call_latency_s
+        return math.ceil(math.log2(world_size)) * self.hop_latency_s
 
     def comm_s(self, world_size: int) -> float:
-        """All-reduce of the gradients: ring bandwidth term 2·(k−1)/k·bytes/bw; then k broadcasts of
-        the slices, together P bytes through each rank at bw. Each call pays its latency over a tree of
-        ⌈log2 k⌉ hops (NCCL/gloo switch to trees for latency-bound sizes). 0 for one device."""
+        """Ring all-gathers and reduce-scatters: (k−1)/k · bytes / bw each, plus num_calls latencies;
+        none of it overlapped with compute. 0 for one device. Non-decreasing in k."""
         k = world_size
         if k <= 1:
             return 0.0
-        call_latency_s = math.ceil(math.log2(k)) * self.hop_latency_s
-        all_reduce_s = 2 * (k - 1) / k * self.grad_bytes / self.bandwidth_bytes_per_s + 2 * call_latency_s
-        bcast_bw = self.broadcast_bytes_per_s or self.bandwidth_bytes_per_s
-        bcast_latency_s = call_latency_s if self.broadcast_call_latency_s is None else self.broadcast_call_latency_s
-        broadcast_s = self.param_bytes / bcast_bw + k * bcast_latency_s
-        return all_reduce_s + broadcast_s
+        reduce_bw = self.reduce_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+        ring = (k - 1) / k * (self.gather_bytes / self.bandwidth_bytes_per_s + self.reduce_bytes / reduce_bw)
+        return ring + self.num_calls * self.call_latency(k)
 
 
 @dataclass(frozen=True)
@@ -174,29 +205,34 @@ NO_SHARE = 1e-12
 SHARE_TOL = 1e-9
 
 
-def cached_memory_fn(memory_at: Callable[[int, float], float]) -> MemoryFn:
-    """The memory model as (m, f) -> bytes, cached; f = 0 asked at NO_SHARE; micro-batch 0 (state
+def cached_memory_fn(memory_at: Callable[[int, int, float], float]) -> MemoryFn:
+    """The memory model as (m, n, f) -> bytes, cached; f = 0 asked at NO_SHARE; micro-batch 0 (state
     only) extrapolated from 1 and 2 if the model refuses it (each of its phases is affine in m)."""
 
     @lru_cache(maxsize=None)
-    def fn(m: int, f: float) -> float:
+    def fn(m: int, n: int, f: float) -> float:
         f = max(f, NO_SHARE)
+        n = max(n, 1)
         if m == 0:
             try:
-                return float(memory_at(0, f))
+                return float(memory_at(0, 1, f))
             except ValueError:
-                return 2.0 * fn(1, f) - fn(2, f)
-        return float(memory_at(m, f))
+                return 2.0 * fn(1, 1, f) - fn(2, 1, f)
+        return float(memory_at(m, n, f))
 
     return fn
 
 
-def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: float) -> float:
-    """The largest shard fraction f ≤ 1 with memory(m, f) ≤ capacity; −1 if even f = 0 does not fit.
+def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: float, accum_steps: int = 1) -> float:
+    """The largest shard fraction f ≤ 1 with memory(m, n, f) ≤ capacity; −1 if even f = 0 does not fit.
     Memory grows with f and is piecewise affine (the peak is the largest of a few affine moments of the
-    step): secant steps, exact on one affine piece, alternating with bisection, which always halves."""
+    step): secant steps alternating with bisection, which always halves; a secant point that fits is
+    checked one SHARE_TOL above, which on one affine piece ends the search in 4 evaluations."""
+    def mem(f: float) -> float:
+        return memory_fn(micro_batch, accum_steps, f)
+
     lo, hi = 0.0, 1.0
-    mem_lo, mem_hi = memory_fn(micro_batch, lo), memory_fn(micro_batch, hi)
+    mem_lo, mem_hi = mem(lo), mem(hi)
     if mem_hi <= capacity_bytes:
         return 1.0
     if mem_lo > capacity_bytes:
@@ -204,73 +240,119 @@ def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: flo
     for step in range(200):
         if hi - lo <= SHARE_TOL:
             break
-        x = 0.5 * (lo + hi) if step % 2 else lo + (capacity_bytes - mem_lo) * (hi - lo) / (mem_hi - mem_lo)
+        secant = step % 2 == 0
+        x = lo + (capacity_bytes - mem_lo) * (hi - lo) / (mem_hi - mem_lo) if secant else 0.5 * (lo + hi)
         x = min(max(x, lo + SHARE_TOL / 2), hi - SHARE_TOL / 2)
-        mem_x = memory_fn(micro_batch, x)
-        if mem_x <= capacity_bytes:
-            lo, mem_lo = x, mem_x
-        else:
+        mem_x = mem(x)
+        if mem_x > capacity_bytes:
             hi, mem_hi = x, mem_x
+            continue
+        lo, mem_lo = x, mem_x
+        if secant and x + SHARE_TOL < hi:
+            above = mem(x + SHARE_TOL)
+            if above > capacity_bytes:
+                hi, mem_hi = x + SHARE_TOL, above
+            else:
+                lo, mem_lo = x + SHARE_TOL, above
     return lo
 
 
-def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int) -> MemoryFn:
-    """The memory model of planner/memory.py for this runtime: ZeRO stage 1 in its terms (flat fp32
-    params and grads in full on every device, AdamW state sharded by the shard fraction)."""
+def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
+                      zero: int = RUNTIME_ZERO_STAGE) -> MemoryFn:
+    """The memory model of planner/memory.py for the sharded runtime at ZeRO stage `zero`, asked at
+    the choice's own micro-batch, accumulation steps and shard fraction."""
     from planner.memory import MemoryConfig, estimate_memory
 
-    def memory_at(m: int, f: float) -> float:
-        cfg = MemoryConfig(micro_batch=m, seq=seq, dtype=dtype, recompute=recompute, dp=max(world_size, 1),
-                           zero=RUNTIME_ZERO_STAGE, shard_fraction=f)
+    def memory_at(m: int, n: int, f: float) -> float:
+        cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
+                           dp=max(world_size, 1), zero=zero, shard_fraction=f)
         return estimate_memory(spec, cfg).peak_bytes
 
     return cached_memory_fn(memory_at)
 
 
+def validate_zero(zero: int) -> int:
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero!r}")
+    return zero
+
+
+def compute_dtype_bytes(device_type: str, dtype: str) -> int:
+    """Bytes per element the runtime gathers parameters in: fp32 on the CPU (it computes in fp32
+    there), else 2 for bf16/fp16 and 4 for fp32."""
+    if device_type == CPU_TYPE or dtype == "fp32":
+        return FP32_BYTES
+    return HALF_BYTES
+
+
 def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
-                        headroom: float, world_size: int, profiles_dir: str | None = None) -> DeviceCoeffs:
-    """One device kind's coefficients from its step profile (measured or estimated) and the memory model."""
+                        headroom: float, world_size: int, profiles_dir: str | None = None,
+                        zero: int = RUNTIME_ZERO_STAGE, profile_cache: dict | None = None) -> DeviceCoeffs:
+    """One device kind's coefficients from its step profiles (measured or estimated) and the memory
+    model. `profile_cache` shares the profile look-ups between the stages of one solve."""
     from planner.profiles import get_step_profile
 
+    cache = {} if profile_cache is None else profile_cache
+
+    def profile(rec: str):
+        key = (device.type, dt, rec)
+        if key not in cache:
+            cache[key] = get_step_profile(device.type, spec, seq, dt, recompute=rec, store_dir=profiles_dir)
+        return cache[key]
+
     dt = device_dtype(device.type, dtype)
-    prof = get_step_profile(device.type, spec, seq, dt, recompute=recompute, store_dir=profiles_dir)
+    prof = profile(recompute)
+    layerwise = zero >= 2
+    full = profile("full") if layerwise else None
     return DeviceCoeffs(
         device=device, dtype=dt,
         alpha_s=prof.alpha_s * device.slowdown,
         beta_s=prof.beta_s * device.slowdown,
         optimizer_s=prof.optimizer_s_per_param * spec.num_params * device.slowdown,
         capacity_bytes=device.memory_bytes * headroom,
-        memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size),
-        measured=bool(prof.measured), source=prof.source,
+        memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size, zero),
+        measured=bool(prof.measured and (full is None or full.measured)), source=prof.source,
+        layerwise=layerwise,
+        recompute_alpha_s=full.alpha_s * device.slowdown if full else None,
+        recompute_beta_s=full.beta_s * device.slowdown if full else None,
     )
 
 
-def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: ClusterSpec, num_params: int,
-                     profiles_dir: str | None = None) -> CommModel:
-    """Link figures for a scope: measured gloo/NCCL fits for local CPU workers on one node when
-    `profiler bench` has them, else the cluster file's bandwidth (slowest link among the devices)."""
-    grad_bytes = param_bytes = float(FP32_BYTES * num_params)
+def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: ClusterSpec, spec: ModelSpec,
+                     zero: int, dtype: str, profiles_dir: str | None = None) -> CommModel:
+    """Link figures for a scope and the bytes the runtime moves at `zero` (planner.units): measured
+    gloo/NCCL fits for local CPU workers on one node when `profiler bench` has them, else the
+    cluster file's bandwidth (slowest link among the devices)."""
+    devices = list(devices)
+    collectives = step_collectives(spec, zero)
+    compute_bytes = max((compute_dtype_bytes(d.type, device_dtype(d.type, dtype)) for d in devices),
+                        default=FP32_BYTES)
+    gather_bytes, reduce_bytes = (float(b) for b in collectives.bytes(compute_bytes))
+    calls = collectives.num_calls
     types = {d.type for d in devices}
-    if not multi_node and types == {"cpu"}:
+    if not multi_node and types == {CPU_TYPE}:
         from planner.profiles import get_collective_profile
 
-        prof = get_collective_profile("cpu", profiles_dir)
-        fit = prof.fit("all_reduce") if prof else None
-        if fit is not None and fit.bandwidth_bytes_per_s > 0 and prof.world_size > 1:
+        prof = get_collective_profile(CPU_TYPE, profiles_dir)
+        gather = prof.fit("all_gather") if prof else None
+        reduce = prof.fit("all_reduce") if prof else None
+        if (gather is not None and reduce is not None and gather.bandwidth_bytes_per_s > 0
+                and reduce.bandwidth_bytes_per_s > 0 and prof.world_size > 1):
             w = prof.world_size
-            # the fit's bandwidth is size/time (algorithm bandwidth); a ring moves 2(w−1)/w of it per rank
-            bus = fit.bandwidth_bytes_per_s * 2 * (w - 1) / w
-            hop = max(fit.latency_s, 0.0) / (2 * math.ceil(math.log2(w)))  # comm_s: 2 calls' latency per all-reduce
-            bcast = prof.fit("broadcast")
-            bcast_bw = bcast.bandwidth_bytes_per_s if bcast and bcast.bandwidth_bytes_per_s > 0 else None
-            bcast_lat = max(bcast.latency_s, 0.0) if bcast_bw else None
-            return CommModel(bus, hop, grad_bytes, param_bytes, f"measured {prof.backend} collectives, {w} ranks",
-                             bcast_bw, bcast_lat)
+            # the fits' bandwidths are size/time (algorithm bandwidth); per rank a ring all-gather moves
+            # (w−1)/w of the size, an all-reduce 2(w−1)/w. profiler bench times no reduce-scatter: it is
+            # priced as half an all-reduce (a ring all-reduce is a reduce-scatter and an all-gather)
+            gather_bus = gather.bandwidth_bytes_per_s * (w - 1) / w
+            reduce_bus = reduce.bandwidth_bytes_per_s * 2 * (w - 1) / w
+            latency = max(gather.latency_s, 0.0)
+            return CommModel(gather_bus, 0.0, gather_bytes, reduce_bytes, calls,
+                             f"measured {prof.backend} collectives, {w} ranks", reduce_bus, latency)
     net = cluster.network
     gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
     hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S
     where = "inter_node_gbps" if multi_node else "intra_node_gbps"
-    return CommModel(link_bandwidth_bytes_per_s(gbps), hop, grad_bytes, param_bytes, f"cluster file {where} {gbps:g}")
+    return CommModel(link_bandwidth_bytes_per_s(gbps), hop, gather_bytes, reduce_bytes, calls,
+                     f"cluster file {where} {gbps:g}")
 
 
 # ---- the cost model of one (cluster, model, seq, dtype) ----------------------------------------
@@ -280,24 +362,29 @@ class CostModel:
     """Per-device costs for one cluster and training setup; evaluates plans and builds ILP tables."""
 
     def __init__(self, cluster: ClusterSpec, num_params: int, coeffs: dict[DeviceSpec, DeviceCoeffs],
-                 comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel]):
+                 comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel], zero: int = RUNTIME_ZERO_STAGE):
         self.cluster = cluster
         self.num_params = num_params
         self.coeffs = coeffs
+        self.zero = validate_zero(zero)
         self._comm_for = comm_for
         self._comm_cache: dict[tuple[frozenset, bool], CommModel] = {}
+        self._share_cache: dict[tuple[DeviceSpec, int, int], float] = {}
 
     @classmethod
     def build(cls, cluster: ClusterSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
-              headroom: float, profiles_dir: str | None = None) -> "CostModel":
+              headroom: float, profiles_dir: str | None = None, zero: int = RUNTIME_ZERO_STAGE,
+              profile_cache: dict | None = None) -> "CostModel":
+        validate_zero(zero)
         kinds = sorted({d for _, d in cluster.devices()}, key=lambda d: (d.type, d.slowdown, d.memory_gb or 0))
-        coeffs = {d: build_device_coeffs(d, spec, seq, dtype, recompute, headroom, cluster.num_devices, profiles_dir)
+        coeffs = {d: build_device_coeffs(d, spec, seq, dtype, recompute, headroom, cluster.num_devices, profiles_dir,
+                                         zero, profile_cache)
                   for d in kinds}
 
         def comm_for(devices: Sequence[DeviceSpec], multi_node: bool) -> CommModel:
-            return build_comm_model(devices, multi_node, cluster, spec.num_params, profiles_dir)
+            return build_comm_model(devices, multi_node, cluster, spec, zero, dtype, profiles_dir)
 
-        return cls(cluster, spec.num_params, coeffs, comm_for)
+        return cls(cluster, spec.num_params, coeffs, comm_for, zero)
 
     def comm_model(self, devices: Iterable[DeviceSpec], multi_node: bool) -> CommModel:
         key = (frozenset(devices), multi_node)
@@ -320,8 +407,17 @@ class CostModel:
             steps[i] = self.coeffs[devices[i][1]].step_s(m, n, f) + comm
         return max(steps[i] for i in used), steps
 
-    def estimate_memory_bytes(self, device: DeviceSpec, micro_batch: int, shard_fraction: float) -> float:
-        return self.coeffs[device].memory_bytes(micro_batch, shard_fraction)
+    def estimate_memory_bytes(self, device: DeviceSpec, micro_batch: int, accum_steps: int,
+                              shard_fraction: float) -> float:
+        return self.coeffs[device].memory_bytes(micro_batch, accum_steps, shard_fraction)
+
+    def max_share(self, device: DeviceSpec, micro_batch: int, accum_steps: int) -> float:
+        """DeviceCoeffs.max_share, cached per (device, m, the n memory depends on)."""
+        c = self.coeffs[device]
+        key = (device, micro_batch, c.memory_accum_steps(accum_steps))
+        if key not in self._share_cache:
+            self._share_cache[key] = c.max_share(micro_batch, accum_steps)
+        return self._share_cache[key]
 
     # ---- coefficient tables -------------------------------------------------------------------
 
@@ -329,22 +425,23 @@ class CostModel:
                 max_compute_s: float = math.inf) -> tuple[Choice, ...]:
         """The state-only choice, then every (m, n) with m from `micro_batches` (default: powers of
         two up to the global batch and MAX_MICRO_BATCH) whose memory at f = 0 fits, n from 1 while
-        m·n ≤ the global batch and the compute time stays within `max_compute_s` (an upper bound
+        m·n ≤ the global batch, the memory still fits (at zero ≥ 2 it grows with n: the first n that
+        does not fit ends the run) and the compute time stays within `max_compute_s` (an upper bound
         on the optimum: a slower device would only finish later)."""
         c = self.coeffs[device]
         ms = sorted(set(micro_batches)) if micro_batches else [
             1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
         out = []
         for m in [0] + [m for m in ms if 0 < m <= global_batch]:
-            max_share = max_share_fitting(c.memory_fn, m, c.capacity_bytes)
-            if max_share < 0:
-                continue
-            fixed = c.memory_bytes(m, 0.0)
-            per_share = c.memory_bytes(m, 1.0) - fixed
             for n in ([0] if m == 0 else range(1, global_batch // m + 1)):
                 compute = c.compute_s(m, n)
                 if compute > max_compute_s:
                     break
+                max_share = self.max_share(device, m, n)
+                if max_share < 0:
+                    break
+                fixed = c.memory_bytes(m, n, 0.0)
+                per_share = c.memory_bytes(m, n, 1.0) - fixed
                 out.append(Choice(m, n, compute, fixed, per_share, max_share))
         return tuple(out)
 

@@ -30,21 +30,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import pulp
 
 from planner.catalog import GIB, get_gpu_type
 from planner.cluster import ClusterSpec
-from planner.cost import RUNTIME_ZERO_STAGE, ClassTable, CostModel, ScopeTable, max_share_fitting, world_size_buckets
-from planner.plan import Assignment, Plan
+from planner.cost import ClassTable, CostModel, ScopeTable, validate_zero, world_size_buckets
+from planner.plan import Assignment, Plan, ZeroCandidate
+from planner.units import ZERO_STAGES
 from planner.specs import get_model, with_max_seq
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE_MODES = ("none", "full")
+ZERO_AUTO = "auto"  # solve each stage, keep the fastest that fits (ties: the lower stage)
+ZERO_CHOICES = (ZERO_AUTO, *ZERO_STAGES)
 # Default context when --seq is not given: the model's own, capped where activations of one
 # sample would already crowd a 24 GB part for the 7B-class presets (Cephalo trains at 2,048).
 DEFAULT_MAX_SEQ = 2048
@@ -321,20 +324,18 @@ def explain_infeasible(cost: CostModel, global_batch: int) -> str:
     """Why no plan exists: which devices cannot hold even the smallest shard or micro-batch, or
     how much of the state the devices can hold (with no batch, and beside a micro-batch of 1)."""
     problems, can_compute, room_idle, room_busy = [], False, 0.0, 0.0
-
-    def room(c, m: int) -> float:
-        return max_share_fitting(c.memory_fn, m, c.capacity_bytes)
-
+    state = "optimizer state" if cost.zero == 1 else "training state"
     for _, d in cost.cluster.devices():
         c = cost.coeffs[d]
-        idle, busy = room(c, 0), room(c, 1)
+        idle, busy = cost.max_share(d, 0, 0), cost.max_share(d, 1, 1)
         room_idle += max(idle, 0.0)
         room_busy += max(busy, idle, 0.0) if busy < 0 else busy
         if idle < 0:
-            problems.append(f"{d.label} cannot hold even the smallest shard (needs {c.memory_bytes(0, 0.0) / GIB:.2f}"
-                            f" GiB > {c.capacity_bytes / GIB:.2f} GiB = capacity × headroom)")
+            problems.append(f"{d.label} cannot hold even the smallest shard (needs "
+                            f"{c.memory_bytes(0, 0, 0.0) / GIB:.2f} GiB > {c.capacity_bytes / GIB:.2f} GiB = "
+                            "capacity × headroom)")
         elif busy < 0:
-            problems.append(f"{d.label} cannot hold micro-batch 1 (needs {c.memory_bytes(1, 0.0) / GIB:.2f} GiB > "
+            problems.append(f"{d.label} cannot hold micro-batch 1 (needs {c.memory_bytes(1, 1, 0.0) / GIB:.2f} GiB > "
                             f"{c.capacity_bytes / GIB:.2f} GiB)")
         else:
             can_compute = True
@@ -343,19 +344,22 @@ def explain_infeasible(cost: CostModel, global_batch: int) -> str:
     if not can_compute:
         return "no device can hold a micro-batch of 1: " + "; ".join(problems)
     if room_idle < 1.0:
-        return f"the sharded optimizer state does not fit: the devices hold at most {room_idle:.0%} of it{detail}"
+        return f"the sharded {state} does not fit: the devices hold at most {room_idle:.0%} of it{detail}"
     if room_busy < 1.0:
-        return (f"the sharded optimizer state does not fit beside the micro-batches: with micro-batch 1 the devices "
+        return (f"the sharded {state} does not fit beside the micro-batches: with micro-batch 1 the devices "
                 f"hold at most {room_busy:.0%} of it{detail}")
     return f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices{detail}"
 
 
 def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
-                          micro_batches: Sequence[int] | None = None,
-                          upper_bound_s: float = math.inf) -> tuple[ScopeSolution, str]:
+                          micro_batches: Sequence[int] | None = None, upper_bound_s: float = math.inf,
+                          beat_s: float = math.inf) -> tuple[ScopeSolution, str] | None:
     """The best plan over every scope: (solution, scope name). `upper_bound_s` (a known plan's time)
-    drops every choice slower than it from the tables. Raises ValueError when nothing fits."""
+    drops every choice slower than it from the tables. `beat_s` (another stage's plan): only a plan
+    faster than it by more than the tolerance counts; None when there is none. Raises ValueError
+    when nothing fits."""
     deadline = time.monotonic() + time_limit_s
+    upper_bound_s = min(upper_bound_s, beat_s)
     tol = max(gap, BISECTION_TOL)
     tables = [cost.scope_table(name, multi, [i for _, ix in members for i in ix], global_batch, micro_batches,
                                upper_bound_s)
@@ -364,7 +368,7 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
     best: tuple[ScopeSolution, str, float] | None = None
     proven = True
     for table in sorted(tables, key=lambda t: bounds[t.name]):
-        incumbent = best[2] if best else math.inf
+        incumbent = best[2] if best else beat_s
         if bounds[table.name] >= incumbent * (1 - tol):
             continue
         if time.monotonic() >= deadline:
@@ -378,6 +382,8 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
                                             for i in range(cost.cluster.num_devices)])
         if t_s < incumbent:
             best = (sol, table.name, t_s)
+    if best is None and beat_s < math.inf:
+        return None
     if best is None:
         if time.monotonic() >= deadline:
             raise ValueError(f"the solver's time limit of {time_limit_s:g} s ran out before it found a plan; "
@@ -403,11 +409,11 @@ def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: 
     iteration_s, steps = cost.estimate_iteration_s(per_device)
     assignments = []
     for i, ((node, dev), (m, n, f)) in enumerate(zip(devices, per_device)):
-        mem = int(cost.estimate_memory_bytes(dev, m, f)) if (m * n > 0 or f > 0) else 0
+        mem = int(cost.estimate_memory_bytes(dev, m, n, f)) if (m * n > 0 or f > 0) else 0
         assignments.append(Assignment(i, node.name, dev.type, m, n, m * n, f, mem, steps[i],
                                       dev.emulated, dev.slowdown, dev.memory_gb))
     return Plan(cost.cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), iteration_s,
-                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=RUNTIME_ZERO_STAGE)
+                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=cost.zero)
 
 
 def plan_notes(cost: CostModel, dtype: str) -> list[str]:
@@ -423,18 +429,61 @@ def plan_notes(cost: CostModel, dtype: str) -> list[str]:
     return notes
 
 
-def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
-               recompute: str = "none", headroom: float = 0.9, time_limit_s: float = 10.0, gap: float = 0.0,
-               micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None) -> HeteroResult:
-    """The fastest plan of `model` on `cluster` at `global_batch` under the cost model (planner/cost.py).
+def validate_zero_choice(zero: int | str) -> tuple[int, ...]:
+    """The stages to try: all of them for "auto", else the one forced."""
+    if zero == ZERO_AUTO:
+        return ZERO_STAGES
+    try:
+        return (validate_zero(zero),)
+    except ValueError:
+        raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_CHOICES))}, got {zero!r}") from None
 
-    `gap`: stop once the plan is within this relative distance of the proven lower bound (the
-    bisection always closes to BISECTION_TOL at least); `time_limit_s` bounds the whole search.
-    `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
-    ValueError on bad input and when no plan fits, naming why."""
+
+@dataclass(frozen=True)
+class _StageSolution:
+    cost: CostModel
+    solution: ScopeSolution
+    scope: str
+    iteration_s: float
+    baselines: dict
+
+
+def _solve_stage(cluster: ClusterSpec, spec, seq: int, dtype: str, recompute: str, headroom: float, zero: int,
+                 global_batch: int, deadline: float, gap: float, micro_batches: Sequence[int] | None,
+                 profiles_dir: str | None, profile_cache: dict, beat_s: float) -> _StageSolution | None:
+    """The best plan at one ZeRO stage, or None if it does not beat `beat_s` (another stage's time).
+    Raises ValueError when nothing fits at this stage."""
     from planner.baselines import estimate_baselines, estimate_memory_aware
 
+    cost = CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=zero,
+                           profile_cache=profile_cache)
+    baselines = estimate_baselines(cost, global_batch)
+    bounds = [b.predicted_iteration_s for b in (*baselines.values(), estimate_memory_aware(cost, global_batch))]
+    upper = min((b for b in bounds if b is not None), default=math.inf)
+    found = solve_with_cost_model(cost, global_batch, max(deadline - time.monotonic(), 0.01), gap, micro_batches,
+                                  upper, beat_s)
+    if found is None:
+        return None
+    sol, scope = found
+    t_s, _ = cost.estimate_iteration_s([sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)])
+    return _StageSolution(cost, sol, scope, t_s, baselines)
+
+
+def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
+               recompute: str = "none", headroom: float = 0.9, time_limit_s: float = 10.0, gap: float = 0.0,
+               micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None,
+               zero: int | str = ZERO_AUTO) -> HeteroResult:
+    """The fastest plan of `model` on `cluster` at `global_batch` under the cost model (planner/cost.py).
+
+    `zero`: "auto" solves each ZeRO stage (1, 2, 3, in that order) and keeps the shortest predicted
+    iteration that fits; a later stage must beat the earlier ones by more than the solver's
+    tolerance, so ties go to the lower stage. An int forces that stage. `gap`: stop once the plan is
+    within this relative distance of the proven lower bound (the bisection always closes to
+    BISECTION_TOL at least); `time_limit_s` bounds the whole search, every stage together.
+    `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
+    ValueError on bad input and when no plan fits at any stage tried, naming why."""
     validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
+    stages = validate_zero_choice(zero)
     if micro_batches is not None and (not micro_batches or any(
             isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro_batches)):
         raise ValueError(f"micro_batches must be positive integers, got {micro_batches!r}")
@@ -442,17 +491,41 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     seq = seq if seq is not None else min(spec.max_seq, DEFAULT_MAX_SEQ)
     spec = with_max_seq(spec, seq)
     started = time.perf_counter()
-    cost = CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir)
-    baselines = estimate_baselines(cost, global_batch)
-    bounds = [b.predicted_iteration_s for b in (*baselines.values(), estimate_memory_aware(cost, global_batch))]
-    upper = min((b for b in bounds if b is not None), default=math.inf)
-    sol, scope = solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches, upper)
+    deadline = time.monotonic() + time_limit_s
+    profile_cache: dict = {}
+    best: _StageSolution | None = None
+    candidates: dict[int, ZeroCandidate] = {}
+    failures: dict[int, str] = {}
+    for z in stages:
+        try:
+            found = _solve_stage(cluster, spec, seq, dtype, recompute, headroom, z, global_batch, deadline, gap,
+                                 micro_batches, profiles_dir, profile_cache, best.iteration_s if best else math.inf)
+        except ValueError as e:
+            if len(stages) == 1 or time.monotonic() >= deadline:
+                raise
+            failures[z] = str(e)
+            candidates[z] = ZeroCandidate(None, False, str(e))
+            continue
+        if found is None:  # feasible, but not faster than a lower stage
+            candidates[z] = ZeroCandidate(None, None, f"no plan faster than zero {best.cost.zero}'s")
+            continue
+        best = found
+        candidates[z] = ZeroCandidate(found.iteration_s, True)
+    if best is None:
+        raise ValueError("no feasible plan at any ZeRO stage: " + "; ".join(
+            f"zero {z}: {msg.removeprefix('no feasible plan: ')}" for z, msg in failures.items()))
     solve_s = time.perf_counter() - started
-    notes = plan_notes(cost, dtype) + [f"scope: {scope}"]
+    for z, c in candidates.items():
+        if c.feasible and c.predicted_iteration_s is not None:
+            candidates[z] = ZeroCandidate(c.predicted_iteration_s, True, "chosen" if z == best.cost.zero else "slower")
+    sol, cost = best.solution, best.cost
+    notes = plan_notes(cost, dtype) + [f"scope: {best.scope}", f"zero {cost.zero}" + (
+        " (auto: the fastest predicted stage that fits)" if len(stages) > 1 else " (forced)")]
     plan = build_plan(cost, model, global_batch, seq, dtype, recompute,
                       [sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)],
-                      notes, solve_s, baselines)
-    log.info("plan for %s on %s: %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name,
-             plan.predicted_iteration_s, sol.status, scope, solve_s)
+                      notes, solve_s, best.baselines)
+    plan = replace(plan, zero_candidates=candidates)
+    log.info("plan for %s on %s: zero %d, %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name, cost.zero,
+             plan.predicted_iteration_s, sol.status, best.scope, solve_s)
     reason = "" if sol.status == "optimal" else f"time limit of {time_limit_s:g} s reached before optimality was proven"
     return HeteroResult(sol.status, sol.objective_s, plan, solve_s, reason)

@@ -48,6 +48,21 @@ class BaselineResult:
         return asdict(self)
 
 
+ZERO_STAGES = (1, 2, 3)  # what the sharded runtime runs (planner/units.py)
+
+
+@dataclass(frozen=True)
+class ZeroCandidate:
+    """What the planner found at one ZeRO stage it tried (`--zero auto` tries each)."""
+
+    predicted_iteration_s: float | None  # None when no plan fits, or none beats a lower stage's
+    feasible: bool | None  # None: not decided (nothing faster than a lower stage's plan exists)
+    note: str = ""  # "chosen", why it is infeasible, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class Plan:
     cluster: ClusterSpec
@@ -62,11 +77,15 @@ class Plan:
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     solve_s: float = 0.0
     notes: tuple[str, ...] = ()
-    # models/runtime.py is ZeRO stage 1: full flat fp32 params and grads on every rank, the
-    # AdamW state sharded unevenly by shard_fraction (planner/memory.py docstring)
+    # the ZeRO stage the sharded runtime runs (planner/units.py): 1 AdamW state sharded by
+    # shard_fraction, 2 + gradients, 3 + parameters; a one-device plan says 1
     zero: int = 1
+    # the stages the planner tried and their predicted iteration times (zero -> candidate)
+    zero_candidates: dict[int, ZeroCandidate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise ValueError(f"plan: zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
         total = sum(a.batch for a in self.assignments)
         if total != self.global_batch:
             raise ValueError(f"plan: batches sum to {total}, not the global batch {self.global_batch}")
@@ -99,6 +118,7 @@ class Plan:
             "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
             "solve_s": self.solve_s,
             "notes": list(self.notes),
+            "zero_candidates": {str(z): c.to_dict() for z, c in sorted(self.zero_candidates.items())},
         }
 
     def to_json(self) -> str:
@@ -128,10 +148,11 @@ class Plan:
                 solve_s=float(d.get("solve_s", 0.0)),
                 notes=tuple(d.get("notes", ())),
                 zero=int(d.get("zero", 1)),
+                zero_candidates={int(z): ZeroCandidate(**c) for z, c in d.get("zero_candidates", {}).items()},
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
-        except TypeError as e:
+        except (TypeError, AttributeError) as e:
             raise ValueError(f"{source}: malformed plan: {e}") from None
 
     @classmethod

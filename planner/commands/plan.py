@@ -8,7 +8,7 @@ import argparse
 
 from planner.cli import print_json, print_table
 from planner.cluster import ClusterSpec
-from planner.hetero import DTYPES, RECOMPUTE_MODES, solve_plan
+from planner.hetero import DTYPES, RECOMPUTE_MODES, ZERO_AUTO, ZERO_CHOICES, solve_plan
 from planner.plan import Plan
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, at most 2048)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument("--zero", choices=[str(z) for z in ZERO_CHOICES], default=ZERO_AUTO,
+                   help="ZeRO stage the runtime runs: 1 optimizer state sharded, 2 + gradients, 3 + parameters; "
+                        "auto (default): the fastest predicted stage that fits")
     p.add_argument("--headroom", type=float, default=0.9, help="use at most this share of each device's memory")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit (s)")
     p.add_argument("--json", action="store_true", help="print the plan file as one JSON object")
@@ -31,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def print_plan(plan: Plan) -> None:
     """The per-device table (predicted figures) and the summary lines."""
     print(f"plan for {plan.model} on {plan.cluster.name}: global batch {plan.global_batch}, seq {plan.seq}, "
-          f"{plan.dtype}, recompute {plan.recompute} (all figures predicted)")
+          f"{plan.dtype}, recompute {plan.recompute}, zero {plan.zero} (all figures predicted)")
     devices = plan.cluster.devices()
     rows = [{"device": a.device_index, "node": a.node, "type": devices[a.device_index][1].label,
              "micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
@@ -42,6 +45,9 @@ def print_plan(plan: Plan) -> None:
     print_table(rows)
     print(f"predicted iteration: {plan.predicted_iteration_s:.4g} s, {plan.predicted_samples_per_s:.4g} samples/s "
           f"(solved in {plan.solve_s:.3f} s)")
+    for z, c in sorted(plan.zero_candidates.items()):
+        t = "-" if c.predicted_iteration_s is None else f"{c.predicted_iteration_s:.4g} s/iteration"
+        print(f"  zero {z}: {t}{f' ({c.note})' if c.note else ''}")
     for name, b in plan.baselines.items():
         if b.oom:
             print(f"  {name}: out of memory ({b.note})")
@@ -55,7 +61,8 @@ def print_plan(plan: Plan) -> None:
 def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec.load(args.cluster)
     result = solve_plan(cluster, args.model, args.global_batch, seq=args.seq, dtype=args.dtype,
-                        recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit)
+                        recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
+                        zero=args.zero if args.zero == ZERO_AUTO else int(args.zero))
     plan = result.plan
     if args.out:
         plan.save(args.out)
