@@ -1,8 +1,10 @@
-"""Solve time of the heterogeneous planner against cluster size (issue 4: 1,024 GPUs in ≤ 2 s).
+"""Solve time of the heterogeneous planner against cluster size (issue 4: 1,024 GPUs in ≤ 2 s), and
+issue 11's case: llama2-13b, global batch 4096, seq 2048, bf16 on 1,024 GPUs of 8 types in ≤ 2 s.
 
 Clusters of 16, 64, 256 and 1,024 GPUs over 8 types (one type per node, at most 8 GPUs a node);
 global batch 8 per GPU. Prints the median over repeats of `solve_plan`'s wall time (cost tables,
-baselines and every ILP included) and the ILP's size.
+baselines and every ILP included, every ZeRO stage `--zero auto` tries), then the 13B case with
+`--zero auto` and each stage forced.
 
     python bench/planner_scaling.py [--repeats 3] [--model gpt2-xl] [--json]
 """
@@ -61,9 +63,11 @@ def main() -> int:
                      "predicted_iteration_s": plan.predicted_iteration_s,
                      "speedup_vs_best_homogeneous": (plan.baselines["best_homogeneous"].predicted_iteration_s or 0)
                      / plan.predicted_iteration_s})
-    ok = rows[-1]["median_solve_s"] <= TARGET_1024_S
+    big = solve_13b(args.repeats)
+    ok = rows[-1]["median_solve_s"] <= TARGET_1024_S and big[0]["median_solve_s"] <= TARGET_1024_S
     if args.json:
-        print(json.dumps({"model": args.model, "rows": rows, "target_1024_s": TARGET_1024_S, "ok": ok}, indent=2))
+        print(json.dumps({"model": args.model, "rows": rows, "llama2_13b_1024": big, "target_1024_s": TARGET_1024_S,
+                          "ok": ok}, indent=2))
     else:
         print(f"model {args.model}, bf16, seq 1024, recompute {args.recompute}, global batch {args.per_gpu_batch}/GPU, "
               f"median of {args.repeats} solves")
@@ -71,8 +75,41 @@ def main() -> int:
         for r in rows:
             print(f"{r['num_gpus']:>6} {r['median_solve_s']:>9.3f} {r['min_solve_s']:>7.3f} {r['status']:>8} "
                   f"{r['devices_used']:>5} {r['predicted_iteration_s']:>15.4g}")
-        print(f"1,024 GPUs in {rows[-1]['median_solve_s']:.2f} s: {'OK' if ok else 'over'} the {TARGET_1024_S:g} s target")
+        print(f"1,024 GPUs in {rows[-1]['median_solve_s']:.2f} s: "
+              f"{'OK' if rows[-1]['median_solve_s'] <= TARGET_1024_S else 'over'} the {TARGET_1024_S:g} s target")
+        print(f"\nllama2-13b, global batch {BIG_BATCH}, seq {BIG_SEQ}, bf16, 1,024 GPUs, median of {args.repeats} solves")
+        print(f"{'--zero':>6} {'median s':>9} {'min s':>7} {'chosen':>6} {'status':>8} {'used':>5} {'iter s (pred.)':>15}")
+        for r in big:
+            it = "infeasible" if r["predicted_iteration_s"] is None else f"{r['predicted_iteration_s']:.4g}"
+            print(f"{r['zero']:>6} {r['median_solve_s']:>9.3f} {r['min_solve_s']:>7.3f} {r['chosen_zero'] or '-':>6} "
+                  f"{r['status']:>8} {r['devices_used']:>5} {it:>15}")
+        print(f"13B on 1,024 GPUs (--zero auto) in {big[0]['median_solve_s']:.2f} s: "
+              f"{'OK' if big[0]['median_solve_s'] <= TARGET_1024_S else 'over'} the {TARGET_1024_S:g} s target")
     return 0 if ok else 1
+
+
+BIG_BATCH, BIG_SEQ = 4096, 2048
+
+
+def solve_13b(repeats: int) -> list[dict]:
+    """Issue 11's case with --zero auto and each stage forced: median solve time and the plan."""
+    cluster = mixed_cluster(1024)
+    out = []
+    for zero in ("auto", 1, 2, 3):
+        times, result = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            try:
+                result = solve_plan(cluster, "llama2-13b", BIG_BATCH, seq=BIG_SEQ, dtype="bf16", zero=zero)
+            except ValueError:
+                result = None  # infeasible at this stage (the time to say so is still measured)
+            times.append(time.perf_counter() - t0)
+        plan = result.plan if result else None
+        out.append({"zero": str(zero), "median_solve_s": statistics.median(times), "min_solve_s": min(times),
+                    "chosen_zero": plan.zero if plan else None, "status": result.status if result else "infeasible",
+                    "devices_used": len(plan.used) if plan else 0,
+                    "predicted_iteration_s": plan.predicted_iteration_s if plan else None})
+    return out
 
 
 if __name__ == "__main__":

@@ -425,9 +425,9 @@ class CostModel:
                 max_compute_s: float = math.inf) -> tuple[Choice, ...]:
         """The state-only choice, then every (m, n) with m from `micro_batches` (default: powers of
         two up to the global batch and MAX_MICRO_BATCH) whose memory at f = 0 fits, n from 1 while
-        m·n ≤ the global batch, the memory still fits (at zero ≥ 2 it grows with n: the first n that
-        does not fit ends the run) and the compute time stays within `max_compute_s` (an upper bound
-        on the optimum: a slower device would only finish later)."""
+        m·n ≤ the global batch, the memory still fits (at zero ≥ 2 it grows with n from n = 2 on: the
+        first such n that does not fit ends the run) and the compute time stays within `max_compute_s`
+        (an upper bound on the optimum: a slower device would only finish later)."""
         c = self.coeffs[device]
         ms = sorted(set(micro_batches)) if micro_batches else [
             1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
@@ -439,6 +439,10 @@ class CostModel:
                     break
                 max_share = self.max_share(device, m, n)
                 if max_share < 0:
+                    # layer-wise accumulation keeps only unit boundaries once n > 1: n = 2 may fit where
+                    # n = 1 (every activation of the micro-batch kept) does not; from n = 2 on memory grows with n
+                    if n == 1 and c.layerwise:
+                        continue
                     break
                 fixed = c.memory_bytes(m, n, 0.0)
                 per_share = c.memory_bytes(m, n, 1.0) - fixed

@@ -171,6 +171,22 @@ def test_memory_that_grows_with_accumulation_steps_limits_the_choices():
         assert per_device[1][0] * per_device[1][1] == small_batch
 
 
+def test_accumulating_layer_by_layer_can_fit_where_one_micro_batch_does_not():
+    # n = 1 keeps every activation (3 GB per sample); n > 1 keeps unit boundaries (0.5 GB per sample and step)
+    dev = DeviceSpec("L4", memory_gb=2.0)
+    mem = lambda m, n, f: (3 * GB * m) if n == 1 else 0.5 * GB * m * n  # noqa: E731
+    coeffs = DeviceCoeffs(dev, "fp32", 0.0, 1.0, 0.0, 2 * GB, mem, layerwise=True,
+                          recompute_alpha_s=0.0, recompute_beta_s=1.5)
+    cost = CostModel(ClusterSpec("c", (NodeSpec("n", "dc", (dev,)),)), 1, {dev: coeffs},
+                     lambda devs, multi: CommModel(1.0, 0.0, 0.0, 0.0), zero=3)
+    assert {(c.micro_batch, c.accum_steps) for c in cost.choices(dev, 8) if c.batch} == {(1, 2), (1, 3), (1, 4),
+                                                                                       (2, 2)}
+    sol, _ = solve_with_cost_model(cost, 4, time_limit_s=20.0)
+    m, n, _ = sol.per_device[0]
+    assert (m, n) in ((1, 4), (2, 2))
+    assert cost.estimate_iteration_s([sol.per_device[0]])[0] == pytest.approx(4 * 1.5)  # priced with recompute
+
+
 def test_bad_zero_is_refused():
     cluster = ClusterSpec.load(LOCAL)
     for bad in (0, 4, "2", True):
