@@ -24,6 +24,11 @@ than T − comm simply drop out. Feasibility only grows with T, so the least T i
 first over the breakpoints compute + comm (where the choice set changes), then continuously. Each
 feasible probe's configuration is priced exactly (its optimal shares by water-filling), which moves
 the upper end of the interval at once to a real plan's time.
+
+ZeRO stages: the cost model of one stage (planner/cost.py) fixes the memory of every (m, n), the
+compute (layer-wise accumulation recomputes at zero ≥ 2, n > 1) and comm(k); `solve_plan` with
+zero="auto" solves stages 1, 2, 3 in order, each required to beat the best so far by more than the
+bisection's tolerance (so ties keep the lower stage), and records what each stage gave.
 """
 from __future__ import annotations
 
@@ -328,6 +333,8 @@ def explain_infeasible(cost: CostModel, global_batch: int) -> str:
     for _, d in cost.cluster.devices():
         c = cost.coeffs[d]
         idle, busy = cost.max_share(d, 0, 0), cost.max_share(d, 1, 1)
+        if c.layerwise:  # accumulating layer by layer, two micro-batches of 1 may fit where one does not
+            busy = max(busy, cost.max_share(d, 1, 2))
         room_idle += max(idle, 0.0)
         room_busy += max(busy, idle, 0.0) if busy < 0 else busy
         if idle < 0:

@@ -173,7 +173,7 @@ def brute_force(cost, global_batch, micro_batches):
     return best
 
 
-def random_instance(rng):
+def random_instance(rng, layerwise=False):
     kinds = [DeviceSpec(t, slowdown=s, memory_gb=g) for t, s, g in
              [("A100-80GB", 1.0, None), ("T4", 1.0, 2.0), ("L4", 2.0, None), ("cpu", 3.0, 1.0)]]
     rng.shuffle(kinds)
@@ -184,19 +184,24 @@ def random_instance(rng):
     table = {}
     for d in set(devs):
         cap = rng.uniform(1.5, 8.0) * GB
-        table[d] = coeffs(d, rng.uniform(0.0, 0.5), rng.uniform(0.1, 1.0), rng.uniform(0.0, 1.5), cap,
-                          affine_memory(rng.uniform(0, 0.5) * GB, rng.uniform(0.3, 1.5) * GB,
-                                        rng.uniform(0.5, 6.0) * GB))
+        alpha_s, beta_s = rng.uniform(0.0, 0.5), rng.uniform(0.1, 1.0)
+        memory = affine_memory(rng.uniform(0, 0.5) * GB, rng.uniform(0.3, 1.5) * GB, rng.uniform(0.5, 6.0) * GB)
+        if layerwise:  # zero ≥ 2: every accumulation step's boundaries kept, and n > 1 recomputes (β × 4/3)
+            per_step = rng.uniform(0.1, 0.8) * GB
+            memory = (lambda mem, b: lambda m, n, f: mem(m, n, f) + b * m * (n - 1))(memory, per_step)
+        table[d] = DeviceCoeffs(d, "fp32", alpha_s, beta_s, rng.uniform(0.0, 1.5), cap, memory, layerwise=layerwise,
+                                recompute_alpha_s=alpha_s, recompute_beta_s=beta_s * 4 / 3)
     cost = make_cost(nodes, table, bandwidth_bytes_per_s=rng.uniform(0.5, 4.0), hop_latency_s=rng.uniform(0, 0.05),
                      inter_factor=rng.uniform(1.0, 4.0))
     return cost, rng.randint(1, 9)
 
 
-def test_ilp_matches_brute_force_on_random_small_clusters():
+@pytest.mark.parametrize("layerwise, instances", [(False, 21), (True, 10)])
+def test_ilp_matches_brute_force_on_random_small_clusters(layerwise, instances):
     rng = random.Random(20241101)
     checked = 0
-    while checked < 21:
-        cost, batch = random_instance(rng)
+    while checked < instances:
+        cost, batch = random_instance(rng, layerwise)
         micro_batches = [1, 2, 4]
         expected = brute_force(cost, batch, micro_batches)
         if math.isinf(expected):

@@ -26,8 +26,10 @@ def test_plan_json_is_a_plan_file_and_evaluate_reproduces_it(tmp_path, capsys):
     printed = json.loads(capsys.readouterr().out)
     plan = Plan.from_dict(printed)  # the --json output is itself a plan file
     assert Plan.load(str(out)) == plan
-    for key in ("assignments", "predicted_iteration_s", "predicted_samples_per_s", "baselines", "solve_s"):
+    for key in ("assignments", "predicted_iteration_s", "predicted_samples_per_s", "baselines", "solve_s", "zero",
+                "zero_candidates"):
         assert key in printed
+    assert printed["zero"] in (1, 2, 3) and printed["zero_candidates"][str(printed["zero"])]["note"] == "chosen"
     for a in printed["assignments"]:
         assert {"node", "type", "micro_batch", "accum_steps", "batch", "shard_fraction",
                 "predicted_memory_bytes", "predicted_step_s"} <= set(a)
@@ -61,6 +63,7 @@ def test_default_output_is_a_per_device_table(capsys):
                    "--recompute", "full") == 0
     text = capsys.readouterr().out
     assert "micro_batch" in text and "predicted iteration" in text
+    assert "zero 1:" in text and "zero 3:" in text  # what each stage gave
     assert "P40 has no bf16" in text
     assert len([line for line in text.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]) == 4
 
