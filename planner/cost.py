@@ -21,7 +21,8 @@ An iteration ends when the slowest device ends: `T = max_i (compute_i + optimize
 Memory is the memory model's (planner/memory.py) for the actual (m, n, f) of a choice: increasing in
 the shard fraction, and at z ≥ 2 in the accumulation steps too (every micro-batch's unit-boundary
 activations are kept). The tables hold, for every candidate (m, n), the largest shard fraction that
-still fits (`Choice.max_share`); at z = 1 memory does not depend on n, so it is found once per m.
+still fits (`Choice.max_share`), each found by a few evaluations of the memory model (secant steps:
+each of its moments is affine in f) and cached per (device, m, n).
 
 Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
 in `link_bandwidth_bytes_per_s`.
@@ -94,8 +95,9 @@ class DeviceCoeffs:
         return self.compute_s(micro_batch, accum_steps) + self.optimizer_s * shard_fraction
 
     def memory_accum_steps(self, accum_steps: int) -> int:
-        """The accumulation steps memory depends on: n at zero ≥ 2, none (1) at zero 1."""
-        return max(accum_steps, 1) if self.layerwise else 1
+        """The accumulation steps memory is asked at: the choice's own n (≥ 1), at every stage (at
+        zero 1 the memory model ignores it; asking costs little: bench/planner_scaling.py)."""
+        return max(accum_steps, 1)
 
     def memory_bytes(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> float:
         return self.memory_fn(micro_batch, self.memory_accum_steps(accum_steps), shard_fraction)
@@ -412,7 +414,7 @@ class CostModel:
         return self.coeffs[device].memory_bytes(micro_batch, accum_steps, shard_fraction)
 
     def max_share(self, device: DeviceSpec, micro_batch: int, accum_steps: int) -> float:
-        """DeviceCoeffs.max_share, cached per (device, m, the n memory depends on)."""
+        """DeviceCoeffs.max_share, cached per (device, m, n)."""
         c = self.coeffs[device]
         key = (device, micro_batch, c.memory_accum_steps(accum_steps))
         if key not in self._share_cache:

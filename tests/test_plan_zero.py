@@ -47,9 +47,7 @@ def assert_fits_by_the_memory_model(plan: Plan):
     devices = plan.cluster.devices()
     for a in plan.used:
         dev = devices[a.device_index][1]
-        # at zero 1 the planner asks at n = 1: it relies on ZeRO-1's memory not depending on n
-        n = max(a.accum_steps, 1) if plan.zero >= 2 else 1
-        cfg = MemoryConfig(micro_batch=a.micro_batch, accum_steps=n, seq=plan.seq,
+        cfg = MemoryConfig(micro_batch=a.micro_batch, accum_steps=max(a.accum_steps, 1), seq=plan.seq,
                            dtype=device_dtype(dev.type, plan.dtype), recompute=plan.recompute,
                            dp=plan.cluster.num_devices, zero=plan.zero, shard_fraction=a.shard_fraction)
         peak = estimate_memory(spec, cfg).peak_bytes
@@ -148,8 +146,8 @@ def test_layerwise_accumulation_is_priced_with_the_full_recompute_profile():
 
 def _two_device_cost(layerwise):
     big, small = DeviceSpec("L4"), DeviceSpec("L4", memory_gb=1.0)
-    # the small device keeps 1 GB per sample of every micro-batch when memory depends on n
-    mem = lambda m, n, f: 1 * GB * m * n  # noqa: E731
+    # 1 GB per sample of one micro-batch (ZeRO-1), or of every micro-batch (layer-wise: memory grows with n)
+    mem = (lambda m, n, f: 1 * GB * m * n) if layerwise else (lambda m, n, f: 1 * GB * m)  # noqa: E731
     coeffs = {d: DeviceCoeffs(d, "fp32", 0.0, 1.0, 0.0, cap, mem, layerwise=layerwise,
                               recompute_alpha_s=0.0, recompute_beta_s=1.0)
               for d, cap in ((big, 100 * GB), (small, 1 * GB))}
