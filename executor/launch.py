@@ -28,6 +28,7 @@ whatever the node is called: the command is run on that node.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -39,12 +40,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from executor import checkpoint as ckpt
 from executor.corpus import build_corpus
 from executor.store import MetricsStore, _pid_alive, db_path, read_metrics
 from planner.paths import PROJECT_ROOT, runs_dir
 from planner.plan import Plan
+
+if TYPE_CHECKING:  # models.optim imports torch; the dashboard imports this module
+    from models.optim import OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +66,37 @@ _PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", 
 # ---- the commands ------------------------------------------------------------------------
 
 
+def optim_flags(optim: OptimConfig) -> list[str]:
+    """`executor launch` flags that reproduce `optim` (start_run passes them on)."""
+    return ["--lr", repr(optim.lr), "--warmup-steps", str(optim.warmup_steps), "--min-lr-ratio",
+            repr(optim.min_lr_ratio), "--weight-decay", repr(optim.weight_decay), "--max-grad-norm",
+            "none" if optim.max_grad_norm is None else repr(optim.max_grad_norm)] + (
+        [] if optim.decay_steps is None else ["--decay-steps", str(optim.decay_steps)])
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def default_optim(steps: int, optim: OptimConfig | None = None) -> OptimConfig:
+    """The run's optimizer settings: the given ones, else OptimConfig's defaults with a linear
+    warmup over the first 5 % of the steps (at most 2,000; GPT-3 warms up over 375M of 300B
+    tokens, Llama 2 over 2,000 steps)."""
+    if optim is not None:
+        return optim
+    from models.optim import OptimConfig
+
+    return OptimConfig(warmup_steps=min(2000, steps // 20))
+
+
 def worker_args(plan_path: str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
-                checkpoint_every: int = 0, tokens_path: str | None = None, corpus_dir: str | None = None) -> list[str]:
+                checkpoint_every: int = 0, tokens_path: str | None = None, corpus_dir: str | None = None,
+                optim: OptimConfig | None = None) -> list[str]:
     args = ["-m", "executor.worker", "--plan", plan_path, "--steps", str(steps), "--run-dir", run_dir,
-            "--seed", str(seed), "--checkpoint-every", str(checkpoint_every)]
+            "--seed", str(seed), "--checkpoint-every", str(checkpoint_every),
+            "--optim", json.dumps(default_optim(steps, optim).to_dict())]
     if tokens_path:
         args += ["--tokens", tokens_path]
     elif corpus_dir:
@@ -105,13 +131,13 @@ def runs_here(plan: Plan) -> bool:
 
 def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                        checkpoint_every: int = 0, corpus_dir: str | None = None,
-                       port: int = DEFAULT_RDZV_PORT) -> list[str]:
+                       port: int = DEFAULT_RDZV_PORT, optim: OptimConfig | None = None) -> list[str]:
     """One shell line per node: `GPUMIX_NODE=<node> python -m torch.distributed.run --nnodes=N
     --nproc-per-node=k --node-rank=i --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> ...`.
     Every node needs this repository, the plan file and the corpus folder at the same paths."""
     nodes = plan_nodes(plan)
     run_id = re.sub(r"[^A-Za-z0-9_-]", "-", os.path.basename(os.path.abspath(run_dir)))
-    wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, corpus_dir=corpus_dir)
+    wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, corpus_dir=corpus_dir, optim=optim)
     lines = []
     for i, node in enumerate(nodes):
         k = sum(1 for a in plan.used if a.node == node)
@@ -279,7 +305,7 @@ def _stop_on_signals(flag: threading.Event):
 
 
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
-               checkpoint_every: int = 0, corpus_dir: str | None = None) -> str:
+               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None) -> str:
     """Run `plan` for `steps` global steps with torchrun; block until it ends.
     Returns the final status: "done" | "failed" | "stopped". ValueError on bad input."""
     plan = _load(plan)
@@ -301,7 +327,7 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
         fh.write(str(os.getpid()))
     cmd = local_torchrun_command(len(plan.used), free_port(),
                                  worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume,
-                                             checkpoint_every, tokens_path=tokens))
+                                             checkpoint_every, tokens_path=tokens, optim=optim))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GPUMIX_LAUNCHED="1",
                PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
@@ -388,7 +414,7 @@ class RunHandle:
 
 
 def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
-              checkpoint_every: int = 0, corpus_dir: str | None = None) -> RunHandle:
+              checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
     folder under planner.paths.runs_dir()."""
@@ -411,6 +437,8 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
         cmd.append("--resume")
     if corpus_dir:
         cmd += ["--corpus", corpus_dir]
+    if optim is not None:
+        cmd += optim_flags(optim)
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

@@ -8,16 +8,15 @@ device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
 
 1. the global sampler gives the step's `global_batch` windows, identical for any plan;
    this rank takes its consecutive piece, in `accum_steps` micro-batches of `micro_batch`;
-2. forward + backward of each micro-batch, the loss divided by the GLOBAL token count
-   (models.runtime.micro_batch_loss), gradients accumulating in `flat_grads`;
-3. all-reduce (SUM) of `flat_grads`: the gradient of the global mean loss;
-4. AdamW on this rank's uneven slice of the flat parameters (shard_bounds of the plan's
-   shard fractions), then every slice is broadcast from its owner.
+2. models.sharded.ShardedRuntime runs them at the plan's ZeRO stage (1, 2 or 3) with the
+   plan's uneven shard fractions: forward and backward, the loss divided by the GLOBAL token
+   count, gradients reduce-scattered into the owners' slices, clipped by the global norm,
+   AdamW with the LR schedule (models/optim.py) on each rank's slices.
 
 Emulation: `slowdown` s sleeps (s-1) x the measured compute of the rank's micro-batches (one
-sleep after them) and of its optimizer slice (the planner's cost model slows both); on CPU
+sleep after them, before the collectives that wait for every rank's gradients); on CPU
 "compute" is the thread's CPU time, so other processes' share of a busy machine is not
-multiplied (see Trainer._work_clock);
+multiplied (see ShardedRuntime's work clock);
 `memory_gb` fails the rank with an out-of-memory message when the measured peak
 (executor.memtrack) exceeds it.
 """
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -40,8 +40,9 @@ from executor import checkpoint as ckpt
 from executor.corpus import Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from executor.memtrack import PeakMemory
 from executor.store import MetricsStore
-from models.decoder import build_model
-from models.runtime import FlatShardedState, micro_batch_loss, shard_bounds
+from models.collectives import ProcessGroupCollectives
+from models.optim import OptimConfig, lr_at
+from models.sharded import ShardedRuntime
 from planner.catalog import GIB
 from planner.plan import Assignment, Plan
 from planner.specs import get_model, with_max_seq
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--val-every", type=int, default=50, help="validation loss every K steps (and at the last)")
+    p.add_argument("--optim", default=None, help="OptimConfig as JSON (models/optim.py); default: its defaults")
     p.add_argument("--measure-memory-every", type=int, default=0,
                    help="measure peak memory every K steps (0: the first step of the process only)")
     return p.parse_args(argv)
@@ -129,15 +131,19 @@ class Trainer:
             # never pretend: a plan for GPUs does not silently train on this CPU
             raise ValueError(f"plan device {my_type!r} needs CUDA device {local_rank}, this machine has "
                              f"{torch.cuda.device_count()}; plan for the 'cpu' type to run on CPU workers")
+        self.autocast, loss_scaling = None, False
         if self.cuda:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
-            # bf16 autocast on GPUs (fp16 for types without bf16; no loss scaling: keep runs short)
+            if plan.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+                # never train silently in another precision than the plan says
+                raise ValueError(f"plan dtype bf16 but {torch.cuda.get_device_name(self.device)} has no bf16: "
+                                 "re-plan (the planner picks fp16 with loss scaling for such GPUs)")
             self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.dtype)
+            loss_scaling = plan.dtype == "fp16"  # dynamic loss scaling keeps fp16 gradients finite
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(1)  # one core per rank: ranks must not fight over threads
-            self.autocast = None  # fp32 on CPU
         dist.init_process_group("nccl" if self.cuda else "gloo")
         self.position = my_position(plan, rank)
         owners: list[int] = [0] * world
@@ -149,13 +155,13 @@ class Trainer:
         self.batches = [u.batch for u in used]
 
         spec = with_max_seq(get_model(plan.model), plan.seq)
-        torch.manual_seed(args.seed)
-        self.model = build_model(spec, recompute=plan.recompute).to(self.device)
-        numel = sum(p.numel() for p in self.model.parameters())
-        self.bounds = shard_bounds(numel, [u.shard_fraction for u in used])
-        start, end = self.bounds[self.position]
-        self.state = FlatShardedState(self.model, start, end)
-        dist.broadcast(self.state.flat_params, src=self.owner[0])  # same initial weights, certainly
+        self.optim = OptimConfig.from_dict(json.loads(args.optim)) if args.optim else OptimConfig()
+        comm = ProcessGroupCollectives(self.position, [self.owner[p] for p in range(world)])
+        self.runtime = ShardedRuntime(spec, zero=plan.zero, fractions=[u.shard_fraction for u in used],
+                                      position=self.position, comm=comm, device=self.device,
+                                      recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
+                                      seed=args.seed, loss_scaling=loss_scaling)
+        shard = self.runtime.shard_numel()
 
         corpus = Corpus.load(args.tokens or build_corpus(args.corpus))
         self.train_tokens, self.val_tokens = corpus.train, corpus.val
@@ -167,95 +173,61 @@ class Trainer:
         if self.standalone and rank == 0:  # no launcher on this node: rank 0 writes the run row
             store.init_run(plan, args.steps, args.seed, backend="nccl" if self.cuda else "gloo", resume=True,
                            prefill_ranks=False)
-        store.register_rank(rank, self.position, self.a, os.getpid(), end - start,
+        store.register_rank(rank, self.position, self.a, os.getpid(), shard,
                             PeakMemory(self.device).method)
-        log.info("rank %d = plan device %d (%s, micro_batch %d x %d, shard [%d, %d) of %d)%s", rank,
-                 self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, start, end, numel,
-                 " EMULATED" if _is_emulated(self.a) else "")
+        log.info("rank %d = plan device %d (%s, micro_batch %d x %d, zero %d, %d of %d parameters)%s", rank,
+                 self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, plan.zero, shard,
+                 spec.num_params, " EMULATED" if _is_emulated(self.a) else "")
 
     # ---- one step ------------------------------------------------------------------------
     def _tensors(self, starts: np.ndarray, data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = windows(data, starts, self.plan.seq)
         return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
 
-    def _work_clock(self) -> float:
-        """The clock an emulated slowdown scales. CPU: this thread's CPU time (torch runs one
-        thread per rank), so time the OS gave to other processes on a shared machine is not
-        stretched s-fold as if it were the device's work. CUDA: wall time after a sync."""
-        return time.perf_counter() if self.cuda else time.thread_time()
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
     def train_step(self, step: int, measure_memory: bool) -> dict[str, float | int | None]:
         starts = self.sampler.starts(step)
-        st = self.state
-        resident = [st.flat_params, st.flat_grads, st.exp_avg, st.exp_avg_sq]
-        tracker = PeakMemory(self.device, resident) if measure_memory else contextlib.nullcontext()
-        compute_s = work_s = delay_s = wait_s = 0.0
-        local_loss = 0.0
-        t0 = time.perf_counter()
-        with tracker:
-            st.zero_grad()
-            for sl in self.slices:
-                x, y = self._tensors(starts[sl], self.train_tokens)
-                c0, u0 = time.perf_counter(), self._work_clock()
-                loss = micro_batch_loss(self.model, x, y, self.global_tokens, self.autocast)
-                loss.backward()
-                self._sync()
-                compute_s += time.perf_counter() - c0
-                work_s += self._work_clock() - u0
-                local_loss += float(loss.detach())
+        rt = self.runtime
+        tracker = PeakMemory(self.device, rt.resident_tensors()) if measure_memory else contextlib.nullcontext()
+        delay = [0.0]
+
+        def slow_down(work_s: float) -> None:
             if self.a.slowdown > 1.0:
                 # emulate a slower device: it would have worked s x as long. One sleep for all
                 # micro-batches: a core that idles between them comes back cold (caches, clock)
                 # and would inflate the next micro-batch's time, and so the delay, again.
-                delay_s = (self.a.slowdown - 1.0) * work_s
-                time.sleep(delay_s)
-            w0 = time.perf_counter()
-            # the step's loss travels beside the gradients (async: one latency, not two)
-            loss_t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)
-            loss_work = dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, async_op=True)
-            dist.all_reduce(st.flat_grads, op=dist.ReduceOp.SUM)
-            w1, u1 = time.perf_counter(), self._work_clock()
-            st.step()
-            self._sync()
-            w2 = time.perf_counter()
-            optimizer_s = w2 - w1
-            if self.a.slowdown > 1.0:  # the slower device is slower at its optimizer slice too
-                d = (self.a.slowdown - 1.0) * (self._work_clock() - u1)
-                time.sleep(d)
-                delay_s += d
-                w2 = time.perf_counter()
-            # every slice from its owner, all in flight at once (their latencies overlap);
-            # wait before the next forward reads them
-            works = [dist.broadcast(st.flat_params[s:e], src=self.owner[pos], async_op=True)
-                     for pos, (s, e) in enumerate(self.bounds) if e > s]
-            for w in (*works, loss_work):
-                w.wait()
-            w3 = time.perf_counter()
-        wait_s = (w1 - w0) + (w3 - w2)
+                delay[0] = (self.a.slowdown - 1.0) * work_s
+                time.sleep(delay[0])
+
+        t0 = time.perf_counter()
+        with tracker:
+            batches = [self._tensors(starts[sl], self.train_tokens) for sl in self.slices]
+            lr = lr_at(step, self.args.steps, self.optim)
+            r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down)
+        step_s = time.perf_counter() - t0
         peak = tracker.peak_bytes if measure_memory else None
         if peak is not None and self.memory_limit_bytes is not None and peak > self.memory_limit_bytes:
             raise EmulatedOutOfMemory(
                 f"out of memory (emulated): rank {self.rank} ({self.a.type}, memory_gb {self.a.memory_gb:g}) "
                 f"measured peak {peak / GIB:.3f} GiB > limit {self.memory_limit_bytes / GIB:.3f} GiB")
-        return {"loss": float(loss_t.item()), "step_s": time.perf_counter() - t0, "compute_s": compute_s,
-                "delay_s": delay_s, "optimizer_s": optimizer_s, "wait_s": wait_s, "peak": peak}
+        if r.skipped:
+            self.store.add_event("note", f"step {step}: fp16 overflow, step skipped (loss scale {r.loss_scale:g})",
+                                 self.rank)
+        wait_s = max(0.0, step_s - r.compute_s - delay[0] - r.optimizer_s)
+        return {"loss": r.loss, "step_s": step_s, "compute_s": r.compute_s, "delay_s": delay[0],
+                "optimizer_s": r.optimizer_s, "wait_s": wait_s, "peak": peak}
 
     @torch.no_grad()
     def val_loss(self) -> float:
         starts = val_starts(int(self.val_tokens.size), self.plan.seq, NUM_VAL_WINDOWS)
         x, y = self._tensors(starts, self.val_tokens)
-        return float(micro_batch_loss(self.model, x, y, x.numel(), self.autocast))
+        return self.runtime.eval_loss(x, y)
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
         args = self.args
         first = 1
         if args.resume:
-            done = ckpt.load(args.run_dir, self.state, self.position)
+            done = ckpt.load(args.run_dir, self.runtime, self.position)
             first = done + 1
             log.info("resumed from the checkpoint of step %d", done)
         lead = self.position == 0
@@ -265,13 +237,13 @@ class Trainer:
             m = self.train_step(step, measure)
             self.store.record_rank_step(self.rank, step, m["compute_s"], m["delay_s"], m["optimizer_s"],
                                         m["wait_s"], m["peak"])
+            val = None
+            if step == args.steps or (args.val_every > 0 and step % args.val_every == 0):
+                val = self.val_loss()  # on every rank: at zero 3 it gathers the units
             if lead:
-                val = None
-                if step == args.steps or (args.val_every > 0 and step % args.val_every == 0):
-                    val = self.val_loss()
                 self.store.record_step(step, m["loss"], m["step_s"], self.plan.global_batch, self.plan.seq, val)
             if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
-                ckpt.save(args.run_dir, self.state, self.position, step, self.plan)
+                ckpt.save(args.run_dir, self.runtime, self.position, step, self.plan)
                 if lead:
                     self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
         dist.barrier()

@@ -116,11 +116,19 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
         self.norm = _norm(spec)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
-        if spec.positional == "rope":  # RoPE inverse frequencies (Su et al. 2021), (hd/2,)
-            hd = spec.head_dim
-            inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if spec.positional == "rope":
+            self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
         self.apply(_init_weights)
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """RoPE inverse frequencies (Su et al. 2021), (hd/2,) fp32."""
+        hd = self.spec.head_dim
+        return 1.0 / (self.spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Make the non-parameter buffers on `device` (a model built on the meta device has none)."""
+        if self.spec.positional == "rope":
+            self.inv_freq = self._inv_freq(device)
 
     def _rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(T, device=device, dtype=torch.float32)
@@ -130,25 +138,36 @@ class Decoder(nn.Module):
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape
+    def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE's (cos, sin) for T positions in the compute dtype, or None for learned positions."""
+        return None if self.pos_embed is not None else self._rope(T, device)
+
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, h) residual stream input."""
+        T = idx.shape[1]
         if T > self.spec.max_seq:
             raise ValueError(f"sequence {T} exceeds the model's max_seq {self.spec.max_seq}")
         x = self.embed(idx)  # (B, T, h)
-        rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(T, device=idx.device))  # (B, T, h) + (T, h)
-        else:
-            rope = self._rope(T, idx.device)
+        return x
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) last block output -> (B, T, V) logits (final norm, then the head)."""
+        x = self.norm(x)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight)  # (B, T, V)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(idx)
+        rope = self.rope(idx.shape[1], idx.device)
         for block in self.blocks:
             if self.recompute == "full":
                 # keep only the block input; recompute the block in backward
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
-        x = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)  # (B, T, V)
+        return self.head_logits(x)
 
 
 def _init_weights(m: nn.Module) -> None:

@@ -43,6 +43,9 @@ class OptimConfig:
     max_grad_norm: float | None = 1.0  # clip by the global norm over all shards; None = no clipping
     warmup_steps: int = 0  # linear warmup; the runtime's callers pick a default from the run length
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio at the last step
+    # the step the cosine ends at; None: the run's --steps. Set it when a run is trained in
+    # several launches (a preempted job, a resume on other GPUs) so the schedule stays one curve
+    decay_steps: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -64,6 +67,9 @@ class OptimConfig:
                              f"got {self.max_grad_norm!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"OptimConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.decay_steps is not None and (isinstance(self.decay_steps, bool) or not isinstance(self.decay_steps, int)
+                                             or self.decay_steps < 1):
+            raise ValueError(f"OptimConfig.decay_steps must be None or an integer >= 1, got {self.decay_steps!r}")
         if not (isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0):
             raise ValueError(f"OptimConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 
@@ -88,7 +94,7 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
         step <= W:          lr · step / W
         W < step <= T:      lr_min + (lr - lr_min) · ½ · (1 + cos(π · (step - W) / (T - W)))
         step >= T:          lr_min                    (exactly, and constant beyond T)
-    with W = cfg.warmup_steps, T = total_steps, lr_min = lr · cfg.min_lr_ratio.
+    with W = cfg.warmup_steps, T = cfg.decay_steps or total_steps, lr_min = lr · cfg.min_lr_ratio.
     When T <= W the warmup is never cut short: the cosine phase is empty, the ramp reaches lr at
     step W (so step T == W gets lr, not lr_min) and every step after W gets lr_min.
     """
@@ -97,6 +103,7 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"lr_at: total_steps must be an integer >= 1, got {total_steps!r}")
     warmup = cfg.warmup_steps
+    total_steps = cfg.decay_steps or total_steps
     lr_min = cfg.lr * cfg.min_lr_ratio
     if step <= warmup:
         return cfg.lr * step / warmup

@@ -19,7 +19,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
     p.add_argument("--corpus", default=None, metavar="DIR", help="folder of text files (default: Python's stdlib)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear LR warmup steps (default: 5%% of --steps, at most 2000)")
+    p.add_argument("--min-lr-ratio", type=float, default=None,
+                   help="the cosine decay ends at lr x this at the last step (default 0.1)")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="the step the cosine ends at (default: --steps; set it when a run is resumed to go on)")
+    p.add_argument("--weight-decay", type=float, default=None, help="AdamW decay on matrices only (default 0.1)")
+    p.add_argument("--max-grad-norm", default=None, metavar="N|none",
+                   help="clip gradients by their global norm (default 1.0; 'none': no clipping)")
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
+
+
+def optim_from_args(args: argparse.Namespace):
+    """An OptimConfig from the flags (ValueError naming a bad value), or None for the defaults."""
+    given = {k: getattr(args, k) for k in ("lr", "warmup_steps", "min_lr_ratio", "decay_steps", "weight_decay",
+                                                "max_grad_norm")
+             if getattr(args, k) is not None}
+    if not given:
+        return None
+    from executor.launch import default_optim
+    from models.optim import OptimConfig
+
+    if "max_grad_norm" in given:
+        v = str(given["max_grad_norm"]).strip().lower()
+        try:
+            given["max_grad_norm"] = None if v == "none" else float(v)
+        except ValueError:
+            raise ValueError(f"--max-grad-norm must be a number or 'none', got {given['max_grad_norm']!r}") from None
+    base = default_optim(args.steps).to_dict()
+    base.update(given)
+    return OptimConfig.from_dict(base)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.plan import Plan
 
     plan = Plan.load(args.plan)
+    optim = optim_from_args(args)
     from executor.launch import launch_run, multinode_commands, runs_here
     from executor.store import read_metrics
 
@@ -36,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         plan_path = os.path.join(run_dir, "plan.json")
         plan.save(plan_path)
         lines = multinode_commands(plan_path, plan, args.steps, run_dir, args.seed, args.resume,
-                                   args.checkpoint_every, args.corpus)
+                                   args.checkpoint_every, args.corpus, optim=optim)
         if args.json:
             print_json({"status": "not started", "multinode_commands": lines})
         else:
@@ -44,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(lines))
         return 0
     status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
-                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus)
+                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim)
     m = read_metrics(args.run_dir)
     if args.json:
         print_json(m)
