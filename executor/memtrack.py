@@ -15,6 +15,9 @@ CPU we count live tensor bytes ourselves, the same quantity the CUDA counter rep
   tensor on that storage dies (autograd's saved activations included, since backward
   runs inside the mode).
 
+- storages resized in place (`UntypedStorage.resize_`: how the sharded runtime and FSDP2
+  free and re-gather a unit's full parameters) are followed while the mode is active.
+
 Accuracy: exact for tensors allocated by torch ops; misses tensors created outside the
 dispatcher (`torch.from_numpy` inputs: a few KiB here) and allocator rounding/fragmentation
 (which CUDA's counter includes at 512-byte granularity). It is independent of the
@@ -41,26 +44,59 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __init__(self, resident: Iterable[torch.Tensor] = ()):
         super().__init__()
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its current nbytes]
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._orig_resize = None
         for t in resident:
             self._track(t)
 
-    def _free(self, nbytes: int) -> None:
-        self.live_bytes -= nbytes
+    def _free(self, cell: list[int]) -> None:
+        self.live_bytes -= cell[0]
+
+    def _add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _track_storage(self, st: torch.UntypedStorage) -> list[int] | None:
+        if st in self._seen:
+            return None
+        cell = [st.nbytes()]
+        self._seen[st] = cell
+        weakref.finalize(st, self._free, cell)
+        self._add(cell[0])
+        return cell
 
     def _track(self, t: Any) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        st = t.untyped_storage()
-        if st in self._seen:
-            return
-        nbytes = st.nbytes()
-        self._seen[st] = nbytes
-        weakref.finalize(st, self._free, nbytes)
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._track_storage(t.untyped_storage())
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        cell = self._seen.get(st)
+        if cell is None:  # a storage born before the mode and not named resident: count it from now
+            cell = self._track_storage(st)
+        delta = nbytes - cell[0]
+        cell[0] = nbytes
+        self._add(delta)
+
+    def __enter__(self):
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st: torch.UntypedStorage, size: int):
+            out = orig(st, size)
+            mode._resized(st, st.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any):
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+            self._orig_resize = None
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
