@@ -41,10 +41,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """Causal self-attention through SDPA. With GQA (num_kv_heads < num_heads) the call passes
+    enable_gqa, which only the flash kernels take (planner/attention.py); expand_kv=True repeats
+    K and V to num_heads first so that the memory-efficient kernel (fp32 on CUDA, sm < 80) runs
+    instead of math: k and v are then saved at num_heads, with the same result."""
+
+    def __init__(self, spec: ModelSpec, expand_kv: bool = False):
         super().__init__()
         h, hd = spec.hidden, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
+        self.expand_kv = expand_kv
         qkv_bias = spec.linear_bias or spec.qkv_bias
         # separate q/k/v (HF names): q and k die after RoPE, only v is kept by SDPA
         self.q_proj = nn.Linear(h, h, bias=qkv_bias)
@@ -61,11 +67,20 @@ class Attention(nn.Module):
             cos, sin = rope  # (T, hd), already in the compute dtype
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, h)
-        return self.o_proj(y)
+        return self.o_proj(self.attend(q, k, v))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, nh, T, hd) q and (B, nkv, T, hd) k, v (after RoPE) -> (B, T, h), o_proj's input."""
+        B, _, T, _ = q.shape
+        gqa = self.num_kv_heads != self.num_heads
+        if gqa and self.expand_kv:
+            # head i of q reads kv head i // groups, as enable_gqa does; backward sums the copies
+            groups = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
+            v = v.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
+            gqa = False
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hd)
+        return y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, h)
 
 
 class MLP(nn.Module):
@@ -93,10 +108,10 @@ def _norm(spec: ModelSpec) -> nn.Module:
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, expand_kv: bool = False):
         super().__init__()
         self.attn_norm = _norm(spec)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, expand_kv)
         self.mlp_norm = _norm(spec)
         self.mlp = MLP(spec)
 
@@ -106,14 +121,14 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec, recompute: str = "none"):
+    def __init__(self, spec: ModelSpec, recompute: str = "none", expand_kv: bool = False):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
-        self.spec, self.recompute = spec, recompute
+        self.spec, self.recompute, self.expand_kv = spec, recompute, expand_kv
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden)
         self.pos_embed = nn.Embedding(spec.max_seq, spec.hidden) if spec.positional == "learned" else None
-        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        self.blocks = nn.ModuleList(Block(spec, expand_kv) for _ in range(spec.num_layers))
         self.norm = _norm(spec)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
         if spec.positional == "rope":
@@ -178,10 +193,11 @@ def _init_weights(m: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
-def build_model(spec: ModelSpec, recompute: str = "none") -> nn.Module:
+def build_model(spec: ModelSpec, recompute: str = "none", expand_kv: bool = False) -> nn.Module:
     """The decoder for `spec`; deterministic given torch.manual_seed. Build under
-    `torch.device("meta")` or FakeTensorMode to get shapes without memory."""
-    return Decoder(spec, recompute)
+    `torch.device("meta")` or FakeTensorMode to get shapes without memory. expand_kv: repeat
+    K/V to num_heads before SDPA (planner.attention.select_kernel says where that pays)."""
+    return Decoder(spec, recompute, expand_kv)
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -4,6 +4,10 @@ Peak figures are *dense* (no 2:4 sparsity) tensor-core rates where the part has
 tensor cores for that dtype; fp32 is the plain (non-TF32) vector rate. Sources
 are the vendors' datasheets, cited per entry. A part without native bf16
 (`bf16_tflops == 0`) makes the planner fall back to fp16 with a note.
+
+`compute_capability` is the CUDA SM version (major, minor) from NVIDIA's table
+(https://developer.nvidia.com/cuda-gpus, "CUDA GPU Compute Capability"); it decides
+which SDPA kernel torch runs (planner/attention.py). AMD parts and the CPU have none.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ class GpuType:
     interconnect: str  # "nvlink4", "pcie4", ...
     interconnect_gbps: float  # per-GPU peer bandwidth in GB/s (bytes, one direction)
     vendor: str = "nvidia"
+    compute_capability: tuple[int, int] | None = None  # CUDA (major, minor); None: not a CUDA device
 
     @property
     def supports_bf16(self) -> bool:
@@ -51,7 +56,20 @@ class GpuType:
 
 
 def _g(name, mem_gib, fp32, fp16, bf16, bw, ic, ic_gbps, vendor="nvidia") -> GpuType:
-    return GpuType(name, int(mem_gib * GIB), fp32, fp16, bf16, bw, ic, ic_gbps, vendor)
+    return GpuType(name, int(mem_gib * GIB), fp32, fp16, bf16, bw, ic, ic_gbps, vendor,
+                   _COMPUTE_CAPABILITY.get(name))
+
+
+# CUDA compute capability per type, from https://developer.nvidia.com/cuda-gpus (Hopper 9.0,
+# Ampere GA100 8.0, Ampere GA10x 8.6, Ada 8.9, Turing 7.5, Volta 7.0, Pascal GP100 6.0, GP10x 6.1).
+_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "H200": (9, 0), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
+    "A100-40GB": (8, 0), "A100-80GB": (8, 0),
+    "A10G": (8, 6), "A6000": (8, 6), "RTX3090": (8, 6),
+    "L4": (8, 9), "L40S": (8, 9), "RTX4090": (8, 9),
+    "T4": (7, 5), "V100-16GB": (7, 0), "V100-32GB": (7, 0),
+    "P100": (6, 0), "P40": (6, 1),
+}
 
 
 CATALOG: dict[str, GpuType] = {g.name: g for g in (
