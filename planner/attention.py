@@ -90,8 +90,18 @@ def _fused(name: str, expand_kv: bool, reason: str) -> AttentionKernel:
     return AttentionKernel(name, expand_kv, FP32_BYTES, lse_multiple, head_multiple, False, reason)
 
 
-def _math(reason: str) -> AttentionKernel:
-    return AttentionKernel("math", False, 0, 1, 1, True, reason)
+def _math(reason: str, expand_kv: bool = False) -> AttentionKernel:
+    return AttentionKernel("math", expand_kv, 0, 1, 1, True, reason)
+
+
+def kernel_by_name(name: str, expand_kv: bool = False) -> AttentionKernel:
+    """The kernel `name` as if forced (torch.nn.attention.sdpa_kernel): to price a forced
+    backend, or to check the formulas against a run that forces one."""
+    if name not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
+    if name == "math":  # math repeats K/V to num_heads itself: expand_kv saves the same bytes
+        return _math("forced", expand_kv)
+    return _fused(name, expand_kv, "forced")
 
 
 def _efficient_alignment(sm: tuple[int, int], dtype: str) -> int:
@@ -178,4 +188,4 @@ def attention_saved_bytes(kernel: AttentionKernel, batch: int, seq: int, heads: 
     return qkvo + lse
 
 
-__all__ = ["AttentionKernel", "KERNELS", "attention_saved_bytes", "select_kernel"]
+__all__ = ["AttentionKernel", "KERNELS", "attention_saved_bytes", "kernel_by_name", "select_kernel"]
