@@ -49,6 +49,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from models.collectives import Collectives
 from models.decoder import Decoder, build_model
@@ -62,6 +63,11 @@ log = logging.getLogger(__name__)
 
 INIT_STD = 0.02  # GPT-2 / Llama initializer_range (models/decoder.py)
 SEED_STRIDE = 1_000_003  # unit u of seed s draws from generator seed s·SEED_STRIDE + u
+
+
+def host_float(t: torch.Tensor) -> float:
+    """A scalar tensor's value; 0.0 under FakeTensorMode (the profiler traces shapes, no data)."""
+    return 0.0 if is_fake(t) else float(t)
 
 
 @dataclass
@@ -295,7 +301,7 @@ class ShardedRuntime:
             loss = self._loss(logits, y, normalizer)
             del logits
             (loss * scale if scale != 1.0 else loss).backward()
-            return float(loss.detach())
+            return host_float(loss.detach())
 
         for x, y in batches:
             total += self._timed(lambda: one(x, y))
@@ -367,7 +373,7 @@ class ShardedRuntime:
                 loss = self._loss(logits, y, normalizer)
                 del logits
                 (loss * scale if scale != 1.0 else loss).backward()
-                tot += float(loss.detach())
+                tot += host_float(loss.detach())
                 dxs.append(xin.grad)
             return dxs, tot
         dxs, total = self._timed(head_fb)
@@ -434,12 +440,12 @@ class ShardedRuntime:
     def _finish_step(self, loss: float, lr: float, scale: float) -> StepResult:
         sq = global_grad_norm_sq(u.grad for u in self.units).to(self.device)  # fp64 scalar
         # one all-reduce for the squared norm, the overflow flag and the step's loss
-        stats = torch.stack([sq, torch.tensor(0.0 if math.isfinite(float(sq)) else 1.0, dtype=torch.float64,
+        stats = torch.stack([sq, torch.tensor(0.0 if math.isfinite(host_float(sq)) else 1.0, dtype=torch.float64,
                                               device=self.device),
                              torch.tensor(loss, dtype=torch.float64, device=self.device)])
         self.comm.all_reduce(stats, "sum")
-        loss = float(stats[2])
-        found_inf = float(stats[1]) > 0 or not math.isfinite(float(stats[0]))
+        loss = host_float(stats[2])
+        found_inf = host_float(stats[1]) > 0 or not math.isfinite(host_float(stats[0]))
         scale_used = self.scaler.scale
         self.scaler.update(found_inf)
         if found_inf:
@@ -447,7 +453,7 @@ class ShardedRuntime:
                 raise FloatingPointError("non-finite gradient (no loss scaling in this dtype): the run diverged")
             log.warning("fp16 overflow at loss scale %g: step skipped, scale now %g", scale_used, self.scaler.scale)
             return StepResult(loss, float("nan"), True, self._clock[0], self._clock[1], scale_used)
-        norm = math.sqrt(float(stats[0])) / scale
+        norm = math.sqrt(host_float(stats[0])) / scale
         coef = clip_coefficient(norm, self.optim.max_grad_norm) / scale
         self.step_count += 1
         t0 = time.perf_counter()

@@ -45,10 +45,11 @@ activations) are analytic only: the runtime does not run them, so no trace check
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from planner.specs import ModelSpec
+from planner.units import runtime_units
 
 DTYPES = ("fp32", "bf16", "fp16")
 RECOMPUTE = ("none", "full")
@@ -273,6 +274,111 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
     return phases
 
 
+def _shard_numels(spec: ModelSpec, f: float) -> list[int]:
+    """This GPU's slice of every runtime unit: round-half-up of f·numel (models/runtime.shard_bounds
+    for the first position; a later position's slice differs by at most one element)."""
+    return [int(math.floor(u.numel * f + 0.5)) for u in runtime_units(spec)]
+
+
+def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
+                    seq: int) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """The sharded runtime (models/sharded.py): (resident state by key, (activation bytes, other
+    bytes) on top of it at each candidate peak moment of the step).
+
+    Resident: AdamW moments and the gradient of the slice, 12 B per owned parameter; zero 1 and 2
+    add the full fp32 parameters (the master slice is a view of them), zero 1 the full fp32
+    gradients, zero 3 the master slice (4 B per owned parameter).
+    Zero 1 runs the whole model per micro-batch: the phases of `_phases`. Zero 2 and 3 go unit by
+    unit over all micro-batches (planner/units.py):
+      * keep mode (one micro-batch, recompute "none"): `_phases`' moments, where a block's output is
+        held by its graph until its backward is done (+1 boundary) and a tied head's gradient has
+        already been reduced (no pending (V, h) gradient);
+      * boundary mode (several micro-batches, or recompute "full"): `_phases` with recompute "full"
+        for the micro-batch being processed, plus the other micro-batches' unit boundaries
+        (4·h·N bytes each): at the head, L+1 per micro-batch and the n-1 finished input gradients;
+        in a block's backward, L+1 per micro-batch in all (inputs still to consume, the incoming
+        and the finished gradients);
+    and on top, the unit buffers in flight at that moment: the unit's full fp32 gradient, and at
+    zero 3 its gathered parameters and the prefetched next unit's (a tied embedding is gathered
+    again for the head and its gradient reduced right after it)."""
+    f = cfg.fraction
+    shards = _shard_numels(spec, f)
+    owned = sum(shards)
+    units = runtime_units(spec)
+    P = spec.num_params
+    resident = {"params_bytes": FP32_BYTES * (owned if cfg.zero >= 3 else P),
+                "grads_bytes": FP32_BYTES * (owned + (P if cfg.zero <= 1 else 0)),
+                "optimizer_bytes": 2 * FP32_BYTES * owned}
+    # the global norm walks each slice in chunks, one fp64 copy of a chunk at a time (models/optim.py);
+    # AdamW's single fp32 chunk buffer (4 B per element) comes later and is smaller
+    step_temps = 2 * FP32_BYTES * min(max(shards), STEP_CHUNK_NUMEL)
+    n = cfg.accum_steps if cfg.micro_batch > 0 else 0
+    inputs_all = 2 * INT64_BYTES * cfg.micro_batch * seq * n
+    if cfg.zero <= 1 or cfg.micro_batch == 0:
+        one = _phases(spec, cfg, seq)
+        extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
+        phases = {k: (a, o + extra_inputs) for k, (a, o) in one.items()}
+        phases["step"] = (one["step"][0], one["step"][1] + step_temps + extra_inputs)
+        if cfg.zero >= 2:  # a rank without samples: one unit's gradient (and gathers) at a time
+            largest = max(u.numel for u in units)
+            phases["join"] = (0, FP32_BYTES * largest * (3 if cfg.zero == 3 else 1) + inputs_all)
+        return resident, phases
+    keep = n == 1 and cfg.recompute == "none"
+    one = _phases(spec, cfg if keep else replace(cfg, recompute="full"), seq)
+    h, V = spec.hidden, spec.vocab_size
+    bd = FP32_BYTES * h * cfg.micro_batch * seq  # one unit boundary of one micro-batch, fp32
+    extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
+    tied = spec.tied_embeddings
+    embed, block, head = units[0].numel, units[1].numel if spec.num_layers else 0, units[-1].numel
+    gathered = cfg.zero == 3
+    g = (lambda numel: FP32_BYTES * numel if gathered else 0)
+    L = spec.num_layers
+    pending = FP32_BYTES * V * h if tied else 0  # `_phases` holds the tied head's gradient through backward
+    head_bufs = (g(head) + g(block) + FP32_BYTES * head
+                 + ((g(embed) + FP32_BYTES * embed) if tied else 0))
+    block_bufs = FP32_BYTES * block + g(block) * (2 if L > 1 else 1)
+    others = 0 if keep else (L + 2) * (n - 1) * bd
+
+    def plus(k: str, act: int, other: int) -> tuple[int, int]:
+        a, o = one[k]
+        return a + act, o + other + extra_inputs
+
+    phases = {
+        "loss": plus("loss", others, head_bufs),
+        "head": plus("head", others, head_bufs),
+        # keep: the block's output, held by its graph; boundaries: the input gradient being made
+        # while the incoming one is still listed
+        "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd, block_bufs - pending),
+        "embed_backward": (n * bd, FP32_BYTES * embed + inputs_all),
+        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs),
+    }
+    if "forward_end" in one:
+        # the head's autocast region is its own: in boundary mode no block's weight copies are cached
+        # (keep mode: they are saved in the blocks' graphs, as `_phases` counts them)
+        copies = 0 if keep else L * HALF_BYTES * _block_matmul_params(spec, _shape(spec, cfg))
+        phases["forward_end"] = plus("forward_end", others, head_bufs - copies)
+    return resident, phases
+
+
+def estimate_startup_bytes(spec: ModelSpec, cfg: MemoryConfig) -> int:
+    """Peak bytes while the runtime is built (models/sharded.py: the decoder on the meta device,
+    each unit materialized in full, initialized and cut to this GPU's slice before the next one
+    exists). Per unit: its full fp32 buffer, the slice's moments and gradient (12 B per owned
+    element) and at zero 3 the master copy of the slice, after which the full buffer is freed."""
+    if cfg.tp != 1 or cfg.pp != 1:
+        raise ValueError("start-up memory is modelled for the runtime (tp = pp = 1) only")
+    shards = _shard_numels(spec, cfg.fraction)
+    done, peak = 0, 0
+    for u, owned in zip(runtime_units(spec), shards):
+        if cfg.zero >= 3:
+            peak = max(peak, done + FP32_BYTES * u.numel + 4 * FP32_BYTES * owned)
+            done += 4 * FP32_BYTES * owned
+        else:
+            done += FP32_BYTES * u.numel + 3 * FP32_BYTES * owned
+            peak = max(peak, done)
+    return peak
+
+
 def estimate_memory(spec: ModelSpec, cfg: MemoryConfig) -> MemoryBreakdown:
     """Predicted per-GPU peak bytes of one training step of `spec` under `cfg` (see module doc)."""
     return _estimate(spec, cfg)[0]
@@ -288,6 +394,18 @@ def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
 
 def _estimate(spec: ModelSpec, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
     seq = validate_for(spec, cfg)
+    if cfg.tp == 1 and cfg.pp == 1:
+        resident, phases = _runtime_phases(spec, cfg, seq)
+        states = sum(resident.values())
+        act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
+        breakdown = MemoryBreakdown(num_params=spec.num_params, **resident, activations_bytes=act, other_bytes=other,
+                                    peak_bytes=states + act + other)
+        return breakdown, {k: states + a + o for k, (a, o) in phases.items()}
+    return _estimate_analytic(spec, cfg, seq)
+
+
+def _estimate_analytic(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> tuple[MemoryBreakdown, dict[str, int]]:
+    """Tensor and pipeline parallelism: analytic only (the runtime runs neither)."""
     n = spec.num_params
     local = _local_params(spec, cfg)
     f = cfg.fraction

@@ -1,15 +1,21 @@
-"""Trace the memory of one real training step of this project's runtime.
+"""Trace the memory of one real training step of this project's runtime (models/sharded.py).
 
-One step as a rank of the executor runs it (models/runtime.py): forward and backward of
-`micro_batch` samples through `micro_batch_loss`, then `FlatShardedState.step()` on a slice of
-`shard_fraction` of the parameters; the gradient all-reduce and the parameter broadcast are
-skipped (one process: they work in place on flat_grads / flat_params and allocate nothing
-here). Everything runs under torch.distributed._tools.mem_tracker.MemTracker, which counts
-every tensor storage by category as ops allocate and free them; with `fake=True` the step
-runs under FakeTensorMode (no data, shapes only), so 7B models trace on a laptop.
+One rank of a run as the executor runs it: `ShardedRuntime` at the config's ZeRO stage (zero 0,
+one device holding everything, is stage 1 with shard fraction 1), holding the config's shard
+fraction of a `dp`-rank world, taking `accum_steps` micro-batches of `micro_batch` samples through
+the whole step: forward, backward, gradient reduction, clipping and AdamW. The collectives are
+`models.collectives.LocalCollectives`: one process standing in for its rank, allocating through
+torch exactly what the real gloo/NCCL methods allocate (nothing beyond their arguments), so the
+trace sees the gathered units, gradient buffers and temporaries a real rank holds.
 
-This is the measurement that planner/memory.py's prediction is checked against: the two
-share no code beyond the config dataclass.
+The counter is executor.memtrack.LiveTensorBytes: every storage an op creates, counted until it
+dies, and storages resized in place (the runtime frees and re-gathers a unit's parameters that
+way). Under `fake=True` the step runs in FakeTensorMode (shapes only), so 7B models trace on a
+laptop. Two moments are traced: start-up (building the runtime: the model on the meta device, each
+unit materialized and cut to the rank's slice) and one step after it.
+
+This is the measurement planner/memory.py's prediction is checked against: the two share no
+code beyond the config dataclass and the unit layout (planner/units.py).
 """
 from __future__ import annotations
 
@@ -18,11 +24,11 @@ import logging
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from models.decoder import build_model
-from models.runtime import FlatShardedState, micro_batch_loss
+from executor.memtrack import LiveTensorBytes
+from models.collectives import LocalCollectives
+from models.sharded import ShardedRuntime
 from planner.memory import MemoryConfig, validate_for
 from planner.specs import ModelSpec
 
@@ -30,59 +36,65 @@ log = logging.getLogger(__name__)
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# MemTracker's categories -> our breakdown keys. Autocast weight copies and saved tensors
-# are "Activation" (made in forward); gradients of activations are "Temp" (made in backward).
-_CATEGORY_KEY = {
-    "Parameter": "params_bytes",
-    "Gradient": "grads_bytes",
-    "Optstate": "optimizer_bytes",
-    "Activation": "activations_bytes",
-}
+
+class _TracedRank(LocalCollectives):
+    """LocalCollectives whose gathers zero the other ranks' slices first (in place: no allocation),
+    so a real-tensor trace computes on finite numbers where a real run would have their values."""
+
+    def all_gather(self, full, shard, bounds, async_op=False):
+        full.zero_()
+        return super().all_gather(full, shard, bounds, async_op)
 
 
 def check_traceable(cfg: MemoryConfig) -> None:
-    """The runtime runs data parallelism with the AdamW state sharded (ZeRO-1); the rest is analytic."""
+    """The runtime runs (uneven) sharded data parallelism; tensor/pipeline parallelism is analytic."""
     if cfg.tp != 1 or cfg.pp != 1:
         raise ValueError(f"tp={cfg.tp}, pp={cfg.pp}: the runtime has no tensor/pipeline parallelism to trace "
                          "(use `python -m planner memory` for the analytic figure)")
-    if cfg.zero >= 2:
-        raise ValueError(f"zero={cfg.zero}: the runtime keeps full gradients (ZeRO-1); stages 2-3 are analytic "
-                         "only (use `python -m planner memory`)")
+
+
+def rank_fractions(cfg: MemoryConfig) -> list[float]:
+    """The world's shard fractions with the traced rank first holding cfg.fraction."""
+    f = cfg.fraction
+    if f >= 1.0:
+        return [1.0] + [0.0] * (cfg.dp - 1)
+    others = max(cfg.dp - 1, 1)
+    return [f] + [(1.0 - f) / others] * others
 
 
 def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: int = 0) -> dict[str, Any]:
-    """The traced peak of one training step, as the breakdown keys of planner.memory plus `measured: true`."""
-    validate_for(spec, cfg)
+    """The traced peak of one training step, as the breakdown keys of planner.memory plus
+    `measured: true`, `startup_peak_bytes` (building the runtime) and `max_in_flight_bytes`."""
+    seq = validate_for(spec, cfg)
     check_traceable(cfg)
-    seq = cfg.seq or spec.max_seq
+    zero = max(cfg.zero, 1)
+    fractions = rank_fractions(cfg)
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    cpu = torch.device("cpu")
     with mode:
         torch.manual_seed(seed)
-        model = build_model(spec, cfg.recompute)
-        n = spec.num_params
-        shard = n if cfg.zero == 0 else int(round(cfg.fraction * n))
-        state = FlatShardedState(model, 0, shard)
-        tokens = torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq))  # (B, T)
-        targets = torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq))  # (B, T)
-        tracker = MemTracker()
-        # tensors made before the tracker must be named to it; the rest it sees being allocated
-        tracker.track_external(model, state.optimizer, tokens, targets)
-        with tracker:
-            state.zero_grad()
-            if cfg.micro_batch > 0:
-                loss = micro_batch_loss(model, tokens, targets, tokens.numel(), _AUTOCAST[cfg.dtype])
-                loss.backward()
-                del loss
-            state.step()  # the all-reduce before it and the broadcast after it allocate nothing
-        peak = tracker.get_tracker_snapshot("peak")
-    snap = next(iter(peak.values())) if peak else {}
-    out = dict.fromkeys(("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "other_bytes"), 0)
-    for category, nbytes in snap.items():
-        if category == "Total":
-            continue
-        key = _CATEGORY_KEY.get(str(getattr(category, "value", category)), "other_bytes")
-        out[key] += int(nbytes)
-    result = {"num_params": spec.num_params, **out, "peak_bytes": int(snap.get("Total", 0)),
-              "measured": True, "fake": fake}
+        with LiveTensorBytes() as startup:
+            rt = ShardedRuntime(spec, zero=zero, fractions=fractions, position=0,
+                                comm=_TracedRank(0, len(fractions)), device=cpu, recompute=cfg.recompute,
+                                autocast_dtype=_AUTOCAST[cfg.dtype], seed=seed, materialize=not fake)
+        n = cfg.accum_steps if cfg.micro_batch > 0 else 0
+        batches = [(torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq)),  # (B, T) tokens
+                    torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq)))  # (B, T) targets
+                   for _ in range(n)]
+        resident = rt.resident_tensors()
+        with LiveTensorBytes([*resident, *[t for b in batches for t in b]]) as step:
+            rt.train_step(batches, max(1, n * cfg.micro_batch * seq), lr=1e-4)
+    params = sum(u.master.nbytes for u in rt.units if zero == 3) + sum(
+        u.full.nbytes for u in rt.units if zero < 3)
+    grads = sum(u.grad.nbytes for u in rt.units) + sum(
+        u.full_grad.nbytes for u in rt.units if u.full_grad is not None)
+    optimizer = sum(u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in rt.units)
+    peak = int(step.peak_bytes)
+    result = {"num_params": spec.num_params, "params_bytes": params, "grads_bytes": grads,
+              "optimizer_bytes": optimizer, "activations_bytes": 0,
+              # everything the step allocates on top of the state: activations and boundaries,
+              # gathered units, in-flight gradients, the loss, temporaries (not split by the counter)
+              "other_bytes": peak - params - grads - optimizer, "peak_bytes": peak,
+              "startup_peak_bytes": int(startup.peak_bytes), "measured": True, "fake": fake, "zero": zero}
     log.debug("traced %s %s: %s", spec.name, cfg, result)
     return result

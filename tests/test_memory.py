@@ -12,20 +12,21 @@ from planner.specs import PRESETS
 
 TINY = PRESETS["tiny"]
 P = 124_672  # tiny: 2·block(49_984) + wte 256·64 + wpe 128·64 + ln_f 128
-STEP_SCALAR = 4  # torch.optim.AdamW's fp32 step count, one per 2^24-element chunk
+S4 = 6_144 + 2 * 12_496 + 32  # a quarter of each runtime unit (embed, 2 blocks, head) = 31_168
 
 
 def test_tiny_param_count_by_hand():
     block = 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64
     assert block == 49_984
     assert TINY.num_params == 2 * block + 256 * 64 + 128 * 64 + 2 * 64 == P
+    assert S4 == P // 4
 
 
 @pytest.mark.parametrize("zero,params,grads,optimizer", [
-    (0, 4 * P, 4 * P, 8 * P + STEP_SCALAR),  # nothing sharded
-    (1, 4 * P, 4 * P, 8 * 31_168 + STEP_SCALAR),  # AdamW state ÷4 (P/4 = 31_168 exactly)
-    (2, 4 * P, 4 * 31_168, 8 * 31_168 + STEP_SCALAR),  # + gradients
-    (3, 4 * 31_168, 4 * 31_168, 8 * 31_168 + STEP_SCALAR),  # + parameters
+    (0, 4 * P, 8 * P, 8 * P),  # one GPU: full params, full grads and the (whole) slice's gradient
+    (1, 4 * P, 4 * P + 4 * S4, 8 * S4),  # AdamW state and the slice's gradient ÷4
+    (2, 4 * P, 4 * S4, 8 * S4),  # + the full gradient exists one unit at a time (not resident)
+    (3, 4 * S4, 4 * S4, 8 * S4),  # + parameters: the master slice only
 ])
 def test_zero_stages_by_hand(zero, params, grads, optimizer):
     b = estimate_memory(TINY, MemoryConfig(dp=4, zero=zero))
@@ -34,22 +35,38 @@ def test_zero_stages_by_hand(zero, params, grads, optimizer):
 
 
 def test_uneven_shard_fraction_by_hand():
-    # a GPU holding 30 % of the state of an 8-GPU job: round(0.3 · 124_672) = round(37_401.6) = 37_402
+    # 30 % of every unit, rounded half up: 7_372.8 -> 7_373, 14_995.2 -> 14_995 (x2), 38.4 -> 38
+    s = 7_373 + 2 * 14_995 + 38
     b = estimate_memory(TINY, MemoryConfig(dp=8, zero=1, shard_fraction=0.3))
-    assert b.optimizer_bytes == 8 * 37_402 + STEP_SCALAR
-    assert b.grads_bytes == 4 * P  # the runtime (stage 1) keeps the full gradient
+    assert b.optimizer_bytes == 8 * s
+    assert b.grads_bytes == 4 * P + 4 * s  # stage 1 keeps the full gradient
     b2 = estimate_memory(TINY, MemoryConfig(dp=8, zero=2, shard_fraction=0.3))
-    assert b2.grads_bytes == 4 * 37_402  # ceil(37_401.6)
-    # the default shard is the even one, 1/dp
-    assert estimate_memory(TINY, MemoryConfig(dp=8, zero=1)).optimizer_bytes == 8 * 15_584 + STEP_SCALAR
+    assert b2.grads_bytes == 4 * s
+    # the default shard is the even one, 1/dp: 3_072 + 2 x 6_248 + 16
+    assert estimate_memory(TINY, MemoryConfig(dp=8, zero=1)).optimizer_bytes == 8 * (3_072 + 2 * 6_248 + 16)
 
 
-def test_7b_model_states_are_16_bytes_per_param_unsharded():
+def test_7b_model_states_unsharded():
     spec = PRESETS["llama2-7b"]
     b = estimate_memory(spec, MemoryConfig(seq=512, dtype="bf16"))
     n = spec.num_params
-    assert b.params_bytes + b.grads_bytes == 8 * n
-    assert b.optimizer_bytes == 8 * n + 4 * -(-n // 2**24)
+    assert b.params_bytes == 4 * n and b.grads_bytes == 8 * n  # full fp32 grads + the whole slice's
+    assert b.optimizer_bytes == 8 * n
+
+
+def test_accumulation_grows_memory_only_where_boundaries_are_kept():
+    spec = PRESETS["gpt2"]
+
+    def peak(zero: int, n: int) -> int:
+        return estimate_memory(spec, MemoryConfig(micro_batch=2, accum_steps=n, seq=256, zero=zero, dp=4)).peak_bytes
+
+    # zero 1 accumulates in the full gradient: micro-batches do not add up (the inputs aside)
+    assert peak(1, 4) - peak(1, 2) < 64 * 1024
+    # zero 2/3 keep every micro-batch's L+1 unit boundaries (4·h·N bytes each) and more of them
+    bd = 4 * spec.hidden * 2 * 256
+    for zero in (2, 3):
+        grow = peak(zero, 4) - peak(zero, 3)
+        assert (spec.num_layers + 1) * bd <= grow <= (spec.num_layers + 3) * bd, (zero, grow / bd)
 
 
 def _affine(values: list[int], tol: int = 16) -> bool:
@@ -67,7 +84,7 @@ def test_every_phase_is_affine_in_shard_fraction_and_micro_batch(name, dtype, re
                                                        zero=1, dp=4, shard_fraction=f))
 
     # (the step's chunk temporaries saturate at 2^24 elements: all four shards stay on one side)
-    by_f = [phases(2, f) for f in (0.25, 0.5, 0.75, 1.0)]
+    by_f = [phases(2, f) for f in (0.45, 0.6, 0.75, 0.9)]
     by_m = [phases(m, 0.25) for m in (1, 2, 3, 4)]
     for k in by_f[0]:
         assert _affine([p[k] for p in by_f]), k  # rounding of f·P only
@@ -135,7 +152,7 @@ def test_cli_json_and_bad_input():
     out = subprocess.run([sys.executable, "-m", "planner", "memory", "--model", "tiny", "--dp", "4", "--json"],
                          capture_output=True, text=True, check=True).stdout
     d = json.loads(out)
-    assert d["optimizer_bytes"] == 8 * 31_168 + STEP_SCALAR and d["measured"] is False
+    assert d["optimizer_bytes"] == 8 * S4 and d["measured"] is False
     for args in (["--model", "nope"], ["--model", "tiny", "--shard-fraction", "1.5"],
                  ["--model", "tiny", "--tp", "3"], ["--model", "tiny", "--micro-batch", "x"],
                  ["--model", "tiny", "--seq", "4096"]):

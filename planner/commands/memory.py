@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from planner.cli import print_json, print_table
-from planner.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
+from planner.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory, estimate_startup_bytes
 from planner.specs import get_model
 
 HELP = "predict the per-GPU peak memory of one training step (params, grads, AdamW, activations)"
@@ -21,6 +21,8 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     """The model and step flags shared with `python -m profiler memory`."""
     p.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch on this GPU")
+    p.add_argument("--accum-steps", type=int, default=1,
+                   help="micro-batches per optimizer step (at zero 2/3 their unit boundaries are all held)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's max_seq)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="fp32, or bf16/fp16 autocast with fp32 master weights")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none", help="full: recompute every block in backward")
@@ -44,8 +46,12 @@ def config_from_args(args: argparse.Namespace) -> MemoryConfig:
     zero = args.zero
     if zero is None:
         zero = 1 if (args.dp > 1 or (f is not None and f < 1.0)) else 0
-    return MemoryConfig(micro_batch=args.micro_batch, seq=args.seq, dtype=args.dtype, recompute=args.recompute,
-                        dp=args.dp, tp=args.tp, pp=args.pp, zero=zero, shard_fraction=f)
+    if args.dp == 1 and f is not None and f < 1.0:
+        raise ValueError(f"--shard-fraction {f} with --dp 1: a lone GPU holds the whole state (give --dp)")
+    if args.micro_batch < 1:
+        raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
+    return MemoryConfig(micro_batch=args.micro_batch, accum_steps=args.accum_steps, seq=args.seq, dtype=args.dtype,
+                        recompute=args.recompute, dp=args.dp, tp=args.tp, pp=args.pp, zero=zero, shard_fraction=f)
 
 
 def print_breakdown(result: dict[str, Any], kind: str) -> None:
@@ -64,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     spec = get_model(args.model)
     cfg = config_from_args(args)
     result = breakdown_dict(spec.name, cfg, estimate_memory(spec, cfg))
+    if cfg.tp == 1 and cfg.pp == 1:
+        result["startup_peak_bytes"] = estimate_startup_bytes(spec, cfg)
     result["measured"] = False
     if args.json:
         print_json(result)
