@@ -33,7 +33,7 @@ one core, while one unit's gather (a block: 7 MiB; the tied embedding: 12.6 MiB)
 of AdamW state per rank are large enough that communication and memory show. The real `gpt2`
 (124 M) takes seconds per step here, too long to time 2 x 20 steps on 2 shared cores.
 
-Measured here (defaults, 2 shared cores, 2024-12 runs): throughput ours/FSDP2 1.18-1.26, losses
+Measured here (defaults, 2 shared cores, three runs): throughput ours/FSDP2 1.18-1.26, losses
 within 1.6e-7, final parameters within 5.4e-6; peak 197.6 MiB against 161.3 MiB (1.225, FAIL).
 Where the 36.3 MiB go (live bytes traced per unit, rank 0): both start a step from the same
 79.2 MiB (fp32 shard + AdamW moments) except that ours also keeps its fp32 gradient shards
