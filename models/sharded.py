@@ -5,11 +5,14 @@ fp32 parameter. Plan position p owns the slice `shard_bounds(numel, fractions)[p
 its fp32 master parameters, the gradient of that slice and its AdamW moments (models/optim.py).
 What else a rank holds depends on the stage:
 
-    zero 1  every unit's full parameters and full fp32 gradients (replicated)
+    zero 1  every unit's full parameters; full fp32 gradients from the first micro-batch to their reduce
     zero 2  every unit's full parameters; a unit's full gradient only while it is being reduced
     zero 3  a unit's full parameters only while it computes (gathered before forward, freed after,
             gathered again for backward), plus the next unit's, prefetched while this one computes
 
+No gradient outlives its step (as FSDP2): a slice's gradient exists from its unit's first reduce to
+the update. With one micro-batch (keep mode) autograd makes each parameter's gradient on its own
+and they are copied into one flat buffer only for the reduce, so no buffer waits through backward.
 Full parameters are gathered in fp32 on every device; bf16/fp16 plans compute under autocast,
 which casts each unit's weights for its matmuls (the cache is dropped after every unit). Where the
 master slice lies inside a replicated full buffer (zero 1 and 2) it is a view of it, not a copy.
@@ -163,11 +166,12 @@ class ShardedRuntime:
             unit = UnitState(lu.name, i, params, offsets, lu.numel, bounds, s, e, master=full[s:e],
                              exp_avg=torch.zeros(e - s, device=self.device),
                              exp_avg_sq=torch.zeros(e - s, device=self.device),
-                             grad=torch.zeros(e - s, device=self.device),
+                             grad=torch.empty(e - s, device=self.device),
                              decay=decay_ranges(shapes, s, e), full=full, held=True)
             if materialize:
                 gen = torch.Generator(device=self.device).manual_seed(seed * SEED_STRIDE + i)
                 self._init_unit(mods, gen)
+            unit.grad.untyped_storage().resize_(0)  # no gradient until the unit's first reduce
             if self.zero == 3:  # keep the slice only; the full unit dies before the next one exists
                 unit.master = full[s:e].clone()
                 self._release(unit)
@@ -230,11 +234,28 @@ class ShardedRuntime:
                 p.grad = unit.full_grad[o:o + p.numel()].view(p.shape)
         return unit.full_grad
 
-    def _reduce(self, unit: UnitState, keep_full: bool = False) -> None:
+    def _flatten_grads(self, unit: UnitState) -> None:
+        """Keep mode: autograd made each parameter's .grad on its own (no buffer waited through the
+        backward); copy them into one flat buffer for the reduce-scatter, freeing each as copied."""
+        if unit.full_grad is not None:
+            return
+        have_all = all(p.grad is not None for p in unit.params)
+        full = (torch.empty if have_all else torch.zeros)(unit.numel, dtype=torch.float32, device=self.device)
+        for p, o in zip(unit.params, unit.offsets):
+            if p.grad is not None:
+                full[o:o + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        unit.full_grad = full
+
+    def _reduce(self, unit: UnitState) -> None:
         """Reduce-scatter the unit's full gradient into the owners' slices (summing into `grad`
-        when this is the unit's second contribution of the step: a tied embedding)."""
+        when this is the unit's second contribution of the step: a tied embedding), then free it.
+        The slice's gradient exists from the unit's first reduce of the step to the update."""
+        self._flatten_grads(unit)
         full = unit.full_grad
-        assert full is not None, f"unit {unit.name} has no gradient to reduce"
+        st = unit.grad.untyped_storage()
+        if st.nbytes() == 0:
+            st.resize_(unit.grad.numel() * unit.grad.element_size())
         if unit.grad_fresh:
             self.comm.reduce_scatter(unit.grad, full, unit.bounds).wait()
             unit.grad_fresh = False
@@ -243,12 +264,9 @@ class ShardedRuntime:
             self.comm.reduce_scatter(part, full, unit.bounds).wait()
             unit.grad.add_(part)
             del part
-        if keep_full:
-            full.zero_()
-        else:
-            for p in unit.params:
-                p.grad = None
-            unit.full_grad = None
+        for p in unit.params:
+            p.grad = None
+        unit.full_grad = None
 
     # ---- one step ----------------------------------------------------------------------------
     def _autocast(self):
@@ -306,7 +324,7 @@ class ShardedRuntime:
         for x, y in batches:
             total += self._timed(lambda: one(x, y))
         for u in self.units:
-            self._reduce(u, keep_full=True)
+            self._reduce(u)
         return total
 
     def _step_layerwise(self, batches, normalizer: int, scale: float) -> float:
@@ -359,9 +377,10 @@ class ShardedRuntime:
         if tied:
             self._gathered(embed)
         self._start_gather(blocks[-1] if blocks else None)
-        self._grad_buffer(head)
-        if tied:
-            self._grad_buffer(embed)
+        if not keep:  # several micro-batches accumulate in place; one (keep mode) needs no buffer yet
+            self._grad_buffer(head)
+            if tied:
+                self._grad_buffer(embed)
         total = 0.0
 
         def head_fb() -> tuple[list[torch.Tensor], float]:
@@ -389,7 +408,8 @@ class ShardedRuntime:
             unit = blocks[b]
             self._gathered(unit)
             self._start_gather(blocks[b - 1] if b > 0 else None)
-            self._grad_buffer(unit)
+            if not keep:
+                self._grad_buffer(unit)
             block = self.model.blocks[b]
             if keep:
                 g = graphs.pop()
@@ -452,6 +472,7 @@ class ShardedRuntime:
             if not self.scaler.enabled:
                 raise FloatingPointError("non-finite gradient (no loss scaling in this dtype): the run diverged")
             log.warning("fp16 overflow at loss scale %g: step skipped, scale now %g", scale_used, self.scaler.scale)
+            self._free_slice_grads()
             return StepResult(loss, float("nan"), True, self._clock[0], self._clock[1], scale_used)
         norm = math.sqrt(host_float(stats[0])) / scale
         coef = clip_coefficient(norm, self.optim.max_grad_norm) / scale
@@ -465,11 +486,18 @@ class ShardedRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         optimizer_s = time.perf_counter() - t0
+        self._free_slice_grads()
         if self.zero in (1, 2):
             works = [self.comm.all_gather(u.full, u.master, u.bounds, async_op=True) for u in self.units]
             for w in works:
                 w.wait()
         return StepResult(loss, norm, False, self._clock[0], self._clock[1], scale_used, optimizer_s)
+
+    def _free_slice_grads(self) -> None:
+        """Between steps a rank holds no gradient at all (as FSDP2): the slices' storage is resized
+        to 0 and comes back at the unit's first reduce of the next step."""
+        for u in self.units:
+            u.grad.untyped_storage().resize_(0)
 
     # ---- evaluation, state, export ------------------------------------------------------------
     @torch.no_grad()

@@ -48,6 +48,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from planner.attention import AttentionKernel, attention_saved_bytes, select_kernel
 from planner.specs import ModelSpec
 from planner.units import runtime_units
 
@@ -79,6 +80,8 @@ class MemoryConfig:
     pp: int = 1
     zero: int = 0
     shard_fraction: float | None = None
+    # the catalog GPU type (or "cpu") the step runs on: it decides the attention kernel
+    device_type: str = "cpu"
 
     def __post_init__(self) -> None:
         def is_int(v: Any) -> bool:
@@ -200,9 +203,28 @@ def _layer_saved_bytes_per_token(s: _Shape, w: int) -> int:
         norm_outputs = 2 * FP32_BYTES * s.h
     else:
         norm_outputs = (3 + (1 if s.gpt2 else 2)) * w * s.h
-    attention = w * (2 * s.hq + 2 * s.kv) + FP32_BYTES * s.heads  # q, k, v, SDPA out; fp32 log-sum-exp per head
+    # attention (q, k, v, the SDPA output and the kernel's statistics) is added per call by
+    # `_attention_bytes`: what it keeps depends on the kernel that runs (planner/attention.py)
     mlp = (2 if s.gpt2 else 4) * w * s.f  # GELU: up, gelu(up); SwiGLU: gate, silu(gate), up, product
-    return residual + norms + norm_outputs + attention + mlp
+    return residual + norms + norm_outputs + mlp
+
+
+def attention_kernel(spec: ModelSpec, cfg: MemoryConfig) -> AttentionKernel:
+    """The SDPA kernel the runtime runs for this device type and dtype (K/V expanded where GQA
+    alone would fall back to the math kernel); refused where the math kernel would run anyway:
+    its (B, heads, S, S) temporaries are not modelled."""
+    kernel = select_kernel(cfg.device_type, cfg.dtype, spec.num_heads // cfg.tp, spec.num_kv_heads // cfg.tp,
+                           spec.head_dim)
+    if kernel.name == "math":
+        raise ValueError(f"{cfg.device_type} in {cfg.dtype} runs SDPA's math kernel ({kernel.reason}): its "
+                         "B·heads·S² temporaries are not modelled; choose a dtype with a fused kernel")
+    return kernel
+
+
+def _attention_bytes(spec: ModelSpec, cfg: MemoryConfig, s: _Shape, batch: int, seq: int, w: int) -> int:
+    """Bytes one block's attention keeps for backward for `batch` samples (planner/attention.py)."""
+    return attention_saved_bytes(attention_kernel(spec, cfg), batch, seq, s.heads, s.kv // s.head_dim,
+                                 s.head_dim, w)
 
 
 def _block_matmul_params(spec: ModelSpec, s: _Shape) -> int:
@@ -223,7 +245,8 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
     # the compute dtype, plus the inv_freq buffer (hd/2,) fp32
     buffers = 0 if s.gpt2 else FP32_BYTES * (s.head_dim // 2)
     shared = (INT64_BYTES * seq if s.gpt2 else 2 * seq * s.head_dim * w) + buffers
-    layer = _layer_saved_bytes_per_token(s, w)
+    # one block's saved bytes for the micro-batch(es) in flight: per-token terms plus attention
+    layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, tokens // seq, seq, w)
     final_norm = 2 * FP32_BYTES if s.gpt2 else FP32_BYTES + FP32_BYTES * h
     final = FP32_BYTES * h + final_norm + (w * h if autocast else FP32_BYTES * h)  # x_L, norm, head input
     block_copies = w * _block_matmul_params(spec, s) if autocast else 0  # autocast weight copies
@@ -231,7 +254,7 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
     head_grad_pending = FP32_BYTES * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
     dy = FP32_BYTES * h * tokens  # gradient of the residual stream
     recompute = cfg.recompute == "full"
-    kept = (FP32_BYTES * h if recompute else layer) * L * tokens  # checkpoint keeps each block's fp32 input
+    kept = (FP32_BYTES * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's fp32 input
     kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
 
     # Inside one block's backward (the largest transient, models/decoder.py MLP in reverse):
@@ -255,7 +278,7 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
                  + (w * h * tokens + (w + FP32_BYTES) * V * h if autocast
                     else FP32_BYTES * (V * tokens + h * tokens + V * h))),
         # the last block's backward (recompute: its activations and weight copies rebuilt)
-        "last_block": (kept + ((layer - FP32_BYTES * h) * tokens if recompute else 0),
+        "last_block": (kept + (layer_all - FP32_BYTES * h * tokens if recompute else 0),
                        inputs + shared + kept_copies + (block_copies if recompute else 0) + dy
                        + head_grad_pending + in_block),
         "step": (0, inputs + buffers),  # + the step's temporaries (estimate_memory adds them)
@@ -307,56 +330,89 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     units = runtime_units(spec)
     P = spec.num_params
     resident = {"params_bytes": FP32_BYTES * (owned if cfg.zero >= 3 else P),
-                "grads_bytes": FP32_BYTES * (owned + (P if cfg.zero <= 1 else 0)),
+                # zero 1: the full gradients, alive from the first micro-batch to their reduce
+                "grads_bytes": FP32_BYTES * P if cfg.zero <= 1 else 0,
                 "optimizer_bytes": 2 * FP32_BYTES * owned}
+    slice_grads = FP32_BYTES * owned  # every unit's slice gradient, from its reduce to the update
     # the global norm walks each slice in chunks, one fp64 copy of a chunk at a time (models/optim.py);
     # AdamW's single fp32 chunk buffer (4 B per element) comes later and is smaller
     step_temps = 2 * FP32_BYTES * min(max(shards), STEP_CHUNK_NUMEL)
     n = cfg.accum_steps if cfg.micro_batch > 0 else 0
     inputs_all = 2 * INT64_BYTES * cfg.micro_batch * seq * n
+    extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
     if cfg.zero <= 1 or cfg.micro_batch == 0:
         one = _phases(spec, cfg, seq)
-        extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
         phases = {k: (a, o + extra_inputs) for k, (a, o) in one.items()}
-        phases["step"] = (one["step"][0], one["step"][1] + step_temps + extra_inputs)
+        full_grads = resident["grads_bytes"]  # freed after their reduce, before the update
+        phases["step"] = (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads - full_grads)
         if cfg.zero >= 2:  # a rank without samples: one unit's gradient (and gathers) at a time
             largest = max(u.numel for u in units)
-            phases["join"] = (0, FP32_BYTES * largest * (3 if cfg.zero == 3 else 1) + inputs_all)
+            phases["join"] = (0, FP32_BYTES * largest * (3 if cfg.zero == 3 else 1) + slice_grads + inputs_all)
         return resident, phases
     keep = n == 1 and cfg.recompute == "none"
     one = _phases(spec, cfg if keep else replace(cfg, recompute="full"), seq)
-    h, V = spec.hidden, spec.vocab_size
-    bd = FP32_BYTES * h * cfg.micro_batch * seq  # one unit boundary of one micro-batch, fp32
-    extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
+    s = _shape(spec, cfg)
+    h, V, L = spec.hidden, spec.vocab_size, spec.num_layers
+    autocast = cfg.dtype != "fp32"
+    w = HALF_BYTES if autocast else FP32_BYTES
+    tokens = cfg.micro_batch * seq
+    bd = FP32_BYTES * h * tokens  # one unit boundary of one micro-batch, fp32
     tied = spec.tied_embeddings
-    embed, block, head = units[0].numel, units[1].numel if spec.num_layers else 0, units[-1].numel
+    embed, block, head = units[0].numel, units[1].numel if L else 0, units[-1].numel
     gathered = cfg.zero == 3
     g = (lambda numel: FP32_BYTES * numel if gathered else 0)
-    L = spec.num_layers
     pending = FP32_BYTES * V * h if tied else 0  # `_phases` holds the tied head's gradient through backward
-    head_bufs = (g(head) + g(block) + FP32_BYTES * head
-                 + ((g(embed) + FP32_BYTES * embed) if tied else 0))
-    block_bufs = FP32_BYTES * block + g(block) * (2 if L > 1 else 1)
+    # slice gradients alive: after the head's reduce (and a tied embedding's), after every block's
+    early = FP32_BYTES * (shards[-1] + (shards[0] if tied else 0))
+    late = slice_grads - (0 if tied else FP32_BYTES * shards[0])
+    gathers_head = g(head) + g(block) + (g(embed) if tied else 0)
+    # boundary mode accumulates every micro-batch in the unit's flat gradient; keep mode lets autograd
+    # make each parameter's gradient (already counted in `_phases`) and flattens it after the unit
+    grad_bufs_head = 0 if keep else FP32_BYTES * (head + (embed if tied else 0))
+    gathers_block = g(block) * (2 if L > 1 else 1)
     others = 0 if keep else (L + 2) * (n - 1) * bd
+    layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, cfg.micro_batch, seq, w)
+    copies = HALF_BYTES * _block_matmul_params(spec, s) if autocast else 0
+    graph_bytes = layer_all + copies if keep else 0  # one block's graph (keep mode)
 
     def plus(k: str, act: int, other: int) -> tuple[int, int]:
         a, o = one[k]
         return a + act, o + other + extra_inputs
 
     phases = {
-        "loss": plus("loss", others, head_bufs),
-        "head": plus("head", others, head_bufs),
+        "loss": plus("loss", others, gathers_head + grad_bufs_head),
+        "head": plus("head", others, gathers_head + grad_bufs_head),
         # keep: the block's output, held by its graph; boundaries: the input gradient being made
         # while the incoming one is still listed
-        "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd, block_bufs - pending),
-        "embed_backward": (n * bd, FP32_BYTES * embed + inputs_all),
-        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs),
+        "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd,
+                           gathers_block + (0 if keep else FP32_BYTES * block) - pending + early),
+        "embed_backward": (n * bd, FP32_BYTES * embed + inputs_all + late),
+        # the first block's backward: the fewest boundaries (or graphs) left, the most slice
+        # gradients made (every block above it reduced); the middle blocks lie between the two ends
+        "first_block": plus("last_block", (bd if keep else (2 * n - L) * bd) - (L - 1) * graph_bytes,
+                            g(block) + (0 if keep else FP32_BYTES * block) - pending + early
+                            + FP32_BYTES * shards[1] * (L - 1)),
+        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads),
     }
+    if keep:
+        # flattening a unit's gradients for its reduce: the parameters' .grad and the flat copy, with
+        # the blocks' graphs still held (all of them after the head; all but the last after it)
+        base = inputs_all + (0 if s.gpt2 else 2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2)) + (
+            INT64_BYTES * seq if s.gpt2 else 0)
+        graphs = L * (layer_all + copies)
+        phases["flatten_head"] = (graphs + bd, base + gathers_head + 2 * FP32_BYTES * head)
+        if tied:
+            phases["flatten_embed"] = (graphs + bd, base + gathers_head + 2 * FP32_BYTES * embed
+                                       + FP32_BYTES * shards[-1])
+        phases["flatten_block"] = ((L - 1) * (layer_all + copies) + bd,
+                                   base + gathers_block + 2 * FP32_BYTES * block + early)
+        phases["flatten_first_block"] = (bd, base + g(block) + 2 * FP32_BYTES * block + early
+                                         + FP32_BYTES * shards[1] * (L - 1))
     if "forward_end" in one:
         # the head's autocast region is its own: in boundary mode no block's weight copies are cached
         # (keep mode: they are saved in the blocks' graphs, as `_phases` counts them)
-        copies = 0 if keep else L * HALF_BYTES * _block_matmul_params(spec, _shape(spec, cfg))
-        phases["forward_end"] = plus("forward_end", others, head_bufs - copies)
+        copies = 0 if keep else L * HALF_BYTES * _block_matmul_params(spec, s)
+        phases["forward_end"] = plus("forward_end", others, gathers_head + grad_bufs_head - copies)
     return resident, phases
 
 
@@ -370,12 +426,13 @@ def estimate_startup_bytes(spec: ModelSpec, cfg: MemoryConfig) -> int:
     shards = _shard_numels(spec, cfg.fraction)
     done, peak = 0, 0
     for u, owned in zip(runtime_units(spec), shards):
+        # the full buffer, the moments, the slice's gradient (its storage freed at once), the master copy
         if cfg.zero >= 3:
-            peak = max(peak, done + FP32_BYTES * u.numel + 4 * FP32_BYTES * owned)
-            done += 4 * FP32_BYTES * owned
+            peak = max(peak, done + FP32_BYTES * u.numel + 3 * FP32_BYTES * owned)
+            done += 3 * FP32_BYTES * owned
         else:
-            done += FP32_BYTES * u.numel + 3 * FP32_BYTES * owned
-            peak = max(peak, done)
+            peak = max(peak, done + FP32_BYTES * u.numel + 3 * FP32_BYTES * owned)
+            done += FP32_BYTES * u.numel + 2 * FP32_BYTES * owned
     return peak
 
 

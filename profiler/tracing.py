@@ -86,8 +86,7 @@ def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: i
             rt.train_step(batches, max(1, n * cfg.micro_batch * seq), lr=1e-4)
     params = sum(u.master.nbytes for u in rt.units if zero == 3) + sum(
         u.full.nbytes for u in rt.units if zero < 3)
-    grads = sum(u.grad.nbytes for u in rt.units) + sum(
-        u.full_grad.nbytes for u in rt.units if u.full_grad is not None)
+    grads = 0  # gradients live only within the step: part of what the counter sees on top
     optimizer = sum(u.exp_avg.nbytes + u.exp_avg_sq.nbytes for u in rt.units)
     peak = int(step.peak_bytes)
     result = {"num_params": spec.num_params, "params_bytes": params, "grads_bytes": grads,

@@ -23,10 +23,10 @@ def test_tiny_param_count_by_hand():
 
 
 @pytest.mark.parametrize("zero,params,grads,optimizer", [
-    (0, 4 * P, 8 * P, 8 * P),  # one GPU: full params, full grads and the (whole) slice's gradient
-    (1, 4 * P, 4 * P + 4 * S4, 8 * S4),  # AdamW state and the slice's gradient ÷4
-    (2, 4 * P, 4 * S4, 8 * S4),  # + the full gradient exists one unit at a time (not resident)
-    (3, 4 * S4, 4 * S4, 8 * S4),  # + parameters: the master slice only
+    (0, 4 * P, 4 * P, 8 * P),  # one GPU: full params, full grads (until reduced), the moments
+    (1, 4 * P, 4 * P, 8 * S4),  # AdamW state ÷4 (the slices' gradients exist after the reduce only)
+    (2, 4 * P, 0, 8 * S4),  # the full gradient exists one unit at a time: not a state
+    (3, 4 * S4, 0, 8 * S4),  # + parameters: the master slice only
 ])
 def test_zero_stages_by_hand(zero, params, grads, optimizer):
     b = estimate_memory(TINY, MemoryConfig(dp=4, zero=zero))
@@ -39,9 +39,9 @@ def test_uneven_shard_fraction_by_hand():
     s = 7_373 + 2 * 14_995 + 38
     b = estimate_memory(TINY, MemoryConfig(dp=8, zero=1, shard_fraction=0.3))
     assert b.optimizer_bytes == 8 * s
-    assert b.grads_bytes == 4 * P + 4 * s  # stage 1 keeps the full gradient
-    b2 = estimate_memory(TINY, MemoryConfig(dp=8, zero=2, shard_fraction=0.3))
-    assert b2.grads_bytes == 4 * s
+    assert b.grads_bytes == 4 * P  # stage 1 holds the full gradient through backward
+    b3 = estimate_memory(TINY, MemoryConfig(dp=8, zero=3, shard_fraction=0.3))
+    assert b3.params_bytes == 4 * s and b3.grads_bytes == 0
     # the default shard is the even one, 1/dp: 3_072 + 2 x 6_248 + 16
     assert estimate_memory(TINY, MemoryConfig(dp=8, zero=1)).optimizer_bytes == 8 * (3_072 + 2 * 6_248 + 16)
 
@@ -50,7 +50,7 @@ def test_7b_model_states_unsharded():
     spec = PRESETS["llama2-7b"]
     b = estimate_memory(spec, MemoryConfig(seq=512, dtype="bf16"))
     n = spec.num_params
-    assert b.params_bytes == 4 * n and b.grads_bytes == 8 * n  # full fp32 grads + the whole slice's
+    assert b.params_bytes == 4 * n and b.grads_bytes == 4 * n  # full fp32 params and grads
     assert b.optimizer_bytes == 8 * n
 
 
