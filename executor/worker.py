@@ -43,6 +43,7 @@ from executor.store import MetricsStore
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
 from models.sharded import ShardedRuntime
+from planner.attention import select_kernel
 from planner.catalog import GIB
 from planner.plan import Assignment, Plan
 from planner.specs import get_model, with_max_seq
@@ -157,10 +158,12 @@ class Trainer:
         spec = with_max_seq(get_model(plan.model), plan.seq)
         self.optim = OptimConfig.from_dict(json.loads(args.optim)) if args.optim else OptimConfig()
         comm = ProcessGroupCollectives(self.position, [self.owner[p] for p in range(world)])
+        kernel = select_kernel(my_type if self.cuda else "cpu", plan.dtype if self.cuda else "fp32",
+                               spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.runtime = ShardedRuntime(spec, zero=plan.zero, fractions=[u.shard_fraction for u in used],
                                       position=self.position, comm=comm, device=self.device,
                                       recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
-                                      seed=args.seed, loss_scaling=loss_scaling)
+                                      seed=args.seed, loss_scaling=loss_scaling, expand_kv=kernel.expand_kv)
         shard = self.runtime.shard_numel()
 
         corpus = Corpus.load(args.tokens or build_corpus(args.corpus))

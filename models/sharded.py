@@ -114,7 +114,7 @@ class ShardedRuntime:
     def __init__(self, spec: ModelSpec, *, zero: int, fractions: Sequence[float], position: int,
                  comm: Collectives, device: torch.device, recompute: str = "none",
                  autocast_dtype: torch.dtype | None = None, optim: OptimConfig | None = None,
-                 seed: int = 0, loss_scaling: bool = False, materialize: bool = True):
+                 seed: int = 0, loss_scaling: bool = False, materialize: bool = True, expand_kv: bool = False):
         if zero not in ZERO_STAGES:
             raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
         if not 0 <= position < len(fractions):
@@ -126,7 +126,9 @@ class ShardedRuntime:
         self.step_count = 0
         self.fractions = list(fractions)
         with torch.device("meta"):
-            self.model: Decoder = build_model(spec, recompute)
+            # expand_kv: repeat K/V to every head where GQA alone would fall back to SDPA's math
+            # kernel on this device (planner/attention.select_kernel decides; the memory model follows)
+            self.model: Decoder = build_model(spec, recompute, expand_kv=expand_kv)
         self.model.init_buffers(device)
         self.units = self._build_units(seed, materialize)
         self._by_name = {u.name: u for u in self.units}
