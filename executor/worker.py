@@ -163,7 +163,8 @@ class Trainer:
         self.runtime = ShardedRuntime(spec, zero=plan.zero, fractions=[u.shard_fraction for u in used],
                                       position=self.position, comm=comm, device=self.device,
                                       recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
-                                      seed=args.seed, loss_scaling=loss_scaling, expand_kv=kernel.expand_kv)
+                                      seed=args.seed, loss_scaling=loss_scaling, expand_kv=kernel.expand_kv,
+                                      materialize=not args.resume)  # a resume overwrites every slice
         shard = self.runtime.shard_numel()
 
         corpus = Corpus.load(args.tokens or build_corpus(args.corpus))

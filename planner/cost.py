@@ -260,14 +260,14 @@ def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: flo
 
 
 def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
-                      zero: int = RUNTIME_ZERO_STAGE) -> MemoryFn:
+                      zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> MemoryFn:
     """The memory model of planner/memory.py for the sharded runtime at ZeRO stage `zero`, asked at
     the choice's own micro-batch, accumulation steps and shard fraction."""
     from planner.memory import MemoryConfig, estimate_memory
 
     def memory_at(m: int, n: int, f: float) -> float:
         cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
-                           dp=max(world_size, 1), zero=zero, shard_fraction=f)
+                           dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
         return estimate_memory(spec, cfg).peak_bytes
 
     return cached_memory_fn(memory_at)
@@ -312,7 +312,7 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
         beta_s=prof.beta_s * device.slowdown,
         optimizer_s=prof.optimizer_s_per_param * spec.num_params * device.slowdown,
         capacity_bytes=device.memory_bytes * headroom,
-        memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size, zero),
+        memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size, zero, device.type),
         measured=bool(prof.measured and (full is None or full.measured)), source=prof.source,
         layerwise=layerwise,
         recompute_alpha_s=full.alpha_s * device.slowdown if full else None,

@@ -105,13 +105,15 @@ def device_dtype(gpu_type: str, dtype: str) -> str:
 # --- the two models this module consumes (cached) ---
 
 @lru_cache(maxsize=None)
-def _peak_bytes(model: str, seq: int, dtype: str, dp: int, zero: int, recompute: str, micro_batch: int) -> int:
+def _peak_bytes(model: str, seq: int, dtype: str, dp: int, zero: int, recompute: str, micro_batch: int,
+                device_type: str = "cpu") -> int:
     spec = get_model(model)
     try:
         from planner.memory import MemoryConfig, estimate_memory
     except ImportError:  # memory model not in this tree yet
         return _fallback_peak_bytes(spec, seq, dtype, dp, zero, recompute, micro_batch)
-    cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype=dtype, recompute=recompute, dp=dp, zero=zero)
+    cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype=dtype, recompute=recompute, dp=dp, zero=zero,
+                       device_type=device_type)
     return int(estimate_memory(spec, cfg).peak_bytes)
 
 
@@ -181,14 +183,14 @@ def _best_config(model: str, seq: int, global_batch: int, dtype: str, pool: Pool
         opt_params = spec.num_params / (n if zero >= 1 else 1)
         for recompute in RECOMPUTE_CHOICES:
             m = m_max  # the largest fitting micro-batch is the fastest: a·(α+βm) falls with m
-            while m >= 1 and _peak_bytes(model, seq, dt, n, zero, recompute, m) > budget:
+            while m >= 1 and _peak_bytes(model, seq, dt, n, zero, recompute, m, pool.device.type) > budget:
                 m //= 2
             if m < 1:
                 continue
             prof = _profile(pool.device.type, model, seq, dt, recompute)
             it_s, accum = _iteration_s(prof, pool.device.slowdown, b, m, opt_params, comm_s)
             if best is None or it_s < best[0]:
-                best = (it_s, zero, recompute, m, accum, _peak_bytes(model, seq, dt, n, zero, recompute, m))
+                best = (it_s, zero, recompute, m, accum, _peak_bytes(model, seq, dt, n, zero, recompute, m, pool.device.type))
     return best
 
 
