@@ -1,10 +1,11 @@
 """Step-time profiles, as Cephalo builds them: time forward+backward of one micro-batch at
 several micro-batch sizes on a local device, fit `α + β·m`, time the optimizer step.
 
-It measures exactly what an executor rank runs: the project's model
-(`models.decoder.build_model`), its loss (`models.runtime.micro_batch_loss`) and
-backward into `FlatShardedState`'s flat gradient buffer, then `FlatShardedState.step()`;
-on a CPU with one torch thread, as each executor rank has. Sizes are timed in
+It measures exactly what an executor rank runs: the sharded runtime (`models.sharded`, one
+rank owning the whole state): its model's forward and backward with the runtime's loss
+(`models.runtime.micro_batch_loss`) into the parameters' gradients, and its optimizer phase
+(`ShardedRuntime.train_step` of no samples: the gradient reduction, the global norm, clipping
+and AdamW over every slice); on a CPU with one torch thread, as each executor rank has. Sizes are timed in
 interleaved rounds (every size once per round), so a burst of load from other
 processes hits all sizes alike, and each size's median is fitted. On a CPU the clock
 is the compute thread's CPU time (`step_clock`): the work of one dedicated core, not
@@ -35,8 +36,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from models.collectives import LocalCollectives
 from models.decoder import build_model
-from models.runtime import FlatShardedState, micro_batch_loss
+from models.runtime import micro_batch_loss
+from models.sharded import ShardedRuntime
 from planner.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
 from planner.specs import ModelSpec, get_model, with_max_seq
 
@@ -147,20 +150,23 @@ def _companion(spec: ModelSpec, seq: int, micro_batches: Sequence[int], recomput
     every profiled micro-batch size, then the optimizer step — on one torch thread, until `stop`.
     `ready` is set after the first (warm-up) round, so timing starts under full contention."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    net = build_model(spec, recompute)
-    state = FlatShardedState(net, 0, sum(p.numel() for p in net.parameters()))
+    rt = one_rank_runtime(spec, recompute, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, spec.vocab_size, (m, seq), generator=gen),
                 torch.randint(0, spec.vocab_size, (m, seq), generator=gen)) for m in micro_batches]
     while not stop.is_set():
-        state.zero_grad()
         for tokens, targets in batches:
-            micro_batch_loss(net, tokens, targets, tokens.numel(), AUTOCAST[dtype]).backward()
+            micro_batch_loss(rt.model, tokens, targets, tokens.numel(), AUTOCAST[dtype]).backward()
             if stop.is_set():
                 break
-        state.step()
+        rt.train_step([], 1, lr=1e-4)
         ready.set()
+
+
+def one_rank_runtime(spec: ModelSpec, recompute: str, device: torch.device) -> ShardedRuntime:
+    """The runtime of a rank owning the whole state (ZeRO-1, one position)."""
+    return ShardedRuntime(spec, zero=1, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=device,
+                          recompute=recompute, seed=0)
 
 
 @contextlib.contextmanager
@@ -205,12 +211,12 @@ def local_device_type(device: torch.device) -> tuple[str, str]:
     return "cpu", next((d.name for d in devices if d.kind == "cpu"), "cpu")
 
 
-def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: ModelSpec, seq: int,
+def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
                     micro_batches: Sequence[int], repeats: int, warmup: int, device: torch.device,
                     autocast: torch.dtype | None, progress: Progress, span: tuple[float, float],
                     workers: int = 1) -> dict[int, list[float]]:
     """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
-    `warmup` untimed ones. Gradients accumulate into the flat buffer, as in a real step."""
+    `warmup` untimed ones. Gradients accumulate in the parameters' .grad, as in a real step."""
     clock = step_clock(device, workers)
     gen = torch.Generator().manual_seed(0)
     batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
@@ -221,7 +227,6 @@ def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: Model
     for r in range(rounds):
         # rotate the order each round: no size always runs first after a zero_grad
         order = list(micro_batches)[r % len(micro_batches):] + list(micro_batches)[:r % len(micro_batches)]
-        state.zero_grad()
         for m in order:
             tokens, targets = batches[m]
             _sync(device)
@@ -235,15 +240,16 @@ def time_step_sizes(state: FlatShardedState, model: torch.nn.Module, spec: Model
     return times
 
 
-def time_optimizer_step(state: FlatShardedState, repeats: int, device: torch.device, workers: int = 1) -> float:
-    """Median seconds of `FlatShardedState.step()` over the whole model (one rank owning it all)."""
+def time_optimizer_step(rt: ShardedRuntime, repeats: int, device: torch.device, workers: int = 1) -> float:
+    """Median seconds of the runtime's optimizer phase over the whole model (one rank owning it
+    all): `train_step` of no samples = the gradient reduction, the global norm, clipping, AdamW."""
     clock = step_clock(device, workers)
-    state.step()  # warm-up: first step allocates nothing (state is preallocated) but warms caches
+    rt.train_step([], 1, lr=1e-4)  # warm-up: caches, and the moments' first touch
     samples = []
     for _ in range(repeats):
         _sync(device)
         t0 = clock()
-        state.step()
+        rt.train_step([], 1, lr=1e-4)
         _sync(device)
         samples.append(clock() - t0)
     return statistics.median(samples)
@@ -279,17 +285,17 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     flops_per_sample = count_flops(spec, seq, 1, recompute, dtype)
     progress(0.05, f"building {spec.name} on {device_name}")
     with executor_threads(dev):
-        torch.manual_seed(0)
-        net = build_model(run_spec, recompute).to(dev)
-        num_params = sum(p.numel() for p in net.parameters())
-        state = FlatShardedState(net, 0, num_params)
+        rt = one_rank_runtime(run_spec, recompute, dev)
+        net = rt.model
         if workers > 1:
             progress(0.08, f"starting {workers - 1} concurrent companion worker(s)")
         with concurrent_workers(dev, workers, run_spec, seq, sizes, recompute, dtype):
-            times = time_step_sizes(state, net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype],
+            times = time_step_sizes(net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype],
                                     progress, (0.1, 0.9), workers)
             progress(0.9, "timing the optimizer step")
-            opt_s = time_optimizer_step(state, repeats, dev, workers)
+            for p in net.parameters():  # the timed forward/backward left their gradients here
+                p.grad = None
+            opt_s = time_optimizer_step(rt, repeats, dev, workers)
     medians = [statistics.median(times[m]) for m in sizes]
     # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
     alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
@@ -299,7 +305,7 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     host = socket.gethostname()
     threads = "1 torch thread" if dev.type == "cpu" else str(dev)
     profile = StepProfile(
-        device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / num_params, r2, True,
+        device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / run_spec.num_params, r2, True,
         f"measured on {host} ({device_name}, {threads}) at {now}: {clock_name(dev, workers)}, medians of {repeats} at "
         f"m={sizes}, R²={r2:.3f}",
         flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,

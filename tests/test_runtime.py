@@ -1,11 +1,22 @@
-import copy
+"""models/runtime.py (slices, the loss) and models/sharded.py on one process, against plain torch.
 
+The reference is independent of the runtime: the decoder as an ordinary nn.Module, its loss per
+micro-batch, torch.optim.AdamW with decay / no-decay groups, torch.nn.utils.clip_grad_norm_ and
+the same LR per step. The runtime (one rank owning everything, LocalCollectives) must train the
+same parameters at every ZeRO stage, with accumulation (layer-wise, recomputed) or without."""
 import pytest
 import torch
 
+from models.collectives import LocalCollectives
 from models.decoder import build_model
-from models.runtime import FlatShardedState, micro_batch_loss, shard_bounds
+from models.optim import OptimConfig, lr_at
+from models.runtime import micro_batch_loss, shard_bounds
+from models.sharded import ShardedRuntime
 from planner.specs import PRESETS
+
+CPU = torch.device("cpu")
+OPTIM = OptimConfig(lr=2e-3, warmup_steps=1, max_grad_norm=0.3)
+STEPS = 3
 
 
 def test_shard_bounds():
@@ -26,65 +37,125 @@ def _batch(spec, b, t, seed=0):
             torch.randint(0, spec.vocab_size, (b, t), generator=g))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
-def test_adamw_equivalence_and_sharding(name):
-    spec = PRESETS[name]
-    torch.manual_seed(0)
-    ref = build_model(spec)
-    mine = copy.deepcopy(ref)
-    sharded = copy.deepcopy(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    state = FlatShardedState(mine, 0, spec.num_params, lr=1e-2)
-    n = state.numel
-    lo, hi = shard_bounds(n, [0.3, 0.7])[1]
-    part = FlatShardedState(sharded, lo, hi, lr=1e-2)
-    before = part.flat_params.clone()
-    for step in range(3):
-        x, y = _batch(spec, 2, 16, seed=step)
-        opt.zero_grad()
-        micro_batch_loss(ref, x, y, x.numel()).backward()
-        opt.step()
-        for s, m in ((state, mine), (part, sharded)):
-            s.zero_grad()
-            micro_batch_loss(m, x, y, x.numel()).backward()
-            s.step()
-        if step == 0:  # only the slice moves on the sharded state
-            assert torch.equal(part.flat_params[:lo], before[:lo])
-            assert not torch.equal(part.flat_params[lo:hi], before[lo:hi])
-            part.flat_params[:lo] = state.flat_params[:lo]  # what the owner's broadcast would do
-    for p_ref, p_mine in zip(ref.parameters(), mine.parameters()):
-        torch.testing.assert_close(p_ref, p_mine, rtol=1e-5, atol=1e-6)
-    assert state.step_count == 3
-    assert part.exp_avg.numel() == hi - lo
-
-
 def test_split_invariance_of_gradients():
     spec = PRESETS["tiny-llama"]
     torch.manual_seed(0)
     m = build_model(spec)
-    state = FlatShardedState(m, 0, 0)  # no optimizer state needed here
     x, y = _batch(spec, 4, 24)
     total = x.numel()
     micro_batch_loss(m, x, y, total).backward()
-    whole = state.flat_grads.clone()
-    state.zero_grad()
+    whole = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
     micro_batch_loss(m, x[:1], y[:1], total).backward()  # uneven split: 1 + 3 samples
     micro_batch_loss(m, x[1:], y[1:], total).backward()
-    torch.testing.assert_close(state.flat_grads, whole, rtol=1e-5, atol=1e-7)
-    assert m.embed.weight.grad.data_ptr() == state.flat_grads.data_ptr()  # views, not copies
+    for a, b in zip(whole, (p.grad for p in m.parameters())):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_state_dict_round_trip():
+def _reference(spec, init: dict[str, torch.Tensor], steps_batches, normalizer: int) -> dict[str, torch.Tensor]:
+    model = build_model(spec)
+    model.load_state_dict(init, strict=False)
+    if spec.tied_embeddings:
+        assert model.lm_head is None
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=OPTIM.lr, betas=OPTIM.betas,
+                            eps=OPTIM.eps, foreach=False)
+    for step, batches in enumerate(steps_batches, start=1):
+        opt.zero_grad()
+        for x, y in batches:
+            micro_batch_loss(model, x, y, normalizer).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, STEPS, OPTIM)
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])  # tied GPT-2 / untied Llama
+@pytest.mark.parametrize("zero,split,recompute", [
+    (1, (4,), "none"), (1, (1, 3), "full"),
+    (2, (4,), "none"), (2, (2, 2), "none"), (2, (4,), "full"),
+    (3, (4,), "none"), (3, (1, 1, 2), "none"),
+])
+def test_the_runtime_trains_like_plain_torch(name, zero, split, recompute):
+    spec = PRESETS[name]
+    rt = ShardedRuntime(spec, zero=zero, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=CPU,
+                        recompute=recompute, optim=OPTIM, seed=3)
+    init = rt.full_state_dict()
+    steps_batches = []
+    for step in range(STEPS):
+        x, y = _batch(spec, 4, 16, seed=step)
+        cuts, o = [], 0
+        for m in split:
+            cuts.append((x[o:o + m], y[o:o + m]))
+            o += m
+        steps_batches.append(cuts)
+    losses = [rt.train_step(b, x.numel(), lr_at(s, STEPS, OPTIM)).loss for s, b in enumerate(steps_batches, 1)]
+    assert losses[-1] < losses[0]
+    want = _reference(spec, init, steps_batches, x.numel())
+    got = rt.full_state_dict()
+    assert got.keys() == want.keys()
+    moved = max((want[k] - init[k]).abs().max().item() for k in want)
+    assert moved > 1e-3
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_init_is_the_same_for_every_plan_and_stage():
+    spec = PRESETS["tiny-llama"]
+    a = ShardedRuntime(spec, zero=1, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=CPU, seed=5)
+    b = ShardedRuntime(spec, zero=3, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=CPU, seed=5)
+    c = ShardedRuntime(spec, zero=3, fractions=[0.3, 0.7], position=1, comm=LocalCollectives(1, 2), device=CPU, seed=5)
+    sa, sb = a.full_state_dict(), b.full_state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    # position 1 of an uneven world holds exactly its slice of the same values
+    for ua, uc in zip(a.units, c.units):
+        assert torch.equal(ua.master[uc.start:uc.end], uc.master)
+    d = ShardedRuntime(spec, zero=1, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=CPU, seed=6)
+    assert not all(torch.equal(sa[k], d.full_state_dict()[k]) for k in sa)
+
+
+def test_weight_decay_spares_norms_and_biases():
+    """Every unit's decay ranges cover exactly its matrices and embeddings, whatever the slice."""
+    spec = PRESETS["tiny"]  # GPT-2: LayerNorm weights and biases, Linear biases
+    for fractions, position in (([1.0], 0), ([0.37, 0.63], 1)):
+        rt = ShardedRuntime(spec, zero=3, fractions=fractions, position=position,
+                            comm=LocalCollectives(position, len(fractions)), device=CPU)
+        for u in rt.units:
+            want = 0
+            for p, o in zip(u.params, u.offsets):
+                if p.dim() >= 2:  # the part of this matrix inside the slice
+                    want += max(0, min(o + p.numel(), u.end) - max(o, u.start))
+            assert sum(b - a for a, b in u.decay) == want, u.name
+            assert all(0 <= a < b <= u.end - u.start for a, b in u.decay)
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off():
     spec = PRESETS["tiny"]
-    torch.manual_seed(0)
-    m = build_model(spec)
-    s = FlatShardedState(m, 10, 500)
-    x, y = _batch(spec, 1, 8)
-    micro_batch_loss(m, x, y, x.numel()).backward()
-    s.step()
-    sd = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.state_dict().items()}
-    s2 = FlatShardedState(copy.deepcopy(m), 10, 500)
-    s2.load_state_dict(sd)
-    assert s2.step_count == 1 and torch.equal(s2.exp_avg, s.exp_avg)
-    with pytest.raises(ValueError):
-        FlatShardedState(copy.deepcopy(m), 0, 10).load_state_dict(sd)
+    rt = ShardedRuntime(spec, zero=3, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=CPU,
+                        loss_scaling=True)
+    rt.scaler.load_state_dict({**rt.scaler.state_dict(), "scale": 3.0e38})  # loss x scale overflows fp32
+    before = rt.full_state_dict()
+    x, y = _batch(spec, 2, 8)
+    r = rt.train_step([(x, y)], x.numel(), lr=1e-2)
+    assert r.skipped and rt.step_count == 0 and rt.scaler.scale < 3.0e38
+    after = rt.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # the scale halves on every overflow until the scaled gradients are finite again
+    skipped = 1
+    while rt.train_step([(x, y)], x.numel(), lr=1e-2).skipped:
+        skipped += 1
+        assert skipped < 200
+    assert rt.step_count == 1 and rt.scaler.scale == pytest.approx(3.0e38 / 2 ** skipped, rel=1e-6)
+
+
+def test_a_diverged_run_without_loss_scaling_says_so():
+    spec = PRESETS["tiny"]
+    rt = ShardedRuntime(spec, zero=2, fractions=[1.0], position=0, comm=LocalCollectives(0, 1), device=CPU)
+    with torch.no_grad():
+        rt.units[1].master.fill_(float("inf"))
+    x, y = _batch(spec, 2, 8)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        rt.train_step([(x, y)], x.numel(), lr=1e-2)

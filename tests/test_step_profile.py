@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.decoder import build_model
-from models.runtime import FlatShardedState, micro_batch_loss
+from models.runtime import micro_batch_loss
 from planner.profiles import analytic_flops_per_sample, get_step_profile
 from planner.specs import PRESETS
 from profiler.step_profile import count_flops, executor_threads, profile_local
@@ -62,7 +62,6 @@ def test_profile_predicts_an_unprofiled_micro_batch(data_dir):
     with executor_threads(dev):
         torch.manual_seed(1)
         model = build_model(spec)
-        state = FlatShardedState(model, 0, sum(q.numel() for q in model.parameters()))
         x = torch.randint(0, spec.vocab_size, (24, 128))
         samples = []
         for i in range(7):
@@ -70,7 +69,6 @@ def test_profile_predicts_an_unprofiled_micro_batch(data_dir):
             micro_batch_loss(model, x, x, 24 * 128).backward()
             if i >= 2:
                 samples.append(time.thread_time() - t0)
-        state.zero_grad()
     ratio = statistics.median(samples) / p.step_time_s(24)
     assert 0.5 < ratio < 2.0, f"measured/predicted {ratio:.2f} at m=24"
 
