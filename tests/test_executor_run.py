@@ -47,6 +47,7 @@ def manual_plan(pieces: list[tuple[int, int, float]], devices: list[DeviceSpec] 
 THREE = [(5, 1, 0.5), (1, 2, 0.3), (1, 1, 0.2)]  # batches 5/2/1, uneven shards, rank 1 accumulates
 ONE = [(4, 2, 1.0)]  # the same global batch of 8 on one rank
 TWO = [(3, 2, 0.15), (2, 1, 0.85)]  # another plan for the resume: other ranks, fractions, batch split
+STATE_ONLY = [(4, 2, 0.6), (0, 0, 0.4)]  # rank 1 trains no sample, only holds 40 % of the state
 
 
 def losses(run_dir: str) -> list[float]:
@@ -79,6 +80,10 @@ def runs(tmp_path_factory):
                 d[key] = str(root / key)
                 status[key] = launch_run(manual_plan(pieces, zero=zero), STEPS, d[key], seed=SEED,
                                          checkpoint_every=STEPS, optim=OPTIM)
+        for zero in (2, 3):
+            key = f"state_only{zero}"
+            d[key] = str(root / key)
+            status[key] = launch_run(manual_plan(STATE_ONLY, zero=zero), STEPS, d[key], seed=SEED, optim=OPTIM)
         d["resumed"] = str(root / "resumed")
         status["resumed-first"] = launch_run(manual_plan(THREE, zero=3), 3, d["resumed"], seed=SEED,
                                              checkpoint_every=3, optim=OPTIM)
@@ -106,6 +111,14 @@ def test_uneven_three_rank_plan_trains_exactly_like_one_rank(runs, zero):
     # the same weights up to float summation order: AdamW's normalized update turns gradient
     # rounding (1e-7 relative) into ~1e-6 absolute on a few weights, < 1 % of the movement
     assert max_diff(p1, p3) <= 0.01 * moved
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_a_rank_that_only_holds_state_joins_every_collective(runs, zero):
+    d, status = runs
+    assert status[f"state_only{zero}"] == "done"
+    for a, b in zip(losses(d[f"state_only{zero}"]), losses(d[f"one{zero}"]), strict=True):
+        assert abs(a - b) / abs(b) <= 1e-5
 
 
 def test_every_stage_is_the_same_training(runs):
