@@ -61,16 +61,22 @@ def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
                              help="full: keep only each block's input, recompute the block in backward")
     c5, c6, c7, c8 = st.columns(4)
     zero = c5.selectbox("ZeRO stage", ZERO_STAGES, index=1, key="mem_zero",
-                        help="the runtime is stage 1 (AdamW state sharded, full fp32 grads); 2 and 3 are analytic")
+                        help="1: AdamW state sharded; 2: + gradients; 3: + parameters (gathered unit by unit); "
+                             "0: one GPU holds everything")
     dp = c6.number_input("World size (data parallel GPUs)", min_value=1, max_value=100_000, value=1, key="mem_dp")
     fraction = c7.number_input("Shard fraction (0 = even, 1/world size)", min_value=0.0, max_value=1.0, value=0.0,
                                step=0.05, format="%.4f", key="mem_shard_fraction",
                                help="this GPU's share of the sharded state; Cephalo shards unevenly")
     gpu_names = sorted(CATALOG)
-    gpu = c8.selectbox("GPU type", gpu_names, index=gpu_names.index(default_gpu_type()), key="mem_gpu_type")
+    gpu = c8.selectbox("GPU type", gpu_names, index=gpu_names.index(default_gpu_type()), key="mem_gpu_type",
+                       help="decides the attention kernel that runs (and so what it keeps for backward)")
+    accum = st.number_input("Accumulation steps (micro-batches per optimizer step)", min_value=1, max_value=4096,
+                            value=1, key="mem_accum_steps",
+                            help="at ZeRO 2/3 every micro-batch's unit boundaries are held (layer-wise accumulation)")
     with show_errors("Invalid settings"):
-        return MemoryConfig(micro_batch=int(micro_batch), seq=int(seq), dtype=dtype, recompute=recompute,
-                            dp=int(dp), zero=int(zero), shard_fraction=float(fraction) or None), gpu
+        return MemoryConfig(micro_batch=int(micro_batch), accum_steps=int(accum), seq=int(seq), dtype=dtype,
+                            recompute=recompute, dp=int(dp), zero=int(zero), shard_fraction=float(fraction) or None,
+                            device_type=gpu), gpu
     return None, gpu
 
 
@@ -109,9 +115,9 @@ def default_gpu_type() -> str:
 
 def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -> None:
     """Run the profiler's MemTracker trace of the same step (measured) on demand."""
-    if spec.num_params > TRACE_LIMIT_PARAMS or cfg.zero >= 2:
-        st.caption("Trace now: small models with ZeRO 0/1 only here; use `python -m profiler memory --fake` "
-                   "for large ones.")
+    if spec.num_params > TRACE_LIMIT_PARAMS or cfg.tp > 1 or cfg.pp > 1:
+        st.caption("Trace now: small models without tensor/pipeline parallelism here; use "
+                   "`python -m profiler memory --fake` for large ones.")
         return
     if not st.button("Trace now (measured)", key="mem_trace"):
         return
@@ -122,7 +128,8 @@ def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -
         traced = trace_memory(spec, cfg, fake=fake)
         err = 100.0 * (predicted.peak_bytes - traced["peak_bytes"]) / traced["peak_bytes"]
         metric("Peak memory", fmt_bytes(traced["peak_bytes"]), MEASURED,
-               help="MemTracker over one forward+backward+AdamW step" + (" (fake tensors)" if fake else ""))
+               help="live tensor bytes over one whole step of the sharded runtime"
+                    + (" (fake tensors)" if fake else ""))
         st.caption(f"predicted − measured: {err:+.2f} %")
 
 
@@ -163,11 +170,11 @@ def main() -> None:
     st.dataframe([{"component": name, labelled("bytes", PREDICTED): getattr(b, f"{name}_bytes"),
                    labelled("size", PREDICTED): fmt_bytes(getattr(b, f"{name}_bytes"))}
                   for name in (*COMPONENTS, "peak")], hide_index=True)
-    if cfg.tp == 1 and cfg.zero <= 1:
-        st.caption(f"ZeRO {cfg.zero} is what the runtime runs: this figure is checked against MemTracker traces "
-                   "(bench/memory_accuracy.py).")
+    if cfg.tp == 1 and cfg.pp == 1:
+        st.caption(f"ZeRO {cfg.zero} is what the runtime runs: this figure is checked against traces of the same "
+                   "step (tests/test_profiler_memory.py, within 3 %).")
     else:
-        st.caption(f"ZeRO {cfg.zero}: analytic (the runtime keeps full gradients, stage 1).")
+        st.caption("Tensor/pipeline parallelism: analytic (the runtime runs sharded data parallelism).")
     show_trace(spec, cfg, b)
 
 
