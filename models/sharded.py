@@ -131,7 +131,6 @@ class ShardedRuntime:
             self.model: Decoder = build_model(spec, recompute, expand_kv=expand_kv)
         self.model.init_buffers(device)
         self.units = self._build_units(seed, materialize)
-        self._by_name = {u.name: u for u in self.units}
         self._work_clock: Callable[[], float] = (time.perf_counter if device.type == "cuda" else time.thread_time)
 
     # ---- layout and start-up -----------------------------------------------------------------
