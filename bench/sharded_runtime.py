@@ -221,6 +221,11 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
             json.dump({"times_s": times, "losses": losses, "peak_bytes": peak, "param_max_abs_diff": param_diff}, f)
     finally:
         dist.destroy_process_group()
+    # leave without the interpreter's teardown: torch 2.13's gloo threads can abort in C++ static
+    # destructors at exit ("terminate called without an active exception"), as executor.worker notes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the report ---------------------------------------------------------------------------------
