@@ -544,6 +544,20 @@ class ShardedRuntime:
                 out[names[id(p)]] = full[o:o + p.numel()].view(p.shape).clone()
         return out
 
+    @torch.no_grad()
+    def load_parameters(self, read: Callable[[str, int, int], torch.Tensor]) -> None:
+        """Fill this rank's slices from a full model stored elsewhere (a Hugging Face folder),
+        reading ONLY the elements this rank owns: `read(name, a, b)` returns elements [a, b) of the
+        decoder parameter `name` flattened row-major (fp32 or castable). Collective at zero 1/2
+        (the replicated parameters are gathered afterwards, `after_load`)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for u in self.units:
+            for p, o in zip(u.params, u.offsets):
+                a, b = max(u.start, o), min(u.end, o + p.numel())
+                if a < b:
+                    u.master[a - u.start:b - u.start].copy_(read(names[id(p)], a - o, b - o).reshape(-1))
+        self.after_load()
+
     def scalar_state(self) -> dict[str, Any]:
         return {"step": self.step_count, **{f"scaler_{k}": v for k, v in self.scaler.state_dict().items()}}
 
