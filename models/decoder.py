@@ -1,13 +1,24 @@
 """One decoder-only transformer for both model families, built from a ModelSpec.
 
 GPT-2 style ("gpt2"): learned positions, LayerNorm, GELU MLP, a bias on every
-Linear, the LM head tied to the token embedding. Llama style ("llama"): RoPE,
-RMSNorm, SwiGLU MLP, grouped-query attention, optional q/k/v biases (Qwen2),
-an untied or tied head. This is the code the executor trains and the profiler
-traces, so planner/memory.py models exactly the tensors it keeps for backward:
-change a line here and the memory model (and its accuracy test) must follow.
+Linear, the LM head tied to the token embedding. Llama style ("llama"): RoPE
+(default, linear or Llama-3 frequency scaling), RMSNorm, SwiGLU MLP, grouped-query
+attention, an explicit head_dim, optional q/k/v biases (Qwen2), q/k/v/o and MLP biases
+(Llama's attention_bias / mlp_bias), an untied or tied head. This is the code the executor
+trains and the profiler traces, so planner/memory.py models exactly the tensors it keeps for
+backward: change a line here and the memory model (and its accuracy test) must follow.
+
+Given the same weights it computes what `transformers` computes for the same config
+(tests/test_hf_parity.py: logits within 1e-5 in fp32); `hf_state_dict_to_decoder` and
+`decoder_state_dict_to_hf` translate the weights' names and layouts both ways. Dropout is not
+implemented (the decoder trains without it; transformers' eval mode is what it equals).
 """
 from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,15 +59,15 @@ class Attention(nn.Module):
 
     def __init__(self, spec: ModelSpec, expand_kv: bool = False):
         super().__init__()
-        h, hd = spec.hidden, spec.head_dim
+        h, hd, q = spec.hidden, spec.head_dim, spec.q_width
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, hd
         self.expand_kv = expand_kv
         qkv_bias = spec.linear_bias or spec.qkv_bias
         # separate q/k/v (HF names): q and k die after RoPE, only v is kept by SDPA
-        self.q_proj = nn.Linear(h, h, bias=qkv_bias)
+        self.q_proj = nn.Linear(h, q, bias=qkv_bias)
         self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(h, h, bias=spec.linear_bias)
+        self.o_proj = nn.Linear(q, h, bias=spec.linear_bias or spec.o_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, C = x.shape
@@ -70,7 +81,7 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(q, k, v))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(B, nh, T, hd) q and (B, nkv, T, hd) k, v (after RoPE) -> (B, T, h), o_proj's input."""
+        """(B, nh, T, hd) q and (B, nkv, T, hd) k, v (after RoPE) -> (B, T, nh·hd), o_proj's input."""
         B, _, T, _ = q.shape
         gqa = self.num_kv_heads != self.num_heads
         if gqa and self.expand_kv:
@@ -80,16 +91,16 @@ class Attention(nn.Module):
             v = v.repeat_interleave(groups, dim=1)  # (B, nh, T, hd)
             gqa = False
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hd)
-        return y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, h)
+        return y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh·hd)
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        h, f, b = spec.hidden, spec.ffn_hidden, spec.linear_bias
+        h, f, b = spec.hidden, spec.ffn_hidden, spec.linear_bias or spec.mlp_bias
         self.swiglu = spec.activation == "swiglu"
         if self.swiglu:
-            self.gate_proj = nn.Linear(h, f, bias=False)
+            self.gate_proj = nn.Linear(h, f, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, f, bias=b)
         self.down_proj = nn.Linear(f, h, bias=b)
 
@@ -136,9 +147,7 @@ class Decoder(nn.Module):
         self.apply(_init_weights)
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
-        """RoPE inverse frequencies (Su et al. 2021), (hd/2,) fp32."""
-        hd = self.spec.head_dim
-        return 1.0 / (self.spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+        return rope_inv_freq(self.spec, device)
 
     def init_buffers(self, device: torch.device) -> None:
         """Make the non-parameter buffers on `device` (a model built on the meta device has none)."""
@@ -185,6 +194,28 @@ class Decoder(nn.Module):
         return self.head_logits(x)
 
 
+def rope_inv_freq(spec: ModelSpec, device: torch.device | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies (Su et al. 2021), (hd/2,) fp32, scaled as spec.rope_type says:
+    "linear" divides all by the factor (kaiokendev); "llama3" (Llama 3.1) keeps the high
+    frequencies, divides those with a wavelength above original_max_seq / low_freq_factor and
+    interpolates in between: transformers' _compute_llama3_parameters, op for op."""
+    hd = spec.head_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    if spec.rope_type == "linear":
+        return inv_freq / spec.rope_factor
+    if spec.rope_type == "llama3":
+        factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+        old_len = spec.rope_original_max_seq
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
 def _init_weights(m: nn.Module) -> None:
     # GPT-2 / Llama: N(0, 0.02) for every matrix, zero biases, unit norm weights
     if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -205,4 +236,106 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["build_model", "num_parameters", "Decoder", "RECOMPUTE"]
+# --- Hugging Face weights <-> decoder weights ----------------------------------------------
+# The decoder keeps transformers' Llama names under its own prefixes; GPT-2 stores each Linear
+# as a Conv1D, weight (in, out), so every matrix is transposed, and fuses q/k/v in c_attn
+# (output columns [q | k | v]).
+
+_HF_PREFIX = {"gpt2": "transformer.", "llama": "model."}
+_GPT2_BLOCK = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.o_proj": "attn.c_proj",
+               "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+_LLAMA_BLOCK = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# checkpoint entries that are buffers, not weights (GPT-2's causal mask, old Llama RoPE caches)
+_HF_IGNORED = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
+
+
+@dataclass(frozen=True)
+class HfSource:
+    """Where a decoder parameter lives in a Hugging Face checkpoint."""
+
+    key: str  # the checkpoint's tensor name (with transformers' model prefix)
+    transpose: bool = False  # GPT-2 Conv1D: stored (in, out)
+    part: int | None = None  # GPT-2 c_attn: the q (0), k (1) or v (2) third of the last dim
+
+
+def decoder_parameter_names(spec: ModelSpec) -> list[str]:
+    """The decoder's parameter names in state_dict order (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return [n for n, _ in Decoder(spec).named_parameters()]
+
+
+def hf_source(spec: ModelSpec, name: str) -> HfSource:
+    """The checkpoint tensor (and layout) holding decoder parameter `name`."""
+    pre = _HF_PREFIX[spec.family]
+    if name == "lm_head.weight":
+        return HfSource("lm_head.weight")
+    top = {"embed.weight": "wte.weight" if spec.family == "gpt2" else "embed_tokens.weight",
+           "pos_embed.weight": "wpe.weight"}
+    if name in top:
+        return HfSource(pre + top[name])
+    if name.startswith("norm."):
+        return HfSource(pre + ("ln_f." + name[len("norm."):] if spec.family == "gpt2" else name))
+    m = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m is None:
+        raise ValueError(f"no Hugging Face name for decoder parameter {name!r}")
+    i, module, kind = m.groups()
+    if spec.family == "llama":
+        hf_module = _LLAMA_BLOCK.get(module, module.replace("attn.", "self_attn."))
+        return HfSource(f"{pre}layers.{i}.{hf_module}.{kind}")
+    qkv = {"attn.q_proj": 0, "attn.k_proj": 1, "attn.v_proj": 2}
+    if module in qkv:
+        return HfSource(f"{pre}h.{i}.attn.c_attn.{kind}", transpose=kind == "weight", part=qkv[module])
+    is_linear = module not in ("attn_norm", "mlp_norm")
+    return HfSource(f"{pre}h.{i}.{_GPT2_BLOCK[module]}.{kind}", transpose=is_linear and kind == "weight")
+
+
+def hf_state_dict_to_decoder(spec: ModelSpec, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers checkpoint's tensors (names with or without the model prefix, e.g. the hub's
+    GPT-2 files that lack "transformer.") -> the decoder's state dict. A tied head's lm_head.weight
+    is dropped (it is the embedding). ValueError naming missing, unexpected or misshapen tensors."""
+    pre = _HF_PREFIX[spec.family]
+    by_key = {(k if k.startswith(pre) or k == "lm_head.weight" else pre + k): k for k in sd}
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in Decoder(spec).named_parameters()}
+    out, used = {}, set()
+    for name, shape in shapes.items():
+        src = hf_source(spec, name)
+        if src.key not in by_key:
+            raise ValueError(f"checkpoint misses {src.key!r} (for the decoder's {name})")
+        used.add(src.key)
+        t = sd[by_key[src.key]]
+        if src.part is not None:
+            width = t.shape[-1] // 3
+            t = t.narrow(-1, src.part * width, width)
+        if src.transpose:
+            t = t.t()
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"checkpoint {src.key!r}: shape {tuple(t.shape)} does not fit the decoder's {name} "
+                             f"{tuple(shape)}")
+        out[name] = t.contiguous()
+    extra = sorted(k for k in by_key if k not in used and not _HF_IGNORED.search(k)
+                   and not (k == "lm_head.weight" and spec.tied_embeddings))
+    if extra:
+        raise ValueError(f"checkpoint has {len(extra)} tensors the model does not: {', '.join(extra[:3])}")
+    return out
+
+
+def decoder_state_dict_to_hf(spec: ModelSpec, sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The decoder's state dict -> transformers' names and layouts (contiguous tensors, GPT-2's
+    q/k/v fused into c_attn), ready for safetensors; a tied head has no lm_head.weight."""
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor | None]] = {}
+    for name in decoder_parameter_names(spec):
+        src = hf_source(spec, name)
+        t = sd[name].t() if src.transpose else sd[name]
+        if src.part is None:
+            out[src.key] = t.contiguous()
+        else:
+            parts.setdefault(src.key, [None, None, None])[src.part] = t
+    for key, (q, k, v) in parts.items():
+        out[key] = torch.cat((q, k, v), dim=-1).contiguous()
+    return out
+
+
+__all__ = ["build_model", "num_parameters", "Decoder", "RECOMPUTE", "HfSource", "hf_source",
+           "decoder_parameter_names", "hf_state_dict_to_decoder", "decoder_state_dict_to_hf", "rope_inv_freq"]
