@@ -1,0 +1,456 @@
+"""Hugging Face weights in and out: `--init-from DIR` and `python -m executor export`.
+
+The decoder (models/decoder.py) names its parameters `embed.weight`, `blocks.3.attn.q_proj.weight`,
+...; a Hugging Face folder names them `model.layers.3.self_attn.q_proj.weight` (Llama, Mistral,
+Qwen2) or `transformer.h.3.attn.c_attn.weight` (GPT-2). GPT-2's Conv1D stores every Linear
+TRANSPOSED, (in, out), and fuses q, k and v into one c_attn of width 3h. So each decoder
+parameter has one `HFSource`: a range [lo, hi) along one axis of one HF tensor, and whether that
+axis is the HF tensor's columns (Conv1D: decoder row r is HF column lo + r) or its rows.
+
+In: `HFWeights(folder, spec).read(name, a, b)` is what `ShardedRuntime.load_parameters` calls for
+the elements [a, b) of a decoder parameter that one rank owns. It asks safetensors for only the
+rows (or, transposed, the columns) those elements lie in, through `safe_open(...).get_slice`, so a
+rank holding 1/8 of a model reads about 1/8 of the file, never a whole tensor it does not need.
+
+Out: `export_run(run_dir, out_dir)` reads a run's checkpoint into a one-position runtime, maps
+the full state to HF names and layout, writes `model.safetensors` (or shards with an index above
+`max_shard_bytes`), a `config.json` that `AutoModelForCausalLM.from_pretrained` builds the same
+architecture from (the HF folder's own config when the run started from one), and the run's
+tokenizer files (the launcher copies `--tokenizer` into `<run_dir>/tokenizer.json`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from planner.specs import ModelSpec, get_model, spec_from_hf_dict, with_max_seq
+
+log = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# transformers' own default shard size is 5 GB (PreTrainedModel.save_pretrained before v5)
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# names the HF folder's top module may carry: with (`transformer.`, `model.`) or without a prefix
+# (the original GPT-2 checkpoints have `h.0.attn...`, `wte.weight`)
+PREFIXES = {"gpt2": "transformer.", "llama": "model."}
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where one decoder parameter lies in a Hugging Face checkpoint: indices [lo, hi) along the
+    HF tensor `name`'s first axis (transposed=False: decoder row r is HF row lo + r) or its second
+    axis (transposed=True, GPT-2 Conv1D: decoder row r is HF column lo + r)."""
+
+    name: str
+    lo: int
+    hi: int
+    transposed: bool = False
+
+
+# ---- the name mapping ---------------------------------------------------------------------------
+
+# decoder name pattern -> HF name template, per family ("{p}": the top module's prefix)
+_LLAMA_RULES = [
+    (r"embed\.weight", "{p}embed_tokens.weight"),
+    (r"blocks\.(\d+)\.attn_norm\.(\w+)", r"{p}layers.\1.input_layernorm.\2"),
+    (r"blocks\.(\d+)\.attn\.(\w+)\.(\w+)", r"{p}layers.\1.self_attn.\2.\3"),
+    (r"blocks\.(\d+)\.mlp_norm\.(\w+)", r"{p}layers.\1.post_attention_layernorm.\2"),
+    (r"blocks\.(\d+)\.mlp\.(\w+)\.(\w+)", r"{p}layers.\1.mlp.\2.\3"),
+    (r"norm\.(\w+)", r"{p}norm.\1"),
+    (r"lm_head\.weight", "lm_head.weight"),
+]
+_GPT2_RULES = [
+    (r"embed\.weight", "{p}wte.weight"),
+    (r"pos_embed\.weight", "{p}wpe.weight"),
+    (r"blocks\.(\d+)\.attn_norm\.(\w+)", r"{p}h.\1.ln_1.\2"),
+    (r"blocks\.(\d+)\.attn\.[qkv]_proj\.(\w+)", r"{p}h.\1.attn.c_attn.\2"),
+    (r"blocks\.(\d+)\.attn\.o_proj\.(\w+)", r"{p}h.\1.attn.c_proj.\2"),
+    (r"blocks\.(\d+)\.mlp_norm\.(\w+)", r"{p}h.\1.ln_2.\2"),
+    (r"blocks\.(\d+)\.mlp\.up_proj\.(\w+)", r"{p}h.\1.mlp.c_fc.\2"),
+    (r"blocks\.(\d+)\.mlp\.down_proj\.(\w+)", r"{p}h.\1.mlp.c_proj.\2"),
+    (r"norm\.(\w+)", r"{p}ln_f.\1"),
+    (r"lm_head\.weight", "lm_head.weight"),
+]
+_RULES = {"gpt2": _GPT2_RULES, "llama": _LLAMA_RULES}
+
+
+def decoder_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """{decoder parameter name: shape}, in the decoder's registration order (built on meta: no memory)."""
+    from models.decoder import build_model
+
+    with torch.device("meta"):
+        model = build_model(spec)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def hf_sources(spec: ModelSpec, prefix: str | None = None) -> dict[str, HFSource]:
+    """{decoder name: HFSource} for every parameter of the decoder of `spec`. `prefix` replaces the
+    family's top-module prefix (`transformer.` / `model.`); "" for checkpoints saved without it."""
+    if spec.family not in _RULES:
+        raise ValueError(f"model {spec.name!r}: no Hugging Face name mapping for family {spec.family!r}")
+    p = PREFIXES[spec.family] if prefix is None else prefix
+    rules = [(re.compile(pat), tmpl.replace("{p}", p)) for pat, tmpl in _RULES[spec.family]]
+    out: dict[str, HFSource] = {}
+    fused_edge: dict[str, int] = {}  # GPT-2 c_attn: next free column of each fused tensor
+    for name, shape in decoder_shapes(spec).items():
+        rule = next(((rx, t) for rx, t in rules if rx.fullmatch(name)), None)
+        if rule is None:
+            raise ValueError(f"model {spec.name!r}: decoder parameter {name!r} has no Hugging Face name")
+        hf = rule[0].sub(rule[1], name)
+        # GPT-2's Conv1D matrices are (in, out): every block matrix is transposed; biases are not
+        transposed = spec.family == "gpt2" and name.startswith("blocks.") and name.endswith(".weight") \
+            and len(shape) == 2
+        lo = fused_edge.get(hf, 0)  # q, k, v come in this order, each after the previous one
+        fused_edge[hf] = lo + shape[0]
+        out[name] = HFSource(hf, lo, lo + shape[0], transposed)
+    return out
+
+
+def hf_shapes(spec: ModelSpec, sources: dict[str, HFSource]) -> dict[str, tuple[int, ...]]:
+    """{HF tensor name: the shape the HF checkpoint must have}, from the decoder shapes."""
+    shapes = decoder_shapes(spec)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, src in sources.items():
+        rest = shapes[name][1:]
+        if src.transposed:  # decoder (r, c) <- HF (c, total)
+            out[src.name] = (rest[0], max(src.hi, out.get(src.name, (0, 0))[1]))
+        else:
+            out[src.name] = (max(src.hi, out.get(src.name, (0,))[0]), *rest)
+    return out
+
+
+def decoder_state_dict_to_hf(spec: ModelSpec, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The decoder's full state dict in Hugging Face names and layout (GPT-2: Conv1D transposed,
+    q/k/v fused into c_attn), contiguous, in the decoder's order."""
+    pieces: dict[str, list[tuple[HFSource, torch.Tensor]]] = {}
+    for name, src in hf_sources(spec).items():
+        if name not in sd:
+            raise ValueError(f"state dict has no {name!r}")
+        pieces.setdefault(src.name, []).append((src, sd[name]))
+    out = {}
+    for hf, parts in pieces.items():
+        parts.sort(key=lambda sp: sp[0].lo)
+        transposed = parts[0][0].transposed
+        tensors = [t.t() if transposed else t for _, t in parts]
+        out[hf] = torch.cat(tensors, dim=1 if transposed else 0).contiguous() if len(tensors) > 1 \
+            else tensors[0].contiguous()
+    return out
+
+
+# ---- reading a Hugging Face folder, slice by slice -----------------------------------------------
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path} is not valid JSON: {e}") from None
+
+
+def spec_mismatch(got: ModelSpec, want: ModelSpec) -> str | None:
+    """The first architecture field on which two specs differ (as "key: a vs b"), or None. The name
+    never counts; neither does max_seq for RoPE models (it sizes no parameter)."""
+    skip = {"name"} | ({"max_seq"} if want.positional == "rope" else set())
+    for f in fields(want):
+        if f.name not in skip and getattr(got, f.name) != getattr(want, f.name):
+            return f"{f.name}: {getattr(got, f.name)!r} in the folder's config vs {getattr(want, f.name)!r} in the plan"
+    return None
+
+
+class HFWeights:
+    """A local Hugging Face model folder (`model.safetensors`, or shards with
+    `model.safetensors.index.json`) read as the decoder of `spec`, one slice at a time.
+
+    `read(name, a, b)` -> fp32 elements [a, b) of the decoder parameter `name`, flattened row-major:
+    the argument `ShardedRuntime.load_parameters` takes. Opening checks the config and every
+    tensor's presence and shape (ValueError, one line); files are memory-mapped by safetensors and
+    opened on first use. `elements_read` counts the elements fetched from the files."""
+
+    def __init__(self, folder: str, spec: ModelSpec):
+        self.folder, self.spec = os.path.abspath(folder), spec
+        cfg_path = os.path.join(self.folder, CONFIG_FILE)
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"{folder}: no {CONFIG_FILE} (not a Hugging Face model folder)")
+        diff = spec_mismatch(spec_from_hf_dict(_read_json(cfg_path, "config"), source=cfg_path), spec)
+        if diff is not None:
+            raise ValueError(f"{folder}: its config is not the plan's model {spec.name!r} ({diff})")
+        self.files = self._weight_map()
+        prefix = self._prefix()
+        self.sources = hf_sources(spec, prefix)
+        self.shapes = decoder_shapes(spec)
+        self._handles: dict[str, Any] = {}
+        self.elements_read = 0
+        for hf, shape in hf_shapes(spec, self.sources).items():
+            if hf not in self.files:
+                raise ValueError(f"{folder}: tensor {hf!r} is missing (needed for the plan's model {spec.name!r})")
+            got = tuple(self._slice(hf).get_shape())
+            if got != shape:
+                raise ValueError(f"{folder}: tensor {hf!r} has shape {list(got)}, the plan's model needs {list(shape)}")
+
+    def _weight_map(self) -> dict[str, str]:
+        """{HF tensor name: absolute file path}."""
+        from safetensors import safe_open
+
+        index = os.path.join(self.folder, INDEX_FILE)
+        if os.path.isfile(index):
+            wmap = _read_json(index, "index").get("weight_map")
+            if not isinstance(wmap, dict):
+                raise ValueError(f"{index}: no 'weight_map' object")
+            out = {k: os.path.join(self.folder, v) for k, v in wmap.items()}
+            for path in sorted(set(out.values())):
+                if not os.path.isfile(path):
+                    raise ValueError(f"{index} names {os.path.basename(path)}, which is not in the folder")
+            return out
+        single = os.path.join(self.folder, SINGLE_FILE)
+        if not os.path.isfile(single):
+            raise ValueError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors weights are read)")
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {k: single for k in f.keys()}
+        except Exception as e:  # safetensors raises its own SafetensorError on a damaged file
+            raise ValueError(f"{single}: not a safetensors file ({str(e).splitlines()[0] if str(e) else e})") from None
+
+    def _prefix(self) -> str:
+        """The top-module prefix the folder's tensor names use (`transformer.`/`model.` or none)."""
+        p = PREFIXES[self.spec.family] if self.spec.family in PREFIXES else ""
+        embed = hf_sources(self.spec, p)["embed.weight"].name
+        if embed not in self.files and embed[len(p):] in self.files:
+            return ""
+        return p
+
+    def _slice(self, hf: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.files[hf]
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        return handle.get_slice(hf)
+
+    def read(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of decoder parameter `name` flattened row-major, fp32. Reads only the
+        decoder rows those elements lie in: HF rows, or HF columns of a transposed Conv1D."""
+        src, shape = self.sources[name], self.shapes[name]
+        cols = math.prod(shape[1:])  # elements per decoder row (1 for a vector)
+        if not 0 <= a < b <= shape[0] * cols:
+            raise ValueError(f"{name}: elements [{a}, {b}) are not inside its {shape[0] * cols}")
+        r0, r1 = a // cols, -(-b // cols)  # decoder rows [r0, r1) hold [a, b)
+        sl = self._slice(src.name)
+        if src.transposed:
+            part = sl[:, src.lo + r0:src.lo + r1].t()  # HF (c, r1-r0) -> decoder rows (r1-r0, c)
+        else:
+            part = sl[src.lo + r0:src.lo + r1]  # (r1-r0, *rest)
+        self.elements_read += part.numel()
+        return part.reshape(-1)[a - r0 * cols:b - r0 * cols].to(torch.float32)
+
+    def close(self) -> None:
+        self._handles.clear()  # safetensors unmaps a file when its handle is collected
+
+    def __enter__(self) -> "HFWeights":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- writing a Hugging Face folder ---------------------------------------------------------------
+
+
+def hf_config(spec: ModelSpec, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `config.json` from which transformers builds the decoder of `spec`. With `base` (the config
+    of the folder the run started from) that config is kept, with the dtype and position table set
+    to what was trained; otherwise one is written for the family (GPT-2; Llama, or Qwen2 where q/k/v
+    carry biases and o_proj none, as the decoder does)."""
+    if base is not None:
+        cfg = dict(base)
+        if spec.positional == "learned":  # with_max_seq may have grown the GPT-2 position table
+            cfg["n_positions"] = spec.max_seq
+            cfg.pop("n_ctx", None)
+    elif spec.family == "gpt2":
+        cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": spec.num_layers,
+               "n_embd": spec.hidden, "n_head": spec.num_heads, "n_inner": spec.ffn_hidden,
+               "vocab_size": spec.vocab_size, "n_positions": spec.max_seq, "layer_norm_epsilon": spec.norm_eps,
+               "activation_function": "gelu_new",  # the decoder's tanh GELU
+               # GPUMix trains without dropout; the export should fine-tune the same way
+               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    elif spec.family == "llama":
+        qwen = spec.qkv_bias and not spec.linear_bias
+        cfg = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+               "model_type": "qwen2" if qwen else "llama", "num_hidden_layers": spec.num_layers,
+               "hidden_size": spec.hidden, "intermediate_size": spec.ffn_hidden,
+               "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+               "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
+               "max_position_embeddings": spec.max_seq, "rms_norm_eps": spec.norm_eps, "hidden_act": "silu",
+               "rope_theta": spec.rope_theta,
+               "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+               "attention_bias": False, "mlp_bias": False}
+        rope_scaling = getattr(spec, "rope_scaling", None)
+        if isinstance(rope_scaling, dict):
+            cfg["rope_scaling"] = dict(rope_scaling)
+            cfg["rope_parameters"] = {**cfg["rope_parameters"], **rope_scaling}
+        if qwen:
+            cfg["use_sliding_window"] = False
+    else:
+        raise ValueError(f"model {spec.name!r}: no Hugging Face config for family {spec.family!r}")
+    cfg["tie_word_embeddings"] = spec.tied_embeddings
+    cfg["torch_dtype"] = cfg["dtype"] = "float32"  # the masters are fp32 (transformers 4: torch_dtype, 5: dtype)
+    diff = spec_mismatch(spec_from_hf_dict(cfg, name=spec.name, source="exported config"), spec)
+    if diff is not None:  # never write a config that reads back as another model
+        raise ValueError(f"the exported config would describe another model than {spec.name!r} ({diff})")
+    return cfg
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> list[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when over max_shard_bytes,
+    packed in order (a tensor larger than the limit gets a file of its own). Returns the files."""
+    from safetensors.torch import save_file
+
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    meta = {"format": "pt"}  # transformers checks it
+    if len(groups) == 1:
+        save_file(tensors, os.path.join(out_dir, SINGLE_FILE), metadata=meta)
+        return [SINGLE_FILE]
+    files, weight_map = [], {}
+    for i, names in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, os.path.join(out_dir, fname), metadata=meta)
+        files.append(fname)
+        weight_map.update({n: fname for n in names})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    return files + [INDEX_FILE]
+
+
+def _checkpoint_run_dir(run_dir: str, step: int | None, scratch: str, plan: Any) -> str:
+    """A run folder whose latest.json names the checkpoint to export: `run_dir` itself for the
+    newest, else a scratch folder whose latest.json names step K's folder (checkpoint.load only
+    reads the newest; the step folder is read in place, never copied)."""
+    from executor import checkpoint as ckpt
+
+    newest = ckpt.latest(run_dir)
+    if newest is None:
+        raise ValueError(f"{run_dir}: no checkpoint to export (launch with --checkpoint-every)")
+    if step is None or step == newest.get("step"):
+        return run_dir
+    root = os.path.join(os.path.abspath(run_dir), ckpt.CKPT_DIR)
+    path = os.path.join(root, f"step_{step:06d}")
+    try:
+        m0 = _read_json(ckpt.meta_path(path, 0), "checkpoint meta")
+    except OSError:
+        have = sorted(int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"step_\d+", d))
+        raise ValueError(f"{run_dir}: no checkpoint of step {step} (steps: {have or 'none'})") from None
+    n = int(m0["num_positions"])
+    for q in range(n):  # every saving position's meta present: the checkpoint is whole
+        if not os.path.isfile(ckpt.meta_path(path, q)):
+            raise ValueError(f"{path}: incomplete checkpoint (position {q} of {n} wrote no meta)")
+    meta = dict(ckpt.checkpoint_meta(plan, step, path), num_positions=n)
+    os.makedirs(os.path.join(scratch, ckpt.CKPT_DIR))
+    with open(os.path.join(scratch, ckpt.CKPT_DIR, ckpt.LATEST), "w", encoding="utf-8") as fh:
+        json.dump(meta, fh)
+    return scratch
+
+
+def run_state_dict(run_dir: str, step: int | None = None) -> tuple[ModelSpec, dict[str, torch.Tensor], int]:
+    """(spec, full decoder state dict, step) of a run's newest checkpoint (or step K's), read into a
+    one-position runtime on the CPU."""
+    from executor import checkpoint as ckpt
+    from models.collectives import LocalCollectives
+    from models.sharded import ShardedRuntime
+    from planner.plan import Plan
+
+    plan_path = os.path.join(run_dir, "plan.json")
+    if not os.path.isfile(plan_path):
+        raise ValueError(f"{run_dir}: no plan.json (not a run folder)")
+    plan = Plan.load(plan_path)
+    spec = with_max_seq(get_model(plan.model), plan.seq)  # as the worker builds it
+    rt = ShardedRuntime(spec, zero=1, fractions=[1.0], position=0, comm=LocalCollectives(0, 1),
+                        device=torch.device("cpu"), materialize=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        loaded = ckpt.load(_checkpoint_run_dir(run_dir, step, scratch, plan), rt, 0)
+    return spec, rt.full_state_dict(), loaded
+
+
+def _base_folder(model: str) -> str | None:
+    """The Hugging Face folder a run's model came from (the plan names its config.json), or None."""
+    if model.endswith(".json") and os.path.isfile(model):
+        return os.path.dirname(os.path.abspath(model))
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, CONFIG_FILE)):
+        return os.path.abspath(model)
+    return None
+
+
+def _tokenizer_source(run_dir: str, tokenizer: str | None, base: str | None) -> str | None:
+    """tokenizer.json to ship: the one given, else the run's (recorded by the launcher), else the
+    model folder's."""
+    if tokenizer is not None:
+        if not os.path.isfile(tokenizer):
+            raise ValueError(f"tokenizer {tokenizer}: no such file")
+        return tokenizer
+    for folder in (run_dir, base):
+        if folder and os.path.isfile(os.path.join(folder, TOKENIZER_FILES[0])):
+            return os.path.join(folder, TOKENIZER_FILES[0])
+    return None
+
+
+def export_run(run_dir: str, out_dir: str, step: int | None = None, tokenizer: str | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """Write the run's newest checkpoint (or step `step`'s) as a Hugging Face model folder that
+    `AutoModelForCausalLM.from_pretrained(out_dir)` loads: weights (fp32 safetensors, sharded with
+    an index above `max_shard_bytes`), config.json, generation_config.json when the model folder
+    had one, and the tokenizer files. Returns out_dir (absolute). ValueError on bad input."""
+    from planner.plan import Plan
+
+    run_dir = os.path.abspath(run_dir)
+    spec, sd, loaded = run_state_dict(run_dir, step)
+    base = _base_folder(Plan.load(os.path.join(run_dir, "plan.json")).model)
+    base_cfg = _read_json(os.path.join(base, CONFIG_FILE), "config") if base else None
+    cfg = hf_config(spec, base_cfg)
+    tok = _tokenizer_source(run_dir, tokenizer, base)
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    stale = [f for f in os.listdir(out_dir) if f.endswith(".safetensors") or f == INDEX_FILE]
+    for f in stale:  # a previous export's shards would be read with this one's index
+        os.remove(os.path.join(out_dir, f))
+    files = _save_shards(decoder_state_dict_to_hf(spec, sd), out_dir, max_shard_bytes)
+    del sd
+    with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2)
+    if base and os.path.isfile(os.path.join(base, GENERATION_CONFIG_FILE)):
+        shutil.copyfile(os.path.join(base, GENERATION_CONFIG_FILE), os.path.join(out_dir, GENERATION_CONFIG_FILE))
+    if tok is not None:
+        src = os.path.dirname(os.path.abspath(tok))
+        shutil.copyfile(tok, os.path.join(out_dir, TOKENIZER_FILES[0]))
+        for name in TOKENIZER_FILES[1:]:
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+    else:
+        log.warning("run %s has no tokenizer.json (byte tokens): the export has weights and config only", run_dir)
+    log.info("exported step %d of %s to %s (%s)", loaded, run_dir, out_dir, ", ".join(files))
+    return out_dir
+
+
+__all__ = ["HFSource", "HFWeights", "hf_sources", "decoder_state_dict_to_hf", "hf_config", "export_run",
+           "run_state_dict", "spec_mismatch"]
