@@ -1,134 +1,406 @@
-"""The training corpus: text this machine already has, as byte-level tokens.
+"""The training corpus: documents -> one packed token stream, cached; and the global sampler.
 
-Default: the Python standard library's own `.py` sources
-(`sysconfig.get_paths()["stdlib"]`, without `site-packages`), or any folder of text
-files by choice. Files are read in sorted relative-path order and joined with a blank
-line, so the token array is the same on every machine with the same files. Tokens are
-bytes (vocab 256, the `tiny`/`small` presets' vocabulary), no tokenizer download.
+`build_corpus(source, tokenizer, progress, vocab_size)` -> the path of a cached corpus
+manifest (`corpus.json`); `Corpus.load(path)` memory-maps its `.train` and `.val` streams.
 
-The last `VAL_FRACTION` of the array is the held-out validation split. The array is
-cached as `.npy` under `<data_dir>/corpus/`, named by a hash of the file list (paths,
-sizes, mtimes) and the byte cap, so a changed folder builds a new cache.
+Sources:
+- None: text this machine already has, the Python standard library's `.py` sources
+  (`sysconfig.get_paths()["stdlib"]`, without `site-packages`), the first
+  `DEFAULT_MAX_BYTES` of them in sorted order;
+- a folder of text files (`TEXT_SUFFIXES`; one document each, sorted relative-path order)
+  and/or JSON Lines files (`.jsonl`, one document per line's "text" field);
+- one text file (one document) or one `.jsonl` file;
+- pre-tokenized token files: `.npy` (uint8/uint16/uint32/int32), or raw `.bin` (uint16, the
+  nanoGPT convention; `*.u32.bin` / `*.uint32.bin` for uint32), a file or a folder of them.
+  Taken as given (they already hold their end-of-document ids), memory-mapped: one file is used
+  in place, several are concatenated into the cache piece by piece, never whole in RAM.
 
-`GlobalSampler` is the deterministic global sampler: (seed, step) -> the global batch's
-window start offsets, identical for any plan; the plan only cuts that list into
-rank / micro-batch pieces, in order (see `batch_slices`).
+Text is tokenized by executor.tokenize (byte-level by default, or a local tokenizer.json) in
+parallel, an end-of-document id after each document, and written incrementally.
+
+Validation split, by documents (no document is in both, so no window leaks): every
+`VAL_EVERY`-th document (5 %) goes to `val`; if that gives fewer than
+min(`MIN_VAL_TOKENS`, 5 % of the tokens), whole documents from the end of train are moved
+to val, and a one-document corpus has its last 5 % cut off as val (logged). Pre-tokenized
+streams are split at the end-of-document id nearest before 95 % (at 95 % when none is known).
+
+Cache: `<data_dir>/corpus/<key>/` holding `corpus.json` (the manifest), `train.bin`,
+`val.bin` (raw ids), `train_docs.npy` / `val_docs.npy` (each document's end offset), or for
+token-file sources only the manifest (and `tokens.bin` when several files were joined).
+`key` hashes the format version, the tokenizer.json's content, the byte cap and each input's
+relative path, size, mtime_ns and content (whole up to 8 KiB, else its first and last 4 KiB).
+A build writes `<key>.tmp-<pid>/` and renames it, under a lock file, so concurrent ranks
+build once and never see half a cache; a second call returns at once.
+
+`GlobalSampler`: (seed, step) -> the global batch's window starts, the same for any plan; a
+plan only cuts that list into consecutive rank / micro-batch pieces (`batch_slices`).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import logging
 import os
+import shutil
 import sysconfig
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from executor.tokenize import Progress, TokenizerInfo, load_tokenizer, plan_units, token_dtype, tokenize_units
 from planner.paths import sub_dir
 
 log = logging.getLogger(__name__)
 
-VOCAB_SIZE = 256  # byte-level tokens
-VAL_FRACTION = 0.05  # tail of the corpus held out for validation loss
-# 8 MiB of source is ~8M tokens: far more than a tiny model sees in a demo run,
+CACHE_VERSION = 2  # 1: byte arrays joined by blank lines (tokens-<key>.npy)
+MANIFEST = "corpus.json"
+VAL_EVERY = 20  # every 20th document held out: a 5 % validation split
+VAL_FRACTION = 1.0 / VAL_EVERY
+MIN_VAL_TOKENS = 8192  # NUM_VAL_WINDOWS (8) disjoint windows of seq 1024
+# 8 MiB of source is ~8M byte tokens: far more than a tiny model sees in a demo run,
 # small enough to build in a second and to memory-map from every rank.
 DEFAULT_MAX_BYTES = 8 * 2**20
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".toml", ".cfg", ".ini", ".html", ".csv")
+JSONL_SUFFIXES = (".jsonl",)
+TOKEN_SUFFIXES = (".bin", ".npy")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
+_COPY_TOKENS = 1 << 24  # tokens per piece when copying or scanning a memory-mapped stream
 
 
 def default_corpus_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def _list_files(root: str) -> list[str]:
-    """Relative paths of the text files under `root`, sorted (deterministic order)."""
-    suffixes = (".py",) if os.path.abspath(root) == os.path.abspath(default_corpus_dir()) else TEXT_SUFFIXES
+@dataclass(frozen=True)
+class Source:
+    """What `build_corpus` reads, classified: absolute paths in deterministic order."""
+    root: str
+    text_files: tuple[str, ...] = ()
+    jsonl_files: tuple[str, ...] = ()
+    token_files: tuple[str, ...] = ()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.text_files + self.jsonl_files + self.token_files
+
+
+def _walk(root: str, suffixes: tuple[str, ...]) -> list[str]:
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-        for f in filenames:
-            if f.endswith(suffixes):
-                out.append(os.path.relpath(os.path.join(dirpath, f), root))
-    return sorted(out)
+        out += [os.path.join(dirpath, f) for f in filenames if f.endswith(suffixes) and not f.startswith(".")]
+    return sorted(out, key=lambda p: os.path.relpath(p, root))
 
 
-def _cache_key(root: str, files: list[str], max_bytes: int) -> str:
-    h = hashlib.sha256(f"{os.path.abspath(root)}\0{max_bytes}".encode())
-    for rel in files:
-        st = os.stat(os.path.join(root, rel))
-        h.update(f"\0{rel}\0{st.st_size}\0{int(st.st_mtime)}".encode())
+def resolve_source(source: str | None) -> Source:
+    if source is None:
+        root = default_corpus_dir()
+        return Source(root, text_files=tuple(_walk(root, (".py",))))
+    root = os.path.abspath(source)
+    if not os.path.exists(root):
+        raise ValueError(f"data not found: {source}")
+    files = [root] if os.path.isfile(root) else _walk(root, TEXT_SUFFIXES + JSONL_SUFFIXES + TOKEN_SUFFIXES)
+    tokens = tuple(f for f in files if f.endswith(TOKEN_SUFFIXES))
+    jsonl = tuple(f for f in files if f.endswith(JSONL_SUFFIXES))
+    # a file named on its own is text whatever its suffix; in a folder only TEXT_SUFFIXES are
+    text = tuple(f for f in files if f not in tokens and f not in jsonl)
+    if tokens and (text or jsonl):
+        raise ValueError(f"data {source} mixes pre-tokenized token files with text; give one kind")
+    if not files:
+        raise ValueError(f"data folder {source} has no text, .jsonl, .bin or .npy files")
+    return Source(root, text, jsonl, tokens)
+
+
+def _fingerprint(path: str) -> str:
+    """Size, mtime_ns and content (whole up to 8 KiB, else the first and last 4 KiB)."""
+    st = os.stat(path)
+    h = hashlib.sha256(f"{st.st_size}\0{st.st_mtime_ns}".encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(8192 if st.st_size <= 8192 else 4096))
+        if st.st_size > 8192:
+            fh.seek(-4096, os.SEEK_END)
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def _cache_key(src: Source, files: list[str], tok: TokenizerInfo | None, max_bytes: int | None) -> str:
+    h = hashlib.sha256(f"v{CACHE_VERSION}\0{src.root}\0{max_bytes}\0{VAL_EVERY}\0{MIN_VAL_TOKENS}".encode())
+    h.update(f"\0tokenizer\0{tok.fingerprint if tok else 'as-given'}".encode())
+    for path in files:
+        h.update(f"\0{os.path.relpath(path, src.root)}\0{_fingerprint(path)}".encode())
     return h.hexdigest()[:16]
 
 
-def build_corpus(corpus_dir: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, cache_dir: str | None = None) -> str:
-    """Tokenize the folder (default: the stdlib) once; return the cached `.npy` path."""
-    root = corpus_dir or default_corpus_dir()
-    if not os.path.isdir(root):
-        raise ValueError(f"corpus folder not found: {root}")
-    files = _list_files(root)
-    if not files:
-        raise ValueError(f"corpus folder {root} has no text files ({', '.join(TEXT_SUFFIXES)})")
+def build_corpus(source: str | None = None, tokenizer: str | None = None, progress: Progress | None = None,
+                 vocab_size: int | None = None, *, max_bytes: int | None = None, cache_dir: str | None = None,
+                 num_workers: int | None = None) -> str:
+    """Tokenize `source` once (default: the stdlib's sources) and return the cached manifest's path.
+
+    tokenizer: a local tokenizer.json (None: byte-level; for token files, None: ids as given).
+    progress(fraction, message): called as the build goes (and once, (1.0, ...), on a cache hit).
+    vocab_size: the model's vocabulary; ValueError when the corpus' ids do not fit it.
+    max_bytes: read text inputs only up to this many bytes (default source: DEFAULT_MAX_BYTES).
+    num_workers: tokenizer processes (None: one per core for a tokenizer.json, up to 8)."""
+    src = resolve_source(source)
+    if source is None and max_bytes is None:
+        max_bytes = DEFAULT_MAX_BYTES
+    tok = load_tokenizer(tokenizer) if (tokenizer is not None or not src.token_files) else None
+    if tok is not None and vocab_size is not None and tok.vocab_size > vocab_size:
+        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids, more than the model's "
+                         f"vocabulary of {vocab_size}")
+    units = plan_units(list(src.text_files), list(src.jsonl_files), max_bytes) if not src.token_files else []
+    used = list(dict.fromkeys(p for u in units for p in u.paths)) if units else list(src.files)
+    if not used:
+        raise ValueError(f"data {source} has no input to read")
     cache_dir = cache_dir or sub_dir("corpus")
     os.makedirs(cache_dir, exist_ok=True)
-    path = os.path.join(cache_dir, f"tokens-{_cache_key(root, files, max_bytes)}.npy")
-    if os.path.exists(path):
-        return path
-    chunks: list[bytes] = []
-    total = 0
-    for rel in files:
+    final = os.path.join(cache_dir, _cache_key(src, used, tok, max_bytes))
+    manifest = os.path.join(final, MANIFEST)
+    if not os.path.exists(manifest):
+        with open(f"{final}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank building the same cache: wait for it
+            if not os.path.exists(manifest):
+                tmp = f"{final}.tmp-{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+                try:
+                    t0 = time.perf_counter()
+                    if src.token_files:
+                        meta = _write_token_corpus(tmp, list(src.token_files), tok, progress)
+                    else:
+                        meta = _write_text_corpus(tmp, units, tok, num_workers, progress)
+                    meta.update(version=CACHE_VERSION, source=src.root, tokenizer=tok.path if tok else None,
+                                build_s=time.perf_counter() - t0)
+                    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as fh:
+                        json.dump(meta, fh, indent=1)
+                    os.rename(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                log.info("corpus: %d train + %d val tokens, %s + %s documents from %s (%s) in %.1f s -> %s",
+                         meta["train"]["num_tokens"], meta["val"]["num_tokens"], meta["num_docs"]["train"],
+                         meta["num_docs"]["val"], src.root, tok.name if tok else "ids as given",
+                         meta["build_s"], final)
+    elif progress is not None:
+        progress(1.0, f"cached: {final}")
+    if vocab_size is not None:
+        with open(manifest, encoding="utf-8") as fh:
+            have = json.load(fh)["vocab_size"]
+        if have > vocab_size:
+            raise ValueError(f"data {source} uses token ids up to {have - 1}, outside the model's "
+                             f"vocabulary of {vocab_size}")
+    return manifest
+
+
+# ---- text -> train.bin / val.bin ---------------------------------------------------------------
+def _move_tail(tmp: str, dtype: np.dtype, num_tokens: int, val_fh) -> None:
+    """Move the last `num_tokens` of train.bin to the end of val.bin, piece by piece."""
+    path = os.path.join(tmp, "train.bin")
+    mm = np.memmap(path, dtype=dtype, mode="r")
+    n = mm.size
+    for i in range(n - num_tokens, n, _COPY_TOKENS):
+        np.asarray(mm[i:min(i + _COPY_TOKENS, n)]).tofile(val_fh)
+    del mm
+    os.truncate(path, (n - num_tokens) * dtype.itemsize)
+
+
+def _write_text_corpus(tmp: str, units, tok: TokenizerInfo, num_workers: int | None,
+                       progress: Progress | None) -> dict:
+    train_lens: list[np.ndarray] = []  # tokens per document: one int per document, not per token
+    val_lens: list[np.ndarray] = []
+    num_docs = skipped = 0
+    with open(os.path.join(tmp, "train.bin"), "wb") as train_fh, open(os.path.join(tmp, "val.bin"), "wb") as val_fh:
+        for r in tokenize_units(units, tok, num_workers, progress):
+            held = np.arange(num_docs, num_docs + r.lengths.size) % VAL_EVERY == VAL_EVERY - 1
+            num_docs += r.lengths.size
+            skipped += r.num_skipped
+            in_val = np.repeat(held, r.lengths)  # per token: its document is held out
+            r.tokens[~in_val].tofile(train_fh)
+            r.tokens[in_val].tofile(val_fh)
+            train_lens.append(r.lengths[~held])
+            val_lens.append(r.lengths[held])
+        if num_docs == 0:
+            raise ValueError(f"no documents in the data ({skipped} binary or unreadable files skipped)"
+                             if skipped else "no documents in the data: every input is empty")
+        train, val = np.concatenate(train_lens), np.concatenate(val_lens)
+        total = int(train.sum() + val.sum())
+        target = min(MIN_VAL_TOKENS, int(np.ceil(VAL_FRACTION * total)))
+        # too little held out (few or small documents): move whole documents from train's end to
+        # val, never more than half of the tokens
+        k = moved = 0
+        have = int(val.sum())
+        while have + moved < target and k < train.size - 1 and have + moved + train[-1 - k] <= total // 2:
+            moved += int(train[-1 - k])
+            k += 1
+        train_fh.flush()
+        if moved:
+            _move_tail(tmp, tok.dtype, moved, val_fh)
+            train, val = train[: train.size - k], np.concatenate([val, train[train.size - k:]])
+        if val.size == 0:  # one document, or only huge ones at the end: cut the last one
+            cut = max(1, min(target, int(train[-1]) - 1))
+            _move_tail(tmp, tok.dtype, cut, val_fh)
+            train[-1] -= cut
+            val = np.array([cut], dtype=np.int64)
+            log.warning("corpus has no document to hold out whole: the last %d tokens of its last "
+                        "document are the validation split", cut)
+    np.save(os.path.join(tmp, "train_docs.npy"), np.cumsum(train))
+    np.save(os.path.join(tmp, "val_docs.npy"), np.cumsum(val))
+    dt = tok.dtype.name
+    return {"kind": "text", "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+            "num_docs": {"train": int(train.size), "val": int(val.size)}, "num_skipped_files": skipped,
+            "train": {"path": "train.bin", "dtype": dt, "offset_bytes": 0, "num_tokens": int(train.sum())},
+            "val": {"path": "val.bin", "dtype": dt, "offset_bytes": 0, "num_tokens": int(val.sum())}}
+
+
+# ---- pre-tokenized token files ----------------------------------------------------------------
+_TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32, np.int32)
+
+
+def _open_token_file(path: str) -> np.memmap:
+    """A token file as a 1-D memory map (nothing read yet); ValueError if it is not one."""
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"token file {path} is empty")
+    if path.endswith(".npy"):
         try:
-            with open(os.path.join(root, rel), "rb") as fh:
-                data = fh.read(max_bytes - total)
-        except OSError:
-            continue  # unreadable file: skipped, the hash still names the folder state
-        chunks.append(data + b"\n\n")
-        total += len(data) + 2
-        if total >= max_bytes:
-            break
-    tokens = np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
-    tmp = f"{path}.{os.getpid()}.tmp.npy"
-    np.save(tmp, tokens)
-    os.replace(tmp, path)  # atomic: concurrent builders never see half a file
-    log.info("corpus: %d files, %d tokens from %s -> %s", len(chunks), tokens.size, root, path)
-    return path
+            arr = np.load(path, mmap_mode="r")
+        except ValueError as e:
+            raise ValueError(f"token file {path} is not a .npy array ({e})") from e
+        if arr.dtype not in _TOKEN_DTYPES or not isinstance(arr, np.memmap) or not arr.flags.c_contiguous:
+            raise ValueError(f"token file {path} holds {arr.dtype}; token ids are uint8/uint16/uint32/int32")
+        return arr.reshape(-1)
+    dtype = np.dtype(np.uint32 if path.endswith((".u32.bin", ".uint32.bin")) else np.uint16)
+    if os.path.getsize(path) % dtype.itemsize:
+        raise ValueError(f"token file {path}: {os.path.getsize(path)} bytes is not a whole number of {dtype} ids")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _pieces(n: int):
+    return ((i, min(i + _COPY_TOKENS, n)) for i in range(0, n, _COPY_TOKENS))
+
+
+def _split_at_document(stream: np.ndarray, eod_id: int | None) -> int:
+    """Where val starts: after the end-of-document id nearest before 95 % (else the first after)."""
+    n = stream.size
+    mark = min(n - 1, max(1, int(n * (1.0 - VAL_FRACTION))))
+    if eod_id is None:
+        return mark
+    for hi in range(mark, 0, -_COPY_TOKENS):  # backwards from the mark
+        at = np.flatnonzero(stream[max(0, hi - _COPY_TOKENS):hi] == eod_id)
+        if at.size:
+            return max(0, hi - _COPY_TOKENS) + int(at[-1]) + 1
+    for lo, hi in _pieces(n - 1):
+        if hi > mark:
+            at = np.flatnonzero(stream[max(lo, mark):hi] == eod_id)
+            if at.size:
+                return max(lo, mark) + int(at[0]) + 1
+    return mark
+
+
+def _write_token_corpus(tmp: str, files: list[str], tok: TokenizerInfo | None, progress: Progress | None) -> dict:
+    maps = [_open_token_file(p) for p in files]
+    n = sum(m.size for m in maps)
+    if n < 2:
+        raise ValueError(f"token files hold {n} token(s): too few for a train and a validation split")
+    if len(maps) == 1:  # used in place: nothing copied
+        stream, ref = maps[0], {"path": files[0], "dtype": maps[0].dtype.name, "offset_bytes": int(maps[0].offset)}
+    else:  # joined into the cache piece by piece
+        dtype = np.dtype(np.uint32) if any(m.dtype.itemsize == 4 for m in maps) else np.dtype(np.uint16)
+        with open(os.path.join(tmp, "tokens.bin"), "wb") as fh:
+            for m in maps:
+                for lo, hi in _pieces(m.size):
+                    np.asarray(m[lo:hi], dtype=dtype).tofile(fh)
+        stream = np.memmap(os.path.join(tmp, "tokens.bin"), dtype=dtype, mode="r")
+        ref = {"path": "tokens.bin", "dtype": dtype.name, "offset_bytes": 0}
+    eod = tok.eod_id if tok else None
+    lo_id, hi_id, docs = 0, 0, 0
+    for lo, hi in _pieces(n):
+        piece = stream[lo:hi]
+        lo_id, hi_id = min(lo_id, int(piece.min())), max(hi_id, int(piece.max()))
+        docs += int(np.count_nonzero(piece == eod)) if eod is not None else 0
+        if progress is not None:
+            progress(hi / n, f"checked {hi} of {n} token ids")
+    if lo_id < 0:
+        raise ValueError(f"token files hold a negative id ({lo_id})")
+    if tok is not None and hi_id >= tok.vocab_size:
+        raise ValueError(f"token files hold id {hi_id}, outside tokenizer {tok.path}'s {tok.vocab_size} ids")
+    split = _split_at_document(stream, eod)
+    val_docs = int(np.count_nonzero(stream[split:] == eod)) if eod is not None else None
+    itemsize = stream.dtype.itemsize
+    return {"kind": "tokens", "vocab_size": tok.vocab_size if tok else hi_id + 1, "eod_id": eod,
+            "num_docs": {"train": docs - val_docs if eod is not None else None, "val": val_docs},
+            "train": dict(ref, num_tokens=split),
+            "val": dict(ref, offset_bytes=ref["offset_bytes"] + split * itemsize, num_tokens=n - split)}
+
+
+# ---- reading a built corpus ---------------------------------------------------------------------
+def _segment(folder: str, seg: dict) -> np.ndarray:
+    path = os.path.join(folder, seg["path"])  # relative: a cache file; absolute: a source used in place
+    if seg["num_tokens"] == 0:
+        return np.empty(0, dtype=seg["dtype"])
+    return np.memmap(path, dtype=seg["dtype"], mode="r", offset=seg["offset_bytes"], shape=(seg["num_tokens"],))
 
 
 @dataclass(frozen=True)
 class Corpus:
-    tokens: np.ndarray  # uint8, memory-mapped
-
-    @property
-    def split(self) -> int:
-        return int(self.tokens.size * (1.0 - VAL_FRACTION))
-
-    @property
-    def train(self) -> np.ndarray:
-        return self.tokens[: self.split]
-
-    @property
-    def val(self) -> np.ndarray:
-        return self.tokens[self.split :]
+    train: np.ndarray  # memory-mapped token ids
+    val: np.ndarray
+    eod_id: int | None  # None: pre-tokenized without a tokenizer (not known)
+    vocab_size: int  # ids are < vocab_size
+    train_doc_ends: np.ndarray | None = None  # exclusive end offset of each document (text corpora)
+    val_doc_ends: np.ndarray | None = None
+    path: str = ""
 
     @classmethod
     def load(cls, path: str) -> "Corpus":
-        return cls(np.load(path, mmap_mode="r"))
+        """The manifest `build_corpus` returned (or its folder)."""
+        manifest = os.path.join(path, MANIFEST) if os.path.isdir(path) else path
+        folder = os.path.dirname(manifest)
+        try:
+            with open(manifest, encoding="utf-8") as fh:
+                meta = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"not a corpus manifest: {path} ({e})") from e
+        docs = [os.path.join(folder, f"{s}_docs.npy") for s in ("train", "val")]
+        ends = [np.load(p, mmap_mode="r") if os.path.exists(p) else None for p in docs]
+        return cls(_segment(folder, meta["train"]), _segment(folder, meta["val"]), meta["eod_id"],
+                   meta["vocab_size"], ends[0], ends[1], manifest)
 
 
+# ---- sampling -----------------------------------------------------------------------------------
 def windows(data: np.ndarray, starts: np.ndarray, seq: int) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs and next-token targets, each (len(starts), seq) int64."""
-    idx = starts[:, None] + np.arange(seq + 1)[None, :]  # (n, seq+1)
-    w = np.asarray(data[idx], dtype=np.int64)
+    """Inputs and next-token targets, each (len(starts), seq) int64: one contiguous read per window."""
+    w = np.empty((len(starts), seq + 1), dtype=np.int64)
+    for i, s in enumerate(starts):
+        w[i] = data[s:s + seq + 1]
     return w[:, :-1], w[:, 1:]
+
+
+_ROUNDS = 6  # Feistel rounds: 4 already make a pseudorandom permutation (Luby-Rackoff)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer (Steele et al. 2014): a strong 64-bit hash, uint64 -> uint64."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 @dataclass(frozen=True)
 class GlobalSampler:
     """seed + step -> the start offsets of the global batch's `global_batch` windows.
 
-    Independent of the plan: any split of the same global batch trains on the same
-    samples in the same order, which is what makes the 1-rank and the uneven n-rank
-    runs the same training."""
+    The training stream is cut into `num_windows` windows of seq + 1 tokens, window k starting at
+    k·seq (consecutive windows share one token, so every token is a target once per epoch, as
+    Megatron's GPT dataset does). Steps count from 1; step t takes positions (t-1)·B .. t·B-1 of
+    the endless sequence epoch 0, epoch 1, ..., each epoch a different seeded permutation of
+    all windows: every window exactly once per epoch, no sampling with replacement.
+
+    The permutation is a keyed Feistel network over the next power of four ≥ num_windows with
+    cycle walking (Black & Rogaway 2002): position -> window in O(1) memory, so a corpus of any
+    size costs O(global_batch) per step and no epoch-sized array. Independent of the plan: any
+    split of the same global batch trains on the same samples in the same order."""
 
     num_tokens: int
     seq: int
@@ -136,12 +408,50 @@ class GlobalSampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_tokens < self.seq + 2:
-            raise ValueError(f"corpus has {self.num_tokens} training tokens, fewer than seq {self.seq} + 2")
+        if self.num_tokens < self.seq + 1:
+            raise ValueError(f"corpus has {self.num_tokens} training tokens, fewer than one window of "
+                             f"seq {self.seq} + 1")
+
+    @property
+    def num_windows(self) -> int:
+        return (self.num_tokens - 1) // self.seq
+
+    def epoch(self, step: int) -> int:
+        """The epoch the first window of `step` is in."""
+        return (step - 1) * self.global_batch // self.num_windows
+
+    def _keys(self, epoch: int) -> np.ndarray:
+        return np.random.PCG64([self.seed, epoch]).random_raw(_ROUNDS).astype(np.uint64)
+
+    def _feistel(self, x: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
+        mask = np.uint64((1 << half_bits) - 1)
+        left, right = x >> np.uint64(half_bits), x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << np.uint64(half_bits)) | right
+
+    def permute(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        """Window index at each position (0..num_windows-1) of `epoch`'s order."""
+        n = self.num_windows
+        half_bits = max(1, ((n - 1).bit_length() + 1) // 2)  # domain 4^half_bits ≥ n
+        keys = self._keys(epoch)
+        out = self._feistel(positions.astype(np.uint64), keys, half_bits)
+        outside = out >= n
+        while outside.any():  # cycle walking: re-encrypt until inside [0, n); terminates (a permutation)
+            out[outside] = self._feistel(out[outside], keys, half_bits)
+            outside = out >= n
+        return out.astype(np.int64)
 
     def starts(self, step: int) -> np.ndarray:
-        rng = np.random.Generator(np.random.PCG64([self.seed, step]))
-        return rng.integers(0, self.num_tokens - self.seq - 1, size=self.global_batch)
+        if step < 1:
+            raise ValueError(f"steps count from 1, got {step}")
+        flat = (step - 1) * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
+        epochs, positions = np.divmod(flat, self.num_windows)
+        out = np.empty(self.global_batch, dtype=np.int64)
+        for e in np.unique(epochs):
+            m = epochs == e
+            out[m] = self.permute(positions[m], int(e))
+        return out * self.seq
 
 
 def batch_slices(batches: list[int], position: int, micro_batch: int) -> list[slice]:

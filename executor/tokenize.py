@@ -1,0 +1,308 @@
+"""Documents -> token arrays: the tokenizer and the parallel, order-preserving tokenization.
+
+Two tokenizers (`load_tokenizer`):
+- byte-level (no tokenizer given): a document's UTF-8 bytes are its tokens, vocabulary 256
+  (the `tiny`/`small` presets' vocabulary). The end-of-document token is byte 0 (NUL): the one
+  byte text files do not contain (git's own test for "binary"), so it needs no extra id and
+  the vocabulary stays 256. A text file that contains a NUL byte is therefore skipped as
+  binary, and NUL characters inside a JSON Lines text are dropped.
+- a local `tokenizer.json` through the `tokenizers` library (`Tokenizer.from_file`, never the
+  hub). Documents are encoded as the tokenizer encodes them (its post-processor included: a
+  Llama tokenizer puts `<s>` first); the end-of-document id is the `eos_token` of a
+  `tokenizer_config.json` beside it, else the first of `EOD_TOKENS` the vocabulary has.
+
+Documents are read in `Unit`s of about `UNIT_BYTES` of input (a group of text files, or a
+line-aligned byte range of a JSON Lines file) and encoded by a pool of `spawn`ed processes
+(`multiprocessing.Pool.imap`: results come back in input order, so the token stream is the
+same for any number of processes). Each unit comes back as one flat array of token ids with an
+end-of-document id after each document, plus the documents' lengths: a large corpus is never
+a Python list of ints, only one unit's documents at a time inside a worker.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BYTE_VOCAB_SIZE = 256
+BYTE_EOD_ID = 0  # NUL: see the module docstring
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+# ~1 MiB of text is ~0.1-0.5 s of BPE work: long enough that a unit's pickling back to the
+# parent is a small part of it, short enough that 8 MiB of input still feeds 8 processes.
+UNIT_BYTES = 1 << 20
+MAX_FILES_PER_UNIT = 512
+PARALLEL_MIN_BYTES = 2 * UNIT_BYTES  # below this, starting processes costs more than it saves
+
+Progress = Callable[[float, str], None]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type holding ids 0..vocab_size-1 (uint8 bytes, uint16 for GPT-2's
+    50257, uint32 for Llama-3's 128256)."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dt).max + 1:
+            return np.dtype(dt)
+    raise ValueError(f"vocabulary of {vocab_size} ids does not fit 32-bit token ids")
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    path: str | None  # None: byte-level
+    vocab_size: int  # ids are 0..vocab_size-1, added tokens included
+    eod_id: int
+    fingerprint: str  # content hash of tokenizer.json (and the chosen end-of-document id)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return token_dtype(self.vocab_size)
+
+    @property
+    def name(self) -> str:
+        return self.path or "byte-level"
+
+
+def _configured_eos(tokenizer_json: str) -> str | None:
+    """`eos_token` of a tokenizer_config.json in the same folder (a string or {"content": ...})."""
+    cfg = os.path.join(os.path.dirname(tokenizer_json), "tokenizer_config.json")
+    try:
+        with open(cfg, encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
+def load_tokenizer(path: str | None) -> TokenizerInfo:
+    """Byte-level for None, else the local tokenizer.json; ValueError (one line) if unusable."""
+    if path is None:
+        return TokenizerInfo(None, BYTE_VOCAB_SIZE, BYTE_EOD_ID, "byte-level-nul-eod")
+    from tokenizers import Tokenizer
+
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer not found: {path}")
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises its own Exception type
+        raise ValueError(f"tokenizer {path} is not a tokenizers tokenizer.json ({str(e).splitlines()[0]})") from e
+    configured = _configured_eos(path)
+    candidates = ((configured,) if configured else ()) + EOD_TOKENS
+    eod = next((i for i in map(tok.token_to_id, candidates) if i is not None), None)
+    if eod is None:
+        raise ValueError(f"tokenizer {path} has no end-of-document token (none of {', '.join(candidates)})")
+    with open(path, "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+    return TokenizerInfo(path, tok.get_vocab_size(with_added_tokens=True), eod, f"{digest}-eod{eod}")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of work: text files (one document each), or bytes [start, stop) of a JSON
+    Lines file, cut at line ends."""
+    kind: str  # "files" | "jsonl"
+    paths: tuple[str, ...]
+    start: int = 0
+    stop: int = 0
+    num_bytes: int = 0
+
+
+def plan_units(text_files: list[str], jsonl_files: list[str], max_bytes: int | None = None) -> list[Unit]:
+    """The units of the input in order; with `max_bytes`, only the first units whose input adds
+    up to it (whole files, whole JSON Lines pieces), so the stream is still deterministic."""
+    units: list[Unit] = []
+    total = 0
+    group: list[str] = []
+    group_bytes = 0
+
+    def full() -> bool:
+        return max_bytes is not None and total >= max_bytes
+
+    for path in text_files:
+        if full():
+            break
+        size = os.path.getsize(path)
+        group.append(path)
+        group_bytes += size
+        total += size
+        if group_bytes >= UNIT_BYTES or len(group) >= MAX_FILES_PER_UNIT:
+            units.append(Unit("files", tuple(group), num_bytes=group_bytes))
+            group, group_bytes = [], 0
+    if group:
+        units.append(Unit("files", tuple(group), num_bytes=group_bytes))
+    for path in jsonl_files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            start = 0
+            while start < size and not full():
+                fh.seek(min(start + UNIT_BYTES, size))
+                fh.readline()  # to the end of the line the cut fell into
+                stop = min(fh.tell(), size)
+                units.append(Unit("jsonl", (path,), start, stop, stop - start))
+                total += stop - start
+                start = stop
+    return units
+
+
+@dataclass
+class UnitResult:
+    tokens: np.ndarray  # every document's ids followed by the end-of-document id
+    lengths: np.ndarray  # int64, tokens per document (its end-of-document id included)
+    num_lines: int = 0  # JSON Lines units: lines read (to number the lines of later units)
+    error: str | None = None  # a bad line: "line K: why" with K counted within the unit
+    error_line: int = 0
+    num_skipped: int = 0  # binary text files (they contain the byte-level end-of-document byte)
+
+
+class Encoder:
+    """Encodes units; one per process (the `tokenizers` object is loaded once)."""
+
+    def __init__(self, info: TokenizerInfo):
+        self.info = info
+        self.tok = None
+        if info.path is not None:
+            from tokenizers import Tokenizer
+
+            self.tok = Tokenizer.from_file(info.path)
+
+    def _pack(self, docs: list) -> tuple[np.ndarray, np.ndarray]:
+        """Documents (str, or bytes for byte-level) -> (flat ids with EOD after each, lengths)."""
+        eod = self.info.eod_id
+        if self.tok is None:
+            lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
+            return np.frombuffer(b"".join(d + b"\0" for d in docs), dtype=np.uint8).copy(), lengths
+        ids = [e.ids for e in self.tok.encode_batch_fast(docs)]
+        ids = [i if i and i[-1] == eod else i + [eod] for i in ids]  # a post-processor may end with it
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.info.dtype, count=int(lengths.sum()))
+        return flat, lengths
+
+    def encode(self, unit: Unit) -> UnitResult:
+        if unit.kind == "files":
+            return self._files(unit)
+        return self._jsonl(unit)
+
+    def _files(self, unit: Unit) -> UnitResult:
+        docs: list = []
+        skipped = 0
+        for path in unit.paths:
+            try:
+                with open(path, "rb") as fh:
+                    raw = fh.read()
+            except OSError as e:
+                log.warning("skipping unreadable %s (%s)", path, e)
+                skipped += 1
+                continue
+            if not raw:
+                continue
+            if b"\0" in raw:  # binary: its bytes could not be told from the end-of-document byte
+                skipped += 1
+                continue
+            docs.append(raw if self.tok is None else raw.decode("utf-8", errors="replace"))
+        tokens, lengths = self._pack(docs)
+        return UnitResult(tokens, lengths, num_skipped=skipped)
+
+    def _jsonl(self, unit: Unit) -> UnitResult:
+        with open(unit.paths[0], "rb") as fh:
+            fh.seek(unit.start)
+            data = fh.read(unit.stop - unit.start)
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()  # the piece ends with a newline: no line after it
+        docs: list = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            why = None
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                why = f"not valid JSON ({getattr(e, 'msg', e)})"
+            else:
+                if not isinstance(obj, dict) or "text" not in obj:
+                    why = 'no "text" field'
+                elif not isinstance(obj["text"], str):
+                    why = f'"text" is {type(obj["text"]).__name__}, not a string'
+            if why is not None:
+                return UnitResult(np.empty(0, self.info.dtype), np.empty(0, np.int64), len(lines), why, i + 1)
+            text = obj["text"]
+            if text:
+                docs.append(text.encode("utf-8").replace(b"\0", b"") if self.tok is None else text)
+        tokens, lengths = self._pack(docs)
+        return UnitResult(tokens, lengths, len(lines))
+
+
+_ENCODER: Encoder | None = None  # the worker process's own
+
+
+def _init_worker(info: TokenizerInfo) -> None:
+    global _ENCODER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    _ENCODER = Encoder(info)
+
+
+def _encode_in_worker(unit: Unit) -> UnitResult:
+    assert _ENCODER is not None
+    return _ENCODER.encode(unit)
+
+
+def default_num_workers(info: TokenizerInfo, total_bytes: int) -> int:
+    """Byte-level is a copy (I/O bound): one process. BPE is CPU bound: one per core, up to 8."""
+    if info.path is None or total_bytes < PARALLEL_MIN_BYTES:
+        return 1
+    return max(1, min(os.cpu_count() or 1, 8, total_bytes // UNIT_BYTES))
+
+
+def tokenize_units(units: list[Unit], info: TokenizerInfo, num_workers: int | None = None,
+                   progress: Progress | None = None) -> Iterator[UnitResult]:
+    """Encode the units, `num_workers` processes (None: `default_num_workers`), in order.
+    Raises ValueError naming the file and line of the first bad JSON Lines line."""
+    total = sum(u.num_bytes for u in units) or 1
+    workers = num_workers or default_num_workers(info, total)
+    lines_before: dict[str, int] = {}  # JSON Lines file -> lines in its units already seen
+    done = 0
+    with _results(units, info, workers) as results:
+        for unit, r in zip(units, results):
+            path = unit.paths[0]
+            if r.error is not None:
+                line = lines_before.get(path, 0) + r.error_line
+                raise ValueError(f"{path}: line {line}: {r.error}")
+            if unit.kind == "jsonl":
+                lines_before[path] = lines_before.get(path, 0) + r.num_lines
+            done += unit.num_bytes
+            if progress is not None:
+                progress(done / total, f"tokenized {done / 2**20:.1f} of {total / 2**20:.1f} MiB "
+                                       f"({workers} process{'es' if workers > 1 else ''})")
+            yield r
+
+
+class _results:
+    """Context manager: an iterator of the units' results, in-process or from a pool (closed,
+    and its processes ended, on leaving; also when a bad line stops the iteration early)."""
+
+    def __init__(self, units: list[Unit], info: TokenizerInfo, workers: int):
+        self.units, self.info, self.workers, self.pool = units, info, workers, None
+
+    def __enter__(self) -> Iterator[UnitResult]:
+        if self.workers <= 1 or len(self.units) <= 1:
+            enc = Encoder(self.info)
+            return map(enc.encode, self.units)
+        # spawn, not fork: the parent may hold torch's or tokenizers' threads, which fork breaks
+        ctx = multiprocessing.get_context("spawn")
+        self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.info,))
+        return self.pool.imap(_encode_in_worker, self.units)
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
