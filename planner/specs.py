@@ -9,9 +9,10 @@ family against `transformers`' own `num_parameters()`).
 Hugging Face configs (`spec_from_hf_dict`) are read strictly: a key whose value the decoder
 does not implement exactly is refused with one line naming it (a wrong model would be a wrong
 memory prediction). Supported: GPT-2 (`gpt2`), Llama 1/2/3.x (`llama`), Mistral (`mistral`),
-Qwen2/2.5 (`qwen2`). Refused: mixture of experts (Mixtral, Qwen2-MoE, DeepSeek: the memory
-model has no expert term), Gemma (GeGLU, (1 + w) norms, scaled embeddings: not implemented),
-other model types, activations other than GPT-2's tanh GELU and Llama's SiLU, RoPE types other
+Qwen2/2.5 (`qwen2`). Refused: a `head_dim` other than hidden / heads (the decoder has it, the
+memory model not yet: EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL), mixture of experts (Mixtral,
+Qwen2-MoE, DeepSeek: the memory model has no expert term), Gemma (GeGLU, (1 + w) norms,
+scaled embeddings: not implemented), other model types, activations other than GPT-2's tanh GELU and Llama's SiLU, RoPE types other
 than default / linear / llama3, partial rotary embeddings.
 
 Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is honoured by capping
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 FAMILIES = ("gpt2", "llama")
 ROPE_TYPES = ("default", "linear", "llama3")  # transformers' ROPE_INIT_FUNCTIONS the decoder implements
 HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
+# planner/memory.py sizes the autocast copies of q_proj/o_proj as hidden x hidden; with an explicit
+# head_dim they are hidden x (num_heads·head_dim), so bf16 predictions would be ~1 % off (measured
+# against the trace; fp32 is exact). Until the memory model reads spec.q_width, such configs are refused.
+EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL = False
 
 
 @dataclass(frozen=True)
@@ -305,6 +310,9 @@ def _llama_from_hf(c: _Config, name: str, mtype: str) -> ModelSpec:
     kv = c.int("num_key_value_heads", defaults["num_key_value_heads"] or heads)
     hd = c.int("head_dim", 0) if c.get("head_dim") is not None else 0
     explicit = hd if hd and (h % heads or hd != h // heads) else None
+    if explicit is not None and not EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL:
+        raise c.refuse("head_dim", f"differs from hidden_size / num_attention_heads = {h / heads:g}: the decoder "
+                                   "implements it, the memory model does not yet (q/o widths)")
     max_pos = c.int("max_position_embeddings", defaults["max_position_embeddings"])
     window = _active_sliding_window(c, mtype, layers, defaults["sliding_window"])
     if window is not None and window < max_pos:

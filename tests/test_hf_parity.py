@@ -38,8 +38,8 @@ SMALL = {  # family case -> (config class, model class, config kwargs)
     "llama2": (LlamaConfig, LlamaForCausalLM, _L),
     "llama3-rope-llama3-tied": (LlamaConfig, LlamaForCausalLM,
                                 dict(_L, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=_LLAMA3_ROPE)),
-    "llama-biases-head_dim-rope-linear": (LlamaConfig, LlamaForCausalLM, dict(
-        _L, num_key_value_heads=2, head_dim=24, attention_bias=True, mlp_bias=True,
+    "llama-biases-rope-linear": (LlamaConfig, LlamaForCausalLM, dict(
+        _L, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
     "mistral-sliding": (MistralConfig, MistralForCausalLM, dict(_L, num_key_value_heads=2, sliding_window=SEQ)),
     "qwen2-qkv-bias-tied": (Qwen2Config, Qwen2ForCausalLM, dict(_L, num_key_value_heads=2, tie_word_embeddings=True)),
@@ -102,10 +102,34 @@ def test_the_comparison_can_fail():
     assert spec.rope_type == "llama3"
     assert _compare(replace(spec, rope_type="default"), hf, idx)[0] > 1e-3
     assert _compare(replace(spec, rope_theta=10000.0), hf, idx)[0] > 1e-3
-    hf = _hf_model("llama-biases-head_dim-rope-linear")
+    hf = _hf_model("llama-biases-rope-linear")
     spec = spec_from_hf_dict(hf.config.to_dict())
-    assert (spec.head_dim, spec.rope_type, spec.o_bias, spec.mlp_bias) == (24, "linear", True, True)
+    assert (spec.rope_type, spec.qkv_bias, spec.o_bias, spec.mlp_bias) == ("linear", True, True, True)
     assert _compare(replace(spec, rope_factor=1.0), hf, idx)[0] > 1e-3
+    # a spec without the biases does not silently drop the checkpoint's bias tensors
+    with pytest.raises(ValueError, match="tensors the model does not: model.layers.0.mlp.down_proj.bias"):
+        hf_state_dict_to_decoder(replace(spec, mlp_bias=False), hf.state_dict())
+    with pytest.raises(ValueError, match="checkpoint misses 'model.layers.0.self_attn.q_proj.bias'"):
+        hf_state_dict_to_decoder(spec, {k: v for k, v in hf.state_dict().items() if "q_proj.bias" not in k})
+
+
+def test_explicit_head_dim_is_exact_in_the_decoder_and_refused_by_the_reader(monkeypatch):
+    """head_dim 24 with hidden 64 and 4 heads: q and o are 96 wide. The decoder computes what
+    transformers does; the config reader refuses it while the memory model lacks the q width."""
+    cfg_cls, model_cls, kw = SMALL["llama-biases-rope-linear"]
+    SMALL["head_dim"] = (cfg_cls, model_cls, dict(kw, head_dim=24))
+    try:
+        hf = _hf_model("head_dim")
+    finally:
+        del SMALL["head_dim"]
+    with pytest.raises(ValueError, match="head_dim=24: differs from hidden_size / num_attention_heads = 16"):
+        spec_from_hf_dict(hf.config.to_dict())
+    monkeypatch.setattr("planner.specs.EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL", True)
+    spec = spec_from_hf_dict(hf.config.to_dict())
+    assert (spec.head_dim, spec.q_width, spec.num_params) == (24, 96, hf.num_parameters())
+    idx = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    logit_diff, loss_diff, _ = _compare(spec, hf, idx)
+    assert logit_diff <= 1e-5 and loss_diff <= 1e-6, (logit_diff, loss_diff)
 
 
 def test_sliding_window_exact_up_to_the_window_and_refused_past_it():
