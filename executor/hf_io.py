@@ -4,8 +4,8 @@ The decoder (models/decoder.py) names its parameters `embed.weight`, `blocks.3.a
 ...; a Hugging Face folder names them `model.layers.3.self_attn.q_proj.weight` (Llama, Mistral,
 Qwen2) or `transformer.h.3.attn.c_attn.weight` (GPT-2). GPT-2's Conv1D stores every Linear
 TRANSPOSED, (in, out), and fuses q, k and v into one c_attn of width 3h. So each decoder
-parameter has one `HFSource`: a range [lo, hi) along one axis of one HF tensor, and whether that
-axis is the HF tensor's columns (Conv1D: decoder row r is HF column lo + r) or its rows.
+parameter lies in a range [lo, hi) along one axis of one HF tensor: its rows, or (Conv1D) its
+columns, decoder row r being HF column lo + r.
 
 In: `HFWeights(folder, spec).read(name, a, b)` is what `ShardedRuntime.load_parameters` calls for
 the elements [a, b) of a decoder parameter that one rank owns. It asks safetensors for only the
@@ -17,6 +17,9 @@ the full state to HF names and layout, writes `model.safetensors` (or shards wit
 `max_shard_bytes`), a `config.json` that `AutoModelForCausalLM.from_pretrained` builds the same
 architecture from (the HF folder's own config when the run started from one), and the run's
 tokenizer files (the launcher copies `--tokenizer` into `<run_dir>/tokenizer.json`).
+
+The name mapping itself (decoder name <-> HF tensor, transposed or a third of GPT-2's c_attn) is
+models/decoder.py's `hf_source` / `decoder_state_dict_to_hf`; this module turns it into slices.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from models.decoder import decoder_state_dict_to_hf, hf_source
 from planner.specs import ModelSpec, get_model, spec_from_hf_dict, with_max_seq
 
 log = logging.getLogger(__name__)
@@ -43,48 +47,18 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # transformers' own default shard size is 5 GB (PreTrainedModel.save_pretrained before v5)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-# names the HF folder's top module may carry: with (`transformer.`, `model.`) or without a prefix
-# (the original GPT-2 checkpoints have `h.0.attn...`, `wte.weight`)
-PREFIXES = {"gpt2": "transformer.", "llama": "model."}
 
 
 @dataclass(frozen=True)
-class HFSource:
-    """Where one decoder parameter lies in a Hugging Face checkpoint: indices [lo, hi) along the
-    HF tensor `name`'s first axis (transposed=False: decoder row r is HF row lo + r) or its second
-    axis (transposed=True, GPT-2 Conv1D: decoder row r is HF column lo + r)."""
+class _Range:
+    """Where one decoder parameter lies in the folder's HF tensor `key`: indices [lo, hi) along its
+    first axis (transposed=False: decoder row r is HF row lo + r) or its second axis
+    (transposed=True, GPT-2 Conv1D: decoder row r is HF column lo + r)."""
 
-    name: str
+    key: str
     lo: int
     hi: int
-    transposed: bool = False
-
-
-# ---- the name mapping ---------------------------------------------------------------------------
-
-# decoder name pattern -> HF name template, per family ("{p}": the top module's prefix)
-_LLAMA_RULES = [
-    (r"embed\.weight", "{p}embed_tokens.weight"),
-    (r"blocks\.(\d+)\.attn_norm\.(\w+)", r"{p}layers.\1.input_layernorm.\2"),
-    (r"blocks\.(\d+)\.attn\.(\w+)\.(\w+)", r"{p}layers.\1.self_attn.\2.\3"),
-    (r"blocks\.(\d+)\.mlp_norm\.(\w+)", r"{p}layers.\1.post_attention_layernorm.\2"),
-    (r"blocks\.(\d+)\.mlp\.(\w+)\.(\w+)", r"{p}layers.\1.mlp.\2.\3"),
-    (r"norm\.(\w+)", r"{p}norm.\1"),
-    (r"lm_head\.weight", "lm_head.weight"),
-]
-_GPT2_RULES = [
-    (r"embed\.weight", "{p}wte.weight"),
-    (r"pos_embed\.weight", "{p}wpe.weight"),
-    (r"blocks\.(\d+)\.attn_norm\.(\w+)", r"{p}h.\1.ln_1.\2"),
-    (r"blocks\.(\d+)\.attn\.[qkv]_proj\.(\w+)", r"{p}h.\1.attn.c_attn.\2"),
-    (r"blocks\.(\d+)\.attn\.o_proj\.(\w+)", r"{p}h.\1.attn.c_proj.\2"),
-    (r"blocks\.(\d+)\.mlp_norm\.(\w+)", r"{p}h.\1.ln_2.\2"),
-    (r"blocks\.(\d+)\.mlp\.up_proj\.(\w+)", r"{p}h.\1.mlp.c_fc.\2"),
-    (r"blocks\.(\d+)\.mlp\.down_proj\.(\w+)", r"{p}h.\1.mlp.c_proj.\2"),
-    (r"norm\.(\w+)", r"{p}ln_f.\1"),
-    (r"lm_head\.weight", "lm_head.weight"),
-]
-_RULES = {"gpt2": _GPT2_RULES, "llama": _LLAMA_RULES}
+    transposed: bool
 
 
 def decoder_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -94,60 +68,6 @@ def decoder_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = build_model(spec)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
-
-
-def hf_sources(spec: ModelSpec, prefix: str | None = None) -> dict[str, HFSource]:
-    """{decoder name: HFSource} for every parameter of the decoder of `spec`. `prefix` replaces the
-    family's top-module prefix (`transformer.` / `model.`); "" for checkpoints saved without it."""
-    if spec.family not in _RULES:
-        raise ValueError(f"model {spec.name!r}: no Hugging Face name mapping for family {spec.family!r}")
-    p = PREFIXES[spec.family] if prefix is None else prefix
-    rules = [(re.compile(pat), tmpl.replace("{p}", p)) for pat, tmpl in _RULES[spec.family]]
-    out: dict[str, HFSource] = {}
-    fused_edge: dict[str, int] = {}  # GPT-2 c_attn: next free column of each fused tensor
-    for name, shape in decoder_shapes(spec).items():
-        rule = next(((rx, t) for rx, t in rules if rx.fullmatch(name)), None)
-        if rule is None:
-            raise ValueError(f"model {spec.name!r}: decoder parameter {name!r} has no Hugging Face name")
-        hf = rule[0].sub(rule[1], name)
-        # GPT-2's Conv1D matrices are (in, out): every block matrix is transposed; biases are not
-        transposed = spec.family == "gpt2" and name.startswith("blocks.") and name.endswith(".weight") \
-            and len(shape) == 2
-        lo = fused_edge.get(hf, 0)  # q, k, v come in this order, each after the previous one
-        fused_edge[hf] = lo + shape[0]
-        out[name] = HFSource(hf, lo, lo + shape[0], transposed)
-    return out
-
-
-def hf_shapes(spec: ModelSpec, sources: dict[str, HFSource]) -> dict[str, tuple[int, ...]]:
-    """{HF tensor name: the shape the HF checkpoint must have}, from the decoder shapes."""
-    shapes = decoder_shapes(spec)
-    out: dict[str, tuple[int, ...]] = {}
-    for name, src in sources.items():
-        rest = shapes[name][1:]
-        if src.transposed:  # decoder (r, c) <- HF (c, total)
-            out[src.name] = (rest[0], max(src.hi, out.get(src.name, (0, 0))[1]))
-        else:
-            out[src.name] = (max(src.hi, out.get(src.name, (0,))[0]), *rest)
-    return out
-
-
-def decoder_state_dict_to_hf(spec: ModelSpec, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The decoder's full state dict in Hugging Face names and layout (GPT-2: Conv1D transposed,
-    q/k/v fused into c_attn), contiguous, in the decoder's order."""
-    pieces: dict[str, list[tuple[HFSource, torch.Tensor]]] = {}
-    for name, src in hf_sources(spec).items():
-        if name not in sd:
-            raise ValueError(f"state dict has no {name!r}")
-        pieces.setdefault(src.name, []).append((src, sd[name]))
-    out = {}
-    for hf, parts in pieces.items():
-        parts.sort(key=lambda sp: sp[0].lo)
-        transposed = parts[0][0].transposed
-        tensors = [t.t() if transposed else t for _, t in parts]
-        out[hf] = torch.cat(tensors, dim=1 if transposed else 0).contiguous() if len(tensors) > 1 \
-            else tensors[0].contiguous()
-    return out
 
 
 # ---- reading a Hugging Face folder, slice by slice -----------------------------------------------
@@ -189,17 +109,38 @@ class HFWeights:
         if diff is not None:
             raise ValueError(f"{folder}: its config is not the plan's model {spec.name!r} ({diff})")
         self.files = self._weight_map()
-        prefix = self._prefix()
-        self.sources = hf_sources(spec, prefix)
         self.shapes = decoder_shapes(spec)
         self._handles: dict[str, Any] = {}
         self.elements_read = 0
-        for hf, shape in hf_shapes(spec, self.sources).items():
-            if hf not in self.files:
-                raise ValueError(f"{folder}: tensor {hf!r} is missing (needed for the plan's model {spec.name!r})")
-            got = tuple(self._slice(hf).get_shape())
-            if got != shape:
-                raise ValueError(f"{folder}: tensor {hf!r} has shape {list(got)}, the plan's model needs {list(shape)}")
+        self.ranges = {name: self._range(name, shape) for name, shape in self.shapes.items()}
+
+    def _key(self, name: str) -> str:
+        """The folder's tensor name for decoder parameter `name`: transformers' prefixed key, or the
+        key without its top-module prefix (the original GPT-2 files have `h.0.attn...`, `wte.weight`)."""
+        key = hf_source(self.spec, name).key
+        bare = key.split(".", 1)[1] if key.startswith(("transformer.", "model.")) else key
+        if key not in self.files and bare in self.files:
+            return bare
+        if key not in self.files:
+            raise ValueError(f"{self.folder}: tensor {key!r} is missing (needed for the plan's model {self.spec.name!r})")
+        return key
+
+    def _range(self, name: str, shape: tuple[int, ...]) -> _Range:
+        """Where decoder parameter `name` lies in its HF tensor; ValueError when the shapes disagree."""
+        src = hf_source(self.spec, name)
+        key = self._key(name)
+        hf_shape = tuple(self._slice(key).get_shape())
+        axis = 1 if src.transpose else 0
+        if src.part is not None:  # GPT-2 c_attn: [q | k | v] along the last axis, a third each
+            width = hf_shape[-1] // 3 if hf_shape else 0
+            lo, hi = src.part * width, (src.part + 1) * width
+        else:
+            lo, hi = 0, hf_shape[axis] if len(hf_shape) > axis else 0
+        rows = hf_shape[:1] if src.transpose else hf_shape[1:]
+        if (hi - lo, *rows) != shape or (src.transpose and len(hf_shape) != 2):
+            raise ValueError(f"{self.folder}: tensor {key!r} has shape {list(hf_shape)}, which does not hold the "
+                             f"plan's model's {name} {list(shape)}")
+        return _Range(key, lo, hi, src.transpose)
 
     def _weight_map(self) -> dict[str, str]:
         """{HF tensor name: absolute file path}."""
@@ -224,14 +165,6 @@ class HFWeights:
         except Exception as e:  # safetensors raises its own SafetensorError on a damaged file
             raise ValueError(f"{single}: not a safetensors file ({str(e).splitlines()[0] if str(e) else e})") from None
 
-    def _prefix(self) -> str:
-        """The top-module prefix the folder's tensor names use (`transformer.`/`model.` or none)."""
-        p = PREFIXES[self.spec.family] if self.spec.family in PREFIXES else ""
-        embed = hf_sources(self.spec, p)["embed.weight"].name
-        if embed not in self.files and embed[len(p):] in self.files:
-            return ""
-        return p
-
     def _slice(self, hf: str) -> Any:
         from safetensors import safe_open
 
@@ -244,18 +177,19 @@ class HFWeights:
     def read(self, name: str, a: int, b: int) -> torch.Tensor:
         """Elements [a, b) of decoder parameter `name` flattened row-major, fp32. Reads only the
         decoder rows those elements lie in: HF rows, or HF columns of a transposed Conv1D."""
-        src, shape = self.sources[name], self.shapes[name]
+        src, shape = self.ranges[name], self.shapes[name]
         cols = math.prod(shape[1:])  # elements per decoder row (1 for a vector)
         if not 0 <= a < b <= shape[0] * cols:
             raise ValueError(f"{name}: elements [{a}, {b}) are not inside its {shape[0] * cols}")
         r0, r1 = a // cols, -(-b // cols)  # decoder rows [r0, r1) hold [a, b)
-        sl = self._slice(src.name)
+        sl = self._slice(src.key)
         if src.transposed:
             part = sl[:, src.lo + r0:src.lo + r1].t()  # HF (c, r1-r0) -> decoder rows (r1-r0, c)
         else:
             part = sl[src.lo + r0:src.lo + r1]  # (r1-r0, *rest)
         self.elements_read += part.numel()
-        return part.reshape(-1)[a - r0 * cols:b - r0 * cols].to(torch.float32)
+        # a copy: safetensors' slices are views of the memory-mapped file
+        return part.reshape(-1)[a - r0 * cols:b - r0 * cols].to(torch.float32, copy=True)
 
     def close(self) -> None:
         self._handles.clear()  # safetensors unmaps a file when its handle is collected
@@ -270,11 +204,39 @@ class HFWeights:
 # ---- writing a Hugging Face folder ---------------------------------------------------------------
 
 
+def _llama_config(spec: ModelSpec) -> dict[str, Any]:
+    """The Llama-style model type whose modules are the decoder's: Qwen2 for q/k/v biases alone
+    (its o_proj and MLP have none), Mistral for a sliding window, Llama otherwise (attention_bias:
+    q/k/v/o biases, mlp_bias: gate/up/down)."""
+    qwen = spec.qkv_bias and not spec.o_bias and not spec.mlp_bias
+    mtype = "qwen2" if qwen else "mistral" if spec.sliding_window else "llama"
+    rope = {"rope_type": spec.rope_type, "rope_theta": spec.rope_theta}
+    if spec.rope_type != "default":
+        rope["factor"] = spec.rope_factor
+    if spec.rope_type == "llama3":
+        rope.update(low_freq_factor=spec.rope_low_freq_factor, high_freq_factor=spec.rope_high_freq_factor,
+                    original_max_position_embeddings=spec.rope_original_max_seq)
+    cfg = {"architectures": [{"qwen2": "Qwen2", "mistral": "Mistral", "llama": "Llama"}[mtype] + "ForCausalLM"],
+           "model_type": mtype, "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden,
+           "intermediate_size": spec.ffn_hidden, "num_attention_heads": spec.num_heads,
+           "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
+           "max_position_embeddings": spec.max_seq, "rms_norm_eps": spec.norm_eps, "hidden_act": "silu",
+           # transformers 5 reads rope_parameters; rope_theta (+ rope_scaling) is what 4.x reads
+           "rope_theta": spec.rope_theta, "rope_parameters": rope, "sliding_window": spec.sliding_window}
+    if spec.rope_type != "default":
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if mtype == "llama":
+        cfg.update(attention_bias=spec.o_bias, mlp_bias=spec.mlp_bias)
+    if mtype == "qwen2":
+        cfg["use_sliding_window"] = False
+    return cfg
+
+
 def hf_config(spec: ModelSpec, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A `config.json` from which transformers builds the decoder of `spec`. With `base` (the config
     of the folder the run started from) that config is kept, with the dtype and position table set
-    to what was trained; otherwise one is written for the family (GPT-2; Llama, or Qwen2 where q/k/v
-    carry biases and o_proj none, as the decoder does)."""
+    to what was trained; otherwise one is written for the family (GPT-2; Llama, Qwen2 or Mistral,
+    _llama_config). Read back by planner/specs.py it must give `spec` again, or ValueError."""
     if base is not None:
         cfg = dict(base)
         if spec.positional == "learned":  # with_max_seq may have grown the GPT-2 position table
@@ -288,22 +250,7 @@ def hf_config(spec: ModelSpec, base: dict[str, Any] | None = None) -> dict[str, 
                # GPUMix trains without dropout; the export should fine-tune the same way
                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     elif spec.family == "llama":
-        qwen = spec.qkv_bias and not spec.linear_bias
-        cfg = {"architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-               "model_type": "qwen2" if qwen else "llama", "num_hidden_layers": spec.num_layers,
-               "hidden_size": spec.hidden, "intermediate_size": spec.ffn_hidden,
-               "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-               "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
-               "max_position_embeddings": spec.max_seq, "rms_norm_eps": spec.norm_eps, "hidden_act": "silu",
-               "rope_theta": spec.rope_theta,
-               "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-               "attention_bias": False, "mlp_bias": False}
-        rope_scaling = getattr(spec, "rope_scaling", None)
-        if isinstance(rope_scaling, dict):
-            cfg["rope_scaling"] = dict(rope_scaling)
-            cfg["rope_parameters"] = {**cfg["rope_parameters"], **rope_scaling}
-        if qwen:
-            cfg["use_sliding_window"] = False
+        cfg = _llama_config(spec)
     else:
         raise ValueError(f"model {spec.name!r}: no Hugging Face config for family {spec.family!r}")
     cfg["tie_word_embeddings"] = spec.tied_embeddings
@@ -452,5 +399,4 @@ def export_run(run_dir: str, out_dir: str, step: int | None = None, tokenizer: s
     return out_dir
 
 
-__all__ = ["HFSource", "HFWeights", "hf_sources", "decoder_state_dict_to_hf", "hf_config", "export_run",
-           "run_state_dict", "spec_mismatch"]
+__all__ = ["HFWeights", "hf_config", "export_run", "run_state_dict", "spec_mismatch"]

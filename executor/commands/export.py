@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from executor import checkpoint as ckpt
     from executor.hf_io import DEFAULT_MAX_SHARD_BYTES, export_run
     from planner.cli import print_json
 
@@ -30,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
     max_shard = DEFAULT_MAX_SHARD_BYTES if args.max_shard_gb is None else int(args.max_shard_gb * 1e9)
     out = export_run(args.run_dir, args.out, step=args.step, tokenizer=args.tokenizer, max_shard_bytes=max_shard)
     files = sorted(os.listdir(out))
+    step = args.step if args.step is not None else (ckpt.latest(args.run_dir) or {}).get("step")
     if args.json:
-        print_json({"out": out, "files": files, "step": args.step})
+        print_json({"out": out, "files": files, "step": step})
     else:
-        print(f"exported {args.run_dir} to {out}: {', '.join(files)}")
+        print(f"exported step {step} of {args.run_dir} to {out}: {', '.join(files)}")
     return 0
