@@ -4,6 +4,7 @@ from planner.cli import main
 
 COMMANDS = {
     "launch": "executor.commands.launch",
+    "export": "executor.commands.export",
     "metrics": "executor.commands.metrics",
     "stop": "executor.commands.stop",
     "submit": "executor.commands.submit",

@@ -33,13 +33,14 @@ import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from executor import checkpoint as ckpt
@@ -93,14 +94,17 @@ def default_optim(steps: int, optim: OptimConfig | None = None) -> OptimConfig:
 
 def worker_args(plan_path: str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                 checkpoint_every: int = 0, tokens_path: str | None = None, corpus_dir: str | None = None,
-                optim: OptimConfig | None = None) -> list[str]:
+                optim: OptimConfig | None = None, tokenizer: str | None = None,
+                init_from: str | None = None) -> list[str]:
     args = ["-m", "executor.worker", "--plan", plan_path, "--steps", str(steps), "--run-dir", run_dir,
             "--seed", str(seed), "--checkpoint-every", str(checkpoint_every),
             "--optim", json.dumps(default_optim(steps, optim).to_dict())]
     if tokens_path:
         args += ["--tokens", tokens_path]
-    elif corpus_dir:
-        args += ["--corpus", corpus_dir]
+    else:  # each node builds (and caches) its own token file
+        args += (["--corpus", corpus_dir] if corpus_dir else []) + (["--tokenizer", tokenizer] if tokenizer else [])
+    if init_from:
+        args += ["--init-from", init_from]
     if resume:
         args.append("--resume")
     return args
@@ -131,13 +135,15 @@ def runs_here(plan: Plan) -> bool:
 
 def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                        checkpoint_every: int = 0, corpus_dir: str | None = None,
-                       port: int = DEFAULT_RDZV_PORT, optim: OptimConfig | None = None) -> list[str]:
+                       port: int = DEFAULT_RDZV_PORT, optim: OptimConfig | None = None, tokenizer: str | None = None,
+                       init_from: str | None = None) -> list[str]:
     """One shell line per node: `GPUMIX_NODE=<node> python -m torch.distributed.run --nnodes=N
     --nproc-per-node=k --node-rank=i --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> ...`.
     Every node needs this repository, the plan file and the corpus folder at the same paths."""
     nodes = plan_nodes(plan)
     run_id = re.sub(r"[^A-Za-z0-9_-]", "-", os.path.basename(os.path.abspath(run_dir)))
-    wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, corpus_dir=corpus_dir, optim=optim)
+    wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, corpus_dir=corpus_dir, optim=optim,
+                        tokenizer=tokenizer, init_from=init_from)
     lines = []
     for i, node in enumerate(nodes):
         k = sum(1 for a in plan.used if a.node == node)
@@ -304,18 +310,56 @@ def _stop_on_signals(flag: threading.Event):
             signal.signal(s, h)
 
 
+def check_init_from(plan: Plan, init_from: str | None) -> str | None:
+    """The absolute Hugging Face folder to start from, refused (ValueError) when its config is not the
+    plan's model: the weights must fill exactly the model the plan was made for."""
+    if init_from is None:
+        return None
+    from planner.specs import get_model
+
+    folder = os.path.abspath(init_from)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"--init-from {init_from}: no config.json in that folder (a Hugging Face model folder)")
+    want, got = get_model(plan.model), get_model(os.path.join(folder, "config.json"))
+    if replace(want, name="") != replace(got, name=""):
+        raise ValueError(f"--init-from {init_from}: its config describes another model than the plan's "
+                         f"{plan.model!r} ({got.num_params:,} vs {want.num_params:,} parameters); plan with "
+                         f"--model {os.path.join(folder, 'config.json')}")
+    return folder
+
+
+def keep_tokenizer(run_dir: str, tokenizer: str | None) -> None:
+    """Copy the run's tokenizer.json (and its config files beside it) into the run folder, where
+    `executor export` takes it from."""
+    if tokenizer is None:
+        return
+    src = os.path.dirname(os.path.abspath(tokenizer))
+    shutil.copyfile(tokenizer, os.path.join(run_dir, "tokenizer.json"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copyfile(os.path.join(src, name), os.path.join(run_dir, name))
+
+
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
-               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None) -> str:
+               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
+               tokenizer: str | None = None, init_from: str | None = None) -> str:
     """Run `plan` for `steps` global steps with torchrun; block until it ends.
-    Returns the final status: "done" | "failed" | "stopped". ValueError on bad input."""
+    Returns the final status: "done" | "failed" | "stopped". ValueError on bad input.
+    `corpus_dir`: the training data (a folder of text files, JSON Lines with "text", or token
+    files; default the Python standard library), `tokenizer`: a tokenizer.json (default bytes),
+    `init_from`: a Hugging Face model folder to start from (each rank reads its own slices)."""
     plan = _load(plan)
     _check_args(plan, steps, checkpoint_every)
+    init_from = check_init_from(plan, init_from)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
     meta = ckpt.check_resumable(run_dir, plan) if resume else None
     plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
     plan.save(plan_path)
-    tokens = build_corpus(corpus_dir)
+    from planner.specs import get_model
+
+    tokens = build_corpus(corpus_dir, tokenizer, vocab_size=get_model(plan.model).vocab_size)
+    keep_tokenizer(run_dir, tokenizer)
     store = MetricsStore(run_dir)
     store.init_run(plan, steps, seed, backend="gloo", resume=resume)
     if plan.dtype != "fp32" and all(a.type == "cpu" for a in plan.used):
@@ -327,7 +371,7 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
         fh.write(str(os.getpid()))
     cmd = local_torchrun_command(len(plan.used), free_port(),
                                  worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume,
-                                             checkpoint_every, tokens_path=tokens, optim=optim))
+                                             checkpoint_every, tokens_path=tokens, optim=optim, init_from=init_from))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GPUMIX_LAUNCHED="1",
                PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
@@ -414,12 +458,14 @@ class RunHandle:
 
 
 def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
-              checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None) -> RunHandle:
+              checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
+              tokenizer: str | None = None, init_from: str | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
     folder under planner.paths.runs_dir()."""
     plan = _load(plan)
     _check_args(plan, steps, checkpoint_every)
+    init_from = check_init_from(plan, init_from)
     run_dir = os.path.abspath(run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
@@ -436,7 +482,11 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
     if resume:
         cmd.append("--resume")
     if corpus_dir:
-        cmd += ["--corpus", corpus_dir]
+        cmd += ["--data", corpus_dir]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    if init_from:
+        cmd += ["--init-from", init_from]
     if optim is not None:
         cmd += optim_flags(optim)
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:

@@ -65,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--run-dir", required=True)
     p.add_argument("--tokens", help="the corpus token array (.npy), built by the launcher")
-    p.add_argument("--corpus", help="corpus folder (multi-node runs: each node builds its own token cache)")
+    p.add_argument("--corpus", help="training data (multi-node runs: each node builds its own token cache)")
+    p.add_argument("--tokenizer", help="tokenizer.json for --corpus (default: bytes)")
+    p.add_argument("--init-from", help="a Hugging Face model folder: each rank reads its own slices")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--checkpoint-every", type=int, default=0)
@@ -164,10 +166,14 @@ class Trainer:
                                       position=self.position, comm=comm, device=self.device,
                                       recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
                                       seed=args.seed, loss_scaling=loss_scaling, expand_kv=kernel.expand_kv,
-                                      materialize=not args.resume)  # a resume overwrites every slice
+                                      materialize=not (args.resume or args.init_from))  # both overwrite every slice
+        if args.init_from and not args.resume:
+            from executor.hf_io import HFWeights
+
+            self.runtime.load_parameters(HFWeights(args.init_from, spec).read)
         shard = self.runtime.shard_numel()
 
-        corpus = Corpus.load(args.tokens or build_corpus(args.corpus))
+        corpus = Corpus.load(args.tokens or build_corpus(args.corpus, args.tokenizer, vocab_size=spec.vocab_size))
         self.train_tokens, self.val_tokens = corpus.train, corpus.val
         self.sampler = GlobalSampler(int(self.train_tokens.size), plan.seq, plan.global_batch, args.seed)
         self.slices = batch_slices(self.batches, self.position, self.a.micro_batch) if self.a.batch else []

@@ -73,9 +73,12 @@ def host_float(t: torch.Tensor) -> float:
     return 0.0 if is_fake(t) else float(t)
 
 
-@dataclass
+@dataclass(repr=False)
 class UnitState:
     """One unit on one rank: its modules' parameters laid out flat, and this rank's slice."""
+
+    def __repr__(self) -> str:  # never the tensors: a freed unit's storage has no data to print
+        return f"UnitState({self.name!r}, numel={self.numel}, slice=[{self.start}, {self.end}), held={self.held})"
 
     name: str
     index: int
@@ -110,6 +113,10 @@ class StepResult:
 
 class ShardedRuntime:
     """One rank of a (possibly uneven) sharded data-parallel run of a ModelSpec (module docstring)."""
+
+    def __repr__(self) -> str:
+        return (f"ShardedRuntime({self.spec.name!r}, zero={self.zero}, position={self.position} of "
+                f"{len(self.fractions)}, {self.shard_numel()} of {self.spec.num_params} parameters)")
 
     def __init__(self, spec: ModelSpec, *, zero: int, fractions: Sequence[float], position: int,
                  comm: Collectives, device: torch.device, recompute: str = "none",

@@ -81,11 +81,17 @@ def render_launch(plan: Plan | None) -> None:
                    "(c10d rendezvous on the first).", icon=":material/lan:")
         st.code("\n".join(multinode_commands("plan.json", plan, int(steps), "RUN_DIR")), language="bash")
         return
+    inputs = state.get_training_inputs()
+    chosen = [f"{label}: `{inputs[k]}`" for k, label in (("init_from", "start from"), ("tokenizer", "tokenizer"),
+                                                         ("corpus_dir", "data")) if inputs[k]]
+    st.caption(("Inputs (Model & memory page): " + ", ".join(chosen)) if chosen else
+               "Inputs: random initialisation, byte tokens, the Python standard library as corpus "
+               "(choose others on the Model & memory page).")
     if st.button("Launch", type="primary", key="launch_button", icon=":material/rocket_launch:"):
         from executor.launch import start_run
 
         with common.show_errors("Cannot launch"), st.spinner("Starting the launcher…"):
-            handle = start_run(plan, int(steps), checkpoint_every=int(ckpt_every))
+            handle = start_run(plan, int(steps), checkpoint_every=int(ckpt_every), **inputs)
             state.set_run_dir(handle.run_dir)
             st.session_state["launch_run_select"] = handle.run_dir
             st.toast(f"Launched {os.path.basename(handle.run_dir)}", icon=":material/rocket_launch:")

@@ -51,6 +51,18 @@ def set_model(model: str) -> None:
     st.session_state["model"] = model
 
 
+def get_training_inputs() -> dict[str, str | None]:
+    """The run's inputs chosen on the Model & memory page: `corpus_dir` (data: a folder, JSON Lines or
+    token files), `tokenizer` (tokenizer.json), `init_from` (a Hugging Face model folder); None =
+    the defaults (the standard library, bytes, random initialisation)."""
+    return st.session_state.setdefault("training_inputs", {"corpus_dir": None, "tokenizer": None, "init_from": None})
+
+
+def set_training_inputs(corpus_dir: str | None, tokenizer: str | None, init_from: str | None) -> None:
+    st.session_state["training_inputs"] = {"corpus_dir": corpus_dir or None, "tokenizer": tokenizer or None,
+                                           "init_from": init_from or None}
+
+
 def get_plan() -> Plan | None:
     return st.session_state.get("plan")
 

@@ -1,4 +1,5 @@
-"""`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K] [--corpus DIR]`
+"""`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K]
+[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags]`
 
 Runs the plan with torchrun and returns when the run ends (exit 0: done or stopped,
 1: failed). A plan spanning several nodes prints the per-node torchrun commands instead.
@@ -18,7 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
-    p.add_argument("--corpus", default=None, metavar="DIR", help="folder of text files (default: Python's stdlib)")
+    p.add_argument("--data", "--corpus", dest="corpus", default=None, metavar="PATH",
+                   help="training data: a folder of text files, a JSON Lines file with a 'text' field, or "
+                        "pre-tokenized token files (default: the Python standard library's sources)")
+    p.add_argument("--tokenizer", default=None, metavar="TOKENIZER_JSON",
+                   help="a Hugging Face tokenizer.json (default: bytes, vocabulary 256)")
+    p.add_argument("--init-from", default=None, metavar="HF_DIR",
+                   help="start from a local Hugging Face model folder (safetensors); each rank reads its slices")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4)")
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="linear LR warmup steps (default: 5%% of --steps, at most 2000)")
@@ -68,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         plan_path = os.path.join(run_dir, "plan.json")
         plan.save(plan_path)
         lines = multinode_commands(plan_path, plan, args.steps, run_dir, args.seed, args.resume,
-                                   args.checkpoint_every, args.corpus, optim=optim)
+                                   args.checkpoint_every, args.corpus, optim=optim, tokenizer=args.tokenizer,
+                                   init_from=args.init_from)
         if args.json:
             print_json({"status": "not started", "multinode_commands": lines})
         else:
@@ -76,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(lines))
         return 0
     status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
-                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim)
+                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
+                        tokenizer=args.tokenizer, init_from=args.init_from)
     m = read_metrics(args.run_dir)
     if args.json:
         print_json(m)
