@@ -89,3 +89,44 @@ def test_trace_now_shows_the_measured_peak():
     assert any("measured" in m.label for m in at.metric), [m.label for m in at.metric]
     line = next(c.value for c in at.caption if "predicted − measured" in c.value)
     assert abs(float(line.split(":")[1].strip().rstrip("%").strip())) <= 8.0
+
+
+def test_a_model_folder_tokenizer_and_dataset_are_chosen_here_and_counted(tmp_path):
+    """A Hugging Face folder planned by its config (parameter count from it), its weights offered
+    as --init-from, a JSON Lines dataset with a tokenizer.json counted in tokens; the choices are
+    the session's training inputs (the Launch page passes them to the run)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                 tie_word_embeddings=False)).save_pretrained(folder)
+    texts = [f"document number {i} says hello to the world of mixed GPUs" for i in range(40)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+
+    at = _page()
+    at.selectbox(key="mem_model").set_value("A Hugging Face model folder…").run()
+    at.text_input(key="mem_folder").set_value(str(folder)).run()
+    assert not at.exception
+    n = sum(p.numel() for p in LlamaForCausalLM.from_pretrained(folder).parameters())
+    assert f"{n:,} parameters" in " ".join(str(c.value) for c in at.caption)
+    assert at.checkbox(key="mem_init_from").value is True
+    at.text_input(key="mem_tokenizer").set_value(str(tmp_path / "tokenizer.json")).run()
+    at.text_input(key="mem_data").set_value(str(data)).run()
+    at.button(key="mem_count_tokens").click().run()
+    assert not at.exception
+    msg = " ".join(str(s.value) for s in at.success)
+    assert "training tokens" in msg and "validation tokens" in msg, _text(at)
+    inputs = at.session_state["training_inputs"]
+    assert inputs == {"corpus_dir": str(data), "tokenizer": str(tmp_path / "tokenizer.json"),
+                      "init_from": str(folder)}
+    # a folder without a config is one clear error, not a traceback
+    at.text_input(key="mem_folder").set_value(str(tmp_path)).run()
+    assert not at.exception and "no config.json" in _text(at)

@@ -17,10 +17,11 @@ from planner.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
 from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, page_header, show_errors, show_figure,
                        style_figure)
 from ui.state import get_model as get_session_model
-from ui.state import set_model
+from ui.state import get_training_inputs, set_model, set_training_inputs
 
 GIB = 2**30
 UPLOAD = "Upload a config.json…"
+FOLDER = "A Hugging Face model folder…"
 DEFAULT_GPU = "A100-80GB"
 COMPONENTS = ("params", "grads", "optimizer", "activations", "other")
 TRACE_LIMIT_PARAMS = 200_000_000  # "Trace now" on this page: small models only (seconds, not minutes)
@@ -30,8 +31,10 @@ REAL_TRACE_LIMIT_PARAMS = 20_000_000  # above this the trace uses fake tensors (
 def choose_model() -> ModelSpec | None:
     names = list(PRESETS)
     current = get_session_model()
-    index = names.index(current) if current in names else (len(names) if current.endswith(".json") else 0)
-    choice = st.selectbox("Model", [*names, UPLOAD], index=index, key="mem_model")
+    index = names.index(current) if current in names else (len(names) + 1 if current.endswith(".json") else 0)
+    choice = st.selectbox("Model", [*names, UPLOAD, FOLDER], index=index, key="mem_model")
+    if choice == FOLDER:
+        return choose_folder()
     if choice != UPLOAD:
         set_model(choice)
         return get_model(choice)
@@ -48,6 +51,55 @@ def choose_model() -> ModelSpec | None:
             raise ValueError("expected a JSON object")
         return spec_from_hf_dict(cfg, name=os.path.splitext(up.name)[0] or "uploaded", source=up.name)
     return None
+
+
+def choose_folder() -> ModelSpec | None:
+    """A local Hugging Face folder (config.json, safetensors): planned by its config, and a run can
+    start from its weights (`--init-from`)."""
+    folder = st.text_input("Model folder (config.json and model.safetensors)", key="mem_folder",
+                           placeholder="/path/to/model")
+    if not folder:
+        st.info("Give the path of a local model folder.")
+        return None
+    spec = None
+    with show_errors(f"Cannot use {folder}"):
+        config = os.path.join(os.path.abspath(folder), "config.json")
+        if not os.path.isfile(config):
+            raise ValueError(f"no config.json in {folder}")
+        spec = get_model(config)
+        set_model(config)
+        has_weights = any(n.endswith(".safetensors") for n in os.listdir(os.path.dirname(config)))
+        inputs = get_training_inputs()
+        start = st.checkbox("Start training from these weights (--init-from)", value=has_weights,
+                            disabled=not has_weights, key="mem_init_from",
+                            help="each rank reads only its own slices of the safetensors files")
+        set_training_inputs(inputs["corpus_dir"], inputs["tokenizer"], os.path.dirname(config) if start else None)
+    return spec
+
+
+@st.cache_data(show_spinner=False)
+def _dataset_tokens(source: str | None, tokenizer: str | None, vocab_size: int) -> tuple[int, int]:
+    """(train, validation) tokens of a dataset, tokenized once and cached (executor.corpus)."""
+    from executor.corpus import Corpus, build_corpus
+
+    corpus = Corpus.load(build_corpus(source, tokenizer, vocab_size=vocab_size))
+    return int(corpus.train.size), int(corpus.val.size)
+
+
+def choose_data(spec: ModelSpec) -> None:
+    """Tokenizer and dataset for the run (the Launch page uses them): shown with their token counts."""
+    inputs = get_training_inputs()
+    c1, c2 = st.columns(2)
+    tokenizer = c1.text_input("Tokenizer (tokenizer.json; empty: bytes)", value=inputs["tokenizer"] or "",
+                              key="mem_tokenizer")
+    data = c2.text_input("Dataset (folder of text, JSON Lines with 'text', or token files; empty: the Python "
+                         "standard library)", value=inputs["corpus_dir"] or "", key="mem_data")
+    set_training_inputs(data or None, tokenizer or None, inputs["init_from"])
+    if not st.button("Count the dataset's tokens", key="mem_count_tokens"):
+        return
+    with show_errors("Cannot read the dataset"), st.spinner("Tokenizing (once; cached)…"):
+        train, val = _dataset_tokens(data or None, tokenizer or None, spec.vocab_size)
+        st.success(f"{train:,} training tokens and {val:,} validation tokens (measured)")
 
 
 def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
@@ -142,6 +194,7 @@ def main() -> None:
     st.caption(f"{spec.name}: {spec.family} family, {spec.num_params:,} parameters, {spec.num_layers} layers, "
                f"hidden {spec.hidden}, {spec.num_heads} heads ({spec.num_kv_heads} kv), vocab {spec.vocab_size}, "
                f"max seq {spec.max_seq}")
+    choose_data(spec)
     cfg, gpu = choose_config(spec)
     if cfg is None:
         return
