@@ -170,7 +170,7 @@ class _Shape:
 def _shape(spec: ModelSpec, cfg: MemoryConfig) -> _Shape:
     tp = cfg.tp
     return _Shape(
-        layers=math.ceil(spec.num_layers / cfg.pp), h=spec.hidden, hq=spec.hidden // tp,
+        layers=math.ceil(spec.num_layers / cfg.pp), h=spec.hidden, hq=spec.q_width // tp,
         kv=spec.num_kv_heads * spec.head_dim // tp, f=math.ceil(spec.ffn_hidden / tp),
         heads=spec.num_heads // tp, vocab=math.ceil(spec.vocab_size / tp), head_dim=spec.head_dim,
         gpt2=spec.family == "gpt2", tied=spec.tied_embeddings,

@@ -9,8 +9,8 @@ family against `transformers`' own `num_parameters()`).
 Hugging Face configs (`spec_from_hf_dict`) are read strictly: a key whose value the decoder
 does not implement exactly is refused with one line naming it (a wrong model would be a wrong
 memory prediction). Supported: GPT-2 (`gpt2`), Llama 1/2/3.x (`llama`), Mistral (`mistral`),
-Qwen2/2.5 (`qwen2`). Refused: a `head_dim` other than hidden / heads (the decoder has it, the
-memory model not yet: EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL), mixture of experts (Mixtral,
+Qwen2/2.5 (`qwen2`), with an explicit `head_dim` (q and o are num_heads·head_dim wide). Refused:
+mixture of experts (Mixtral,
 Qwen2-MoE, DeepSeek: the memory model has no expert term), Gemma (GeGLU, (1 + w) norms,
 scaled embeddings: not implemented), other model types, activations other than GPT-2's tanh GELU and Llama's SiLU, RoPE types other
 than default / linear / llama3, partial rotary embeddings.
@@ -34,10 +34,9 @@ log = logging.getLogger(__name__)
 FAMILIES = ("gpt2", "llama")
 ROPE_TYPES = ("default", "linear", "llama3")  # transformers' ROPE_INIT_FUNCTIONS the decoder implements
 HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
-# planner/memory.py sizes the autocast copies of q_proj/o_proj as hidden x hidden; with an explicit
-# head_dim they are hidden x (num_heads·head_dim), so bf16 predictions would be ~1 % off (measured
-# against the trace; fp32 is exact). Until the memory model reads spec.q_width, such configs are refused.
-EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL = False
+# planner/memory.py sizes q_proj/o_proj by spec.q_width (num_heads·head_dim), so an explicit head_dim
+# is predicted as exactly as the rest (tests/test_profiler_memory.py); False would refuse such configs
+EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL = True
 
 
 @dataclass(frozen=True)

@@ -113,18 +113,15 @@ def test_the_comparison_can_fail():
         hf_state_dict_to_decoder(spec, {k: v for k, v in hf.state_dict().items() if "q_proj.bias" not in k})
 
 
-def test_explicit_head_dim_is_exact_in_the_decoder_and_refused_by_the_reader(monkeypatch):
+def test_explicit_head_dim_is_exact_in_the_decoder():
     """head_dim 24 with hidden 64 and 4 heads: q and o are 96 wide. The decoder computes what
-    transformers does; the config reader refuses it while the memory model lacks the q width."""
+    transformers does (and the memory model sizes q/o by the q width: test_profiler_memory)."""
     cfg_cls, model_cls, kw = SMALL["llama-biases-rope-linear"]
     SMALL["head_dim"] = (cfg_cls, model_cls, dict(kw, head_dim=24))
     try:
         hf = _hf_model("head_dim")
     finally:
         del SMALL["head_dim"]
-    with pytest.raises(ValueError, match="head_dim=24: differs from hidden_size / num_attention_heads = 16"):
-        spec_from_hf_dict(hf.config.to_dict())
-    monkeypatch.setattr("planner.specs.EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL", True)
     spec = spec_from_hf_dict(hf.config.to_dict())
     assert (spec.head_dim, spec.q_width, spec.num_params) == (24, 96, hf.num_parameters())
     idx = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))

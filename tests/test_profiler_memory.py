@@ -66,6 +66,19 @@ def test_fake_trace_of_7b_shaped_blocks_every_stage(zero, n, dtype, recompute):
     assert _err_pct(estimate_memory(spec, cfg).peak_bytes, traced["peak_bytes"]) <= TOL_PCT
 
 
+@pytest.mark.parametrize("zero,dtype", [(1, "bf16"), (3, "fp32")])
+def test_an_explicit_head_dim_is_predicted_exactly(zero, dtype):
+    # Mistral-Nemo style: head_dim 48 with hidden 128 and 4 heads (q is 192 wide, not 128)
+    from planner.specs import spec_from_hf_dict
+
+    spec = spec_from_hf_dict({"model_type": "mistral", "hidden_size": 128, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "head_dim": 48, "intermediate_size": 256,
+                              "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 256,
+                              "sliding_window": None})
+    cfg = MemoryConfig(micro_batch=2, seq=64, dtype=dtype, zero=zero, dp=2)
+    assert _err_pct(estimate_memory(spec, cfg).peak_bytes, trace_memory(spec, cfg)["peak_bytes"]) <= TOL_PCT
+
+
 def test_fake_equals_real():
     small = _cfg(3, 1, 2, "fp32", "none", 0.5)
     real, fake = trace_memory(PRESETS["tiny"], small), trace_memory(PRESETS["tiny"], small, fake=True)

@@ -115,7 +115,6 @@ _LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "nu
     (dict(GEMMA_7B, model_type="phi3"), "model_type='phi3': unsupported model_type"),
     (dict(_LLAMA, model_type=None), "missing key 'model_type'"),
     (dict(_LLAMA, hidden_act="gelu"), "hidden_act='gelu': only silu"),
-    (dict(_LLAMA, head_dim=32), "head_dim=32: differs from hidden_size / num_attention_heads = 16"),
     (dict(_LLAMA, rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling rope_type 'yarn' is not implemented"),
     (dict(_LLAMA, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type 'dynamic' is not implemented"),
     (dict(_LLAMA, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_parameters rope_type 'longrope'"),
@@ -143,7 +142,7 @@ def test_cli_refuses_mixtral_and_gemma_with_exit_2(tmp_path, cfg, key):
 
 
 def test_honoured_keys_reach_the_spec(monkeypatch):
-    monkeypatch.setattr("planner.specs.EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL", True)  # head_dim 32, not 64 / 4
+    # head_dim 32, not 64 / 4: an explicit head_dim is honoured (decoder and memory model)
     spec = spec_from_hf_dict(dict(_LLAMA, head_dim=32, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
                                   rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
