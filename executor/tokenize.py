@@ -12,20 +12,21 @@ Two tokenizers (`load_tokenizer`):
   `tokenizer_config.json` beside it, else the first of `EOD_TOKENS` the vocabulary has.
 
 Documents are read in `Unit`s of about `UNIT_BYTES` of input (a group of text files, or a
-line-aligned byte range of a JSON Lines file) and encoded by a pool of `spawn`ed processes
-(`multiprocessing.Pool.imap`: results come back in input order, so the token stream is the
-same for any number of processes). Each unit comes back as one flat array of token ids with an
+line-aligned byte range of a JSON Lines file) and encoded by forked worker processes, results
+taken back in input order, so the token stream is the same for any number of processes. Each unit comes back as one flat array of token ids with an
 end-of-document id after each document, plus the documents' lengths: a large corpus is never
 a Python list of ints, only one unit's documents at a time inside a worker.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
 import logging
 import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -271,7 +272,8 @@ def tokenize_units(units: list[Unit], info: TokenizerInfo, num_workers: int | No
     workers = num_workers or default_num_workers(info, total)
     lines_before: dict[str, int] = {}  # JSON Lines file -> lines in its units already seen
     done = 0
-    with _results(units, info, workers) as results:
+    results = _results(units, info, workers)
+    try:
         for unit, r in zip(units, results):
             path = unit.paths[0]
             if r.error is not None:
@@ -284,25 +286,30 @@ def tokenize_units(units: list[Unit], info: TokenizerInfo, num_workers: int | No
                 progress(done / total, f"tokenized {done / 2**20:.1f} of {total / 2**20:.1f} MiB "
                                        f"({workers} process{'es' if workers > 1 else ''})")
             yield r
+    finally:
+        results.close()  # ends the worker processes now, also when a bad line stopped us early
 
 
-class _results:
-    """Context manager: an iterator of the units' results, in-process or from a pool (closed,
-    and its processes ended, on leaving; also when a bad line stops the iteration early)."""
-
-    def __init__(self, units: list[Unit], info: TokenizerInfo, workers: int):
-        self.units, self.info, self.workers, self.pool = units, info, workers, None
-
-    def __enter__(self) -> Iterator[UnitResult]:
-        if self.workers <= 1 or len(self.units) <= 1:
-            enc = Encoder(self.info)
-            return map(enc.encode, self.units)
-        # spawn, not fork: the parent may hold torch's or tokenizers' threads, which fork breaks
-        ctx = multiprocessing.get_context("spawn")
-        self.pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.info,))
-        return self.pool.imap(_encode_in_worker, self.units)
-
-    def __exit__(self, *exc) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+def _results(units: list[Unit], info: TokenizerInfo, workers: int) -> Iterator[UnitResult]:
+    """The units' results in input order: in this process, or from `workers` processes with at
+    most 2 units per process in flight (results never pile up in memory). A worker that dies
+    (killed, out of memory) raises BrokenProcessPool instead of hanging; leaving early (a bad
+    line) cancels what is queued."""
+    if workers <= 1 or len(units) <= 1:
+        yield from map(Encoder(info).encode, units)
+        return
+    # fork: the children run only tokenizers and numpy, start in milliseconds and, unlike spawn
+    # and forkserver, need no importable __main__ (a notebook or `python -` would respawn forever)
+    ctx = multiprocessing.get_context("fork")
+    ex = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(info,))
+    try:
+        todo = iter(units)
+        pending = collections.deque(ex.submit(_encode_in_worker, u) for u in itertools.islice(todo, 2 * workers))
+        while pending:
+            r = pending.popleft().result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(ex.submit(_encode_in_worker, nxt))
+            yield r
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
