@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.tokenize import Progress, TokenizerInfo, load_tokenizer, plan_units, token_dtype, tokenize_units
+from executor.tokenize import COPY_TOKENS, Progress, TokenizerInfo, load_tokenizer, plan_units, write_text_corpus
 from planner.paths import sub_dir
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,6 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".toml", ".c
 JSONL_SUFFIXES = (".jsonl",)
 TOKEN_SUFFIXES = (".bin", ".npy")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
-_COPY_TOKENS = 1 << 24  # tokens per piece when copying or scanning a memory-mapped stream
 
 
 def default_corpus_dir() -> str:
@@ -170,7 +169,7 @@ def build_corpus(source: str | None = None, tokenizer: str | None = None, progre
                     if src.token_files:
                         meta = _write_token_corpus(tmp, list(src.token_files), tok, progress)
                     else:
-                        meta = _write_text_corpus(tmp, units, tok, num_workers, progress)
+                        meta = write_text_corpus(tmp, units, tok, num_workers, progress, VAL_EVERY, MIN_VAL_TOKENS)
                     meta.update(version=CACHE_VERSION, source=src.root, tokenizer=tok.path if tok else None,
                                 build_s=time.perf_counter() - t0)
                     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as fh:
@@ -192,66 +191,6 @@ def build_corpus(source: str | None = None, tokenizer: str | None = None, progre
             raise ValueError(f"data {source} uses token ids up to {have - 1}, outside the model's "
                              f"vocabulary of {vocab_size}")
     return manifest
-
-
-# ---- text -> train.bin / val.bin ---------------------------------------------------------------
-def _move_tail(tmp: str, dtype: np.dtype, num_tokens: int, val_fh) -> None:
-    """Move the last `num_tokens` of train.bin to the end of val.bin, piece by piece."""
-    path = os.path.join(tmp, "train.bin")
-    mm = np.memmap(path, dtype=dtype, mode="r")
-    n = mm.size
-    for i in range(n - num_tokens, n, _COPY_TOKENS):
-        np.asarray(mm[i:min(i + _COPY_TOKENS, n)]).tofile(val_fh)
-    del mm
-    os.truncate(path, (n - num_tokens) * dtype.itemsize)
-
-
-def _write_text_corpus(tmp: str, units, tok: TokenizerInfo, num_workers: int | None,
-                       progress: Progress | None) -> dict:
-    train_lens: list[np.ndarray] = []  # tokens per document: one int per document, not per token
-    val_lens: list[np.ndarray] = []
-    num_docs = skipped = 0
-    with open(os.path.join(tmp, "train.bin"), "wb") as train_fh, open(os.path.join(tmp, "val.bin"), "wb") as val_fh:
-        for r in tokenize_units(units, tok, num_workers, progress):
-            held = np.arange(num_docs, num_docs + r.lengths.size) % VAL_EVERY == VAL_EVERY - 1
-            num_docs += r.lengths.size
-            skipped += r.num_skipped
-            in_val = np.repeat(held, r.lengths)  # per token: its document is held out
-            r.tokens[~in_val].tofile(train_fh)
-            r.tokens[in_val].tofile(val_fh)
-            train_lens.append(r.lengths[~held])
-            val_lens.append(r.lengths[held])
-        if num_docs == 0:
-            raise ValueError(f"no documents in the data ({skipped} binary or unreadable files skipped)"
-                             if skipped else "no documents in the data: every input is empty")
-        train, val = np.concatenate(train_lens), np.concatenate(val_lens)
-        total = int(train.sum() + val.sum())
-        target = min(MIN_VAL_TOKENS, int(np.ceil(VAL_FRACTION * total)))
-        # too little held out (few or small documents): move whole documents from train's end to
-        # val, never more than half of the tokens
-        k = moved = 0
-        have = int(val.sum())
-        while have + moved < target and k < train.size - 1 and have + moved + train[-1 - k] <= total // 2:
-            moved += int(train[-1 - k])
-            k += 1
-        train_fh.flush()
-        if moved:
-            _move_tail(tmp, tok.dtype, moved, val_fh)
-            train, val = train[: train.size - k], np.concatenate([val, train[train.size - k:]])
-        if val.size == 0:  # one document, or only huge ones at the end: cut the last one
-            cut = max(1, min(target, int(train[-1]) - 1))
-            _move_tail(tmp, tok.dtype, cut, val_fh)
-            train[-1] -= cut
-            val = np.array([cut], dtype=np.int64)
-            log.warning("corpus has no document to hold out whole: the last %d tokens of its last "
-                        "document are the validation split", cut)
-    np.save(os.path.join(tmp, "train_docs.npy"), np.cumsum(train))
-    np.save(os.path.join(tmp, "val_docs.npy"), np.cumsum(val))
-    dt = tok.dtype.name
-    return {"kind": "text", "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
-            "num_docs": {"train": int(train.size), "val": int(val.size)}, "num_skipped_files": skipped,
-            "train": {"path": "train.bin", "dtype": dt, "offset_bytes": 0, "num_tokens": int(train.sum())},
-            "val": {"path": "val.bin", "dtype": dt, "offset_bytes": 0, "num_tokens": int(val.sum())}}
 
 
 # ---- pre-tokenized token files ----------------------------------------------------------------
@@ -277,7 +216,7 @@ def _open_token_file(path: str) -> np.memmap:
 
 
 def _pieces(n: int):
-    return ((i, min(i + _COPY_TOKENS, n)) for i in range(0, n, _COPY_TOKENS))
+    return ((i, min(i + COPY_TOKENS, n)) for i in range(0, n, COPY_TOKENS))
 
 
 def _split_at_document(stream: np.ndarray, eod_id: int | None) -> int:
@@ -286,10 +225,10 @@ def _split_at_document(stream: np.ndarray, eod_id: int | None) -> int:
     mark = min(n - 1, max(1, int(n * (1.0 - VAL_FRACTION))))
     if eod_id is None:
         return mark
-    for hi in range(mark, 0, -_COPY_TOKENS):  # backwards from the mark
-        at = np.flatnonzero(stream[max(0, hi - _COPY_TOKENS):hi] == eod_id)
+    for hi in range(mark, 0, -COPY_TOKENS):  # backwards from the mark
+        at = np.flatnonzero(stream[max(0, hi - COPY_TOKENS):hi] == eod_id)
         if at.size:
-            return max(0, hi - _COPY_TOKENS) + int(at[-1]) + 1
+            return max(0, hi - COPY_TOKENS) + int(at[-1]) + 1
     for lo, hi in _pieces(n - 1):
         if hi > mark:
             at = np.flatnonzero(stream[max(lo, mark):hi] == eod_id)

@@ -42,6 +42,7 @@ EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 UNIT_BYTES = 1 << 20
 MAX_FILES_PER_UNIT = 512
 PARALLEL_MIN_BYTES = 2 * UNIT_BYTES  # below this, starting processes costs more than it saves
+COPY_TOKENS = 1 << 24  # tokens per piece when copying or scanning a memory-mapped stream
 
 Progress = Callable[[float, str], None]
 
@@ -313,3 +314,69 @@ def _results(units: list[Unit], info: TokenizerInfo, workers: int) -> Iterator[U
             yield r
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+
+
+# ---- the text corpus on disk -------------------------------------------------------------------
+def _move_tail(tmp: str, dtype: np.dtype, num_tokens: int, val_fh) -> None:
+    """Move the last `num_tokens` of train.bin to the end of val.bin, piece by piece."""
+    path = os.path.join(tmp, "train.bin")
+    mm = np.memmap(path, dtype=dtype, mode="r")
+    n = mm.size
+    for i in range(n - num_tokens, n, COPY_TOKENS):
+        np.asarray(mm[i:min(i + COPY_TOKENS, n)]).tofile(val_fh)
+    del mm
+    os.truncate(path, (n - num_tokens) * dtype.itemsize)
+
+
+def write_text_corpus(tmp: str, units: list[Unit], tok: TokenizerInfo, num_workers: int | None,
+                      progress: Progress | None, val_every: int, min_val_tokens: int) -> dict:
+    """Tokenize the units into `tmp`/train.bin and val.bin (raw ids), written as they come, and
+    each document's end offset into train_docs.npy / val_docs.npy; returns the manifest's fields.
+
+    Held out, by documents: every `val_every`-th; when that gives fewer than
+    min(min_val_tokens, tokens / val_every), whole documents from train's end are moved to val
+    (never more than half the tokens), and with none movable the last document's tail is cut off."""
+    train_lens: list[np.ndarray] = []  # tokens per document: one int per document, not per token
+    val_lens: list[np.ndarray] = []
+    num_docs = skipped = 0
+    with open(os.path.join(tmp, "train.bin"), "wb") as train_fh, open(os.path.join(tmp, "val.bin"), "wb") as val_fh:
+        for r in tokenize_units(units, tok, num_workers, progress):
+            held = np.arange(num_docs, num_docs + r.lengths.size) % val_every == val_every - 1
+            num_docs += r.lengths.size
+            skipped += r.num_skipped
+            in_val = np.repeat(held, r.lengths)  # per token: its document is held out
+            r.tokens[~in_val].tofile(train_fh)
+            r.tokens[in_val].tofile(val_fh)
+            train_lens.append(r.lengths[~held])
+            val_lens.append(r.lengths[held])
+        if num_docs == 0:
+            raise ValueError(f"no documents in the data ({skipped} binary or unreadable files skipped)"
+                             if skipped else "no documents in the data: every input is empty")
+        train, val = np.concatenate(train_lens), np.concatenate(val_lens)
+        total = int(train.sum() + val.sum())
+        target = min(min_val_tokens, -(-total // val_every))
+        # too little held out (few or small documents): move whole documents from train's end to
+        # val, never more than half of the tokens
+        k = moved = 0
+        have = int(val.sum())
+        while have + moved < target and k < train.size - 1 and have + moved + train[-1 - k] <= total // 2:
+            moved += int(train[-1 - k])
+            k += 1
+        train_fh.flush()
+        if moved:
+            _move_tail(tmp, tok.dtype, moved, val_fh)
+            train, val = train[: train.size - k], np.concatenate([val, train[train.size - k:]])
+        if val.size == 0:  # one document, or only huge ones at the end: cut the last one
+            cut = max(1, min(target, int(train[-1]) - 1))
+            _move_tail(tmp, tok.dtype, cut, val_fh)
+            train[-1] -= cut
+            val = np.array([cut], dtype=np.int64)
+            log.warning("corpus has no document to hold out whole: the last %d tokens of its last "
+                        "document are the validation split", cut)
+    np.save(os.path.join(tmp, "train_docs.npy"), np.cumsum(train))
+    np.save(os.path.join(tmp, "val_docs.npy"), np.cumsum(val))
+    dt = tok.dtype.name
+    return {"kind": "text", "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+            "num_docs": {"train": int(train.size), "val": int(val.size)}, "num_skipped_files": skipped,
+            "train": {"path": "train.bin", "dtype": dt, "offset_bytes": 0, "num_tokens": int(train.sum())},
+            "val": {"path": "val.bin", "dtype": dt, "offset_bytes": 0, "num_tokens": int(val.sum())}}

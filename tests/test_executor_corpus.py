@@ -9,7 +9,6 @@ import os
 import numpy as np
 import pytest
 
-import executor.corpus as corpus_mod
 import executor.tokenize as tokenize_mod
 from executor.corpus import Corpus, GlobalSampler, batch_slices, build_corpus, val_starts, windows
 
@@ -163,7 +162,7 @@ def test_a_cache_hit_does_not_tokenize_and_a_changed_input_or_tokenizer_rebuilds
         calls.append(a)
         raise AssertionError("a cache hit must not tokenize")
 
-    monkeypatch.setattr(corpus_mod, "tokenize_units", refuse)
+    monkeypatch.setattr(tokenize_mod, "tokenize_units", refuse)
     hits = []
     assert build_corpus(data, str(tmp_path / "tok.json"), lambda f, m: hits.append(m),
                         cache_dir=cache) == first
