@@ -8,7 +8,7 @@ store reader stays cheap for the dashboard):
   `multinode_commands(...)`, `runs_here(plan)`.
 - executor.store: `read_metrics(run_dir) -> dict`, `list_runs(root=None) -> list[dict]`, `MetricsStore`.
 - executor.worker: the rank process (`python -m torch.distributed.run ... -m executor.worker`).
-- executor.corpus: the byte-level corpus and the plan-independent global sampler.
+- executor.corpus: the training corpus (byte-level or a tokenizer.json) and the plan-independent global sampler.
 - executor.checkpoint: torch.distributed.checkpoint save/resume.
 - executor.memtrack: measured peak memory (CUDA allocator / CPU live tensor bytes).
 """

@@ -15,7 +15,7 @@ Sources:
   Taken as given (they already hold their end-of-document ids), memory-mapped: one file is used
   in place, several are concatenated into the cache piece by piece, never whole in RAM.
 
-Text is tokenized by executor.tokenize (byte-level by default, or a local tokenizer.json) in
+Text is tokenized by executor.tokenizing (byte-level by default, or a local tokenizer.json) in
 parallel, an end-of-document id after each document, and written incrementally.
 
 Validation split, by documents (no document is in both, so no window leaks): every
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.tokenize import COPY_TOKENS, Progress, TokenizerInfo, load_tokenizer, plan_units, write_text_corpus
+from executor.tokenizing import COPY_TOKENS, Progress, TokenizerInfo, load_tokenizer, plan_units, write_text_corpus
 from planner.paths import sub_dir
 
 log = logging.getLogger(__name__)

@@ -1,15 +1,15 @@
-"""executor.corpus / executor.tokenize: sources -> packed token streams with end-of-document ids,
+"""executor.corpus / executor.tokenizing: sources -> packed token streams with end-of-document ids,
 the document-level validation split, the cache, and the epoch sampler.
 
 Expected streams are computed here straight from `tokenizers` (Tokenizer.encode per document),
-never through executor.tokenize."""
+never through executor.tokenizing."""
 import json
 import os
 
 import numpy as np
 import pytest
 
-import executor.tokenize as tokenize_mod
+import executor.tokenizing as tokenize_mod
 from executor.corpus import Corpus, GlobalSampler, batch_slices, build_corpus, val_starts, windows
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex bold jackdaws".split()
