@@ -77,12 +77,15 @@ def choose_folder() -> ModelSpec | None:
     return spec
 
 
-@st.cache_data(show_spinner=False)
 def _dataset_tokens(source: str | None, tokenizer: str | None, vocab_size: int) -> tuple[int, int]:
-    """(train, validation) tokens of a dataset, tokenized once and cached (executor.corpus)."""
+    """(train, validation) tokens of a dataset, tokenized once (in parallel, with a progress bar)
+    and cached on disk by executor.corpus: a second call returns at once."""
     from executor.corpus import Corpus, build_corpus
 
-    corpus = Corpus.load(build_corpus(source, tokenizer, vocab_size=vocab_size))
+    bar = st.progress(0.0, text="tokenizing…")
+    corpus = Corpus.load(build_corpus(source, tokenizer, vocab_size=vocab_size,
+                                      progress=lambda f, msg: bar.progress(min(max(f, 0.0), 1.0), text=msg)))
+    bar.empty()
     return int(corpus.train.size), int(corpus.val.size)
 
 
@@ -97,7 +100,7 @@ def choose_data(spec: ModelSpec) -> None:
     set_training_inputs(data or None, tokenizer or None, inputs["init_from"])
     if not st.button("Count the dataset's tokens", key="mem_count_tokens"):
         return
-    with show_errors("Cannot read the dataset"), st.spinner("Tokenizing (once; cached)…"):
+    with show_errors("Cannot read the dataset"):
         train, val = _dataset_tokens(data or None, tokenizer or None, spec.vocab_size)
         st.success(f"{train:,} training tokens and {val:,} validation tokens (measured)")
 
