@@ -39,6 +39,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
 
 
+def tokenize_with_progress(data: str | None, tokenizer: str | None, model: str) -> None:
+    """Tokenize (or find cached) the run's data, with a progress bar on stderr."""
+    import sys
+
+    from executor.corpus import build_corpus
+    from planner.specs import get_model
+
+    def bar(fraction: float, message: str) -> None:
+        done = int(30 * min(max(fraction, 0.0), 1.0))
+        sys.stderr.write(f"\rtokenizing [{'#' * done}{'.' * (30 - done)}] {100 * fraction:5.1f} % {message[:40]:40s}")
+        sys.stderr.flush()
+
+    build_corpus(data, tokenizer, progress=bar, vocab_size=get_model(model).vocab_size)
+    sys.stderr.write("\n")
+
+
 def optim_from_args(args: argparse.Namespace):
     """An OptimConfig from the flags (ValueError naming a bad value), or None for the defaults."""
     given = {k: getattr(args, k) for k in ("lr", "warmup_steps", "min_lr_ratio", "decay_steps", "weight_decay",
@@ -83,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"# plan spans {len(lines)} nodes: run one line on each node (first node = rendezvous host)")
             print("\n".join(lines))
         return 0
+    if args.corpus or args.tokenizer:
+        tokenize_with_progress(args.corpus, args.tokenizer, plan.model)  # once; the launch then hits the cache
     status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
                         checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
                         tokenizer=args.tokenizer, init_from=args.init_from)
