@@ -10,13 +10,62 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
+import math
 import os
+import re
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from planner.jsonio import dumps
 
 EXIT_BAD_INPUT = 2
+
+
+# No count, size or length GPUMix handles comes near this: larger is a typo, refused at the door.
+MAX_ARG_VALUE = 10**12
+
+
+def int_arg(low: int = 1, high: int = MAX_ARG_VALUE) -> Callable[[str], int]:
+    """An argparse `type=`: an integer in [low, high]; anything else is refused with one line."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_arg(low: float = 0.0, high: float = float(MAX_ARG_VALUE), low_open: bool = False) -> Callable[[str], float]:
+    """An argparse `type=`: a finite number in [low, high] ((low, high] with low_open); NaN/inf refused."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < low or value > high or (low_open and value == low):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+_DEVICE = re.compile(r"(cpu|cuda|mps)(:\d{1,3})?")
+
+
+def device_arg(text: str) -> str:
+    """An argparse `type=` for a torch device name (checked as text: the planner has no torch)."""
+    if not _DEVICE.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"expected a torch device like cpu, cuda or cuda:1, got {text!r}")
+    return text.strip()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +75,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
+    """One strict JSON object on stdout: NaN/inf become null (planner/jsonio.dumps)."""
+    print(dumps(obj))
 
 
 def print_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> None:
@@ -69,9 +119,12 @@ def main(prog: str, commands: dict[str, str], argv: Sequence[str] | None = None)
         return EXIT_BAD_INPUT
     try:
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, OverflowError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         sys.stderr.write(f"{prog} {args.command}: error: {msg}\n")
+        return EXIT_BAD_INPUT
+    except MemoryError:  # an input too large for this machine: say so, never a traceback
+        sys.stderr.write(f"{prog} {args.command}: error: out of memory (the input is too large for this machine)\n")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         return 130

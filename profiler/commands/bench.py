@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import print_json, print_table
+from planner.cli import device_arg, int_arg, print_json, print_table
 from profiler.collectives import DEFAULT_SIZES_BYTES, KIB, MIB
 
 HELP = "measure matmul TFLOP/s, memory bandwidth and collective bandwidth on this machine"
@@ -14,12 +14,13 @@ HELP = "measure matmul TFLOP/s, memory bandwidth and collective bandwidth on thi
 QUICK_COLLECTIVE_SIZES = (KIB, 16 * KIB, 256 * KIB, 4 * MIB)
 QUICK_MATMUL_SIZES = (128, 256)
 QUICK_COPY_BYTES = 32 * MIB
+MAX_WORLD_SIZE = 64  # local ranks: one process each on this machine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
-    p.add_argument("--world-size", type=int, default=2, help="local ranks for the collectives (default 2)")
+    p.add_argument("--device", type=device_arg, help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--world-size", type=int_arg(1, MAX_WORLD_SIZE), default=2, help="local ranks for the collectives (default 2)")
     p.add_argument("--quick", action="store_true", help="smaller matmuls and copies, collectives only up to 4 MiB")
     p.add_argument("--no-collectives", action="store_true", help="skip the multi-process benchmark")
     p.add_argument("--no-save", action="store_true", help="do not write the profile store")
@@ -28,7 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.no_collectives and args.world_size < 2:  # before paying for the torch import
         raise ValueError(f"a collective benchmark needs at least 2 ranks, got {args.world_size}")
+    from profiler.commands._checks import require_device
     from profiler.microbench import run_bench  # torch: only when the command runs
+
+    require_device(args.device)
 
     sizes = None if args.no_collectives else (QUICK_COLLECTIVE_SIZES if args.quick else DEFAULT_SIZES_BYTES)
     bench = run_bench(args.device, sizes=QUICK_MATMUL_SIZES if args.quick else None,

@@ -6,11 +6,18 @@ from __future__ import annotations
 import argparse
 import logging
 
-from planner.cli import print_json, print_table
+from planner.cli import device_arg, int_arg, print_json, print_table
+from planner.commands.memory import MAX_SEQ
 
 HELP = "measure forward+backward time vs micro-batch (alpha + beta*m) on a local device"
 
 log = logging.getLogger(__name__)
+
+
+MAX_MICRO_BATCH = 4096  # one timed step of more samples than this is not a profile, it is a hang
+MAX_SIZES = 16
+MAX_REPEATS = 1000
+MAX_WORKERS = 256
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -18,28 +25,49 @@ def _sizes(text: str) -> tuple[int, ...]:
         sizes = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or len(sizes) > MAX_SIZES or any(not 1 <= m <= MAX_MICRO_BATCH for m in sizes):
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_SIZES} sizes in [1, {MAX_MICRO_BATCH}], got {text!r}")
     return sizes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name or path to a config.json")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--seq", type=int_arg(1, MAX_SEQ), default=128, help="sequence length (default 128)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--recompute", choices=("none", "full"), default="none")
     p.add_argument("--micro-batches", type=_sizes, default=(4, 8, 16, 32), metavar="M1,M2,...",
                    help="micro-batch sizes to time (at least 4; default 4,8,16,32)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per size (median; default 5)")
-    p.add_argument("--device", help="torch device (default: cuda if present, else cpu)")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=5, help="timed repeats per size (median; default 5)")
+    p.add_argument("--device", type=device_arg, help="torch device (default: cuda if present, else cpu)")
+    p.add_argument("--workers", type=int_arg(1, MAX_WORKERS), default=1,
                    help="local CPU workers that will train at once on this machine: time with that many "
                         "concurrent processes, by wall time (default 1: one process, thread CPU time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-save", action="store_true", help="do not write the profile store")
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Before torch: the model, its positions, distinct sizes, and memory for the largest size."""
+    from planner.memory import MemoryConfig
+    from planner.specs import get_model
+    from profiler.commands._checks import require_fits_in_memory
+
+    spec = get_model(args.model)
+    if args.seq > spec.max_seq and spec.positional == "learned":
+        raise ValueError(f"--seq {args.seq} exceeds {spec.name}'s {spec.max_seq} learned positions")
+    if len(set(args.micro_batches)) < 4:
+        raise ValueError(f"--micro-batches needs at least 4 distinct sizes, got {list(args.micro_batches)}")
+    cfg = MemoryConfig(micro_batch=max(args.micro_batches), seq=args.seq, dtype=args.dtype, recompute=args.recompute)
+    require_fits_in_memory(spec, cfg, "--micro-batches/--seq")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check(args)
     from planner.profiles import step_profile_path
+    from profiler.commands._checks import require_device
     from profiler.step_profile import profile_local  # torch: only when the command runs
+
+    require_device(args.device)
 
     def progress(fraction: float, message: str) -> None:
         log.info("%3.0f%% %s", 100 * fraction, message)
