@@ -24,6 +24,18 @@ activations are kept). The tables hold, for every candidate (m, n), the largest 
 still fits (`Choice.max_share`), each found by a few evaluations of the memory model (secant steps:
 each of its moments is affine in f) and cached per (device, m, n).
 
+Candidates that do not grow with the global batch B (issue 17): accumulation counts n ≤
+DENSE_ACCUM_STEPS are enumerated one by one (`Choice`, exact memory and time). Above that, every
+micro-batch m gets *bands* of counts (`AccumBand`, [65, 128], [129, 256], ... doubling, one band for
+all of them where the memory model ignores n, as at zero 1) up to min(B/m, the compute bound). The
+ILP (planner/hetero.py) does not pick an n from a band: it counts the devices x on a band and their
+accumulation steps in total, N, an integer; so Σ batch = B stays exactly solvable for any B, and
+the number of variables is types × micro-batches × log2(B/64) at most. A band's memory is asked at
+its ends only: at its top for plans the ILP returns (safe: memory never falls as n grows), at its
+bottom for the relaxation that proves a time infeasible (planner/hetero.py says what that costs in
+optimality). A batch with per-device counts ≤ DENSE_ACCUM_STEPS has no bands and is solved exactly,
+as before.
+
 Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
 in `link_bandwidth_bytes_per_s`.
 """
@@ -53,6 +65,9 @@ INTRA_NODE_HOP_LATENCY_S = 5e-6
 INTER_NODE_HOP_LATENCY_S = 25e-6
 # The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
 MAX_MICRO_BATCH = 64
+# Accumulation counts enumerated one by one; above it they come in bands that double (AccumBand).
+DENSE_ACCUM_STEPS = 64
+ACCUM_BAND_GROWTH = 2
 # The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
 RUNTIME_ZERO_STAGE = 1
 # The ILP prices the world size k exactly up to this count; above it k falls in buckets
@@ -161,6 +176,20 @@ class Choice:
 
 
 @dataclass(frozen=True)
+class AccumBand:
+    """Accumulation counts lo..hi (> DENSE_ACCUM_STEPS) at micro-batch m, for devices of one class.
+    Memory grows with n (or ignores it), so max_share_hi ≤ the share any n of the band may hold ≤
+    max_share_lo."""
+
+    micro_batch: int
+    lo: int
+    hi: int
+    step_s: float  # compute of one micro-batch (n > 1: the layer-wise recompute profile at zero ≥ 2)
+    max_share_lo: float  # at n = lo: the relaxation's room
+    max_share_hi: float  # at n = hi: the room a returned plan may count on (≥ 0: hi fits)
+
+
+@dataclass(frozen=True)
 class ClassTable:
     """Identical devices of one scope (same DeviceSpec) and the choices each may take."""
 
@@ -168,10 +197,15 @@ class ClassTable:
     device_indices: tuple[int, ...]  # ClusterSpec.devices() order
     coeffs: DeviceCoeffs
     choices: tuple[Choice, ...]
+    bands: tuple[AccumBand, ...] = ()
 
     @property
     def count(self) -> int:
         return len(self.device_indices)
+
+    def choice(self, micro_batch: int, accum_steps: int) -> Choice:
+        """The Choice of any (m, n), a band's count included (memory asked at that n)."""
+        return make_choice(self.coeffs, micro_batch, accum_steps, self.coeffs.max_share(micro_batch, accum_steps))
 
 
 @dataclass(frozen=True)
@@ -186,6 +220,11 @@ class ScopeTable:
     @property
     def num_devices(self) -> int:
         return sum(c.count for c in self.classes)
+
+    @property
+    def exact(self) -> bool:
+        """Every candidate count is enumerated (no bands): the ILP's optimum is the plan space's."""
+        return not any(c.bands for c in self.classes)
 
     def comm_s(self, world_size: int) -> float:
         return self.comm.comm_s(world_size)
@@ -257,6 +296,12 @@ def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: flo
             else:
                 lo, mem_lo = x + SHARE_TOL, above
     return lo
+
+
+def make_choice(c: DeviceCoeffs, micro_batch: int, accum_steps: int, max_share: float) -> Choice:
+    fixed = c.memory_bytes(micro_batch, accum_steps, 0.0)
+    return Choice(micro_batch, accum_steps, c.compute_s(micro_batch, accum_steps), fixed,
+                  c.memory_bytes(micro_batch, accum_steps, 1.0) - fixed, max_share)
 
 
 def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
@@ -423,21 +468,24 @@ class CostModel:
 
     # ---- coefficient tables -------------------------------------------------------------------
 
-    def choices(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
-                max_compute_s: float = math.inf) -> tuple[Choice, ...]:
-        """The state-only choice, then every (m, n) with m from `micro_batches` (default: powers of
-        two up to the global batch and MAX_MICRO_BATCH) whose memory at f = 0 fits, n from 1 while
-        m·n ≤ the global batch, the memory still fits (at zero ≥ 2 it grows with n from n = 2 on: the
-        first such n that does not fit ends the run) and the compute time stays within `max_compute_s`
-        (an upper bound on the optimum: a slower device would only finish later)."""
-        c = self.coeffs[device]
+    def micro_batch_candidates(self, global_batch: int, micro_batches: Sequence[int] | None) -> list[int]:
+        """Powers of two up to the global batch and MAX_MICRO_BATCH, or the caller's."""
         ms = sorted(set(micro_batches)) if micro_batches else [
             1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
+        return [m for m in ms if 0 < m <= global_batch]
+
+    def choices(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
+                max_compute_s: float = math.inf) -> tuple[Choice, ...]:
+        """The state-only choice, then every (m, n) with m from `micro_batch_candidates` whose memory
+        at f = 0 fits, n from 1 to DENSE_ACCUM_STEPS while m·n ≤ the global batch, the memory still
+        fits (at zero ≥ 2 it grows with n from n = 2 on: the first such n that does not fit ends the
+        run) and the compute time stays within `max_compute_s` (an upper bound on the optimum: a
+        slower device would only finish later). Larger n: `bands`."""
+        c = self.coeffs[device]
         out = []
-        for m in [0] + [m for m in ms if 0 < m <= global_batch]:
-            for n in ([0] if m == 0 else range(1, global_batch // m + 1)):
-                compute = c.compute_s(m, n)
-                if compute > max_compute_s:
+        for m in [0] + self.micro_batch_candidates(global_batch, micro_batches):
+            for n in ([0] if m == 0 else range(1, min(global_batch // m, DENSE_ACCUM_STEPS) + 1)):
+                if c.compute_s(m, n) > max_compute_s:
                     break
                 max_share = self.max_share(device, m, n)
                 if max_share < 0:
@@ -446,9 +494,36 @@ class CostModel:
                     if n == 1 and c.layerwise:
                         continue
                     break
-                fixed = c.memory_bytes(m, n, 0.0)
-                per_share = c.memory_bytes(m, n, 1.0) - fixed
-                out.append(Choice(m, n, compute, fixed, per_share, max_share))
+                out.append(make_choice(c, m, n, max_share))
+        return tuple(out)
+
+    def bands(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
+              max_compute_s: float = math.inf) -> tuple[AccumBand, ...]:
+        """Accumulation counts above DENSE_ACCUM_STEPS, per micro-batch, in doubling bands up to
+        min(B/m, the compute bound) and the largest n whose memory fits (memory is non-decreasing
+        in n: found by bisection); one band where the memory model ignores n. Their number grows
+        with log2(B), their cost with it (a few memory-model calls each)."""
+        c = self.coeffs[device]
+        out = []
+        for m in self.micro_batch_candidates(global_batch, micro_batches):
+            step_s = c.compute_s(m, 2) / 2  # n > 1: the per-micro-batch time of a long accumulation
+            top = global_batch // m
+            if step_s > 0 and math.isfinite(max_compute_s):
+                top = min(top, int(max_compute_s / step_s))
+            lo = DENSE_ACCUM_STEPS + 1
+            if top < lo or self.max_share(device, m, lo) < 0:
+                continue
+            if self.max_share(device, m, top) < 0:  # the largest n that fits: memory non-decreasing in n
+                fits, over = lo, top
+                while over - fits > 1:
+                    mid = (fits + over) // 2
+                    fits, over = (mid, over) if self.max_share(device, m, mid) >= 0 else (fits, mid)
+                top = fits
+            flat = self.max_share(device, m, lo) == self.max_share(device, m, top)
+            while lo <= top:
+                hi = top if flat else min(top, lo * ACCUM_BAND_GROWTH - 1)
+                out.append(AccumBand(m, lo, hi, step_s, self.max_share(device, m, lo), self.max_share(device, m, hi)))
+                lo = hi + 1
         return tuple(out)
 
     def scopes(self) -> list[tuple[str, bool, list[tuple[NodeSpec, list[int]]]]]:
@@ -477,7 +552,8 @@ class CostModel:
         for i in sorted(members):
             by_kind.setdefault(devices[i][1], []).append(i)
         classes = tuple(
-            ClassTable(d, tuple(ix), self.coeffs[d], self.choices(d, global_batch, micro_batches, max_compute_s))
+            ClassTable(d, tuple(ix), self.coeffs[d], self.choices(d, global_batch, micro_batches, max_compute_s),
+                       self.bands(d, global_batch, micro_batches, max_compute_s))
             for d, ix in by_kind.items())
         return ScopeTable(name, multi_node, classes, self.comm_model(by_kind, multi_node))
 

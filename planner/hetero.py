@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shlex
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -42,7 +45,7 @@ import pulp
 
 from planner.catalog import GIB, get_gpu_type
 from planner.cluster import ClusterSpec
-from planner.cost import ClassTable, CostModel, ScopeTable, validate_zero, world_size_buckets
+from planner.cost import Choice, ClassTable, CostModel, ScopeTable, validate_zero, world_size_buckets
 from planner.plan import Assignment, Plan, ZeroCandidate
 from planner.units import ZERO_STAGES
 from planner.specs import get_model, with_max_seq
@@ -81,8 +84,8 @@ class ScopeSolution:
     per_device: dict[int, tuple[int, int, float]]  # device index -> (m, n, share)
 
 
-# a configuration: (class index, choice index, number of devices)
-Config = list[tuple[int, int, int]]
+# a configuration: (class index, choice, number of devices on it)
+Config = list[tuple[int, Choice, int]]
 
 
 def validate_inputs(global_batch: int, seq: int | None, dtype: str, recompute: str, headroom: float,
@@ -107,14 +110,24 @@ class ProbeTimeout(Exception):
     """CBC ran out of time before it proved a probe feasible or infeasible."""
 
 
+class SolverLimit(ValueError):
+    """A solver budget (wall time, memory, problem size) ran out before any plan was found."""
+
+
 # two share caps within this relative distance are a tie (float noise of equal step times)
 CAP_TIE_REL = 1e-9
+# Budgets of one CBC process: a wall limit enforced from outside (coreutils `timeout` kills it:
+# CBC's own -sec was not honoured on big models, issue 17) and an address-space limit (ulimit -v).
+CBC_MEMORY_BYTES = 2 * GIB
+CBC_GRACE_S = 0.5  # beyond the probe's share of the time limit, for CBC to start and write its answer
+# Refused up front: a probe with more integer variables than this (the bands keep real ones in the
+# hundreds; this only stops a caller's micro-batch list from building an unbounded problem).
+MAX_PROBE_VARIABLES = 20_000
 
 
-def share_cap(cls: ClassTable, c: int, t_s: float, comm_s: float) -> float:
-    """The most state one device of `cls` on choice c can hold and still end by t_s:
+def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm_s: float) -> float:
+    """The most state one device of `cls` on choice ch can hold and still end by t_s:
     min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
-    ch = cls.choices[c]
     slack_s = t_s - comm_s - ch.compute_s
     if slack_s < 0:
         return -1.0
@@ -122,17 +135,49 @@ def share_cap(cls: ClassTable, c: int, t_s: float, comm_s: float) -> float:
     return ch.max_share if opt_s <= 0 else min(ch.max_share, slack_s / opt_s)
 
 
+class BoundedCBC(pulp.PULP_CBC_CMD):
+    """PuLP's bundled CBC run under a wall limit and a memory limit it cannot ignore: the executable
+    PuLP starts is a two-line wrapper, `ulimit -v` then `exec timeout -s KILL <s> cbc ...`, so the
+    kernel ends CBC at the limit even if this process dies first (no orphan outlives it)."""
+
+    def __init__(self, wall_s: float, memory_bytes: int = CBC_MEMORY_BYTES, threads: int | None = None):
+        super().__init__(msg=False, timeLimit=max(wall_s, 0.01), threads=threads)
+        self.wall_s, self.memory_bytes = wall_s, memory_bytes
+
+    def actualSolve(self, lp, **kwargs):
+        real = self.path
+        fd, wrapper = tempfile.mkstemp(prefix="gpumix_cbc_", suffix=".sh")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"#!/bin/sh\nulimit -v {self.memory_bytes // 1024}\n"
+                    f"exec timeout -s KILL {self.wall_s + CBC_GRACE_S:.3f} {shlex.quote(real)} \"$@\"\n")
+        os.chmod(wrapper, 0o700)
+        self.path = wrapper
+        try:
+            return super().actualSolve(lp, **kwargs)
+        except pulp.PulpSolverError as e:
+            raise ProbeTimeout(f"CBC was stopped at its wall limit of {self.wall_s:.3g} s or its memory limit of "
+                               f"{self.memory_bytes / GIB:g} GiB") from e
+        finally:
+            self.path = real
+            os.unlink(wrapper)
+
+
 def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
-          time_limit_s: float, threads: int | None = None) -> Config | None:
-    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s, or None."""
+          time_limit_s: float, threads: int | None = None, relaxed: bool = False) -> Config | None:
+    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s, or None.
+    `relaxed`: the bands' rows loosened so that every plan of the space passes (a proof of
+    infeasibility only; the configuration it returns is not a plan)."""
+    if time_limit_s <= 0:
+        raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
     prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
     prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
-    entries = []  # (g, c, x, F)
+    entries = []  # (g, choice, x, F)
+    band_entries = []  # (g, band, x, N)
     for g, cls in enumerate(table.classes):
         # at a fixed t_s two choices of one batch differ only in their share room: keep the roomiest
         best_of_batch: dict[int, tuple[float, int]] = {}
         for c, ch in enumerate(cls.choices):
-            cap = share_cap(cls, c, t_s, comm_s)
+            cap = share_cap(cls, ch, t_s, comm_s)
             if cap < 0 or (ch.batch == 0 and cap <= 0):
                 continue  # too slow for t_s, or a state-only device that could hold nothing
             best = best_of_batch.get(ch.batch)
@@ -154,23 +199,64 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
             # memory and time at t_s: each device's f ≤ cap(t_s), so F ≤ cap·x
             prob += F <= cap * x, f"cap_{g}_{c}"
             xs.append(x)
-            entries.append((g, c, x, F))
+            entries.append((g, ch, x, F))
+        for b, band in enumerate(cls.bands):
+            slack_s = t_s - comm_s  # what one device of the band has for compute + optimizer
+            # the most steps one device may take by t_s (the band's rows below need each n_i ≤ it)
+            n_top = min(band.hi, int(slack_s / band.step_s) if band.step_s > 0 else band.hi)
+            room = band.max_share_lo if relaxed else band.max_share_hi
+            if n_top < band.lo or room < 0:
+                continue
+            ub = min(cls.count, global_batch // (band.micro_batch * band.lo))
+            if ub < 1:
+                continue
+            # x[g,b]: devices of class g with a count in band b; N[g,b]: their accumulation steps in total
+            x = pulp.LpVariable(f"xb_{g}_{b}", lowBound=0, upBound=ub, cat="Integer")
+            N = pulp.LpVariable(f"N_{g}_{b}", lowBound=0, cat="Integer")
+            F = pulp.LpVariable(f"Fb_{g}_{b}", lowBound=0)
+            # counts: lo ≤ each n_i ≤ n_top, so lo·x ≤ N ≤ n_top·x (split evenly: n_i ∈ {⌊N/x⌋, ⌈N/x⌉})
+            prob += N >= band.lo * x, f"band_lo_{g}_{b}"
+            prob += N <= n_top * x, f"band_hi_{g}_{b}"
+            # memory: F ≤ room·x (room at the band's top: every n_i of it fits; relaxed: at its bottom)
+            prob += F <= room * x, f"band_mem_{g}_{b}"
+            # time, summed over the x devices: Σ (n_i·step + opt·f_i) ≤ x·(t − comm). Split evenly, a
+            # device has n_i ≤ N/x + 1, so the plan's rows hold when x·(t − comm − step) is the bound
+            # (one micro-batch per device given up); relaxed: the sum of the rows themselves
+            budget_s = slack_s if relaxed else slack_s - band.step_s
+            prob += band.step_s * N + cls.coeffs.optimizer_s * F <= budget_s * x, f"band_time_{g}_{b}"
+            xs.append(x)
+            entries.append((g, None, x, F))
+            band_entries.append((g, band, x, N))
         if xs:
             # devices: a class lends at most its count
             prob += pulp.lpSum(xs) <= cls.count, f"devices_{g}"
     if not entries:
         return None
-    # batch: Σ m·n·x = the global batch
-    prob += pulp.lpSum(table.classes[g].choices[c].batch * x for g, c, x, _ in entries) == global_batch, "batch"
+    if len(entries) > MAX_PROBE_VARIABLES:
+        raise SolverLimit(f"the plan's integer program would have {len(entries)} device variables "
+                          f"(more than {MAX_PROBE_VARIABLES}): use fewer micro-batch candidates")
+    # batch: Σ m·n·x (+ Σ m·N over the bands) = the global batch
+    prob += (pulp.lpSum(ch.batch * x for _, ch, x, _ in entries if ch is not None)
+             + pulp.lpSum(band.micro_batch * N for _, band, _, N in band_entries)) == global_batch, "batch"
     # shards: the devices can hold the whole state (≥: any surplus capacity is simply left unused)
     prob += pulp.lpSum(F for *_, F in entries) >= 1, "shards"
     # world size: the number of used devices lies in the bucket comm_s was priced for
     k = pulp.lpSum(x for _, _, x, _ in entries)
     prob += k >= world[0], "world_lo"
     prob += k <= world[1], "world_hi"
-    prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=max(time_limit_s, 0.01), threads=threads))
+    prob.solve(BoundedCBC(time_limit_s, threads=threads))
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        return [(g, c, int(round(x.value() or 0))) for g, c, x, _ in entries if round(x.value() or 0) > 0]
+        config = [(g, ch, int(round(x.value() or 0))) for g, ch, x, _ in entries
+                  if ch is not None and round(x.value() or 0) > 0]
+        for g, band, x, N in band_entries:
+            count, steps = int(round(x.value() or 0)), int(round(N.value() or 0))
+            if count <= 0:
+                continue
+            q, r = divmod(steps, count)  # r devices take q + 1 steps, the others q
+            for n, num in ((q + 1, r), (q, count - r)):
+                if num:
+                    config.append((g, table.classes[g].choice(band.micro_batch, n), num))
+        return config
     if prob.status == pulp.LpStatusInfeasible:
         return None
     raise ProbeTimeout(f"CBC stopped ({pulp.LpStatus[prob.status]}) before deciding t = {t_s:.6g} s")
@@ -180,9 +266,9 @@ def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[floa
     """The least iteration time of a configuration and each entry's per-device share: water-filling,
     the least t with Σ x·cap(t) ≥ 1 (cap grows with t), by bisection. None if the state cannot fit."""
     def capacity(t_s: float) -> float:
-        return sum(x * max(share_cap(table.classes[g], c, t_s, comm_s), 0.0) for g, c, x in config)
+        return sum(x * max(share_cap(table.classes[g], ch, t_s, comm_s), 0.0) for g, ch, x in config)
 
-    lo = max(table.classes[g].choices[c].compute_s for g, c, _ in config) + comm_s
+    lo = max(ch.compute_s for _, ch, _ in config) + comm_s
     hi = lo + max(table.classes[g].coeffs.optimizer_s for g, _, _ in config)
     if capacity(hi) < 1 - 1e-12:
         return None
@@ -191,7 +277,7 @@ def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[floa
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if capacity(mid) >= 1 else (mid, hi)
         lo = hi
-    caps = [max(share_cap(table.classes[g], c, lo, comm_s), 0.0) for g, c, _ in config]
+    caps = [max(share_cap(table.classes[g], ch, lo, comm_s), 0.0) for g, ch, _ in config]
     total = sum(x * cap for (_, _, x), cap in zip(config, caps))
     return lo, [cap / total for cap in caps]
 
@@ -212,13 +298,19 @@ class _Bisection:
         self.comm_s = table.comm_s(world[1])
         self.lo, self.hi = lo_s, hi_s
         self.best: tuple[float, Config] | None = None
+        self.proven_lo = True  # every rise of lo was a proof (the bands' relaxation was infeasible too)
 
     def try_at(self, t_s: float) -> bool:
         """Probe t_s: a feasible configuration lowers hi to its exact time, infeasibility raises lo.
-        ProbeTimeout (undecided) moves neither."""
+        ProbeTimeout (undecided) moves neither. With bands, an infeasible probe is a proof only if
+        the relaxation is infeasible too; else lo rises all the same and the search is unproven."""
         config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic())
         priced = price_config(self.table, config, self.comm_s) if config else None
         if priced is None:
+            if self.proven_lo and not self.table.exact and probe(
+                    self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic(),
+                    relaxed=True) is not None:
+                self.proven_lo = False
             self.lo = max(self.lo, t_s)
             return False
         if self.best is None or priced[0] < self.hi:
@@ -227,6 +319,9 @@ class _Bisection:
 
     def closed(self, tol: float) -> bool:
         return self.hi - self.lo <= tol * self.hi
+
+    def proven(self, tol: float) -> bool:
+        return self.closed(tol) and self.proven_lo
 
     def time_left(self) -> bool:
         return time.monotonic() < self.deadline
@@ -240,7 +335,8 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
     if nothing beats upper_s."""
     top_s = upper_s
     if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
-        top_s = max(ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices)
+        top_s = max([ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices]
+                    + [b.hi * b.step_s + cls.coeffs.optimizer_s for cls in table.classes for b in cls.bands])
         top_s += table.comm_s(world[1])
     search = _Bisection(table, global_batch, world, lower_s, top_s, deadline)
     try:
@@ -265,7 +361,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
         log.warning("%s", e)
         return (search.best[0], search.best[1], False) if search.best else None
     assert search.best is not None
-    return search.best[0], search.best[1], search.closed(tol)
+    return search.best[0], search.best[1], search.proven(tol)
 
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
@@ -304,8 +400,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
     _, shares = price_config(table, config, table.comm_s(hi_world))
     per_device: dict[int, tuple[int, int, float]] = {}
     free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
-    for (g, c, x), share in zip(config, shares):
-        ch = table.classes[g].choices[c]
+    for (g, ch, x), share in zip(config, shares):
         for _ in range(x):
             per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
     return ScopeSolution("optimal" if proven and ok else "feasible", t_s, per_device)
@@ -314,7 +409,8 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
 def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
     """Fluid bound: the `max_devices` fastest devices that can compute at all, at 1/β each, with no α,
     optimizer or collectives."""
-    rates = sorted((1.0 / cls.coeffs.beta_s for cls in table.classes if any(ch.batch for ch in cls.choices)
+    rates = sorted((1.0 / cls.coeffs.beta_s for cls in table.classes
+                    if cls.bands or any(ch.batch for ch in cls.choices)
                     for _ in range(cls.count)), reverse=True)
     rate = sum(rates[:max_devices] if max_devices is not None else rates)
     return global_batch / rate if rate > 0 else math.inf
