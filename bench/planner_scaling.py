@@ -6,7 +6,12 @@ global batch 8 per GPU. Prints the median over repeats of `solve_plan`'s wall ti
 baselines and every ILP included, every ZeRO stage `--zero auto` tries), then the 13B case with
 `--zero auto` and each stage forced.
 
-    python bench/planner_scaling.py [--repeats 3] [--model gpt2-xl] [--json]
+Then (issue 17) solve time and peak memory against the global batch, 8 to 1e8, on
+examples/clusters/mixed-16.json and mixed-1024.json: each solve in a fresh child process, whose
+peak RSS (ru_maxrss of the child and its CBC children) is the memory figure; max/min per device
+count is printed against the 2× target.
+
+    python bench/planner_scaling.py [--repeats 3] [--model gpt2-xl] [--json] [--batch-only]
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -46,7 +52,12 @@ def main() -> int:
     ap.add_argument("--recompute", choices=("none", "full"), default="full",
                     help="full: every type, 16 GB parts included, can hold a micro-batch")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--batch-only", action="store_true", help="only the global-batch sweep (issue 17)")
     args = ap.parse_args()
+    sweep = batch_sweep(args.model)
+    print_sweep(sweep, args.json)
+    if args.batch_only:
+        return 0
     rows = []
     for n in SIZES:
         cluster = mixed_cluster(n)
@@ -110,6 +121,67 @@ def solve_13b(repeats: int) -> list[dict]:
                     "devices_used": len(plan.used) if plan else 0,
                     "predicted_iteration_s": plan.predicted_iteration_s if plan else None})
     return out
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCHES = (8, 64, 1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000)
+SWEEP_CLUSTERS = ("mixed-16", "mixed-1024")
+TARGET_RATIO = 2.0
+CHILD = """
+import json, sys, time
+from planner.cluster import ClusterSpec
+from planner.hetero import solve_plan
+t0 = time.perf_counter()
+try:
+    r = solve_plan(ClusterSpec.load(sys.argv[1]), sys.argv[2], int(sys.argv[3]), dtype="bf16", recompute="full",
+                   time_limit_s=60.0)
+    status = r.status
+except ValueError as e:
+    status = "refused: " + str(e)[:80]
+import resource
+rss_kib = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+print(json.dumps({"solve_s": time.perf_counter() - t0, "status": status, "peak_rss_bytes": rss_kib * 1024}))
+"""
+
+
+def solve_child(cluster_path: str, model: str, batch: int) -> dict:
+    """One solve in a fresh interpreter: its wall time and peak RSS (the larger of its own and its
+    largest CBC child's, as the child reports them)."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, cluster_path, model, str(batch)], capture_output=True,
+                          text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    if proc.returncode != 0:
+        return {"solve_s": None, "status": "crashed: " + proc.stderr[-200:], "peak_rss_bytes": None}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def batch_sweep(model: str) -> list[dict]:
+    rows = []
+    for name in SWEEP_CLUSTERS:
+        path = os.path.join(ROOT, "examples", "clusters", f"{name}.json")
+        for b in BATCHES:
+            rows.append({"cluster": name, "global_batch": b, **solve_child(path, model, b)})
+    return rows
+
+
+def print_sweep(rows: list[dict], as_json: bool) -> None:
+    summary = {}
+    for name in SWEEP_CLUSTERS:
+        times = [r["solve_s"] for r in rows if r["cluster"] == name and r["solve_s"] is not None]
+        rss = [r["peak_rss_bytes"] for r in rows if r["cluster"] == name and r["peak_rss_bytes"]]
+        summary[name] = {"time_ratio": max(times) / min(times) if times else None,
+                         "rss_ratio": max(rss) / min(rss) if rss else None}
+    if as_json:
+        print(json.dumps({"batch_sweep": rows, "ratios": summary, "target_ratio": TARGET_RATIO}, indent=2))
+        return
+    print(f"{'cluster':>10} {'batch':>10} {'solve s':>8} {'peak RSS MiB':>12}  status")
+    for r in rows:
+        t = "-" if r["solve_s"] is None else f"{r['solve_s']:.2f}"
+        m = "-" if not r["peak_rss_bytes"] else f"{r['peak_rss_bytes'] / 2**20:.0f}"
+        print(f"{r['cluster']:>10} {r['global_batch']:>10} {t:>8} {m:>12}  {r['status']}")
+    for name, s in summary.items():
+        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+        print(f"{name}: solve time max/min {fmt(s['time_ratio'])}, peak memory max/min {fmt(s['rss_ratio'])} "
+              f"(target <= {TARGET_RATIO:g}x)")
 
 
 if __name__ == "__main__":

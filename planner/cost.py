@@ -25,8 +25,8 @@ still fits (`Choice.max_share`), each found by a few evaluations of the memory m
 each of its moments is affine in f) and cached per (device, m, n).
 
 Candidates that do not grow with the global batch B (issue 17): accumulation counts n ≤
-DENSE_ACCUM_STEPS are enumerated one by one (`Choice`, exact memory and time). Above that, every
-micro-batch m gets *bands* of counts (`AccumBand`, [65, 128], [129, 256], ... doubling, one band for
+DENSE_ACCUM_STEPS (64; 8 once B > EXACT_GLOBAL_BATCH) are enumerated one by one (`Choice`, exact memory and time). Above that, every
+micro-batch m gets *bands* of counts (`AccumBand`, [65, 128], [129, 256], ... or [9, 16], ... doubling, one band for
 all of them where the memory model ignores n, as at zero 1) up to min(B/m, the compute bound). The
 ILP (planner/hetero.py) does not pick an n from a band: it counts the devices x on a band and their
 accumulation steps in total, N, an integer; so Σ batch = B stays exactly solvable for any B, and
@@ -66,7 +66,11 @@ INTER_NODE_HOP_LATENCY_S = 25e-6
 # The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
 MAX_MICRO_BATCH = 64
 # Accumulation counts enumerated one by one; above it they come in bands that double (AccumBand).
+# Up to EXACT_GLOBAL_BATCH samples every count to 64 is enumerated (no bands below 65: such plans are
+# solved exactly); above it counts from 9 on come in bands, which keeps the ILP small for any B.
 DENSE_ACCUM_STEPS = 64
+EXACT_GLOBAL_BATCH = 1024
+BANDED_DENSE_ACCUM_STEPS = 8
 ACCUM_BAND_GROWTH = 2
 # The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
 RUNTIME_ZERO_STAGE = 1
@@ -177,7 +181,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class AccumBand:
-    """Accumulation counts lo..hi (> DENSE_ACCUM_STEPS) at micro-batch m, for devices of one class.
+    """Accumulation counts lo..hi (> DENSE_ACCUM_STEPS) at micro-batch m, for devices of one class (above the enumerated counts).
     Memory grows with n (or ignores it), so max_share_hi ≤ the share any n of the band may hold ≤
     max_share_lo."""
 
@@ -474,6 +478,10 @@ class CostModel:
             1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
         return [m for m in ms if 0 < m <= global_batch]
 
+    @staticmethod
+    def dense_accum_steps(global_batch: int) -> int:
+        return DENSE_ACCUM_STEPS if global_batch <= EXACT_GLOBAL_BATCH else BANDED_DENSE_ACCUM_STEPS
+
     def choices(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
                 max_compute_s: float = math.inf) -> tuple[Choice, ...]:
         """The state-only choice, then every (m, n) with m from `micro_batch_candidates` whose memory
@@ -484,7 +492,7 @@ class CostModel:
         c = self.coeffs[device]
         out = []
         for m in [0] + self.micro_batch_candidates(global_batch, micro_batches):
-            for n in ([0] if m == 0 else range(1, min(global_batch // m, DENSE_ACCUM_STEPS) + 1)):
+            for n in ([0] if m == 0 else range(1, min(global_batch // m, self.dense_accum_steps(global_batch)) + 1)):
                 if c.compute_s(m, n) > max_compute_s:
                     break
                 max_share = self.max_share(device, m, n)
@@ -510,7 +518,7 @@ class CostModel:
             top = global_batch // m
             if step_s > 0 and math.isfinite(max_compute_s):
                 top = min(top, int(max_compute_s / step_s))
-            lo = DENSE_ACCUM_STEPS + 1
+            lo = self.dense_accum_steps(global_batch) + 1
             if top < lo or self.max_share(device, m, lo) < 0:
                 continue
             if self.max_share(device, m, top) < 0:  # the largest n that fits: memory non-decreasing in n

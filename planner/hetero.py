@@ -451,7 +451,18 @@ def explain_infeasible(cost: CostModel, global_batch: int) -> str:
     if room_busy < 1.0:
         return (f"the sharded {state} does not fit beside the micro-batches: with micro-batch 1 the devices "
                 f"hold at most {room_busy:.0%} of it{detail}")
+    most = sum(_max_batch(cost, d, global_batch) for _, d in cost.cluster.devices())
+    if most < global_batch:
+        return (f"the devices can take at most {most} samples per step in all (the memory of a device grows with "
+                f"its accumulation steps), fewer than the global batch {global_batch}{detail}")
     return f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices{detail}"
+
+
+def _max_batch(cost: CostModel, device, global_batch: int) -> int:
+    """The most samples one device can take in a step that fits its memory (any candidate)."""
+    batches = [ch.batch for ch in cost.choices(device, global_batch)]
+    batches += [b.micro_batch * b.hi for b in cost.bands(device, global_batch)]
+    return max(batches, default=0)
 
 
 def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
@@ -490,7 +501,7 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
     if best is None:
         if time.monotonic() >= deadline:
             raise ValueError(f"the solver's time limit of {time_limit_s:g} s ran out before it found a plan; "
-                             "allow more time")
+                             "allow more time (planner plan --time-limit S)")
         if upper_bound_s < math.inf:  # pruning by a known plan's time cannot cut every plan; stay safe
             return solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches)
         raise ValueError(f"no feasible plan: {explain_infeasible(cost, global_batch)}")
@@ -630,5 +641,7 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     plan = replace(plan, zero_candidates=candidates)
     log.info("plan for %s on %s: zero %d, %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name, cost.zero,
              plan.predicted_iteration_s, sol.status, best.scope, solve_s)
-    reason = "" if sol.status == "optimal" else f"time limit of {time_limit_s:g} s reached before optimality was proven"
+    reason = "" if sol.status == "optimal" else (
+        f"not proven optimal: the time limit of {time_limit_s:g} s (--time-limit) ran out, or accumulation counts "
+        "above the enumerated ones were searched in bands (planner/cost.py)")
     return HeteroResult(sol.status, sol.objective_s, plan, solve_s, reason)

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(plan)
         if result.status != "optimal":
-            print(f"note: the solver stopped at its time limit; the plan is feasible, not proven optimal")
+            print(f"note: the plan is feasible, {result.reason}")
         if args.out:
             print(f"plan written to {args.out}")
     return 0
