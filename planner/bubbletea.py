@@ -31,6 +31,9 @@ from planner.specs import ModelSpec, with_max_seq
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOOKAHEAD = 32  # how far down the queue a free GPU looks for a request that fits its gap
+# Requests simulated in one iteration (offered in rate mode, placed with a backlog): each is a
+# Python object and a reserved interval in the re-simulation, so the work stays bounded.
+MAX_PREFILL_REQUESTS = 100_000
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,10 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     if workload.backlog:
         queue = [(0.0, i, n) for i, n in enumerate(sorted(servable))]
     else:
+        expected = workload.requests_per_s * T
+        if expected > MAX_PREFILL_REQUESTS:
+            raise ValueError(f"inference: requests_per_s {workload.requests_per_s:g} over a {T:.3g} s iteration is "
+                             f"{expected:.3g} requests, over the simulator's limit of {MAX_PREFILL_REQUESTS}")
         gen = _request_lengths(workload)
         rng, t = random.Random(seed), 0.0
         while True:
@@ -156,6 +163,10 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     heap = [(g[0][0], w, 0) for w, g in gaps.items() if g]
     heapq.heapify(heap)
     while heap and queue:
+        if len(res.placements) >= MAX_PREFILL_REQUESTS:
+            res.note = (res.note + "; " if res.note else "") + \
+                f"stopped at {MAX_PREFILL_REQUESTS} placed requests (the simulator's limit): a lower bound"
+            break
         t, w, gi = heapq.heappop(heap)
         gap_end = gaps[w][gi][1]
         pick, longest_fit = None, 0.0

@@ -29,16 +29,35 @@ DEFAULT_TCP_WINDOW_BYTES = 6 * 2**20
 # for a GPU that shares its NIC) and its one-way latency.
 DEFAULT_INTRA_DC_GBPS = 100.0
 INTRA_DC_LATENCY_S = 10e-6
+# The 1F1B simulator (planner/pipeline_sim) builds every forward, backward and transfer of an
+# iteration, for each of its best candidates: measured here, 512 micro-batches take ~5 s and
+# 2,048 ~20 s and 160 MB for a whole `planner geo` run; 8,192 took 120 s. Past this many
+# micro-batches per iteration a scenario is refused (raise micro_batch), so a typo'd batch of
+# 1e9 answers in milliseconds instead of filling the machine's memory.
+MAX_MICROBATCHES = 2048
+# Every ordered chain of datacenters is searched (permutations): past this many the search
+# alone runs for minutes.
+MAX_DATACENTERS = 6
+MAX_SEQ = 10**7  # tokens per sample; no model has positions past this
+MAX_COUNT = 10**9  # GPUs of one type in one DC, prompt lengths: larger is a typo
+MAX_RATE = 1e6  # Gbit/s, ms, requests/s: six orders of magnitude past any real link or service
 
 
-def _number(value: Any, what: str, *, positive: bool = True, integer: bool = False) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+def _number(value: Any, what: str, *, positive: bool = True, integer: bool = False,
+            high: float | None = None) -> float:
+    """A JSON number that is finite, positive (or non-negative), an integer if asked, and at most
+    `high` (default MAX_COUNT for integers, MAX_RATE for reals); ValueError naming `what` otherwise."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    ok = ok and (isinstance(value, int) or math.isfinite(value))
     if ok and integer:
-        ok = float(value).is_integer()
+        ok = isinstance(value, int) or float(value).is_integer()
     if not ok or (value <= 0 if positive else value < 0):
         kind = "integer" if integer else "number"
         sign = "positive" if positive else "non-negative"
         raise ValueError(f"{what} must be a {sign} {kind}, got {value!r}")
+    high = (MAX_COUNT if integer else MAX_RATE) if high is None else high
+    if value > high:
+        raise ValueError(f"{what} is {value:g}, over the limit of {high:g}")
     return int(value) if integer else float(value)
 
 
@@ -49,6 +68,12 @@ def _only_keys(d: Any, allowed: set[str], where: str) -> dict:
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(allowed)})")
     return d
+
+
+def _dtype(value: Any) -> str:
+    if value not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"scenario: dtype must be fp32, bf16 or fp16, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -227,6 +252,12 @@ class GeoScenario:
         names = [dc.name for dc in self.datacenters]
         if not names:
             raise ValueError("scenario: at least one datacenter is needed")
+        if len(names) > MAX_DATACENTERS:
+            raise ValueError(f"scenario: {len(names)} datacenters, over the search's limit of {MAX_DATACENTERS}")
+        for what in ("global_batch", "micro_batch", "seq"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"scenario: {what} must be a positive integer, got {v!r}")
         if len(set(names)) != len(names):
             raise ValueError(f"scenario: datacenter names repeat: {names}")
         for link in self.wan:
@@ -251,6 +282,14 @@ class GeoScenario:
             raise ValueError(
                 f"scenario: global_batch {self.global_batch} is not a multiple of micro_batch {self.micro_batch}"
             )
+        num_mb = self.global_batch // self.micro_batch
+        if num_mb > MAX_MICROBATCHES:
+            raise ValueError(
+                f"scenario: global_batch / micro_batch = {num_mb} micro-batches per iteration, over the simulator's "
+                f"limit of {MAX_MICROBATCHES} (raise micro_batch to at least {-(-self.global_batch // MAX_MICROBATCHES)})"
+            )
+        if self.seq > MAX_SEQ:
+            raise ValueError(f"scenario: seq {self.seq} is over the limit of {MAX_SEQ}")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"scenario: dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
         spec = get_model(self.model)
@@ -304,10 +343,10 @@ class GeoScenario:
             tuple(Datacenter.from_dict(x, f"datacenters[{i}]") for i, x in enumerate(dcs)),
             tuple(WanLink.from_dict(x, f"wan[{i}]") for i, x in enumerate(wan)),
             model,
-            _number(d.get("global_batch"), "scenario: global_batch", integer=True),
-            _number(d.get("micro_batch", 1), "scenario: micro_batch", integer=True),
-            _number(d.get("seq", min(spec.max_seq, 2048)), "scenario: seq", integer=True),
-            d.get("dtype", "bf16"),
+            _number(d.get("global_batch"), "scenario: global_batch", integer=True, high=10**12),
+            _number(d.get("micro_batch", 1), "scenario: micro_batch", integer=True, high=10**12),
+            _number(d.get("seq", min(spec.max_seq, 2048)), "scenario: seq", integer=True, high=MAX_SEQ),
+            _dtype(d.get("dtype", "bf16")),
             None if inf is None else InferenceWorkload.from_dict(inf),
             str(d.get("name", "scenario")),
         )

@@ -31,6 +31,9 @@ SCHEDULES = ("1f1b", "gpipe")
 SHARING = ("dedicated", "temporal", "fair")
 LINK_ORDERS = ("fifo", "pipeline")
 _EPS = 1e-12
+# Every forward, backward and transfer of an iteration is a Python object: past this many
+# operations (2 · micro-batches · pipelines · stages) a simulation is refused, not run for minutes.
+MAX_SIMULATED_OPS = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,11 @@ class PipelineJob:
             raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {self.link_order!r}")
         if self.num_pipelines < 1 or self.num_microbatches < 1:
             raise ValueError("num_pipelines and num_microbatches must be >= 1")
+        num_ops = 2 * self.num_microbatches * self.num_pipelines * len(self.stages)
+        if num_ops > MAX_SIMULATED_OPS:
+            raise ValueError(f"pipeline simulation of {self.num_pipelines} pipelines × {len(self.stages)} stages × "
+                             f"{self.num_microbatches} micro-batches is {num_ops} operations, over the limit of "
+                             f"{MAX_SIMULATED_OPS}")
 
     @property
     def num_stages(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from planner.catalog import CATALOG, get_gpu_type
+from planner.jsonio import read_text_file
 from planner.cluster import ClusterSpec
 from planner.jobs import JobSpec
 from planner.options import Pool, candidate_counts, cluster_pools, estimate_option
@@ -162,27 +163,43 @@ def save_trace(jobs: Sequence[JobSpec], path: str) -> None:
         fh.write(write_trace_csv(jobs))
 
 
+# The largest value each integer column takes: past these no job is real (a typo, a unit slip).
+CELL_LIMITS = {"global_batch": 10**9, "seq": 10**7, "steps": 10**12, "requested_gpus": 10**6}
+MAX_SUBMIT_S = 1e12
+MAX_TRACE_JOBS = 20_000  # a replay is event by event: measured ~1.3 ms/job at 2,000 jobs
+
+
 def _cell_int(row: dict, col: str, where: str) -> int:
     raw = (row.get(col) or "").strip()
     try:
         v = int(raw)
     except ValueError:
-        raise ValueError(f"{where}, column {col!r}: expected a positive integer, got {raw!r}") from None
+        raise ValueError(f"{where}, column {col!r}: expected a positive integer, got {raw[:40]!r}") from None
     if v <= 0:
         raise ValueError(f"{where}, column {col!r}: expected a positive integer, got {raw!r}")
+    if v > CELL_LIMITS[col]:
+        raise ValueError(f"{where}, column {col!r}: {v} is over the limit of {CELL_LIMITS[col]:g}")
     return v
 
 
 def parse_trace_csv(text: str, source: str = "trace") -> list[JobSpec]:
     """Jobs from CSV text; any bad cell raises ValueError naming the line and the column."""
-    reader = csv.DictReader(io.StringIO(text))
+    try:
+        return _parse_rows(csv.DictReader(io.StringIO(text)), source)
+    except csv.Error as e:  # a NUL byte, a field past the csv module's size limit
+        raise ValueError(f"{source}: malformed CSV: {e}") from None
+
+
+def _parse_rows(reader: csv.DictReader, source: str) -> list[JobSpec]:
     header = tuple(h.strip() for h in (reader.fieldnames or ()))
     if header != COLUMNS:
-        raise ValueError(f"{source}: bad header {','.join(header) or '(empty)'!r}; expected {','.join(COLUMNS)}")
+        raise ValueError(f"{source}: bad header {','.join(header)[:80] or '(empty)'!r}; expected {','.join(COLUMNS)}")
     jobs: list[JobSpec] = []
     seen: set[str] = set()
     for row in reader:
         where = f"{source}: line {reader.line_num}"
+        if len(jobs) >= MAX_TRACE_JOBS:
+            raise ValueError(f"{source}: more than {MAX_TRACE_JOBS} jobs, over the replay's limit")
         if None in row or any(row.get(c) is None for c in COLUMNS):
             raise ValueError(f"{where}: expected {len(COLUMNS)} columns")
         job_id = row["job_id"].strip()
@@ -196,7 +213,7 @@ def parse_trace_csv(text: str, source: str = "trace") -> list[JobSpec]:
             submit = float(raw)
         except ValueError:
             submit = math.nan
-        if not math.isfinite(submit) or submit < 0:
+        if not math.isfinite(submit) or submit < 0 or submit > MAX_SUBMIT_S:
             raise ValueError(f"{where}, column 'submit_s': expected a number >= 0, got {raw!r}")
         model = row["model"].strip()
         try:
@@ -218,9 +235,4 @@ def parse_trace_csv(text: str, source: str = "trace") -> list[JobSpec]:
 
 
 def load_trace(path: str) -> list[JobSpec]:
-    try:
-        with open(path, encoding="utf-8", newline="") as fh:
-            text = fh.read()
-    except OSError as e:
-        raise ValueError(f"cannot read trace file {path}: {e.strerror}") from None
-    return parse_trace_csv(text, source=path)
+    return parse_trace_csv(read_text_file(path, "trace file"), source=path)

@@ -90,3 +90,43 @@ def test_one_connection_is_window_over_rtt_and_k_connections_scale_to_the_link()
     assert WanLink("a", "b", 100.0, 200).single_connection_gbps() == pytest.approx(one / 2)
     with pytest.raises(ValueError):
         link.throughput_gbps(0)
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("global_batch", [10**6, 10**9])
+def test_a_huge_global_batch_is_refused_at_once_naming_the_limit(global_batch):
+    """Issue 17: a global batch of 1e6 ran `planner geo` to 9.6 GB (one simulated op per
+    micro-batch); the micro-batch count per iteration is bounded, and the refusal says how to fix it."""
+    import time
+
+    from planner.geo_scenario import MAX_MICROBATCHES
+
+    d = {**copy.deepcopy(DESIGN_EXAMPLE), "global_batch": global_batch}
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=f"limit of {MAX_MICROBATCHES}.*raise micro_batch"):
+        GeoScenario.from_dict(d)
+    assert time.perf_counter() - t0 < 5.0  # a guard against a regression to simulating, not a benchmark
+    d["micro_batch"] = global_batch // MAX_MICROBATCHES * 2  # within the limit: accepted
+    d["global_batch"] = d["micro_batch"] * (MAX_MICROBATCHES // 2)
+    assert GeoScenario.from_dict(d).global_batch == d["global_batch"]
+
+
+@pytest.mark.parametrize("path, value, match", [
+    (("seq",), 10**9, "seq"),
+    (("datacenters", 0, "gpus", "A100-80GB"), 10**15, "over the limit"),
+    (("wan", 0, "gbps"), float("inf"), "gbps"),
+    (("wan", 0, "rtt_ms"), float("nan"), "rtt_ms"),
+    (("dtype",), ["bf16"], "dtype"),
+    (("global_batch",), 10**13, "global_batch"),
+])
+def test_absurd_numbers_and_wrong_types_are_refused(tmp_path, path, value, match):
+    with pytest.raises(ValueError, match=match):
+        GeoScenario.from_dict(mutate(path, value))
+
+
+def test_the_pipeline_simulator_refuses_a_job_past_its_operation_limit():
+    from planner.pipeline_sim import MAX_SIMULATED_OPS, Channel, PipelineJob, Stage
+
+    with pytest.raises(ValueError, match="over the limit"):
+        PipelineJob((Stage(1.0, 2.0), Stage(1.0, 2.0)), ("lan",), (Channel("lan", 0.0, 100.0, 100.0),), 1,
+                    MAX_SIMULATED_OPS, 1e6)

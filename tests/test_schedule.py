@@ -132,3 +132,67 @@ def test_cli_schedule_json_and_bad_trace(tmp_path, capsys):
         fh.write("zz,1,gpt2,8,128,ten,,\n")
     assert main("python -m planner", COMMANDS, ["schedule", "--cluster", cluster_path, "--trace", trace_path]) == 2
     assert "column 'steps'" in capsys.readouterr().err
+
+
+def _main(argv):
+    from planner.__main__ import COMMANDS
+    from planner.cli import main
+
+    return main("python -m planner", COMMANDS, argv)
+
+
+def test_cli_schedule_json_is_strict_with_null_when_every_job_fails(tmp_path, capsys):
+    """Issue 17: with no job done the mean and p99 JCT are undefined; the JSON says null, not NaN."""
+    import json
+
+    cluster_path, trace_path = str(tmp_path / "c.json"), str(tmp_path / "t.csv")
+    ClusterSpec.from_dict({"name": "one-t4", "nodes": [{"name": "n", "gpus": {"T4": 1}}]}).save(cluster_path)
+    with open(trace_path, "w") as fh:
+        fh.write("job_id,submit_s,model,global_batch,seq,steps,requested_type,requested_gpus\n"
+                 "a,0,llama2-13b,8,4096,10,,\nb,1,llama2-13b,16,4096,10,,\n")
+    assert _main(["schedule", "--cluster", cluster_path, "--trace", trace_path, "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "NaN" not in text and "Infinity" not in text
+    out = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert out["num_failed"] == 2 and {j["status"] for j in out["jobs"]} == {"failed"}
+    assert out["avg_jct_s"] is None and out["p99_jct_s"] is None
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--generate", "1", "--num-jobs", "0"], "--num-jobs"),
+    (["--generate", "1", "--num-jobs", "1000000000"], "--num-jobs"),
+    (["--generate", "1", "--load", "nan"], "--load"),
+    (["--generate", "1", "--load", "-1"], "--load"),
+    (["--generate", "-3"], "--generate"),
+])
+def test_cli_schedule_refuses_bad_numbers_with_one_line(tmp_path, capsys, argv, flag):
+    cluster_path = str(tmp_path / "c.json")
+    CLUSTER.save(cluster_path)
+    with pytest.raises(SystemExit) as e:
+        _main(["schedule", "--cluster", cluster_path, *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and len(err.strip().splitlines()) == 1
+
+
+def test_trace_cells_past_their_limits_and_huge_files_are_refused(tmp_path, capsys):
+    from planner.trace import parse_trace_csv
+
+    head = "job_id,submit_s,model,global_batch,seq,steps,requested_type,requested_gpus\n"
+    with pytest.raises(ValueError, match="global_batch.*over the limit"):
+        parse_trace_csv(head + "a,0,gpt2,10000000000,128,10,,\n")
+    with pytest.raises(ValueError, match="submit_s"):
+        parse_trace_csv(head + "a,1e300,gpt2,8,128,10,,\n")
+    with pytest.raises(ValueError, match="malformed CSV"):
+        parse_trace_csv(head + "a,0,gpt2,8,128,10,," + "x" * 200_000 + "\n")
+    cluster_path, big = str(tmp_path / "c.json"), tmp_path / "big.json"
+    CLUSTER.save(cluster_path)
+    with open(big, "wb") as fh:  # sparse: 200 MB on paper, nothing on disk; must be refused unread
+        fh.truncate(200 * 2**20)
+    assert _main(["schedule", "--cluster", str(big), "--generate", "1"]) == 2
+    assert "over the limit" in capsys.readouterr().err
+    big_csv = tmp_path / "big.csv"
+    with open(big_csv, "wb") as fh:
+        fh.truncate(200 * 2**20)
+    assert _main(["schedule", "--cluster", cluster_path, "--trace", str(big_csv)]) == 2
+    assert "over the limit" in capsys.readouterr().err

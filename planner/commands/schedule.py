@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import print_json, print_table
+from planner.cli import float_arg, int_arg, print_json, print_table
 from planner.cluster import ClusterSpec
 from planner.schedule import POLICIES, simulate_schedule
-from planner.trace import generate_trace, load_trace, save_trace
+from planner.jsonio import check_file_size
+from planner.trace import MAX_TRACE_JOBS, generate_trace, load_trace, save_trace
 
 HELP = "simulate a job trace (CSV, or --generate) on a cluster under the frenzy or fifo policy"
+MAX_LOAD = 1000.0  # requested GPU-seconds per device-second: past this the queue only grows
 SUMMARY_KEYS = ("policy", "num_jobs", "num_failed", "avg_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization",
                 "scheduling_overhead_ms_per_job")
 
@@ -17,9 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster JSON file")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="job trace CSV: job_id,submit_s,model,global_batch,seq,steps,requested_type,requested_gpus")
-    src.add_argument("--generate", type=int, metavar="SEED", help="generate a trace with this seed instead")
-    p.add_argument("--num-jobs", type=int, default=200, help="jobs to generate (with --generate)")
-    p.add_argument("--load", type=float, default=0.6,
+    src.add_argument("--generate", type=int_arg(0, 2**63 - 1), metavar="SEED", help="generate a trace with this seed instead")
+    p.add_argument("--num-jobs", type=int_arg(1, MAX_TRACE_JOBS), default=200, help="jobs to generate (with --generate)")
+    p.add_argument("--load", type=float_arg(0.0, MAX_LOAD, low_open=True), default=0.6,
                    help="with --generate: requested GPU-seconds per device-second of the trace's span")
     p.add_argument("--save-trace", metavar="CSV", help="with --generate: also write the trace here")
     p.add_argument("--policy", choices=POLICIES, default="frenzy")
@@ -28,13 +30,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_file_size(args.cluster, "cluster file")  # a huge file is refused before it is read
     cluster = ClusterSpec.load(args.cluster)
     if args.trace:
         jobs = load_trace(args.trace)
     else:
         jobs = generate_trace(args.generate, args.num_jobs, cluster, load=args.load, dtype=args.dtype)
         if args.save_trace:
-            save_trace(jobs, args.save_trace)
+            try:
+                save_trace(jobs, args.save_trace)
+            except OSError as e:
+                raise ValueError(f"cannot write --save-trace {args.save_trace}: {e.strerror}") from None
     result = simulate_schedule(jobs, cluster, args.policy, dtype=args.dtype)
     if args.json:
         print_json(result.to_dict(jobs=True))
