@@ -1,8 +1,17 @@
-"""The Geo page on its own (streamlit AppTest): edit, plan, render, and bad input."""
+"""The Geo page on its own (streamlit AppTest): edit, plan, render, and bad input.
+
+The simulation runs in a background process (ui/background.py): `settle` reruns the page, as
+its polling fragment does in a browser, until the answer is in."""
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from tests.test_ui_background import settle as settle_until
+
 TIMEOUT_S = 120
+
+
+def settle(at: AppTest) -> AppTest:
+    return settle_until(at, lambda a: "geo_request" in a.session_state)
 
 
 @pytest.fixture
@@ -17,6 +26,7 @@ def test_plan_renders_summary_gantt_and_bars(app):
     app.selectbox(key="geo_example").set_value("three_dc_slow_link.json").run()
     app.button(key="geo_plan").click().run()
     assert not app.exception
+    settle(app)
     assert not app.error
     labels = " ".join(m.label for m in app.metric)
     assert "simulated" in labels and "Iteration" in labels
@@ -39,3 +49,16 @@ def test_bad_input_shows_an_error_not_a_traceback(app):
     app.text_input(key="geo_prompts").set_value("a lot").run()
     assert not app.exception
     assert any("prompt lengths" in e.value for e in app.error)
+
+
+def test_cancel_stops_the_simulation_and_forgets_the_request(app, monkeypatch):
+    from ui import background
+
+    monkeypatch.setattr(background, "FIRST_WAIT_S", 0.0)  # answer Pending at once, however fast the call
+    app.button(key="geo_plan").click().run()
+    assert any("Planning and simulating" in i.value for i in app.info)  # in flight, with a Cancel button
+    [job] = [j for (_, name), j in background._jobs.items() if name == "geo"]
+    app.button(key="geo_cancel").click().run()
+    assert not app.exception and "geo_request" not in app.session_state
+    assert job.cancel_reason == "by the user" and job.proc.returncode is not None
+    assert not app.get("plotly_chart")  # no report: the one asked for was cancelled

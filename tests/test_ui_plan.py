@@ -1,20 +1,49 @@
-"""AppTest of the Plan page (ui/plan.py): default plan on first open, inputs, errors, download."""
+"""AppTest of the Plan page (ui/plan.py): default plan on first open, inputs, errors, download.
+
+The solve runs in a background process (ui/background.py): `settle` reruns the page, as its
+polling fragment does in a browser, until the answer is in."""
 import json
 import os
 
 from streamlit.testing.v1 import AppTest
 
 from planner.plan import Plan
+from tests.test_ui_background import settle as settle_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "ui", "plan.py")
+
+
+
+
+def settle(at: AppTest) -> AppTest:
+    """Until the page has no request in flight (the plan or the error is shown)."""
+    return settle_until(at, lambda a: "plan_request" in a.session_state)
 
 
 def _page() -> AppTest:
     at = AppTest.from_file(PAGE, default_timeout=120)
     at.run()
     assert not at.exception
-    return at
+    return settle(at)
+
+
+def test_a_solve_in_flight_shows_progress_and_cancel_stops_it(monkeypatch):
+    from ui import background
+
+    at = _page()
+    monkeypatch.setattr(background, "FIRST_WAIT_S", 0.0)  # answer Pending at once, however fast the solve
+    at.number_input(key="plan_global_batch").set_value(123)
+    at.button(key="plan_compute").click().run()
+    assert not at.exception
+    assert "plan_request" in at.session_state  # answered later, by the background process
+    assert any("Solving the plan" in i.value for i in at.info)
+
+    [job] = [j for (_, name), j in background._jobs.items() if name == "plan"]
+    at.button(key="plan_cancel").click().run()
+    assert not at.exception and "plan_request" not in at.session_state
+    assert job.cancel_reason == "by the user" and job.proc.returncode is not None
+    assert at.session_state["plan"].global_batch != 123  # the last plan stays shown
 
 
 def test_first_open_computes_a_default_plan_for_this_machine():
@@ -33,8 +62,8 @@ def test_example_cluster_and_inputs_give_a_plan_with_baselines():
     at.selectbox(key="plan_cluster_source").set_value("local-2cpu-emulated.json")
     at.number_input(key="plan_global_batch").set_value(12)
     at.selectbox(key="plan_dtype").set_value("fp32")
-    at.button(key="plan_compute").click().run()
-    assert not at.exception and not at.error
+    settle(at.button(key="plan_compute").click().run())
+    assert not at.error
     plan = at.session_state["plan"]
     assert plan.cluster.name == "local-2cpu-emulated" and plan.global_batch == 12
     fast, slow = plan.assignments
@@ -46,8 +75,7 @@ def test_infeasible_inputs_show_the_solver_reason_not_a_traceback():
     at = _page()
     at.selectbox(key="plan_cluster_source").set_value("local-2cpu-emulated.json")
     at.selectbox(key="plan_model").set_value("llama2-13b")  # 13B does not fit 2 CPU workers
-    at.button(key="plan_compute").click().run()
-    assert not at.exception
+    settle(at.button(key="plan_compute").click().run())
     assert any("no feasible plan" in e.value for e in at.error)
 
 

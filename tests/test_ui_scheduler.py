@@ -1,10 +1,22 @@
+"""The Scheduler page on its own (AppTest): submit, a scheduler pass, the simulation.
+
+The simulation runs in a background process (ui/background.py): `settle` reruns the page, as
+its polling fragment does in a browser, until the answer is in."""
 import os
 
 from streamlit.testing.v1 import AppTest
 
 from executor.queue import JobQueue
+from tests.test_ui_background import settle as settle_until
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "scheduler.py")
+
+
+PENDING = "Simulating both policies"
+
+
+def settle(at: AppTest) -> AppTest:
+    return settle_until(at, lambda a: any(PENDING in i.value for i in a.info))
 
 
 def _page():
@@ -43,10 +55,25 @@ def test_simulation_compares_frenzy_and_fifo():
     at.selectbox(key="sched_num_gpus").set_value(64)
     at.number_input(key="sched_num_jobs").set_value(60)
     at.button(key="sched_simulate").click().run()
-    assert not at.exception and not at.error
+    settle(at)
+    assert not at.error
     table = at.dataframe[-1].value  # the simulation table (the queue is empty)
     assert list(table["policy"]) == ["frenzy", "fifo"]
     assert (table["avg JCT (h, predicted)"] > 0).all() and (table["failed jobs"] == 0).all()
     assert table["avg JCT (h, predicted)"][0] < table["avg JCT (h, predicted)"][1]
     labels = " ".join(m.label for m in at.metric)
     assert "predicted" in labels and "measured" in labels
+
+
+def test_cancel_stops_the_simulation(monkeypatch):
+    from ui import background
+
+    at = _page()
+    monkeypatch.setattr(background, "FIRST_WAIT_S", 0.0)  # answer Pending at once, however fast the call
+    at.button(key="sched_simulate").click().run()
+    assert any(PENDING in i.value for i in at.info)  # in flight, with a Cancel button
+    [job] = [j for (_, name), j in background._jobs.items() if name == "schedule-simulation"]
+    at.button(key="sched_sim_cancel").click().run()
+    assert not at.exception and "sched_result" not in at.session_state
+    assert job.cancel_reason == "by the user" and job.proc.returncode is not None
+    assert not any(PENDING in i.value for i in at.info)

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import streamlit as st
 
+from ui.background import ChildFailed
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -111,14 +113,14 @@ def show_errors(what: str | None = None) -> Iterator[None]:
         with show_errors("Cannot compute the plan"):
             plan = solve_plan(...)
 
-    Code after the `with` block still runs; check your result for None. Other
-    exceptions are logged and also shown as one line, because a dashboard user
+    Code after the `with` block still runs; check your result for None. OSError,
+    sqlite3.Error and a background computation that died (ui/background.ChildFailed) are logged and also shown as one line, because a dashboard user
     should never see a traceback."""
     try:
         yield
     except ValueError as e:
         st.error(f"{what}: {error_message(e)}" if what else error_message(e), icon=":material/error:")
-    except (OSError, sqlite3.Error) as e:
+    except (OSError, sqlite3.Error, ChildFailed) as e:
         log.warning("%s", e, exc_info=True)
         msg = f"{type(e).__name__}: {error_message(e)}"
         st.error(f"{what}: {msg}" if what else msg, icon=":material/error:")

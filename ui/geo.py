@@ -22,6 +22,7 @@ from planner.geo_eval import GeoReport, simulate_geo
 from planner.geo_scenario import GeoScenario
 from planner.paths import PROJECT_ROOT
 from planner.specs import PRESETS
+from ui import background
 from ui.common import SIMULATED, fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
 
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
@@ -30,12 +31,16 @@ MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pi
 COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "P": "#2ca02c"}
 NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-reduce", "P": "prefill (BubbleTea)"}
 GIB = 2**30
+JOB = "geo"  # this page's background job (ui/background.py)
+REQUEST = "geo_request"  # session key: the scenario JSON asked for and not yet answered
 
 
 @st.cache_data(show_spinner="Planning and simulating…", max_entries=16)
 def compute(scenario_json: str) -> GeoReport:
-    """simulate_geo on a scenario given as JSON (hashable for the cache). Raises ValueError."""
-    return simulate_geo(GeoScenario.from_dict(json.loads(scenario_json)))
+    """simulate_geo on a scenario given as JSON (hashable for the cache), in this session's background
+    process (ui/background.py: cancellable, killed with the session). Raises ValueError, and
+    background.Pending while it runs (not cached)."""
+    return background.result_of(JOB, simulate_geo, GeoScenario.from_dict(json.loads(scenario_json)))
 
 
 def examples() -> dict[str, str]:
@@ -262,8 +267,16 @@ scenario = inputs(load_example(choice), choice)
 current = json.dumps(scenario, sort_keys=True) if scenario is not None else None
 if st.button("Plan", key="geo_plan", type="primary", disabled=scenario is None) and current is not None:
     st.session_state.pop("geo_report", None)
-    with show_errors("Cannot plan this scenario"):
-        st.session_state["geo_report"] = (current, compute(current))
+    st.session_state[REQUEST] = current
+request = st.session_state.get(REQUEST)
+if request is not None:
+    try:
+        with show_errors("Cannot plan this scenario"):
+            st.session_state["geo_report"] = (request, compute(request))
+        st.session_state.pop(REQUEST, None)  # answered: a report or an error
+    except background.Pending:
+        background.show_pending(JOB, "Planning and simulating…", "geo_cancel",
+                                on_cancel=lambda: st.session_state.pop(REQUEST, None))
 shown = st.session_state.get("geo_report")
 if shown is not None:
     if shown[0] != current:

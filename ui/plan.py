@@ -17,6 +17,7 @@ from planner.hetero import DTYPES, solve_plan
 from planner.paths import PROJECT_ROOT
 from planner.plan import Plan
 from planner.specs import PRESETS
+from ui import background
 from ui.common import (MEASURED, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
                        profiles_version, show_emulated_note, show_errors, show_figure, style_figure)
 from ui.state import DEFAULT_GLOBAL_BATCH, get_cluster, get_model, get_plan, set_plan
@@ -26,15 +27,21 @@ EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "clusters")
 SESSION_SOURCE = "This machine (session cluster)"
 UPLOAD_SOURCE = "Upload a cluster file…"
 HEADROOM = 0.9  # the planner's default: the capacity line on the memory chart
+JOB = "plan"  # this page's background job (ui/background.py)
+REQUEST = "plan_request"  # session key: the compute_plan arguments asked for and not yet answered
+AUTO_STARTED = "plan_auto_started"  # the first open asked for a default plan once (not again after Cancel)
 
 
 @st.cache_data(show_spinner="Solving the plan…", max_entries=32)
 def compute_plan(cluster_json: str, model: str, global_batch: int, seq: int | None, dtype: str,
                  profiles_version: int = 0) -> Plan:
-    """solve_plan on a cluster given as JSON (hashable for the cache). Raises ValueError.
-    `profiles_version` only keys the cache: a new profile ("Profile now") re-solves."""
+    """solve_plan on a cluster given as JSON (hashable for the cache), in this session's background
+    process (ui/background.py: cancellable, killed with the session). Raises ValueError, and
+    background.Pending while the solver runs (not cached). `profiles_version` only keys the
+    cache: a new profile ("Profile now") re-solves."""
     cluster = ClusterSpec.from_dict(json.loads(cluster_json))
-    result = solve_plan(cluster, model, global_batch, seq=seq, dtype=dtype, headroom=HEADROOM)
+    result = background.result_of(JOB, solve_plan, cluster, model, global_batch, seq=seq, dtype=dtype,
+                                  headroom=HEADROOM)
     if result.plan is None:
         raise ValueError(result.reason or f"no plan ({result.status})")
     return result.plan
@@ -152,9 +159,18 @@ page_header("Plan", "Per-device micro-batch, accumulation steps and state shard 
                     "no device out of memory, the shortest predicted iteration.")
 cluster, model, batch, seq, dtype = inputs()
 clicked = st.button("Compute plan", key="plan_compute", type="primary")
-if cluster is not None and (clicked or get_plan() is None):
-    with show_errors("Cannot compute the plan"):
-        set_plan(compute_plan(json.dumps(cluster.to_dict()), model, batch, seq, dtype, profiles_version()))
+if cluster is not None and (clicked or (get_plan() is None and not st.session_state.get(AUTO_STARTED))):
+    st.session_state[AUTO_STARTED] = True
+    st.session_state[REQUEST] = (json.dumps(cluster.to_dict()), model, batch, seq, dtype, profiles_version())
+request = st.session_state.get(REQUEST)
+if request is not None:
+    try:
+        with show_errors("Cannot compute the plan"):
+            set_plan(compute_plan(*request))
+        st.session_state.pop(REQUEST, None)  # answered: a plan or an error
+    except background.Pending:
+        background.show_pending(JOB, "Solving the plan…", "plan_cancel",
+                                on_cancel=lambda: st.session_state.pop(REQUEST, None))
 plan = get_plan()
 if plan is not None:
     if cluster is None or (plan.cluster.name, plan.model, plan.global_batch, plan.dtype) != (

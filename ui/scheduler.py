@@ -11,15 +11,16 @@ import time
 import streamlit as st
 
 from executor.queue import JobQueue
-from planner.schedule import simulate_schedule
 from planner.specs import PRESETS
-from planner.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster
+from planner.trace import DEMO_CLUSTERS
+from ui import background
 from ui.common import MEASURED, PREDICTED, metric, page_header, show_errors, show_figure, style_figure
+from ui.compute import HOUR_S, simulate_both_policies
 from ui.state import default_local_cluster
 
-HOUR_S = 3600.0
 LOCAL_MODELS = ("tiny", "tiny-llama", "small", "gpt2")  # what a CPU machine trains in minutes
 AUTO_TICK_S = 2.0
+SIM_JOB = "schedule-simulation"  # this page's background job (ui/background.py)
 
 
 def gantt(rows: list[dict], title: str, x_title: str):
@@ -116,19 +117,11 @@ def local_queue() -> None:
     live()
 
 
-@st.cache_data(show_spinner="Simulating both policies...", max_entries=8)
+@st.cache_data(show_spinner="Simulating both policies…", max_entries=8)
 def _simulate(seed: int, num_gpus: int, num_jobs: int, load: float) -> dict:
-    cluster = mixed_cluster(DEMO_CLUSTERS[num_gpus])
-    jobs = generate_trace(seed, num_jobs, cluster, load=load)
-    types = [d.type for _, d in cluster.devices()]
-    out = {}
-    for policy in ("frenzy", "fifo"):
-        r = simulate_schedule(jobs, cluster, policy)
-        out[policy] = {"summary": r.to_dict(jobs=False),
-                       "rows": [{"device": f"{i:04d} {types[i]}", "job": x.job.job_id, "start": x.start_s / HOUR_S,
-                                 "end": x.end_s / HOUR_S} for x in r.records if x.status == "done"
-                                for i in x.devices]}
-    return out
+    """Both policies on one trace, in this session's background process (ui/background.py:
+    cancellable, killed with the session). Raises background.Pending while it runs (not cached)."""
+    return background.result_of(SIM_JOB, simulate_both_policies, seed, num_gpus, num_jobs, load)
 
 
 def simulation() -> None:
@@ -148,25 +141,33 @@ def simulation() -> None:
     args = st.session_state.get("sched_result")
     if not args:
         return
-    with show_errors("Simulation failed"):
-        res = _simulate(*args)
-        fr, ff = res["frenzy"]["summary"], res["fifo"]["summary"]
-        cards = [("Avg JCT reduction vs fifo", f"{100 * (1 - fr['avg_jct_s'] / ff['avg_jct_s']):.1f} %", PREDICTED),
-                 ("p99 JCT reduction vs fifo", f"{100 * (1 - fr['p99_jct_s'] / ff['p99_jct_s']):.1f} %", PREDICTED),
-                 ("frenzy decision time", f"{fr['scheduling_overhead_ms_per_job']:.2f} ms/job", MEASURED)]
-        for col, (label, value, kind) in zip(st.columns(len(cards)), cards):
-            with col:
-                metric(label, value, kind)
-        st.dataframe([{"policy": p, "avg JCT (h, predicted)": d["avg_jct_s"] / HOUR_S,
-                       "p99 JCT (h, predicted)": d["p99_jct_s"] / HOUR_S,
-                       "makespan (h, predicted)": d["makespan_s"] / HOUR_S,
-                       "GPU utilization (predicted)": d["gpu_utilization"],
-                       "decision time (ms/job, measured)": d["scheduling_overhead_ms_per_job"],
-                       "failed jobs": d["num_failed"]}
-                      for p, d in (("frenzy", fr), ("fifo", ff))], hide_index=True, key="sched_sim_table")
-        policy = st.radio("Gantt of", ("frenzy", "fifo"), horizontal=True, key="sched_gantt_policy")
-        show_figure(gantt(res[policy]["rows"], f"{policy}: devices over time (predicted)", "time (h)"),
-                    key="sched_sim_gantt")
+    try:
+        with show_errors("Simulation failed"):
+            res = _simulate(*args)
+            show_simulation(res)
+    except background.Pending:
+        background.show_pending(SIM_JOB, "Simulating both policies…", "sched_sim_cancel",
+                                on_cancel=lambda: st.session_state.pop("sched_result", None))
+
+
+def show_simulation(res: dict) -> None:
+    fr, ff = res["frenzy"]["summary"], res["fifo"]["summary"]
+    cards = [("Avg JCT reduction vs fifo", f"{100 * (1 - fr['avg_jct_s'] / ff['avg_jct_s']):.1f} %", PREDICTED),
+             ("p99 JCT reduction vs fifo", f"{100 * (1 - fr['p99_jct_s'] / ff['p99_jct_s']):.1f} %", PREDICTED),
+             ("frenzy decision time", f"{fr['scheduling_overhead_ms_per_job']:.2f} ms/job", MEASURED)]
+    for col, (label, value, kind) in zip(st.columns(len(cards)), cards):
+        with col:
+            metric(label, value, kind)
+    st.dataframe([{"policy": p, "avg JCT (h, predicted)": d["avg_jct_s"] / HOUR_S,
+                   "p99 JCT (h, predicted)": d["p99_jct_s"] / HOUR_S,
+                   "makespan (h, predicted)": d["makespan_s"] / HOUR_S,
+                   "GPU utilization (predicted)": d["gpu_utilization"],
+                   "decision time (ms/job, measured)": d["scheduling_overhead_ms_per_job"],
+                   "failed jobs": d["num_failed"]}
+                  for p, d in (("frenzy", fr), ("fifo", ff))], hide_index=True, key="sched_sim_table")
+    policy = st.radio("Gantt of", ("frenzy", "fifo"), horizontal=True, key="sched_gantt_policy")
+    show_figure(gantt(res[policy]["rows"], f"{policy}: devices over time (predicted)", "time (h)"),
+                key="sched_sim_gantt")
 
 
 page_header("Scheduler", "Submit a model, not a GPU request: GPUMix predicts what fits where and places the job.")
