@@ -129,3 +129,15 @@ def test_the_reaper_cancels_a_job_nobody_polls(tmp_path):
     assert wait_gone([job.pid, grandchild], 5.0)
     with pytest.raises(background.Cancelled, match="no page polled"):
         job.result()
+
+
+def test_the_reaper_cancels_the_job_of_an_ended_session(tmp_path, monkeypatch):
+    pid_file = str(tmp_path / "grandchild")
+    job = background.submit("t-session", hang_with_grandchild, pid_file)
+    grandchild = grandchild_pid(pid_file)
+    monkeypatch.setattr(background, "_session_active", lambda owner: False)  # the tab closed
+    background.reap_once()
+    assert wait_gone([job.pid, grandchild], 5.0)
+    with pytest.raises(background.Cancelled, match="session ended"):
+        job.result()
+    assert background.current("t-session") is None

@@ -195,18 +195,20 @@ def _session_active(owner: str | None) -> bool:
 def _reap_forever() -> None:
     while True:
         time.sleep(REAP_S)
-        with contextlib.suppress(Exception):  # the reaper must outlive any one odd job
+        try:
             reap_once()
+        except Exception:  # noqa: BLE001 - the reaper must outlive any one odd job
+            log.exception("reaping the background jobs failed")
 
 
 def reap_once() -> None:
-    """Cancel every job whose session has ended or whose page stopped polling; forget finished ones."""
+    """Reap finished children; cancel and forget every job whose session has ended or whose page
+    stopped polling it for its heartbeat_s (a finished one too: nobody will read its result)."""
     with _jobs_lock:
         jobs = list(_jobs.items())
     now = time.monotonic()
     for slot, job in jobs:
-        if job.poll_quietly():
-            continue
+        job.poll_quietly()  # a child that has exited is waited for: no <defunct> left
         if not _session_active(job.owner):
             job.cancel("the session ended")
         elif now - job.last_poll > job.heartbeat_s:

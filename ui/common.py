@@ -114,8 +114,9 @@ def show_errors(what: str | None = None) -> Iterator[None]:
             plan = solve_plan(...)
 
     Code after the `with` block still runs; check your result for None. OSError,
-    sqlite3.Error and a background computation that died (ui/background.ChildFailed) are logged and also shown as one line, because a dashboard user
-    should never see a traceback."""
+    sqlite3.Error and a background computation that died (ui/background.ChildFailed)
+    are logged and also shown as one line, because a dashboard user should never see
+    a traceback."""
     try:
         yield
     except ValueError as e:
