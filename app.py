@@ -9,13 +9,11 @@ import os
 
 import streamlit as st
 
-from planner import paths
 from ui import state
 
 log = logging.getLogger(__name__)
 
 LAUNCH_URL_PATH = "launch"
-LIVE_CHECK_TTL_S = 2.0  # how stale the sidebar's "Running" link may be
 
 st.set_page_config(page_title="GPUMix", page_icon=":material/memory:", layout="wide")
 
@@ -38,16 +36,12 @@ PAGES = {
 page = st.navigation(PAGES)
 
 
-@st.cache_data(ttl=LIVE_CHECK_TTL_S, show_spinner=False)
-def live_run(data_dir: str) -> str | None:
-    return state.find_live_run()
-
-
 def live_run_link() -> None:
     """In the sidebar on every page: the run that is going, found in the store (so it
-    survives a browser reload and an app restart), with a link to its monitor."""
+    survives a browser reload and an app restart), with a link to its monitor. Not cached:
+    the store is the one source of status, so the link goes with Stop (which reruns the app)."""
     try:
-        run_dir = live_run(paths.data_dir())
+        run_dir = state.find_live_run()
     except Exception as e:  # the indicator must never break a page
         log.debug("no live run indicator: %s", e)
         return

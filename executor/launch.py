@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from executor import booking
 from executor import checkpoint as ckpt
 from executor.corpus import build_corpus
 from executor.store import MetricsStore, _pid_alive, db_path, read_metrics
@@ -58,7 +59,7 @@ POLL_S = 0.2
 DEAD_RANK_GRACE_S = 10.0  # torchrun normally ends the group within a second; then we do
 TERM_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 DEFAULT_RDZV_PORT = 29500
-LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "local"}
+LOCAL_NAMES = booking.LOCAL_NAMES
 # secondary failures: the ranks that lost a peer, not the cause of the run's end
 _PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo",
                 "nccl", "signalexception", "terminated", "process group")
@@ -115,8 +116,7 @@ def local_torchrun_command(num_ranks: int, port: int, wargs: list[str]) -> list[
             "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0", *wargs]
 
 
-def _is_local(node: str) -> bool:
-    return node in LOCAL_NAMES or node in {socket.gethostname(), socket.getfqdn()}
+_is_local = booking.is_local_node
 
 
 def plan_nodes(plan: Plan) -> list[str]:
@@ -171,16 +171,53 @@ def _load(plan: Plan | str) -> Plan:
     return plan if isinstance(plan, Plan) else Plan.load(plan)
 
 
-def _check_args(plan: Plan, steps: int, checkpoint_every: int) -> None:
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
+def check_numbers(steps: int, checkpoint_every: int, seed: int = 0) -> None:
+    """The launch's numeric arguments, on every path (a multi-node plan only prints commands)."""
+    for name, v, low in (("steps", steps, 1), ("checkpoint_every", checkpoint_every, 0), ("seed", seed, 0)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+        if v < low:
+            raise ValueError(f"{name} must be >= {low}, got {v}")
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible here; torch is imported only when a plan asks for a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_devices(plan: Plan) -> None:
+    """Before any rank starts: the plan's node is this machine and its GPUs exist. CPU workers may
+    outnumber the cores (oversubscribed ranks are slow, not wrong)."""
+    nodes = plan_nodes(plan)
+    if len(nodes) == 1 and not _is_local(nodes[0]):
+        raise ValueError(f"plan runs on node {nodes[0]!r}, this machine is {socket.gethostname()!r}: run the "
+                         "launch on that node (or plan for 'localhost')")
+    gpus = [a for a in plan.used if a.type != "cpu"]
+    if gpus:
+        have = cuda_device_count()
+        for local_rank, a in enumerate(gpus):
+            if local_rank >= have:
+                raise ValueError(f"plan device {a.device_index} ({a.type}) needs CUDA device {local_rank}, this "
+                                 f"machine has {have} CUDA device(s)")
+
+
+def _check_args(plan: Plan, steps: int, checkpoint_every: int, seed: int = 0) -> None:
+    check_numbers(steps, checkpoint_every, seed)
     if not plan.used:
         raise ValueError("plan uses no device")
     if not runs_here(plan):
         raise ValueError(f"plan spans nodes {', '.join(plan_nodes(plan))}: run `python -m executor launch` "
                          "to print the per-node torchrun commands")
+    check_devices(plan)
+
+
+def book_devices(plan: Plan, run_dir: str, pid: int | None = None) -> None:
+    """Book the plan's devices for `run_dir` in the ledger (ValueError naming the run holding one)."""
+    booking.Ledger().book(run_dir, booking.plan_device_keys(plan), pid)
 
 
 def _check_not_running(run_dir: str) -> None:
@@ -349,10 +386,21 @@ def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume
     files; default the Python standard library), `tokenizer`: a tokenizer.json (default bytes),
     `init_from`: a Hugging Face model folder to start from (each rank reads its own slices)."""
     plan = _load(plan)
-    _check_args(plan, steps, checkpoint_every)
+    _check_args(plan, steps, checkpoint_every, seed)
     init_from = check_init_from(plan, init_from)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
+    book_devices(plan, run_dir)  # start_run booked already: the launcher takes the booking over
+    try:
+        return _launch_booked(plan, steps, run_dir, seed, resume, checkpoint_every, corpus_dir, optim, tokenizer,
+                              init_from)
+    finally:
+        booking.Ledger().release(run_dir)
+
+
+def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool, checkpoint_every: int,
+                   corpus_dir: str | None, optim: OptimConfig | None, tokenizer: str | None,
+                   init_from: str | None) -> str:
     meta = ckpt.check_resumable(run_dir, plan) if resume else None
     plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
     plan.save(plan_path)
@@ -464,13 +512,32 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
     folder under planner.paths.runs_dir()."""
     plan = _load(plan)
-    _check_args(plan, steps, checkpoint_every)
+    _check_args(plan, steps, checkpoint_every, seed)
     init_from = check_init_from(plan, init_from)
     run_dir = os.path.abspath(run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
     if resume:
         ckpt.check_resumable(run_dir, plan)
+    book_devices(plan, run_dir)  # held by this process until the launcher takes it over
+    try:
+        proc = _start_launcher(plan, steps, run_dir, seed, resume, checkpoint_every, corpus_dir, optim, tokenizer,
+                               init_from)
+    except BaseException:
+        booking.Ledger().release(run_dir)
+        raise
+    booking.Ledger().book(run_dir, (), proc.pid)  # the launcher holds it now (and again from inside)
+    return RunHandle(run_dir, proc.pid)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Wait for the launcher in a daemon thread: it leaves no <defunct> child behind the dashboard."""
+    threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+
+
+def _start_launcher(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool, checkpoint_every: int,
+                    corpus_dir: str | None, optim: OptimConfig | None, tokenizer: str | None,
+                    init_from: str | None) -> subprocess.Popen:
     plan_path = os.path.join(run_dir, "plan.json")
     plan.save(plan_path)
     # the run row exists before the launcher has imported anything: a page polling the store
@@ -492,9 +559,10 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    _reap(proc)
     store.conn.execute("UPDATE run SET launcher_pid = ? WHERE id = 1 AND phase = 'starting'", (proc.pid,))
     store.close()
-    return RunHandle(run_dir, proc.pid)
+    return proc
 
 
 def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
@@ -527,6 +595,7 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
             store.finish("stopped", "stopped on request (the launcher did not end the run; killed)")
     finally:
         store.close()
+    booking.Ledger().release(run_dir)  # everything of the run is gone now
     return read_metrics(run_dir)["status"]
 
 

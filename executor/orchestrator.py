@@ -28,8 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from executor import booking
 from executor.queue import JobQueue, QueuedJob
 from planner.cluster import ClusterSpec, NodeSpec
+from planner.jobs import JobSpec
+from planner.options import ResourceOption
 from planner.paths import runs_dir
 from planner.schedule import ClusterState, FrenzyPolicy, Running
 
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 LOCAL_DTYPE = "fp32"  # CPU workers train in fp32 (gloo); a GPU cluster file may ask for bf16
 PLAN_TIME_LIMIT_S = 10.0
 MIXED_GAIN = 0.9  # take idle devices of other types only for a predicted >= 10 % shorter iteration
+BOOKED_ELSEWHERE = "booked by another run"  # the ClusterState owner of devices the ledger gives to others
+MAX_ITERATION_S = 86_400.0  # a job whose every step takes over a day on the whole pool is refused at submit
 
 
 @dataclass
@@ -65,7 +70,26 @@ def sub_cluster(cluster: ClusterSpec, devices: tuple[int, ...], name: str) -> Cl
     return ClusterSpec(name, tuple(nodes), cluster.network)
 
 
-def _default_cluster() -> ClusterSpec:
+def check_runnable(job: JobSpec, cluster: ClusterSpec, dtype: str = LOCAL_DTYPE) -> ResourceOption:
+    """The fastest option the scheduler would consider for `job` on `cluster` (the `frenzy` policy's
+    options over MARP's memory model); ValueError with the reason when no device set of the pool can
+    run it: it fits in memory nowhere, or even its fastest option takes more than MAX_ITERATION_S
+    per optimizer step (a batch no pool of this size trains: no step, no checkpoint for a day)."""
+    options = FrenzyPolicy(cluster, dtype).options(job)
+    if not options:
+        raise ValueError(f"{job.model} at global batch {job.global_batch}, seq {job.seq} fits in memory on no "
+                         f"device set of {cluster.name} ({cluster.num_devices} devices: "
+                         f"{', '.join(sorted({d.label for _, d in cluster.devices()}))}): nothing queued")
+    best = min(options, key=lambda o: o.iteration_s)
+    if best.iteration_s > MAX_ITERATION_S:
+        raise ValueError(f"{job.model} at global batch {job.global_batch}: one step takes {best.iteration_s:,.0f} s "
+                         f"(predicted) even on {best.num_gpus} {best.pool.label} device(s) of {cluster.name}, "
+                         f"over the {MAX_ITERATION_S:,.0f} s limit: use a smaller global batch; nothing queued")
+    return best
+
+
+def local_cluster() -> ClusterSpec:
+    """This machine as the orchestrator's pool (the profiler's inventory)."""
     from profiler.inventory import build_local_cluster
 
     return build_local_cluster()
@@ -75,7 +99,7 @@ class Orchestrator:
     def __init__(self, queue: JobQueue | None = None, cluster: ClusterSpec | None = None,
                  dtype: str = LOCAL_DTYPE, start: Callable | None = None, read: Callable | None = None) -> None:
         self.queue = queue or JobQueue()
-        self.cluster = cluster or _default_cluster()
+        self.cluster = cluster or local_cluster()
         self.dtype = dtype
         self._start = start  # executor.launch.start_run unless given (tests)
         self._read = read  # executor.store.read_metrics unless given
@@ -146,6 +170,8 @@ class Orchestrator:
                 still.append(job)
                 continue
             final = {"done": "done", "stopped": "cancelled"}.get(status, "failed")
+            if job.run_dir:
+                booking.Ledger().release(job.run_dir)
             if self.queue.finish(job.id, final, reason):
                 report.finished.append((job.id, final))
         return still
@@ -168,6 +194,7 @@ class Orchestrator:
             state.assign(str(job.id), held)  # raises on a double booking
             end = (job.started_s or origin) - origin + (job.predicted_duration_s or 0.0)
             views.append(Running(str(job.id), state.pool_of(held[0]), len(held), max(end, now)))
+        self._hold_booked_elsewhere(state, running)
         by_id = {str(j.id): j for j in queued}
         policy = FrenzyPolicy(self.cluster, self.dtype)
         decisions = policy.decide(now, [j.job_spec(origin) for j in queued], state.free_counts(), views)
@@ -191,6 +218,16 @@ class Orchestrator:
                     report.finished.append((job.id, "failed"))
                 continue
             report.started.append(job.id)
+
+    def _hold_booked_elsewhere(self, state: ClusterState, running: list[QueuedJob]) -> None:
+        """Devices that the ledger gives to runs other than our jobs' (a dashboard or CLI launch)
+        are not offered this pass."""
+        ours = {os.path.abspath(j.run_dir) for j in running if j.run_dir}
+        held = {k for b in booking.Ledger().live() if b.run_dir not in ours for k in b.devices}
+        keys = booking.cluster_device_keys(self.cluster)
+        taken = tuple(i for i, k in enumerate(keys) if k in held and state.owner[i] is None)
+        if taken:
+            state.assign(BOOKED_ELSEWHERE, taken)
 
     def _plan(self, job: QueuedJob, devices: tuple[int, ...]):
         from planner.hetero import solve_plan
@@ -221,7 +258,17 @@ class Orchestrator:
         if start is None:
             from executor.launch import start_run as start
         run_dir = os.path.join(runs_dir(), f"job-{job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
-        handle = start(plan, job.steps, run_dir=run_dir)
+        ledger = booking.Ledger()
+        # booked by the cluster's names of the devices (the plan's sub-cluster renumbers them);
+        # start_run and the launcher take the booking over
+        ledger.book(run_dir, booking.cluster_device_keys(self.cluster, devices))
+        try:
+            handle = start(plan, job.steps, run_dir=run_dir)
+        except BaseException:
+            ledger.release(run_dir)
+            raise
+        if handle.pid:
+            ledger.book(run_dir, (), handle.pid)
         labels = [d.label for _, d in (self.cluster.devices()[i] for i in devices)]
         predicted_s = plan.predicted_iteration_s * job.steps
         if not self.queue.mark_running(job.id, devices, labels, handle.run_dir, handle.pid, predicted_s):

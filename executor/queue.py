@@ -85,10 +85,36 @@ class QueuedJob:
         return d
 
 
+def open_sqlite(path: str, what: str) -> sqlite3.Connection:
+    """An autocommit WAL connection with rows by name that waits for other writers; a file that is
+    not a database is a ValueError naming `what` (the queue, the booking ledger)."""
+    try:
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.DatabaseError as e:
+        raise ValueError(f"{what} {path}: {e}") from None
+    return conn
+
+
 def _positive_int(v: Any, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{what} must be a positive integer, got {v!r}")
     return v
+
+
+def job_spec_of(model: str, global_batch: int, steps: int, seq: int | None = None, priority: int = 0) -> JobSpec:
+    """The job as the scheduler sees it, every field checked (ValueError naming the field); seq
+    defaults to the model's context, capped at DEFAULT_MAX_SEQ."""
+    spec = get_model(model)  # unknown model -> ValueError
+    _positive_int(global_batch, "global batch")
+    _positive_int(steps, "steps")
+    seq = min(spec.max_seq, DEFAULT_MAX_SEQ) if seq is None else _positive_int(seq, "seq")
+    if seq > spec.max_seq:
+        raise ValueError(f"seq {seq} > the model's max_seq {spec.max_seq}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    return JobSpec("new", model, global_batch, seq, steps, 0.0, priority)
 
 
 class JobQueue:
@@ -100,13 +126,7 @@ class JobQueue:
             conn.executescript(_SCHEMA)
 
     def _connect(self) -> sqlite3.Connection:
-        try:
-            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.DatabaseError as e:
-            raise ValueError(f"job queue {self.path}: {e}") from None
-        return conn
+        return open_sqlite(self.path, "job queue")
 
     def _update(self, sql: str, args: Sequence[Any]) -> bool:
         with closing(self._connect()) as conn:
@@ -116,12 +136,8 @@ class JobQueue:
 
     def submit(self, model: str, global_batch: int, steps: int, seq: int | None = None, priority: int = 0) -> int:
         """Queue a job; returns its id. Bad input raises ValueError naming the field."""
-        spec = get_model(model)  # unknown model -> ValueError
-        _positive_int(global_batch, "global batch")
-        _positive_int(steps, "steps")
-        seq = min(spec.max_seq, DEFAULT_MAX_SEQ) if seq is None else _positive_int(seq, "seq")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        job = job_spec_of(model, global_batch, steps, seq, priority)
+        seq = job.seq
         with closing(self._connect()) as conn:
             cur = conn.execute(
                 "INSERT INTO jobs (model, global_batch, seq, steps, priority, state, submitted_s) "

@@ -14,7 +14,7 @@ from tests.conftest import fabricate_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APP = os.path.join(ROOT, "app.py")
 # shared modules in ui/ that are not pages
-NOT_PAGES = {"__init__.py", "state.py", "common.py"}
+NOT_PAGES = {"__init__.py", "state.py", "common.py", "background.py", "compute.py"}
 # first render of a page may import torch or solve a small ILP on a loaded 2-core machine
 TIMEOUT_S = 60
 
@@ -159,3 +159,19 @@ def test_inventory_does_not_solve_a_plan(data_dir):
     at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
     assert not at.exception
     assert "plan" not in at.session_state
+
+
+def test_after_stop_the_sidebar_link_goes_at_once(data_dir):
+    from executor.store import read_metrics
+
+    live = fabricate_run("live", 2, None)  # running: its 'launcher' is this process
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S).run()
+    at.switch_page("ui/launch.py").run()
+    assert not at.exception, at.exception
+    assert [e.proto.label for e in at.get("page_link") if e.proto.label.startswith("Running:")] == ["Running: live"]
+    at.button(key="stop_button").click().run()
+    assert not at.exception, at.exception
+    assert read_metrics(live)["status"] == "stopped"
+    # one source of status: the store; no cached "Running" link after Stop
+    assert not [e for e in at.get("page_link") if e.proto.label.startswith("Running:")]
+    assert at.button(key="stop_button").disabled

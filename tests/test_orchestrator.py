@@ -101,3 +101,31 @@ def test_two_real_tiny_jobs_submitted_at_once_run_and_finish():
         assert m["status"] == "done" and len(m["steps"]) == 3 and m["world_size"] == 1
     assert {jobs[0].devices, jobs[1].devices} == {(0,), (1,)}  # one device each, never the same
     assert max(j.started_s for j in jobs) < min(j.ended_s for j in jobs)  # they ran at the same time
+
+
+def test_devices_booked_by_another_launch_are_not_offered(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from executor import booking
+
+    runs = FakeRuns()
+    q = JobQueue()
+    a = q.submit("tiny", 8, 5)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:  # a dashboard launch holds device 1 of this machine
+        booking.Ledger().book(str(tmp_path / "dashboard-run"), ["local/1"], holder.pid)
+        assert _orch(runs, q).tick().started == [a]
+        job = q.get(a)
+        assert job.devices == (0,)  # only the free one
+        held = {b.run_dir: b.devices for b in booking.Ledger().live()}
+        assert held[os.path.abspath(job.run_dir)] == ("local/0",)  # the orchestrator's launch is booked too
+        with __import__("pytest").raises(ValueError, match=f"in use by run {os.path.abspath(job.run_dir)}"):
+            booking.Ledger().book(str(tmp_path / "another"), ["local/0"])
+        runs.status[job.run_dir] = "done"
+        _orch(runs, q).tick()
+        assert os.path.abspath(job.run_dir) not in {b.run_dir for b in booking.Ledger().live()}  # released
+    finally:
+        holder.kill()
+        holder.wait()

@@ -62,13 +62,18 @@ def test_a_reloaded_session_finds_the_running_run_in_the_store(data_dir):
     assert not at.button(key="stop_button").disabled
 
 
-@pytest.mark.slow
-def test_launch_and_stop_by_click(data_dir):
+def launch_by_click(steps: int = 100_000) -> tuple[AppTest, str]:
+    """A session of the page that clicked Launch: (its AppTest, the run folder)."""
     at = run_page(two_cpu_plan())
-    at.number_input(key="launch_steps").set_value(100_000)
+    at.number_input(key="launch_steps").set_value(steps)
     at.button(key="launch_button").click().run()
     assert not at.exception, at.exception
-    run_dir = at.session_state["run_dir"]
+    return at, at.session_state["run_dir"]
+
+
+@pytest.mark.slow
+def test_launch_and_stop_by_click(data_dir):
+    at, run_dir = launch_by_click()
     assert os.path.dirname(run_dir) == os.path.join(data_dir, "runs")
     deadline = time.monotonic() + 120
     while not read_metrics(run_dir)["steps"]:
@@ -84,3 +89,43 @@ def test_launch_and_stop_by_click(data_dir):
     while processes_with_data_dir(data_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_with_data_dir(data_dir) == []
+
+
+@pytest.mark.slow
+def test_two_sessions_on_the_same_devices_the_second_is_told_which_run_holds_them(data_dir):
+    from executor.launch import stop_run
+
+    first, run_dir = launch_by_click()
+    try:
+        second = run_page(two_cpu_plan())  # another browser tab, same devices
+        assert second.button(key="launch_button").disabled
+        warnings = [w.value for w in second.warning]
+        assert any("Launch is disabled" in w and f"in use by run {run_dir}" in w for w in warnings), warnings
+        assert first.button(key="launch_button").disabled  # the first session too: its own run holds them
+    finally:
+        stop_run(run_dir)
+    assert not run_page(two_cpu_plan()).button(key="launch_button").disabled  # free again
+
+
+def test_a_finished_dashboard_launch_leaves_no_defunct_child(data_dir):
+    import psutil
+
+    from executor.launch import start_run
+
+    h = start_run(two_cpu_plan(), 2, seed=0)
+    assert h.wait(timeout_s=150) == "done", read_metrics(h.run_dir)["reason"]
+
+    def state() -> str:
+        try:
+            return psutil.Process(h.pid).status()
+        except psutil.NoSuchProcess:
+            return "reaped"
+
+    deadline = time.monotonic() + 30  # the launcher exits just after recording "done"
+    while state() not in ("reaped", psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    deadline = time.monotonic() + 5  # then its parent (this "dashboard") must reap it
+    while state() != "reaped" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    zombies = [c.pid for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
+    assert state() == "reaped" and zombies == [], f"<defunct> children of the dashboard: {zombies}"

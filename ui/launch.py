@@ -87,14 +87,34 @@ def render_launch(plan: Plan | None) -> None:
     st.caption(("Inputs (Model & memory page): " + ", ".join(chosen)) if chosen else
                "Inputs: random initialisation, byte tokens, the Python standard library as corpus "
                "(choose others on the Model & memory page).")
-    if st.button("Launch", type="primary", key="launch_button", icon=":material/rocket_launch:"):
-        from executor.launch import start_run
+    launch_button(plan, int(steps), int(ckpt_every), inputs)
 
-        with common.show_errors("Cannot launch"), st.spinner("Starting the launcher…"):
-            handle = start_run(plan, int(steps), checkpoint_every=int(ckpt_every), **inputs)
-            state.set_run_dir(handle.run_dir)
-            st.session_state["launch_run_select"] = handle.run_dir
-            st.toast(f"Launched {os.path.basename(handle.run_dir)}", icon=":material/rocket_launch:")
+
+def launch_button(plan: Plan, steps: int, ckpt_every: int, inputs: dict[str, str | None]) -> None:
+    """Launch, disabled while another run holds any of the plan's devices (the booking ledger);
+    re-checked every second while they are busy, so it comes back when that run ends."""
+    with common.show_errors("Cannot check the devices"):
+        busy = state.devices_in_use(plan)
+
+        @st.fragment(run_every=LIVE_REFRESH_S if busy else None)
+        def panel() -> None:
+            now_busy = state.devices_in_use(plan)
+            if bool(now_busy) != bool(busy):
+                st.rerun()  # the devices came free (or were taken): redraw the page
+            for line in now_busy:
+                st.warning(f"Launch is disabled: {line}. Stop it or wait for it to end.", icon=":material/block:")
+            if st.button("Launch", type="primary", key="launch_button", icon=":material/rocket_launch:",
+                         disabled=bool(now_busy)):
+                from executor.launch import start_run
+
+                with common.show_errors("Cannot launch"), st.spinner("Starting the launcher…"):
+                    handle = start_run(plan, steps, checkpoint_every=ckpt_every, **inputs)
+                    state.set_run_dir(handle.run_dir)
+                    st.session_state["launch_run_select"] = handle.run_dir
+                    st.toast(f"Launched {os.path.basename(handle.run_dir)}", icon=":material/rocket_launch:")
+                    st.rerun()  # the whole page: the monitor, the sidebar's "Running" link
+
+        panel()
 
 
 # ---- choosing the run to watch -----------------------------------------------------------
@@ -259,6 +279,7 @@ def render_monitor(run_dir: str) -> None:
 
             with common.show_errors("Cannot stop"), st.spinner("Stopping every rank…"):
                 stop_run(run_dir)
+                st.rerun()  # the whole app: the sidebar's "Running" link and Launch read the store again
             m = _store().read_metrics(run_dir)
         render_status(m)
         render_numbers(m)

@@ -106,13 +106,23 @@ def set_run_dir(run_dir: str | None) -> None:
 
 def find_live_run() -> str | None:
     """The newest run whose SQLite store says "running" (its launcher is alive): how a
-    reloaded page or a restarted app finds the run that kept going without it."""
+    reloaded page or a restarted app finds the run that kept going without it. Read on every
+    call, never cached: the sidebar and the pages show one status, the store's."""
     from executor import store  # the store reader is torch-free
 
     for run in store.list_runs():  # newest first
         if run["status"] == "running":
             return run["run_dir"]
     return None
+
+
+def devices_in_use(plan: Plan) -> list[str]:
+    """One line per other live run holding some of the plan's devices (the booking ledger, repaired
+    from the processes alive): why Launch is disabled."""
+    from executor import booking  # torch-free
+
+    return [f"devices {', '.join(devices)} are in use by {b.describe()}"
+            for b, devices in booking.Ledger().conflicts(booking.plan_device_keys(plan))]
 
 
 def current_run_dir() -> str | None:

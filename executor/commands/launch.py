@@ -80,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
     from planner.cli import print_json
     from planner.plan import Plan
 
+    from executor.launch import check_numbers, launch_run, multinode_commands, runs_here
+
+    check_numbers(args.steps, args.checkpoint_every, args.seed)  # on every path, multi-node included
     plan = Plan.load(args.plan)
     optim = optim_from_args(args)
-    from executor.launch import launch_run, multinode_commands, runs_here
     from executor.store import read_metrics
 
     if not runs_here(plan):

@@ -16,6 +16,8 @@ def run(args: argparse.Namespace) -> int:
     from executor.store import read_metrics
     from planner.cli import print_json, print_table
 
+    if args.last < 1:
+        raise ValueError(f"--last must be >= 1, got {args.last}")
     m = read_metrics(args.run_dir)
     if args.json:
         print_json(m)

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     from planner.cli import print_json
     from planner.cluster import ClusterSpec
 
-    if args.poll_s <= 0:
+    if not 0 < args.poll_s < float("inf"):
         raise ValueError(f"--poll-s must be positive, got {args.poll_s}")
     orch = Orchestrator(cluster=ClusterSpec.load(args.cluster) if args.cluster else None)
     if args.once:

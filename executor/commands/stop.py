@@ -14,5 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from executor.launch import stop_run
 
+    if not args.timeout > 0 or args.timeout == float("inf"):
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     print(f"run {args.run_dir}: {stop_run(args.run_dir, timeout_s=args.timeout)}")
     return 0

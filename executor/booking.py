@@ -1,0 +1,213 @@
+"""The booking ledger: which run holds which device of this machine, one SQLite file for
+every launcher (`bookings.sqlite` under planner.paths.data_dir()).
+
+Every launch books its devices before a rank starts: the dashboard (executor.launch.start_run),
+the CLI (executor.launch.launch_run) and the local orchestrator (which also skips what others
+hold). A device held by a live booking is refused to any other run: ValueError "devices ... are
+in use by run <run_dir> (started ...)".
+
+A device is named `<node>/<index within the node>`; a node that is this machine (or the one
+node of a single-node plan, which always runs here) is called "local", so the dashboard's
+"localhost" plan and the orchestrator's detected cluster name the same device alike.
+
+The ledger outlives its writers, so it is repaired from the processes actually alive before
+anything is read or booked: a booking whose holder (the booker, then the launcher) and the
+run's torchrun are all gone is released — a SIGKILLed launcher whose torchrun still runs keeps
+its devices until that torchrun ends or `stop_run` ends it. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sqlite3
+import time
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from executor.queue import open_sqlite
+from planner.cluster import ClusterSpec
+from planner.paths import data_dir
+from planner.plan import Plan
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "bookings.sqlite"
+LOCAL = "local"
+LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", LOCAL}
+PID_START_TOLERANCE_S = 2.0  # psutil's create_time is rounded; a reused pid starts later than that
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS bookings (
+    run_dir TEXT PRIMARY KEY,
+    devices TEXT NOT NULL,      -- JSON list of "<node>/<index>"
+    pid INTEGER NOT NULL,       -- the holder: the booker, then the run's launcher
+    pid_start_s REAL,           -- the holder's start time (a reused pid is not the holder)
+    host TEXT NOT NULL,
+    started_s REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Booking:
+    run_dir: str
+    devices: tuple[str, ...]
+    pid: int
+    host: str
+    started_s: float
+
+    def describe(self) -> str:
+        return f"run {self.run_dir} (started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started_s))})"
+
+
+def ledger_path() -> str:
+    return os.path.join(data_dir(), DB_NAME)
+
+
+def is_local_node(name: str) -> bool:
+    return name in LOCAL_NAMES or name in {socket.gethostname(), socket.getfqdn()}
+
+
+def _node_key(name: str, single_node: bool) -> str:
+    return LOCAL if single_node or is_local_node(name) else name
+
+
+def cluster_device_keys(cluster: ClusterSpec, indices: Iterable[int] | None = None) -> list[str]:
+    """The ledger's names of `cluster`'s devices `indices` (ClusterSpec.devices() order; all by default)."""
+    single = len(cluster.nodes) == 1
+    keys = []
+    for node in cluster.nodes:
+        keys += [f"{_node_key(node.name, single)}/{k}" for k in range(len(node.devices))]
+    return keys if indices is None else [keys[i] for i in indices]
+
+
+def plan_device_keys(plan: Plan) -> list[str]:
+    """The devices `plan` uses, named as in the ledger."""
+    nodes = {a.node for a in plan.used}
+    single = len(nodes) <= 1
+    per_node: dict[str, int] = {}
+    index_in_node: list[tuple[str, int]] = []
+    for node in plan.cluster.nodes:
+        for _ in node.devices:
+            index_in_node.append((node.name, per_node.get(node.name, 0)))
+            per_node[node.name] = per_node.get(node.name, 0) + 1
+    keys = []
+    for a in plan.used:
+        node, k = index_in_node[a.device_index] if a.device_index < len(index_in_node) else (a.node, a.device_index)
+        keys.append(f"{_node_key(node, single)}/{k}")
+    return keys
+
+
+# ---- is a holder alive ---------------------------------------------------------------------------
+
+
+def _start_s(pid: int) -> float | None:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return None if p.status() == psutil.STATUS_ZOMBIE else p.create_time()
+    except Exception:  # NoSuchProcess, AccessDenied
+        return None
+
+
+def _holder_alive(pid: int, start_s: float | None) -> bool:
+    now = _start_s(pid)
+    return now is not None and (start_s is None or abs(now - start_s) <= PID_START_TOLERANCE_S)
+
+
+def _torchrun_alive(run_dir: str) -> bool:
+    try:
+        with open(os.path.join(run_dir, "torchrun.pid")) as fh:
+            pid = int(fh.read().strip())
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and "torch.distributed.run" in " ".join(p.cmdline())
+    except Exception:
+        return False
+
+
+def _alive(row: sqlite3.Row) -> bool:
+    if row["host"] != socket.gethostname():
+        return True  # another machine's processes: not ours to judge
+    return _holder_alive(row["pid"], row["pid_start_s"]) or _torchrun_alive(row["run_dir"])
+
+
+# ---- the ledger --------------------------------------------------------------------------------
+
+
+class Ledger:
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or ledger_path()
+        with closing(self._connect()) as conn:
+            conn.executescript(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        return open_sqlite(self.path, "booking ledger")
+
+    def _repair(self, conn: sqlite3.Connection) -> list[Booking]:
+        """Release dead bookings; return the live ones (inside the caller's transaction)."""
+        live = []
+        for row in conn.execute("SELECT * FROM bookings ORDER BY started_s").fetchall():
+            if _alive(row):
+                live.append(Booking(row["run_dir"], tuple(json.loads(row["devices"])), row["pid"], row["host"],
+                                    row["started_s"]))
+            else:
+                log.info("booking of %s released: its launcher and torchrun are gone", row["run_dir"])
+                conn.execute("DELETE FROM bookings WHERE run_dir = ?", (row["run_dir"],))
+        return live
+
+    def live(self) -> list[Booking]:
+        """The live bookings, oldest first (dead ones are released on the way)."""
+        with closing(self._connect()) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                out = self._repair(conn)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return out
+
+    def conflicts(self, devices: Sequence[str], run_dir: str | None = None) -> list[tuple[Booking, list[str]]]:
+        """(booking, the devices of `devices` it holds) for every other live run holding some."""
+        want = set(devices)
+        run_dir = os.path.abspath(run_dir) if run_dir else None
+        return [(b, sorted(want & set(b.devices))) for b in self.live()
+                if b.run_dir != run_dir and want & set(b.devices)]
+
+    def book(self, run_dir: str, devices: Sequence[str], pid: int | None = None) -> None:
+        """Book `devices` for `run_dir`, held by `pid` (default this process). A run folder that
+        holds a booking already keeps its devices and only changes holder (the orchestrator books
+        with the full cluster's names, then start_run and the launcher take it over). ValueError
+        naming the holding run if another live run holds one of them."""
+        run_dir = os.path.abspath(run_dir)
+        pid = os.getpid() if pid is None else pid
+        with closing(self._connect()) as conn:
+            conn.execute("BEGIN IMMEDIATE")  # check and book in one transaction: two launchers never both win
+            try:
+                live = self._repair(conn)
+                if any(b.run_dir == run_dir for b in live):
+                    conn.execute("UPDATE bookings SET pid = ?, pid_start_s = ? WHERE run_dir = ?",
+                                 (pid, _start_s(pid), run_dir))
+                else:
+                    for b in live:
+                        busy = sorted(set(devices) & set(b.devices))
+                        if busy:
+                            raise ValueError(f"devices {', '.join(busy)} are in use by {b.describe()}; "
+                                             "stop it or wait for it to end")
+                    conn.execute("INSERT OR REPLACE INTO bookings VALUES (?, ?, ?, ?, ?, ?)",
+                                 (run_dir, json.dumps(list(devices)), pid, _start_s(pid), socket.gethostname(),
+                                  time.time()))
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+    def release(self, run_dir: str) -> None:
+        with closing(self._connect()) as conn:
+            conn.execute("DELETE FROM bookings WHERE run_dir = ?", (os.path.abspath(run_dir),))
