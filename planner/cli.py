@@ -123,6 +123,9 @@ def main(prog: str, commands: dict[str, str], argv: Sequence[str] | None = None)
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         sys.stderr.write(f"{prog} {args.command}: error: {msg}\n")
         return EXIT_BAD_INPUT
+    except RecursionError:  # json's decoder on a file of 100,000 nested brackets
+        sys.stderr.write(f"{prog} {args.command}: error: an input file is nested too deeply to be a GPUMix file\n")
+        return EXIT_BAD_INPUT
     except MemoryError:  # an input too large for this machine: say so, never a traceback
         sys.stderr.write(f"{prog} {args.command}: error: out of memory (the input is too large for this machine)\n")
         return EXIT_BAD_INPUT
