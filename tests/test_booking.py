@@ -78,6 +78,8 @@ def test_two_sessions_on_the_same_devices_the_second_is_refused_with_the_first_r
         assert not os.path.exists(tmp_path / "second" / "metrics.sqlite")
         # the launcher took the booking over: its pid holds it
         _wait(lambda: [b.pid for b in booking.Ledger().live()] == [first.pid], 30, "the launcher to hold it")
+        # stop once it trains: a launcher still building its corpus answers a stop only by its kill (30 s)
+        _wait(lambda: read_metrics(first.run_dir)["steps"], 150, "a step")
     finally:
         assert stop_run(first.run_dir) == "stopped"
     assert booking.Ledger().live() == []

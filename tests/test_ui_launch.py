@@ -102,6 +102,9 @@ def test_two_sessions_on_the_same_devices_the_second_is_told_which_run_holds_the
         warnings = [w.value for w in second.warning]
         assert any("Launch is disabled" in w and f"in use by run {run_dir}" in w for w in warnings), warnings
         assert first.button(key="launch_button").disabled  # the first session too: its own run holds them
+        deadline = time.monotonic() + 150  # stop once it trains (a launcher still starting is killed after 30 s)
+        while not read_metrics(run_dir)["steps"] and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         stop_run(run_dir)
     assert not run_page(two_cpu_plan()).button(key="launch_button").disabled  # free again
