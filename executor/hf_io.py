@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from executor.launch import TOKENIZER_FILES, copy_tokenizer
 from models.decoder import decoder_state_dict_to_hf, hf_source
 from planner.specs import ModelSpec, get_model, spec_from_hf_dict, with_max_seq
 
@@ -44,7 +45,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # transformers' own default shard size is 5 GB (PreTrainedModel.save_pretrained before v5)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
@@ -388,11 +388,7 @@ def export_run(run_dir: str, out_dir: str, step: int | None = None, tokenizer: s
     if base and os.path.isfile(os.path.join(base, GENERATION_CONFIG_FILE)):
         shutil.copyfile(os.path.join(base, GENERATION_CONFIG_FILE), os.path.join(out_dir, GENERATION_CONFIG_FILE))
     if tok is not None:
-        src = os.path.dirname(os.path.abspath(tok))
-        shutil.copyfile(tok, os.path.join(out_dir, TOKENIZER_FILES[0]))
-        for name in TOKENIZER_FILES[1:]:
-            if os.path.isfile(os.path.join(src, name)):
-                shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
+        copy_tokenizer(tok, out_dir)
     else:
         log.warning("run %s has no tokenizer.json (byte tokens): the export has weights and config only", run_dir)
     log.info("exported step %d of %s to %s (%s)", loaded, run_dir, out_dir, ", ".join(files))

@@ -365,16 +365,19 @@ def check_init_from(plan: Plan, init_from: str | None) -> str | None:
     return folder
 
 
-def keep_tokenizer(run_dir: str, tokenizer: str | None) -> None:
-    """Copy the run's tokenizer.json (and its config files beside it) into the run folder, where
-    `executor export` takes it from."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(tokenizer: str | None, dest_dir: str) -> None:
+    """Copy a tokenizer.json (and the config files beside it) into `dest_dir`: the run folder keeps
+    the run's tokenizer, where `executor export` takes it from into the exported model folder."""
     if tokenizer is None:
         return
     src = os.path.dirname(os.path.abspath(tokenizer))
-    shutil.copyfile(tokenizer, os.path.join(run_dir, "tokenizer.json"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    shutil.copyfile(tokenizer, os.path.join(dest_dir, TOKENIZER_FILES[0]))
+    for name in TOKENIZER_FILES[1:]:
         if os.path.isfile(os.path.join(src, name)):
-            shutil.copyfile(os.path.join(src, name), os.path.join(run_dir, name))
+            shutil.copyfile(os.path.join(src, name), os.path.join(dest_dir, name))
 
 
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
@@ -407,7 +410,7 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
     from planner.specs import get_model
 
     tokens = build_corpus(corpus_dir, tokenizer, vocab_size=get_model(plan.model).vocab_size)
-    keep_tokenizer(run_dir, tokenizer)
+    copy_tokenizer(tokenizer, run_dir)
     store = MetricsStore(run_dir)
     store.init_run(plan, steps, seed, backend="gloo", resume=resume)
     if plan.dtype != "fp32" and all(a.type == "cpu" for a in plan.used):

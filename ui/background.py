@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 20.0  # a page polls every POLL_S; a tab hidden by the browser polls less often
 POLL_S = 0.5  # how often a waiting page asks (st.fragment run_every)
-FIRST_WAIT_S = 5.0  # result_of waits this long before it answers Pending: a quick call looks synchronous
+# result_of waits this long before it answers Pending, so a quick call looks synchronous;
+# GPUMIX_UI_FIRST_WAIT_S overrides it (0: every call shows its progress and Cancel at once)
+FIRST_WAIT_S = float(os.environ.get("GPUMIX_UI_FIRST_WAIT_S", "5.0"))
 REAP_S = 0.5  # how often the server's reaper looks at its children
 CHILD_CHECK_S = 0.5  # how often a child looks at its heartbeat and its parent
 CALL_FILE, RESULT_FILE, HEARTBEAT_FILE, LOG_FILE = "call.pkl", "result.pkl", "heartbeat", "child.log"
