@@ -1,46 +1,46 @@
 """Per-GPU peak memory of one training step of THIS project's runtime (Frenzy's MARP, made exact).
 
-Pure Python, no torch: a plan or a schedule calls this thousands of times (< 10 ms each).
+Pure Python, no torch: a plan or a schedule calls this thousands of times (~0.1 ms each).
 
-What is modelled (models/runtime.py + models/decoder.py; the profiler's MemTracker trace of the
-same code is the reference, bench/memory_accuracy.py measures the error):
+What is modelled is models/sharded.py (ZeRO 1/2/3, uneven shards, units of planner/units.py)
+running models/decoder.py; the reference is profiler/tracing.py, which traces one whole step of
+the same runtime (live tensor bytes, real or fake tensors): tests/test_profiler_memory.py and
+bench/memory_accuracy.py measure the error (within 3 % at every stage).
 
-* Model states, bytes per parameter (P = spec.num_params, f = the shard fraction):
-  flat fp32 params 4·P, flat fp32 grads 4·P, AdamW exp_avg + exp_avg_sq 8·round(f·P) in fp32
-  (mixed precision keeps fp32 master weights, so bf16 adds no state; the "16 B/param" of
-  Rajbhandari et al. 2020 for mixed-precision Adam is 4 + 4 + 8 here because grads are fp32).
+* State between steps (`_runtime_phases`): AdamW moments of the owned slices, 8 B per owned
+  parameter; zero 1/2 the full fp32 parameters (the master slice is a view of them), zero 3 the
+  master slice only (4 B per owned parameter). Gradients live only within a step: zero 1 the full
+  fp32 gradients from the first micro-batch to their reduce, zero 2/3 one unit's full gradient at a
+  time, and each slice's gradient from its unit's first reduce to the update.
 * Activations: the tensors autograd saves in forward, per layer and token, counted from the
-  decoder's code (each term below names the tensor); Korthikanti et al. 2022 give the generic
-  form s·b·h·(34 + 5as/h) bytes; SDPA's fused kernel keeps only a log-sum-exp per head and
-  token instead of the a·s² attention matrix, so the 5as/h term is 4·a bytes per token here.
-  With recompute="full" each block keeps only its fp32 input (4·h bytes per token) and the
-  last block's activations are rebuilt in backward.
+  decoder's code (each term names the tensor); Korthikanti et al. 2022 give the generic form
+  s·b·h·(34 + 5as/h) bytes. Attention is counted per call for the SDPA kernel that runs on the
+  device type and dtype (planner/attention.py: fused kernels keep a log-sum-exp per head and token
+  instead of the a·s² scores; configurations where the math kernel would run are refused).
+  With recompute="full" each block keeps only its fp32 input and the block is rebuilt in backward.
+  At zero 2/3 with several micro-batches (layer-wise accumulation) only unit boundaries are kept,
+  4·h bytes per token each, L+1 per micro-batch.
 * The loss: logits (B·T·V), log_softmax's saved output and two gradients of that size, all fp32.
 * bf16/fp16 (torch.autocast): a 2-byte copy of every matmul weight, saved for backward; each
   Linear saves its own 2-byte copy of an fp32 input.
-* The optimizer step walks the slice in chunks of 2^24 elements; torch's AdamW makes two
-  temporaries per chunk (sqrt(v), sqrt(v)/c): 8·min(slice, 2^24) bytes.
-* Communication: none. The executor all-reduces flat_grads and broadcasts flat_params slices
-  in place (NCCL/gloo internal buffers are outside the PyTorch allocator and not counted),
-  and the CUDA context, cuBLAS workspaces and allocator fragmentation are not modelled:
-  compare the peak against capacity × headroom, not against the full capacity.
+* Zero 3: the gathered units in flight (the current one and the prefetched next; at the head the
+  head, a tied embedding and the prefetched last block).
+* The optimizer phase: the global norm's fp64 copy of one 2^24-element chunk (models/optim.py);
+  AdamW's single fp32 chunk buffer comes after it and is smaller.
+* Communication: models/collectives.py allocates nothing beyond its arguments (gloo/NCCL internal
+  buffers are outside the PyTorch allocator and not counted); the CUDA context, cuBLAS workspaces
+  and allocator fragmentation are not modelled: compare the peak against capacity × headroom.
 
-The peak is the largest of a few moments of the step (see `_phases`): the start of backward
-(the loss gradients), the last block's backward, the end of backward for a tied head, and
-the optimizer step. Each moment is AFFINE in micro_batch (activation terms scale with
-micro_batch·seq tokens; states and weight terms do not) and AFFINE in shard_fraction (only
-optimizer_bytes and the step's temporaries, through round(f·P); the temporaries stop growing
-once the slice exceeds one 2^24-element chunk, i.e. 128 MiB); the peak is their maximum, so a
-coefficient table should interpolate each of `estimate_peak_phases` and take the max.
+The peak is the largest of a few moments of the step (`estimate_peak_phases`): the loss, the
+head's backward, the last and the first block's backward, the flattening of a unit's gradient
+(one micro-batch), the embedding's backward, the optimizer phase. Each moment is affine in
+micro_batch and (up to rounding and the chunk cap) in shard_fraction; a coefficient table should
+interpolate each moment and take the max, not interpolate the max.
 
-ZeRO stages (per GPU, f = shard fraction, 1/dp by default): 0 nothing sharded; 1 AdamW state
-·f; 2 + gradients ·f; 3 + parameters ·f. THE RUNTIME IS STAGE 1: it keeps the full flat fp32
-gradient buffer (accumulated over micro-batches, then all-reduced) and shards only the AdamW
-state, unevenly. A plan executed by models/runtime.py should say zero=1 (zero=0 when one GPU
-holds the whole state). Stages 2-3, tensor parallelism (Megatron: blocks and activations ÷tp,
-except the layer-norm inputs and the residual stream) and pipeline parallelism (each stage
-holds ceil(L/pp) layers and, in 1F1B, up to pp micro-batches of the first stage's
-activations) are analytic only: the runtime does not run them, so no trace checks them.
+Tensor parallelism (Megatron: blocks and activations ÷tp, except the layer-norm inputs and the
+residual stream) and pipeline parallelism (each stage holds ceil(L/pp) layers and, in 1F1B, up
+to pp micro-batches of the first stage's activations) are analytic only (`_estimate_analytic`):
+the runtime does not run them, so no trace checks them.
 """
 from __future__ import annotations
 

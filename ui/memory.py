@@ -2,7 +2,7 @@
 
 Widgets -> one library call (`estimate_memory`) -> render: the predicted per-GPU breakdown as a
 stacked bar beside the datasheet capacity of a catalog GPU type, and a fits / does-not-fit line.
-"Trace now" runs the profiler's MemTracker trace of the same step for small models (measured).
+"Trace now" traces one whole step of the same runtime for small models (measured).
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def default_gpu_type() -> str:
 
 
 def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -> None:
-    """Run the profiler's MemTracker trace of the same step (measured) on demand."""
+    """Trace one whole step of the same runtime (measured, profiler/tracing.py) on demand."""
     if spec.num_params > TRACE_LIMIT_PARAMS or cfg.tp > 1 or cfg.pp > 1:
         st.caption("Trace now: small models without tensor/pipeline parallelism here; use "
                    "`python -m profiler memory --fake` for large ones.")
