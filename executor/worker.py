@@ -248,8 +248,9 @@ class Trainer:
             self.store.record_rank_step(self.rank, step, m["compute_s"], m["delay_s"], m["optimizer_s"],
                                         m["wait_s"], m["peak"])
             val = None
-            if step == args.steps or (args.val_every > 0 and step % args.val_every == 0):
-                val = self.val_loss()  # on every rank: at zero 3 it gathers the units
+            if (step == args.steps or (args.val_every > 0 and step % args.val_every == 0)) and (
+                    lead or self.plan.zero == 3):
+                val = self.val_loss()  # zero 3 gathers the units: every rank takes part
             if lead:
                 self.store.record_step(step, m["loss"], m["step_s"], self.plan.global_batch, self.plan.seq, val)
             if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
