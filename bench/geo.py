@@ -31,9 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("GPUMIX_DATA_DIR", tempfile.mkdtemp(prefix="gpumix-bench-geo-"))  # no profile store side effects
 
-from planner.geo_costs import GeoCosts  # noqa: E402
-from planner.geo_eval import simulate_dp_baseline, simulate_geo, solve_each_dc  # noqa: E402
-from planner.geo_scenario import GeoScenario  # noqa: E402
+from planner.geo.costs import GeoCosts  # noqa: E402
+from planner.geo.evaluate import simulate_dp_baseline, simulate_geo, solve_each_dc  # noqa: E402
+from planner.geo.scenario import GeoScenario  # noqa: E402
 
 PAPER_LIKE = "paper_like"
 TARGET_SPEEDUP_VS_DP = 10.0

@@ -4,7 +4,7 @@ For ZeRO 1, 2 and 3 on ONE GPU, the GPU stands in for rank 0 of a 4-rank run hol
 the state (models.collectives.LocalCollectives: the same allocations as a real rank): three
 training steps of a Llama-shaped model in bf16, then
   * measured `torch.cuda.max_memory_allocated` of the third step (peak stats reset before it)
-    against planner/memory.py's prediction for that device type (independent code paths);
+    against planner/core/memory.py's prediction for that device type (independent code paths);
   * the measured median step time against the planner's step-time profile for the type
     (planner/profiles.get_step_profile: measured if `profiler profile` ran here, else estimated);
 and, with 2+ GPUs, uneven NCCL all-gather / reduce-scatter (0.7/0.3 split) checked for values.
@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.collectives import LocalCollectives  # noqa: E402
 from models.sharded import ShardedRuntime  # noqa: E402
-from planner.attention import select_kernel  # noqa: E402
-from planner.catalog import CATALOG  # noqa: E402
-from planner.memory import MemoryConfig, estimate_memory  # noqa: E402
-from planner.specs import get_model, with_max_seq  # noqa: E402
+from planner.core.attention import select_kernel  # noqa: E402
+from planner.core.catalog import CATALOG  # noqa: E402
+from planner.core.memory import MemoryConfig, estimate_memory  # noqa: E402
+from planner.core.specs import get_model, with_max_seq  # noqa: E402
 
 TOL_PCT = 3.0
 
@@ -40,7 +40,7 @@ def catalog_type() -> str:
     for key in sorted(CATALOG, key=len, reverse=True):
         if key != "cpu" and key.upper() in name:
             return key
-    raise SystemExit(f"GPU {name!r} is not in planner/catalog.py")
+    raise SystemExit(f"GPU {name!r} is not in planner/core/catalog.py")
 
 
 def check_stage(spec, gpu: str, zero: int, micro_batch: int, seq: int, steps: int) -> dict:
@@ -62,7 +62,7 @@ def check_stage(spec, gpu: str, zero: int, micro_batch: int, seq: int, steps: in
     cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype="bf16", dp=4, zero=zero, shard_fraction=0.25,
                        device_type=gpu)
     pred = estimate_memory(spec, cfg).peak_bytes
-    from planner.profiles import get_step_profile
+    from planner.core.profiles import get_step_profile
 
     prof = get_step_profile(gpu, spec, seq, "bf16", recompute="none")
     predicted_s = prof.alpha_s + prof.beta_s * micro_batch + prof.optimizer_s_per_param * spec.num_params * 0.25

@@ -8,7 +8,7 @@
    machine does now.
 2. Emulated heterogeneity: two CPU ranks, one with slowdown 3 (the cluster file's
    emulation; executor.worker sleeps 2x each micro-batch's and optimizer step's measured
-   compute). The planner's split (planner.hetero.solve_plan) against the even split (the
+   compute). The planner's split (planner.hetero.solve.solve_plan) against the even split (the
    planner's own `even` baseline: half the batch and half the state each), same global
    batch, launched alternately `--rounds` times. Checks: planned / even samples/s >= 1.6;
    the planned run's measured iteration time within 15 % of the plan's prediction.
@@ -16,7 +16,7 @@
    sharding) against torch.nn.parallel.DistributedDataParallel with torch.optim.AdamW on
    the same model, micro-batches and samples, alternately. Check: ours / DDP >= 0.9.
 4. Memory: every rank's measured peak (executor.memtrack, live tensor bytes over the first
-   step) against planner.memory's prediction in the plan. Check: within 10 %.
+   step) against planner.core.memory's prediction in the plan. Check: within 10 %.
 
 Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory
 tracker, step 2 allocator warm-up), pooled over rounds. The machine is shared: the ratios
@@ -55,7 +55,7 @@ MEMORY_TOL = 0.10
 
 
 def emulated_cluster(slowdown: float) -> Any:
-    from planner.cluster import ClusterSpec
+    from planner.core.cluster import ClusterSpec
 
     gpus = [{"type": "cpu"}, {"type": "cpu", "slowdown": slowdown}] if slowdown != 1.0 else [{"type": "cpu"}] * 2
     return ClusterSpec.from_dict({"name": f"bench-slowdown-{slowdown:g}", "nodes": [{"name": "localhost",
@@ -64,9 +64,10 @@ def emulated_cluster(slowdown: float) -> Any:
 
 def even_plan(cluster: Any, global_batch: int, seq: int) -> Any:
     """The planner's `even` baseline as a plan file: same batch and shard on each device, the
-    largest power-of-two micro-batch dividing it (planner.baselines), re-priced by the planner."""
-    from planner.baselines import evaluate_plan, split_by_weights
-    from planner.plan import Assignment, Plan
+    largest power-of-two micro-batch dividing it (planner.hetero.baselines), re-priced by the planner."""
+    from planner.hetero.baselines import split_by_weights
+    from planner.hetero.solve import evaluate_plan
+    from planner.core.plan import Assignment, Plan
 
     n = cluster.num_devices
     asg = []
@@ -135,7 +136,7 @@ def ddp_worker(args: argparse.Namespace) -> int:
     from executor.corpus import Corpus, GlobalSampler, batch_slices, build_corpus, windows
     from models.decoder import build_model
     from models.runtime import micro_batch_loss
-    from planner.specs import get_model, with_max_seq
+    from planner.core.specs import get_model, with_max_seq
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -216,7 +217,7 @@ def breakdown(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_bench(steps: int, rounds: int, global_batch: int, seq: int, slowdown: float, root: str,
               profile: bool = True) -> dict[str, Any]:
-    from planner.hetero import solve_plan
+    from planner.hetero.solve import solve_plan
 
     t_start = time.monotonic()
     hetero = emulated_cluster(slowdown)
@@ -309,7 +310,7 @@ def print_report(r: dict[str, Any]) -> None:
           f"(loss curves differ by <= {r['ours_vs_ddp_max_loss_rel_diff']:.1e} relative)")
     print(f"  per round: planned/even {', '.join(f'{x:.2f}x' for x in r['per_round_ratios']['planned_vs_even'])}; "
           f"ours/DDP {', '.join(f'{x:.2f}x' for x in r['per_round_ratios']['ours_vs_ddp'])}")
-    print("  per-rank peak memory: measured (live tensor bytes, first step) vs predicted (planner.memory)")
+    print("  per-rank peak memory: measured (live tensor bytes, first step) vs predicted (planner.core.memory)")
     for m in r["memory"]:
         print(f"    {m['run']:<22} rank {m['rank']} (slowdown {m['slowdown']:g}, m={m['micro_batch']}, "
               f"shard {m['shard_fraction']:.3f}): {m['measured_peak_bytes'] / 2**20:8.2f} MiB vs "

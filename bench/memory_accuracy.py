@@ -1,4 +1,4 @@
-"""Predicted (planner/memory.py) vs traced (profiler/tracing.py: one whole step of the sharded
+"""Predicted (planner/core/memory.py) vs traced (profiler/tracing.py: one whole step of the sharded
 runtime, live tensor bytes) peak memory of one rank, over a matrix of configurations: both model
 families, 0.1M to 13B parameters (FakeTensorMode from 124M up; real tensors for the small ones),
 micro-batch 1-8, sequence 32-4096, fp32 and bf16, recomputation none/full, shard fractions 1/16
@@ -19,8 +19,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.memory import MemoryConfig, estimate_memory  # noqa: E402
-from planner.specs import PRESETS  # noqa: E402
+from planner.core.memory import MemoryConfig, estimate_memory  # noqa: E402
+from planner.core.specs import PRESETS  # noqa: E402
 
 MEDIAN_TARGET_PCT = 3.0
 MAX_TARGET_PCT = 3.0

@@ -25,8 +25,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.cluster import ClusterSpec  # noqa: E402
-from planner.hetero import solve_plan  # noqa: E402
+from planner.core.cluster import ClusterSpec  # noqa: E402
+from planner.hetero.solve import solve_plan  # noqa: E402
 
 TYPES = ("H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A6000", "V100-32GB", "L4", "T4")
 GPUS_PER_NODE = 8
@@ -129,8 +129,8 @@ SWEEP_CLUSTERS = ("mixed-16", "mixed-1024")
 TARGET_RATIO = 2.0
 CHILD = """
 import json, sys, time
-from planner.cluster import ClusterSpec
-from planner.hetero import solve_plan
+from planner.core.cluster import ClusterSpec
+from planner.hetero.solve import solve_plan
 t0 = time.perf_counter()
 try:
     r = solve_plan(ClusterSpec.load(sys.argv[1]), sys.argv[2], int(sys.argv[3]), dtype="bf16", recompute="full",

@@ -1,6 +1,6 @@
 """Predicted speedup of the heterogeneous plan over `even` and `proportional` (and the best single type).
 
-All figures are predictions of one cost model (planner/cost.py): the plan and its baselines are
+All figures are predictions of one cost model (planner/costmodel/training.py): the plan and its baselines are
 priced the same way, so the ratios isolate what the ILP's choices buy. A baseline that does not fit
 in memory is reported as OOM (Cephalo's point: an even split either runs out of memory or has to
 shrink everyone's micro-batch to the smallest device's).
@@ -17,8 +17,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.cluster import ClusterSpec  # noqa: E402
-from planner.hetero import solve_plan  # noqa: E402
+from planner.core.cluster import ClusterSpec  # noqa: E402
+from planner.hetero.solve import solve_plan  # noqa: E402
 
 CASES = (
     # (cluster file, model, global batch, seq, dtype, recompute)

@@ -1,7 +1,7 @@
 """frenzy against fifo on three generated traces (issue 7): JCT, makespan, utilization, overhead.
 
 Three clusters (64, 256 and 1,024 GPUs of 3 to 5 types, 8 GPUs a node), one generated
-trace each (different seeds; planner/trace.py: models 124M-13B, sweeps arriving in
+trace each (different seeds; planner/schedule/trace.py: models 124M-13B, sweeps arriving in
 bursts, durations from 5 minutes to a day on the user's own request, requests sized by
 hand). Both policies replay the *same* trace with the *same* cost model (predicted
 durations are the simulation's ground truth); `fifo` is first come first served on each
@@ -24,11 +24,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.options import clear_caches  # noqa: E402
-from planner.schedule import FrenzyPolicy, simulate_schedule  # noqa: E402
-from planner.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster  # noqa: E402
+from planner.schedule.options import clear_caches  # noqa: E402
+from planner.schedule.simulate import FrenzyPolicy, simulate_schedule  # noqa: E402
+from planner.schedule.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster  # noqa: E402
 
-# (seed, number of jobs, number of GPUs: planner.trace.DEMO_CLUSTERS)
+# (seed, number of jobs, number of GPUs: planner.schedule.trace.DEMO_CLUSTERS)
 SCENARIOS = ((1, 300, 64), (2, 800, 256), (3, 2000, 1024))
 TARGET_JCT_REDUCTION = 0.18
 TARGET_OVERHEAD_MS = 10.0

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.launch import free_port  # noqa: E402
 from executor.memtrack import LiveTensorBytes  # noqa: E402
-from planner.specs import ModelSpec, get_model  # noqa: E402
+from planner.core.specs import ModelSpec, get_model  # noqa: E402
 
 WORLD = 2
 MIB = 2**20

@@ -1,5 +1,5 @@
 """The booking ledger: which run holds which device of this machine, one SQLite file for
-every launcher (`bookings.sqlite` under planner.paths.data_dir()).
+every launcher (`bookings.sqlite` under planner.core.paths.data_dir()).
 
 Every launch books its devices before a rank starts: the dashboard (executor.launch.start_run),
 the CLI (executor.launch.launch_run) and the local orchestrator (which also skips what others
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from executor.queue import open_sqlite
-from planner.cluster import ClusterSpec
-from planner.paths import data_dir
-from planner.plan import Plan
+from planner.core.cluster import ClusterSpec
+from planner.core.paths import data_dir
+from planner.core.plan import Plan
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from executor import booking
 from executor import checkpoint as ckpt
 from executor.corpus import build_corpus
 from executor.store import MetricsStore, _pid_alive, db_path, read_metrics
-from planner.paths import PROJECT_ROOT, runs_dir
-from planner.plan import Plan
+from planner.core.paths import PROJECT_ROOT, runs_dir
+from planner.core.plan import Plan
 
 if TYPE_CHECKING:  # models.optim imports torch; the dashboard imports this module
     from models.optim import OptimConfig
@@ -352,7 +352,7 @@ def check_init_from(plan: Plan, init_from: str | None) -> str | None:
     plan's model: the weights must fill exactly the model the plan was made for."""
     if init_from is None:
         return None
-    from planner.specs import get_model
+    from planner.core.specs import get_model
 
     folder = os.path.abspath(init_from)
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -407,7 +407,7 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
     meta = ckpt.check_resumable(run_dir, plan) if resume else None
     plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
     plan.save(plan_path)
-    from planner.specs import get_model
+    from planner.core.specs import get_model
 
     tokens = build_corpus(corpus_dir, tokenizer, vocab_size=get_model(plan.model).vocab_size)
     copy_tokenizer(tokenizer, run_dir)
@@ -513,7 +513,7 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
               tokenizer: str | None = None, init_from: str | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
-    folder under planner.paths.runs_dir()."""
+    folder under planner.core.paths.runs_dir()."""
     plan = _load(plan)
     _check_args(plan, steps, checkpoint_every, seed)
     init_from = check_init_from(plan, init_from)

@@ -5,12 +5,12 @@ One pass (`tick`):
    a run that ended marks the job done or failed and frees its devices. The queue row
    holds the run folder and launcher pid, so a restarted orchestrator (or app) picks
    the runs up again: that is all re-attaching takes.
-2. rebuild the orchestrator state (planner.schedule.ClusterState) from the running
+2. rebuild the orchestrator state (planner.schedule.simulate.ClusterState) from the running
    jobs — two jobs on one device raise at once;
-3. ask the same `frenzy` policy the simulator uses (planner.schedule.FrenzyPolicy over
+3. ask the same `frenzy` policy the simulator uses (planner.schedule.simulate.FrenzyPolicy over
    MARP's options on the local cluster) which queued jobs start on which devices;
 4. for each: the heterogeneous planner's plan on exactly those devices
-   (planner.hetero.solve_plan on the sub-cluster) — or, when devices of other types
+   (planner.hetero.solve.solve_plan on the sub-cluster) — or, when devices of other types
    would otherwise idle this pass, a mixed-type plan over both if it is predicted
    clearly faster — then executor.launch.start_run.
 A launch that fails marks the job failed with the reason and frees its devices.
@@ -30,11 +30,11 @@ from typing import Callable, Iterator
 
 from executor import booking
 from executor.queue import JobQueue, QueuedJob
-from planner.cluster import ClusterSpec, NodeSpec
-from planner.jobs import JobSpec
-from planner.options import ResourceOption
-from planner.paths import runs_dir
-from planner.schedule import ClusterState, FrenzyPolicy, Running
+from planner.core.cluster import ClusterSpec, NodeSpec
+from planner.core.jobs import JobSpec
+from planner.schedule.options import ResourceOption
+from planner.core.paths import runs_dir
+from planner.schedule.simulate import ClusterState, FrenzyPolicy, Running
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class Orchestrator:
             state.assign(BOOKED_ELSEWHERE, taken)
 
     def _plan(self, job: QueuedJob, devices: tuple[int, ...]):
-        from planner.hetero import solve_plan
+        from planner.hetero.solve import solve_plan
 
         sub = sub_cluster(self.cluster, devices, f"{self.cluster.name}-job{job.id}")
         result = solve_plan(sub, job.model, job.global_batch, seq=job.seq, dtype=self.dtype,

@@ -16,13 +16,13 @@ from contextlib import closing
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
-from planner.jobs import JobSpec
-from planner.paths import queue_db_path
-from planner.specs import get_model
+from planner.core.jobs import JobSpec
+from planner.core.paths import queue_db_path
+from planner.core.specs import get_model
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_STATES = ("queued", "running")
-DEFAULT_MAX_SEQ = 2048  # as the planner: a model's own context, capped (planner.hetero)
+DEFAULT_MAX_SEQ = 2048  # as the planner: a model's own context, capped (planner.hetero.solve)
 BUSY_TIMEOUT_S = 30.0
 
 _SCHEMA = """
@@ -118,7 +118,7 @@ def job_spec_of(model: str, global_batch: int, steps: int, seq: int | None = Non
 
 
 class JobQueue:
-    """The queue in `path` (default planner.paths.queue_db_path()); safe to open many times."""
+    """The queue in `path` (default planner.core.paths.queue_db_path()); safe to open many times."""
 
     def __init__(self, path: str | None = None) -> None:
         self.path = path or queue_db_path()

@@ -20,8 +20,8 @@ import sqlite3
 import time
 from typing import Any, Iterator
 
-from planner.paths import runs_dir
-from planner.plan import Plan
+from planner.core.paths import runs_dir
+from planner.core.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ def _iter_run_dirs(root: str) -> Iterator[str]:
 
 
 def list_runs(root: str | None = None) -> list[dict[str, Any]]:
-    """Every run under `root` (default: planner.paths.runs_dir()), newest first:
+    """Every run under `root` (default: planner.core.paths.runs_dir()), newest first:
     `[{"run_dir", "name", "status", "reason", "started_s", "ended_s", "steps_recorded",
     "steps_target", "model", "world_size", "emulated"}]`. Unreadable stores are skipped."""
     out = []

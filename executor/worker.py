@@ -43,10 +43,10 @@ from executor.store import MetricsStore
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
 from models.sharded import ShardedRuntime
-from planner.attention import select_kernel
-from planner.catalog import GIB
-from planner.plan import Assignment, Plan
-from planner.specs import get_model, with_max_seq
+from planner.core.attention import select_kernel
+from planner.core.catalog import GIB
+from planner.core.plan import Assignment, Plan
+from planner.core.specs import get_model, with_max_seq
 
 log = logging.getLogger("executor.worker")
 

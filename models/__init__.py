@@ -1,1 +1,1 @@
-"""GPUMix models: the torch decoders built from a planner.specs.ModelSpec."""
+"""GPUMix models: the torch decoders built from a planner.core.specs.ModelSpec."""

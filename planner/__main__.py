@@ -3,11 +3,11 @@ import sys
 from planner.cli import main
 
 COMMANDS = {
-    "memory": "planner.commands.memory",
-    "plan": "planner.commands.plan",
-    "evaluate": "planner.commands.evaluate",
-    "schedule": "planner.commands.schedule",
-    "geo": "planner.commands.geo",
+    "memory": "planner.core.memory_command",
+    "plan": "planner.hetero.plan_command",
+    "evaluate": "planner.hetero.evaluate_command",
+    "schedule": "planner.schedule.command",
+    "geo": "planner.geo.command",
 }
 
 if __name__ == "__main__":

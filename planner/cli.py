@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any, Callable, Sequence
 
-from planner.jsonio import dumps
+from planner.core.jsonio import dumps
 
 EXIT_BAD_INPUT = 2
 

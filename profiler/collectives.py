@@ -6,7 +6,7 @@ re-imported as multiprocessing's "spawn" would), joins them with torch.distribut
 collective at sizes from 1 KiB to 64 MiB and fits `t = latency + size / bandwidth`.
 Each timing is the slowest rank's (a collective ends when its last rank ends), the
 median over repeats. `size` is the whole tensor: the all-reduced or broadcast buffer,
-the gathered output of an all-gather (planner.profiles.CollectiveFit).
+the gathered output of an all-gather (planner.core.profiles.CollectiveFit).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from planner.profiles import CollectiveFit, CollectiveProfile, fit_line
+from planner.core.profiles import CollectiveFit, CollectiveProfile, fit_line
 
 log = logging.getLogger(__name__)
 

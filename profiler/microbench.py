@@ -4,7 +4,7 @@ and (profiler/collectives.py) collective bandwidth between local ranks.
 On a CPU everything runs with one torch thread, as each executor rank does, timed by that
 thread's CPU time (profiler.step_profile.step_clock), so the figures describe one `cpu`
 worker of the cluster file (collectives: wall time, since waiting is their cost). Times are medians of repeats
-after a warm-up; the results go to the profile store (planner.profiles.DeviceBench),
+after a warm-up; the results go to the profile store (planner.core.profiles.DeviceBench),
 where the planner reads them.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from planner.profiles import DeviceBench, MatmulResult, StepProfile, save_device_bench
+from planner.core.profiles import DeviceBench, MatmulResult, StepProfile, save_device_bench
 from profiler.collectives import DEFAULT_SIZES_BYTES, benchmark_collectives
 from profiler.step_profile import executor_threads, local_device_type, profile_local, step_clock
 

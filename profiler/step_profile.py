@@ -40,8 +40,8 @@ from models.collectives import LocalCollectives
 from models.decoder import build_model
 from models.runtime import micro_batch_loss
 from models.sharded import ShardedRuntime
-from planner.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
-from planner.specs import ModelSpec, get_model, with_max_seq
+from planner.core.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
+from planner.core.specs import ModelSpec, get_model, with_max_seq
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ way). Under `fake=True` the step runs in FakeTensorMode (shapes only), so 7B mod
 laptop. Two moments are traced: start-up (building the runtime: the model on the meta device, each
 unit materialized and cut to the rank's slice) and one step after it.
 
-This is the measurement planner/memory.py's prediction is checked against: the two share no
-code beyond the config dataclass and the unit layout (planner/units.py).
+This is the measurement planner/core/memory.py's prediction is checked against: the two share no
+code beyond the config dataclass and the unit layout (planner/core/units.py).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from executor.memtrack import LiveTensorBytes
 from models.collectives import LocalCollectives
 from models.sharded import ShardedRuntime
-from planner.memory import MemoryConfig, validate_for
-from planner.specs import ModelSpec
+from planner.core.memory import MemoryConfig, validate_for
+from planner.core.specs import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def rank_fractions(cfg: MemoryConfig) -> list[float]:
 
 
 def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: int = 0) -> dict[str, Any]:
-    """The traced peak of one training step, as the breakdown keys of planner.memory plus
+    """The traced peak of one training step, as the breakdown keys of planner.core.memory plus
     `measured: true`, `startup_peak_bytes` (building the runtime) and `max_in_flight_bytes`."""
     seq = validate_for(spec, cfg)
     check_traceable(cfg)

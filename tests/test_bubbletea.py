@@ -1,12 +1,12 @@
 """BubbleTea: prefill fills idle intervals only, never moves training, respects memory."""
 import pytest
 
-from planner.bubbletea import (prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
+from planner.geo.bubbletea import (prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
                                steady_state_gaps)
-from planner.geo_eval import run_prefill
-from planner.geo_scenario import GeoScenario, InferenceWorkload
-from planner.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
-from planner.specs import get_model
+from planner.geo.evaluate import run_prefill
+from planner.geo.scenario import GeoScenario, InferenceWorkload
+from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
+from planner.core.specs import get_model
 from tests.test_geo import small_dict
 
 GPT2 = get_model("gpt2")
@@ -92,7 +92,7 @@ def test_steady_state_joins_the_tail_and_the_head():
 
 def test_end_to_end_report_keeps_training_unchanged():
     sc = GeoScenario.from_dict(small_dict())
-    from planner.geo import solve_atlas
+    from planner.geo.atlas import solve_atlas
 
     res = solve_atlas(sc)
     pre, same = run_prefill(sc, res.plan, res.sim)

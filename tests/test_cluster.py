@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from planner.catalog import CATALOG, get_gpu_type
-from planner.cluster import ClusterSpec, homogeneous_cluster
+from planner.core.catalog import CATALOG, get_gpu_type
+from planner.core.cluster import ClusterSpec, homogeneous_cluster
 
 GOOD = {"name": "lab",
         "nodes": [{"name": "n0", "datacenter": "dc-a", "gpus": {"A100-80GB": 4}},
@@ -98,7 +98,7 @@ def test_cluster_file_round_trips_through_disk(tmp_path):
 
 
 def test_editing_helpers_validate_and_keep_emulation():
-    from planner.cluster import DeviceSpec
+    from planner.core.cluster import DeviceSpec
 
     c = homogeneous_cluster("T4", 2)
     c = c.with_devices("n0", "dc0", DeviceSpec("cpu", slowdown=3.0), 1)
@@ -135,7 +135,7 @@ def test_editing_helpers_validate_and_keep_emulation():
     ("NVIDIA B200", 180, None),
 ])
 def test_driver_names_map_to_catalog_types(name, memory_gib, expected):
-    from planner.catalog import match_gpu_type
+    from planner.core.catalog import match_gpu_type
 
     assert match_gpu_type(name, memory_gib * 2**30 if memory_gib else None) == expected
 

@@ -1,12 +1,12 @@
-"""The planner's cost model (planner/cost.py): units, collectives, choices, slowdown, memory linearity."""
+"""The planner's cost model (planner/costmodel/training.py): units, collectives, choices, slowdown, memory linearity."""
 import math
 
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.cost import (BITS_PER_BYTE, CommModel, CostModel, DeviceCoeffs, build_comm_model, build_device_coeffs,
+from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from planner.costmodel.training import (BITS_PER_BYTE, CommModel, CostModel, DeviceCoeffs, build_comm_model, build_device_coeffs,
                           cached_memory_fn, link_bandwidth_bytes_per_s, max_share_fitting, world_size_buckets)
-from planner.specs import get_model
+from planner.core.specs import get_model
 
 GB = 1e9
 
@@ -28,7 +28,7 @@ def test_ring_all_gather_and_reduce_scatter_by_hand():
 
 
 def test_collective_bytes_follow_the_runtime_units():
-    from planner.units import step_collectives
+    from planner.core.units import step_collectives
 
     spec = get_model("gpt2")
     cluster = ClusterSpec("c", (NodeSpec("a", "dc", (DeviceSpec("L4"),) * 2),), NetworkSpec(8.0, 8.0))
@@ -105,7 +105,7 @@ def test_memory_fn_asks_the_model_and_extrapolates_state_only_devices():
 
     def model(m, n, f):
         if m == 0 or not 0 < f <= 1:
-            raise ValueError("micro_batch 0 refused here; shard_fraction in (0, 1] like planner.memory")
+            raise ValueError("micro_batch 0 refused here; shard_fraction in (0, 1] like planner.core.memory")
         calls.append((m, n, f))
         return 100 + 10 * m + 1000 * f + 7 * n
 
@@ -118,7 +118,7 @@ def test_memory_fn_asks_the_model_and_extrapolates_state_only_devices():
 
 
 def test_max_share_is_the_largest_fitting_fraction_of_a_piecewise_affine_peak():
-    # the peak is the larger of two affine moments (like planner.memory's phases): a kink at f = 0.2
+    # the peak is the larger of two affine moments (like planner.core.memory's phases): a kink at f = 0.2
     evaluations = []
 
     def peak(m, n, f):
@@ -141,9 +141,9 @@ def test_max_share_is_the_largest_fitting_fraction_of_a_piecewise_affine_peak():
 
 
 def test_cost_model_memory_is_the_memory_model_and_max_share_is_tight():
-    memory = pytest.importorskip("planner.memory")
+    memory = pytest.importorskip("planner.core.memory")
     if not hasattr(memory, "estimate_memory"):
-        pytest.skip("planner.memory.estimate_memory has not landed")
+        pytest.skip("planner.core.memory.estimate_memory has not landed")
     spec = get_model("gpt2")
     c = build_device_coeffs(DeviceSpec("cpu", memory_gb=2.5), spec, 256, "fp32", "none", 0.9, 4)
     for m, f in [(1, 0.1), (2, 0.3), (4, 0.8)]:
@@ -180,8 +180,8 @@ def test_iteration_time_is_the_slowest_device_plus_collectives():
 
 
 def test_local_cpu_workers_use_the_measured_collectives(data_dir):
-    from planner.profiles import CollectiveFit, CollectiveProfile, DeviceBench, save_device_bench
-    from planner.units import step_collectives
+    from planner.core.profiles import CollectiveFit, CollectiveProfile, DeviceBench, save_device_bench
+    from planner.core.units import step_collectives
 
     fits = (CollectiveFit("all_reduce", 2e-4, 1e9, 0.99), CollectiveFit("all_gather", 1e-4, 2e9, 0.99))
     save_device_bench(DeviceBench("cpu", "test cpu", 1, (), 5.0, CollectiveProfile("cpu", "gloo", 2, fits)))

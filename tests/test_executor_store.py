@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from executor.store import MetricsStore, list_runs, read_metrics
-from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.plan import Assignment, Plan
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.plan import Assignment, Plan
 
 
 def small_plan(slowdowns=(1.0, 3.0)) -> Plan:

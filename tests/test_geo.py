@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from planner.catalog import get_gpu_type
-from planner.geo import build_job, solve_atlas, split_layers
-from planner.geo_costs import MEMORY_HEADROOM, GeoCosts
-from planner.geo_eval import simulate_geo
-from planner.geo_scenario import GeoScenario
-from planner.pipeline_sim import simulate_pipeline
+from planner.core.catalog import get_gpu_type
+from planner.geo.atlas import build_job, solve_atlas, split_layers
+from planner.geo.costs import MEMORY_HEADROOM, GeoCosts
+from planner.geo.evaluate import simulate_geo
+from planner.geo.scenario import GeoScenario
+from planner.geo.pipeline_sim import simulate_pipeline
 
 
 def small_dict(**over):
@@ -148,7 +148,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, content, match):
 
 
 def test_stage_memory_is_at_least_the_memory_models_for_its_layers(report):
-    memory = pytest.importorskip("planner.memory")
+    memory = pytest.importorskip("planner.core.memory")
     if not hasattr(memory, "estimate_memory"):
         pytest.skip("memory model not in yet")
     from dataclasses import replace

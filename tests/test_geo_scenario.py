@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from planner.geo_scenario import DEFAULT_TCP_WINDOW_BYTES, GeoScenario, WanLink
+from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, GeoScenario, WanLink
 
 DESIGN_EXAMPLE = {  # DESIGN.md's geo scenario, verbatim
     "datacenters": [{"name": "dc-a", "gpus": {"A100-80GB": 64}}, {"name": "dc-b", "gpus": {"H100-SXM": 32}}],
@@ -99,7 +99,7 @@ def test_a_huge_global_batch_is_refused_at_once_naming_the_limit(global_batch):
     micro-batch); the micro-batch count per iteration is bounded, and the refusal says how to fix it."""
     import time
 
-    from planner.geo_scenario import MAX_MICROBATCHES
+    from planner.geo.scenario import MAX_MICROBATCHES
 
     d = {**copy.deepcopy(DESIGN_EXAMPLE), "global_batch": global_batch}
     t0 = time.perf_counter()
@@ -125,7 +125,7 @@ def test_absurd_numbers_and_wrong_types_are_refused(tmp_path, path, value, match
 
 
 def test_the_pipeline_simulator_refuses_a_job_past_its_operation_limit():
-    from planner.pipeline_sim import MAX_SIMULATED_OPS, Channel, PipelineJob, Stage
+    from planner.geo.pipeline_sim import MAX_SIMULATED_OPS, Channel, PipelineJob, Stage
 
     with pytest.raises(ValueError, match="over the limit"):
         PipelineJob((Stage(1.0, 2.0), Stage(1.0, 2.0)), ("lan",), (Channel("lan", 0.0, 100.0, 100.0),), 1,

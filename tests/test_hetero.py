@@ -1,4 +1,4 @@
-"""The heterogeneous planner's ILP (planner/hetero.py) on hand-solved instances and against a brute force.
+"""The heterogeneous planner's ILP (planner/hetero/solve.py) on hand-solved instances and against a brute force.
 
 The brute force below is an independent implementation over the same coefficient tables: it
 enumerates every per-device choice (unused, state only, or a (micro-batch, accumulation) of the
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from planner.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.cost import CommModel, CostModel, DeviceCoeffs
-from planner.hetero import solve_plan, solve_with_cost_model
+from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from planner.costmodel.training import CommModel, CostModel, DeviceCoeffs
+from planner.hetero.solve import solve_plan, solve_with_cost_model
 
 GB = 1e9
 

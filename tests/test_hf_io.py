@@ -22,9 +22,9 @@ from models.collectives import LocalCollectives
 from models.decoder import decoder_state_dict_to_hf
 from models.sharded import ShardedRuntime
 from planner.cli import main as cli_main
-from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.plan import Assignment, Plan
-from planner.specs import ModelSpec, get_model
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.plan import Assignment, Plan
+from planner.core.specs import ModelSpec, get_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""planner/memory.py: ZeRO and shard-fraction arithmetic by hand, affinity, bad input, no torch."""
+"""planner/core/memory.py: ZeRO and shard-fraction arithmetic by hand, affinity, bad input, no torch."""
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from planner.memory import MemoryConfig, estimate_memory, estimate_peak_phases
-from planner.specs import PRESETS
+from planner.core.memory import MemoryConfig, estimate_memory, estimate_peak_phases
+from planner.core.specs import PRESETS
 
 TINY = PRESETS["tiny"]
 P = 124_672  # tiny: 2·block(49_984) + wte 256·64 + wpe 128·64 + ln_f 128
@@ -142,7 +142,7 @@ def test_state_only_gpu():
 
 
 def test_planner_memory_imports_no_torch():
-    code = "import sys, planner.memory, planner.commands.memory; assert 'torch' not in sys.modules"
+    code = "import sys, planner.core.memory, planner.core.memory_command; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from planner.profiles import get_collective_profile, get_device_bench, peak_tflops
+from planner.core.profiles import get_collective_profile, get_device_bench, peak_tflops
 from profiler.collectives import KIB, benchmark_collectives, fit_collective
 from profiler.microbench import matmul_tflops, memory_gbps, run_bench
 from profiler.step_profile import executor_threads

@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from planner.cluster import ClusterSpec
-from planner.jobs import JobSpec
-from planner.options import MEMORY_HEADROOM, cluster_pools, estimate_option, estimate_options
+from planner.core.cluster import ClusterSpec
+from planner.core.jobs import JobSpec
+from planner.schedule.options import MEMORY_HEADROOM, cluster_pools, estimate_option, estimate_options
 
 CLUSTER = ClusterSpec.from_dict({"name": "t", "nodes": [
     {"name": "a", "gpus": {"A100-80GB": 8}},

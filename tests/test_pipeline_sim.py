@@ -1,7 +1,7 @@
 """The discrete-event pipeline simulator against hand-checked pipelines and link arithmetic."""
 import pytest
 
-from planner.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline, stage_order
+from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline, stage_order
 
 FREE = Channel("free", 0.0, 1e9, 1e9)  # a zero-cost boundary
 

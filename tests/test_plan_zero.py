@@ -1,7 +1,7 @@
 """The planner across ZeRO stages (issue 11): `--zero auto|1|2|3`, layer-wise accumulation's memory
 and recompute, and the 13B plan on 1,024 mixed GPUs.
 
-Memory checks re-ask planner.memory directly with each assignment's (m, n, f) and stage, an
+Memory checks re-ask planner.core.memory directly with each assignment's (m, n, f) and stage, an
 independent path from the planner's cached tables; no test pins a byte count of the memory model.
 """
 import json
@@ -13,14 +13,14 @@ import pytest
 
 from planner.__main__ import COMMANDS
 from planner.cli import main
-from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.cost import CommModel, CostModel, DeviceCoeffs, build_device_coeffs
-from planner.hetero import solve_plan, solve_with_cost_model
-from planner.memory import MemoryConfig, estimate_memory
-from planner.options import device_dtype
-from planner.plan import Plan
-from planner.profiles import get_step_profile
-from planner.specs import get_model, with_max_seq
+from planner.core.catalog import device_dtype
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.costmodel.training import CommModel, CostModel, DeviceCoeffs, build_device_coeffs
+from planner.hetero.solve import solve_plan, solve_with_cost_model
+from planner.core.memory import MemoryConfig, estimate_memory
+from planner.core.plan import Plan
+from planner.core.profiles import get_step_profile
+from planner.core.specs import get_model, with_max_seq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")
@@ -42,7 +42,7 @@ def cluster_of(types_counts, per_node=8, name="test"):
 
 
 def assert_fits_by_the_memory_model(plan: Plan):
-    """Every used device's memory, re-asked of planner.memory at its (m, n, f) and the plan's stage."""
+    """Every used device's memory, re-asked of planner.core.memory at its (m, n, f) and the plan's stage."""
     spec = with_max_seq(get_model(plan.model), plan.seq)
     devices = plan.cluster.devices()
     for a in plan.used:

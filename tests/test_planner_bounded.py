@@ -14,9 +14,9 @@ import psutil
 import pulp
 import pytest
 
-from planner.cluster import ClusterSpec
-from planner.cost import CostModel
-from planner.hetero import BoundedCBC, ProbeTimeout, solve_plan
+from planner.core.cluster import ClusterSpec
+from planner.costmodel.training import CostModel
+from planner.hetero.solve import BoundedCBC, ProbeTimeout, solve_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")
@@ -26,8 +26,8 @@ CHILD_CPU_S = 240
 
 CHILD = """
 import json, sys
-from planner.cluster import ClusterSpec
-from planner.hetero import solve_plan
+from planner.core.cluster import ClusterSpec
+from planner.hetero.solve import solve_plan
 cluster, model, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
     r = solve_plan(ClusterSpec.load(cluster), model, batch, time_limit_s=60.0)
@@ -77,7 +77,7 @@ def test_local_batch_of_1e5_is_planned_exactly_and_never_over_memory(data_dir):
 
 
 def test_candidate_tables_do_not_grow_with_the_batch(data_dir):
-    from planner.specs import get_model, with_max_seq
+    from planner.core.specs import get_model, with_max_seq
     spec = with_max_seq(get_model("tiny"), 128)
     cost = CostModel.build(ClusterSpec.load(LOCAL), spec, 128, "fp32", "none", 0.9, zero=1)
     dev = cost.cluster.devices()[0][1]

@@ -1,4 +1,4 @@
-"""`python -m planner plan` / `evaluate` (planner/commands/plan.py, evaluate.py): output, plan files, exit codes."""
+"""`python -m planner plan` / `evaluate` (planner/hetero/plan_command.py, evaluate.py): output, plan files, exit codes."""
 import json
 import os
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 from planner.__main__ import COMMANDS
 from planner.cli import main
-from planner.plan import Plan
+from planner.core.plan import Plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")

@@ -6,12 +6,12 @@ import sys
 
 import pytest
 
-from planner import profiles
-from planner.catalog import get_gpu_type
-from planner.profiles import (CollectiveFit, CollectiveProfile, DeviceBench, MatmulResult, StepProfile,
+from planner.core import profiles
+from planner.core.catalog import get_gpu_type
+from planner.core.profiles import (CollectiveFit, CollectiveProfile, DeviceBench, MatmulResult, StepProfile,
                               analytic_flops_per_sample, fit_line, get_collective_profile, get_step_profile,
                               load_step_profiles, save_device_bench, save_step_profile)
-from planner.specs import PRESETS
+from planner.core.specs import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY, SMALL, GPT2 = PRESETS["tiny"], PRESETS["small"], PRESETS["gpt2"]
@@ -141,6 +141,6 @@ def test_fit_line_recovers_a_line_and_reports_r2():
 
 
 def test_planner_profiles_module_imports_no_torch():
-    out = subprocess.run([sys.executable, "-c", "import sys, planner.profiles; print('torch' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, planner.core.profiles; print('torch' in sys.modules)"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

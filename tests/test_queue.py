@@ -3,7 +3,7 @@ import sqlite3
 import pytest
 
 from executor.queue import JobQueue
-from planner.paths import queue_db_path
+from planner.core.paths import queue_db_path
 
 
 def test_jobs_and_their_states_survive_a_restart():

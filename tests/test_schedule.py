@@ -1,10 +1,10 @@
 import pytest
 
-from planner.cluster import ClusterSpec
-from planner.jobs import JobSpec
-from planner.schedule import ClusterState, simulate_schedule
-from planner.specs import get_model
-from planner.trace import generate_trace
+from planner.core.cluster import ClusterSpec
+from planner.core.jobs import JobSpec
+from planner.schedule.simulate import ClusterState, simulate_schedule
+from planner.core.specs import get_model
+from planner.schedule.trace import generate_trace
 
 CLUSTER = ClusterSpec.from_dict({"name": "mix", "nodes": [
     {"name": "a0", "gpus": {"A100-80GB": 8}},
@@ -51,7 +51,7 @@ def test_no_device_is_double_booked(results, policy):
 
 @pytest.mark.parametrize("policy", ["frenzy", "fifo"])
 def test_every_placement_fits_in_memory(results, policy):
-    memory = pytest.importorskip("planner.memory")
+    memory = pytest.importorskip("planner.core.memory")
     for rec in results[policy].records:
         o = rec.option
         cfg = memory.MemoryConfig(micro_batch=o.micro_batch, seq=rec.job.seq, dtype=o.dtype, recompute=o.recompute,
@@ -117,7 +117,7 @@ def test_cli_schedule_json_and_bad_trace(tmp_path, capsys):
 
     from planner.__main__ import COMMANDS
     from planner.cli import main
-    from planner.trace import save_trace
+    from planner.schedule.trace import save_trace
 
     cluster_path, trace_path = str(tmp_path / "c.json"), str(tmp_path / "t.csv")
     CLUSTER.save(cluster_path)
@@ -176,7 +176,7 @@ def test_cli_schedule_refuses_bad_numbers_with_one_line(tmp_path, capsys, argv, 
 
 
 def test_trace_cells_past_their_limits_and_huge_files_are_refused(tmp_path, capsys):
-    from planner.trace import parse_trace_csv
+    from planner.schedule.trace import parse_trace_csv
 
     head = "job_id,submit_s,model,global_batch,seq,steps,requested_type,requested_gpus\n"
     with pytest.raises(ValueError, match="global_batch.*over the limit"):

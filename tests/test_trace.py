@@ -2,10 +2,10 @@ import math
 
 import pytest
 
-from planner.cluster import ClusterSpec
-from planner.options import cluster_pools, estimate_option
-from planner.specs import get_model
-from planner.trace import COLUMNS, generate_trace, load_trace, parse_trace_csv, save_trace, write_trace_csv
+from planner.core.cluster import ClusterSpec
+from planner.schedule.options import cluster_pools, estimate_option
+from planner.core.specs import get_model
+from planner.schedule.trace import COLUMNS, generate_trace, load_trace, parse_trace_csv, save_trace, write_trace_csv
 
 CLUSTER = ClusterSpec.from_dict({"name": "mix", "nodes": [
     {"name": "a0", "gpus": {"A100-80GB": 8}}, {"name": "h0", "gpus": {"H100-SXM": 8}},

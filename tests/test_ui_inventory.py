@@ -5,7 +5,7 @@ import os
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from planner.cluster import ClusterSpec
+from planner.core.cluster import ClusterSpec
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "inventory.py")
 
@@ -43,8 +43,8 @@ def test_profile_now_measures_and_shows_labelled_figures():
     assert not any("not profiled yet" in t for t in _texts(at.info))
     labels = [m.label for m in at.metric]
     assert labels and all("measured" in label for label in labels)
-    from planner.profiles import get_step_profile
-    from planner.specs import PRESETS
+    from planner.core.profiles import get_step_profile
+    from planner.core.specs import PRESETS
 
     assert get_step_profile("cpu", PRESETS["tiny"], 64, "fp32").measured
 

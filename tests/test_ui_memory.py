@@ -6,8 +6,8 @@ import os
 
 from streamlit.testing.v1 import AppTest
 
-from planner.memory import MemoryConfig, estimate_memory
-from planner.specs import PRESETS
+from planner.core.memory import MemoryConfig, estimate_memory
+from planner.core.specs import PRESETS
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "memory.py")
 TIMEOUT_S = 60

@@ -7,7 +7,7 @@ import os
 
 from streamlit.testing.v1 import AppTest
 
-from planner.plan import Plan
+from planner.core.plan import Plan
 from tests.test_ui_background import settle as settle_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

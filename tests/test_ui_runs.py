@@ -13,7 +13,7 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from planner.paths import runs_dir
+from planner.core.paths import runs_dir
 from tests.conftest import GLOBAL_BATCH, STEP_S, fabricate_run, losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

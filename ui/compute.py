@@ -2,8 +2,8 @@
 ui/background.py runs them in a child process, which imports them by name."""
 from __future__ import annotations
 
-from planner.schedule import simulate_schedule
-from planner.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster
+from planner.schedule.simulate import simulate_schedule
+from planner.schedule.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster
 
 HOUR_S = 3600.0
 POLICIES = ("frenzy", "fifo")

@@ -1,7 +1,7 @@
 """Geo: training across datacenters over a WAN (Atlas) with prefill in the bubbles (BubbleTea).
 
 Widgets (datacenters, WAN links, model and batch, inference workload) -> one library call
-(`planner.geo_eval.simulate_geo`, cached) -> render: the plan, a Gantt timeline of one
+(`planner.geo.evaluate.simulate_geo`, cached) -> render: the plan, a Gantt timeline of one
 simulated iteration (training and prefill in different colours), GPU utilization and
 iteration time against the baselines. Every figure here is simulated from the cost model.
 """
@@ -17,11 +17,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from planner.catalog import CATALOG
-from planner.geo_eval import GeoReport, simulate_geo
-from planner.geo_scenario import GeoScenario
-from planner.paths import PROJECT_ROOT
-from planner.specs import PRESETS
+from planner.core.catalog import CATALOG
+from planner.geo.evaluate import GeoReport, simulate_geo
+from planner.geo.scenario import GeoScenario
+from planner.core.paths import PROJECT_ROOT
+from planner.core.specs import PRESETS
 from ui import background
 from ui.common import SIMULATED, fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
 

@@ -2,7 +2,7 @@
 "Profile now", and the cluster GPUMix plans for: edit it, upload it, save and download it.
 
 Widgets -> one library call -> render: detection is profiler.inventory, figures come from
-the profile store (planner.profiles), profiling is profiler.microbench.profile_machine,
+the profile store (planner.core.profiles), profiling is profiler.microbench.profile_machine,
 cluster edits are ClusterSpec methods; the chosen cluster goes to ui/state.set_cluster.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ import re
 import pandas as pd
 import streamlit as st
 
-from planner import paths
-from planner.catalog import CATALOG, CPU_TYPE, GIB
-from planner.cluster import ClusterSpec, DeviceSpec
-from planner.profiles import get_device_bench, load_step_profiles
-from planner.specs import PRESETS
+from planner.core import paths
+from planner.core.catalog import CATALOG, CPU_TYPE, GIB
+from planner.core.cluster import ClusterSpec, DeviceSpec
+from planner.core.profiles import get_device_bench, load_step_profiles
+from planner.core.specs import PRESETS
 from profiler.inventory import build_local_cluster, detect_devices
 from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, page_header, page_link, show_emulated_note,
                        show_errors, source_badge)
@@ -92,7 +92,7 @@ def _render_profile_now(has_cpu_only: bool) -> None:
                                progress=lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m),
                                what="Profiling failed")
         if result is not None:
-            from planner.options import clear_caches  # the scheduler's cached profile figures are stale now
+            from planner.schedule.options import clear_caches  # the scheduler's cached profile figures are stale now
 
             clear_caches()
             _, p = result

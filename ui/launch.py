@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from planner.plan import Plan
+from planner.core.plan import Plan
 from ui import common, state
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Model & memory: will a training step fit on a GPU? (planner/memory.py, issue 2)
+"""Model & memory: will a training step fit on a GPU? (planner/core/memory.py, issue 2)
 
 Widgets -> one library call (`estimate_memory`) -> render: the predicted per-GPU breakdown as a
 stacked bar beside the datasheet capacity of a catalog GPU type, and a fits / does-not-fit line.
@@ -11,9 +11,9 @@ import os
 
 import streamlit as st
 
-from planner.catalog import CATALOG
-from planner.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
-from planner.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
+from planner.core.catalog import CATALOG
+from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
+from planner.core.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
 from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, page_header, show_errors, show_figure,
                        style_figure)
 from ui.state import get_model as get_session_model
@@ -190,7 +190,7 @@ def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -
 
 def main() -> None:
     page_header("Model & memory", "Will one training step fit? The per-GPU peak memory of this project's runtime, "
-                "predicted by the memory model (planner/memory.py).")
+                "predicted by the memory model (planner/core/memory.py).")
     spec = choose_model()
     if spec is None:
         return

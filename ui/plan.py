@@ -1,4 +1,4 @@
-"""Plan: the fastest heterogeneous plan of a model on a cluster (Cephalo's ILP, planner/hetero.py).
+"""Plan: the fastest heterogeneous plan of a model on a cluster (Cephalo's ILP, planner/hetero/solve.py).
 
 Widgets -> one library call (`solve_plan`, cached) -> render: the per-device table, memory against
 capacity, predicted samples/s against the baselines, the plan file to download. The plan is stored
@@ -12,11 +12,11 @@ import os
 
 import streamlit as st
 
-from planner.cluster import ClusterSpec
-from planner.hetero import DTYPES, solve_plan
-from planner.paths import PROJECT_ROOT
-from planner.plan import Plan
-from planner.specs import PRESETS
+from planner.core.cluster import ClusterSpec
+from planner.hetero.solve import DTYPES, solve_plan
+from planner.core.paths import PROJECT_ROOT
+from planner.core.plan import Plan
+from planner.core.specs import PRESETS
 from ui import background
 from ui.common import (MEASURED, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
                        profiles_version, show_emulated_note, show_errors, show_figure, style_figure)

@@ -2,7 +2,7 @@
 
 Widgets -> one library call -> render: executor.queue.JobQueue (submit, list),
 executor.orchestrator.Orchestrator.tick (one scheduler pass on this machine's devices),
-planner.schedule.simulate_schedule (a generated trace on a simulated mixed pool).
+planner.schedule.simulate.simulate_schedule (a generated trace on a simulated mixed pool).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 import streamlit as st
 
 from executor.queue import JobQueue
-from planner.specs import PRESETS
-from planner.trace import DEMO_CLUSTERS
+from planner.core.specs import PRESETS
+from planner.schedule.trace import DEMO_CLUSTERS
 from ui import background
 from ui.common import MEASURED, PREDICTED, metric, page_header, show_errors, show_figure, style_figure
 from ui.compute import HOUR_S, simulate_both_policies

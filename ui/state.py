@@ -11,8 +11,8 @@ import os
 
 import streamlit as st
 
-from planner.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.plan import Plan
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.plan import Plan
 
 DEFAULT_MODEL = "tiny"
 # the first plan a new user gets: small enough that the tiny model's step takes well under
@@ -73,7 +73,7 @@ def set_plan(plan: Plan) -> None:
 
 @st.cache_data(show_spinner="Computing the default plan…", max_entries=16)
 def _solve_default_plan(cluster_json: str, model: str, global_batch: int, profiles_version: int) -> Plan:
-    from planner.hetero import solve_plan
+    from planner.hetero.solve import solve_plan
 
     cluster = ClusterSpec.from_dict(json.loads(cluster_json))
     result = solve_plan(cluster, model, global_batch)

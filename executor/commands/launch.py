@@ -44,7 +44,7 @@ def tokenize_with_progress(data: str | None, tokenizer: str | None, model: str) 
     import sys
 
     from executor.corpus import build_corpus
-    from planner.specs import get_model
+    from planner.core.specs import get_model
 
     def bar(fraction: float, message: str) -> None:
         done = int(30 * min(max(fraction, 0.0), 1.0))
@@ -78,7 +78,7 @@ def optim_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from planner.cli import print_json
-    from planner.plan import Plan
+    from planner.core.plan import Plan
 
     from executor.launch import check_numbers, launch_run, multinode_commands, runs_here
 

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from executor.orchestrator import Orchestrator
     from planner.cli import print_json
-    from planner.cluster import ClusterSpec
+    from planner.core.cluster import ClusterSpec
 
     if not 0 < args.poll_s < float("inf"):
         raise ValueError(f"--poll-s must be positive, got {args.poll_s}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import psutil
 
-from planner.memory import MemoryConfig, estimate_memory
-from planner.specs import ModelSpec
+from planner.core.memory import MemoryConfig, estimate_memory
+from planner.core.specs import ModelSpec
 
 GIB = 2**30
 # the predicted peak may use at most this share of the memory available now

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from planner.cli import print_json, print_table
-from planner.profiles import get_device_bench
+from planner.core.profiles import get_device_bench
 from profiler.inventory import build_local_cluster, detect_devices
 
 HELP = "list the local devices (CUDA GPUs, else the CPU) and write them as a cluster file"

@@ -7,7 +7,7 @@ import argparse
 import logging
 
 from planner.cli import device_arg, int_arg, print_json, print_table
-from planner.commands.memory import MAX_SEQ
+from planner.core.memory_command import MAX_SEQ
 
 HELP = "measure forward+backward time vs micro-batch (alpha + beta*m) on a local device"
 
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """Before torch: the model, its positions, distinct sizes, and memory for the largest size."""
-    from planner.memory import MemoryConfig
-    from planner.specs import get_model
+    from planner.core.memory import MemoryConfig
+    from planner.core.specs import get_model
     from profiler.commands._checks import require_fits_in_memory
 
     spec = get_model(args.model)
@@ -63,7 +63,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from planner.profiles import step_profile_path
+    from planner.core.profiles import step_profile_path
     from profiler.commands._checks import require_device
     from profiler.step_profile import profile_local  # torch: only when the command runs
 

@@ -1,0 +1,181 @@
+"""GPU catalog: datasheet figures for devices the user describes but this machine may lack.
+
+Peak figures are *dense* (no 2:4 sparsity) tensor-core rates where the part has
+tensor cores for that dtype; fp32 is the plain (non-TF32) vector rate. Sources
+are the vendors' datasheets, cited per entry. A part without native bf16
+(`bf16_tflops == 0`) makes the planner fall back to fp16 with a note.
+
+`compute_capability` is the CUDA SM version (major, minor) from NVIDIA's table
+(https://developer.nvidia.com/cuda-gpus, "CUDA GPU Compute Capability"); it decides
+which SDPA kernel torch runs (planner/core/attention.py). AMD parts and the CPU have none.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GB = 10**9  # datasheets quote decimal gigabytes... except where noted GiB
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str
+    memory_bytes: int
+    fp32_tflops: float
+    fp16_tflops: float
+    bf16_tflops: float  # 0.0: no native bf16
+    memory_gbps: float  # HBM/GDDR bandwidth in GB/s (bytes, decimal): see memory_bytes_per_s
+    interconnect: str  # "nvlink4", "pcie4", ...
+    interconnect_gbps: float  # per-GPU peer bandwidth in GB/s (bytes, one direction)
+    vendor: str = "nvidia"
+    compute_capability: tuple[int, int] | None = None  # CUDA (major, minor); None: not a CUDA device
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.bf16_tflops > 0
+
+    def peak_tflops(self, dtype: str) -> float:
+        """Peak for a training dtype; bf16 on a part without it means fp16."""
+        if dtype == "fp32":
+            return self.fp32_tflops
+        if dtype == "bf16" and self.supports_bf16:
+            return self.bf16_tflops
+        return self.fp16_tflops
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """`memory_gbps` is GB/s (decimal), unlike the Gbit/s of the cluster file's network."""
+        return self.memory_gbps * GB
+
+    @property
+    def interconnect_bytes_per_s(self) -> float:
+        return self.interconnect_gbps * GB
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _g(name, mem_gib, fp32, fp16, bf16, bw, ic, ic_gbps, vendor="nvidia") -> GpuType:
+    return GpuType(name, int(mem_gib * GIB), fp32, fp16, bf16, bw, ic, ic_gbps, vendor,
+                   _COMPUTE_CAPABILITY.get(name))
+
+
+# CUDA compute capability per type, from https://developer.nvidia.com/cuda-gpus (Hopper 9.0,
+# Ampere GA100 8.0, Ampere GA10x 8.6, Ada 8.9, Turing 7.5, Volta 7.0, Pascal GP100 6.0, GP10x 6.1).
+_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
+    "H200": (9, 0), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
+    "A100-40GB": (8, 0), "A100-80GB": (8, 0),
+    "A10G": (8, 6), "A6000": (8, 6), "RTX3090": (8, 6),
+    "L4": (8, 9), "L40S": (8, 9), "RTX4090": (8, 9),
+    "T4": (7, 5), "V100-16GB": (7, 0), "V100-32GB": (7, 0),
+    "P100": (6, 0), "P40": (6, 1),
+}
+
+
+CATALOG: dict[str, GpuType] = {g.name: g for g in (
+    # NVIDIA H200 datasheet (2024): 141 GB HBM3e, 4.8 TB/s, 989 TF bf16/fp16 dense, 67 TF fp32, NVLink 900 GB/s
+    _g("H200", 141 * GB / GIB, 67.0, 989.0, 989.0, 4800, "nvlink4", 450),
+    # NVIDIA H100 SXM5 datasheet: 80 GB HBM3, 3.35 TB/s, 989 TF dense bf16, 67 TF fp32, NVLink 900 GB/s
+    _g("H100-SXM", 80, 67.0, 989.0, 989.0, 3350, "nvlink4", 450),
+    # NVIDIA H100 PCIe datasheet: 80 GB HBM2e, 2.0 TB/s, 756 TF dense bf16, 51 TF fp32, PCIe Gen5 128 GB/s
+    _g("H100-PCIe", 80, 51.0, 756.0, 756.0, 2000, "pcie5", 64),
+    # NVIDIA A100 datasheet (2021): 312 TF bf16/fp16 dense, 19.5 TF fp32, 40GB HBM2 1.555 TB/s, NVLink3 600 GB/s
+    _g("A100-40GB", 40, 19.5, 312.0, 312.0, 1555, "nvlink3", 300),
+    # same datasheet, 80GB HBM2e SXM: 2.039 TB/s
+    _g("A100-80GB", 80, 19.5, 312.0, 312.0, 2039, "nvlink3", 300),
+    # NVIDIA V100 SXM2 datasheet: 125 TF fp16 tensor, 15.7 TF fp32, 900 GB/s, NVLink2 300 GB/s; no bf16
+    _g("V100-16GB", 16, 15.7, 125.0, 0.0, 900, "nvlink2", 150),
+    _g("V100-32GB", 32, 15.7, 125.0, 0.0, 900, "nvlink2", 150),
+    # NVIDIA T4 datasheet: 16 GB GDDR6, 320 GB/s, 65 TF fp16, 8.1 TF fp32, PCIe Gen3; no bf16
+    _g("T4", 16, 8.1, 65.0, 0.0, 320, "pcie3", 16),
+    # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, 121 TF bf16/fp16 dense (242 sparse), 30.3 TF fp32, PCIe Gen4
+    _g("L4", 24, 30.3, 121.0, 121.0, 300, "pcie4", 32),
+    # NVIDIA A10G (AWS G5; A10 datasheet): 24 GB GDDR6, 600 GB/s, 125 TF bf16 dense (A10), 31.2 TF fp32
+    _g("A10G", 24, 31.2, 125.0, 125.0, 600, "pcie4", 32),
+    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, 362 TF bf16 dense (733 sparse), 91.6 TF fp32
+    _g("L40S", 48, 91.6, 362.0, 362.0, 864, "pcie4", 32),
+    # NVIDIA RTX A6000 datasheet: 48 GB GDDR6, 768 GB/s, 38.7 TF fp32, 154.8 TF tensor (309.7 sparse)
+    _g("A6000", 48, 38.7, 154.8, 154.8, 768, "pcie4", 32),
+    # NVIDIA GeForce RTX 3090 (Ampere whitepaper): 24 GB GDDR6X, 936 GB/s, 35.6 TF fp32, 71 TF fp16 tensor (fp32 acc)
+    _g("RTX3090", 24, 35.6, 71.0, 71.0, 936, "pcie4", 32),
+    # NVIDIA GeForce RTX 4090 (Ada whitepaper): 24 GB GDDR6X, 1008 GB/s, 82.6 TF fp32, 165.2 TF fp16 tensor (fp32 acc)
+    _g("RTX4090", 24, 82.6, 165.2, 165.2, 1008, "pcie4", 32),
+    # NVIDIA Tesla P100 SXM2 datasheet: 16 GB HBM2, 732 GB/s, 10.6 TF fp32, 21.2 TF fp16; no tensor cores, no bf16
+    _g("P100", 16, 10.6, 21.2, 0.0, 732, "nvlink1", 80),
+    # NVIDIA Tesla P40 datasheet: 24 GB GDDR5, 346 GB/s, 11.8 TF fp32; fp16 runs at 1/64 rate (0.18 TF)
+    _g("P40", 24, 11.8, 0.18, 0.0, 346, "pcie3", 16),
+    # AMD Instinct MI250X datasheet: 128 GB HBM2e, 3.2 TB/s, 383 TF fp16/bf16, 47.9 TF fp32 (vector), Infinity Fabric
+    _g("MI250X", 128, 47.9, 383.0, 383.0, 3200, "infinity-fabric", 100, vendor="amd"),
+    # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307 TF fp16/bf16 dense, 163.4 TF fp32
+    _g("MI300X", 192, 163.4, 1307.0, 1307.0, 5300, "infinity-fabric", 64, vendor="amd"),
+)}
+
+# The local CPU worker (one core, one torch thread: what an executor rank uses).
+# Its real figures come from `profiler bench` / `profiler profile` (the profile
+# store, planner/core/profiles.py); these are conservative placeholders for one core
+# of a small VM, used only until those have run. Memory: 8 GiB per worker unless
+# the device gives `memory_gb` (an emulated limit).
+CPU_TYPE = "cpu"
+CATALOG[CPU_TYPE] = GpuType(CPU_TYPE, 8 * GIB, 0.05, 0.02, 0.02, 10, "shared-memory", 5, vendor="cpu")
+
+
+def get_gpu_type(name: str) -> GpuType:
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown GPU type {name!r}; known types: {', '.join(sorted(CATALOG))}"
+        ) from None
+
+
+# Names CUDA/ROCm report (torch.cuda.get_device_name) -> catalog type. Checked in
+# order, first match wins; a `None` memory split means "any memory". The memory
+# split tells the 40/80 GB A100s and 16/32 GB V100s apart.
+_NAME_PATTERNS: tuple[tuple[str, tuple[tuple[float, str], ...]], ...] = (
+    ("h200", ((0, "H200"),)),
+    ("h100 pcie", ((0, "H100-PCIe"),)),
+    ("h100", ((0, "H100-SXM"),)),
+    ("a100", ((0, "A100-40GB"), (60, "A100-80GB"))),
+    ("v100", ((0, "V100-16GB"), (24, "V100-32GB"))),
+    ("l40s", ((0, "L40S"),)),
+    ("a10g", ((0, "A10G"),)),
+    ("a6000", ((0, "A6000"),)),
+    ("3090", ((0, "RTX3090"),)),
+    ("4090", ((0, "RTX4090"),)),
+    ("p100", ((0, "P100"),)),
+    ("p40", ((0, "P40"),)),
+    ("t4", ((0, "T4"),)),
+    ("l4", ((0, "L4"),)),
+    ("mi250x", ((0, "MI250X"),)),
+    ("mi300x", ((0, "MI300X"),)),
+)
+
+
+def match_gpu_type(device_name: str, memory_bytes: int | None = None) -> str | None:
+    """The catalog type of a device as the driver names it, or None when unknown.
+
+    "NVIDIA H200" -> "H200"; "NVIDIA A100-SXM4-80GB" -> "A100-80GB";
+    "Tesla V100-SXM2-16GB" with 16 GiB -> "V100-16GB". Words are matched on
+    token boundaries so "T4" does not match "RTX 4090"."""
+    tokens = " " + " ".join(device_name.lower().replace("-", " ").replace("_", " ").split()) + " "
+    for pattern, splits in _NAME_PATTERNS:
+        if f" {pattern} " not in tokens and not (pattern.isdigit() and pattern in tokens):
+            continue
+        mem_gib = (memory_bytes / GIB) if memory_bytes else None
+        if mem_gib is None:
+            # the name itself may carry the size ("A100-SXM4-80GB")
+            sizes = [int(t[:-2]) for t in tokens.split() if t.endswith("gb") and t[:-2].isdigit()]
+            mem_gib = sizes[0] if sizes else None
+        chosen = splits[0][1]
+        for threshold, name in splits:
+            if mem_gib is not None and mem_gib >= threshold:
+                chosen = name
+        return chosen
+    return None
+
+
+def device_dtype(gpu_type: str, dtype: str) -> str:
+    """bf16 on a part without it trains in fp16 (same bytes, the planner's fallback)."""
+    if dtype == "bf16" and not get_gpu_type(gpu_type).supports_bf16:
+        return "fp16"
+    return dtype

@@ -1,0 +1,487 @@
+"""Per-GPU peak memory of one training step of THIS project's runtime (Frenzy's MARP, made exact).
+
+Pure Python, no torch: a plan or a schedule calls this thousands of times (~0.1 ms each).
+
+What is modelled is models/sharded.py (ZeRO 1/2/3, uneven shards, units of planner/core/units.py)
+running models/decoder.py; the reference is profiler/tracing.py, which traces one whole step of
+the same runtime (live tensor bytes, real or fake tensors): tests/test_profiler_memory.py and
+bench/memory_accuracy.py measure the error (within 3 % at every stage).
+
+* State between steps (`_runtime_phases`): AdamW moments of the owned slices, 8 B per owned
+  parameter; zero 1/2 the full fp32 parameters (the master slice is a view of them), zero 3 the
+  master slice only (4 B per owned parameter). Gradients live only within a step: zero 1 the full
+  fp32 gradients from the first micro-batch to their reduce, zero 2/3 one unit's full gradient at a
+  time, and each slice's gradient from its unit's first reduce to the update.
+* Activations: the tensors autograd saves in forward, per layer and token, counted from the
+  decoder's code (each term names the tensor); Korthikanti et al. 2022 give the generic form
+  s·b·h·(34 + 5as/h) bytes. Attention is counted per call for the SDPA kernel that runs on the
+  device type and dtype (planner/core/attention.py: fused kernels keep a log-sum-exp per head and token
+  instead of the a·s² scores; configurations where the math kernel would run are refused).
+  With recompute="full" each block keeps only its fp32 input and the block is rebuilt in backward.
+  At zero 2/3 with several micro-batches (layer-wise accumulation) only unit boundaries are kept,
+  4·h bytes per token each, L+1 per micro-batch.
+* The loss: logits (B·T·V), log_softmax's saved output and two gradients of that size, all fp32.
+* bf16/fp16 (torch.autocast): a 2-byte copy of every matmul weight, saved for backward; each
+  Linear saves its own 2-byte copy of an fp32 input.
+* Zero 3: the gathered units in flight (the current one and the prefetched next; at the head the
+  head, a tied embedding and the prefetched last block).
+* The optimizer phase: the global norm's fp64 copy of one 2^24-element chunk (models/optim.py);
+  AdamW's single fp32 chunk buffer comes after it and is smaller.
+* Communication: models/collectives.py allocates nothing beyond its arguments (gloo/NCCL internal
+  buffers are outside the PyTorch allocator and not counted); the CUDA context, cuBLAS workspaces
+  and allocator fragmentation are not modelled: compare the peak against capacity × headroom.
+
+The peak is the largest of a few moments of the step (`estimate_peak_phases`): the loss, the
+head's backward, the last and the first block's backward, the flattening of a unit's gradient
+(one micro-batch), the embedding's backward, the optimizer phase. Each moment is affine in
+micro_batch and (up to rounding and the chunk cap) in shard_fraction; a coefficient table should
+interpolate each moment and take the max, not interpolate the max.
+
+Tensor parallelism (Megatron: blocks and activations ÷tp, except the layer-norm inputs and the
+residual stream) and pipeline parallelism (each stage holds ceil(L/pp) layers and, in 1F1B, up
+to pp micro-batches of the first stage's activations) are analytic only (`_estimate_analytic`):
+the runtime does not run them, so no trace checks them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from planner.core.attention import AttentionKernel, attention_saved_bytes, select_kernel
+from planner.core.specs import ModelSpec
+from planner.core.units import runtime_units
+
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE = ("none", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+FP32_BYTES = 4
+HALF_BYTES = 2  # bf16 / fp16 autocast compute copies
+INT64_BYTES = 8
+STEP_CHUNK_NUMEL = 1 << 24  # models/runtime.py: the optimizer step works on slices of this size
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """One GPU's share of a training step. seq None means the model's max_seq; shard_fraction
+    None means 1/dp (the even split), 0 a GPU without optimizer state; micro_batch 0 is a GPU
+    that only holds state."""
+
+    micro_batch: int = 1
+    seq: int | None = None
+    # micro-batches this GPU runs per optimizer step; at zero >= 2 the runtime keeps every
+    # micro-batch's unit-boundary activations (layer-wise accumulation, planner/core/units.py)
+    accum_steps: int = 1
+    dtype: str = "fp32"  # fp32, or bf16/fp16 autocast with fp32 master weights
+    recompute: str = "none"  # "full": torch.utils.checkpoint around every block
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    shard_fraction: float | None = None
+    # the catalog GPU type (or "cpu") the step runs on: it decides the attention kernel
+    device_type: str = "cpu"
+
+    def __post_init__(self) -> None:
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.micro_batch) or self.micro_batch < 0:
+            raise ValueError(f"micro_batch must be an integer >= 0, got {self.micro_batch!r}")
+        if not is_int(self.accum_steps) or self.accum_steps < 1:
+            raise ValueError(f"accum_steps must be an integer >= 1, got {self.accum_steps!r}")
+        if self.seq is not None and (not is_int(self.seq) or self.seq < 1):
+            raise ValueError(f"seq must be a positive integer, got {self.seq!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        for name in ("dp", "tp", "pp"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
+            raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        f = self.shard_fraction
+        if f is not None:
+            # 0 is allowed here: a GPU that computes but owns no slice of the AdamW state
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0.0 <= f <= 1.0):
+                raise ValueError(f"shard_fraction must be in [0, 1], got {f!r}")
+            if self.zero == 0 and f != 1.0:
+                raise ValueError(f"shard_fraction {f} needs zero >= 1: zero=0 keeps the whole state on every GPU")
+
+    @property
+    def fraction(self) -> float:
+        """This GPU's share of the sharded state: shard_fraction, else 1/dp (1 with zero=0)."""
+        if self.zero == 0:
+            return 1.0
+        return float(self.shard_fraction) if self.shard_fraction is not None else 1.0 / self.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU at the peak moment of the step; peak_bytes is their sum."""
+
+    num_params: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    other_bytes: int
+    peak_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate_for(spec: ModelSpec, cfg: MemoryConfig) -> int:
+    """Check `cfg` against the model; returns the sequence length used."""
+    seq = cfg.seq or spec.max_seq
+    if seq > spec.max_seq:
+        raise ValueError(f"seq {seq} > the model's max_seq {spec.max_seq}")
+    if spec.num_heads % cfg.tp or spec.num_kv_heads % cfg.tp:
+        raise ValueError(f"tp={cfg.tp} must divide num_heads {spec.num_heads} and num_kv_heads "
+                         f"{spec.num_kv_heads} (remainders {spec.num_heads % cfg.tp}, {spec.num_kv_heads % cfg.tp})")
+    if cfg.pp > spec.num_layers:
+        raise ValueError(f"pp={cfg.pp} > num_layers {spec.num_layers}: a stage needs at least one layer")
+    return seq
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The per-GPU sizes the formulas use (tp shards heads and the ffn, pp the layers)."""
+
+    layers: int  # blocks on this GPU
+    h: int  # hidden (the residual stream is never sharded)
+    hq: int  # query/output width on this GPU: h / tp
+    kv: int  # key/value width on this GPU: num_kv_heads * head_dim / tp
+    f: int  # ffn width on this GPU
+    heads: int  # query heads on this GPU
+    vocab: int  # vocabulary rows on this GPU (Megatron splits the head and embedding by tp)
+    head_dim: int
+    gpt2: bool
+    tied: bool
+
+
+def _shape(spec: ModelSpec, cfg: MemoryConfig) -> _Shape:
+    tp = cfg.tp
+    return _Shape(
+        layers=math.ceil(spec.num_layers / cfg.pp), h=spec.hidden, hq=spec.q_width // tp,
+        kv=spec.num_kv_heads * spec.head_dim // tp, f=math.ceil(spec.ffn_hidden / tp),
+        heads=spec.num_heads // tp, vocab=math.ceil(spec.vocab_size / tp), head_dim=spec.head_dim,
+        gpt2=spec.family == "gpt2", tied=spec.tied_embeddings,
+    )
+
+
+def _local_params(spec: ModelSpec, cfg: MemoryConfig) -> int:
+    """Parameters this GPU holds before ZeRO-3: all of them without TP/PP (the runtime); with
+    PP the first stage (its blocks + the embeddings, the larger end), with TP Megatron's split
+    (matmuls and embeddings ÷tp, norms and row-parallel biases replicated: ignored, < 0.1 %)."""
+    if cfg.tp == 1 and cfg.pp == 1:
+        return spec.num_params
+    blocks = math.ceil(spec.num_layers / cfg.pp) * spec.block_params()
+    ends = spec.embedding_params() + spec.final_norm_params() if cfg.pp == 1 else spec.embedding_params()
+    return math.ceil((blocks + ends) / cfg.tp)
+
+
+def _layer_saved_bytes_per_token(s: _Shape, w: int) -> int:
+    """Bytes autograd keeps per token for one block (models/decoder.py Block.forward), no recompute.
+
+    w is the compute width: 4 (fp32) or 2 (autocast). Under autocast each Linear saves its own
+    2-byte copy of its fp32 input (q/k/v: 3 copies of the attention norm's output; up, and
+    gate for SwiGLU: 1 or 2 of the MLP norm's); in fp32 they share one 4-byte tensor."""
+    residual = 2 * FP32_BYTES * s.h  # block input x and x + attn(...) (LayerNorm/RMSNorm inputs)
+    if s.gpt2:
+        norms = 2 * 2 * FP32_BYTES  # LayerNorm keeps mean and rstd, (B, T, 1) each
+    else:
+        norms = 2 * (FP32_BYTES + FP32_BYTES * s.h)  # RMSNorm keeps rsqrt (B, T, 1) and x*rsqrt (B, T, h)
+    if w == FP32_BYTES:
+        norm_outputs = 2 * FP32_BYTES * s.h
+    else:
+        norm_outputs = (3 + (1 if s.gpt2 else 2)) * w * s.h
+    # attention (q, k, v, the SDPA output and the kernel's statistics) is added per call by
+    # `_attention_bytes`: what it keeps depends on the kernel that runs (planner/core/attention.py)
+    mlp = (2 if s.gpt2 else 4) * w * s.f  # GELU: up, gelu(up); SwiGLU: gate, silu(gate), up, product
+    return residual + norms + norm_outputs + mlp
+
+
+def attention_kernel(spec: ModelSpec, cfg: MemoryConfig) -> AttentionKernel:
+    """The SDPA kernel the runtime runs for this device type and dtype (K/V expanded where GQA
+    alone would fall back to the math kernel); refused where the math kernel would run anyway:
+    its (B, heads, S, S) temporaries are not modelled."""
+    kernel = select_kernel(cfg.device_type, cfg.dtype, spec.num_heads // cfg.tp, spec.num_kv_heads // cfg.tp,
+                           spec.head_dim)
+    if kernel.name == "math":
+        raise ValueError(f"{cfg.device_type} in {cfg.dtype} runs SDPA's math kernel ({kernel.reason}): its "
+                         "B·heads·S² temporaries are not modelled; choose a dtype with a fused kernel")
+    return kernel
+
+
+def _attention_bytes(spec: ModelSpec, cfg: MemoryConfig, s: _Shape, batch: int, seq: int, w: int) -> int:
+    """Bytes one block's attention keeps for backward for `batch` samples (planner/core/attention.py)."""
+    return attention_saved_bytes(attention_kernel(spec, cfg), batch, seq, s.heads, s.kv // s.head_dim,
+                                 s.head_dim, w)
+
+
+def _block_matmul_params(spec: ModelSpec, s: _Shape) -> int:
+    return s.h * (s.hq + 2 * s.kv) + s.hq * s.h + (2 if s.gpt2 else 3) * s.h * s.f
+
+
+def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]]:
+    """(activation bytes, other bytes) on top of the model states at each candidate peak moment."""
+    s = _shape(spec, cfg)
+    autocast = cfg.dtype != "fp32"
+    w = HALF_BYTES if autocast else FP32_BYTES
+    tokens = cfg.micro_batch * seq  # N = B·T
+    if cfg.pp > 1:  # 1F1B: the first stage holds up to pp micro-batches in flight (Narayanan et al. 2021)
+        tokens *= cfg.pp
+    h, f, V, L = s.h, s.f, s.vocab, s.layers
+    inputs = 2 * INT64_BYTES * cfg.micro_batch * seq  # tokens and targets, (B, T) int64
+    # the forward's shared tensors: GPT-2 position ids (T,) int64; RoPE cos and sin (T, hd) in
+    # the compute dtype, plus the inv_freq buffer (hd/2,) fp32
+    buffers = 0 if s.gpt2 else FP32_BYTES * (s.head_dim // 2)
+    shared = (INT64_BYTES * seq if s.gpt2 else 2 * seq * s.head_dim * w) + buffers
+    # one block's saved bytes for the micro-batch(es) in flight: per-token terms plus attention
+    layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, tokens // seq, seq, w)
+    final_norm = 2 * FP32_BYTES if s.gpt2 else FP32_BYTES + FP32_BYTES * h
+    final = FP32_BYTES * h + final_norm + (w * h if autocast else FP32_BYTES * h)  # x_L, norm, head input
+    block_copies = w * _block_matmul_params(spec, s) if autocast else 0  # autocast weight copies
+    head_copy = w * V * h if autocast else 0
+    head_grad_pending = FP32_BYTES * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
+    dy = FP32_BYTES * h * tokens  # gradient of the residual stream
+    recompute = cfg.recompute == "full"
+    kept = (FP32_BYTES * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's fp32 input
+    kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
+
+    # Inside one block's backward (the largest transient, models/decoder.py MLP in reverse):
+    # down_proj: grad of its output (autocast: a w-byte cast), grad of its input (w·f per token),
+    # its weight grad (w·h·f); SwiGLU's mul: two w·f gradients on top of the incoming one.
+    bias = w * h if spec.linear_bias else 0
+    in_block = max(
+        (w * h if autocast else 0) * tokens + w * f * tokens + w * h * f + bias,
+        0 if s.gpt2 else 2 * w * f * tokens,
+    )
+    phases = {
+        # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
+        # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
+        "loss": (kept + final * tokens, inputs + shared + kept_copies + head_copy
+                 + 3 * FP32_BYTES * V * tokens),
+        # the untied head's weight grad: fp32, the grad of the logits (B·T, V) is still held,
+        # with the grad of the head's input (B·T, h) and the weight grad (V, h); autocast: the
+        # logits' grads and the head's weight copy are gone, the weight grad exists as a w-byte
+        # matmul output and its fp32 cast for AccumulateGrad
+        "head": (kept + final * tokens, inputs + shared + kept_copies
+                 + (w * h * tokens + (w + FP32_BYTES) * V * h if autocast
+                    else FP32_BYTES * (V * tokens + h * tokens + V * h))),
+        # the last block's backward (recompute: its activations and weight copies rebuilt)
+        "last_block": (kept + (layer_all - FP32_BYTES * h * tokens if recompute else 0),
+                       inputs + shared + kept_copies + (block_copies if recompute else 0) + dy
+                       + head_grad_pending + in_block),
+        "step": (0, inputs + buffers),  # + the step's temporaries (estimate_memory adds them)
+    }
+    if autocast:
+        # end of forward: autocast caches the weight copies of every block (checkpointed or not)
+        # until its context exits, when the head writes the w-byte logits (B·T, V) from the
+        # w-byte copy of the final norm's fp32 output (still referenced: 4·h per token)
+        phases["forward_end"] = (kept + final * tokens, inputs + shared + L * block_copies + head_copy
+                                 + (w * V + FP32_BYTES * h) * tokens)
+    if cfg.micro_batch == 0:
+        phases = {"step": phases["step"]}
+    elif s.tied:
+        # end of backward: the head's grad, the embedding's grad and their sum, (V, h) fp32 each
+        phases["tied_embedding"] = (0, inputs + 3 * FP32_BYTES * V * h)
+    return phases
+
+
+def _shard_numels(spec: ModelSpec, f: float) -> list[int]:
+    """This GPU's slice of every runtime unit: round-half-up of f·numel (models/runtime.shard_bounds
+    for the first position; a later position's slice differs by at most one element)."""
+    return [int(math.floor(u.numel * f + 0.5)) for u in runtime_units(spec)]
+
+
+def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
+                    seq: int) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """The sharded runtime (models/sharded.py): (resident state by key, (activation bytes, other
+    bytes) on top of it at each candidate peak moment of the step).
+
+    Resident: AdamW moments and the gradient of the slice, 12 B per owned parameter; zero 1 and 2
+    add the full fp32 parameters (the master slice is a view of them), zero 1 the full fp32
+    gradients, zero 3 the master slice (4 B per owned parameter).
+    Zero 1 runs the whole model per micro-batch: the phases of `_phases`. Zero 2 and 3 go unit by
+    unit over all micro-batches (planner/core/units.py):
+      * keep mode (one micro-batch, recompute "none"): `_phases`' moments, where a block's output is
+        held by its graph until its backward is done (+1 boundary) and a tied head's gradient has
+        already been reduced (no pending (V, h) gradient);
+      * boundary mode (several micro-batches, or recompute "full"): `_phases` with recompute "full"
+        for the micro-batch being processed, plus the other micro-batches' unit boundaries
+        (4·h·N bytes each): at the head, L+1 per micro-batch and the n-1 finished input gradients;
+        in a block's backward, L+1 per micro-batch in all (inputs still to consume, the incoming
+        and the finished gradients);
+    and on top, the unit buffers in flight at that moment: the unit's full fp32 gradient, and at
+    zero 3 its gathered parameters and the prefetched next unit's (a tied embedding is gathered
+    again for the head and its gradient reduced right after it)."""
+    f = cfg.fraction
+    shards = _shard_numels(spec, f)
+    owned = sum(shards)
+    units = runtime_units(spec)
+    P = spec.num_params
+    resident = {"params_bytes": FP32_BYTES * (owned if cfg.zero >= 3 else P),
+                # zero 1: the full gradients, alive from the first micro-batch to their reduce
+                "grads_bytes": FP32_BYTES * P if cfg.zero <= 1 else 0,
+                "optimizer_bytes": 2 * FP32_BYTES * owned}
+    slice_grads = FP32_BYTES * owned  # every unit's slice gradient, from its reduce to the update
+    # the global norm walks each slice in chunks, one fp64 copy of a chunk at a time (models/optim.py);
+    # AdamW's single fp32 chunk buffer (4 B per element) comes later and is smaller
+    step_temps = 2 * FP32_BYTES * min(max(shards), STEP_CHUNK_NUMEL)
+    n = cfg.accum_steps if cfg.micro_batch > 0 else 0
+    inputs_all = 2 * INT64_BYTES * cfg.micro_batch * seq * n
+    extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
+    if cfg.zero <= 1 or cfg.micro_batch == 0:
+        one = _phases(spec, cfg, seq)
+        phases = {k: (a, o + extra_inputs) for k, (a, o) in one.items()}
+        full_grads = resident["grads_bytes"]  # freed after their reduce, before the update
+        phases["step"] = (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads - full_grads)
+        if cfg.zero >= 2:  # a rank without samples: one unit's gradient (and gathers) at a time
+            largest = max(u.numel for u in units)
+            phases["join"] = (0, FP32_BYTES * largest * (3 if cfg.zero == 3 else 1) + slice_grads + inputs_all)
+        return resident, phases
+    keep = n == 1 and cfg.recompute == "none"
+    one = _phases(spec, cfg if keep else replace(cfg, recompute="full"), seq)
+    s = _shape(spec, cfg)
+    h, V, L = spec.hidden, spec.vocab_size, spec.num_layers
+    autocast = cfg.dtype != "fp32"
+    w = HALF_BYTES if autocast else FP32_BYTES
+    tokens = cfg.micro_batch * seq
+    bd = FP32_BYTES * h * tokens  # one unit boundary of one micro-batch, fp32
+    tied = spec.tied_embeddings
+    embed, block, head = units[0].numel, units[1].numel if L else 0, units[-1].numel
+    gathered = cfg.zero == 3
+    g = (lambda numel: FP32_BYTES * numel if gathered else 0)
+    pending = FP32_BYTES * V * h if tied else 0  # `_phases` holds the tied head's gradient through backward
+    # slice gradients alive: after the head's reduce (and a tied embedding's), after every block's
+    early = FP32_BYTES * (shards[-1] + (shards[0] if tied else 0))
+    late = slice_grads - (0 if tied else FP32_BYTES * shards[0])
+    gathers_head = g(head) + g(block) + (g(embed) if tied else 0)
+    # boundary mode accumulates every micro-batch in the unit's flat gradient; keep mode lets autograd
+    # make each parameter's gradient (already counted in `_phases`) and flattens it after the unit
+    grad_bufs_head = 0 if keep else FP32_BYTES * (head + (embed if tied else 0))
+    gathers_block = g(block) * (2 if L > 1 else 1)
+    others = 0 if keep else (L + 2) * (n - 1) * bd
+    layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, cfg.micro_batch, seq, w)
+    copies = HALF_BYTES * _block_matmul_params(spec, s) if autocast else 0
+    graph_bytes = layer_all + copies if keep else 0  # one block's graph (keep mode)
+
+    def plus(k: str, act: int, other: int) -> tuple[int, int]:
+        a, o = one[k]
+        return a + act, o + other + extra_inputs
+
+    phases = {
+        "loss": plus("loss", others, gathers_head + grad_bufs_head),
+        "head": plus("head", others, gathers_head + grad_bufs_head),
+        # keep: the block's output, held by its graph; boundaries: the input gradient being made
+        # while the incoming one is still listed
+        "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd,
+                           gathers_block + (0 if keep else FP32_BYTES * block) - pending + early),
+        "embed_backward": (n * bd, FP32_BYTES * embed + inputs_all + late),
+        # the first block's backward: the fewest boundaries (or graphs) left, the most slice
+        # gradients made (every block above it reduced); the middle blocks lie between the two ends
+        "first_block": plus("last_block", (bd if keep else (2 * n - L) * bd) - (L - 1) * graph_bytes,
+                            g(block) + (0 if keep else FP32_BYTES * block) - pending + early
+                            + FP32_BYTES * shards[1] * (L - 1)),
+        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads),
+    }
+    if keep:
+        # flattening a unit's gradients for its reduce: the parameters' .grad and the flat copy, with
+        # the blocks' graphs still held (all of them after the head; all but the last after it)
+        base = inputs_all + (0 if s.gpt2 else 2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2)) + (
+            INT64_BYTES * seq if s.gpt2 else 0)
+        graphs = L * (layer_all + copies)
+        phases["flatten_head"] = (graphs + bd, base + gathers_head + 2 * FP32_BYTES * head)
+        if tied:
+            phases["flatten_embed"] = (graphs + bd, base + gathers_head + 2 * FP32_BYTES * embed
+                                       + FP32_BYTES * shards[-1])
+        phases["flatten_block"] = ((L - 1) * (layer_all + copies) + bd,
+                                   base + gathers_block + 2 * FP32_BYTES * block + early)
+        phases["flatten_first_block"] = (bd, base + g(block) + 2 * FP32_BYTES * block + early
+                                         + FP32_BYTES * shards[1] * (L - 1))
+    if "forward_end" in one:
+        # the head's autocast region is its own: in boundary mode no block's weight copies are cached
+        # (keep mode: they are saved in the blocks' graphs, as `_phases` counts them)
+        copies = 0 if keep else L * HALF_BYTES * _block_matmul_params(spec, s)
+        phases["forward_end"] = plus("forward_end", others, gathers_head + grad_bufs_head - copies)
+    return resident, phases
+
+
+def estimate_startup_bytes(spec: ModelSpec, cfg: MemoryConfig) -> int:
+    """Peak bytes while the runtime is built (models/sharded.py: the decoder on the meta device,
+    each unit materialized in full, initialized and cut to this GPU's slice before the next one
+    exists). Per unit: its full fp32 buffer, the slice's moments and gradient (12 B per owned
+    element) and at zero 3 the master copy of the slice, after which the full buffer is freed."""
+    if cfg.tp != 1 or cfg.pp != 1:
+        raise ValueError("start-up memory is modelled for the runtime (tp = pp = 1) only")
+    shards = _shard_numels(spec, cfg.fraction)
+    done, peak = 0, 0
+    for u, owned in zip(runtime_units(spec), shards):
+        # the full buffer, the moments, the slice's gradient (its storage freed at once), the master copy
+        if cfg.zero >= 3:
+            peak = max(peak, done + FP32_BYTES * u.numel + 3 * FP32_BYTES * owned)
+            done += 3 * FP32_BYTES * owned
+        else:
+            peak = max(peak, done + FP32_BYTES * u.numel + 3 * FP32_BYTES * owned)
+            done += FP32_BYTES * u.numel + 2 * FP32_BYTES * owned
+    return peak
+
+
+def estimate_memory(spec: ModelSpec, cfg: MemoryConfig) -> MemoryBreakdown:
+    """Predicted per-GPU peak bytes of one training step of `spec` under `cfg` (see module doc)."""
+    return _estimate(spec, cfg)[0]
+
+
+def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
+    """Total bytes at each candidate peak moment ("forward_end", "loss", "head", "last_block",
+    "tied_embedding", "step"; those that apply). Each is affine in micro_batch and in
+    shard_fraction; estimate_memory's peak_bytes is their maximum. A coefficient table built
+    from a few points should interpolate each phase and take the max, not interpolate the max."""
+    return _estimate(spec, cfg)[1]
+
+
+def _estimate(spec: ModelSpec, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
+    seq = validate_for(spec, cfg)
+    if cfg.tp == 1 and cfg.pp == 1:
+        resident, phases = _runtime_phases(spec, cfg, seq)
+        states = sum(resident.values())
+        act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
+        breakdown = MemoryBreakdown(num_params=spec.num_params, **resident, activations_bytes=act, other_bytes=other,
+                                    peak_bytes=states + act + other)
+        return breakdown, {k: states + a + o for k, (a, o) in phases.items()}
+    return _estimate_analytic(spec, cfg, seq)
+
+
+def _estimate_analytic(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> tuple[MemoryBreakdown, dict[str, int]]:
+    """Tensor and pipeline parallelism: analytic only (the runtime runs neither)."""
+    n = spec.num_params
+    local = _local_params(spec, cfg)
+    f = cfg.fraction
+    params = FP32_BYTES * (math.ceil(f * local) if cfg.zero >= 3 else local)
+    grads = FP32_BYTES * (math.ceil(f * local) if cfg.zero >= 2 else local)
+    shard = local if cfg.zero == 0 else int(round(f * local))
+    # exp_avg + exp_avg_sq fp32, and one fp32 step scalar per chunk (torch.optim.AdamW state)
+    optimizer = 2 * FP32_BYTES * shard + FP32_BYTES * math.ceil(shard / STEP_CHUNK_NUMEL)
+    step_temps = 2 * FP32_BYTES * min(shard, STEP_CHUNK_NUMEL)  # sqrt(v) and sqrt(v)/c of one chunk
+    phases = _phases(spec, cfg, seq)
+    act, other = phases["step"]
+    phases["step"] = (act, other + step_temps)
+    if cfg.zero >= 3:
+        # analytic ZeRO-3 (Rajbhandari et al. 2020): one block's fp32 parameters gathered for
+        # compute while the next one is prefetched, at every moment of forward and backward
+        gather = 2 * FP32_BYTES * math.ceil(spec.block_params() / cfg.tp)
+        phases = {k: (a, o + (gather if k != "step" else 0)) for k, (a, o) in phases.items()}
+    act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
+    states = params + grads + optimizer
+    breakdown = MemoryBreakdown(num_params=n, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+                                activations_bytes=act, other_bytes=other, peak_bytes=states + act + other)
+    return breakdown, {k: states + a + o for k, (a, o) in phases.items()}

@@ -1,0 +1,469 @@
+"""The profile store: measured step times and collective bandwidths, read by the planner.
+
+Cephalo's time model (DESIGN.md): on one device type, forward+backward of a
+micro-batch of `m` samples takes about `α + β·m`; `profiler profile` measures
+it at several `m` and fits α, β by least squares (`profiler/step_profile.py`).
+For a device type that was never measured, `get_step_profile` *estimates* α, β
+from the FLOPs of one sample and the catalog peak times an efficiency
+calibrated from whatever was measured (section "Estimates" below). Every
+`StepProfile` says which it is (`measured`, `source`).
+
+Store layout (JSON, one file per profile, under `planner.core.paths.profiles_dir()`,
+i.e. `$GPUMIX_DATA_DIR/profiles`, or a `store_dir` argument):
+    steps/<device>__<model>__s<seq>__<dtype>__<recompute>.json   StepProfile
+    bench/<device>.json                                          DeviceBench
+Profiles describe a real device type; an *emulated* device's `slowdown` (cluster file)
+multiplies them in the planner's cost model, never here. Pure Python (no torch): the
+planner imports this.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import statistics
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Sequence
+
+from planner.core import paths
+from planner.core.catalog import CPU_TYPE, GB, get_gpu_type
+from planner.core.specs import ModelSpec
+
+log = logging.getLogger(__name__)
+
+TFLOPS = 1e12
+RECOMPUTE_MODES = ("none", "full")
+
+# ---- Estimates -------------------------------------------------------------------------------
+# Used only where nothing was measured; each measured profile in the store replaces them
+# (see `calibration`).
+# Fraction of the datasheet peak a GPU reaches on a transformer's forward+backward:
+# Megatron-LM reports 40-52 % model FLOPs utilization for GPT on A100 (Narayanan et al. 2021,
+# table 1; Korthikanti et al. 2022, table 5). Take the low end: small micro-batches do worse.
+DEFAULT_GPU_EFFICIENCY = 0.40
+# A CPU core running fp32 GEMMs through oneDNN/MKL reaches about half of the catalog's
+# placeholder peak (planner/core/catalog.py), which `profiler bench` replaces with a measurement.
+DEFAULT_CPU_EFFICIENCY = 0.5
+# α, the fixed cost of a micro-batch, is kernel-launch and Python overhead: about 25 kernels per
+# layer forward+backward at ~10 µs each on a GPU (PyTorch eager); ~0.1 ms per layer on a CPU core.
+DEFAULT_GPU_ALPHA_PER_LAYER_S = 0.25e-3
+DEFAULT_CPU_ALPHA_PER_LAYER_S = 0.1e-3
+# Adam's step streams about 32 bytes per parameter (read param, grad, m, v in fp32 = 16 bytes,
+# write param, m, v = 12, plus a 16-bit copy of the parameter = 2-4), at about 70 % of the
+# memory bandwidth (a streaming kernel).
+ADAM_BYTES_PER_PARAM = 32
+STREAM_EFFICIENCY = 0.7
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Forward+backward time of one micro-batch on one device type: `alpha_s + beta_s * m`.
+
+    `flops_per_sample` are the training FLOPs (forward+backward) of one sample of `seq`
+    tokens; `efficiency` = achieved FLOP/s (flops_per_sample / beta_s) over the peak the
+    profile was measured or estimated against."""
+
+    device_type: str
+    model: str
+    seq: int
+    dtype: str
+    recompute: str
+    alpha_s: float
+    beta_s: float
+    optimizer_s_per_param: float
+    r2: float | None  # fit quality of a measured profile; None when estimated
+    measured: bool
+    source: str  # one line: how this profile was obtained
+    flops_per_sample: float
+    num_params: int = 0
+    num_layers: int = 0
+    micro_batches: tuple[int, ...] = ()  # measured sizes
+    step_times_s: tuple[float, ...] = ()  # median time of each measured size
+    efficiency: float | None = None
+    peak_tflops: float | None = None  # the peak `efficiency` refers to
+    host: str = ""
+    created: str = ""  # ISO time of the measurement
+    # matmul weights of the profiled model (ModelSpec.matmul_params): identifies the architecture
+    # (a longer position table, with_max_seq, does not change it)
+    num_matmul_params: int = 0
+
+    def matches(self, spec: ModelSpec) -> bool:
+        """Same model name and, when recorded, the same architecture."""
+        return self.model == spec.name and self.num_matmul_params in (0, spec.matmul_params())
+
+    def step_time_s(self, micro_batch: int) -> float:
+        """Forward+backward of one micro-batch of `micro_batch` samples."""
+        return self.alpha_s + self.beta_s * micro_batch
+
+    def optimizer_time_s(self, num_params: int | float) -> float:
+        """The optimizer step over a shard of `num_params` parameters."""
+        return self.optimizer_s_per_param * num_params
+
+    @property
+    def kind(self) -> str:
+        return "measured" if self.measured else "estimated"
+
+    @property
+    def achieved_tflops(self) -> float:
+        return self.flops_per_sample / self.beta_s / TFLOPS if self.beta_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["micro_batches"] = list(self.micro_batches)
+        d["step_times_s"] = list(self.step_times_s)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepProfile":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}  # newer files may carry more
+        d["micro_batches"] = tuple(int(x) for x in d.get("micro_batches", ()))
+        d["step_times_s"] = tuple(float(x) for x in d.get("step_times_s", ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """`time_s(size) = latency_s + size_bytes / bandwidth_bytes_per_s` for one collective.
+
+    `size_bytes` is the size of the *whole* tensor: the buffer that is all-reduced or
+    broadcast, the gathered output of an all-gather. The bandwidth is therefore the
+    algorithm bandwidth (size / time), not NCCL's bus bandwidth."""
+
+    op: str  # "all_reduce" | "all_gather" | "broadcast"
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    r2: float
+    sizes_bytes: tuple[int, ...] = ()
+    times_s: tuple[float, ...] = ()
+
+    def time_s(self, size_bytes: float) -> float:
+        return self.latency_s + size_bytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class CollectiveProfile:
+    device_type: str
+    backend: str  # "gloo" | "nccl"
+    world_size: int
+    fits: tuple[CollectiveFit, ...]
+    measured: bool = True
+    host: str = ""
+
+    def fit(self, op: str) -> CollectiveFit | None:
+        return next((f for f in self.fits if f.op == op), None)
+
+    def time_s(self, op: str, size_bytes: float) -> float:
+        f = self.fit(op)
+        if f is None:
+            raise ValueError(f"collective {op!r} was not benchmarked on {self.device_type}")
+        return f.time_s(size_bytes)
+
+
+@dataclass(frozen=True)
+class MatmulResult:
+    dtype: str
+    size: int  # n of an n×n @ n×n product
+    tflops: float
+
+
+@dataclass(frozen=True)
+class DeviceBench:
+    """What `profiler bench` measured on one device type of this machine."""
+
+    device_type: str
+    device_name: str
+    num_threads: int  # torch threads during the matmul/memory benchmarks (1: an executor rank)
+    matmul: tuple[MatmulResult, ...]
+    memory_gbps: float  # GB/s (bytes, decimal) of a large copy: read + write counted
+    collectives: CollectiveProfile | None = None
+    host: str = ""
+    created: str = ""
+
+    def best_tflops(self, dtype: str) -> float | None:
+        rates = [m.tflops for m in self.matmul if m.dtype == dtype]
+        return max(rates) if rates else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DeviceBench":
+        coll = d.get("collectives")
+        if coll:
+            fits = tuple(
+                CollectiveFit(f["op"], float(f["latency_s"]), float(f["bandwidth_bytes_per_s"]), float(f["r2"]),
+                              tuple(int(x) for x in f.get("sizes_bytes", ())),
+                              tuple(float(x) for x in f.get("times_s", ())))
+                for f in coll["fits"])
+            coll = CollectiveProfile(coll["device_type"], coll["backend"], int(coll["world_size"]), fits,
+                                     bool(coll.get("measured", True)), coll.get("host", ""))
+        return cls(d["device_type"], d.get("device_name", ""), int(d.get("num_threads", 1)),
+                   tuple(MatmulResult(m["dtype"], int(m["size"]), float(m["tflops"])) for m in d.get("matmul", ())),
+                   float(d.get("memory_gbps", 0.0)), coll or None, d.get("host", ""), d.get("created", ""))
+
+
+# ---- the store ---------------------------------------------------------------------------------
+
+
+def store_root(store_dir: str | None = None) -> str:
+    return store_dir if store_dir is not None else paths.profiles_dir()
+
+
+def _safe(part: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", part)
+
+
+def step_profile_path(device_type: str, model: str, seq: int, dtype: str, recompute: str,
+                      store_dir: str | None = None) -> str:
+    name = "__".join(_safe(p) for p in (device_type, model, f"s{seq}", dtype, recompute)) + ".json"
+    return os.path.join(store_root(store_dir), "steps", name)
+
+
+def bench_path(device_type: str, store_dir: str | None = None) -> str:
+    return os.path.join(store_root(store_dir), "bench", _safe(device_type) + ".json")
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)  # readers never see half a file
+    return path
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+        return d if isinstance(d, dict) else None
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("skipping unreadable profile %s: %s", path, e)
+        return None
+
+
+def save_step_profile(profile: StepProfile, store_dir: str | None = None) -> str:
+    """Write a (measured) profile; it replaces the one with the same key."""
+    path = step_profile_path(profile.device_type, profile.model, profile.seq, profile.dtype, profile.recompute,
+                             store_dir)
+    return _write_json(path, profile.to_dict())
+
+
+def load_step_profiles(store_dir: str | None = None) -> list[StepProfile]:
+    """Every profile in the store (malformed files are skipped with a warning)."""
+    folder = os.path.join(store_root(store_dir), "steps")
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        d = _read_json(os.path.join(folder, n))
+        if d is None:
+            continue
+        try:
+            out.append(StepProfile.from_dict(d))
+        except (TypeError, ValueError, KeyError) as e:
+            log.warning("skipping malformed profile %s: %s", n, e)
+    return out
+
+
+def save_device_bench(bench: DeviceBench, store_dir: str | None = None) -> str:
+    return _write_json(bench_path(bench.device_type, store_dir), bench.to_dict())
+
+
+def get_device_bench(device_type: str, store_dir: str | None = None) -> DeviceBench | None:
+    d = _read_json(bench_path(device_type, store_dir))
+    if d is None:
+        return None
+    try:
+        return DeviceBench.from_dict(d)
+    except (TypeError, ValueError, KeyError) as e:
+        log.warning("skipping malformed bench of %s: %s", device_type, e)
+        return None
+
+
+def get_collective_profile(device_type: str, store_dir: str | None = None) -> CollectiveProfile | None:
+    """Measured latency and bandwidth of all-reduce / all-gather / broadcast between local
+    ranks of `device_type`, or None when `profiler bench` has not measured them."""
+    bench = get_device_bench(device_type, store_dir)
+    return bench.collectives if bench else None
+
+
+# ---- peaks and calibration -----------------------------------------------------------------------
+
+
+def peak_tflops(device_type: str, dtype: str, store_dir: str | None = None) -> float:
+    """The peak an efficiency refers to: the datasheet's, except for `cpu`, whose catalog entry
+    is a placeholder: there the best single-thread matmul `profiler bench` measured, if any."""
+    if device_type == CPU_TYPE:
+        bench = get_device_bench(CPU_TYPE, store_dir)
+        if bench and bench.num_threads == 1:
+            rate = bench.best_tflops("fp32" if dtype not in ("bf16", "fp16") else dtype) or bench.best_tflops("fp32")
+            if rate:
+                return rate
+    return get_gpu_type(device_type).peak_tflops(dtype)
+
+
+def _is_cpu(device_type: str) -> bool:
+    return device_type == CPU_TYPE
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Efficiency, α per layer and optimizer time per parameter for one device type."""
+
+    efficiency: float
+    alpha_per_layer_s: float
+    optimizer_s_per_param: float
+    basis: str  # which measurements (or defaults) these come from
+    num_profiles: int = 0
+
+
+def calibration(device_type: str, dtype: str, store_dir: str | None = None,
+                profiles: list[StepProfile] | None = None) -> Calibration:
+    """Calibrate the estimate for `device_type` from the measured profiles in the store.
+
+    Efficiency: the median over measured profiles of (flops_per_sample / β) / peak, taken
+    from the same device type (same dtype first) or else from other device types of the
+    same class (GPU or CPU): efficiency is a fraction of the peak, so it carries across
+    types in the ratio of their peaks. α per layer and the optimizer time per parameter
+    come from the same device type only; elsewhere from the defaults above."""
+    profiles = load_step_profiles(store_dir) if profiles is None else profiles
+    measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.flops_per_sample > 0]
+    same_type = [p for p in measured if p.device_type == device_type]
+    same_dtype = [p for p in same_type if p.dtype == dtype]
+    same_class = [p for p in measured if _is_cpu(p.device_type) == _is_cpu(device_type)]
+    pool, where = ((same_dtype, f"{device_type} {dtype}") if same_dtype else
+                   (same_type, device_type) if same_type else
+                   (same_class, "other device types (ratio of peaks)"))
+    cpu = _is_cpu(device_type)
+    if pool:
+        eff = statistics.median(p.flops_per_sample / p.beta_s / TFLOPS / peak_tflops(p.device_type, p.dtype, store_dir)
+                                for p in pool)
+        basis = f"efficiency {eff:.2f} calibrated from {len(pool)} measured profile(s) on {where}"
+    else:
+        eff = DEFAULT_CPU_EFFICIENCY if cpu else DEFAULT_GPU_EFFICIENCY
+        basis = f"default efficiency {eff:.2f} (nothing measured)"
+    alphas = [max(p.alpha_s, 0.0) / p.num_layers for p in same_type if p.num_layers > 0]
+    alpha_layer = statistics.median(alphas) if alphas else (
+        DEFAULT_CPU_ALPHA_PER_LAYER_S if cpu else DEFAULT_GPU_ALPHA_PER_LAYER_S)
+    opts = [p.optimizer_s_per_param for p in same_type if p.optimizer_s_per_param > 0]
+    if opts:
+        opt = statistics.median(opts)
+    else:
+        bench = get_device_bench(device_type, store_dir) if cpu else None
+        mem_bytes_per_s = (bench.memory_gbps * GB if bench and bench.memory_gbps > 0
+                           else get_gpu_type(device_type).memory_bytes_per_s)
+        opt = ADAM_BYTES_PER_PARAM / (mem_bytes_per_s * STREAM_EFFICIENCY)
+    return Calibration(eff, alpha_layer, opt, basis, len(pool))
+
+
+def analytic_flops_per_sample(spec: ModelSpec, seq: int, recompute: str = "none") -> float:
+    """Training FLOPs of one sample: ModelSpec.flops_per_token (6·N + attention) × seq.
+
+    Full recomputation (models/decoder.py checkpoints each block, not the LM head) runs
+    every block's forward once more: + 2·N_blocks + 4·L·h·s per token (a third of the
+    blocks' 6·N_blocks + 12·L·h·s)."""
+    per_token = spec.flops_per_token(seq)
+    if recompute == "full":
+        block_matmul_params = spec.matmul_params() - spec.vocab_size * spec.hidden
+        per_token += 2.0 * block_matmul_params + 4.0 * spec.num_layers * spec.hidden * seq
+    return per_token * seq
+
+
+def _check_args(seq: int, dtype: str, recompute: str) -> None:
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+    if dtype not in ("fp32", "fp16", "bf16"):
+        raise ValueError(f"dtype must be fp32, fp16 or bf16, got {dtype!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+
+
+def find_measured(device_type: str, spec: ModelSpec, seq: int, dtype: str, recompute: str = "none",
+                  store_dir: str | None = None) -> StepProfile | None:
+    path = step_profile_path(device_type, spec.name, seq, dtype, recompute, store_dir)
+    d = _read_json(path)
+    if d is None:
+        return None
+    try:
+        p = StepProfile.from_dict(d)
+    except (TypeError, ValueError, KeyError) as e:
+        log.warning("skipping malformed profile %s: %s", path, e)
+        return None
+    if not p.matches(spec):
+        # same name, different architecture (e.g. two config.json in folders of one name)
+        log.warning("profile %s is of a different %s (%d matmul parameters, not %d); ignoring it",
+                    path, spec.name, p.num_matmul_params, spec.matmul_params())
+        return None
+    return p if p.measured else None
+
+
+def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, recompute: str = "none",
+                     store_dir: str | None = None) -> StepProfile:
+    """The measured profile of (device type, model, seq, dtype, recompute) when the store has
+    one; else an estimate: β = FLOPs per sample / (peak × calibrated efficiency),
+    α = layers × calibrated α per layer. `measured` and `source` say which."""
+    _check_args(seq, dtype, recompute)
+    get_gpu_type(device_type)  # unknown type -> ValueError naming the known ones
+    found = find_measured(device_type, spec, seq, dtype, recompute, store_dir)
+    if found is not None:
+        return found
+    profiles = load_step_profiles(store_dir)
+    counted = [p for p in profiles if p.measured and p.matches(spec) and p.seq == seq
+               and p.recompute == recompute and p.flops_per_sample > 0]
+    if counted:
+        flops, flops_src = counted[0].flops_per_sample, "counted FLOPs"
+    else:
+        flops, flops_src = analytic_flops_per_sample(spec, seq, recompute), "analytic FLOPs"
+    cal = calibration(device_type, dtype, store_dir, profiles)
+    peak = peak_tflops(device_type, dtype, store_dir)
+    beta = flops / (peak * TFLOPS * cal.efficiency)
+    alpha = spec.num_layers * cal.alpha_per_layer_s
+    source = (f"estimated: {flops_src} {flops:.3g}/sample ÷ ({device_type} {dtype} peak {peak:.3g} TFLOP/s × "
+              f"{cal.basis})")
+    return StepProfile(device_type, spec.name, seq, dtype, recompute, alpha, beta, cal.optimizer_s_per_param,
+                       None, False, source, flops, spec.num_params, spec.num_layers,
+                       efficiency=cal.efficiency, peak_tflops=peak)
+
+
+# ---- least squares (shared by the profiler's fits) --------------------------------------------------
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None,
+             nonnegative_intercept: bool = False) -> tuple[float, float, float]:
+    """Weighted least squares `y = a + b·x`: returns (a, b, R²), R² = 1 − SS_res / SS_tot
+    (both weighted). `nonnegative_intercept`: when the free fit gives a < 0 (a fixed cost
+    below zero has no meaning), refit through the origin instead."""
+    n = len(xs)
+    if n < 2 or n != len(ys):
+        raise ValueError(f"a line fit needs at least 2 points of (x, y), got {n}")
+    w = [1.0] * n if weights is None else [float(v) for v in weights]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    if sxx == 0:
+        raise ValueError("a line fit needs at least 2 distinct x values")
+    b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sxx
+    a = my - b * mx
+    if nonnegative_intercept and a < 0:
+        a, b = 0.0, sum(wi * x * y for wi, x, y in zip(w, xs, ys)) / sum(wi * x * x for wi, x in zip(w, xs))
+    ss_tot = sum(wi * (y - my) ** 2 for wi, y in zip(w, ys))
+    ss_res = sum(wi * (y - a - b * x) ** 2 for wi, x, y in zip(w, xs, ys))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    return a, b, r2
+
+
+__all__ = [
+    "StepProfile", "CollectiveFit", "CollectiveProfile", "MatmulResult", "DeviceBench", "Calibration",
+    "get_step_profile", "get_collective_profile", "get_device_bench", "save_step_profile", "save_device_bench",
+    "load_step_profiles", "find_measured", "calibration", "peak_tflops", "analytic_flops_per_sample", "fit_line",
+    "step_profile_path", "bench_path", "store_root",
+]

@@ -1,0 +1,88 @@
+"""How the sharded runtime (models/sharded.py) cuts a model into units, and what it sends per step.
+
+One definition, pure Python, read by the runtime (which builds its flat buffers from it), the
+memory model (gather buffers, reduce-scatter buffers) and the planner's time model (the bytes
+each ZeRO stage moves). Change the runtime's schedule and this module must follow.
+
+Units, in forward order (each one flat parameter, sharded unevenly by the plan's shard fractions):
+    "embed"     token embedding (V·h) and, for learned positions, the position table (max_seq·h)
+    "block.i"   transformer block i, i = 0 .. L-1
+    "head"      the final norm and, when the head is not tied to the embedding, the LM head (V·h)
+
+Collectives the runtime issues per optimizer step (Cephalo's layer-wise accumulation: every
+micro-batch of the rank goes through a unit before the next unit starts, so each unit is
+gathered and reduced once per step, however many accumulation steps a rank takes):
+    zero 1  full fp32 gradients accumulate over all micro-batches; then one reduce-scatter of
+            every unit's gradient (fp32) and, after the optimizer step, one all-gather of every
+            unit's updated parameters (compute dtype)
+    zero 2  the same bytes, but a unit's gradient is reduce-scattered as soon as its backward over
+            all micro-batches is done, so one unit's full gradient is in flight at a time
+    zero 3  parameters are gathered (compute dtype) before a unit's forward and again before its
+            backward and freed after each; gradients reduce-scattered as in zero 2. The embedding
+            is not gathered for backward (its gradient needs only the token ids); a tied
+            embedding is gathered again for the head and reduce-scattered twice (once after the
+            head's backward, once after the embedding's)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.core.specs import ModelSpec
+
+ZERO_STAGES = (1, 2, 3)
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str
+    numel: int
+
+
+def runtime_units(spec: ModelSpec) -> tuple[Unit, ...]:
+    """The runtime's units in forward order with their parameter counts (sum = spec.num_params)."""
+    head = spec.final_norm_params() + (0 if spec.tied_embeddings else spec.vocab_size * spec.hidden)
+    embed = spec.embedding_params() - (0 if spec.tied_embeddings else spec.vocab_size * spec.hidden)
+    units = [Unit("embed", embed)]
+    units += [Unit(f"block.{i}", spec.block_params()) for i in range(spec.num_layers)]
+    units.append(Unit("head", head))
+    assert sum(u.numel for u in units) == spec.num_params, "unit layout must cover every parameter once"
+    return tuple(units)
+
+
+def max_unit_numel(spec: ModelSpec) -> int:
+    return max(u.numel for u in runtime_units(spec))
+
+
+@dataclass(frozen=True)
+class StepCollectives:
+    """Elements each rank's collectives move per optimizer step, as the runtime issues them:
+    `gather_numel` elements all-gathered in the compute dtype, `reduce_numel` elements
+    reduce-scattered in fp32, in `num_calls` collective calls (each pays a latency)."""
+
+    gather_numel: int
+    reduce_numel: int
+    num_calls: int
+
+    def bytes(self, compute_bytes: int) -> tuple[int, int]:
+        """(all-gather bytes, reduce-scatter bytes) of the full buffers (before the (k-1)/k factor)."""
+        return self.gather_numel * compute_bytes, self.reduce_numel * FP32_BYTES
+
+
+def step_collectives(spec: ModelSpec, zero: int) -> StepCollectives:
+    """What one optimizer step all-gathers and reduce-scatters (module docstring)."""
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"the runtime runs zero stages {ZERO_STAGES}, got {zero!r}")
+    units = runtime_units(spec)
+    n = sum(u.numel for u in units)
+    if zero in (1, 2):
+        return StepCollectives(gather_numel=n, reduce_numel=n, num_calls=2 * len(units))
+    embed = units[0].numel
+    tied_extra = spec.vocab_size * spec.hidden if spec.tied_embeddings else 0
+    blocks = sum(u.numel for u in units[1:-1])
+    head = units[-1].numel
+    gather = embed + 2 * blocks + head + tied_extra
+    reduce = n + tied_extra
+    calls = 1 + 2 * spec.num_layers + 1 + (1 if spec.tied_embeddings else 0)  # gathers
+    calls += len(units) + (1 if spec.tied_embeddings else 0)  # reduce-scatters
+    return StepCollectives(gather_numel=gather, reduce_numel=reduce, num_calls=calls)

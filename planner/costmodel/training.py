@@ -1,0 +1,578 @@
+"""The planner's cost model: time and memory of one device, and the coefficient tables the ILP consumes.
+
+What one optimizer step costs on the executor's sharded runtime (models/sharded.py) at ZeRO stage z:
+- compute: `n` micro-batches of `m` samples, each `α + β·m` seconds (the device type's
+  StepProfile, planner/core/profiles.py), times the device's emulated `slowdown`. At z ≥ 2 with n > 1
+  the runtime accumulates layer by layer (planner/core/units.py): it keeps only each micro-batch's unit
+  boundaries and recomputes every unit's forward in its backward, so such a choice is priced with
+  the type's recompute="full" profile; n = 1, and every choice at z = 1, with the plan's recompute;
+- optimizer: AdamW over the device's slice of the flat state, `optimizer_s_per_param · N · f`
+  (shard fraction `f`), times `slowdown`;
+- collectives exactly as `planner.core.units.step_collectives(spec, z)` lists them: the all-gathers in
+  the compute dtype (2 bytes for bf16/fp16, 4 for fp32 and on the CPU), the reduce-scatters in
+  fp32, each a ring costing (k−1)/k · bytes / bandwidth per rank, plus a latency per call
+  (⌈log2 k⌉ hops). NO overlap with compute is assumed: the runtime synchronizes per unit (its
+  prefetch hides at most one gather); measured overlap is a later issue. `k` is the number of
+  devices the plan uses; the bandwidth is the slowest link among them (the cluster's
+  `intra_node_gbps` on one node, `inter_node_gbps` across nodes), or what `profiler bench`
+  measured between local CPU workers.
+An iteration ends when the slowest device ends: `T = max_i (compute_i + optimizer_i) + comm(k)`.
+
+Memory is the memory model's (planner/core/memory.py) for the actual (m, n, f) of a choice: increasing in
+the shard fraction, and at z ≥ 2 in the accumulation steps too (every micro-batch's unit-boundary
+activations are kept). The tables hold, for every candidate (m, n), the largest shard fraction that
+still fits (`Choice.max_share`), each found by a few evaluations of the memory model (secant steps:
+each of its moments is affine in f) and cached per (device, m, n).
+
+Candidates that do not grow with the global batch B (issue 17): accumulation counts n ≤
+DENSE_ACCUM_STEPS (64; 8 once B > EXACT_GLOBAL_BATCH) are enumerated one by one (`Choice`, exact memory and time). Above that, every
+micro-batch m gets *bands* of counts (`AccumBand`, [65, 128], [129, 256], ... or [9, 16], ... doubling, one band for
+all of them where the memory model ignores n, as at zero 1) up to min(B/m, the compute bound). The
+ILP (planner/hetero/solve.py) does not pick an n from a band: it counts the devices x on a band and their
+accumulation steps in total, N, an integer; so Σ batch = B stays exactly solvable for any B, and
+the number of variables is types × micro-batches × log2(B/64) at most. A band's memory is asked at
+its ends only: at its top for plans the ILP returns (safe: memory never falls as n grows), at its
+bottom for the relaxation that proves a time infeasible (planner/hetero/solve.py says what that costs in
+optimality). A batch with per-device counts ≤ DENSE_ACCUM_STEPS has no bands and is solved exactly,
+as before.
+
+Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
+in `link_bandwidth_bytes_per_s`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Iterable, Sequence
+
+from planner.core.catalog import CPU_TYPE, device_dtype
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.specs import ModelSpec
+from planner.core.units import ZERO_STAGES, step_collectives
+
+log = logging.getLogger(__name__)
+
+BITS_PER_BYTE = 8
+GBIT = 1e9  # the cluster file's *_gbps are Gbit/s (DESIGN.md)
+FP32_BYTES = 4  # master weights and reduce-scattered gradients are fp32 (planner/core/units.py)
+HALF_BYTES = 2  # bf16 / fp16: what the runtime gathers parameters in on a GPU
+# Per-hop latency of one collective step when nothing was measured: NCCL's ring step costs a few
+# microseconds over NVLink/PCIe and tens over a datacenter network (NCCL tests, 8-byte all-reduce).
+INTRA_NODE_HOP_LATENCY_S = 5e-6
+INTER_NODE_HOP_LATENCY_S = 25e-6
+# The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
+MAX_MICRO_BATCH = 64
+# Accumulation counts enumerated one by one; above it they come in bands that double (AccumBand).
+# Up to EXACT_GLOBAL_BATCH samples every count to 64 is enumerated (no bands below 65: such plans are
+# solved exactly); above it counts from 9 on come in bands, which keeps the ILP small for any B.
+DENSE_ACCUM_STEPS = 64
+EXACT_GLOBAL_BATCH = 1024
+BANDED_DENSE_ACCUM_STEPS = 8
+ACCUM_BAND_GROWTH = 2
+# The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
+RUNTIME_ZERO_STAGE = 1
+# The ILP prices the world size k exactly up to this count; above it k falls in buckets
+# (9–11, 12–15, ...) priced at their largest k, a safe upper bound (comm grows with k).
+EXACT_WORLD_SIZES = 8
+WORLD_BUCKET_GROWTH = 1.4
+
+MemoryFn = Callable[[int, int, float], float]  # (micro_batch, accum_steps, shard_fraction) -> peak bytes
+
+
+@dataclass(frozen=True)
+class DeviceCoeffs:
+    """The cost figures of one kind of device (type + emulation) for one model, seq, dtype and ZeRO
+    stage. Times include the emulated slowdown."""
+
+    device: DeviceSpec
+    dtype: str  # what this type trains in (bf16 falls back to fp16 where unsupported)
+    alpha_s: float  # fixed cost of one micro-batch (the plan's recompute)
+    beta_s: float  # cost per sample of a micro-batch (the plan's recompute)
+    optimizer_s: float  # AdamW over the whole state (f = 1)
+    capacity_bytes: float  # memory × headroom: what a plan may use
+    memory_fn: MemoryFn = field(compare=False, repr=False)  # (m, n, f) -> bytes
+    measured: bool = False  # the step profile was measured (else estimated)
+    source: str = ""
+    # layer-wise accumulation (zero ≥ 2): n > 1 recomputes every unit's forward, priced by the
+    # recompute="full" profile below, and memory depends on n
+    layerwise: bool = False
+    recompute_alpha_s: float | None = None
+    recompute_beta_s: float | None = None
+
+    def compute_s(self, micro_batch: int, accum_steps: int) -> float:
+        if micro_batch <= 0:
+            return 0.0
+        if self.layerwise and accum_steps > 1 and self.recompute_alpha_s is not None:
+            return accum_steps * (self.recompute_alpha_s + (self.recompute_beta_s or 0.0) * micro_batch)
+        return accum_steps * (self.alpha_s + self.beta_s * micro_batch)
+
+    def step_s(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> float:
+        """Compute plus the optimizer step on the device's shard (collectives excluded)."""
+        return self.compute_s(micro_batch, accum_steps) + self.optimizer_s * shard_fraction
+
+    def memory_accum_steps(self, accum_steps: int) -> int:
+        """The accumulation steps memory is asked at: the choice's own n (≥ 1), at every stage (at
+        zero 1 the memory model ignores it; asking costs little: bench/planner_scaling.py)."""
+        return max(accum_steps, 1)
+
+    def memory_bytes(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> float:
+        return self.memory_fn(micro_batch, self.memory_accum_steps(accum_steps), shard_fraction)
+
+    def max_share(self, micro_batch: int, accum_steps: int) -> float:
+        """The largest shard fraction that fits beside (m, n); −1 if none does (max_share_fitting)."""
+        return max_share_fitting(self.memory_fn, micro_batch, self.capacity_bytes, self.memory_accum_steps(accum_steps))
+
+    @property
+    def speed_samples_per_s(self) -> float:
+        """Throughput at large micro-batches (α amortized): what `proportional` splits by."""
+        return 1.0 / self.beta_s
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Collective costs of one optimizer step for the devices of one scope (one node, or several):
+    what planner.core.units.step_collectives says the runtime all-gathers and reduce-scatters."""
+
+    bandwidth_bytes_per_s: float  # ring bus bandwidth per rank (all-gathers; reduce-scatters too unless below)
+    hop_latency_s: float
+    gather_bytes: float  # all-gathered per step, full buffers in the compute dtype
+    reduce_bytes: float  # reduce-scattered per step, full buffers in fp32
+    num_calls: int = 0  # collective calls per step (each pays a latency)
+    source: str = ""
+    # measured (profiler bench between local workers): the reduce-scatters' bus bandwidth and the latency of one call
+    reduce_bandwidth_bytes_per_s: float | None = None
+    call_latency_s: float | None = None
+
+    def call_latency(self, world_size: int) -> float:
+        """One call's latency: measured, else ⌈log2 k⌉ hops (NCCL/gloo use trees or PAT for small sizes)."""
+        if self.call_latency_s is not None:
+            return self.call_latency_s
+        return math.ceil(math.log2(world_size)) * self.hop_latency_s
+
+    def comm_s(self, world_size: int) -> float:
+        """Ring all-gathers and reduce-scatters: (k−1)/k · bytes / bw each, plus num_calls latencies;
+        none of it overlapped with compute. 0 for one device. Non-decreasing in k."""
+        k = world_size
+        if k <= 1:
+            return 0.0
+        reduce_bw = self.reduce_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
+        ring = (k - 1) / k * (self.gather_bytes / self.bandwidth_bytes_per_s + self.reduce_bytes / reduce_bw)
+        return ring + self.num_calls * self.call_latency(k)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One (micro_batch, accum_steps) a device may take; (0, 0) holds state only."""
+
+    micro_batch: int
+    accum_steps: int
+    compute_s: float
+    memory_fixed_bytes: float  # at shard fraction 0
+    memory_per_share_bytes: float  # memory at f = 1 minus at f = 0 (the slope where the peak is affine)
+    max_share: float  # largest per-device shard fraction that fits (≤ 1)
+
+    @property
+    def batch(self) -> int:
+        return self.micro_batch * self.accum_steps
+
+
+@dataclass(frozen=True)
+class AccumBand:
+    """Accumulation counts lo..hi (> DENSE_ACCUM_STEPS) at micro-batch m, for devices of one class (above the enumerated counts).
+    Memory grows with n (or ignores it), so max_share_hi ≤ the share any n of the band may hold ≤
+    max_share_lo."""
+
+    micro_batch: int
+    lo: int
+    hi: int
+    step_s: float  # compute of one micro-batch (n > 1: the layer-wise recompute profile at zero ≥ 2)
+    max_share_lo: float  # at n = lo: the relaxation's room
+    max_share_hi: float  # at n = hi: the room a returned plan may count on (≥ 0: hi fits)
+
+
+@dataclass(frozen=True)
+class ClassTable:
+    """Identical devices of one scope (same DeviceSpec) and the choices each may take."""
+
+    device: DeviceSpec
+    device_indices: tuple[int, ...]  # ClusterSpec.devices() order
+    coeffs: DeviceCoeffs
+    choices: tuple[Choice, ...]
+    bands: tuple[AccumBand, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.device_indices)
+
+    def choice(self, micro_batch: int, accum_steps: int) -> Choice:
+        """The Choice of any (m, n), a band's count included (memory asked at that n)."""
+        return make_choice(self.coeffs, micro_batch, accum_steps, self.coeffs.max_share(micro_batch, accum_steps))
+
+
+@dataclass(frozen=True)
+class ScopeTable:
+    """The coefficient tables of one scope: the devices a plan may use with one link bandwidth."""
+
+    name: str
+    multi_node: bool
+    classes: tuple[ClassTable, ...]
+    comm: CommModel
+
+    @property
+    def num_devices(self) -> int:
+        return sum(c.count for c in self.classes)
+
+    @property
+    def exact(self) -> bool:
+        """Every candidate count is enumerated (no bands): the ILP's optimum is the plan space's."""
+        return not any(c.bands for c in self.classes)
+
+    def comm_s(self, world_size: int) -> float:
+        return self.comm.comm_s(world_size)
+
+
+# ---- edges: units and the two models this one consumes ----------------------------------------
+
+
+def link_bandwidth_bytes_per_s(gbps: float) -> float:
+    """Gbit/s (cluster file) -> bytes/s."""
+    return gbps * GBIT / BITS_PER_BYTE
+
+
+# The memory model takes shard fractions in (0, 1]; a device without a shard is asked at this one
+# (round(f·P) = 0 parameters for any model below 10^12 parameters).
+NO_SHARE = 1e-12
+# max_share is found to this precision in the shard fraction (far below one parameter's worth
+# that matters: the runtime rounds slices to whole parameters anyway).
+SHARE_TOL = 1e-9
+
+
+def cached_memory_fn(memory_at: Callable[[int, int, float], float]) -> MemoryFn:
+    """The memory model as (m, n, f) -> bytes, cached; f = 0 asked at NO_SHARE; micro-batch 0 (state
+    only) extrapolated from 1 and 2 if the model refuses it (each of its phases is affine in m)."""
+
+    @lru_cache(maxsize=None)
+    def fn(m: int, n: int, f: float) -> float:
+        f = max(f, NO_SHARE)
+        n = max(n, 1)
+        if m == 0:
+            try:
+                return float(memory_at(0, 1, f))
+            except ValueError:
+                return 2.0 * fn(1, 1, f) - fn(2, 1, f)
+        return float(memory_at(m, n, f))
+
+    return fn
+
+
+def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: float, accum_steps: int = 1) -> float:
+    """The largest shard fraction f ≤ 1 with memory(m, n, f) ≤ capacity; −1 if even f = 0 does not fit.
+    Memory grows with f and is piecewise affine (the peak is the largest of a few affine moments of the
+    step): secant steps alternating with bisection, which always halves; a secant point that fits is
+    checked one SHARE_TOL above, which on one affine piece ends the search in 4 evaluations."""
+    def mem(f: float) -> float:
+        return memory_fn(micro_batch, accum_steps, f)
+
+    lo, hi = 0.0, 1.0
+    mem_lo, mem_hi = mem(lo), mem(hi)
+    if mem_hi <= capacity_bytes:
+        return 1.0
+    if mem_lo > capacity_bytes:
+        return -1.0
+    for step in range(200):
+        if hi - lo <= SHARE_TOL:
+            break
+        secant = step % 2 == 0
+        x = lo + (capacity_bytes - mem_lo) * (hi - lo) / (mem_hi - mem_lo) if secant else 0.5 * (lo + hi)
+        x = min(max(x, lo + SHARE_TOL / 2), hi - SHARE_TOL / 2)
+        mem_x = mem(x)
+        if mem_x > capacity_bytes:
+            hi, mem_hi = x, mem_x
+            continue
+        lo, mem_lo = x, mem_x
+        if secant and x + SHARE_TOL < hi:
+            above = mem(x + SHARE_TOL)
+            if above > capacity_bytes:
+                hi, mem_hi = x + SHARE_TOL, above
+            else:
+                lo, mem_lo = x + SHARE_TOL, above
+    return lo
+
+
+def make_choice(c: DeviceCoeffs, micro_batch: int, accum_steps: int, max_share: float) -> Choice:
+    fixed = c.memory_bytes(micro_batch, accum_steps, 0.0)
+    return Choice(micro_batch, accum_steps, c.compute_s(micro_batch, accum_steps), fixed,
+                  c.memory_bytes(micro_batch, accum_steps, 1.0) - fixed, max_share)
+
+
+def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
+                      zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> MemoryFn:
+    """The memory model of planner/core/memory.py for the sharded runtime at ZeRO stage `zero`, asked at
+    the choice's own micro-batch, accumulation steps and shard fraction."""
+    from planner.core.memory import MemoryConfig, estimate_memory
+
+    def memory_at(m: int, n: int, f: float) -> float:
+        cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
+                           dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
+        return estimate_memory(spec, cfg).peak_bytes
+
+    return cached_memory_fn(memory_at)
+
+
+def validate_zero(zero: int) -> int:
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero!r}")
+    return zero
+
+
+def compute_dtype_bytes(device_type: str, dtype: str) -> int:
+    """Bytes per element the runtime gathers parameters in: fp32 on the CPU (it computes in fp32
+    there), else 2 for bf16/fp16 and 4 for fp32."""
+    if device_type == CPU_TYPE or dtype == "fp32":
+        return FP32_BYTES
+    return HALF_BYTES
+
+
+def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
+                        headroom: float, world_size: int, profiles_dir: str | None = None,
+                        zero: int = RUNTIME_ZERO_STAGE, profile_cache: dict | None = None) -> DeviceCoeffs:
+    """One device kind's coefficients from its step profiles (measured or estimated) and the memory
+    model. `profile_cache` shares the profile look-ups between the stages of one solve."""
+    from planner.core.profiles import get_step_profile
+
+    cache = {} if profile_cache is None else profile_cache
+
+    def profile(rec: str):
+        key = (device.type, dt, rec)
+        if key not in cache:
+            cache[key] = get_step_profile(device.type, spec, seq, dt, recompute=rec, store_dir=profiles_dir)
+        return cache[key]
+
+    dt = device_dtype(device.type, dtype)
+    prof = profile(recompute)
+    layerwise = zero >= 2
+    full = profile("full") if layerwise else None
+    return DeviceCoeffs(
+        device=device, dtype=dt,
+        alpha_s=prof.alpha_s * device.slowdown,
+        beta_s=prof.beta_s * device.slowdown,
+        optimizer_s=prof.optimizer_s_per_param * spec.num_params * device.slowdown,
+        capacity_bytes=device.memory_bytes * headroom,
+        memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size, zero, device.type),
+        measured=bool(prof.measured and (full is None or full.measured)), source=prof.source,
+        layerwise=layerwise,
+        recompute_alpha_s=full.alpha_s * device.slowdown if full else None,
+        recompute_beta_s=full.beta_s * device.slowdown if full else None,
+    )
+
+
+def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: ClusterSpec, spec: ModelSpec,
+                     zero: int, dtype: str, profiles_dir: str | None = None) -> CommModel:
+    """Link figures for a scope and the bytes the runtime moves at `zero` (planner.core.units): measured
+    gloo/NCCL fits for local CPU workers on one node when `profiler bench` has them, else the
+    cluster file's bandwidth (slowest link among the devices)."""
+    devices = list(devices)
+    collectives = step_collectives(spec, zero)
+    compute_bytes = max((compute_dtype_bytes(d.type, device_dtype(d.type, dtype)) for d in devices),
+                        default=FP32_BYTES)
+    gather_bytes, reduce_bytes = (float(b) for b in collectives.bytes(compute_bytes))
+    calls = collectives.num_calls
+    types = {d.type for d in devices}
+    if not multi_node and types == {CPU_TYPE}:
+        from planner.core.profiles import get_collective_profile
+
+        prof = get_collective_profile(CPU_TYPE, profiles_dir)
+        gather = prof.fit("all_gather") if prof else None
+        reduce = prof.fit("all_reduce") if prof else None
+        if (gather is not None and reduce is not None and gather.bandwidth_bytes_per_s > 0
+                and reduce.bandwidth_bytes_per_s > 0 and prof.world_size > 1):
+            w = prof.world_size
+            # the fits' bandwidths are size/time (algorithm bandwidth); per rank a ring all-gather moves
+            # (w−1)/w of the size, an all-reduce 2(w−1)/w. profiler bench times no reduce-scatter: it is
+            # priced as half an all-reduce (a ring all-reduce is a reduce-scatter and an all-gather)
+            gather_bus = gather.bandwidth_bytes_per_s * (w - 1) / w
+            reduce_bus = reduce.bandwidth_bytes_per_s * 2 * (w - 1) / w
+            latency = max(gather.latency_s, 0.0)
+            return CommModel(gather_bus, 0.0, gather_bytes, reduce_bytes, calls,
+                             f"measured {prof.backend} collectives, {w} ranks", reduce_bus, latency)
+    net = cluster.network
+    gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
+    hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S
+    where = "inter_node_gbps" if multi_node else "intra_node_gbps"
+    return CommModel(link_bandwidth_bytes_per_s(gbps), hop, gather_bytes, reduce_bytes, calls,
+                     f"cluster file {where} {gbps:g}")
+
+
+# ---- the cost model of one (cluster, model, seq, dtype) ----------------------------------------
+
+
+class CostModel:
+    """Per-device costs for one cluster and training setup; evaluates plans and builds ILP tables."""
+
+    def __init__(self, cluster: ClusterSpec, num_params: int, coeffs: dict[DeviceSpec, DeviceCoeffs],
+                 comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel], zero: int = RUNTIME_ZERO_STAGE):
+        self.cluster = cluster
+        self.num_params = num_params
+        self.coeffs = coeffs
+        self.zero = validate_zero(zero)
+        self._comm_for = comm_for
+        self._comm_cache: dict[tuple[frozenset, bool], CommModel] = {}
+        self._share_cache: dict[tuple[DeviceSpec, int, int], float] = {}
+
+    @classmethod
+    def build(cls, cluster: ClusterSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
+              headroom: float, profiles_dir: str | None = None, zero: int = RUNTIME_ZERO_STAGE,
+              profile_cache: dict | None = None) -> "CostModel":
+        validate_zero(zero)
+        kinds = sorted({d for _, d in cluster.devices()}, key=lambda d: (d.type, d.slowdown, d.memory_gb or 0))
+        coeffs = {d: build_device_coeffs(d, spec, seq, dtype, recompute, headroom, cluster.num_devices, profiles_dir,
+                                         zero, profile_cache)
+                  for d in kinds}
+
+        def comm_for(devices: Sequence[DeviceSpec], multi_node: bool) -> CommModel:
+            return build_comm_model(devices, multi_node, cluster, spec, zero, dtype, profiles_dir)
+
+        return cls(cluster, spec.num_params, coeffs, comm_for, zero)
+
+    def comm_model(self, devices: Iterable[DeviceSpec], multi_node: bool) -> CommModel:
+        key = (frozenset(devices), multi_node)
+        if key not in self._comm_cache:
+            self._comm_cache[key] = self._comm_for(sorted(key[0], key=lambda d: d.type), multi_node)
+        return self._comm_cache[key]
+
+    def estimate_iteration_s(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[float, list[float]]:
+        """Predicted iteration time of `(micro_batch, accum_steps, shard_fraction)` per device of
+        the cluster (ClusterSpec.devices() order), and each used device's step time (0 if unused)."""
+        devices = self.cluster.devices()
+        used = [i for i, (m, n, f) in enumerate(per_device) if m * n > 0 or f > 0]
+        if not used:
+            raise ValueError("a plan must use at least one device")
+        nodes = {devices[i][0].name for i in used}
+        comm = self.comm_model({devices[i][1] for i in used}, len(nodes) > 1).comm_s(len(used))
+        steps = [0.0] * len(devices)
+        for i in used:
+            m, n, f = per_device[i]
+            steps[i] = self.coeffs[devices[i][1]].step_s(m, n, f) + comm
+        return max(steps[i] for i in used), steps
+
+    def estimate_memory_bytes(self, device: DeviceSpec, micro_batch: int, accum_steps: int,
+                              shard_fraction: float) -> float:
+        return self.coeffs[device].memory_bytes(micro_batch, accum_steps, shard_fraction)
+
+    def max_share(self, device: DeviceSpec, micro_batch: int, accum_steps: int) -> float:
+        """DeviceCoeffs.max_share, cached per (device, m, n)."""
+        c = self.coeffs[device]
+        key = (device, micro_batch, c.memory_accum_steps(accum_steps))
+        if key not in self._share_cache:
+            self._share_cache[key] = c.max_share(micro_batch, accum_steps)
+        return self._share_cache[key]
+
+    # ---- coefficient tables -------------------------------------------------------------------
+
+    def micro_batch_candidates(self, global_batch: int, micro_batches: Sequence[int] | None) -> list[int]:
+        """Powers of two up to the global batch and MAX_MICRO_BATCH, or the caller's."""
+        ms = sorted(set(micro_batches)) if micro_batches else [
+            1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
+        return [m for m in ms if 0 < m <= global_batch]
+
+    @staticmethod
+    def dense_accum_steps(global_batch: int) -> int:
+        return DENSE_ACCUM_STEPS if global_batch <= EXACT_GLOBAL_BATCH else BANDED_DENSE_ACCUM_STEPS
+
+    def choices(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
+                max_compute_s: float = math.inf) -> tuple[Choice, ...]:
+        """The state-only choice, then every (m, n) with m from `micro_batch_candidates` whose memory
+        at f = 0 fits, n from 1 to DENSE_ACCUM_STEPS while m·n ≤ the global batch, the memory still
+        fits (at zero ≥ 2 it grows with n from n = 2 on: the first such n that does not fit ends the
+        run) and the compute time stays within `max_compute_s` (an upper bound on the optimum: a
+        slower device would only finish later). Larger n: `bands`."""
+        c = self.coeffs[device]
+        out = []
+        for m in [0] + self.micro_batch_candidates(global_batch, micro_batches):
+            for n in ([0] if m == 0 else range(1, min(global_batch // m, self.dense_accum_steps(global_batch)) + 1)):
+                if c.compute_s(m, n) > max_compute_s:
+                    break
+                max_share = self.max_share(device, m, n)
+                if max_share < 0:
+                    # layer-wise accumulation keeps only unit boundaries once n > 1: n = 2 may fit where
+                    # n = 1 (every activation of the micro-batch kept) does not; from n = 2 on memory grows with n
+                    if n == 1 and c.layerwise:
+                        continue
+                    break
+                out.append(make_choice(c, m, n, max_share))
+        return tuple(out)
+
+    def bands(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
+              max_compute_s: float = math.inf) -> tuple[AccumBand, ...]:
+        """Accumulation counts above DENSE_ACCUM_STEPS, per micro-batch, in doubling bands up to
+        min(B/m, the compute bound) and the largest n whose memory fits (memory is non-decreasing
+        in n: found by bisection); one band where the memory model ignores n. Their number grows
+        with log2(B), their cost with it (a few memory-model calls each)."""
+        c = self.coeffs[device]
+        out = []
+        for m in self.micro_batch_candidates(global_batch, micro_batches):
+            step_s = c.compute_s(m, 2) / 2  # n > 1: the per-micro-batch time of a long accumulation
+            top = global_batch // m
+            if step_s > 0 and math.isfinite(max_compute_s):
+                top = min(top, int(max_compute_s / step_s))
+            lo = self.dense_accum_steps(global_batch) + 1
+            if top < lo or self.max_share(device, m, lo) < 0:
+                continue
+            if self.max_share(device, m, top) < 0:  # the largest n that fits: memory non-decreasing in n
+                fits, over = lo, top
+                while over - fits > 1:
+                    mid = (fits + over) // 2
+                    fits, over = (mid, over) if self.max_share(device, m, mid) >= 0 else (fits, mid)
+                top = fits
+            flat = self.max_share(device, m, lo) == self.max_share(device, m, top)
+            while lo <= top:
+                hi = top if flat else min(top, lo * ACCUM_BAND_GROWTH - 1)
+                out.append(AccumBand(m, lo, hi, step_s, self.max_share(device, m, lo), self.max_share(device, m, hi)))
+                lo = hi + 1
+        return tuple(out)
+
+    def scopes(self) -> list[tuple[str, bool, list[tuple[NodeSpec, list[int]]]]]:
+        """The device sets a plan's link bandwidth depends on: all nodes (when there are several),
+        then each node on its own; nodes of identical composition are one scope."""
+        by_node: dict[str, list[int]] = {}
+        for i, (n, _) in enumerate(self.cluster.devices()):
+            by_node.setdefault(n.name, []).append(i)
+        out = []
+        nodes = self.cluster.nodes
+        if len(nodes) > 1:
+            out.append(("all nodes", True, [(n, by_node[n.name]) for n in nodes]))
+        seen = set()
+        for n in nodes:
+            comp = tuple(sorted((d.type, d.slowdown, d.memory_gb or 0.0) for d in n.devices))
+            if comp in seen:
+                continue
+            seen.add(comp)
+            out.append((f"node {n.name}", False, [(n, by_node[n.name])]))
+        return out
+
+    def scope_table(self, name: str, multi_node: bool, members: Sequence[int], global_batch: int,
+                    micro_batches: Sequence[int] | None = None, max_compute_s: float = math.inf) -> ScopeTable:
+        devices = self.cluster.devices()
+        by_kind: dict[DeviceSpec, list[int]] = {}
+        for i in sorted(members):
+            by_kind.setdefault(devices[i][1], []).append(i)
+        classes = tuple(
+            ClassTable(d, tuple(ix), self.coeffs[d], self.choices(d, global_batch, micro_batches, max_compute_s),
+                       self.bands(d, global_batch, micro_batches, max_compute_s))
+            for d, ix in by_kind.items())
+        return ScopeTable(name, multi_node, classes, self.comm_model(by_kind, multi_node))
+
+
+def world_size_buckets(max_world_size: int) -> list[tuple[int, int]]:
+    """[lo, hi] ranges of the number of used devices the ILP distinguishes: each k exactly up
+    to EXACT_WORLD_SIZES, then ranges growing by WORLD_BUCKET_GROWTH (priced at hi: a few % of
+    the collective time at most, and only where hundreds of devices share it)."""
+    out = [(k, k) for k in range(1, min(max_world_size, EXACT_WORLD_SIZES) + 1)]
+    lo = EXACT_WORLD_SIZES + 1
+    while lo <= max_world_size:
+        hi = min(max(lo, int((lo - 1) * WORLD_BUCKET_GROWTH)), max_world_size)
+        out.append((lo, hi))
+        lo = hi + 1
+    return out

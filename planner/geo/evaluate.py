@@ -1,0 +1,216 @@
+"""A geo scenario end to end: the Atlas plan, its baselines and BubbleTea, all simulated.
+
+Baselines (same cost tables, same simulator):
+- "dp_across_dcs": data parallelism across datacenters. Each DC trains a full
+  replica of the model (its best intra-DC plan from the same search, pipeline
+  inside the DC if memory needs it) on its share of the batch (in proportion to
+  its throughput), then the gradients are all-reduced over the WAN: a ring over
+  the DCs carries 2(D−1)/D of the gradient bytes over each direction of each
+  link of the widest spanning tree. Generous to DP: the DC-level all-reduce is
+  hierarchical with every GPU's shard on its own TCP connection, so it gets the
+  full link rate `min(link, gpus · per-connection)`.
+- "pp_single_connection_fair": pipeline across every datacenter, the same
+  search, but one TCP connection per transfer and all pipelines' transfers
+  sharing each link fairly at once.
+- "best_single_dc": the best plan confined to one datacenter (no WAN at all).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from planner.geo.bubbletea import PrefillResult, prefill_memory_bytes, reservations, simulate_bubbletea
+from planner.geo.atlas import AtlasResult, GeoPlan, solve_atlas
+from planner.geo.costs import GeoCosts
+from planner.geo.scenario import BITS_PER_BYTE, GBPS, GeoScenario
+from planner.geo.pipeline_sim import SimResult, simulate_pipeline
+from planner.core.specs import get_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BaselineOutcome:
+    name: str
+    iteration_s: float | None  # None: infeasible
+    gpu_utilization: float | None
+    num_gpus: int
+    description: str
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration_s": self.iteration_s, "gpu_utilization": self.gpu_utilization,
+                "num_gpus": self.num_gpus, "description": self.description, "note": self.note}
+
+
+def _sub_scenario(scenario: GeoScenario, dc: str, global_batch: int) -> GeoScenario:
+    return replace(scenario, datacenters=(scenario.datacenter(dc),), wan=(), global_batch=global_batch,
+                   inference=None, name=f"{scenario.name}/{dc}")
+
+
+def _widest_tree(scenario: GeoScenario, dcs: list[str], connections: int) -> tuple[float, float]:
+    """(bottleneck Gbit/s, largest one-way latency s) of the maximum spanning tree (Kruskal) joining `dcs`."""
+    parent = {dc.name: dc.name for dc in scenario.datacenters}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    edges = sorted(scenario.wan, key=lambda l: -l.throughput_gbps(connections))
+    used = []
+    for link in edges:
+        ra, rb = find(link.a), find(link.b)
+        if ra != rb:
+            parent[ra] = rb
+            used.append(link)
+    if len({find(d) for d in dcs}) > 1:
+        raise ValueError(f"no wan links connect datacenters {dcs}: add links between them")
+    return (min(l.throughput_gbps(connections) for l in used), max(l.one_way_latency_s for l in used))
+
+
+def solve_each_dc(scenario: GeoScenario, schedule: str = "1f1b") -> dict[str, AtlasResult]:
+    """The best plan of each datacenter alone on the whole batch (those the model fits)."""
+    out = {}
+    for dc in scenario.datacenters:
+        try:
+            out[dc.name] = solve_atlas(_sub_scenario(scenario, dc.name, scenario.global_batch), schedule=schedule)
+        except ValueError:
+            pass  # the model does not fit this DC
+    return out
+
+
+def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: list[str] | None = None,
+                         alone: dict[str, AtlasResult] | None = None) -> BaselineOutcome:
+    """DP across `datacenters` (default: all of them); `alone` = solve_each_dc(scenario) if known."""
+    desc = "data parallel across datacenters, gradient all-reduce over the WAN"
+    num_mb = scenario.global_batch // scenario.micro_batch
+    names = datacenters or [dc.name for dc in scenario.datacenters]
+    alone = solve_each_dc(scenario, costs.schedule) if alone is None else alone
+    # throughput of each DC alone on the whole batch decides its share
+    rate = {n: scenario.global_batch / alone[n].sim.iteration_s for n in names if n in alone}
+    if not rate:
+        return BaselineOutcome("dp_across_dcs", None, None, 0, desc, "no datacenter holds a full replica")
+    # shares in whole micro-batches by largest remainder, in grains that keep DP divisors available
+    grain = 8 if num_mb >= 8 * len(rate) else 1
+    units, total = num_mb // grain, sum(rate.values())
+    share = {n: int(units * r / total) for n, r in rate.items()}
+    for n in sorted(rate, key=lambda n: units * rate[n] / total - share[n], reverse=True)[:units - sum(share.values())]:
+        share[n] += 1
+    share = {n: u * grain for n, u in share.items()}
+    share[max(rate, key=rate.get)] += num_mb - sum(share.values())  # the remainder goes to the fastest DC
+    sims = {n: alone[n] if mbs == num_mb else
+            solve_atlas(_sub_scenario(scenario, n, mbs * scenario.micro_batch), schedule=costs.schedule)
+            for n, mbs in share.items() if mbs}
+    gpus = sum(r.plan.num_gpus for r in sims.values())
+    compute_end = max(r.sim.iteration_s for r in sims.values())
+    wan_s = 0.0
+    if len(sims) > 1:
+        connections = min(r.plan.num_gpus for r in sims.values())  # one connection per GPU's shard
+        gbps, lat = _widest_tree(scenario, list(sims), connections)
+        grad_bits = costs.grad_bytes(costs.spec.num_params) * BITS_PER_BYTE
+        D = len(sims)
+        wan_s = 2 * (D - 1) / D * grad_bits / (gbps * GBPS) + 2 * (D - 1) * lat
+    iteration = compute_end + wan_s
+    busy = sum(r.sim.compute_busy_s() for r in sims.values())
+    note = f"WAN all-reduce {wan_s:.3g} s after compute {compute_end:.3g} s over {', '.join(sims)}"
+    return BaselineOutcome("dp_across_dcs", iteration, busy / (gpus * iteration), gpus, desc, note)
+
+
+def _from_atlas(name: str, result: AtlasResult, desc: str) -> BaselineOutcome:
+    p = result.plan
+    note = f"{'→'.join(p.chain)}, {p.num_pipelines} pipelines × {p.num_stages} stages"
+    return BaselineOutcome(name, result.sim.iteration_s, result.sim.gpu_utilization(), p.num_gpus, desc, note)
+
+
+def simulate_baselines(scenario: GeoScenario, costs: GeoCosts) -> dict[str, BaselineOutcome]:
+    alone = solve_each_dc(scenario, costs.schedule)
+    out = {"dp_across_dcs": simulate_dp_baseline(scenario, costs, alone=alone)}
+    desc = "pipeline across every datacenter, 1 TCP connection per transfer, fair sharing"
+    try:
+        out["pp_single_connection_fair"] = _from_atlas(
+            "pp_single_connection_fair",
+            solve_atlas(scenario, costs, costs.schedule, network="single_fair", all_datacenters=True), desc)
+    except ValueError as e:
+        out["pp_single_connection_fair"] = BaselineOutcome("pp_single_connection_fair", None, None, 0, desc, str(e))
+    if alone:
+        name = min(alone, key=lambda n: alone[n].sim.iteration_s)
+        out["best_single_dc"] = _from_atlas("best_single_dc", alone[name], f"best plan inside one datacenter ({name})")
+    else:
+        out["best_single_dc"] = BaselineOutcome("best_single_dc", None, None, 0, "one datacenter only",
+                                                "the model fits no single datacenter")
+    return out
+
+
+@dataclass
+class GeoReport:
+    scenario: GeoScenario
+    plan: GeoPlan
+    sim: SimResult
+    baselines: dict[str, BaselineOutcome]
+    prefill: PrefillResult | None
+    training_unchanged: bool | None  # re-simulated with prefill reserved: every training op identical
+    solve_time_s: float
+    num_candidates: int
+
+    @property
+    def baseline_iteration_s(self) -> float | None:
+        """DESIGN.md's baseline: data parallelism across the datacenters (None when not run)."""
+        dp = self.baselines.get("dp_across_dcs")
+        return dp.iteration_s if dp else None
+
+    def to_dict(self) -> dict[str, Any]:
+        util = self.sim.gpu_utilization()
+        pre = self.prefill
+        d: dict[str, Any] = {
+            "scenario": self.scenario.name,
+            "iteration_s": self.sim.iteration_s,
+            "baseline_iteration_s": self.baseline_iteration_s,
+            "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
+            "gpu_utilization": util,
+            "gpu_utilization_with_prefill": pre.gpu_utilization_with_prefill() if pre else util,
+            "prefill_tokens_per_s": pre.prefill_tokens_per_s() if pre else 0.0,
+            "prefill": pre.summary() if pre else None,
+            "training_unchanged_by_prefill": self.training_unchanged,
+            "wan_utilization": self.sim.channel_utilization(),
+            "plan": self.plan.to_dict(),
+            "solve_s": self.solve_time_s,
+            "num_candidates": self.num_candidates,
+            "kind": "simulated",
+        }
+        for k, v in self.baselines.items():
+            if v.iteration_s:
+                d[f"speedup_vs_{k}"] = v.iteration_s / self.sim.iteration_s
+        return d
+
+
+def run_prefill(scenario: GeoScenario, plan: GeoPlan, sim: SimResult) -> tuple[PrefillResult | None, bool | None]:
+    """BubbleTea on the plan's timeline, and whether the training timeline stays identical with it."""
+    if scenario.inference is None:
+        return None, None
+    spec = get_model(scenario.inference.model)
+    free = [s.capacity_bytes - s.memory_bytes for s in plan.stages]
+    pre = simulate_bubbletea(sim, [s.gpu_type for s in plan.stages], free, scenario.inference, spec,
+                             scenario.dtype)
+    again = simulate_pipeline(sim.job, reservations(pre))
+    before, after = sim.training_ops(), again.training_ops()
+    same = before.keys() == after.keys() and all(
+        abs(before[k][0] - after[k][0]) < 1e-9 and abs(before[k][1] - after[k][1]) < 1e-9 for k in before)
+    return pre, same
+
+
+def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool = True) -> GeoReport:
+    """Plan `scenario` with Atlas, simulate it, its baselines and BubbleTea's prefill."""
+    t0 = time.perf_counter()
+    costs = GeoCosts(scenario, schedule)
+    inf = scenario.inference
+    need = None if inf is None else prefill_memory_bytes(get_model(inf.model), min(t for t, _ in inf.prompt_tokens),
+                                                          scenario.dtype)
+    atlas = solve_atlas(scenario, costs, schedule, prefill_bytes=need)
+    solve_s = time.perf_counter() - t0
+    base = simulate_baselines(scenario, costs) if baselines else {}
+    pre, same = run_prefill(scenario, atlas.plan, atlas.sim)
+    return GeoReport(scenario, atlas.plan, atlas.sim, base, pre, same, solve_s, atlas.num_candidates)
+

@@ -1,0 +1,357 @@
+"""Discrete-event simulation of pipeline-parallel training (1F1B or GPipe).
+
+`num_pipelines` identical pipelines (the data-parallel replicas) each run
+`num_microbatches` micro-batches through `p` stages; stage `j` of pipeline `r`
+is one GPU. Per micro-batch an activation crosses each stage boundary forward
+and its gradient backward (`transfer_bytes` each way). A boundary crosses a
+`Channel`:
+
+- "dedicated": a path of its own per pipeline (NVLink/InfiniBand inside a DC);
+- "temporal": a WAN link direction used by one transfer at a time at the full
+  rate of its `k` connections, the others wait their turn (Atlas's temporal
+  sharing; `link_order` says whose turn it is);
+- "fair": a WAN link direction shared by every transfer in flight at once, each
+  getting `min(per-transfer rate, capacity / n)` (TCP fair sharing).
+
+After a stage's last backward on every replica its gradients are all-reduced
+among the replicas (`Stage.allreduce_s`); the iteration ends when the last
+operation or transfer ends. `reserved` intervals (BubbleTea's prefill) block a
+GPU: a training operation that would overlap one starts after it instead, which
+is how tests check that prefill never moves training.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+
+from planner.geo.scenario import BITS_PER_BYTE, GBPS
+
+SCHEDULES = ("1f1b", "gpipe")
+SHARING = ("dedicated", "temporal", "fair")
+LINK_ORDERS = ("fifo", "pipeline")
+_EPS = 1e-12
+# Every forward, backward and transfer of an iteration is a Python object: past this many
+# operations (2 · micro-batches · pipelines · stages) a simulation is refused, not run for minutes.
+MAX_SIMULATED_OPS = 4_000_000
+
+
+@dataclass(frozen=True)
+class Stage:
+    forward_s: float  # one micro-batch on one GPU
+    backward_s: float
+    allreduce_s: float = 0.0  # DP gradient all-reduce of the stage among its replicas
+    label: str = ""  # e.g. "dc-a A100-80GB layers 0-15"
+
+
+@dataclass(frozen=True)
+class Channel:
+    name: str
+    latency_s: float  # one way
+    per_transfer_gbps: float  # what one transfer reaches alone (its k connections, or a LAN path)
+    capacity_gbps: float  # per direction, shared by "temporal"/"fair" transfers
+    sharing: str = "dedicated"
+
+    def __post_init__(self) -> None:
+        if self.sharing not in SHARING:
+            raise ValueError(f"channel {self.name}: sharing must be one of {SHARING}, got {self.sharing!r}")
+        if self.per_transfer_gbps <= 0 or self.capacity_gbps <= 0 or self.latency_s < 0:
+            raise ValueError(f"channel {self.name}: rates must be positive and latency non-negative")
+
+
+@dataclass(frozen=True)
+class PipelineJob:
+    stages: tuple[Stage, ...]
+    hops: tuple[str, ...]  # channel name of the boundary between stage j and j+1
+    channels: tuple[Channel, ...]
+    num_pipelines: int
+    num_microbatches: int  # per pipeline
+    transfer_bytes: float  # activation (and its gradient) per micro-batch per boundary
+    schedule: str = "1f1b"
+    link_order: str = "fifo"  # temporal channels: "fifo" (first come) or "pipeline" (lower pipeline first)
+
+    def __post_init__(self) -> None:
+        if len(self.hops) != len(self.stages) - 1:
+            raise ValueError(f"{len(self.stages)} stages need {len(self.stages) - 1} hops, got {len(self.hops)}")
+        names = {c.name for c in self.channels}
+        for h in self.hops:
+            if h not in names:
+                raise ValueError(f"hop uses unknown channel {h!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.link_order not in LINK_ORDERS:
+            raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {self.link_order!r}")
+        if self.num_pipelines < 1 or self.num_microbatches < 1:
+            raise ValueError("num_pipelines and num_microbatches must be >= 1")
+        num_ops = 2 * self.num_microbatches * self.num_pipelines * len(self.stages)
+        if num_ops > MAX_SIMULATED_OPS:
+            raise ValueError(f"pipeline simulation of {self.num_pipelines} pipelines × {len(self.stages)} stages × "
+                             f"{self.num_microbatches} micro-batches is {num_ops} operations, over the limit of "
+                             f"{MAX_SIMULATED_OPS}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_stages * self.num_pipelines
+
+
+@dataclass(frozen=True)
+class Op:
+    pipeline: int
+    stage: int
+    kind: str  # "F" forward, "B" backward, "AR" gradient all-reduce, "P" prefill (BubbleTea)
+    microbatch: int  # -1 for AR; request index for P
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Transfer:
+    pipeline: int
+    hop: int  # boundary j (between stage j and j+1)
+    direction: str  # "fwd" activation, "bwd" gradient
+    microbatch: int
+    ready_s: float  # handed to the network
+    start_s: float  # first byte on the wire
+    end_s: float  # arrived
+
+
+@dataclass
+class SimResult:
+    job: PipelineJob
+    iteration_s: float
+    ops: list[Op]
+    transfers: list[Transfer]
+    channel_bits: dict[str, float] = field(default_factory=dict)  # "name/fwd" -> bits carried
+
+    def training_ops(self) -> dict[tuple[int, int, str, int], tuple[float, float]]:
+        return {(o.pipeline, o.stage, o.kind, o.microbatch): (o.start_s, o.end_s) for o in self.ops}
+
+    def compute_busy_s(self) -> float:
+        return sum(o.end_s - o.start_s for o in self.ops if o.kind in ("F", "B"))
+
+    def gpu_utilization(self) -> float:
+        """Share of GPU-time spent in forward/backward compute over one iteration."""
+        return self.compute_busy_s() / (self.job.num_gpus * self.iteration_s)
+
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.gpu_utilization()
+
+    def idle_intervals(self, pipeline: int, stage: int) -> list[tuple[float, float]]:
+        """Gaps on one GPU in [0, iteration_s] with no training operation (compute or all-reduce)."""
+        busy = sorted((o.start_s, o.end_s) for o in self.ops
+                      if o.pipeline == pipeline and o.stage == stage and o.kind != "P")
+        gaps, t = [], 0.0
+        for s, e in busy:
+            if s > t + _EPS:
+                gaps.append((t, s))
+            t = max(t, e)
+        if self.iteration_s > t + _EPS:
+            gaps.append((t, self.iteration_s))
+        return gaps
+
+    def channel_utilization(self) -> dict[str, float]:
+        """Bits carried / (capacity × iteration time), per WAN channel direction."""
+        caps = {c.name: c.capacity_gbps for c in self.job.channels if c.sharing != "dedicated"}
+        return {k: bits / (caps[k.split("/")[0]] * GBPS * self.iteration_s)
+                for k, bits in self.channel_bits.items() if k.split("/")[0] in caps}
+
+
+def stage_order(schedule: str, stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
+    """The order in which one stage runs its micro-batches' forwards and backwards."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(num_stages - stage - 1, m)  # 1F1B (Narayanan et al. 2021, PipeDream-Flush)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warm, m)]
+
+
+def _fit(t: float, dur: float, reserved: list[tuple[float, float]]) -> float:
+    """The first start >= t at which [start, start+dur) overlaps no reserved interval."""
+    for s, e in reserved:
+        if s < t + dur - _EPS and e > t + _EPS:
+            t = e
+    return t
+
+
+class _Sim:
+    def __init__(self, job: PipelineJob, reserved: dict[tuple[int, int], list[tuple[float, float]]]):
+        self.job = job
+        self.p, self.d, self.m = job.num_stages, job.num_pipelines, job.num_microbatches
+        self.channels = {c.name: c for c in job.channels}
+        self.reserved = {k: sorted(v) for k, v in reserved.items()}
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.orders = [stage_order(job.schedule, j, self.p, self.m) for j in range(self.p)]
+        self.next_op = {(r, j): 0 for r in range(self.d) for j in range(self.p)}
+        self.busy = {w: False for w in self.next_op}
+        self.ready: set[tuple] = set()  # ("act"|"grad"|"fdone", r, j, mb)
+        self.stage_done = [0] * self.p
+        self.ops: list[Op] = []
+        self.transfers: list[Transfer] = []
+        self.bits: dict[str, float] = {}
+        # shared link state: key "channel/dir"
+        self.queue: dict[str, list] = {}
+        self.link_busy: dict[str, bool] = {}
+        self.active: dict[str, dict] = {}  # fair sharing: transfer -> remaining bits
+        self.last_update: dict[str, float] = {}
+        self.version: dict[str, int] = {}
+
+    def push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, payload))
+
+    # --- GPUs ---
+    def try_start(self, w: tuple[int, int], now: float) -> None:
+        r, j = w
+        if self.busy[w] or self.next_op[w] >= len(self.orders[j]):
+            return
+        kind, mb = self.orders[j][self.next_op[w]]
+        if kind == "F" and j > 0 and ("act", r, j, mb) not in self.ready:
+            return
+        if kind == "B" and (("fdone", r, j, mb) not in self.ready
+                            or (j < self.p - 1 and ("grad", r, j, mb) not in self.ready)):
+            return
+        stage = self.job.stages[j]
+        dur = stage.forward_s if kind == "F" else stage.backward_s
+        start = _fit(now, dur, self.reserved.get(w, []))
+        self.busy[w] = True
+        self.ops.append(Op(r, j, kind, mb, start, start + dur))
+        self.push(start + dur, "op_end", (w, kind, mb))
+
+    def op_end(self, now: float, w: tuple[int, int], kind: str, mb: int) -> None:
+        r, j = w
+        self.busy[w] = False
+        self.next_op[w] += 1
+        if kind == "F":
+            self.ready.add(("fdone", r, j, mb))
+            if j < self.p - 1:
+                self.send(now, r, j, "fwd", mb)
+        else:
+            if j > 0:
+                self.send(now, r, j - 1, "bwd", mb)
+            if self.next_op[w] == len(self.orders[j]):
+                self.stage_done[j] += 1
+                if self.stage_done[j] == self.d:
+                    self.allreduce(now, j)
+        self.try_start(w, now)
+
+    def allreduce(self, now: float, j: int) -> None:
+        dur = self.job.stages[j].allreduce_s
+        if dur <= 0:
+            return
+        start = max(_fit(now, dur, self.reserved.get((r, j), [])) for r in range(self.d))
+        for r in range(self.d):
+            self.ops.append(Op(r, j, "AR", -1, start, start + dur))
+
+    # --- network ---
+    def send(self, now: float, r: int, hop: int, direction: str, mb: int) -> None:
+        ch = self.channels[self.job.hops[hop]]
+        key = f"{ch.name}/{direction}"
+        bits = self.job.transfer_bytes * BITS_PER_BYTE
+        self.bits[key] = self.bits.get(key, 0.0) + bits
+        item = (now, r, hop, direction, mb)
+        if ch.sharing == "dedicated":
+            end = now + bits / (ch.per_transfer_gbps * GBPS)
+            self.arrive_at(item, now, end + ch.latency_s)
+        elif ch.sharing == "temporal":
+            self.queue.setdefault(key, []).append(item)
+            if not self.link_busy.get(key):
+                self.next_temporal(now, key)
+        else:
+            self.fair_update(now, key)
+            self.active.setdefault(key, {})[item] = bits
+            self.fair_schedule(now, key)
+
+    def arrive_at(self, item, start: float, end: float) -> None:
+        ready, r, hop, direction, mb = item
+        self.transfers.append(Transfer(r, hop, direction, mb, ready, start, end))
+        self.push(end, "arrive", (r, hop, direction, mb))
+
+    def next_temporal(self, now: float, key: str) -> None:
+        q = self.queue.get(key)
+        if not q:
+            self.link_busy[key] = False
+            return
+        pick = min(q, key=(lambda it: (it[0], it[1])) if self.job.link_order == "fifo" else (lambda it: (it[1], it[0])))
+        q.remove(pick)
+        ch = self.channels[key.split("/")[0]]
+        wire_end = now + self.job.transfer_bytes * BITS_PER_BYTE / (ch.per_transfer_gbps * GBPS)
+        self.link_busy[key] = True
+        self.arrive_at(pick, now, wire_end + ch.latency_s)
+        self.push(wire_end, "link_free", key)
+
+    def fair_rate(self, key: str) -> float:
+        ch = self.channels[key.split("/")[0]]
+        n = len(self.active.get(key, {}))
+        return min(ch.per_transfer_gbps, ch.capacity_gbps / max(n, 1)) * GBPS
+
+    def fair_update(self, now: float, key: str) -> None:
+        act = self.active.get(key, {})
+        if act:
+            sent = (now - self.last_update.get(key, now)) * self.fair_rate(key)
+            for it in act:
+                act[it] -= sent
+        self.last_update[key] = now
+
+    def fair_schedule(self, now: float, key: str) -> None:
+        self.version[key] = self.version.get(key, 0) + 1
+        act = self.active.get(key, {})
+        if act:
+            item = min(act, key=lambda it: (act[it], it[0], it[1]))
+            self.push(now + max(act[item], 0.0) / self.fair_rate(key), "fair_done", (key, self.version[key], item))
+
+    def fair_done(self, now: float, key: str, version: int, item) -> None:
+        if version != self.version.get(key):
+            return  # superseded by a later arrival/departure
+        self.fair_update(now, key)
+        del self.active[key][item]
+        ch = self.channels[key.split("/")[0]]
+        # the first byte left at the hand-off: fair sharing has no queue
+        self.arrive_at(item, item[0], now + ch.latency_s)
+        self.fair_schedule(now, key)
+
+    def arrive(self, now: float, r: int, hop: int, direction: str, mb: int) -> None:
+        if direction == "fwd":
+            self.ready.add(("act", r, hop + 1, mb))
+            self.try_start((r, hop + 1), now)
+        else:
+            self.ready.add(("grad", r, hop, mb))
+            self.try_start((r, hop), now)
+
+    def run(self) -> SimResult:
+        for w in self.next_op:
+            self.try_start(w, 0.0)
+        while self.heap:
+            now, _, kind, payload = heapq.heappop(self.heap)
+            if kind == "op_end":
+                self.op_end(now, *payload)
+            elif kind == "arrive":
+                self.arrive(now, *payload)
+            elif kind == "link_free":
+                self.next_temporal(now, payload)
+            else:
+                self.fair_done(now, *payload)
+        missing = [w for w, i in self.next_op.items() if i < len(self.orders[w[1]])]
+        if missing:  # cannot happen for a valid schedule; a guard against silent deadlock
+            raise RuntimeError(f"pipeline simulation deadlocked at workers {missing[:4]}")
+        end = max([o.end_s for o in self.ops] + [t.end_s for t in self.transfers])
+        return SimResult(self.job, end, self.ops, self.transfers, self.bits)
+
+
+def simulate_pipeline(job: PipelineJob,
+                      reserved: dict[tuple[int, int], list[tuple[float, float]]] | None = None) -> SimResult:
+    """One training iteration of `job`; `reserved[(pipeline, stage)]` are intervals the GPU is taken."""
+    if reserved or job.num_pipelines == 1 or any(c.sharing != "dedicated" for c in job.channels):
+        return _Sim(job, reserved or {}).run()
+    # no shared link and nothing reserved: the pipelines are identical; simulate one, copy it
+    one = _Sim(replace(job, num_pipelines=1), {}).run()
+    d = job.num_pipelines
+    ops = [Op(r, o.stage, o.kind, o.microbatch, o.start_s, o.end_s) for r in range(d) for o in one.ops]
+    transfers = [Transfer(r, t.hop, t.direction, t.microbatch, t.ready_s, t.start_s, t.end_s)
+                 for r in range(d) for t in one.transfers]
+    return SimResult(job, one.iteration_s, ops, transfers, {k: v * d for k, v in one.channel_bits.items()})

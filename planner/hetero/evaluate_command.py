@@ -1,0 +1,28 @@
+"""`python -m planner evaluate`: recompute a plan file's predictions with the current cost model."""
+from __future__ import annotations
+
+import argparse
+
+from planner.hetero.solve import evaluate_plan
+from planner.cli import print_json
+from planner.hetero.plan_command import print_plan
+from planner.core.plan import Plan
+
+HELP = "recompute a plan file's predicted memory, step and iteration times and baselines"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan file (python -m planner plan --out P)")
+    p.add_argument("--headroom", type=float, default=0.9, help="memory share the capacity check allows")
+    p.add_argument("--json", action="store_true", help="print the re-evaluated plan file as one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {args.headroom}")
+    plan = evaluate_plan(Plan.load(args.plan), headroom=args.headroom)
+    if args.json:
+        print_json(plan.to_dict())
+    else:
+        print_plan(plan)
+    return 0

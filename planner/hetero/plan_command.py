@@ -1,0 +1,77 @@
+"""`python -m planner plan`: the fastest heterogeneous plan of a model on a cluster (issue 4).
+
+The `--json` output is itself a plan file (Plan.to_dict()); `--out P` also writes it there.
+"""
+from __future__ import annotations
+
+import argparse
+
+from planner.cli import print_json, print_table
+from planner.core.cluster import ClusterSpec
+from planner.hetero.solve import DTYPES, RECOMPUTE_MODES, ZERO_AUTO, ZERO_CHOICES, solve_plan
+from planner.core.plan import Plan
+
+HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
+GIB = 2**30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True, help="cluster JSON file")
+    p.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, at most 2048)")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument("--zero", choices=[str(z) for z in ZERO_CHOICES], default=ZERO_AUTO,
+                   help="ZeRO stage the runtime runs: 1 optimizer state sharded, 2 + gradients, 3 + parameters; "
+                        "auto (default): the fastest predicted stage that fits")
+    p.add_argument("--headroom", type=float, default=0.9, help="use at most this share of each device's memory")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit (s)")
+    p.add_argument("--json", action="store_true", help="print the plan file as one JSON object")
+    p.add_argument("--out", metavar="P", help="also write the plan file here")
+
+
+def print_plan(plan: Plan) -> None:
+    """The per-device table (predicted figures) and the summary lines."""
+    print(f"plan for {plan.model} on {plan.cluster.name}: global batch {plan.global_batch}, seq {plan.seq}, "
+          f"{plan.dtype}, recompute {plan.recompute}, zero {plan.zero} (all figures predicted)")
+    devices = plan.cluster.devices()
+    rows = [{"device": a.device_index, "node": a.node, "type": devices[a.device_index][1].label,
+             "micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
+             "shard_fraction": round(a.shard_fraction, 4),
+             "memory_GiB": round(a.predicted_memory_bytes / GIB, 2),
+             "capacity_GiB": round(devices[a.device_index][1].memory_bytes / GIB, 2),
+             "step_s": a.predicted_step_s if a.used else "unused"} for a in plan.assignments]
+    print_table(rows)
+    print(f"predicted iteration: {plan.predicted_iteration_s:.4g} s, {plan.predicted_samples_per_s:.4g} samples/s "
+          f"(solved in {plan.solve_s:.3f} s)")
+    for z, c in sorted(plan.zero_candidates.items()):
+        t = "-" if c.predicted_iteration_s is None else f"{c.predicted_iteration_s:.4g} s/iteration"
+        print(f"  zero {z}: {t}{f' ({c.note})' if c.note else ''}")
+    for name, b in plan.baselines.items():
+        if b.oom:
+            print(f"  {name}: out of memory ({b.note})")
+        else:
+            print(f"  {name}: {b.predicted_iteration_s:.4g} s/iteration, "
+                  f"plan is {b.predicted_iteration_s / plan.predicted_iteration_s:.2f}x faster ({b.note})")
+    for note in plan.notes:
+        print(f"note: {note}")
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = ClusterSpec.load(args.cluster)
+    result = solve_plan(cluster, args.model, args.global_batch, seq=args.seq, dtype=args.dtype,
+                        recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
+                        zero=args.zero if args.zero == ZERO_AUTO else int(args.zero))
+    plan = result.plan
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        print_json(plan.to_dict())
+    else:
+        print_plan(plan)
+        if result.status != "optimal":
+            print(f"note: the plan is feasible, {result.reason}")
+        if args.out:
+            print(f"plan written to {args.out}")
+    return 0

@@ -1,0 +1,670 @@
+"""Cephalo's heterogeneous plan as an ILP: per device a (micro-batch, accumulation steps), a share of
+the sharded training state, or nothing; no device over its memory; the shortest iteration.
+
+The cost model (planner/costmodel/training.py) builds the coefficient tables; this module only consumes them.
+The ILP counts devices per *class* (identical DeviceSpec within a scope), so its size grows with
+types × candidate choices, not with the device count. A *scope* fixes the link bandwidth (one
+node: intra-node; several: inter-node) and a *bucket* of world sizes k fixes the collective time
+comm(k) (exact up to cost.EXACT_WORLD_SIZES devices, priced at the bucket's top above; a bucket's
+best plan with k devices is then re-priced at k and the bucket narrowed to [lo, k] and searched again).
+
+The problem of one scope and bucket (classes g, choices c = (m, n) of class g):
+    minimize    T
+    subject to  Σ_c x[g,c] ≤ count[g]                                   (devices)
+                Σ_{g,c} m·n·x[g,c] = B                                   (batch)
+                Σ_{g,c} x[g,c]·f[g,c] = 1                                (shards)
+                f[g,c] ≤ max_share[g,c]                                  (memory ≤ capacity × headroom)
+                T ≥ compute[g,c] + opt[g]·f[g,c] + comm   if x[g,c] ≥ 1  (time of each used device)
+                lo ≤ Σ x[g,c] ≤ hi                                       (world size in the bucket)
+(identical devices on the same choice hold equal shares f[g,c]: the split that minimizes their time).
+The products x·f and the time rows are nonlinear in (x, f, T). For a *fixed* T they are not: a device on
+choice c can hold at most cap[g,c](T) = min(max_share, (T − comm − compute)/opt) of the state, so with
+F[g,c] = x·f the shards row becomes Σ F = 1 with F[g,c] ≤ cap[g,c](T)·x[g,c], and choices slower
+than T − comm simply drop out. Feasibility only grows with T, so the least T is found by bisection:
+first over the breakpoints compute + comm (where the choice set changes), then continuously. Each
+feasible probe's configuration is priced exactly (its optimal shares by water-filling), which moves
+the upper end of the interval at once to a real plan's time.
+
+ZeRO stages: the cost model of one stage (planner/costmodel/training.py) fixes the memory of every (m, n), the
+compute (layer-wise accumulation recomputes at zero ≥ 2, n > 1) and comm(k); `solve_plan` with
+zero="auto" solves stages 1, 2, 3 in order, each required to beat the best so far by more than the
+bisection's tolerance (so ties keep the lower stage), and records what each stage gave.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import pulp
+
+from planner.core.catalog import GIB, get_gpu_type
+from planner.core.cluster import ClusterSpec
+from planner.costmodel.training import Choice, ClassTable, CostModel, ScopeTable, validate_zero, world_size_buckets
+from planner.core.plan import Assignment, Plan, ZeroCandidate
+from planner.core.units import ZERO_STAGES
+from planner.hetero.baselines import estimate_baselines, estimate_memory_aware
+from planner.core.specs import get_model, with_max_seq
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "full")
+ZERO_AUTO = "auto"  # solve each stage, keep the fastest that fits (ties: the lower stage)
+ZERO_CHOICES = (ZERO_AUTO, *ZERO_STAGES)
+# Default context when --seq is not given: the model's own, capped where activations of one
+# sample would already crowd a 24 GB part for the 7B-class presets (Cephalo trains at 2,048).
+DEFAULT_MAX_SEQ = 2048
+# Shares below this are solver round-off, not a slice worth a rank's optimizer call.
+SHARE_EPS = 1e-9
+# The bisection stops when the best plan is within this factor of the proven lower bound
+# (unless the caller's `gap` is looser): far below the noise of any measured step time.
+BISECTION_TOL = 1e-5
+# Bisection steps of the water-filling that prices one configuration's shares (2^-60: exact in float).
+WATER_FILL_STEPS = 60
+
+
+@dataclass(frozen=True)
+class HeteroResult:
+    status: str  # "optimal" | "feasible" (time limit reached before the bisection closed)
+    objective_s: float  # the least iteration time found (= plan.predicted_iteration_s up to bucket pricing)
+    plan: Plan | None
+    solve_time_s: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ScopeSolution:
+    status: str
+    objective_s: float
+    per_device: dict[int, tuple[int, int, float]]  # device index -> (m, n, share)
+
+
+# a configuration: (class index, choice, number of devices on it)
+Config = list[tuple[int, Choice, int]]
+
+
+def validate_inputs(global_batch: int, seq: int | None, dtype: str, recompute: str, headroom: float,
+                    time_limit_s: float, gap: float) -> None:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch must be a positive integer, got {global_batch!r}")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 1):
+        raise ValueError(f"seq must be a positive integer, got {seq!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
+        raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
+    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):
+        raise ValueError(f"time limit must be positive, got {time_limit_s!r}")
+    if not (isinstance(gap, (int, float)) and 0 <= gap < 1):
+        raise ValueError(f"gap must be in [0, 1), got {gap!r}")
+
+
+class ProbeTimeout(Exception):
+    """CBC ran out of time before it proved a probe feasible or infeasible."""
+
+
+class SolverLimit(ValueError):
+    """A solver budget (wall time, memory, problem size) ran out before any plan was found."""
+
+
+# two share caps within this relative distance are a tie (float noise of equal step times)
+CAP_TIE_REL = 1e-9
+# Budgets of one CBC process: a wall limit enforced from outside (coreutils `timeout` kills it:
+# CBC's own -sec was not honoured on big models, issue 17) and an address-space limit (ulimit -v).
+CBC_MEMORY_BYTES = 2 * GIB
+CBC_GRACE_S = 0.5  # beyond the probe's share of the time limit, for CBC to start and write its answer
+# Refused up front: a probe with more integer variables than this (the bands keep real ones in the
+# hundreds; this only stops a caller's micro-batch list from building an unbounded problem).
+MAX_PROBE_VARIABLES = 20_000
+
+
+def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm_s: float) -> float:
+    """The most state one device of `cls` on choice ch can hold and still end by t_s:
+    min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
+    slack_s = t_s - comm_s - ch.compute_s
+    if slack_s < 0:
+        return -1.0
+    opt_s = cls.coeffs.optimizer_s
+    return ch.max_share if opt_s <= 0 else min(ch.max_share, slack_s / opt_s)
+
+
+class BoundedCBC(pulp.PULP_CBC_CMD):
+    """PuLP's bundled CBC run under a wall limit and a memory limit it cannot ignore: the executable
+    PuLP starts is a two-line wrapper, `ulimit -v` then `exec timeout -s KILL <s> cbc ...`, so the
+    kernel ends CBC at the limit even if this process dies first (no orphan outlives it)."""
+
+    def __init__(self, wall_s: float, memory_bytes: int = CBC_MEMORY_BYTES, threads: int | None = None):
+        super().__init__(msg=False, timeLimit=max(wall_s, 0.01), threads=threads)
+        self.wall_s, self.memory_bytes = wall_s, memory_bytes
+
+    def actualSolve(self, lp, **kwargs):
+        real = self.path
+        fd, wrapper = tempfile.mkstemp(prefix="gpumix_cbc_", suffix=".sh")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"#!/bin/sh\nulimit -v {self.memory_bytes // 1024}\n"
+                    f"exec timeout -s KILL {self.wall_s + CBC_GRACE_S:.3f} {shlex.quote(real)} \"$@\"\n")
+        os.chmod(wrapper, 0o700)
+        self.path = wrapper
+        try:
+            return super().actualSolve(lp, **kwargs)
+        except pulp.PulpSolverError as e:
+            raise ProbeTimeout(f"CBC was stopped at its wall limit of {self.wall_s:.3g} s or its memory limit of "
+                               f"{self.memory_bytes / GIB:g} GiB") from e
+        finally:
+            self.path = real
+            os.unlink(wrapper)
+
+
+def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
+          time_limit_s: float, threads: int | None = None, relaxed: bool = False) -> Config | None:
+    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s, or None.
+    `relaxed`: the bands' rows loosened so that every plan of the space passes (a proof of
+    infeasibility only; the configuration it returns is not a plan)."""
+    if time_limit_s <= 0:
+        raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
+    prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
+    prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
+    entries = []  # (g, choice, x, F)
+    band_entries = []  # (g, band, x, N)
+    for g, cls in enumerate(table.classes):
+        # at a fixed t_s two choices of one batch differ only in their share room: keep the roomiest
+        best_of_batch: dict[int, tuple[float, int]] = {}
+        for c, ch in enumerate(cls.choices):
+            cap = share_cap(cls, ch, t_s, comm_s)
+            if cap < 0 or (ch.batch == 0 and cap <= 0):
+                continue  # too slow for t_s, or a state-only device that could hold nothing
+            best = best_of_batch.get(ch.batch)
+            # on a tie (a profile with α = 0 prices m=1 × n=4 like m=4 × n=1) take the larger
+            # micro-batch: every accumulation step has fixed costs the profile may not resolve
+            if best is None or cap > best[0] * (1 + CAP_TIE_REL) or (
+                    cap >= best[0] * (1 - CAP_TIE_REL) and ch.micro_batch > cls.choices[best[1]].micro_batch):
+                best_of_batch[ch.batch] = (cap, c)
+        xs = []
+        for batch, (cap, c) in sorted(best_of_batch.items()):
+            ch = cls.choices[c]
+            ub = cls.count if ch.batch == 0 else min(cls.count, global_batch // ch.batch)
+            if ub < 1:
+                continue
+            # x[g,c]: how many devices of class g take choice c
+            x = pulp.LpVariable(f"x_{g}_{c}", lowBound=0, upBound=ub, cat="Integer")
+            # F[g,c]: the state share those devices hold together (F = x·f, f their equal per-device share)
+            F = pulp.LpVariable(f"F_{g}_{c}", lowBound=0)
+            # memory and time at t_s: each device's f ≤ cap(t_s), so F ≤ cap·x
+            prob += F <= cap * x, f"cap_{g}_{c}"
+            xs.append(x)
+            entries.append((g, ch, x, F))
+        for b, band in enumerate(cls.bands):
+            slack_s = t_s - comm_s  # what one device of the band has for compute + optimizer
+            # the most steps one device may take by t_s (the band's rows below need each n_i ≤ it)
+            n_top = min(band.hi, int(slack_s / band.step_s) if band.step_s > 0 else band.hi)
+            room = band.max_share_lo if relaxed else band.max_share_hi
+            if n_top < band.lo or room < 0:
+                continue
+            ub = min(cls.count, global_batch // (band.micro_batch * band.lo))
+            if ub < 1:
+                continue
+            # x[g,b]: devices of class g with a count in band b; N[g,b]: their accumulation steps in total
+            x = pulp.LpVariable(f"xb_{g}_{b}", lowBound=0, upBound=ub, cat="Integer")
+            N = pulp.LpVariable(f"N_{g}_{b}", lowBound=0, cat="Integer")
+            F = pulp.LpVariable(f"Fb_{g}_{b}", lowBound=0)
+            # counts: lo ≤ each n_i ≤ n_top, so lo·x ≤ N ≤ n_top·x (split evenly: n_i ∈ {⌊N/x⌋, ⌈N/x⌉})
+            prob += N >= band.lo * x, f"band_lo_{g}_{b}"
+            prob += N <= n_top * x, f"band_hi_{g}_{b}"
+            # memory: F ≤ room·x (room at the band's top: every n_i of it fits; relaxed: at its bottom)
+            prob += F <= room * x, f"band_mem_{g}_{b}"
+            # time, summed over the x devices: Σ (n_i·step + opt·f_i) ≤ x·(t − comm). Split evenly, a
+            # device has n_i ≤ N/x + 1, so the plan's rows hold when x·(t − comm − step) is the bound
+            # (one micro-batch per device given up); relaxed: the sum of the rows themselves
+            budget_s = slack_s if relaxed else slack_s - band.step_s
+            prob += band.step_s * N + cls.coeffs.optimizer_s * F <= budget_s * x, f"band_time_{g}_{b}"
+            xs.append(x)
+            entries.append((g, None, x, F))
+            band_entries.append((g, band, x, N))
+        if xs:
+            # devices: a class lends at most its count
+            prob += pulp.lpSum(xs) <= cls.count, f"devices_{g}"
+    if not entries:
+        return None
+    if len(entries) > MAX_PROBE_VARIABLES:
+        raise SolverLimit(f"the plan's integer program would have {len(entries)} device variables "
+                          f"(more than {MAX_PROBE_VARIABLES}): use fewer micro-batch candidates")
+    # batch: Σ m·n·x (+ Σ m·N over the bands) = the global batch
+    prob += (pulp.lpSum(ch.batch * x for _, ch, x, _ in entries if ch is not None)
+             + pulp.lpSum(band.micro_batch * N for _, band, _, N in band_entries)) == global_batch, "batch"
+    # shards: the devices can hold the whole state (≥: any surplus capacity is simply left unused)
+    prob += pulp.lpSum(F for *_, F in entries) >= 1, "shards"
+    # world size: the number of used devices lies in the bucket comm_s was priced for
+    k = pulp.lpSum(x for _, _, x, _ in entries)
+    prob += k >= world[0], "world_lo"
+    prob += k <= world[1], "world_hi"
+    prob.solve(BoundedCBC(time_limit_s, threads=threads))
+    if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        config = [(g, ch, int(round(x.value() or 0))) for g, ch, x, _ in entries
+                  if ch is not None and round(x.value() or 0) > 0]
+        for g, band, x, N in band_entries:
+            count, steps = int(round(x.value() or 0)), int(round(N.value() or 0))
+            if count <= 0:
+                continue
+            q, r = divmod(steps, count)  # r devices take q + 1 steps, the others q
+            for n, num in ((q + 1, r), (q, count - r)):
+                if num:
+                    config.append((g, table.classes[g].choice(band.micro_batch, n), num))
+        return config
+    if prob.status == pulp.LpStatusInfeasible:
+        return None
+    raise ProbeTimeout(f"CBC stopped ({pulp.LpStatus[prob.status]}) before deciding t = {t_s:.6g} s")
+
+
+def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[float, list[float]] | None:
+    """The least iteration time of a configuration and each entry's per-device share: water-filling,
+    the least t with Σ x·cap(t) ≥ 1 (cap grows with t), by bisection. None if the state cannot fit."""
+    def capacity(t_s: float) -> float:
+        return sum(x * max(share_cap(table.classes[g], ch, t_s, comm_s), 0.0) for g, ch, x in config)
+
+    lo = max(ch.compute_s for _, ch, _ in config) + comm_s
+    hi = lo + max(table.classes[g].coeffs.optimizer_s for g, _, _ in config)
+    if capacity(hi) < 1 - 1e-12:
+        return None
+    if capacity(lo) < 1:
+        for _ in range(WATER_FILL_STEPS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if capacity(mid) >= 1 else (mid, hi)
+        lo = hi
+    caps = [max(share_cap(table.classes[g], ch, lo, comm_s), 0.0) for g, ch, _ in config]
+    total = sum(x * cap for (_, _, x), cap in zip(config, caps))
+    return lo, [cap / total for cap in caps]
+
+
+def _breakpoints(table: ScopeTable, comm_s: float, lo_s: float, hi_s: float) -> list[float]:
+    """Iteration times at which the set of fast-enough choices changes, inside (lo_s, hi_s)."""
+    pts = {ch.compute_s + comm_s for cls in table.classes for ch in cls.choices}
+    return sorted(t for t in pts if lo_s < t < hi_s)
+
+
+class _Bisection:
+    """The interval [lo, hi] known to hold the least iteration time of one scope and bucket, and the
+    best configuration found (its exact time is hi)."""
+
+    def __init__(self, table: ScopeTable, global_batch: int, world: tuple[int, int], lo_s: float, hi_s: float,
+                 deadline: float):
+        self.table, self.global_batch, self.world, self.deadline = table, global_batch, world, deadline
+        self.comm_s = table.comm_s(world[1])
+        self.lo, self.hi = lo_s, hi_s
+        self.best: tuple[float, Config] | None = None
+        self.proven_lo = True  # every rise of lo was a proof (the bands' relaxation was infeasible too)
+
+    def try_at(self, t_s: float) -> bool:
+        """Probe t_s: a feasible configuration lowers hi to its exact time, infeasibility raises lo.
+        ProbeTimeout (undecided) moves neither. With bands, an infeasible probe is a proof only if
+        the relaxation is infeasible too; else lo rises all the same and the search is unproven."""
+        config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic())
+        priced = price_config(self.table, config, self.comm_s) if config else None
+        if priced is None:
+            if self.proven_lo and not self.table.exact and probe(
+                    self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic(),
+                    relaxed=True) is not None:
+                self.proven_lo = False
+            self.lo = max(self.lo, t_s)
+            return False
+        if self.best is None or priced[0] < self.hi:
+            self.best, self.hi = (priced[0], config), min(self.hi, priced[0])
+        return True
+
+    def closed(self, tol: float) -> bool:
+        return self.hi - self.lo <= tol * self.hi
+
+    def proven(self, tol: float) -> bool:
+        return self.closed(tol) and self.proven_lo
+
+    def time_left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+
+def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
+                 deadline: float, tol: float, hint_s: float = math.inf) -> tuple[float, Config, bool] | None:
+    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent);
+    `hint_s`, a known plan's time, is tried first (a probe near the optimum has fewer choices to
+    weigh than one at the slowest choice). Returns (time, configuration, proven within tol) or None
+    if nothing beats upper_s."""
+    top_s = upper_s
+    if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
+        top_s = max([ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices]
+                    + [b.hi * b.step_s + cls.coeffs.optimizer_s for cls in table.classes for b in cls.bands])
+        top_s += table.comm_s(world[1])
+    search = _Bisection(table, global_batch, world, lower_s, top_s, deadline)
+    try:
+        # the top of the interval: is there any plan at all below the incumbent?
+        if math.isinf(upper_s):
+            if not (lower_s < hint_s < top_s and search.try_at(hint_s)) and not search.try_at(top_s):
+                return None
+        elif not search.try_at(upper_s * (1 - tol)):
+            return None
+        points = _breakpoints(table, search.comm_s, search.lo, search.hi)
+        while points and search.time_left():
+            mid = points[len(points) // 2]
+            ok = search.try_at(mid)
+            points = [t for t in points if search.lo < t < search.hi and (t < mid if ok else t > mid)]
+        # between breakpoints only the shares' room changes: the best configuration found so far is
+        # usually already optimal (price_config placed its shares exactly), which one probe just below proves
+        if not search.closed(tol) and search.time_left():
+            search.try_at(search.hi * (1 - tol))
+        while not search.closed(tol) and search.time_left():
+            search.try_at(0.5 * (search.lo + search.hi))
+    except ProbeTimeout as e:  # undecided: the search stops with what it has, unproven
+        log.warning("%s", e)
+        return (search.best[0], search.best[1], False) if search.best else None
+    assert search.best is not None
+    return search.best[0], search.best[1], search.proven(tol)
+
+
+def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
+                upper_s: float = math.inf, hint_s: float = math.inf) -> ScopeSolution | None:
+    """The best plan of one scope over its world-size buckets, or None if none beats upper_s."""
+    fluid_s = _lower_bound_s(table, global_batch)
+    buckets = world_size_buckets(table.num_devices)
+    # the bucket with every device first (usually the best), then by their lower bounds
+    order = sorted(buckets, key=lambda b: (b[1] != table.num_devices, fluid_s + table.comm_s(b[0])))
+    best: tuple[float, Config, int, bool] | None = None
+    proven = True
+    for world in order:
+        incumbent = best[0] if best else upper_s
+        lower_s = max(fluid_s, _lower_bound_s(table, global_batch, world[1])) + table.comm_s(world[0])
+        if lower_s >= incumbent:
+            continue
+        if time.monotonic() >= deadline:
+            proven = False
+            break
+        found = solve_bucket(table, global_batch, world, lower_s, incumbent, deadline, tol, hint_s)
+        while found is not None:
+            t_s, config, ok = found
+            best = (t_s, config, world[1], ok)
+            proven = proven and ok
+            # the bucket priced its collectives at its largest k; with fewer devices the plan is cheaper,
+            # and the narrower bucket [lo, k] (priced at k) may hold a better plan still
+            k = sum(x for _, _, x in config)
+            if k >= world[1]:
+                break
+            world = (world[0], k)
+            best = (price_config(table, config, table.comm_s(k))[0], config, k, ok)
+            found = solve_bucket(table, global_batch, world, lower_s, best[0], deadline, tol)
+    if best is None:
+        return None
+    t_s, config, hi_world, ok = best
+    _, shares = price_config(table, config, table.comm_s(hi_world))
+    per_device: dict[int, tuple[int, int, float]] = {}
+    free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
+    for (g, ch, x), share in zip(config, shares):
+        for _ in range(x):
+            per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
+    return ScopeSolution("optimal" if proven and ok else "feasible", t_s, per_device)
+
+
+def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
+    """Fluid bound: the `max_devices` fastest devices that can compute at all, at 1/β each, with no α,
+    optimizer or collectives."""
+    rates = sorted((1.0 / cls.coeffs.beta_s for cls in table.classes
+                    if cls.bands or any(ch.batch for ch in cls.choices)
+                    for _ in range(cls.count)), reverse=True)
+    rate = sum(rates[:max_devices] if max_devices is not None else rates)
+    return global_batch / rate if rate > 0 else math.inf
+
+
+def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
+    return min(_lower_bound_s(table, global_batch, hi) + table.comm_s(lo)
+               for lo, hi in world_size_buckets(table.num_devices))
+
+
+def explain_infeasible(cost: CostModel, global_batch: int) -> str:
+    """Why no plan exists: which devices cannot hold even the smallest shard or micro-batch, or
+    how much of the state the devices can hold (with no batch, and beside a micro-batch of 1)."""
+    problems, can_compute, room_idle, room_busy = [], False, 0.0, 0.0
+    state = "optimizer state" if cost.zero == 1 else "training state"
+    for _, d in cost.cluster.devices():
+        c = cost.coeffs[d]
+        idle, busy = cost.max_share(d, 0, 0), cost.max_share(d, 1, 1)
+        if c.layerwise:  # accumulating layer by layer, two micro-batches of 1 may fit where one does not
+            busy = max(busy, cost.max_share(d, 1, 2))
+        room_idle += max(idle, 0.0)
+        room_busy += max(busy, idle, 0.0) if busy < 0 else busy
+        if idle < 0:
+            problems.append(f"{d.label} cannot hold even the smallest shard (needs "
+                            f"{c.memory_bytes(0, 0, 0.0) / GIB:.2f} GiB > {c.capacity_bytes / GIB:.2f} GiB = "
+                            "capacity × headroom)")
+        elif busy < 0:
+            problems.append(f"{d.label} cannot hold micro-batch 1 (needs {c.memory_bytes(1, 1, 0.0) / GIB:.2f} GiB > "
+                            f"{c.capacity_bytes / GIB:.2f} GiB)")
+        else:
+            can_compute = True
+    problems = list(dict.fromkeys(problems))  # one line per kind of device
+    detail = f" ({'; '.join(problems)})" if problems else ""
+    if not can_compute:
+        return "no device can hold a micro-batch of 1: " + "; ".join(problems)
+    if room_idle < 1.0:
+        return f"the sharded {state} does not fit: the devices hold at most {room_idle:.0%} of it{detail}"
+    if room_busy < 1.0:
+        return (f"the sharded {state} does not fit beside the micro-batches: with micro-batch 1 the devices "
+                f"hold at most {room_busy:.0%} of it{detail}")
+    most = sum(_max_batch(cost, d, global_batch) for _, d in cost.cluster.devices())
+    if most < global_batch:
+        return (f"the devices can take at most {most} samples per step in all (the memory of a device grows with "
+                f"its accumulation steps), fewer than the global batch {global_batch}{detail}")
+    return f"the global batch {global_batch} cannot be split over the candidate micro-batches and devices{detail}"
+
+
+def _max_batch(cost: CostModel, device, global_batch: int) -> int:
+    """The most samples one device can take in a step that fits its memory (any candidate)."""
+    batches = [ch.batch for ch in cost.choices(device, global_batch)]
+    batches += [b.micro_batch * b.hi for b in cost.bands(device, global_batch)]
+    return max(batches, default=0)
+
+
+def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
+                          micro_batches: Sequence[int] | None = None, upper_bound_s: float = math.inf,
+                          beat_s: float = math.inf) -> tuple[ScopeSolution, str] | None:
+    """The best plan over every scope: (solution, scope name). `upper_bound_s` (a known plan's time)
+    drops every choice slower than it from the tables. `beat_s` (another stage's plan): only a plan
+    faster than it by more than the tolerance counts; None when there is none. Raises ValueError
+    when nothing fits."""
+    deadline = time.monotonic() + time_limit_s
+    upper_bound_s = min(upper_bound_s, beat_s)
+    tol = max(gap, BISECTION_TOL)
+    tables = [cost.scope_table(name, multi, [i for _, ix in members for i in ix], global_batch, micro_batches,
+                               upper_bound_s)
+              for name, multi, members in cost.scopes()]
+    bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
+    best: tuple[ScopeSolution, str, float] | None = None
+    proven = True
+    for table in sorted(tables, key=lambda t: bounds[t.name]):
+        incumbent = best[2] if best else beat_s
+        if bounds[table.name] >= incumbent * (1 - tol):
+            continue
+        if time.monotonic() >= deadline:
+            proven = False
+            break
+        sol = solve_scope(table, global_batch, deadline, tol, incumbent, upper_bound_s)
+        if sol is None:
+            continue
+        proven = proven and sol.status == "optimal"
+        t_s, _ = cost.estimate_iteration_s([sol.per_device.get(i, (0, 0, 0.0))
+                                            for i in range(cost.cluster.num_devices)])
+        if t_s < incumbent:
+            best = (sol, table.name, t_s)
+    if best is None and beat_s < math.inf:
+        return None
+    if best is None:
+        if time.monotonic() >= deadline:
+            raise ValueError(f"the solver's time limit of {time_limit_s:g} s ran out before it found a plan; "
+                             "allow more time (planner plan --time-limit S)")
+        if upper_bound_s < math.inf:  # pruning by a known plan's time cannot cut every plan; stay safe
+            return solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches)
+        raise ValueError(f"no feasible plan: {explain_infeasible(cost, global_batch)}")
+    sol = best[0]
+    if not proven:
+        sol = ScopeSolution("feasible", sol.objective_s, sol.per_device)
+    return sol, best[1]
+
+
+def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: str, recompute: str,
+               per_device: Sequence[tuple[int, int, float]], notes: Sequence[str] = (), solve_s: float = 0.0,
+               baselines: dict | None = None) -> Plan:
+    """A Plan from per-device (m, n, share): shares renormalized to sum to 1, predictions filled."""
+    devices = cost.cluster.devices()
+    shares = [f if f > SHARE_EPS else 0.0 for _, _, f in per_device]
+    total = sum(shares)
+    shares = [f / total for f in shares] if total > 0 else shares
+    per_device = [(m, n, f) for (m, n, _), f in zip(per_device, shares)]
+    iteration_s, steps = cost.estimate_iteration_s(per_device)
+    assignments = []
+    for i, ((node, dev), (m, n, f)) in enumerate(zip(devices, per_device)):
+        mem = int(cost.estimate_memory_bytes(dev, m, n, f)) if (m * n > 0 or f > 0) else 0
+        assignments.append(Assignment(i, node.name, dev.type, m, n, m * n, f, mem, steps[i],
+                                      dev.emulated, dev.slowdown, dev.memory_gb))
+    return Plan(cost.cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), iteration_s,
+                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=cost.zero)
+
+
+def plan_notes(cost: CostModel, dtype: str) -> list[str]:
+    notes = []
+    for t in sorted({d.type for d in cost.coeffs}):
+        if dtype == "bf16" and not get_gpu_type(t).supports_bf16:
+            notes.append(f"{t} has no bf16: it trains in fp16")
+    estimated = sorted({d.type for d, c in cost.coeffs.items() if not c.measured})
+    if estimated:
+        notes.append(f"step times estimated (not measured) for {', '.join(estimated)}")
+    if cost.cluster.emulated:
+        notes.append("some devices are emulated (slowdown / memory limit from the cluster file)")
+    return notes
+
+
+def validate_zero_choice(zero: int | str) -> tuple[int, ...]:
+    """The stages to try: all of them for "auto", else the one forced."""
+    if zero == ZERO_AUTO:
+        return ZERO_STAGES
+    try:
+        return (validate_zero(zero),)
+    except ValueError:
+        raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_CHOICES))}, got {zero!r}") from None
+
+
+@dataclass(frozen=True)
+class _StageSolution:
+    cost: CostModel
+    solution: ScopeSolution
+    scope: str
+    iteration_s: float
+    baselines: dict
+
+
+def _solve_stage(cluster: ClusterSpec, spec, seq: int, dtype: str, recompute: str, headroom: float, zero: int,
+                 global_batch: int, deadline: float, gap: float, micro_batches: Sequence[int] | None,
+                 profiles_dir: str | None, profile_cache: dict, beat_s: float) -> _StageSolution | None:
+    """The best plan at one ZeRO stage, or None if it does not beat `beat_s` (another stage's time).
+    Raises ValueError when nothing fits at this stage."""
+    cost = CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=zero,
+                           profile_cache=profile_cache)
+    baselines = estimate_baselines(cost, global_batch)
+    bounds = [b.predicted_iteration_s for b in (*baselines.values(), estimate_memory_aware(cost, global_batch))]
+    upper = min((b for b in bounds if b is not None), default=math.inf)
+    found = solve_with_cost_model(cost, global_batch, max(deadline - time.monotonic(), 0.01), gap, micro_batches,
+                                  upper, beat_s)
+    if found is None:
+        return None
+    sol, scope = found
+    t_s, _ = cost.estimate_iteration_s([sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)])
+    return _StageSolution(cost, sol, scope, t_s, baselines)
+
+
+def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
+               recompute: str = "none", headroom: float = 0.9, time_limit_s: float = 10.0, gap: float = 0.0,
+               micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None,
+               zero: int | str = ZERO_AUTO) -> HeteroResult:
+    """The fastest plan of `model` on `cluster` at `global_batch` under the cost model (planner/costmodel/training.py).
+
+    `zero`: "auto" solves each ZeRO stage (1, 2, 3, in that order) and keeps the shortest predicted
+    iteration that fits; a later stage must beat the earlier ones by more than the solver's
+    tolerance, so ties go to the lower stage. An int forces that stage. `gap`: stop once the plan is
+    within this relative distance of the proven lower bound (the bisection always closes to
+    BISECTION_TOL at least); `time_limit_s` bounds the whole search, every stage together.
+    `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
+    ValueError on bad input and when no plan fits at any stage tried, naming why."""
+    validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
+    stages = validate_zero_choice(zero)
+    if micro_batches is not None and (not micro_batches or any(
+            isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro_batches)):
+        raise ValueError(f"micro_batches must be positive integers, got {micro_batches!r}")
+    spec = get_model(model)
+    seq = seq if seq is not None else min(spec.max_seq, DEFAULT_MAX_SEQ)
+    spec = with_max_seq(spec, seq)
+    started = time.perf_counter()
+    deadline = time.monotonic() + time_limit_s
+    profile_cache: dict = {}
+    best: _StageSolution | None = None
+    candidates: dict[int, ZeroCandidate] = {}
+    failures: dict[int, str] = {}
+    for z in stages:
+        try:
+            found = _solve_stage(cluster, spec, seq, dtype, recompute, headroom, z, global_batch, deadline, gap,
+                                 micro_batches, profiles_dir, profile_cache, best.iteration_s if best else math.inf)
+        except ValueError as e:
+            if len(stages) == 1 or time.monotonic() >= deadline:
+                raise
+            failures[z] = str(e)
+            candidates[z] = ZeroCandidate(None, False, str(e))
+            continue
+        if found is None:  # feasible, but not faster than a lower stage
+            candidates[z] = ZeroCandidate(None, None, f"no plan faster than zero {best.cost.zero}'s")
+            continue
+        best = found
+        candidates[z] = ZeroCandidate(found.iteration_s, True)
+    if best is None:
+        raise ValueError("no feasible plan at any ZeRO stage: " + "; ".join(
+            f"zero {z}: {msg.removeprefix('no feasible plan: ')}" for z, msg in failures.items()))
+    solve_s = time.perf_counter() - started
+    for z, c in candidates.items():
+        if c.feasible and c.predicted_iteration_s is not None:
+            candidates[z] = ZeroCandidate(c.predicted_iteration_s, True, "chosen" if z == best.cost.zero else "slower")
+    sol, cost = best.solution, best.cost
+    notes = plan_notes(cost, dtype) + [f"scope: {best.scope}", f"zero {cost.zero}" + (
+        " (auto: the fastest predicted stage that fits)" if len(stages) > 1 else " (forced)")]
+    plan = build_plan(cost, model, global_batch, seq, dtype, recompute,
+                      [sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)],
+                      notes, solve_s, best.baselines)
+    plan = replace(plan, zero_candidates=candidates)
+    log.info("plan for %s on %s: zero %d, %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name, cost.zero,
+             plan.predicted_iteration_s, sol.status, best.scope, solve_s)
+    reason = "" if sol.status == "optimal" else (
+        f"not proven optimal: the time limit of {time_limit_s:g} s (--time-limit) ran out, or accumulation counts "
+        "above the enumerated ones were searched in bands (planner/costmodel/training.py)")
+    return HeteroResult(sol.status, sol.objective_s, plan, solve_s, reason)
+
+
+def evaluate_plan(plan: Plan, headroom: float = 0.9, profiles_dir: str | None = None) -> Plan:
+    """The same plan with its predictions (memory, step and iteration time, baselines) recomputed
+    by the current cost model at the plan's own ZeRO stage; a note for each device predicted over
+    capacity × headroom. The other stages' figures from the solve are kept as they were."""
+    spec = with_max_seq(get_model(plan.model), plan.seq)
+    cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, headroom, profiles_dir,
+                           zero=plan.zero)
+    per_device = [(a.micro_batch, a.accum_steps, a.shard_fraction) for a in plan.assignments]
+    notes = plan_notes(cost, plan.dtype)
+    fits = True
+    for a in plan.assignments:
+        dev = plan.cluster.devices()[a.device_index][1]
+        cap = cost.coeffs[dev].capacity_bytes
+        if a.used and cost.estimate_memory_bytes(dev, a.micro_batch, a.accum_steps, a.shard_fraction) > cap:
+            fits = False
+            notes.append(f"device {a.device_index} ({dev.label}) is predicted over its memory "
+                         f"capacity × headroom {headroom:g}")
+    evaluated = build_plan(cost, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute, per_device,
+                           notes, plan.solve_s, estimate_baselines(cost, plan.global_batch))
+    candidates = dict(plan.zero_candidates)
+    candidates[plan.zero] = ZeroCandidate(evaluated.predicted_iteration_s, fits, "re-evaluated")
+    return replace(evaluated, zero_candidates=candidates)
