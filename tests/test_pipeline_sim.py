@@ -107,3 +107,16 @@ def test_bad_jobs_are_refused():
         PipelineJob((Stage(1, 2), Stage(1, 2)), ("nope",), (FREE,), 1, 1, 0.0)
     with pytest.raises(ValueError, match="sharing"):
         Channel("x", 0.0, 1.0, 1.0, "round-robin")
+
+
+def test_collectives_then_optimizer_step_end_the_iteration():
+    # 2 pipelines × 2 stages, one micro-batch, f = 1, b = 2: the backward ends at 4 s on stage 1, 6 s on stage 0
+    j = PipelineJob((Stage(1.0, 2.0, 0.5, "s0", 0.25), Stage(1.0, 2.0, 0.5, "s1", 0.25)), ("free",), (FREE,),
+                    2, 1, 0.0)
+    r = simulate_pipeline(j)
+    assert r.iteration_s == pytest.approx(6.0 + 0.5 + 0.25)
+    steps = sorted((o.stage, o.pipeline, o.start_s, o.end_s) for o in r.step_ops)
+    assert steps == [(0, 0, 6.5, 6.75), (0, 1, 6.5, 6.75), (1, 0, 4.5, 4.75), (1, 1, 4.5, 4.75)]
+    assert all(o.kind == "OPT" for o in r.step_ops) and all(o.kind != "OPT" for o in r.ops)
+    assert (0, 0, "OPT", -1) in r.training_ops()
+    assert r.idle_intervals(0, 1)[-1] == (4.75, 6.75)  # the optimizer step is not idle time

@@ -31,7 +31,8 @@ from typing import Any
 
 from planner.core.catalog import get_gpu_type
 from planner.geo.costs import GeoCosts, StageCost
-from planner.geo.scenario import GBPS, BITS_PER_BYTE, INTRA_DC_LATENCY_S, GeoScenario
+from planner.core.constants import BITS_PER_BYTE, GBIT
+from planner.geo.scenario import INTRA_DC_LATENCY_S, GeoScenario
 from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ MAX_COMBINATIONS = 2000  # above this many stage-count combinations, try only {1
 SIMULATE_TOP = 16  # most candidates (by the closed-form estimate) run through the simulator
 KEEP_PER_SUBSET = 3  # candidates kept per subset of datacenters
 SHORTLIST_FACTOR = 2.0  # simulate the kept candidates estimated within 2x of the best
-TIE_TOLERANCE = 0.005  # within 0.5 % of the best iteration time: more room for prefill, then fewer GPUs
+TIE_TOLERANCE = 1e-12  # equal iteration times (to rounding): more room for prefill, then fewer GPUs
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class StagePlan:
     allreduce_s: float  # the stage's DP gradient all-reduce inside its DC
     memory_bytes: int  # predicted peak per GPU
     capacity_bytes: int  # GPU memory × headroom
+    optimizer_s: float = 0.0  # AdamW over one GPU's shard of the stage, once per step
 
     def label(self) -> str:
         last = self.first_layer + self.num_layers - 1
@@ -64,8 +66,8 @@ class StagePlan:
     def to_dict(self) -> dict[str, Any]:
         return {"dc": self.dc, "gpu_type": self.gpu_type, "first_layer": self.first_layer,
                 "num_layers": self.num_layers, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "allreduce_s": self.allreduce_s, "memory_bytes": self.memory_bytes,
-                "capacity_bytes": self.capacity_bytes}
+                "allreduce_s": self.allreduce_s, "optimizer_s": self.optimizer_s,
+                "memory_bytes": self.memory_bytes, "capacity_bytes": self.capacity_bytes}
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def build_job(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan, schedule: s
             channels[name] = Channel(name, link.one_way_latency_s, link.throughput_gbps(conns[name]), link.gbps,
                                      plan.sharing)
         hops.append(name)
-    stages = tuple(Stage(s.forward_s, s.backward_s, s.allreduce_s, s.label()) for s in plan.stages)
+    stages = tuple(Stage(s.forward_s, s.backward_s, s.allreduce_s, s.label(), s.optimizer_s) for s in plan.stages)
     return PipelineJob(stages, tuple(hops), tuple(channels.values()), plan.num_pipelines,
                        plan.num_microbatches, costs.transfer_bytes, schedule, plan.link_order)
 
@@ -168,33 +170,39 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def split_layers(layer_s: list[float], head_s: float, caps: list[int], num_layers: int) -> list[int] | None:
     """Layers per stage minimizing the slowest stage (stage j: n_j · layer_s[j], plus head_s on the
-    last), with 1 <= n_j <= caps[j] and Σ n_j = num_layers. Bisection on the bottleneck time T:
-    T is feasible when filling each stage up to min(cap, T / layer_s) reaches num_layers."""
-    p = len(layer_s)
-    if p > num_layers or any(c < 1 for c in caps) or sum(caps) < num_layers:
-        return None
+    last), then the total compute (one micro-batch's pass), with 1 <= n_j <= caps[j] and
+    Σ n_j = num_layers; None when no split fits.
 
-    def fill(t: float) -> list[int] | None:
-        counts, left = [], num_layers
+    Exact: the optimal bottleneck T is one of the finitely many stage times n · layer_s[j]
+    (+ head_s), and T is feasible iff Σ_j min(caps[j], ⌊(T − head_j) / layer_s[j]⌋) >= num_layers
+    with every term >= 1 (monotone in T: a binary search over the sorted candidates). At that T,
+    every stage gets one layer and the rest go to the fastest stages first, each up to its room."""
+    p = len(layer_s)
+    if p > num_layers or any(c < 1 for c in caps) or sum(min(c, num_layers) for c in caps) < num_layers:
+        return None
+    head = [head_s if j == p - 1 else 0.0 for j in range(p)]
+
+    def room(t: float) -> list[int] | None:
+        out = []
         for j in range(p):
-            room = t - (head_s if j == p - 1 else 0.0)
-            n = min(caps[j], int(room / layer_s[j] + 1e-9), left - (p - 1 - j))
+            n = min(caps[j], num_layers, int((t - head[j]) / layer_s[j] * (1 + 1e-12) + 1e-9))
             if n < 1:
                 return None
-            counts.append(n)
-            left -= n
-        return counts if left == 0 else None
+            out.append(n)
+        return out if sum(out) >= num_layers else None
 
-    lo, hi = 0.0, max(layer_s) * num_layers + head_s
-    best = fill(hi)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        got = fill(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
-    return best
+    times = sorted({n * layer_s[j] + head[j] for j in range(p) for n in range(1, min(caps[j], num_layers) + 1)})
+    lo, hi = 0, len(times) - 1  # times[hi] is feasible (every stage at its cap reaches num_layers)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if room(times[mid]) is not None else (mid + 1, hi)
+    upper = room(times[lo])
+    counts, left = [1] * p, num_layers - p
+    for j in sorted(range(p), key=lambda j: (layer_s[j], j)):
+        add = min(upper[j] - 1, left)
+        counts[j] += add
+        left -= add
+    return counts
 
 
 def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, float]], d: int, m: int,
@@ -215,7 +223,7 @@ def _estimate_s(plan_stages: list[StageCost], hops: list[tuple[float, float, flo
         if j < p - 1:
             trip += 2 * (hops[j][0] + hops[j][1])
         period = max(period, trip / costs.in_flight(j, p, m))
-    return trip + (m - 1) * period + max(s.allreduce_s for s in plan_stages)
+    return trip + (m - 1) * period + max(s.allreduce_s + s.optimizer_s for s in plan_stages)
 
 
 NETWORKS = ("atlas", "single_fair")  # k saturating connections + temporal sharing | 1 connection + fair sharing
@@ -271,8 +279,8 @@ def _candidates(scenario: GeoScenario, costs: GeoCosts, network: str, all_datace
         for d in sorted(_divisors(num_mb, min(counts)), reverse=True):
             m = num_mb // d
             # the busiest WAN direction per period (temporal: d transfers in a row; fair: link-bound)
-            wan_busy = max([d * bits / (r * GBPS) if network == "atlas" else
-                            max(bits / (r * GBPS), d * bits / (cap * GBPS)) for _, r, cap, _ in wan.values()],
+            wan_busy = max([d * bits / (r * GBIT) if network == "atlas" else
+                            max(bits / (r * GBIT), d * bits / (cap * GBIT)) for _, r, cap, _ in wan.values()],
                            default=0.0)
             options = [sorted({k for k in STAGE_OPTIONS if k <= c // d} | {min(c // d, L)}, reverse=True)
                        for c in counts]
@@ -323,30 +331,31 @@ def _make_candidate(scenario, costs, chain, ks, d, m, rc, wan, network) -> _Cand
     hops = []
     for a, b in zip(where, where[1:]):
         if a[0] == b[0]:
-            wire = bits / (scenario.datacenter(a[0]).intra_dc_gbps * GBPS)
+            wire = bits / (scenario.datacenter(a[0]).intra_dc_gbps * GBIT)
             hops.append((wire, INTRA_DC_LATENCY_S, wire))
         else:
             _, rate, cap, lat = wan[(a[0], b[0])]
-            wire = bits / (rate * GBPS)
+            wire = bits / (rate * GBIT)
             # temporal: d transfers one after another; fair: d at once, at most the link's capacity
-            busy = d * wire if network == "atlas" else max(wire, d * bits / (cap * GBPS))
+            busy = d * wire if network == "atlas" else max(wire, d * bits / (cap * GBIT))
             hops.append((wire, lat, busy))
     dcs = tuple(x for i, (x, _) in enumerate(chain) if i == 0 or chain[i - 1][0] != x)
     plan = GeoPlan(
         dcs, tuple(StagePlan(s.dc, s.gpu_type, s.first_layer, s.num_layers, s.forward_s, s.backward_s,
-                               s.allreduce_s, s.memory_bytes, s.capacity_bytes) for s in stages),
+                               s.allreduce_s, s.memory_bytes, s.capacity_bytes, s.optimizer_s) for s in stages),
         d, m, rc, tuple((_link_name(x, y), wan[(x, y)][0]) for x, y in zip(dcs, dcs[1:])), "fifo",
         "temporal" if network == "atlas" else "fair")
     return _Candidate(_estimate_s(stages, hops, d, m, costs), plan.num_gpus, plan)
 
 
 def _better(a: tuple[float, int, int], b: tuple[float, int, int] | None) -> bool:
-    """(iteration_s, -prefill-capable GPUs, GPUs): faster wins; within TIE_TOLERANCE, the plan
-    leaving more GPUs room for prefill, then the one with fewer GPUs."""
+    """(iteration_s, -prefill-capable GPUs, GPUs): faster wins; only at an equal time (to rounding,
+    TIE_TOLERANCE relative) the plan leaving more GPUs room for prefill, then the one with fewer GPUs.
+    A slower plan never wins, so the result is never slower than any plan it was compared with."""
     if b is None:
         return True
     if abs(a[0] - b[0]) <= TIE_TOLERANCE * min(a[0], b[0]):
-        return a[1:] < b[1:]
+        return a[1:] < b[1:] and a[0] <= b[0]
     return a[0] < b[0]
 
 
@@ -367,11 +376,14 @@ class AtlasResult:
 
 def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: str = "1f1b",
                 network: str = "atlas", all_datacenters: bool = False,
-                simulate_top: int = SIMULATE_TOP, prefill_bytes: int | None = None) -> AtlasResult:
+                simulate_top: int = SIMULATE_TOP, prefill_bytes: int | None = None,
+                compare_with: tuple[GeoPlan, ...] = ()) -> AtlasResult:
     """The fastest memory-feasible plan (by simulated iteration time) for `scenario`.
 
     `network="single_fair"` with `all_datacenters=True` is the pipeline baseline: the same
-    search, but one TCP connection per transfer, fair sharing, and every datacenter used."""
+    search, but one TCP connection per transfer, fair sharing, and every datacenter used.
+    `compare_with`: plans (the baselines') simulated beside the search's shortlist; the result is
+    the fastest of all, so it is never slower than any of them."""
     if network not in NETWORKS:
         raise ValueError(f"network must be one of {NETWORKS}, got {network!r}")
     t0 = time.perf_counter()
@@ -396,15 +408,16 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
     shortlist = [c for c in firsts + rest if c.estimate_s <= SHORTLIST_FACTOR * cands[0].estimate_s][:simulate_top]
     best: tuple[float, int, int] | None = None
     best_plan, best_sim = None, None
-    for cand in shortlist:
-        sim = simulate_pipeline(build_job(scenario, costs, cand.plan, schedule))
-        key = (sim.iteration_s, -prefill_capable_gpus(cand.plan, prefill_bytes), cand.plan.num_gpus)
+    for plan in [c.plan for c in shortlist] + list(compare_with):
+        sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
+        key = (sim.iteration_s, -prefill_capable_gpus(plan, prefill_bytes), plan.num_gpus)
         if _better(key, best):
-            best, best_plan, best_sim = key, cand.plan, sim
+            best, best_plan, best_sim = key, plan, sim
     if network == "atlas" and best_plan.num_pipelines > 1 and len(best_plan.chain) > 1:
         plan = replace(best_plan, link_order="pipeline")  # the other turn-taking rule on the WAN
         sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
-        if sim.iteration_s < best[0]:
+        if _better((sim.iteration_s, *best[1:]), best) and sim.iteration_s < best[0]:
             best, best_plan, best_sim = (sim.iteration_s, *best[1:]), plan, sim
-    log.info("geo %s: %d configurations, simulated %d, best %.3f s", network, considered, len(shortlist), best[0])
+    log.info("geo %s: %d configurations, simulated %d (+%d compared), best %.3f s", network, considered,
+             len(shortlist), len(compare_with), best[0])
     return AtlasResult(best_plan, best_sim, considered, time.perf_counter() - t0)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from planner.geo.scenario import InferenceWorkload
 from planner.geo.pipeline_sim import SimResult
 from planner.core.specs import ModelSpec, with_max_seq
+from planner.core.constants import DTYPE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOOKAHEAD = 32  # how far down the queue a free GPU looks for a request that fits its gap
 # Requests simulated in one iteration (offered in rate mode, placed with a backlog): each is a
 # Python object and a reserved interval in the re-simulation, so the work stays bounded.

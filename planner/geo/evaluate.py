@@ -13,6 +13,13 @@ Baselines (same cost tables, same simulator):
   search, but one TCP connection per transfer and all pipelines' transfers
   sharing each link fairly at once.
 - "best_single_dc": the best plan confined to one datacenter (no WAN at all).
+- "even_layer_split": the chosen plan's stages (datacenters, GPU types, DP degree, network) with
+  the layers split evenly, as a practitioner would cut a pipeline without a cost model.
+
+The pipeline baselines are plans of the same form as the search's: `simulate_geo` simulates them
+beside the search's shortlist and keeps the fastest, so the plan is never slower than any of them.
+DP across datacenters is not a pipeline plan (each DC runs its own); it is compared, and a faster
+one is named in the report's `slower_than` (empty when the plan beats every baseline).
 """
 from __future__ import annotations
 
@@ -22,9 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from planner.geo.bubbletea import PrefillResult, prefill_memory_bytes, reservations, simulate_bubbletea
-from planner.geo.atlas import AtlasResult, GeoPlan, solve_atlas
+from planner.geo.atlas import AtlasResult, GeoPlan, StagePlan, build_job, solve_atlas
 from planner.geo.costs import GeoCosts
-from planner.geo.scenario import BITS_PER_BYTE, GBPS, GeoScenario
+from planner.costmodel.collectives import Link, bytes_per_s
+from planner.geo.scenario import GeoScenario
 from planner.geo.pipeline_sim import SimResult, simulate_pipeline
 from planner.core.specs import get_model
 
@@ -39,6 +47,8 @@ class BaselineOutcome:
     num_gpus: int
     description: str
     note: str = ""
+    plan: GeoPlan | None = None  # pipeline baselines: the plan (a candidate of the final choice)
+    sim: SimResult | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "gpu_utilization": self.gpu_utilization,
@@ -110,9 +120,10 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: li
     if len(sims) > 1:
         connections = min(r.plan.num_gpus for r in sims.values())  # one connection per GPU's shard
         gbps, lat = _widest_tree(scenario, list(sims), connections)
-        grad_bits = costs.grad_bytes(costs.spec.num_params) * BITS_PER_BYTE
         D = len(sims)
-        wan_s = 2 * (D - 1) / D * grad_bits / (gbps * GBPS) + 2 * (D - 1) * lat
+        # a ring over the D datacenters: 2(D−1) steps, each paying the one-way latency once
+        link = Link(bytes_per_s(gbps), lat, call_latency_s=2 * (D - 1) * lat)
+        wan_s = costs.wan_allreduce_s(costs.spec.num_params, D, link)
     iteration = compute_end + wan_s
     busy = sum(r.sim.compute_busy_s() for r in sims.values())
     note = f"WAN all-reduce {wan_s:.3g} s after compute {compute_end:.3g} s over {', '.join(sims)}"
@@ -122,7 +133,36 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: li
 def _from_atlas(name: str, result: AtlasResult, desc: str) -> BaselineOutcome:
     p = result.plan
     note = f"{'→'.join(p.chain)}, {p.num_pipelines} pipelines × {p.num_stages} stages"
-    return BaselineOutcome(name, result.sim.iteration_s, result.sim.gpu_utilization(), p.num_gpus, desc, note)
+    return BaselineOutcome(name, result.sim.iteration_s, result.sim.gpu_utilization(), p.num_gpus, desc, note,
+                           p, result.sim)
+
+
+def even_split_plan(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan) -> GeoPlan | None:
+    """`plan`'s stages with the layers split evenly (the first L mod p stages one more); None when
+    a stage then does not fit its GPU's memory."""
+    L, p = costs.spec.num_layers, plan.num_stages
+    counts = [L // p + (1 if j < L % p else 0) for j in range(p)]
+    stages, first = [], 0
+    for j, (s, n) in enumerate(zip(plan.stages, counts)):
+        c = costs.stage_cost(s.dc, s.gpu_type, first, n, j, p, plan.num_microbatches, plan.num_pipelines,
+                             plan.recompute)
+        if c.memory_bytes > c.capacity_bytes:
+            return None
+        stages.append(StagePlan(c.dc, c.gpu_type, first, n, c.forward_s, c.backward_s, c.allreduce_s,
+                                c.memory_bytes, c.capacity_bytes, c.optimizer_s))
+        first += n
+    return replace(plan, stages=tuple(stages))
+
+
+def simulate_even_split(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan) -> BaselineOutcome:
+    desc = "the plan's stages with the layers split evenly"
+    even = even_split_plan(scenario, costs, plan)
+    if even is None:
+        return BaselineOutcome("even_layer_split", None, None, 0, desc, "an even split does not fit the GPUs' memory")
+    sim = simulate_pipeline(build_job(scenario, costs, even, costs.schedule))
+    note = "/".join(str(s.num_layers) for s in even.stages) + " layers per stage"
+    return BaselineOutcome("even_layer_split", sim.iteration_s, sim.gpu_utilization(), even.num_gpus, desc, note,
+                           even, sim)
 
 
 def simulate_baselines(scenario: GeoScenario, costs: GeoCosts) -> dict[str, BaselineOutcome]:
@@ -154,6 +194,12 @@ class GeoReport:
     training_unchanged: bool | None  # re-simulated with prefill reserved: every training op identical
     solve_time_s: float
     num_candidates: int
+    chosen_from: str = "search"  # "search", or the pipeline baseline whose plan was fastest
+
+    def slower_than(self) -> list[str]:
+        """Baselines faster than the plan (to rounding): empty unless DP across datacenters wins."""
+        t = self.sim.iteration_s
+        return [k for k, v in self.baselines.items() if v.iteration_s is not None and v.iteration_s < t * (1 - 1e-9)]
 
     @property
     def baseline_iteration_s(self) -> float | None:
@@ -170,6 +216,7 @@ class GeoReport:
             "baseline_iteration_s": self.baseline_iteration_s,
             "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
             "gpu_utilization": util,
+            "gpu_utilization_training_only": util,  # forward/backward only, beside the one with prefill
             "gpu_utilization_with_prefill": pre.gpu_utilization_with_prefill() if pre else util,
             "prefill_tokens_per_s": pre.prefill_tokens_per_s() if pre else 0.0,
             "prefill": pre.summary() if pre else None,
@@ -179,6 +226,8 @@ class GeoReport:
             "solve_s": self.solve_time_s,
             "num_candidates": self.num_candidates,
             "kind": "simulated",
+            "chosen_from": self.chosen_from,
+            "slower_than": self.slower_than(),
         }
         for k, v in self.baselines.items():
             if v.iteration_s:
@@ -202,15 +251,22 @@ def run_prefill(scenario: GeoScenario, plan: GeoPlan, sim: SimResult) -> tuple[P
 
 
 def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool = True) -> GeoReport:
-    """Plan `scenario` with Atlas, simulate it, its baselines and BubbleTea's prefill."""
+    """Plan `scenario` with Atlas, simulate it, its baselines and BubbleTea's prefill. The plan is the
+    fastest of the search's shortlist and the pipeline baselines' plans (simulated alike)."""
     t0 = time.perf_counter()
     costs = GeoCosts(scenario, schedule)
     inf = scenario.inference
     need = None if inf is None else prefill_memory_bytes(get_model(inf.model), min(t for t, _ in inf.prompt_tokens),
                                                           scenario.dtype)
-    atlas = solve_atlas(scenario, costs, schedule, prefill_bytes=need)
-    solve_s = time.perf_counter() - t0
     base = simulate_baselines(scenario, costs) if baselines else {}
-    pre, same = run_prefill(scenario, atlas.plan, atlas.sim)
-    return GeoReport(scenario, atlas.plan, atlas.sim, base, pre, same, solve_s, atlas.num_candidates)
-
+    atlas = solve_atlas(scenario, costs, schedule, prefill_bytes=need,
+                        compare_with=tuple(b.plan for b in base.values() if b.plan is not None))
+    if baselines:
+        base["even_layer_split"] = simulate_even_split(scenario, costs, atlas.plan)
+    plan, sim, chosen = atlas.plan, atlas.sim, "search"
+    for name, b in base.items():  # the even split was not among the search's comparisons
+        if b.plan is not None and b.sim is not None and b.sim.iteration_s < sim.iteration_s:
+            plan, sim, chosen = b.plan, b.sim, name
+    solve_s = time.perf_counter() - t0
+    pre, same = run_prefill(scenario, plan, sim)
+    return GeoReport(scenario, plan, sim, base, pre, same, solve_s, atlas.num_candidates, chosen)

@@ -13,9 +13,11 @@ and its gradient backward (`transfer_bytes` each way). A boundary crosses a
 - "fair": a WAN link direction shared by every transfer in flight at once, each
   getting `min(per-transfer rate, capacity / n)` (TCP fair sharing).
 
-After a stage's last backward on every replica its gradients are all-reduced
-among the replicas (`Stage.allreduce_s`); the iteration ends when the last
-operation or transfer ends. `reserved` intervals (BubbleTea's prefill) block a
+After a stage's last backward on every replica its gradients are synchronized
+among the replicas (`Stage.allreduce_s`: the ZeRO-1 collectives), then each
+replica runs the optimizer step over its shard (`Stage.optimizer_s`, kind "OPT",
+kept in `SimResult.step_ops` beside the training `ops`); the iteration ends when
+the last operation or transfer ends. `reserved` intervals (BubbleTea's prefill) block a
 GPU: a training operation that would overlap one starts after it instead, which
 is how tests check that prefill never moves training.
 """
@@ -25,7 +27,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
-from planner.geo.scenario import BITS_PER_BYTE, GBPS
+from planner.core.constants import BITS_PER_BYTE, GBIT
 
 SCHEDULES = ("1f1b", "gpipe")
 SHARING = ("dedicated", "temporal", "fair")
@@ -42,6 +44,7 @@ class Stage:
     backward_s: float
     allreduce_s: float = 0.0  # DP gradient all-reduce of the stage among its replicas
     label: str = ""  # e.g. "dc-a A100-80GB layers 0-15"
+    optimizer_s: float = 0.0  # the optimizer step over one replica's shard, after the all-reduce
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ class PipelineJob:
 class Op:
     pipeline: int
     stage: int
-    kind: str  # "F" forward, "B" backward, "AR" gradient all-reduce, "P" prefill (BubbleTea)
+    kind: str  # "F" forward, "B" backward, "AR" gradient all-reduce, "OPT" optimizer step, "P" prefill
     microbatch: int  # -1 for AR; request index for P
     start_s: float
     end_s: float
@@ -126,9 +129,10 @@ class SimResult:
     ops: list[Op]
     transfers: list[Transfer]
     channel_bits: dict[str, float] = field(default_factory=dict)  # "name/fwd" -> bits carried
+    step_ops: list[Op] = field(default_factory=list)  # the optimizer steps ("OPT"), one per GPU
 
     def training_ops(self) -> dict[tuple[int, int, str, int], tuple[float, float]]:
-        return {(o.pipeline, o.stage, o.kind, o.microbatch): (o.start_s, o.end_s) for o in self.ops}
+        return {(o.pipeline, o.stage, o.kind, o.microbatch): (o.start_s, o.end_s) for o in self.ops + self.step_ops}
 
     def compute_busy_s(self) -> float:
         return sum(o.end_s - o.start_s for o in self.ops if o.kind in ("F", "B"))
@@ -142,7 +146,7 @@ class SimResult:
 
     def idle_intervals(self, pipeline: int, stage: int) -> list[tuple[float, float]]:
         """Gaps on one GPU in [0, iteration_s] with no training operation (compute or all-reduce)."""
-        busy = sorted((o.start_s, o.end_s) for o in self.ops
+        busy = sorted((o.start_s, o.end_s) for o in self.ops + self.step_ops
                       if o.pipeline == pipeline and o.stage == stage and o.kind != "P")
         gaps, t = [], 0.0
         for s, e in busy:
@@ -156,7 +160,7 @@ class SimResult:
     def channel_utilization(self) -> dict[str, float]:
         """Bits carried / (capacity × iteration time), per WAN channel direction."""
         caps = {c.name: c.capacity_gbps for c in self.job.channels if c.sharing != "dedicated"}
-        return {k: bits / (caps[k.split("/")[0]] * GBPS * self.iteration_s)
+        return {k: bits / (caps[k.split("/")[0]] * GBIT * self.iteration_s)
                 for k, bits in self.channel_bits.items() if k.split("/")[0] in caps}
 
 
@@ -193,6 +197,7 @@ class _Sim:
         self.ready: set[tuple] = set()  # ("act"|"grad"|"fdone", r, j, mb)
         self.stage_done = [0] * self.p
         self.ops: list[Op] = []
+        self.step_ops: list[Op] = []
         self.transfers: list[Transfer] = []
         self.bits: dict[str, float] = {}
         # shared link state: key "channel/dir"
@@ -241,12 +246,18 @@ class _Sim:
         self.try_start(w, now)
 
     def allreduce(self, now: float, j: int) -> None:
-        dur = self.job.stages[j].allreduce_s
-        if dur <= 0:
-            return
-        start = max(_fit(now, dur, self.reserved.get((r, j), [])) for r in range(self.d))
-        for r in range(self.d):
-            self.ops.append(Op(r, j, "AR", -1, start, start + dur))
+        """The stage's collectives (all replicas at once), then each replica's optimizer step."""
+        stage = self.job.stages[j]
+        dur, end = stage.allreduce_s, now
+        if dur > 0:
+            start = max(_fit(now, dur, self.reserved.get((r, j), [])) for r in range(self.d))
+            end = start + dur
+            for r in range(self.d):
+                self.ops.append(Op(r, j, "AR", -1, start, end))
+        if stage.optimizer_s > 0:
+            for r in range(self.d):
+                start = _fit(end, stage.optimizer_s, self.reserved.get((r, j), []))
+                self.step_ops.append(Op(r, j, "OPT", -1, start, start + stage.optimizer_s))
 
     # --- network ---
     def send(self, now: float, r: int, hop: int, direction: str, mb: int) -> None:
@@ -256,7 +267,7 @@ class _Sim:
         self.bits[key] = self.bits.get(key, 0.0) + bits
         item = (now, r, hop, direction, mb)
         if ch.sharing == "dedicated":
-            end = now + bits / (ch.per_transfer_gbps * GBPS)
+            end = now + bits / (ch.per_transfer_gbps * GBIT)
             self.arrive_at(item, now, end + ch.latency_s)
         elif ch.sharing == "temporal":
             self.queue.setdefault(key, []).append(item)
@@ -280,7 +291,7 @@ class _Sim:
         pick = min(q, key=(lambda it: (it[0], it[1])) if self.job.link_order == "fifo" else (lambda it: (it[1], it[0])))
         q.remove(pick)
         ch = self.channels[key.split("/")[0]]
-        wire_end = now + self.job.transfer_bytes * BITS_PER_BYTE / (ch.per_transfer_gbps * GBPS)
+        wire_end = now + self.job.transfer_bytes * BITS_PER_BYTE / (ch.per_transfer_gbps * GBIT)
         self.link_busy[key] = True
         self.arrive_at(pick, now, wire_end + ch.latency_s)
         self.push(wire_end, "link_free", key)
@@ -288,7 +299,7 @@ class _Sim:
     def fair_rate(self, key: str) -> float:
         ch = self.channels[key.split("/")[0]]
         n = len(self.active.get(key, {}))
-        return min(ch.per_transfer_gbps, ch.capacity_gbps / max(n, 1)) * GBPS
+        return min(ch.per_transfer_gbps, ch.capacity_gbps / max(n, 1)) * GBIT
 
     def fair_update(self, now: float, key: str) -> None:
         act = self.active.get(key, {})
@@ -339,8 +350,8 @@ class _Sim:
         missing = [w for w, i in self.next_op.items() if i < len(self.orders[w[1]])]
         if missing:  # cannot happen for a valid schedule; a guard against silent deadlock
             raise RuntimeError(f"pipeline simulation deadlocked at workers {missing[:4]}")
-        end = max([o.end_s for o in self.ops] + [t.end_s for t in self.transfers])
-        return SimResult(self.job, end, self.ops, self.transfers, self.bits)
+        end = max([o.end_s for o in self.ops + self.step_ops] + [t.end_s for t in self.transfers])
+        return SimResult(self.job, end, self.ops, self.transfers, self.bits, self.step_ops)
 
 
 def simulate_pipeline(job: PipelineJob,
@@ -354,4 +365,5 @@ def simulate_pipeline(job: PipelineJob,
     ops = [Op(r, o.stage, o.kind, o.microbatch, o.start_s, o.end_s) for r in range(d) for o in one.ops]
     transfers = [Transfer(r, t.hop, t.direction, t.microbatch, t.ready_s, t.start_s, t.end_s)
                  for r in range(d) for t in one.transfers]
-    return SimResult(job, one.iteration_s, ops, transfers, {k: v * d for k, v in one.channel_bits.items()})
+    steps = [Op(r, o.stage, o.kind, o.microbatch, o.start_s, o.end_s) for r in range(d) for o in one.step_ops]
+    return SimResult(job, one.iteration_s, ops, transfers, {k: v * d for k, v in one.channel_bits.items()}, steps)

@@ -19,9 +19,8 @@ from typing import Any
 from planner.core.catalog import get_gpu_type
 from planner.core.jsonio import load_json_file
 from planner.core.specs import get_model
+from planner.core.constants import BITS_PER_BYTE, GBIT
 
-GBPS = 1e9  # bits per second in one Gbit/s
-BITS_PER_BYTE = 8
 # Linux's default maximum TCP receive window (net.ipv4.tcp_rmem max = 6 MiB):
 # what one untuned connection can keep in flight.
 DEFAULT_TCP_WINDOW_BYTES = 6 * 2**20
@@ -127,7 +126,7 @@ class WanLink:
 
     def single_connection_gbps(self) -> float:
         """One TCP connection: min(link, window / RTT)."""
-        window_gbps = self.tcp_window_bytes * BITS_PER_BYTE / self.rtt_s / GBPS
+        window_gbps = self.tcp_window_bytes * BITS_PER_BYTE / self.rtt_s / GBIT
         cap = self.per_connection_gbps if self.per_connection_gbps is not None else window_gbps
         return min(self.gbps, cap)
 
@@ -143,7 +142,7 @@ class WanLink:
 
     def transfer_time_s(self, num_bytes: float, connections: int = 1) -> float:
         """One transfer alone on the link: propagation plus serialisation."""
-        return self.one_way_latency_s + num_bytes * BITS_PER_BYTE / (self.throughput_gbps(connections) * GBPS)
+        return self.one_way_latency_s + num_bytes * BITS_PER_BYTE / (self.throughput_gbps(connections) * GBIT)
 
     def joins(self, x: str, y: str) -> bool:
         return {self.a, self.b} == {x, y}
