@@ -1,8 +1,11 @@
 """`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K]
-[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags]`
+[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags]
+[--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
 
-Runs the plan with torchrun and returns when the run ends (exit 0: done or stopped,
-1: failed). A plan spanning several nodes prints the per-node torchrun commands instead.
+Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed).
+`local` (the default): torchrun here; a plan spanning several nodes prints the per-node
+torchrun commands instead. `slurm`: the plan as one SLURM job (executor/slurm.py), one
+torchrun agent per node, followed until SLURM says it ended.
 """
 from __future__ import annotations
 
@@ -37,6 +40,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", default=None, metavar="N|none",
                    help="clip gradients by their global norm (default 1.0; 'none': no clipping)")
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
+    add_backend_arguments(p)
+
+
+def add_backend_arguments(p: argparse.ArgumentParser) -> None:
+    """--backend and the SLURM settings (also taken by `executor orchestrate`)."""
+    from planner.cli import int_arg
+
+    p.add_argument("--backend", choices=("local", "slurm"), default="local",
+                   help="local: torchrun on this machine (default); slurm: one SLURM job (sbatch/srun)")
+    p.add_argument("--gres-name", default=None, metavar="NAME",
+                   help="slurm: the site's GRES name of its accelerators (default $GPUMIX_SLURM_GRES, else gpu)")
+    p.add_argument("--partition", default=None, help="slurm: the partition to submit to (default: SLURM's)")
+    p.add_argument("--time-limit", type=int_arg(1, 10**7), default=None, metavar="MIN",
+                   help="slurm: the job's time limit in minutes (default: the partition's)")
+    p.add_argument("--rdzv-port", type=int_arg(1024, 55535), default=None, metavar="PORT",
+                   help="slurm: the base of the c10d rendezvous port on the first node (default 29500)")
+    p.add_argument("--type-map", action="append", default=None, metavar="GRES_TYPE=CATALOG_TYPE",
+                   help="slurm: a GRES type that names no single catalog type, e.g. a100=A100-80GB")
+
+
+def slurm_settings(args: argparse.Namespace):
+    """The SlurmSettings of the flags (ValueError naming a bad one)."""
+    from executor.slurm import SlurmSettings
+    from profiler.slurm_inventory import parse_type_map
+
+    kw = {"gres_name": args.gres_name, "partition": args.partition, "time_limit_min": args.time_limit,
+          "rdzv_port_base": args.rdzv_port,
+          "type_map": tuple(sorted(parse_type_map(args.type_map).items())) or None}
+    return SlurmSettings(**{k: v for k, v in kw.items() if v is not None})
 
 
 def tokenize_with_progress(data: str | None, tokenizer: str | None, model: str) -> None:
@@ -85,8 +117,16 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args.steps, args.checkpoint_every, args.seed)  # on every path, multi-node included
     plan = Plan.load(args.plan)
     optim = optim_from_args(args)
-    from executor.store import read_metrics
+    if args.backend == "slurm":
+        from executor.slurm import launch_slurm
 
+        settings = slurm_settings(args)
+        if args.corpus or args.tokenizer:
+            tokenize_with_progress(args.corpus, args.tokenizer, plan.model)
+        status = launch_slurm(plan, args.steps, args.run_dir, settings, seed=args.seed, resume=args.resume,
+                              checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
+                              tokenizer=args.tokenizer, init_from=args.init_from)
+        return _report(args, status)
     if not runs_here(plan):
         run_dir = os.path.abspath(args.run_dir)
         os.makedirs(run_dir, exist_ok=True)
@@ -106,6 +146,13 @@ def run(args: argparse.Namespace) -> int:
     status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
                         checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
                         tokenizer=args.tokenizer, init_from=args.init_from)
+    return _report(args, status)
+
+
+def _report(args: argparse.Namespace, status: str) -> int:
+    from executor.store import read_metrics
+    from planner.cli import print_json
+
     m = read_metrics(args.run_dir)
     if args.json:
         print_json(m)
