@@ -10,6 +10,7 @@ COMMANDS = {
     "submit": "executor.commands.submit",
     "queue": "executor.commands.queue",
     "orchestrate": "executor.commands.orchestrate",
+    "db": "executor.commands.db",
 }
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The booking ledger: which run holds which device of this machine, one SQLite file for
-every launcher (`bookings.sqlite` under planner.core.paths.data_dir()).
+"""The booking ledger: which run holds which device, one table for every launcher: in the store
+(executor.db) — by default one SQLite file of this machine (`bookings.sqlite` under
+planner.core.paths.data_dir()), with GPUMIX_DB the store every machine shares.
 
 Every launch books its devices before a rank starts: the dashboard (executor.launch.start_run),
 the CLI (executor.launch.launch_run) and the local orchestrator (which also skips what others
@@ -8,7 +9,9 @@ in use by run <run_dir> (started ...)".
 
 A device is named `<node>/<index within the node>`; a node that is this machine (or the one
 node of a single-node plan, which always runs here) is called "local", so the dashboard's
-"localhost" plan and the orchestrator's detected cluster name the same device alike.
+"localhost" plan and the orchestrator's detected cluster name the same device alike. A
+booking keeps the host that made it, so in a shared ledger another machine's "local/0" is
+that machine's device, not ours (`<host>/0` when compared).
 
 The ledger outlives its writers, so it is repaired from the processes actually alive before
 anything is read or booked: a booking whose holder (the booker, then the launcher) and the
@@ -21,13 +24,12 @@ import json
 import logging
 import os
 import socket
-import sqlite3
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-from executor.queue import open_sqlite
+from executor import db
 from planner.core.cluster import ClusterSpec
 from planner.core.paths import data_dir
 from planner.core.plan import Plan
@@ -43,12 +45,14 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS bookings (
     run_dir TEXT PRIMARY KEY,
     devices TEXT NOT NULL,      -- JSON list of "<node>/<index>"
-    pid INTEGER NOT NULL,       -- the holder: the booker, then the run's launcher
-    pid_start_s REAL,           -- the holder's start time (a reused pid is not the holder)
+    pid {int} NOT NULL,         -- the holder: the booker, then the run's launcher
+    pid_start_s {real},         -- the holder's start time (a reused pid is not the holder)
     host TEXT NOT NULL,
-    started_s REAL NOT NULL
+    started_s {real} NOT NULL
 );
 """
+# version 0 (the file before versions were kept) has the same table
+BOOKINGS = db.Part("bookings", _SCHEMA, ("bookings",), {0: db.only_record_version})
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ def _torchrun_alive(run_dir: str) -> bool:
         return False
 
 
-def _alive(row: sqlite3.Row) -> bool:
+def _alive(row: Any) -> bool:
     if row["host"] != socket.gethostname():
         return True  # another machine's processes: not ours to judge
     return _holder_alive(row["pid"], row["pid_start_s"]) or _torchrun_alive(row["run_dir"])
@@ -140,19 +144,31 @@ def _alive(row: sqlite3.Row) -> bool:
 # ---- the ledger --------------------------------------------------------------------------------
 
 
+def _on_host(devices: Iterable[str], host: str) -> set[str]:
+    """Devices named so that two machines' "local" devices differ: `local/k` -> `<host>/k`."""
+    return {f"{host}/{d.split('/', 1)[1]}" if d.split("/", 1)[0] == LOCAL else d for d in devices}
+
+
+def _held(devices: Sequence[str], b: Booking) -> list[str]:
+    """Which of our `devices` (named as on this machine) booking `b` holds."""
+    theirs = _on_host(b.devices, b.host)
+    here = socket.gethostname()
+    return sorted(d for d in devices if _on_host([d], here) & theirs)
+
+
 class Ledger:
     def __init__(self, path: str | None = None) -> None:
-        self.path = path or ledger_path()
-        with closing(self._connect()) as conn:
-            conn.executescript(_SCHEMA)
+        self.url = db.resolve(path, ledger_path)
+        self.path = self.url.url
+        self._connect().close()  # the schema is there (a fresh file gets it), or a ValueError says why
 
-    def _connect(self) -> sqlite3.Connection:
-        return open_sqlite(self.path, "booking ledger")
+    def _connect(self) -> db.Database:
+        return db.connect(self.url, BOOKINGS, "booking ledger")
 
-    def _repair(self, conn: sqlite3.Connection) -> list[Booking]:
+    def _repair(self, conn: db.Database) -> list[Booking]:
         """Release dead bookings; return the live ones (inside the caller's transaction)."""
         live = []
-        for row in conn.execute("SELECT * FROM bookings ORDER BY started_s").fetchall():
+        for row in conn.all("SELECT * FROM bookings ORDER BY started_s"):
             if _alive(row):
                 live.append(Booking(row["run_dir"], tuple(json.loads(row["devices"])), row["pid"], row["host"],
                                     row["started_s"]))
@@ -163,22 +179,13 @@ class Ledger:
 
     def live(self) -> list[Booking]:
         """The live bookings, oldest first (dead ones are released on the way)."""
-        with closing(self._connect()) as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                out = self._repair(conn)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        return out
+        with closing(self._connect()) as conn, conn.transaction(lock="bookings"):
+            return self._repair(conn)
 
     def conflicts(self, devices: Sequence[str], run_dir: str | None = None) -> list[tuple[Booking, list[str]]]:
         """(booking, the devices of `devices` it holds) for every other live run holding some."""
-        want = set(devices)
         run_dir = os.path.abspath(run_dir) if run_dir else None
-        return [(b, sorted(want & set(b.devices))) for b in self.live()
-                if b.run_dir != run_dir and want & set(b.devices)]
+        return [(b, held) for b in self.live() if b.run_dir != run_dir and (held := _held(devices, b))]
 
     def book(self, run_dir: str, devices: Sequence[str], pid: int | None = None) -> None:
         """Book `devices` for `run_dir`, held by `pid` (default this process). A run folder that
@@ -187,26 +194,21 @@ class Ledger:
         naming the holding run if another live run holds one of them."""
         run_dir = os.path.abspath(run_dir)
         pid = os.getpid() if pid is None else pid
-        with closing(self._connect()) as conn:
-            conn.execute("BEGIN IMMEDIATE")  # check and book in one transaction: two launchers never both win
-            try:
-                live = self._repair(conn)
-                if any(b.run_dir == run_dir for b in live):
-                    conn.execute("UPDATE bookings SET pid = ?, pid_start_s = ? WHERE run_dir = ?",
-                                 (pid, _start_s(pid), run_dir))
-                else:
-                    for b in live:
-                        busy = sorted(set(devices) & set(b.devices))
-                        if busy:
-                            raise ValueError(f"devices {', '.join(busy)} are in use by {b.describe()}; "
-                                             "stop it or wait for it to end")
-                    conn.execute("INSERT OR REPLACE INTO bookings VALUES (?, ?, ?, ?, ?, ?)",
-                                 (run_dir, json.dumps(list(devices)), pid, _start_s(pid), socket.gethostname(),
-                                  time.time()))
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        # check and book in one transaction, the table locked: two launchers never both win
+        with closing(self._connect()) as conn, conn.transaction(lock="bookings"):
+            live = self._repair(conn)
+            if any(b.run_dir == run_dir for b in live):
+                conn.execute("UPDATE bookings SET pid = ?, pid_start_s = ? WHERE run_dir = ?",
+                             (pid, _start_s(pid), run_dir))
+                return
+            for b in live:
+                busy = _held(devices, b)
+                if busy:
+                    raise ValueError(f"devices {', '.join(busy)} are in use by {b.describe()}; "
+                                     "stop it or wait for it to end")
+            conn.execute(db.upsert("bookings", ("run_dir", "devices", "pid", "pid_start_s", "host", "started_s"),
+                                   ("run_dir",)),
+                         (run_dir, json.dumps(list(devices)), pid, _start_s(pid), socket.gethostname(), time.time()))
 
     def release(self, run_dir: str) -> None:
         with closing(self._connect()) as conn:

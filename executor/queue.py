@@ -1,4 +1,5 @@
-"""The persistent job queue of the local orchestrator: one SQLite file (WAL).
+"""The persistent job queue of the orchestrator: in the store (executor.db) — by default one
+SQLite file (WAL) of this machine, with GPUMIX_DB the shared store every user's machine sees.
 
 A job moves queued -> running -> done | failed, or queued -> cancelled (a running
 job that is stopped on request also ends as cancelled). Every state change is one
@@ -10,12 +11,12 @@ of a failure and the timestamps (Unix seconds). Nothing here imports torch.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
+from executor import db
 from planner.core.jobs import JobSpec
 from planner.core.paths import queue_db_path
 from planner.core.specs import get_model
@@ -23,29 +24,30 @@ from planner.core.specs import get_model
 STATES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_STATES = ("queued", "running")
 DEFAULT_MAX_SEQ = 2048  # as the planner: a model's own context, capped (planner.hetero.solve)
-BUSY_TIMEOUT_S = 30.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    id {serial},
     model TEXT NOT NULL,
-    global_batch INTEGER NOT NULL,
-    seq INTEGER NOT NULL,
-    steps INTEGER NOT NULL,
-    priority INTEGER NOT NULL DEFAULT 0,
+    global_batch {int} NOT NULL,
+    seq {int} NOT NULL,
+    steps {int} NOT NULL,
+    priority {int} NOT NULL DEFAULT 0,
     state TEXT NOT NULL CHECK (state IN ('queued', 'running', 'done', 'failed', 'cancelled')),
     devices TEXT NOT NULL DEFAULT '[]',        -- JSON: device indices of the local cluster
     device_labels TEXT NOT NULL DEFAULT '[]',  -- JSON: their labels (type, emulation)
     run_dir TEXT,
-    pid INTEGER,                               -- the run's launcher
+    pid {int},                                 -- the run's launcher
     reason TEXT,
-    predicted_duration_s REAL,
-    submitted_s REAL NOT NULL,
-    started_s REAL,
-    ended_s REAL
+    predicted_duration_s {real},
+    submitted_s {real} NOT NULL,
+    started_s {real},
+    ended_s {real}
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
 """
+# version 0 (the file before versions were kept) has the same table
+QUEUE = db.Part("queue", _SCHEMA, ("jobs",), {0: db.only_record_version})
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class QueuedJob:
     ended_s: float | None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> "QueuedJob":
+    def from_row(cls, row: Any) -> "QueuedJob":
         d = dict(row)
         d["devices"] = tuple(json.loads(d["devices"] or "[]"))
         d["device_labels"] = tuple(json.loads(d["device_labels"] or "[]"))
@@ -83,18 +85,6 @@ class QueuedJob:
         d = asdict(self)
         d["devices"], d["device_labels"] = list(self.devices), list(self.device_labels)
         return d
-
-
-def open_sqlite(path: str, what: str) -> sqlite3.Connection:
-    """An autocommit WAL connection with rows by name that waits for other writers; a file that is
-    not a database is a ValueError naming `what` (the queue, the booking ledger)."""
-    try:
-        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-    except sqlite3.DatabaseError as e:
-        raise ValueError(f"{what} {path}: {e}") from None
-    return conn
 
 
 def _positive_int(v: Any, what: str) -> int:
@@ -118,15 +108,16 @@ def job_spec_of(model: str, global_batch: int, steps: int, seq: int | None = Non
 
 
 class JobQueue:
-    """The queue in `path` (default planner.core.paths.queue_db_path()); safe to open many times."""
+    """The queue in `path` (a SQLite file or a store URL; default: GPUMIX_DB, else
+    planner.core.paths.queue_db_path()); safe to open many times, from many machines."""
 
     def __init__(self, path: str | None = None) -> None:
-        self.path = path or queue_db_path()
-        with closing(self._connect()) as conn, conn:
-            conn.executescript(_SCHEMA)
+        self.url = db.resolve(path, queue_db_path)
+        self.path = self.url.url
+        self._connect().close()  # the schema is there (a fresh file gets it), or a ValueError says why
 
-    def _connect(self) -> sqlite3.Connection:
-        return open_sqlite(self.path, "job queue")
+    def _connect(self) -> db.Database:
+        return db.connect(self.url, QUEUE, "job queue")
 
     def _update(self, sql: str, args: Sequence[Any]) -> bool:
         with closing(self._connect()) as conn:
@@ -139,14 +130,15 @@ class JobQueue:
         job = job_spec_of(model, global_batch, steps, seq, priority)
         seq = job.seq
         with closing(self._connect()) as conn:
-            cur = conn.execute(
+            [row] = conn.all(  # every row fetched: SQLite ends the INSERT's statement (and commits) then
                 "INSERT INTO jobs (model, global_batch, seq, steps, priority, state, submitted_s) "
-                "VALUES (?, ?, ?, ?, ?, 'queued', ?)", (model, global_batch, seq, steps, priority, time.time()))
-            return int(cur.lastrowid)
+                "VALUES (?, ?, ?, ?, ?, 'queued', ?) RETURNING id",
+                (model, global_batch, seq, steps, priority, time.time()))
+            return int(row[0])
 
     def get(self, job_id: int) -> QueuedJob:
         with closing(self._connect()) as conn:
-            row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            row = conn.one("SELECT * FROM jobs WHERE id = ?", (job_id,))
         if row is None:
             raise ValueError(f"no job {job_id} in the queue")
         return QueuedJob.from_row(row)
@@ -159,7 +151,7 @@ class JobQueue:
             raise ValueError(f"unknown job states {sorted(bad)}; known: {', '.join(STATES)}")
         marks = ",".join("?" * len(states))
         with closing(self._connect()) as conn:
-            rows = conn.execute(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id", states).fetchall()
+            rows = conn.all(f"SELECT * FROM jobs WHERE state IN ({marks}) ORDER BY id", states)
         return [QueuedJob.from_row(r) for r in rows]
 
     # --- state changes (each conditional on the current state) ---

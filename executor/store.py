@@ -1,10 +1,16 @@
-"""The run's metrics store: one SQLite file per run directory (`metrics.sqlite`).
+"""The run history: each run's status, ranks, steps, per-rank steps and events.
 
-Writers: the launcher (the `run` row, events) and every rank (its own `rank_steps`
-rows; rank 0 also the global `steps` rows) — one writer per process, each write a
-short autocommit transaction, so a rank that dies loses nothing it has recorded.
-Readers (the CLI, the dashboard) never write. WAL mode lets readers read while a
-writer writes; `busy_timeout` makes concurrent writers queue instead of failing.
+Where (executor.db): by default one SQLite file per run folder (`metrics.sqlite`), the run
+key ''; with GPUMIX_DB one shared store (a SQLite file or PostgreSQL) holding every run,
+keyed by the run folder's absolute path — the name the launcher, rank 0 and every reader
+give the run, on any machine, with no shared filesystem.
+
+Writers: the launcher (the `run` row, events), every rank once (its `ranks` row, its
+end or failure event) and rank 0 each step: the step's row and every rank's figures,
+gathered by one collective (executor.worker), in one transaction — so a rank that dies
+loses nothing it has recorded and a reader never sees a step without its ranks. Readers (the
+CLI, the dashboard) never write. SQLite: WAL lets readers read while a writer writes and
+`busy_timeout` queues concurrent writers.
 
 Status is one of "running" | "done" | "failed" | "stopped" (DESIGN.md). A reader that
 finds "running" while the launcher process is gone reports "failed" (the launcher was
@@ -16,10 +22,11 @@ import json
 import logging
 import os
 import socket
-import sqlite3
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
+from executor import db
 from planner.core.paths import runs_dir
 from planner.core.plan import Plan
 
@@ -27,49 +34,104 @@ log = logging.getLogger(__name__)
 
 DB_NAME = "metrics.sqlite"
 STATUSES = ("running", "done", "failed", "stopped")
-BUSY_TIMEOUT_MS = 30_000
 
-_SCHEMA = """
+_RUN_DDL = """
 CREATE TABLE IF NOT EXISTS run (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    status TEXT NOT NULL, phase TEXT, reason TEXT, failed_rank INTEGER,
-    started_s REAL, ended_s REAL, updated_s REAL,
-    emulated INTEGER NOT NULL, model TEXT, global_batch INTEGER, seq INTEGER, dtype TEXT,
-    world_size INTEGER, steps_target INTEGER, seed INTEGER, backend TEXT,
-    predicted_iteration_s REAL, predicted_samples_per_s REAL,
-    plan_summary TEXT, launcher_pid INTEGER, host TEXT, stop_requested INTEGER NOT NULL DEFAULT 0
-);
+    run_key TEXT PRIMARY KEY,                 -- '' in a run folder's own file, else the folder's absolute path
+    id {int} NOT NULL DEFAULT 1,              -- always 1: what readers of the one-run file select
+    status TEXT NOT NULL, phase TEXT, reason TEXT, failed_rank {int},
+    started_s {real}, ended_s {real}, updated_s {real},
+    emulated {int} NOT NULL, model TEXT, global_batch {int}, seq {int}, dtype TEXT,
+    world_size {int}, steps_target {int}, seed {int}, backend TEXT,
+    predicted_iteration_s {real}, predicted_samples_per_s {real},
+    plan_summary TEXT, launcher_pid {int}, host TEXT, stop_requested {int} NOT NULL DEFAULT 0
+)"""
+_RANKS_DDL = """
 CREATE TABLE IF NOT EXISTS ranks (
-    rank INTEGER PRIMARY KEY, position INTEGER, device_index INTEGER, node TEXT, type TEXT,
-    micro_batch INTEGER, accum_steps INTEGER, batch INTEGER, shard_fraction REAL, shard_numel INTEGER,
-    slowdown REAL, memory_gb REAL, emulated INTEGER, predicted_memory_bytes INTEGER, predicted_step_s REAL,
-    pid INTEGER, started_s REAL, memory_method TEXT
-);
+    run_key TEXT NOT NULL, rank {int} NOT NULL, position {int}, device_index {int}, node TEXT, type TEXT,
+    micro_batch {int}, accum_steps {int}, batch {int}, shard_fraction {real}, shard_numel {int},
+    slowdown {real}, memory_gb {real}, emulated {int}, predicted_memory_bytes {int}, predicted_step_s {real},
+    pid {int}, started_s {real}, memory_method TEXT,
+    PRIMARY KEY (run_key, rank)
+)"""
+_STEPS_DDL = """
 CREATE TABLE IF NOT EXISTS steps (
-    step INTEGER PRIMARY KEY, loss REAL NOT NULL, val_loss REAL,
-    samples_per_s REAL, tokens_per_s REAL, step_s REAL, time_s REAL
-);
+    run_key TEXT NOT NULL, step {int} NOT NULL, loss {real} NOT NULL, val_loss {real},
+    samples_per_s {real}, tokens_per_s {real}, step_s {real}, time_s {real},
+    PRIMARY KEY (run_key, step)
+)"""
+_RANK_STEPS_DDL = """
 CREATE TABLE IF NOT EXISTS rank_steps (
-    rank INTEGER NOT NULL, step INTEGER NOT NULL,
-    compute_s REAL, emulated_delay_s REAL, optimizer_s REAL, wait_s REAL, peak_memory_bytes INTEGER,
-    PRIMARY KEY (rank, step)
-);
+    run_key TEXT NOT NULL, rank {int} NOT NULL, step {int} NOT NULL,
+    compute_s {real}, emulated_delay_s {real}, optimizer_s {real}, wait_s {real}, peak_memory_bytes {int},
+    PRIMARY KEY (run_key, rank, step)
+)"""
+_EVENTS_DDL = """
 CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL, rank INTEGER, kind TEXT, message TEXT
-);
-"""
+    id {serial}, run_key TEXT NOT NULL, time_s {real}, rank {int}, kind TEXT, message TEXT
+)"""
+_TABLES = {"run": _RUN_DDL, "ranks": _RANKS_DDL, "steps": _STEPS_DDL, "rank_steps": _RANK_STEPS_DDL,
+           "events": _EVENTS_DDL}
+
+
+def _upgrade_from_0(store: db.Database) -> None:
+    """Version 0 (a run folder's file before versions were kept): the same tables without the
+    run key; rebuilt with run_key '' (SQLite cannot add a column to a primary key)."""
+    for table, ddl in _TABLES.items():
+        db.rebuild_with_columns(table, ddl, {"run_key": "''"})(store)
+    store.execute("CREATE INDEX IF NOT EXISTS events_run ON events (run_key, id)")
+
+
+RUNS = db.Part("runs", ";".join(_TABLES.values()) + ";CREATE INDEX IF NOT EXISTS events_run ON events (run_key, id)",
+               tuple(_TABLES), {0: _upgrade_from_0})
+
+_RANK_COLUMNS = ("run_key", "rank", "position", "device_index", "node", "type", "micro_batch", "accum_steps", "batch",
+                 "shard_fraction", "shard_numel", "slowdown", "memory_gb", "emulated", "predicted_memory_bytes",
+                 "predicted_step_s", "pid", "started_s", "memory_method")
+_RUN_COLUMNS = ("run_key", "status", "phase", "reason", "failed_rank", "started_s", "ended_s", "updated_s",
+                "emulated", "model", "global_batch", "seq", "dtype", "world_size", "steps_target", "seed", "backend",
+                "predicted_iteration_s", "predicted_samples_per_s", "plan_summary", "launcher_pid", "host",
+                "stop_requested")
+_RANK_STEP_COLUMNS = ("run_key", "rank", "step", "compute_s", "emulated_delay_s", "optimizer_s", "wait_s",
+                      "peak_memory_bytes")
+_STEP_COLUMNS = ("run_key", "step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s", "time_s")
+_UPSERT_RUN = db.upsert("run", _RUN_COLUMNS, ("run_key",))
+_UPSERT_RANK = db.upsert("ranks", _RANK_COLUMNS, ("run_key", "rank"))
+_UPSERT_RANK_STEP = db.upsert("rank_steps", _RANK_STEP_COLUMNS, ("run_key", "rank", "step"))
+_UPSERT_STEP = db.upsert("steps", _STEP_COLUMNS, ("run_key", "step"))
 
 
 def db_path(run_dir: str) -> str:
+    """The run folder's own store (the embedded default)."""
     return os.path.join(run_dir, DB_NAME)
 
 
-def _connect(path: str, readonly: bool = False) -> sqlite3.Connection:
-    uri = f"file:{path}?mode=ro" if readonly else f"file:{path}"
-    conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
-    conn.row_factory = sqlite3.Row
-    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    return conn
+def store_of(run_dir: str) -> tuple[db.StoreURL, str]:
+    """(the store holding `run_dir`'s run, the run's key in it)."""
+    shared = db.configured()
+    if shared is None:
+        return db.StoreURL("sqlite", db_path(run_dir), False), ""
+    return shared, os.path.abspath(run_dir)
+
+
+def has_run(run_dir: str) -> bool:
+    """Whether the store holds a run for `run_dir` (never raises: an unreadable store is no)."""
+    try:
+        read_run_row(run_dir)
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's figures of one step, as rank 0 gathers them."""
+    rank: int
+    compute_s: float
+    emulated_delay_s: float
+    optimizer_s: float
+    wait_s: float
+    peak_memory_bytes: int | None
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -85,105 +147,151 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
 
 
 class MetricsStore:
-    """Writer side. Every method is one short transaction."""
+    """Writer side of one run. Every method is one short transaction."""
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.path = db_path(run_dir)
-        self.conn = _connect(self.path)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=NORMAL")  # WAL: durable against a process crash, fast commits
-        self.conn.executescript(_SCHEMA)
+        self.url, self.key = store_of(run_dir)
+        self.db = db.connect(self.url, RUNS, "run store")
+
+    @property
+    def conn(self) -> Any:
+        """The run folder's own SQLite connection (raw SQL over the one-run tables). A shared
+        store holds every run in those tables: its callers use the methods below instead."""
+        if self.url.shared:
+            raise ValueError(f"the run store {self.url.describe()} is shared by every run: read the run "
+                             "through MetricsStore's methods, not raw SQL on store.conn")
+        return self.db.conn
 
     def close(self) -> None:
-        self.conn.close()
+        self.db.close()
 
     # ---- the launcher ------------------------------------------------------------------
     def init_run(self, plan: Plan, steps_target: int, seed: int, backend: str, resume: bool = False,
                  prefill_ranks: bool = True) -> None:
         now = time.time()
         used = plan.used
-        emulated = any(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None for a in used)
-        with self.conn:
-            self.conn.execute("BEGIN IMMEDIATE")
+        emulated = any(_emulated(a) for a in used)
+        with self.db.transaction():
             if not resume:
                 for table in ("steps", "rank_steps", "events", "ranks"):
-                    self.conn.execute(f"DELETE FROM {table}")
-            self.conn.execute(
-                "INSERT OR REPLACE INTO run (id, status, phase, reason, failed_rank, started_s, ended_s, updated_s,"
-                " emulated, model, global_batch, seq, dtype, world_size, steps_target, seed, backend,"
-                " predicted_iteration_s, predicted_samples_per_s, plan_summary, launcher_pid, host, stop_requested)"
-                " VALUES (1, 'running', 'starting', NULL, NULL, ?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                (now, now, int(emulated), plan.model, plan.global_batch, plan.seq, plan.dtype, len(used), steps_target,
-                 seed, backend, plan.predicted_iteration_s, plan.predicted_samples_per_s,
-                 json.dumps(plan_summary(plan)), os.getpid(), socket.gethostname()),
-            )
+                    self.db.execute(f"DELETE FROM {table} WHERE run_key = ?", (self.key,))
+            self.db.execute(_UPSERT_RUN, (
+                self.key, "running", "starting", None, None, now, None, now, int(emulated), plan.model,
+                plan.global_batch, plan.seq, plan.dtype, len(used), steps_target, seed, backend,
+                plan.predicted_iteration_s, plan.predicted_samples_per_s, json.dumps(plan_summary(plan)),
+                os.getpid(), socket.gethostname(), 0))
             for pos, a in enumerate(used if prefill_ranks else ()):  # local runs: rank = plan position
-                self.conn.execute(
-                    "INSERT OR REPLACE INTO ranks (rank, position, device_index, node, type, micro_batch, accum_steps,"
-                    " batch, shard_fraction, slowdown, memory_gb, emulated, predicted_memory_bytes, predicted_step_s)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (pos, pos, a.device_index, a.node, a.type, a.micro_batch, a.accum_steps, a.batch, a.shard_fraction,
-                     a.slowdown, a.memory_gb, int(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None),
-                     a.predicted_memory_bytes, a.predicted_step_s),
-                )
+                self.db.execute(_UPSERT_RANK, self._rank_row(pos, pos, a, None, None, None, None))
+
+    def _rank_row(self, rank: int, position: int, a: Any, shard_numel: int | None, pid: int | None,
+                  started_s: float | None, memory_method: str | None) -> tuple:
+        return (self.key, rank, position, a.device_index, a.node, a.type, a.micro_batch, a.accum_steps, a.batch,
+                a.shard_fraction, shard_numel, a.slowdown, a.memory_gb, int(_emulated(a)), a.predicted_memory_bytes,
+                a.predicted_step_s, pid, started_s, memory_method)
 
     def set_phase(self, phase: str) -> None:
-        self.conn.execute("UPDATE run SET phase = ?, updated_s = ? WHERE id = 1", (phase, time.time()))
+        self.db.execute("UPDATE run SET phase = ?, updated_s = ? WHERE run_key = ?", (phase, time.time(), self.key))
+
+    def set_launcher_pid(self, pid: int) -> None:
+        """The launcher that took the run over (only while the run is still starting)."""
+        self.db.execute("UPDATE run SET launcher_pid = ? WHERE run_key = ? AND phase = 'starting'", (pid, self.key))
 
     def finish(self, status: str, reason: str | None = None, failed_rank: int | None = None) -> None:
         if status not in STATUSES:
             raise ValueError(f"unknown run status {status!r}")
         now = time.time()
-        self.conn.execute(
+        self.db.execute(
             "UPDATE run SET status = ?, phase = 'ended', reason = ?, failed_rank = ?, ended_s = ?, updated_s = ?"
-            " WHERE id = 1", (status, reason, failed_rank, now, now))
+            " WHERE run_key = ?", (status, reason, failed_rank, now, now, self.key))
 
     def request_stop(self) -> None:
-        self.conn.execute("UPDATE run SET stop_requested = 1, updated_s = ? WHERE id = 1", (time.time(),))
+        self.db.execute("UPDATE run SET stop_requested = 1, updated_s = ? WHERE run_key = ?", (time.time(), self.key))
 
     def stop_requested(self) -> bool:
-        row = self.conn.execute("SELECT stop_requested FROM run WHERE id = 1").fetchone()
+        row = self.db.one("SELECT stop_requested FROM run WHERE run_key = ?", (self.key,))
         return bool(row and row[0])
 
     def add_event(self, kind: str, message: str, rank: int | None = None) -> None:
-        self.conn.execute("INSERT INTO events (time_s, rank, kind, message) VALUES (?, ?, ?, ?)",
-                          (time.time(), rank, kind, message))
+        self.db.execute("INSERT INTO events (run_key, time_s, rank, kind, message) VALUES (?, ?, ?, ?, ?)",
+                        (self.key, time.time(), rank, kind, message))
 
     def truncate_after(self, step: int) -> None:
         """Resume: rows of steps after the checkpoint are recomputed, drop the old ones."""
-        with self.conn:
-            self.conn.execute("BEGIN IMMEDIATE")
-            self.conn.execute("DELETE FROM steps WHERE step > ?", (step,))
-            self.conn.execute("DELETE FROM rank_steps WHERE step > ?", (step,))
+        with self.db.transaction():
+            self.db.execute("DELETE FROM steps WHERE run_key = ? AND step > ?", (self.key, step))
+            self.db.execute("DELETE FROM rank_steps WHERE run_key = ? AND step > ?", (self.key, step))
+
+    # ---- what the launcher reads back --------------------------------------------------
+    def status(self) -> str | None:
+        row = self.db.one("SELECT status FROM run WHERE run_key = ?", (self.key,))
+        return None if row is None else row[0]
+
+    def worker_pids(self) -> list[int]:
+        return [r[0] for r in self.db.all("SELECT pid FROM ranks WHERE run_key = ? AND pid IS NOT NULL ORDER BY rank",
+                                          (self.key,))]
+
+    def registered_ranks(self, node: str | None = None) -> list[int]:
+        """Ranks that came up (wrote their pid), in order; only those of plan node `node` if given."""
+        where, args = ("AND node = ?", (self.key, node)) if node is not None else ("", (self.key,))
+        return [r[0] for r in self.db.all(
+            f"SELECT rank FROM ranks WHERE run_key = ? AND pid IS NOT NULL {where} ORDER BY rank", args)]
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """[{"rank", "kind", "message"}] in the order written; only those of `kind` if given."""
+        where, args = ("AND kind = ?", (self.key, kind)) if kind is not None else ("", (self.key,))
+        return [{"rank": r[0], "kind": r[1], "message": r[2]} for r in self.db.all(
+            f"SELECT rank, kind, message FROM events WHERE run_key = ? {where} ORDER BY id", args)]
+
+    def all_ranks_done(self) -> bool:
+        """Every rank of this launch (not a resumed run's earlier ones) reported all steps done."""
+        row = self.db.one("SELECT world_size, started_s FROM run WHERE run_key = ?", (self.key,))
+        if row is None or not row[0]:
+            return False
+        done = self.db.one("SELECT COUNT(DISTINCT rank) FROM events WHERE run_key = ? AND kind = 'rank_done' "
+                           "AND time_s >= ?", (self.key, row[1]))[0]
+        return done >= row[0]
+
+    def last_step(self) -> int:
+        row = self.db.one("SELECT MAX(step) FROM steps WHERE run_key = ?", (self.key,))
+        return int(row[0] or 0)
 
     # ---- the ranks ---------------------------------------------------------------------
     def register_rank(self, rank: int, position: int, a: Any, pid: int, shard_numel: int, memory_method: str) -> None:
         """A rank is up: its pid, and the plan device it trains (a multi-node rendezvous may order
         ranks differently from the plan, so the rank's own row is rewritten from its assignment)."""
-        emulated = int(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None)
-        self.conn.execute(
-            "INSERT OR REPLACE INTO ranks (rank, position, device_index, node, type, micro_batch, accum_steps,"
-            " batch, shard_fraction, shard_numel, slowdown, memory_gb, emulated, predicted_memory_bytes,"
-            " predicted_step_s, pid, started_s, memory_method) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (rank, position, a.device_index, a.node, a.type, a.micro_batch, a.accum_steps, a.batch, a.shard_fraction,
-             shard_numel, a.slowdown, a.memory_gb, emulated, a.predicted_memory_bytes, a.predicted_step_s, pid,
-             time.time(), memory_method))
+        self.db.execute(_UPSERT_RANK, self._rank_row(rank, position, a, shard_numel, pid, time.time(), memory_method))
 
     def record_rank_step(self, rank: int, step: int, compute_s: float, emulated_delay_s: float, optimizer_s: float,
                          wait_s: float, peak_memory_bytes: int | None) -> None:
-        self.conn.execute(
-            "INSERT OR REPLACE INTO rank_steps (rank, step, compute_s, emulated_delay_s, optimizer_s, wait_s,"
-            " peak_memory_bytes) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (rank, step, compute_s, emulated_delay_s, optimizer_s, wait_s, peak_memory_bytes))
+        self.db.execute(_UPSERT_RANK_STEP, (self.key, rank, step, compute_s, emulated_delay_s, optimizer_s, wait_s,
+                                            peak_memory_bytes))
 
     def record_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
                     val_loss: float | None = None) -> None:
-        self.conn.execute(
-            "INSERT OR REPLACE INTO steps (step, loss, val_loss, samples_per_s, tokens_per_s, step_s, time_s)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (step, loss, val_loss, global_batch / step_s, global_batch * seq / step_s, step_s, time.time()))
-        self.conn.execute("UPDATE run SET phase = 'training', updated_s = ? WHERE id = 1", (time.time(),))
+        with self.db.transaction():
+            self._write_step(step, loss, step_s, global_batch, seq, val_loss)
+
+    def record_steps_of_all_ranks(self, step: int, ranks: Sequence[RankStep], loss: float, step_s: float,
+                                  global_batch: int, seq: int, val_loss: float | None = None) -> None:
+        """Rank 0's write of a step: every rank's figures (gathered) and the step row, one transaction."""
+        with self.db.transaction():
+            self.db.executemany(_UPSERT_RANK_STEP, [
+                (self.key, r.rank, step, r.compute_s, r.emulated_delay_s, r.optimizer_s, r.wait_s,
+                 r.peak_memory_bytes) for r in ranks])
+            self._write_step(step, loss, step_s, global_batch, seq, val_loss)
+
+    def _write_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
+                    val_loss: float | None) -> None:
+        now = time.time()
+        self.db.execute(_UPSERT_STEP, (self.key, step, loss, val_loss, global_batch / step_s,
+                                       global_batch * seq / step_s, step_s, now))
+        self.db.execute("UPDATE run SET phase = 'training', updated_s = ? WHERE run_key = ?", (now, self.key))
+
+
+def _emulated(a: Any) -> bool:
+    return bool(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None)
 
 
 # ---- readers -----------------------------------------------------------------------------
@@ -220,6 +328,39 @@ def _median(xs: list[float]) -> float | None:
     return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
+def _open_reader(run_dir: str) -> tuple[db.Database, str]:
+    url, key = store_of(run_dir)
+    if not url.shared and not os.path.exists(url.target):
+        raise ValueError(f"no run metrics at {run_dir} (missing {DB_NAME})")
+    return db.connect(url, RUNS, "run store", readonly=True), key
+
+
+def _no_run(run_dir: str, store: db.Database) -> ValueError:
+    if store.url.shared:
+        return ValueError(f"no run metrics at {run_dir} (the store {store.url.describe()} has no run of that folder)")
+    return ValueError(f"run store {store.url.target} has no run recorded yet")
+
+
+def _run_dict(row: Any) -> dict[str, Any]:
+    run = dict(row)
+    run.pop("run_key", None)
+    return run
+
+
+def read_run_row(run_dir: str) -> dict[str, Any]:
+    """The run's `run` row alone (status as recorded). ValueError when there is no run there."""
+    store, key = _open_reader(run_dir)
+    try:
+        row = store.one("SELECT * FROM run WHERE run_key = ?", (key,))
+    except db.errors() as e:
+        raise ValueError(f"run store {store.url.describe()}: {e}") from None
+    finally:
+        store.close()
+    if row is None:
+        raise _no_run(run_dir, store)
+    return _run_dict(row)
+
+
 def read_metrics(run_dir: str) -> dict[str, Any]:
     """The run's metrics as the DESIGN.md contract says, plus details:
 
@@ -229,24 +370,26 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
     "ranks": [{"rank", "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s",
     "median_wait_s", "predicted_step_s", "type", "node", "emulated", "slowdown", "memory_gb", ...}],
     "rank_steps": [...], "events": [...]}`. Raises ValueError when there is no run there."""
-    path = db_path(run_dir)
-    if not os.path.exists(path):
-        raise ValueError(f"no run metrics at {run_dir} (missing {DB_NAME})")
-    conn = _connect(path, readonly=True)
+    store, key = _open_reader(run_dir)
     try:
-        row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
+        row = store.one("SELECT * FROM run WHERE run_key = ?", (key,))
         if row is None:
-            raise ValueError(f"run store {path} has no run recorded yet")
-        run = dict(row)
-        steps = [dict(r) for r in conn.execute(
-            "SELECT step, loss, val_loss, samples_per_s, tokens_per_s, step_s, time_s FROM steps ORDER BY step")]
-        rank_steps = [dict(r) for r in conn.execute("SELECT * FROM rank_steps ORDER BY step, rank")]
-        ranks = [dict(r) for r in conn.execute("SELECT * FROM ranks ORDER BY rank")]
-        events = [dict(r) for r in conn.execute("SELECT time_s, rank, kind, message FROM events ORDER BY id")]
-    except sqlite3.DatabaseError as e:
-        raise ValueError(f"run store {path}: {e}") from None
+            raise _no_run(run_dir, store)
+        run = _run_dict(row)
+        steps = [dict(r) for r in store.all(
+            "SELECT step, loss, val_loss, samples_per_s, tokens_per_s, step_s, time_s FROM steps WHERE run_key = ?"
+            " ORDER BY step", (key,))]
+        rank_steps = [dict(r) for r in store.all(
+            f"SELECT {', '.join(_RANK_STEP_COLUMNS[1:])} FROM rank_steps WHERE run_key = ? ORDER BY step, rank",
+            (key,))]
+        ranks = [dict(r) for r in store.all(
+            f"SELECT {', '.join(_RANK_COLUMNS[1:])} FROM ranks WHERE run_key = ? ORDER BY rank", (key,))]
+        events = [dict(r) for r in store.all(
+            "SELECT time_s, rank, kind, message FROM events WHERE run_key = ? ORDER BY id", (key,))]
+    except db.errors() as e:
+        raise ValueError(f"run store {store.url.describe()}: {e}") from None
     finally:
-        conn.close()
+        store.close()
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for rs in rank_steps:
         by_rank.setdefault(rs["rank"], []).append(rs)
@@ -274,6 +417,56 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
     }
 
 
+def change_stamp(run_dir: str) -> tuple:
+    """Changes whenever the run's rows change: a reader's cache key. The run folder's own file:
+    its and its WAL's mtime and size (no query); a shared store: the run's last update, its
+    step count and last event (one query)."""
+    url, key = store_of(run_dir)
+    if not url.shared:
+        out = []
+        for suffix in ("", "-wal"):
+            try:
+                st = os.stat(url.target + suffix)
+                out.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+    try:
+        store = db.connect(url, RUNS, "run store", readonly=True)
+    except ValueError:
+        return (None,)
+    try:
+        row = store.one("SELECT updated_s, (SELECT COUNT(*) FROM steps WHERE run_key = ?),"
+                        " (SELECT MAX(id) FROM events WHERE run_key = ?) FROM run WHERE run_key = ?", (key, key, key))
+    except db.errors():
+        return (None,)
+    finally:
+        store.close()
+    return tuple(row) if row is not None else (None,)
+
+
+class StepReader:
+    """A reader that follows a run as it goes, on one open connection: the steps recorded after
+    the last one it saw (a live chart, bench/store_latency.py)."""
+
+    def __init__(self, run_dir: str):
+        self.store, self.key = _open_reader(run_dir)
+
+    def steps_after(self, step: int) -> list[tuple[int, float]]:
+        """(step, time_s written) of every step after `step`, in order."""
+        return [(r[0], r[1]) for r in self.store.all(
+            "SELECT step, time_s FROM steps WHERE run_key = ? AND step > ? ORDER BY step", (self.key, step))]
+
+    def counts(self) -> tuple[int, int]:
+        """(step rows, rank-step rows) recorded."""
+        steps = self.store.one("SELECT COUNT(*) FROM steps WHERE run_key = ?", (self.key,))[0]
+        rank_steps = self.store.one("SELECT COUNT(*) FROM rank_steps WHERE run_key = ?", (self.key,))[0]
+        return int(steps), int(rank_steps)
+
+    def close(self) -> None:
+        self.store.close()
+
+
 def _iter_run_dirs(root: str) -> Iterator[str]:
     try:
         names = os.listdir(root)
@@ -285,31 +478,58 @@ def _iter_run_dirs(root: str) -> Iterator[str]:
             yield d
 
 
-def list_runs(root: str | None = None) -> list[dict[str, Any]]:
-    """Every run under `root` (default: planner.core.paths.runs_dir()), newest first:
-    `[{"run_dir", "name", "status", "reason", "started_s", "ended_s", "steps_recorded",
-    "steps_target", "model", "world_size", "emulated"}]`. Unreadable stores are skipped."""
+def _summary(run_dir: str, run: dict[str, Any], steps_recorded: int) -> dict[str, Any]:
+    status, reason = _effective_status(run)
+    return {
+        "run_dir": os.path.abspath(run_dir), "name": os.path.basename(run_dir), "status": status, "reason": reason,
+        "started_s": run["started_s"], "ended_s": run["ended_s"], "steps_recorded": steps_recorded,
+        "steps_target": run["steps_target"], "model": run["model"], "world_size": run["world_size"],
+        "emulated": bool(run["emulated"]),
+    }
+
+
+def _list_folder_runs(root: str) -> list[dict[str, Any]]:
     out = []
-    for d in _iter_run_dirs(root or runs_dir()):
+    for d in _iter_run_dirs(root):
         try:
-            conn = _connect(db_path(d), readonly=True)
+            store = db.connect(db.StoreURL("sqlite", db_path(d), False), RUNS, "run store", readonly=True)
             try:
-                row = conn.execute("SELECT * FROM run WHERE id = 1").fetchone()
-                n = conn.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+                row = store.one("SELECT * FROM run")
+                n = store.one("SELECT COUNT(*) FROM steps")[0]
             finally:
-                conn.close()
-        except sqlite3.DatabaseError as e:
+                store.close()
+        except (ValueError, *db.errors()) as e:
             log.warning("skipping run %s: %s", d, e)
             continue
-        if row is None:
-            continue
-        run = dict(row)
-        status, reason = _effective_status(run)
-        out.append({
-            "run_dir": os.path.abspath(d), "name": os.path.basename(d), "status": status, "reason": reason,
-            "started_s": run["started_s"], "ended_s": run["ended_s"], "steps_recorded": n,
-            "steps_target": run["steps_target"], "model": run["model"], "world_size": run["world_size"],
-            "emulated": bool(run["emulated"]),
-        })
+        if row is not None:
+            out.append(_summary(d, _run_dict(row), n))
+    return out
+
+
+def _list_shared_runs(url: db.StoreURL, root: str | None) -> list[dict[str, Any]]:
+    store = db.connect(url, RUNS, "run store", readonly=True)
+    try:
+        rows = store.all("SELECT run.*, (SELECT COUNT(*) FROM steps WHERE steps.run_key = run.run_key) AS n_steps"
+                         " FROM run")
+    except db.errors() as e:
+        raise ValueError(f"run store {url.describe()}: {e}") from None
+    finally:
+        store.close()
+    prefix = os.path.join(os.path.abspath(root), "") if root else ""
+    out = []
+    for row in rows:
+        if row["run_key"].startswith(prefix):
+            run = _run_dict(row)
+            out.append(_summary(row["run_key"], run, int(run.pop("n_steps"))))
+    return out
+
+
+def list_runs(root: str | None = None) -> list[dict[str, Any]]:
+    """Every run under `root` (default: planner.core.paths.runs_dir(); with a shared store
+    GPUMIX_DB, default: every run the store holds, from any machine), newest first:
+    `[{"run_dir", "name", "status", "reason", "started_s", "ended_s", "steps_recorded",
+    "steps_target", "model", "world_size", "emulated"}]`. Unreadable per-folder stores are skipped."""
+    shared = db.configured()
+    out = _list_shared_runs(shared, root) if shared else _list_folder_runs(root or runs_dir())
     out.sort(key=lambda r: r["started_s"] or 0.0, reverse=True)
     return out

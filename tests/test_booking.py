@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import closing
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ from executor.launch import launch_run, start_run, stop_run
 from executor.store import read_metrics
 from planner.core.cluster import ClusterSpec
 from tests.conftest import processes_with_data_dir, two_cpu_plan
+from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 from tests.test_executor_run import _wait
 
 LONG = 100_000  # steps: the run lasts until it is stopped
@@ -42,7 +44,7 @@ def test_the_dashboard_and_the_orchestrator_name_this_machines_devices_alike():
     assert booking.cluster_device_keys(two) == ["n0/0", "n0/1", "n1/0"]
 
 
-def test_a_second_booking_is_refused_naming_the_first_and_a_dead_holder_is_released(tmp_path):
+def test_a_second_booking_is_refused_naming_the_first_and_a_dead_holder_is_released(store_backend, tmp_path):
     ledger = booking.Ledger()
     holder = _sleeper()
     try:
@@ -60,10 +62,10 @@ def test_a_second_booking_is_refused_naming_the_first_and_a_dead_holder_is_relea
     booking.Ledger().book(str(tmp_path / "second"), ["local/1"])
 
 
-def test_a_reused_pid_does_not_keep_a_booking(tmp_path):
+def test_a_reused_pid_does_not_keep_a_booking(store_backend, tmp_path):
     ledger = booking.Ledger()
     ledger.book(str(tmp_path / "old"), ["local/0"], os.getpid())
-    with ledger._connect() as conn:  # as if the booking had been made by an earlier process with our pid
+    with closing(ledger._connect()) as conn:  # as if the booking had been made by an earlier process with our pid
         conn.execute("UPDATE bookings SET pid_start_s = pid_start_s - 3600")
     assert ledger.live() == []
 

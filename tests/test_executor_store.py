@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-from executor.store import MetricsStore, list_runs, read_metrics
+from executor.store import MetricsStore, RankStep, StepReader, list_runs, read_metrics
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.plan import Assignment, Plan
+from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 
 
 def small_plan(slowdowns=(1.0, 3.0)) -> Plan:
@@ -18,7 +19,7 @@ def small_plan(slowdowns=(1.0, 3.0)) -> Plan:
     return Plan(cluster, "tiny", 2 * len(devs), 16, "fp32", "none", asg, 0.5, 8.0)
 
 
-def test_store_records_as_it_goes_and_reads_the_design_contract(tmp_path):
+def test_store_records_as_it_goes_and_reads_the_design_contract(store_backend, tmp_path):
     run = str(tmp_path / "r")
     os.makedirs(run)
     s = MetricsStore(run)
@@ -48,7 +49,7 @@ def test_store_records_as_it_goes_and_reads_the_design_contract(tmp_path):
     s.close()
 
 
-def test_rows_survive_a_writer_that_dies_and_concurrent_writers_queue(tmp_path):
+def test_rows_survive_a_writer_that_dies_and_concurrent_writers_queue(store_backend, tmp_path):
     run = str(tmp_path / "r")
     os.makedirs(run)
     s = MetricsStore(run)
@@ -64,10 +65,11 @@ def test_rows_survive_a_writer_that_dies_and_concurrent_writers_queue(tmp_path):
     assert sorted(p.wait(timeout=60) for p in procs) == [0, 9]
     m = read_metrics(run)
     assert len(m["steps"]) == 50 and len(m["rank_steps"]) == 100
-    assert sqlite3.connect(os.path.join(run, "metrics.sqlite")).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    if store_backend == "sqlite":
+        assert sqlite3.connect(os.path.join(run, "metrics.sqlite")).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-def test_a_vanished_launcher_reads_as_failed_and_list_runs_finds_runs(tmp_path):
+def test_a_vanished_launcher_reads_as_failed_and_list_runs_finds_runs(store_backend, tmp_path):
     root = tmp_path / "runs"
     for name in ("a", "b"):
         os.makedirs(root / name)
@@ -77,8 +79,9 @@ def test_a_vanished_launcher_reads_as_failed_and_list_runs_finds_runs(tmp_path):
     (root / "not-a-run").mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    sqlite3.connect(str(root / "a" / "metrics.sqlite")).execute(
-        "UPDATE run SET launcher_pid = ?, started_s = started_s + 10", (dead.pid,)).connection.commit()
+    s = MetricsStore(str(root / "a"))  # as if run a's launcher had been that process, started later
+    s.db.execute("UPDATE run SET launcher_pid = ?, started_s = started_s + 10 WHERE run_key = ?", (dead.pid, s.key))
+    s.close()
     runs = list_runs(str(root))
     assert [r["name"] for r in runs] == ["a", "b"]  # newest first
     assert runs[0]["status"] == "failed" and "launcher" in runs[0]["reason"]
@@ -87,6 +90,81 @@ def test_a_vanished_launcher_reads_as_failed_and_list_runs_finds_runs(tmp_path):
         read_metrics(str(root / "not-a-run"))
 
 
+def test_rank_zero_writes_every_ranks_step_in_one_transaction_and_a_reader_follows(store_backend, tmp_path):
+    run = str(tmp_path / "r")
+    os.makedirs(run)
+    s = MetricsStore(run)
+    s.init_run(small_plan((1.0, 1.0, 2.0)), steps_target=2, seed=0, backend="gloo")
+    reader = StepReader(run)
+    try:
+        assert reader.steps_after(0) == [] and reader.counts() == (0, 0)
+        for step in (1, 2):
+            s.record_steps_of_all_ranks(step, [RankStep(r, 0.1 * (r + 1), 0.0, 0.01, 0.02, 2**40 + r if step == 1
+                                                        else None) for r in range(3)],
+                                        loss=3.0 / step, step_s=0.5, global_batch=6, seq=16,
+                                        val_loss=2.5 if step == 2 else None)
+            assert [st for st, _ in reader.steps_after(step - 1)] == [step]
+        assert reader.counts() == (2, 6)
+    finally:
+        reader.close()
+        s.close()
+    m = read_metrics(run)
+    assert [(x["step"], x["loss"], x["val_loss"]) for x in m["steps"]] == [(1, 3.0, None), (2, 1.5, 2.5)]
+    # peak bytes beyond 32 bits survive both dialects; the unmeasured step stays None
+    assert [r["peak_memory_bytes"] for r in m["ranks"]] == [2**40, 2**40 + 1, 2**40 + 2]
+    assert [r["median_compute_s"] for r in m["ranks"]] == pytest.approx([0.1, 0.2, 0.3])
+    assert m["steps"][0]["samples_per_s"] == pytest.approx(12.0)
+
+
 def test_store_module_does_not_import_torch():
     code = "import sys, executor.store, executor.launch; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+
+
+def test_the_change_stamp_moves_with_every_write(store_backend, tmp_path):
+    from executor.store import change_stamp
+
+    run = str(tmp_path / "r")
+    os.makedirs(run)
+    s = MetricsStore(run)
+    try:
+        s.init_run(small_plan(), steps_target=3, seed=0, backend="gloo")
+        stamps = [change_stamp(run)]
+        s.record_step(1, 5.0, 0.5, 4, 16)
+        stamps.append(change_stamp(run))
+        s.add_event("note", "hello")
+        stamps.append(change_stamp(run))
+        assert len(set(stamps)) == 3 and change_stamp(run) == stamps[-1]  # unchanged rows: the same stamp
+    finally:
+        s.close()
+
+
+def test_what_the_launcher_reads_back_is_this_runs_alone(store_backend, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / name)
+        s = MetricsStore(str(tmp_path / name))
+        s.init_run(small_plan(), steps_target=2, seed=0, backend="gloo")
+        runs.append(s)
+    a, b = runs
+    try:
+        a.register_rank(1, 1, small_plan().used[1], 4242, 10, "test")
+        a.add_event("rank_done", "rank 1 done", 1)
+        a.add_event("note", "hello")
+        a.set_launcher_pid(777)  # while starting
+        a.record_step(2, 1.0, 0.5, 4, 16)  # now training
+        assert (a.worker_pids(), a.registered_ranks(), a.registered_ranks(node="elsewhere")) == ([4242], [1], [])
+        assert [e["kind"] for e in a.events()] == ["rank_done", "note"] and len(a.events("note")) == 1
+        assert (a.last_step(), a.status(), a.all_ranks_done()) == (2, "running", False)  # 1 of 2 ranks
+        a.add_event("rank_done", "rank 0 done", 0)
+        assert a.all_ranks_done()
+        assert read_metrics(str(tmp_path / "a"))["launcher_pid"] == 777
+        a.set_launcher_pid(1)  # no longer starting: the launcher that took the run over stays
+        assert read_metrics(str(tmp_path / "a"))["launcher_pid"] == 777
+        # run b, in the same store when it is shared, saw none of it
+        assert (b.worker_pids(), b.events(), b.last_step(), b.all_ranks_done()) == ([], [], 0, False)
+        b.finish("stopped")
+        assert (a.status(), b.status()) == ("running", "stopped")
+    finally:
+        for s in runs:
+            s.close()

@@ -4,9 +4,10 @@ import pytest
 
 from executor.queue import JobQueue
 from planner.core.paths import queue_db_path
+from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 
 
-def test_jobs_and_their_states_survive_a_restart():
+def test_jobs_and_their_states_survive_a_restart(store_backend):
     q = JobQueue()
     a = q.submit("tiny", 8, 5)
     b = q.submit("gpt2", 16, 10, seq=256, priority=1)
@@ -14,7 +15,7 @@ def test_jobs_and_their_states_survive_a_restart():
     assert q.mark_running(a, [0, 1], ["cpu", "cpu"], "/runs/a", 4242, 12.5)
     assert q.finish(c, "failed", "boom")
     del q
-    q2 = JobQueue(queue_db_path())  # a new process would do exactly this
+    q2 = JobQueue()  # a new process would do exactly this
     ja, jb, jc = (q2.get(i) for i in (a, b, c))
     assert (ja.state, ja.devices, ja.run_dir, ja.pid, ja.predicted_duration_s) == ("running", (0, 1), "/runs/a",
                                                                                    4242, 12.5)
@@ -31,7 +32,7 @@ def test_the_database_is_in_wal_mode():
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-def test_state_changes_are_conditional():
+def test_state_changes_are_conditional(store_backend):
     q = JobQueue()
     a = q.submit("tiny", 8, 5)
     assert q.mark_running(a, [0], ["cpu"], "/r", None, None)
@@ -49,12 +50,12 @@ def test_state_changes_are_conditional():
     (dict(model="tiny", global_batch=8, steps=-1), "steps"),
     (dict(model="tiny", global_batch=8, steps=1, seq=0), "seq"),
 ])
-def test_bad_submissions_raise(kwargs, words):
+def test_bad_submissions_raise(store_backend, kwargs, words):
     with pytest.raises(ValueError, match=words):
         JobQueue().submit(**kwargs)
 
 
-def test_unknown_job_and_state():
+def test_unknown_job_and_state(store_backend):
     q = JobQueue()
     with pytest.raises(ValueError, match="no job 99"):
         q.get(99)
@@ -64,7 +65,7 @@ def test_unknown_job_and_state():
         q.finish(1, "running")
 
 
-def test_cli_submit_and_queue(capsys):
+def test_cli_submit_and_queue(store_backend, capsys):
     from executor.__main__ import COMMANDS
     from planner.cli import main
 
