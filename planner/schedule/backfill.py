@@ -1,0 +1,78 @@
+"""EASY backfilling (Lifka 1995; Mu'alem & Feitelson 2001), the baselines a practitioner runs.
+
+* `fifo-backfill` — the users' own requests, arrival order.
+* `fifo-backfill-sized` — arrival order, each job sized by the memory model exactly as
+  `frenzy` sizes it (planner/schedule/sizing.py) instead of by its user.
+* `sjf` — shortest predicted job first (its fastest option's predicted duration), the same
+  sizing, the same backfilling.
+
+Each decision walks the queue in order and starts every job that fits. The first job that
+does not fit gets the one reservation: the option that can start (and so finish) earliest as
+running jobs end at their predicted times, counting the jobs started in this same pass. A
+later job starts on the reserved pool only if it is predicted to end before the reservation
+or uses only devices the reserved job leaves spare; other pools are not held back.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+from planner.core.cluster import ClusterSpec
+from planner.core.jobs import JobSpec
+from planner.schedule.options import Pool
+from planner.schedule.sizing import Reservation, Sizing
+from planner.schedule.state import Decision, Running
+
+ORDERS = ("arrival", "sjf")
+
+
+class BackfillPolicy:
+    def __init__(self, cluster: ClusterSpec, dtype: str = "bf16", order: str = "arrival",
+                 user_requests: bool = False, name: str | None = None) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+        self.order = order
+        self.sizing = Sizing(cluster, dtype, user_requests=user_requests)
+        self.name = name or ("sjf" if order == "sjf" else "fifo-backfill" if user_requests else "fifo-backfill-sized")
+        self.reservation = Reservation()  # the last pass's
+
+    def failed(self) -> dict[str, str]:
+        return self.sizing.failed()
+
+    def _key(self, job: JobSpec) -> tuple:
+        if self.order == "sjf":
+            return (-job.priority, self.sizing.ref_s(job), job.submit_s, job.job_id)
+        return (-job.priority, job.submit_s, job.job_id)
+
+    def decide(self, now: float, waiting: Sequence[JobSpec], free: dict[Pool, int],
+               running: Sequence[Running]) -> list[Decision]:
+        todo = sorted((j for j in waiting if self.sizing.entries(j)), key=self._key)
+        out, self.reservation = easy_pass(self.sizing, now, todo, free, running)
+        return out
+
+
+def easy_pass(sizing: Sizing, now: float, todo: Sequence[JobSpec], free: dict[Pool, int],
+              running: Sequence[Running], may_reserve: Callable[[JobSpec], bool] = lambda job: True,
+              count_started: bool = True) -> tuple[list[Decision], Reservation]:
+    """One EASY pass over `todo` in its order: start each job that fits without delaying the
+    reservation; the first job that cannot start and `may_reserve` gets it, computed from the
+    running jobs' predicted ends (and those started in this pass when `count_started`)."""
+    free_n = [free.get(p, 0) for p in sizing.pools]  # by pool index: no hashing in the loop
+    out: list[Decision] = []
+    started: list[Running] = []
+    res = Reservation()
+    for job in todo:
+        if not any(free_n):
+            break
+        pick = sizing.choose(job, free_n, lambda k, o: res.blocks(k, now + job.steps * o.iteration_s, o.num_gpus))
+        if pick is not None:
+            k, o = pick
+            o = replace(o, duration_s=o.iteration_s * job.steps)
+            free_n[k] -= o.num_gpus
+            res.take(k, now + o.duration_s, o.num_gpus)
+            out.append(Decision(job, o))
+            if count_started:
+                started.append(Running(job.job_id, sizing.pools[k], o.num_gpus, now + o.duration_s, o))
+        elif res.job_id is None and may_reserve(job):
+            res = sizing.reserve(job, free_n, [*running, *started], now)
+    return out, res

@@ -1,0 +1,177 @@
+"""`gpumix`: GPUMix's own scheduling policy — shortest remaining predicted work first with
+aging, moldable sizing by expected cost to the mean JCT, EASY backfilling, and preemption
+through checkpoint and resume.
+
+Each decision:
+
+1. Order. Waiting jobs (new, and suspended ones with what they have left) by predicted
+   remaining work aged by their wait, `remaining_s / (1 + wait / aging_s)` (remaining_s: the
+   shortest predicted duration of what is left): short work first, and every waiting job's key
+   falls towards 0. A job that has waited `starve_after_s` goes ahead of all the others (oldest
+   first), so it is the first that cannot start and holds the reservation: none starves.
+2. Size and start. A job may take any option of the memory model's Pareto front
+   (planner/schedule/options.py: per pool, each count predicted faster than the smaller ones),
+   not only the efficient ones the sized baselines get. Among those that fit the free devices
+   it takes the one of least expected cost to the mean JCT (`_choose`): its own time plus the
+   delay its devices put on the jobs queued behind it and on those expected to arrive while it
+   runs. An idle cluster gives a job its fastest option, a long queue its most efficient one.
+3. Reserve. The first job that cannot start gets the one reservation (EASY): later jobs use
+   its pool only if they end before it or leave it enough devices.
+4. Preempt. If that job would wait long for its reservation while jobs with much more work
+   left hold the devices it needs, those jobs are checkpointed and put back in the queue and
+   it starts now — only when the wait it saves exceeds, by `preempt_gain`, the delay put on
+   them (its own time plus their checkpoint-and-resume cost, planner/schedule/state.py:
+   restart_s); a job is preempted at most `max_preemptions` times, so none is delayed
+   without bound. Without preemption a short job that arrives behind long ones waits for
+   them to end (the head-of-line delay that dominates the mean JCT in bursts).
+
+Every figure it decides on is predicted; the simulator runs the perturbed durations.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Sequence
+
+from planner.core.cluster import ClusterSpec
+from planner.core.jobs import JobSpec
+from planner.schedule.options import Pool, ResourceOption
+from planner.schedule.sizing import Reservation, Sizing
+from planner.schedule.state import Decision, Running, restart_s
+
+AGING_S = 6 * 3600.0  # a job that waited this long ranks as if it had half its work left
+STARVE_AFTER_S = 24 * 3600.0  # a job that waited this long goes ahead of every other, oldest first
+PREEMPT_GAIN = 2.0  # the wait saved must be this many times the delay put on the preempted jobs
+PREEMPT_RATIO = 4.0  # a preempted job has at least this many times the starter's work left
+MAX_PREEMPTIONS = 1  # per job
+RATE_WINDOW_S = 3600.0  # the arrival rate is never judged on less than an hour
+
+
+class GpumixPolicy:
+    name = "gpumix"
+
+    def __init__(self, cluster: ClusterSpec, dtype: str = "bf16", aging_s: float = AGING_S,
+                 preempt_gain: float = PREEMPT_GAIN, preempt_ratio: float = PREEMPT_RATIO,
+                 max_preemptions: int = MAX_PREEMPTIONS, queue_weight: float = 1.0,
+                 arrival_weight: float = 3.0, min_efficiency: float = 0.0,
+                 starve_after_s: float = STARVE_AFTER_S) -> None:
+        self.cluster, self.dtype = cluster, dtype
+        self.aging_s, self.preempt_gain, self.preempt_ratio = aging_s, preempt_gain, preempt_ratio
+        self.max_preemptions, self.starve_after_s = max_preemptions, starve_after_s
+        self.queue_weight, self.arrival_weight = queue_weight, arrival_weight
+        # every Pareto option (min_efficiency 0): the expected-cost rule of _choose sizes the jobs
+        self.sizing = Sizing(cluster, dtype, min_efficiency=min_efficiency)
+        self.total_price = sum(self.sizing.entry_price(p, p.count) for p in self.sizing.pools)
+        self._first_s = math.inf
+        self._left: dict[str, float] = {}  # share of steps left of each suspended job
+        self._preempted: dict[str, int] = {}
+        self._jobs: dict[str, JobSpec] = {}  # every job seen
+
+    def options(self, job: JobSpec) -> list[ResourceOption]:
+        return self.sizing.options(job)
+
+    def failed(self) -> dict[str, str]:
+        return self.sizing.failed()
+
+    def _work_s(self, job: JobSpec) -> float:
+        return self._left.get(job.job_id, 1.0) * self.sizing.ref_s(job)
+
+    def _key(self, now: float, job: JobSpec) -> tuple:
+        wait_s = now - job.submit_s
+        if wait_s >= self.starve_after_s:  # waited too long: first come first served, ahead of the rest
+            return (-job.priority, 0, job.submit_s, job.job_id)
+        return (-job.priority, 1, self._work_s(job) / (1.0 + wait_s / self.aging_s), job.job_id)
+
+    def decide(self, now: float, waiting: Sequence[JobSpec], free: dict[Pool, int],
+               running: Sequence[Running]) -> list[Decision]:
+        sizing = self.sizing
+        free_n = [free.get(p, 0) for p in sizing.pools]
+        for j in waiting:
+            if j.job_id not in self._jobs:
+                self._jobs[j.job_id] = j
+                self._first_s = min(self._first_s, j.submit_s)
+        rate = len(self._jobs) / max(now - self._first_s, RATE_WINDOW_S)  # arrivals per second so far
+        todo = sorted((j for j in waiting if sizing.entries(j)), key=lambda j: self._key(now, j))
+        out: list[Decision] = []
+        started: list[Running] = []
+        res, head = Reservation(), None
+        for i, job in enumerate(todo):
+            if not any(free_n) and head is not None:
+                break
+            left = self._left.get(job.job_id, 1.0)
+            pick = self._choose(job, left, free_n, lambda k, o: res.blocks(k, now + left * job.steps * o.iteration_s,
+                                                                           o.num_gpus), len(todo) - i - 1, rate)
+            if pick is not None:
+                k, o = pick
+                o = replace(o, duration_s=o.iteration_s * job.steps)
+                free_n[k] -= o.num_gpus
+                res.take(k, now + left * o.duration_s, o.num_gpus)
+                out.append(Decision(job, o))
+                started.append(Running(job.job_id, sizing.pools[k], o.num_gpus, now + left * o.duration_s, o, left))
+                self._left.pop(job.job_id, None)
+            elif head is None:
+                head = job
+                res = sizing.reserve(replace(job, steps=max(1, round(left * job.steps))), free_n,
+                                     [*running, *started], now)
+                preempt = self._preempt(now, job, free_n, running, res.start_s)
+                if preempt is not None:
+                    victims, k, o = preempt
+                    for r in victims:
+                        self._left[r.job_id] = r.remaining
+                        self._preempted[r.job_id] = self._preempted.get(r.job_id, 0) + 1
+                        out.append(Decision(self._jobs[r.job_id], r.option, suspend=True))
+                        free_n[k] += r.num_gpus
+                    o = replace(o, duration_s=o.iteration_s * job.steps)
+                    free_n[k] -= o.num_gpus
+                    out.append(Decision(job, o))
+                    self._left.pop(job.job_id, None)
+                    res = Reservation(job_id=job.job_id)  # the head started: nothing held back
+        return out
+
+    def _choose(self, job: JobSpec, left: float, free_n: list[int], blocked, queued: int,
+                rate: float) -> tuple[int, ResourceOption] | None:
+        """The option that fits now with the least expected cost to the mean JCT: its own time
+        left `t` plus the delay it puts on the others, `behind · t · price / P` — behind: the jobs
+        queued after it and those expected to arrive while it runs (the arrival rate so far × t),
+        price / P: its share of the cluster's peak FLOP/s."""
+        best = None
+        for k, o, price in self.sizing.entries(job):
+            if free_n[k] < o.num_gpus or blocked(k, o):
+                continue
+            t = left * job.steps * o.iteration_s
+            behind = self.queue_weight * queued + self.arrival_weight * rate * t
+            cost = t * (1.0 + behind * price / self.total_price)
+            if best is None or cost < best[0]:
+                best = (cost, k, o)
+        return None if best is None else best[1:]
+
+    def _preempt(self, now: float, job: JobSpec, free_n: list[int], running: Sequence[Running],
+                 reserved_s: float) -> tuple[list[Running], int, ResourceOption] | None:
+        """(jobs to suspend, pool index, option) that let `job` start now, or None."""
+        left = self._left.get(job.job_id, 1.0)
+        wait_s = reserved_s - now
+        best = None
+        for k, o, _ in self.sizing.entries(job):
+            d = left * job.steps * o.iteration_s + restart_s(job) * (job.job_id in self._preempted)
+            if wait_s <= self.preempt_gain * d:
+                continue  # not worth the trouble even with no one delayed
+            pool = self.sizing.pools[k]
+            victims = sorted((r for r in running if r.pool == pool and r.option is not None
+                              and self._preempted.get(r.job_id, 0) < self.max_preemptions
+                              and r.job_id in self._jobs
+                              and r.end_s - now > self.preempt_ratio * d),
+                             key=lambda r: -(r.end_s - now))
+            chosen, have = [], free_n[k]
+            for r in victims:
+                if have >= o.num_gpus:
+                    break
+                chosen.append(r)
+                have += r.num_gpus
+            if have < o.num_gpus or not chosen:
+                continue
+            delay = sum(d + restart_s(self._jobs[r.job_id]) for r in chosen)
+            gain = wait_s - self.preempt_gain * delay
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, chosen, k, o)
+        return None if best is None else best[1:]
+
