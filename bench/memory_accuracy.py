@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planner.core.memory import MemoryConfig, estimate_memory  # noqa: E402
 from planner.core.specs import PRESETS  # noqa: E402
+from planner.core.constants import GIB
 
 MEDIAN_TARGET_PCT = 3.0
 MAX_TARGET_PCT = 3.0
@@ -64,7 +65,6 @@ MATRIX = [
     ("llama2-13b", 1, 2048, "bf16", "full", 0.125),
 ]
 
-GIB = 2**30
 
 
 def configs_of(micro_batch: int, seq: int, dtype: str, recompute: str,

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from planner.core.specs import ModelSpec
+from planner.core.constants import RECOMPUTE
 
-RECOMPUTE = ("none", "full")
 INIT_STD = 0.02  # GPT-2 / Llama initializer_range
 
 

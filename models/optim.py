@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
+from planner.core.constants import STEP_CHUNK_NUMEL
 
 log = logging.getLogger(__name__)
 
 # Elements the optimizer step and the norm walk at a time; planner/core/memory.py counts the
 # temporaries of one chunk (see adamw_step_ and global_grad_norm_sq).
-STEP_CHUNK_NUMEL = 1 << 24
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (no division by zero)
 CLIP_EPS = 1e-6
 

@@ -24,13 +24,13 @@ from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
 from ui.common import SIMULATED, fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
+from planner.core.constants import GIB
 
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
 DEFAULT_EXAMPLE = "paper_like.json"
 MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pipelines
 COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "P": "#2ca02c"}
 NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-reduce", "P": "prefill (BubbleTea)"}
-GIB = 2**30
 JOB = "geo"  # this page's background job (ui/background.py)
 REQUEST = "geo_request"  # session key: the scenario JSON asked for and not yet answered
 

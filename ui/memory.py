@@ -18,8 +18,8 @@ from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, page_he
                        style_figure)
 from ui.state import get_model as get_session_model
 from ui.state import get_training_inputs, set_model, set_training_inputs
+from planner.core.constants import GIB
 
-GIB = 2**30
 UPLOAD = "Upload a config.json…"
 FOLDER = "A Hugging Face model folder…"
 DEFAULT_GPU = "A100-80GB"

@@ -21,8 +21,8 @@ from ui import background
 from ui.common import (MEASURED, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
                        profiles_version, show_emulated_note, show_errors, show_figure, style_figure)
 from ui.state import DEFAULT_GLOBAL_BATCH, get_cluster, get_model, get_plan, set_plan
+from planner.core.constants import GIB
 
-GIB = 2**30
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "clusters")
 SESSION_SOURCE = "This machine (session cluster)"
 UPLOAD_SOURCE = "Upload a cluster file…"

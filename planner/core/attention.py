@@ -51,10 +51,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from planner.core.catalog import CPU_TYPE, get_gpu_type
+from planner.core.constants import DTYPES
 
 FP32_BYTES = 4
 KERNELS = ("cpu_flash", "flash", "efficient", "math")
-DTYPES = ("fp32", "bf16", "fp16")
 HALF_DTYPES = ("bf16", "fp16")
 
 FLASH_MIN_SM, FUSED_MAX_SM = (8, 0), (12, 1)  # check_flash_attention_hardware_support

@@ -12,9 +12,8 @@ which SDPA kernel torch runs (planner/core/attention.py). AMD parts and the CPU 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from planner.core.constants import GB, GIB
 
-GB = 10**9  # datasheets quote decimal gigabytes... except where noted GiB
-GIB = 2**30
 
 
 @dataclass(frozen=True)

@@ -51,15 +51,13 @@ from typing import Any
 from planner.core.attention import AttentionKernel, attention_saved_bytes, select_kernel
 from planner.core.specs import ModelSpec
 from planner.core.units import runtime_units
+from planner.core.constants import DTYPES, RECOMPUTE, STEP_CHUNK_NUMEL
 
-DTYPES = ("fp32", "bf16", "fp16")
-RECOMPUTE = ("none", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 
 FP32_BYTES = 4
 HALF_BYTES = 2  # bf16 / fp16 autocast compute copies
 INT64_BYTES = 8
-STEP_CHUNK_NUMEL = 1 << 24  # models/runtime.py: the optimizer step works on slices of this size
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,12 @@ from typing import Any
 from planner.cli import float_arg, int_arg, print_json, print_table
 from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory, estimate_startup_bytes
 from planner.core.specs import ModelSpec, get_model
+from planner.core.constants import GIB
 
 HELP = "predict the per-GPU peak memory of one training step (params, grads, AdamW, activations)"
-GIB = 2**30
 # Bounds at the door (not the model's limits, which config_from_args checks with the spec):
 # past these no GPU or cluster exists, and the arithmetic would only describe a typo.
-MAX_MICRO_BATCH = 10**6
+MAX_MICRO_BATCH_ARG = 10**6
 MAX_ACCUM_STEPS = 10**6
 MAX_SEQ = 10**7
 MAX_DEGREE = 10**6
@@ -26,7 +26,7 @@ KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     """The model and step flags shared with `python -m profiler memory`."""
     p.add_argument("--model", required=True, help="preset name or path to a Hugging Face config.json")
-    p.add_argument("--micro-batch", type=int_arg(1, MAX_MICRO_BATCH), default=1, help="samples per micro-batch on this GPU")
+    p.add_argument("--micro-batch", type=int_arg(1, MAX_MICRO_BATCH_ARG), default=1, help="samples per micro-batch on this GPU")
     p.add_argument("--accum-steps", type=int_arg(1, MAX_ACCUM_STEPS), default=1,
                    help="micro-batches per optimizer step (at zero 2/3 their unit boundaries are all held)")
     p.add_argument("--seq", type=int_arg(1, MAX_SEQ), default=None, help="sequence length (default: the model's max_seq)")

@@ -11,6 +11,7 @@ from typing import Any
 
 from planner.core.cluster import ClusterSpec
 from planner.core.jsonio import dumps, load_json_file, save_json_file
+from planner.core.constants import ZERO_STAGES
 
 PLAN_VERSION = 1
 
@@ -48,7 +49,6 @@ class BaselineResult:
         return asdict(self)
 
 
-ZERO_STAGES = (1, 2, 3)  # what the sharded runtime runs (planner/core/units.py)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from typing import Any, Sequence
 from planner.core import paths
 from planner.core.catalog import CPU_TYPE, GB, get_gpu_type
 from planner.core.specs import ModelSpec
+from planner.core.constants import RECOMPUTE
 
 log = logging.getLogger(__name__)
 
 TFLOPS = 1e12
-RECOMPUTE_MODES = ("none", "full")
 
 # ---- Estimates -------------------------------------------------------------------------------
 # Used only where nothing was measured; each measured profile in the store replaces them
@@ -382,8 +382,8 @@ def _check_args(seq: int, dtype: str, recompute: str) -> None:
         raise ValueError(f"seq must be a positive integer, got {seq!r}")
     if dtype not in ("fp32", "fp16", "bf16"):
         raise ValueError(f"dtype must be fp32, fp16 or bf16, got {dtype!r}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
 
 
 def find_measured(device_type: str, spec: ModelSpec, seq: int, dtype: str, recompute: str = "none",

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.core.specs import ModelSpec
+from planner.core.constants import ZERO_STAGES
 
-ZERO_STAGES = (1, 2, 3)
 FP32_BYTES = 4
 
 

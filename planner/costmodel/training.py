@@ -51,19 +51,15 @@ from planner.core.catalog import CPU_TYPE, device_dtype
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.specs import ModelSpec
 from planner.core.units import ZERO_STAGES, step_collectives
+from planner.core.constants import BITS_PER_BYTE, FP32_BYTES, GBIT, HALF_BYTES, MAX_MICRO_BATCH
 
 log = logging.getLogger(__name__)
 
-BITS_PER_BYTE = 8
-GBIT = 1e9  # the cluster file's *_gbps are Gbit/s (DESIGN.md)
-FP32_BYTES = 4  # master weights and reduce-scattered gradients are fp32 (planner/core/units.py)
-HALF_BYTES = 2  # bf16 / fp16: what the runtime gathers parameters in on a GPU
 # Per-hop latency of one collective step when nothing was measured: NCCL's ring step costs a few
 # microseconds over NVLink/PCIe and tens over a datacenter network (NCCL tests, 8-byte all-reduce).
 INTRA_NODE_HOP_LATENCY_S = 5e-6
 INTER_NODE_HOP_LATENCY_S = 25e-6
 # The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
-MAX_MICRO_BATCH = 64
 # Accumulation counts enumerated one by one; above it they come in bands that double (AccumBand).
 # Up to EXACT_GLOBAL_BATCH samples every count to 64 is enumerated (no bands below 65: such plans are
 # solved exactly); above it counts from 9 on come in bands, which keeps the ILP small for any B.

@@ -8,11 +8,11 @@ import argparse
 
 from planner.cli import print_json, print_table
 from planner.core.cluster import ClusterSpec
-from planner.hetero.solve import DTYPES, RECOMPUTE_MODES, ZERO_AUTO, ZERO_CHOICES, solve_plan
+from planner.hetero.solve import DTYPES, RECOMPUTE, ZERO_AUTO, ZERO_CHOICES, solve_plan
 from planner.core.plan import Plan
+from planner.core.constants import DTYPES, GIB, RECOMPUTE
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
-GIB = 2**30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, at most 2048)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--zero", choices=[str(z) for z in ZERO_CHOICES], default=ZERO_AUTO,
                    help="ZeRO stage the runtime runs: 1 optimizer state sharded, 2 + gradients, 3 + parameters; "
                         "auto (default): the fastest predicted stage that fits")

@@ -50,11 +50,10 @@ from planner.core.plan import Assignment, Plan, ZeroCandidate
 from planner.core.units import ZERO_STAGES
 from planner.hetero.baselines import estimate_baselines, estimate_memory_aware
 from planner.core.specs import get_model, with_max_seq
+from planner.core.constants import DTYPES, RECOMPUTE
 
 log = logging.getLogger(__name__)
 
-DTYPES = ("fp32", "bf16", "fp16")
-RECOMPUTE_MODES = ("none", "full")
 ZERO_AUTO = "auto"  # solve each stage, keep the fastest that fits (ties: the lower stage)
 ZERO_CHOICES = (ZERO_AUTO, *ZERO_STAGES)
 # Default context when --seq is not given: the model's own, capped where activations of one
@@ -97,8 +96,8 @@ def validate_inputs(global_batch: int, seq: int | None, dtype: str, recompute: s
         raise ValueError(f"seq must be a positive integer, got {seq!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 < headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {headroom!r}")
     if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0):

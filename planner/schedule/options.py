@@ -29,17 +29,14 @@ from planner.core.cluster import ClusterSpec, DeviceSpec
 from planner.core.jobs import JobSpec
 from planner.core.profiles import StepProfile, get_step_profile
 from planner.core.specs import ModelSpec, get_model
+from planner.core.constants import BITS_PER_BYTE, MAX_MICRO_BATCH, MEMORY_HEADROOM, RECOMPUTE
 
 log = logging.getLogger(__name__)
 
-MEMORY_HEADROOM = 0.9  # use at most 90 % of a device: allocator fragmentation, CUDA context
-MAX_MICRO_BATCH = 64  # beyond this α is fully amortized; bigger only risks memory
 ZERO_CHOICES = (2, 3)  # ZeRO-1 is dominated by ZeRO-2 (same traffic, less memory); 3 shards parameters too
-RECOMPUTE_CHOICES = ("none", "full")
 # Share of one micro-batch's step time (the backward pass, ~2/3 of it) behind which
 # the gradient reduce-scatter / parameter all-gather of the last micro-batch can hide.
 BACKWARD_OVERLAP = 2.0 / 3.0
-BITS_PER_BYTE = 8
 
 
 @dataclass(frozen=True)
@@ -174,7 +171,7 @@ def _best_config(model: str, seq: int, global_batch: int, dtype: str, pool: Pool
     for zero in ((0,) if n == 1 else ZERO_CHOICES):
         comm_s = _comm_s(spec, dt, n, zero, pool, inter_node_gbps)
         opt_params = spec.num_params / (n if zero >= 1 else 1)
-        for recompute in RECOMPUTE_CHOICES:
+        for recompute in RECOMPUTE:
             m = m_max  # the largest fitting micro-batch is the fastest: a·(α+βm) falls with m
             while m >= 1 and _peak_bytes(model, seq, dt, n, zero, recompute, m, pool.device.type) > budget:
                 m //= 2

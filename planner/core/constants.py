@@ -1,0 +1,29 @@
+"""The figures every part of GPUMix must agree on, defined once.
+
+Units: bytes and seconds inside; Gbit/s only where a file or a datasheet says so (converted with
+GBIT / BITS_PER_BYTE). The runtime (models/) imports the ones it shares with the models of it
+(STEP_CHUNK_NUMEL, RECOMPUTE), so a change here changes both sides at once.
+"""
+from __future__ import annotations
+
+GIB = 2**30
+GB = 10**9  # datasheets quote decimal gigabytes
+BITS_PER_BYTE = 8
+GBIT = 1e9  # bits per second in one Gbit/s: the cluster file's and the scenarios' *_gbps
+
+DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32_BYTES = 4  # master weights, Adam's moments, reduce-scattered gradients
+HALF_BYTES = 2  # bf16 / fp16
+RECOMPUTE = ("none", "full")
+# What the sharded runtime (models/sharded.py) runs; a plan or an option at any other stage is refused.
+ZERO_STAGES = (1, 2, 3)
+
+# The largest micro-batch a planner tries: beyond it α is fully amortized and only memory grows.
+MAX_MICRO_BATCH = 64
+# The share of a device's memory a plan may use: the rest is the allocator's fragmentation, the CUDA
+# context and the communication library's buffers.
+MEMORY_HEADROOM = 0.9
+# The optimizer step works on slices of this many elements (models/optim.py; its temporaries are
+# priced by planner/core/memory.py).
+STEP_CHUNK_NUMEL = 1 << 24
