@@ -72,3 +72,90 @@ def test_two_node_three_rank_run_trains_like_one_rank(slurm_cluster, settings, t
     assert "slurm_job" in kinds and kinds.count("node_up") == 2 and kinds.count("node_exit") == 2
     assert any("10.77.0.3" in e["message"] for e in m["events"] if e["kind"] == "node_up")
     slurm_cluster.wait_no_jobs()
+
+
+LONG = 400  # steps: the run is stopped or broken long before it ends
+
+
+def wait_for_steps(run_dir: str, n: int, timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            m = read_metrics(run_dir)
+            if len(m["steps"]) >= n or m["status"] != "running":
+                return m
+        except ValueError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"no {n} steps within {timeout_s:.0f} s: {read_metrics(run_dir)['events']}")
+
+
+def wait_status(run_dir: str, timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while read_metrics(run_dir)["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return read_metrics(run_dir)
+
+
+def processes_of(run_dir: str) -> list[str]:
+    """Processes still running for this run (launcher, agents, torchrun, ranks), on every node."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if run_dir in cmd and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid():
+            out.append(f"{p.pid} {cmd[:120]}")
+    return out
+
+
+def start_background(tmp_path, name: str, settings: SlurmSettings) -> str:
+    from executor.slurm import start_slurm_run
+
+    h = start_slurm_run(node_plan(THREE), LONG, str(tmp_path / name), settings, seed=SEED, optim=OPTIM)
+    m = wait_for_steps(h.run_dir, 2)
+    assert m["status"] == "running", (m["reason"], m["events"])
+    return h.run_dir
+
+
+def assert_nothing_left(cluster, run_dir: str) -> None:
+    cluster.wait_no_jobs()
+    deadline = time.monotonic() + 15
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not processes_of(run_dir)
+
+
+def test_executor_stop_scancels_the_job(slurm_cluster, settings, tmp_path):
+    run_dir = start_background(tmp_path, "stopped", settings)
+    job = read_job_file(run_dir)["job_id"]
+    r = subprocess.run([sys.executable, "-m", "executor", "stop", "--run-dir", run_dir], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "stopped" in r.stdout, r.stderr
+    m = read_metrics(run_dir)
+    assert m["status"] == "stopped" and f"scancel of SLURM job {job}" in m["reason"]
+    assert 2 <= len(m["steps"]) < LONG
+    assert_nothing_left(slurm_cluster, run_dir)
+
+
+def test_a_scancel_from_outside_ends_the_run_as_stopped(slurm_cluster, settings, tmp_path):
+    run_dir = start_background(tmp_path, "scancelled", settings)
+    job = read_job_file(run_dir)["job_id"]
+    slurm_cluster.cmd("scancel", job)
+    m = wait_status(run_dir)
+    assert m["status"] == "stopped" and "cancelled outside GPUMix" in m["reason"], m["reason"]
+    assert_nothing_left(slurm_cluster, run_dir)
+
+
+def test_a_killed_node_fails_the_run_naming_the_node(slurm_cluster, settings, tmp_path):
+    run_dir = start_background(tmp_path, "node-died", settings)
+    try:
+        slurm_cluster.kill_node("n2")
+        m = wait_status(run_dir)
+        assert m["status"] == "failed", m["reason"]
+        assert m["reason"].startswith("node n2 died"), m["reason"]
+        assert m["failed_rank"] == 2  # the plan's rank on n2
+        assert_nothing_left(slurm_cluster, run_dir)
+        print(f"\n{m['reason']}")
+    finally:
+        slurm_cluster.revive_node("n2")
