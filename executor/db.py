@@ -156,13 +156,6 @@ class Database:
     def execute(self, text: str, params: Sequence[Any] = ()) -> Any:
         return self.conn.execute(self.sql(text), tuple(params))
 
-    def executemany(self, text: str, rows: Sequence[Sequence[Any]]) -> None:
-        if self.dialect == "sqlite":
-            self.conn.executemany(self.sql(text), rows)
-        else:
-            with self.conn.cursor() as cur:
-                cur.executemany(self.sql(text), rows)
-
     def one(self, text: str, params: Sequence[Any] = ()) -> Any:
         return self.execute(text, params).fetchone()
 
@@ -170,9 +163,11 @@ class Database:
         return self.execute(text, params).fetchall()
 
     @contextlib.contextmanager
-    def transaction(self, lock: str | None = None) -> Iterator["Database"]:
+    def transaction(self, lock: str | None = None, writes_only: bool = False) -> Iterator["Database"]:
         """One transaction; `lock`: a table no other writer may change until it ends (a check
-        and a write that must not interleave: SQLite's BEGIN IMMEDIATE locks the whole file)."""
+        and a write that must not interleave: SQLite's BEGIN IMMEDIATE locks the whole file).
+        `writes_only` (statements whose results nobody reads): PostgreSQL gets them all, BEGIN
+        to COMMIT, in one round trip (psycopg's pipeline mode) instead of one each."""
         if self.dialect == "sqlite":
             self.conn.execute("BEGIN IMMEDIATE")
             try:
@@ -182,7 +177,7 @@ class Database:
                 raise
             self.conn.execute("COMMIT")
             return
-        with self.conn.transaction():
+        with self.conn.pipeline() if writes_only else contextlib.nullcontext(), self.conn.transaction():
             if lock:
                 self.conn.execute(f"LOCK TABLE {lock} IN SHARE ROW EXCLUSIVE MODE")
             yield self
@@ -205,11 +200,12 @@ def errors() -> tuple[type[BaseException], ...]:
     return (sqlite3.Error, pg.Error) if pg is not None else (sqlite3.Error,)
 
 
-def upsert(table: str, columns: Sequence[str], keys: Sequence[str]) -> str:
-    """INSERT of `columns`, replacing the row with the same `keys` (both dialects)."""
+def upsert(table: str, columns: Sequence[str], keys: Sequence[str], rows: int = 1) -> str:
+    """INSERT of `rows` rows of `columns`, replacing those with the same `keys` (both dialects)."""
     rest = [c for c in columns if c not in keys]
     update = ", ".join(f"{c} = excluded.{c}" for c in rest)
-    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+    values = ", ".join([f"({', '.join('?' * len(columns))})"] * rows)
+    return (f"INSERT INTO {table} ({', '.join(columns)}) VALUES {values} "
             f"ON CONFLICT ({', '.join(keys)}) " + (f"DO UPDATE SET {update}" if rest else "DO NOTHING"))
 
 

@@ -270,16 +270,17 @@ class MetricsStore:
 
     def record_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
                     val_loss: float | None = None) -> None:
-        with self.db.transaction():
+        with self.db.transaction(writes_only=True):
             self._write_step(step, loss, step_s, global_batch, seq, val_loss)
 
     def record_steps_of_all_ranks(self, step: int, ranks: Sequence[RankStep], loss: float, step_s: float,
                                   global_batch: int, seq: int, val_loss: float | None = None) -> None:
         """Rank 0's write of a step: every rank's figures (gathered) and the step row, one transaction."""
-        with self.db.transaction():
-            self.db.executemany(_UPSERT_RANK_STEP, [
-                (self.key, r.rank, step, r.compute_s, r.emulated_delay_s, r.optimizer_s, r.wait_s,
-                 r.peak_memory_bytes) for r in ranks])
+        with self.db.transaction(writes_only=True):
+            if ranks:  # one statement for every rank's row
+                self.db.execute(db.upsert("rank_steps", _RANK_STEP_COLUMNS, ("run_key", "rank", "step"), len(ranks)),
+                                [v for r in ranks for v in (self.key, r.rank, step, r.compute_s, r.emulated_delay_s,
+                                                            r.optimizer_s, r.wait_s, r.peak_memory_bytes)])
             self._write_step(step, loss, step_s, global_batch, seq, val_loss)
 
     def _write_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
