@@ -175,7 +175,7 @@ def slurm_client(args: list[str], timeout_s: float = CLIENT_TIMEOUT_S) -> str:
 def read_nodes(gres_name: str | None = None, names: list[str] | None = None) -> list[SlurmNode]:
     """The nodes as SLURM reports them now (all, or `names`), with their partitions."""
     gres_name = check_name(gres_name, "GRES name") if gres_name else default_gres_name()
-    args = ["scontrol", "show", "node", "-o"]
+    args = ["scontrol", "-d", "show", "node", "-o"]  # -d: GresUsed too
     if names:
         args.append(",".join(check_name(n, "node") for n in names))
     nodes = parse_nodes(slurm_client(args), gres_name)

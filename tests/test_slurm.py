@@ -4,6 +4,7 @@ one rank, its metrics reach the store, `scancel` and a killed node end it cleanl
 parsers read the real cluster, and the orchestrator survives its own restart."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,23 @@ def settings(slurm_cluster, monkeypatch):
 
 def losses(run_dir: str) -> list[float]:
     return [s["loss"] for s in read_metrics(run_dir)["steps"]]
+
+
+def test_inventory_reads_the_real_cluster(slurm_cluster, settings, tmp_path):
+    out = str(tmp_path / "cluster.json")
+    r = subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", GRES_NAME, "--out",
+                        out, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert [(n["name"], n["addr"], n["gres"], n["partitions"]) for n in got["nodes"]] == [
+        ("n1", "10.77.0.2", {"cpu": 2}, ["debug"]), ("n2", "10.77.0.3", {"cpu": 1}, ["debug"])]
+    cluster = ClusterSpec.load(out)
+    assert cluster.name == "slurm-gpumix"
+    assert [(n.name, len(n.devices), {d.type for d in n.devices}) for n in cluster.nodes] == [
+        ("n1", 2, {"cpu"}), ("n2", 1, {"cpu"})]
+    r = subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", "gpu"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no usable SLURM node" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_two_node_three_rank_run_trains_like_one_rank(slurm_cluster, settings, tmp_path):

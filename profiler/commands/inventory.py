@@ -1,7 +1,10 @@
 """`python -m profiler inventory [--json] [--out cluster.json]`: this machine's devices.
+`python -m profiler inventory --slurm [--gres-name gpu] [--partition P] [--type-map T=CATALOG]`:
+the SLURM cluster's nodes (`scontrol show node -o`, `sinfo`; profiler/slurm_inventory.py).
 
-The JSON object has `devices` (what the hardware reports) and `cluster` (this machine as a
-cluster file); `--out` writes the cluster file itself, which `planner plan --cluster` takes.
+The JSON object has `devices` (what the hardware reports; with --slurm: `nodes`, as SLURM
+reports them, partitions included) and `cluster` (the cluster file); `--out` writes the
+cluster file itself, which `planner plan --cluster` takes.
 """
 from __future__ import annotations
 
@@ -17,16 +20,53 @@ HELP = "list the local devices (CUDA GPUs, else the CPU) and write them as a clu
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", metavar="PATH", help="write this machine as a cluster file")
+    p.add_argument("--slurm", action="store_true", help="the SLURM cluster's nodes instead of this machine")
+    p.add_argument("--gres-name", default=None, metavar="NAME",
+                   help="--slurm: the site's GRES name of its accelerators (default $GPUMIX_SLURM_GRES, else gpu)")
+    p.add_argument("--partition", default=None, help="--slurm: only the nodes of this partition")
+    p.add_argument("--type-map", action="append", default=None, metavar="GRES_TYPE=CATALOG_TYPE",
+                   help="--slurm: a GRES type that names no single catalog type, e.g. a100=A100-80GB")
+
+
+def _save(cluster, path: str | None) -> None:
+    if path:
+        try:
+            cluster.save(path)
+        except OSError as e:
+            raise ValueError(f"cannot write {path}: {e.strerror}") from None
+
+
+def run_slurm(args: argparse.Namespace) -> int:
+    from profiler.slurm_inventory import build_slurm_cluster, cluster_name, parse_type_map, read_nodes
+
+    type_map = parse_type_map(args.type_map)
+    nodes = read_nodes(args.gres_name)
+    if args.partition:
+        nodes = [n for n in nodes if args.partition in n.partitions]
+        if not nodes:
+            raise ValueError(f"no SLURM node in partition {args.partition!r}")
+    cluster = build_slurm_cluster(nodes, cluster_name(), type_map)
+    _save(cluster, args.out)
+    if args.json:
+        print_json({"nodes": [n.to_dict() for n in nodes], "cluster": cluster.to_dict(), "cluster_file": args.out})
+        return 0
+    print_table([{"node": n.name, "addr": n.addr, "state": n.state, "partitions": ",".join(n.partitions),
+                  "gres": ",".join(f"{t or '-'}:{c}" for t, c in n.gres.items()) or "none",
+                  "used": ",".join(f"{t or '-'}:{c}" for t, c in n.gres_used.items()) or "0", "cpus": n.cpus}
+                 for n in nodes])
+    print(f"\ncluster {cluster.name!r}: {cluster.num_devices} device(s) on {len(cluster.nodes)} usable node(s) "
+          f"({', '.join(cluster.device_types())})" + (f", written to {args.out}" if args.out else ""))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.slurm:
+        return run_slurm(args)
+    if args.gres_name or args.partition or args.type_map:
+        raise ValueError("--gres-name, --partition and --type-map go with --slurm")
     devices = detect_devices()
     cluster = build_local_cluster(devices)
-    if args.out:
-        try:
-            cluster.save(args.out)
-        except OSError as e:
-            raise ValueError(f"cannot write {args.out}: {e.strerror}") from None
+    _save(cluster, args.out)
     bench = {t: get_device_bench(t) for t in cluster.device_types()}
     if args.json:
         print_json({"devices": [d.to_dict() for d in devices], "cluster": cluster.to_dict(),
