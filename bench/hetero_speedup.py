@@ -1,30 +1,41 @@
-"""Does the heterogeneous plan pay off on real processes? Measured side by side in one run.
+"""Does the heterogeneous plan pay off on physically different devices? Measured side by side.
 
-    python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 48] [--seq 128] [--json]
+    python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 192] [--seq 128]
+                                   [--shares 1,0.333] [--no-ddp] [--json]    (defaults shown)
 
-1. Profiles this machine with the profiler before each round (step profile of `tiny` at the seq,
-   timed with 2 concurrent workers by wall time, as the runs' two ranks compute; gloo
-   collectives), into a private GPUMIX_DATA_DIR, so the planner prices with what this
-   machine does now.
-2. Emulated heterogeneity: two CPU ranks, one with slowdown 3 (the cluster file's
-   emulation; executor.worker sleeps 2x each micro-batch's and optimizer step's measured
-   compute). The planner's split (planner.hetero.solve.solve_plan) against the even split (the
-   planner's own `even` baseline: half the batch and half the state each), same global
-   batch, launched alternately `--rounds` times. Checks: planned / even samples/s >= 1.6;
-   the planned run's measured iteration time within 15 % of the plan's prediction.
-3. Two homogeneous CPU ranks, even split: this runtime (executor, uneven-capable ZeRO
-   sharding) against torch.nn.parallel.DistributedDataParallel with torch.optim.AdamW on
-   the same model, micro-batches and samples, alternately. Check: ours / DDP >= 0.9.
-4. Memory: every rank's measured peak (executor.memtrack, live tensor bytes over the first
+1. Two emulated CPU devices of this machine, each a real cgroup v1 CPU quota (executor/cgroups.py):
+   `{"type": "cpu", "cpu_share": 1}` and `{"type": "cpu", "cpu_share": 0.333}`. Nothing
+   sleeps and nothing is multiplied: the slow rank is slow because the kernel throttles it.
+2. Before each round the profiler profiles each device *under its own limits* (`python -m
+   profiler profile --cpu-share S --workers 2 --companion-cpu-share S'`: timed inside a cgroup
+   of share S, by wall time, while a companion runs the same loop under the other device's
+   share, as the run's other rank will), into a private GPUMIX_DATA_DIR, saved under the
+   device's kind (`cpu@shareS`), plus the gloo collectives once. The planner prices each device
+   from its own measured profile; the share never enters the prediction.
+3. The planner's split (planner.hetero.solve.solve_plan) against the two baselines a practitioner
+   would run, built and priced by the planner's own baseline code (planner.hetero.baselines) at
+   the planned ZeRO stage: `even` (half the batch and half the state each) and `proportional`
+   (batch in proportion to each device's measured speed, even shards). Same global batch, the
+   three launched in a rotating order every round, through executor.launch (cgroups per rank).
+   Checks: planned / even samples/s >= 1.6; planned / proportional printed; the planned run's
+   measured iteration within 15 % of the plan's prediction (the prediction from the profiles,
+   the measurement from the run: independent paths).
+4. Unless --no-ddp: two unlimited CPU ranks, even split: this runtime against
+   torch.nn.parallel.DistributedDataParallel with torch.optim.AdamW on the same model,
+   micro-batches and samples, alternately. Check: ours / DDP >= 0.9.
+5. Memory: every rank's measured peak (executor.memtrack, live tensor bytes over the first
    step) against planner.core.memory's prediction in the plan. Check: within 10 %.
 
-Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory
-tracker, step 2 allocator warm-up), pooled over rounds. The machine is shared: the ratios
-of runs taken alternately are the figures to read, not absolute seconds. On a 2-core machine
-that other processes keep busy, the two ranks contend for the cores while both compute; the
-profile is taken under the same contention (two concurrent processes), but the load of other
-processes drifts between profile and run: the per-rank breakdown printed for the planned runs
-shows where the time went.
+Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory tracker,
+step 2 allocator warm-up), pooled over rounds; ratios are of runs taken alternately. The machine
+is shared (2 cores, other engineers' jobs): each emulated device's cgroup carries a raised CPU
+weight (executor.cgroups.CPU_SHARES) so it gets its share even when the machine is busy, and
+its quota caps it there. The model (`tiny` at seq 128) and global batch 192 make a step of
+about half a second: many quota periods (10 ms), with α, the optimizer and the collectives a
+small part of it (a throttled rank is also slow at its part of the collectives, which the gloo
+benchmark, taken unthrottled, does not see: the batch keeps that part small). Micro-batches
+from 4 up (MICRO_BATCHES). Refused (exit 2) where cgroups are unavailable: sleeping
+would only confirm the cost model that set the sleep.
 """
 from __future__ import annotations
 
@@ -49,48 +60,74 @@ SPEEDUP_MIN = 1.6
 PREDICTION_TOL = 0.15
 DDP_RATIO_MIN = 0.9
 MEMORY_TOL = 0.10
+# The micro-batches the planner may choose, and the profile measures: from 4 up, where a
+# micro-batch's time is the line α + β·m the profile fits (at m = 1 and 2 per-call overhead makes
+# it 15-25 % slower than the line on this machine, so a plan of 77 micro-batches of 1 would be
+# priced 25 % too fast); every batch a multiple of 4.
+MICRO_BATCHES = (4, 8, 16, 32)
+PROFILE_REPEATS = 7
+HETERO = ("planned", "even", "proportional")
 
 
 # ---- plans ---------------------------------------------------------------------------------
 
 
-def emulated_cluster(slowdown: float) -> Any:
+def hetero_cluster(shares: tuple[float, ...]) -> Any:
     from planner.core.cluster import ClusterSpec
 
-    gpus = [{"type": "cpu"}, {"type": "cpu", "slowdown": slowdown}] if slowdown != 1.0 else [{"type": "cpu"}] * 2
-    return ClusterSpec.from_dict({"name": f"bench-slowdown-{slowdown:g}", "nodes": [{"name": "localhost",
-                                                                                      "gpus": gpus}]})
+    return ClusterSpec.from_dict({"name": "bench-cgroups-" + "-".join(f"{s:g}" for s in shares), "nodes": [
+        {"name": "localhost", "gpus": [{"type": "cpu", "cpu_share": s} for s in shares]}]})
 
 
-def even_plan(cluster: Any, global_batch: int, seq: int) -> Any:
-    """The planner's `even` baseline as a plan file: same batch and shard on each device, the
-    largest power-of-two micro-batch dividing it (planner.hetero.baselines), re-priced by the planner."""
-    from planner.hetero.baselines import split_by_weights
-    from planner.hetero.solve import evaluate_plan
+def homogeneous_cluster() -> Any:
+    from planner.core.cluster import ClusterSpec
+
+    return ClusterSpec.from_dict({"name": "bench-homogeneous", "nodes": [{"name": "localhost",
+                                                                          "gpus": {"cpu": 2}}]})
+
+
+def baseline_plan(cluster: Any, name: str, global_batch: int, seq: int, zero: int) -> Any:
+    """The planner's `even` or `proportional` baseline as a launchable plan: the batch split its
+    way (planner.hetero.baselines), in multiples of the smallest micro-batch as a practitioner
+    would round it (an odd batch would force micro-batches of 1), even shards, the largest
+    power-of-two micro-batch dividing each device's batch that fits, re-priced by the planner."""
     from planner.core.plan import Assignment, Plan
+    from planner.core.specs import get_model, with_max_seq
+    from planner.costmodel.training import CostModel
+    from planner.hetero.baselines import fastest_fitting_split, split_by_weights
+    from planner.hetero.solve import evaluate_plan
 
-    n = cluster.num_devices
+    cost = CostModel.build(cluster, with_max_seq(get_model(MODEL), seq), seq, "fp32", "none", 0.9, zero=zero)
+    devices = cluster.devices()
+    weights = ([1.0] * len(devices) if name == "even"
+               else [cost.coeffs[d].speed_samples_per_s for _, d in devices])  # proportional: measured speed
     asg = []
-    for i, ((node, dev), b) in enumerate(zip(cluster.devices(), split_by_weights(global_batch, [1.0] * n))):
-        m = 1 << (min(b, 64).bit_length() - 1)
-        while b % m:
-            m //= 2
-        asg.append(Assignment(i, node.name, dev.type, m, b // m, b, 1.0 / n, 0, 0.0, dev.emulated, dev.slowdown,
-                              dev.memory_gb))
-    plan = Plan(cluster, MODEL, global_batch, seq, "fp32", "none", tuple(asg), 0.0, 0.0)
-    return evaluate_plan(plan)
+    unit = MICRO_BATCHES[0]
+    if global_batch % unit:
+        raise ValueError(f"global batch {global_batch} is not a multiple of the smallest micro-batch {unit}")
+    for i, ((node, dev), b) in enumerate(zip(devices, (unit * b for b in split_by_weights(global_batch // unit,
+                                                                                          weights)))):
+        split = fastest_fitting_split(cost, dev, b, 1.0 / len(devices))
+        if split is None:
+            raise ValueError(f"{name}: {dev.label} cannot hold batch {b}")
+        asg.append(Assignment(i, node.name, dev.type, split[0], split[1], b, 1.0 / len(devices), 0, 0.0,
+                              dev.emulated, dev.slowdown, dev.memory_gb))
+    return evaluate_plan(Plan(cluster, MODEL, global_batch, seq, "fp32", "none", tuple(asg), 0.0, 0.0, zero=zero))
 
 
 # ---- measuring -----------------------------------------------------------------------------
 
 
-def profile_machine(seq: int, collectives: bool) -> None:
-    """The step profile of `tiny` at `seq` (and, once, the gloo collectives) into the store."""
+def profile_machine(seq: int, shares: tuple[float, ...], collectives: bool, homogeneous: bool) -> None:
+    """Each emulated device's step profile under its own limits, a companion under the other's
+    share (the run's other rank); once, the gloo collectives; for the DDP part, plain `cpu`."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    # --workers 2: the runs' two CPU ranks compute at once on this machine's cores, so the profile
-    # is timed that way too (two concurrent processes, wall time), as the ranks report their compute
-    cmds = [["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches", "1,2,4,8,16",
-             "--repeats", "7", "--workers", "2"]]
+    base = ["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches",
+            ",".join(map(str, MICRO_BATCHES)), "--repeats", str(PROFILE_REPEATS), "--workers", "2"]
+    cmds = [base + ["--cpu-share", f"{s!r}", "--companion-cpu-share", f"{shares[1 - i]!r}"]
+            for i, s in enumerate(shares)]
+    if homogeneous:
+        cmds.append(base)  # two unlimited ranks: timed with one unlimited companion
     if collectives:
         cmds.append(["-m", "profiler", "bench", "--quick"])
     for cmd in cmds:
@@ -98,7 +135,7 @@ def profile_machine(seq: int, collectives: bool) -> None:
 
 
 def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
-    from executor.launch import launch_run
+    from executor.launch import EMULATION_FILE, launch_run
     from executor.store import read_metrics
 
     run_dir = os.path.join(root, name)
@@ -107,8 +144,14 @@ def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
     if status != "done":
         raise RuntimeError(f"{name}: run {status}: {m['reason']}")
     steps_s = [s["step_s"] for s in m["steps"][SKIP_STEPS:]]
+    mode = "none"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with open(os.path.join(run_dir, EMULATION_FILE), encoding="utf-8") as fh:
+            mode = json.load(fh)["mode"]
     return {"name": name, "step_s": steps_s, "losses": [s["loss"] for s in m["steps"]], "ranks": m["ranks"],
-            "global_batch": m["global_batch"]}
+            "global_batch": m["global_batch"], "emulation": mode,
+            "predicted_iteration_s": plan.predicted_iteration_s,
+            "split": [(a.micro_batch, a.accum_steps, round(a.shard_fraction, 4)) for a in plan.used]}
 
 
 def ddp_launch(global_batch: int, seq: int, micro_batch: int, steps: int, root: str, name: str) -> dict[str, Any]:
@@ -203,129 +246,171 @@ def memory_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def breakdown(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per rank of the planned runs: where the measured step went, beside the predicted step."""
+    """Per rank of the planned runs: its measured compute (thread CPU time: the work, not the
+    throttling), its wait in collectives, its predicted step."""
     rows = []
     for rank in range(len(runs[0]["ranks"])):
         rs = [r["ranks"][rank] for r in runs]
-        rows.append({"rank": rank, "slowdown": rs[0]["slowdown"],
-                     "compute_s": median([x["median_compute_s"] for x in rs]),
-                     "emulated_delay_s": median([x["median_emulated_delay_s"] for x in rs]),
+        rows.append({"rank": rank, "compute_cpu_s": median([x["median_compute_s"] for x in rs]),
                      "wait_s": median([x["median_wait_s"] for x in rs]),
                      "predicted_step_s": median([x["predicted_step_s"] for x in rs])})
     return rows
 
 
-def run_bench(steps: int, rounds: int, global_batch: int, seq: int, slowdown: float, root: str,
-              profile: bool = True) -> dict[str, Any]:
+def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tuple[float, ...], root: str,
+              profile: bool = True, ddp: bool = True) -> dict[str, Any]:
     from planner.hetero.solve import solve_plan
 
     t_start = time.monotonic()
-    hetero = emulated_cluster(slowdown)
-    runs: dict[str, list[dict[str, Any]]] = {"planned": [], "even": [], "ours": [], "ddp": []}
-    predicted: dict[str, list[float]] = {"planned": [], "even": [], "homogeneous": []}
+    hetero = hetero_cluster(shares)
+    keys = HETERO + (("ours", "ddp") if ddp else ())
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
+    profiles: list[dict[str, Any]] = []
     for i in range(rounds):  # alternate, so load from other processes hits every side alike
         if profile:  # re-profile each round: the plan prices this machine as it is now
-            profile_machine(seq, collectives=i == 0)
-        planned = solve_plan(hetero, MODEL, global_batch, seq=seq, dtype="fp32").plan
-        even = even_plan(hetero, global_batch, seq)
-        homo = even_plan(emulated_cluster(1.0), global_batch, seq)
-        for key, plan in (("planned", planned), ("even", even), ("homogeneous", homo)):
-            predicted[key].append(plan.predicted_iteration_s)
-        jobs = {
-            "planned": lambda: dict(launch(planned, steps, root, f"planned-{i}"),
-                                    predicted_iteration_s=planned.predicted_iteration_s),
-            "even": lambda: launch(even, steps, root, f"even-{i}"),
-            "ours": lambda: launch(homo, steps, root, f"homogeneous-ours-{i}"),
-            "ddp": lambda: ddp_launch(global_batch, seq, homo.used[0].micro_batch, steps, root,
-                                      f"homogeneous-ddp-{i}"),
-        }
-        # each pair swaps its order every round (AB, BA): a load that drifts during the bench hits
-        # both sides alike; the planned run stays within one run of the profile it was priced with
-        order = ("planned", "even", "ours", "ddp") if i % 2 == 0 else ("even", "planned", "ddp", "ours")
+            profile_machine(seq, shares, collectives=i == 0, homogeneous=ddp)
+        planned = solve_plan(hetero, MODEL, global_batch, seq=seq, dtype="fp32", micro_batches=MICRO_BATCHES).plan
+        plans = {"planned": planned, "even": baseline_plan(hetero, "even", global_batch, seq, planned.zero),
+                 "proportional": baseline_plan(hetero, "proportional", global_batch, seq, planned.zero)}
+        profiles.append(profile_rows(hetero, seq))
+        jobs = {k: (lambda k=k: launch(plans[k], steps, root, f"{k}-{i}")) for k in HETERO}
+        if ddp:
+            homo = baseline_plan(homogeneous_cluster(), "even", global_batch, seq, 1)
+            jobs["ours"] = lambda: launch(homo, steps, root, f"homogeneous-ours-{i}")
+            jobs["ddp"] = lambda: ddp_launch(global_batch, seq, homo.used[0].micro_batch, steps, root,
+                                             f"homogeneous-ddp-{i}")
+        # rotate the order every round: a load that drifts during the bench hits each side alike
+        order = list(HETERO[i % 3:] + HETERO[:i % 3]) + (["ours", "ddp"] if i % 2 == 0 else ["ddp", "ours"])[
+            :2 if ddp else 0]
         for key in order:
             runs[key].append(jobs[key]())
     med = {k: median(pooled(v)) for k, v in runs.items()}
-    per_round = {"planned_vs_even": [median(e["step_s"]) / median(p["step_s"]) for p, e in zip(runs["planned"],
-                                                                                               runs["even"])],
-                 "ours_vs_ddp": [median(d["step_s"]) / median(o["step_s"]) for o, d in zip(runs["ours"], runs["ddp"])]}
     rate = {k: global_batch / v for k, v in med.items()}
-    speedup = rate["planned"] / rate["even"]
-    # each round's planned run against its own plan's prediction; the median of those errors
-    pred_err = median([(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
-                       for r in runs["planned"]])
-    ddp_ratio = rate["ours"] / rate["ddp"]
-    mem = memory_rows(runs["planned"][:1] + runs["even"][:1] + runs["ours"][:1])
+    per_round = {f"planned_vs_{b}": [median(x["step_s"]) / median(p["step_s"]) for p, x in
+                                     zip(runs["planned"], runs[b])] for b in ("even", "proportional")}
+    # each round's runs against their own plan's prediction; the median of those errors
+    pred_err = {k: median([(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
+                           for r in runs[k]]) for k in HETERO}
+    speedup = {b: rate["planned"] / rate[b] for b in ("even", "proportional")}
+    mem = memory_rows([runs[k][0] for k in keys if k != "ddp"])
     mem_ok = all(r["error"] is not None and abs(r["error"]) <= MEMORY_TOL for r in mem)
-    loss_gap = max(abs(a - b) / abs(a) for a, b in zip(runs["ours"][0]["losses"], runs["ddp"][0]["losses"]))
-    return {
-        "config": {"model": MODEL, "global_batch": global_batch, "seq": seq, "steps": steps, "rounds": rounds,
-                   "slowdown": slowdown, "median_over": f"steps {SKIP_STEPS + 1}..{steps} of every run"},
-        "planned_split": [(a.micro_batch, a.accum_steps, round(a.shard_fraction, 4)) for a in planned.used],
-        "planned_splits_per_round": [[(x["micro_batch"], x["accum_steps"]) for x in r["ranks"]]
-                                     for r in runs["planned"]],
-        "even_split": [(a.micro_batch, a.accum_steps, round(a.shard_fraction, 4)) for a in even.used],
-        "median_step_s": med, "samples_per_s": rate,
-        "predicted_iteration_s": {k: median(v) for k, v in predicted.items()},
-        "planned_breakdown": breakdown(runs["planned"]),
-        "checks": {
-            "planned_vs_even_speedup": {"value": speedup, "min": SPEEDUP_MIN, "ok": speedup >= SPEEDUP_MIN},
-            "planned_iteration_vs_prediction": {"value": pred_err, "tol": PREDICTION_TOL,
-                                                "ok": abs(pred_err) <= PREDICTION_TOL},
-            "ours_vs_ddp_throughput": {"value": ddp_ratio, "min": DDP_RATIO_MIN, "ok": ddp_ratio >= DDP_RATIO_MIN},
-            "memory_within_10pct": {"value": max(abs(r["error"] or 1.0) for r in mem), "tol": MEMORY_TOL,
-                                    "ok": mem_ok},
-        },
-        "ours_vs_ddp_max_loss_rel_diff": loss_gap,
-        "per_round_ratios": per_round,
-        "memory": mem,
-        "bench_wall_s": time.monotonic() - t_start,
+    checks = {
+        "planned_vs_even_speedup": {"value": speedup["even"], "min": SPEEDUP_MIN, "ok": speedup["even"] >= SPEEDUP_MIN},
+        "planned_iteration_vs_prediction": {"value": pred_err["planned"], "tol": PREDICTION_TOL,
+                                            "ok": abs(pred_err["planned"]) <= PREDICTION_TOL},
+        "memory_within_10pct": {"value": max(abs(r["error"] or 1.0) for r in mem), "tol": MEMORY_TOL, "ok": mem_ok},
     }
+    out: dict[str, Any] = {
+        "config": {"model": MODEL, "global_batch": global_batch, "seq": seq, "steps": steps, "rounds": rounds,
+                   "cpu_shares": list(shares), "median_over": f"steps {SKIP_STEPS + 1}..{steps} of every run"},
+        "emulation": sorted({r["emulation"] for k in HETERO for r in runs[k]}),
+        "splits": {k: [r["split"] for r in runs[k]] for k in HETERO},
+        "profiles": profiles,
+        "median_step_s": med, "samples_per_s": rate,
+        "predicted_iteration_s": {k: median([r["predicted_iteration_s"] for r in runs[k]]) for k in keys if k != "ddp"},
+        "prediction_error": pred_err,
+        "planned_vs_proportional_speedup": speedup["proportional"],
+        "planned_breakdown": breakdown(runs["planned"]),
+        "checks": checks, "per_round_ratios": per_round, "memory": mem,
+    }
+    if ddp:
+        ddp_ratio = rate["ours"] / rate["ddp"]
+        checks["ours_vs_ddp_throughput"] = {"value": ddp_ratio, "min": DDP_RATIO_MIN, "ok": ddp_ratio >= DDP_RATIO_MIN}
+        per_round["ours_vs_ddp"] = [median(d["step_s"]) / median(o["step_s"]) for o, d in zip(runs["ours"], runs["ddp"])]
+        out["ours_vs_ddp_max_loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(runs["ours"][0]["losses"],
+                                                                                     runs["ddp"][0]["losses"]))
+    out["bench_wall_s"] = time.monotonic() - t_start
+    return out
+
+
+def profile_rows(cluster: Any, seq: int) -> list[dict[str, Any]]:
+    """The profile the planner used for each device kind (measured under its limits, or not)."""
+    from planner.core.profiles import get_step_profile
+    from planner.core.specs import get_model, with_max_seq
+
+    spec = with_max_seq(get_model(MODEL), seq)
+    rows = []
+    for d in sorted({d for _, d in cluster.devices()}, key=lambda d: d.profile_key):
+        p = get_step_profile(d.profile_key, spec, seq, "fp32")
+        rows.append({"kind": d.profile_key, "measured": p.measured, "alpha_s": p.alpha_s, "beta_s": p.beta_s,
+                     "optimizer_s": p.optimizer_s_per_param * spec.num_params, "source": p.source})
+    return rows
 
 
 def print_report(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"hetero_speedup: {c['model']}, global batch {c['global_batch']}, seq {c['seq']}, {c['steps']} steps x "
           f"{c['rounds']} rounds per configuration, medians over {c['median_over']}")
-    print(f"  planned split (micro_batch, accum, shard) {r['planned_split']}   even split {r['even_split']}")
-    print(f"  {'configuration':<34}{'median step (s)':>16}{'samples/s':>12}{'predicted (s)':>15}")
-    pred = r["predicted_iteration_s"]
-    rows = [("planned, slowdown 1 + 3 (emulated)", "planned", pred["planned"]),
-            ("even,    slowdown 1 + 3 (emulated)", "even", pred["even"]),
-            ("homogeneous 2 ranks, this runtime", "ours", pred["homogeneous"]),
-            ("homogeneous 2 ranks, torch DDP", "ddp", None)]
-    for label, key, p in rows:
-        ps = f"{p:.4f}" if p is not None else "—"
-        print(f"  {label:<34}{r['median_step_s'][key]:>16.4f}{r['samples_per_s'][key]:>12.1f}{ps:>15}")
-    print("  planned runs, per rank (medians): compute + emulated delay + wait in collectives vs predicted step")
+    print(f"  devices: cpu under cgroup CPU quotas of {', '.join(f'{s:g}' for s in c['cpu_shares'])} core "
+          f"(emulation used by the runs: {', '.join(r['emulation'])})")
+    print("  profiles the planner priced with (last round; beta = seconds per sample):")
+    for p in r["profiles"][-1]:
+        print(f"    {p['kind']:<16} {'measured' if p['measured'] else 'ESTIMATED':<9} alpha {p['alpha_s'] * 1e3:7.2f} ms  "
+              f"beta {p['beta_s'] * 1e3:7.2f} ms  optimizer {p['optimizer_s'] * 1e3:6.2f} ms")
+    kinds = r["profiles"][-1]
+    if len(kinds) == 2:
+        print(f"    measured speed ratio {kinds[0]['beta_s'] / kinds[1]['beta_s']:.2f}x "
+              f"({kinds[0]['kind']} beta / {kinds[1]['kind']} beta)")
+    for k in HETERO:
+        print(f"  {k:<13} split (micro_batch, accum, shard) per round: {r['splits'][k]}")
+    print(f"  {'configuration':<36}{'median step (s)':>16}{'samples/s':>12}{'predicted (s)':>15}{'error':>9}")
+    labels = {"planned": "planned (ILP)", "even": "even baseline", "proportional": "proportional baseline",
+              "ours": "homogeneous 2 ranks, this runtime", "ddp": "homogeneous 2 ranks, torch DDP"}
+    for key, label in labels.items():
+        if key not in r["median_step_s"]:
+            continue
+        p = r["predicted_iteration_s"].get(key)
+        err = r["prediction_error"].get(key)
+        print(f"  {label:<36}{r['median_step_s'][key]:>16.4f}{r['samples_per_s'][key]:>12.1f}"
+              f"{(f'{p:.4f}' if p is not None else '—'):>15}{(f'{err:+.1%}' if err is not None else ''):>9}")
+    print("  planned runs, per rank (medians): compute (thread CPU time) and wait in collectives vs predicted step")
     for b in r["planned_breakdown"]:
-        print(f"    rank {b['rank']} (slowdown {b['slowdown']:g}): {b['compute_s']:.4f} + {b['emulated_delay_s']:.4f} + "
-              f"{b['wait_s']:.4f} s  vs {b['predicted_step_s']:.4f} s predicted")
+        print(f"    rank {b['rank']}: compute {b['compute_cpu_s']:.4f} s, wait {b['wait_s']:.4f} s, "
+              f"predicted step {b['predicted_step_s']:.4f} s")
     ch = r["checks"]
-    print(f"  planned / even samples/s      = {ch['planned_vs_even_speedup']['value']:.2f}x  (>= {SPEEDUP_MIN}x) "
+    print(f"  planned / even samples/s         = {ch['planned_vs_even_speedup']['value']:.2f}x  (>= {SPEEDUP_MIN}x) "
           f"{'PASS' if ch['planned_vs_even_speedup']['ok'] else 'FAIL'}")
-    print(f"  planned measured vs predicted = {ch['planned_iteration_vs_prediction']['value']:+.1%}  "
+    print(f"  planned / proportional samples/s = {r['planned_vs_proportional_speedup']:.2f}x  (printed)")
+    print(f"  planned measured vs predicted    = {ch['planned_iteration_vs_prediction']['value']:+.1%}  "
           f"(within {PREDICTION_TOL:.0%}) {'PASS' if ch['planned_iteration_vs_prediction']['ok'] else 'FAIL'}")
-    print(f"  this runtime / DDP samples/s  = {ch['ours_vs_ddp_throughput']['value']:.2f}x  (>= {DDP_RATIO_MIN}x) "
-          f"{'PASS' if ch['ours_vs_ddp_throughput']['ok'] else 'FAIL'}   "
-          f"(loss curves differ by <= {r['ours_vs_ddp_max_loss_rel_diff']:.1e} relative)")
-    print(f"  per round: planned/even {', '.join(f'{x:.2f}x' for x in r['per_round_ratios']['planned_vs_even'])}; "
-          f"ours/DDP {', '.join(f'{x:.2f}x' for x in r['per_round_ratios']['ours_vs_ddp'])}")
+    if "ours_vs_ddp_throughput" in ch:
+        print(f"  this runtime / DDP samples/s     = {ch['ours_vs_ddp_throughput']['value']:.2f}x  (>= {DDP_RATIO_MIN}x) "
+              f"{'PASS' if ch['ours_vs_ddp_throughput']['ok'] else 'FAIL'}   "
+              f"(loss curves differ by <= {r['ours_vs_ddp_max_loss_rel_diff']:.1e} relative)")
+    print("  per round: " + "; ".join(f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in r["per_round_ratios"].items()))
     print("  per-rank peak memory: measured (live tensor bytes, first step) vs predicted (planner.core.memory)")
     for m in r["memory"]:
-        print(f"    {m['run']:<22} rank {m['rank']} (slowdown {m['slowdown']:g}, m={m['micro_batch']}, "
-              f"shard {m['shard_fraction']:.3f}): {m['measured_peak_bytes'] / 2**20:8.2f} MiB vs "
-              f"{m['predicted_bytes'] / 2**20:8.2f} MiB  {m['error']:+.1%}")
+        print(f"    {m['run']:<22} rank {m['rank']} (m={m['micro_batch']}, shard {m['shard_fraction']:.3f}): "
+              f"{m['measured_peak_bytes'] / 2**20:8.2f} MiB vs {m['predicted_bytes'] / 2**20:8.2f} MiB  {m['error']:+.1%}")
     print(f"  memory within {MEMORY_TOL:.0%}: {'PASS' if ch['memory_within_10pct']['ok'] else 'FAIL'}")
     print(f"  bench wall time {r['bench_wall_s']:.0f} s")
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    from planner.core.cluster import DeviceSpec
+
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, got {text!r}") from None
+    if len(shares) != 2:
+        raise argparse.ArgumentTypeError(f"expected two cpu shares (two ranks), got {text!r}")
+    try:
+        for x in shares:
+            DeviceSpec.from_dict({"type": "cpu", "cpu_share": x}, "--shares")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return shares
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--global-batch", type=int, default=192)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--slowdown", type=float, default=3.0)
+    p.add_argument("--shares", type=_shares, default=(1.0, 0.333), help="the two devices' CPU shares (default 1,0.333)")
+    p.add_argument("--no-ddp", action="store_true", help="skip the homogeneous this-runtime vs DDP comparison")
     p.add_argument("--data-dir", help="GPUMIX_DATA_DIR for profiles and runs (default: a new temporary folder)")
     p.add_argument("--no-profile", action="store_true", help="reuse the profiles already in --data-dir")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -336,11 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.ddp_worker:
         return ddp_worker(args)
+    from executor.cgroups import unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        print(f"hetero_speedup: needs cgroup v1 CPU quotas for its emulated devices: {why}", file=sys.stderr)
+        return 2
     data_dir = args.data_dir or tempfile.mkdtemp(prefix="gpumix-bench-")
     os.environ["GPUMIX_DATA_DIR"] = data_dir
     root = os.path.join(data_dir, "bench-runs")
     os.makedirs(root, exist_ok=True)
-    r = run_bench(args.steps, args.rounds, args.global_batch, args.seq, args.slowdown, root, not args.no_profile)
+    r = run_bench(args.steps, args.rounds, args.global_batch, args.seq, args.shares, root, not args.no_profile,
+                  not args.no_ddp)
     r["data_dir"] = data_dir
     if args.json:
         print(json.dumps(r, indent=2, default=str))

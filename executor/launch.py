@@ -14,6 +14,16 @@ runs, and every worker leaves on its own when torchrun goes (executor.worker). A
 end the launcher kills torchrun's group and every rank's session that is still alive,
 then records the status with the reason and the failed rank.
 
+Emulated devices (executor/cgroups.py): before torchrun starts, the launcher creates one
+cgroup per rank whose device has a `cpu_share` (its CPU quota, and its `memory_gb` as a memory
+limit; `gpumix-<run id>-r<rank>`), and
+torchrun starts each rank through `python -m executor.cgroups exec`, which joins them before
+the interpreter loads anything; the rank sets its memory limit from its baseline. The cgroups
+are removed when the run ends, however it ends (and by `stop_run` when the launcher was killed).
+A rank the kernel's OOM killer ended in its memory cgroup is the run's failure reason. Without
+cgroups (or with GPUMIX_EMULATION=sleep) the run falls back to sleep emulation
+(slowdown = 1 / cpu_share); emulation.json and an `emulation` event record which one ran.
+
 `start_run` starts the launcher in a new session, so the run outlives the page (and the
 app) that started it; `stop_run` asks for a stop through the store and escalates to
 signals if the launcher does not answer.
@@ -44,9 +54,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from executor import booking
+from executor import cgroups
 from executor import checkpoint as ckpt
 from executor.corpus import build_corpus
 from executor.store import MetricsStore, _pid_alive, db_path, read_metrics
+from planner.core.catalog import GIB
 from planner.core.paths import PROJECT_ROOT, runs_dir
 from planner.core.plan import Plan
 
@@ -59,6 +71,8 @@ POLL_S = 0.2
 DEAD_RANK_GRACE_S = 10.0  # torchrun normally ends the group within a second; then we do
 TERM_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 DEFAULT_RDZV_PORT = 29500
+ENV_EMULATION = "GPUMIX_EMULATION"  # "sleep" forces the sleep fallback (default: cgroups where available)
+EMULATION_FILE = "emulation.json"
 LOCAL_NAMES = booking.LOCAL_NAMES
 # secondary failures: the ranks that lost a peer, not the cause of the run's end
 _PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo",
@@ -141,7 +155,7 @@ def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, see
     --nproc-per-node=k --node-rank=i --rdzv-backend=c10d --rdzv-endpoint=<first node>:<port> ...`.
     Every node needs this repository, the plan file and the corpus folder at the same paths."""
     nodes = plan_nodes(plan)
-    run_id = re.sub(r"[^A-Za-z0-9_-]", "-", os.path.basename(os.path.abspath(run_dir)))
+    run_id = run_id_of(run_dir)
     wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, corpus_dir=corpus_dir, optim=optim,
                         tokenizer=tokenizer, init_from=init_from)
     lines = []
@@ -152,6 +166,90 @@ def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, see
                "--max-restarts=0", *wargs]
         lines.append(f"GPUMIX_NODE={shlex.quote(node)} {shlex.join(cmd)}")
     return lines
+
+
+def run_id_of(run_dir: str) -> str:
+    """The run's id in names outside its folder (rendezvous id, cgroups): the folder's name, sanitized."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", os.path.basename(os.path.abspath(run_dir)))
+
+
+# ---- emulation: cgroups, or the sleep fallback -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Emulation:
+    mode: str  # "none" | "cgroup" | "sleep"
+    reason: str
+    ranks: dict[int, cgroups.Cgroup]  # rank -> its cgroups (mode "cgroup")
+
+
+def emulation_limits(plan: Plan) -> dict[int, cgroups.Limits]:
+    """rank -> the limits of its device, for the ranks whose device has a cpu_share (a local run:
+    rank r trains the r-th used device). `cpu_share` is what asks for physical emulation; a
+    device with only `slowdown` / `memory_gb` keeps the arithmetic one (sleep, measured-peak
+    check), which the cost model it confirms was built for (planner.core.cluster)."""
+    devices = plan.cluster.devices()
+    out = {}
+    for rank, a in enumerate(plan.used):
+        dev = devices[a.device_index][1]
+        if dev.cpu_share is not None:
+            out[rank] = cgroups.Limits(dev.cpu_share, None if dev.memory_gb is None else int(dev.memory_gb * GIB))
+    return out
+
+
+def sleep_fallback_plan(plan: Plan) -> Plan:
+    """The plan a sleep-emulated run executes: each cpu_share device sleeps as a device 1/share slower."""
+    devices = plan.cluster.devices()
+    assignments = tuple(replace(a, slowdown=a.slowdown / devices[a.device_index][1].cpu_share)
+                        if a.used and devices[a.device_index][1].cpu_share is not None else a
+                        for a in plan.assignments)
+    return replace(plan, assignments=assignments)
+
+
+def setup_emulation(plan: Plan, run_dir: str) -> Emulation:
+    """Create the ranks' cgroups (mode "cgroup"), or say why the run sleeps instead; emulation.json."""
+    limits = emulation_limits(plan)
+    if not limits:
+        return Emulation("none", "no emulated device", {})
+    why = "GPUMIX_EMULATION=sleep" if os.environ.get(ENV_EMULATION) == "sleep" else cgroups.unavailable_reason()
+    if why is not None:
+        emu = Emulation("sleep", f"sleep fallback: {why}", {})
+    else:
+        prefix = cgroups.run_prefix(run_id_of(run_dir))
+        cgroups.remove_all(prefix)  # a resumed run whose launcher was killed
+        made: dict[int, cgroups.Cgroup] = {}
+        try:
+            for rank, lim in limits.items():
+                made[rank] = cgroups.create(f"{prefix}{rank}", lim)
+        except BaseException:
+            remove_emulation(Emulation("cgroup", "", made))
+            raise
+        emu = Emulation("cgroup", "cgroup v1 limits: " + "; ".join(
+            f"rank {r}: {c.limits.describe()}" for r, c in made.items()), made)
+    cgroups.save_table(os.path.join(run_dir, EMULATION_FILE), emu.mode, emu.reason, emu.ranks)
+    return emu
+
+
+def remove_emulation(emu: Emulation) -> None:
+    for cg in emu.ranks.values():
+        try:
+            cgroups.remove(cg)
+        except OSError as e:
+            log.error("%s", e)
+
+
+def oom_reason(emu: Emulation) -> tuple[str, int] | None:
+    """(reason, rank) when the kernel's OOM killer ended a rank in its memory cgroup."""
+    for rank, cg in sorted(emu.ranks.items()):
+        if cgroups.oom_kills(cg):
+            limit = cgroups.memory_limit_bytes(cg)
+            baseline = None if limit is None else limit - (cg.limits.memory_bytes or 0)
+            return (f"rank {rank} ran out of memory (emulated): the kernel's OOM killer ended it in its memory "
+                    f"cgroup {cg.name} (limit = baseline {baseline / 2**20:.0f} MiB + memory_gb "
+                    f"{(cg.limits.memory_bytes or 0) / GIB:g} GiB)"
+                    if baseline is not None else f"rank {rank} ran out of memory (emulated): the kernel's OOM "
+                    f"killer ended it in its memory cgroup {cg.name}"), rank
+    return None
 
 
 def new_run_dir(root: str | None = None) -> str:
@@ -405,14 +503,29 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
                    corpus_dir: str | None, optim: OptimConfig | None, tokenizer: str | None,
                    init_from: str | None) -> str:
     meta = ckpt.check_resumable(run_dir, plan) if resume else None
-    plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
-    plan.save(plan_path)
     from planner.core.specs import get_model
 
     tokens = build_corpus(corpus_dir, tokenizer, vocab_size=get_model(plan.model).vocab_size)
     copy_tokenizer(tokenizer, run_dir)
+    emu = setup_emulation(plan, run_dir)
+    try:
+        return _launch_emulated(plan, steps, run_dir, seed, resume, checkpoint_every, optim, init_from, meta,
+                                tokens, emu)
+    finally:
+        remove_emulation(emu)
+
+
+def _launch_emulated(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool, checkpoint_every: int,
+                     optim: OptimConfig | None, init_from: str | None, meta: dict | None, tokens: str,
+                     emu: Emulation) -> str:
+    if emu.mode == "sleep":
+        plan = sleep_fallback_plan(plan)
+    plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
+    plan.save(plan_path)
     store = MetricsStore(run_dir)
     store.init_run(plan, steps, seed, backend="gloo", resume=resume)
+    if emu.mode != "none":
+        store.add_event("emulation", f"{emu.mode}: {emu.reason}")
     if plan.dtype != "fp32" and all(a.type == "cpu" for a in plan.used):
         store.add_event("note", f"plan dtype {plan.dtype}: CPU ranks train in fp32 (autocast is for GPUs)")
     if meta is not None:
@@ -420,11 +533,15 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
         store.add_event("resume", f"resuming from the checkpoint of step {meta['step']}")
     with open(os.path.join(run_dir, "launcher.pid"), "w") as fh:
         fh.write(str(os.getpid()))
+    wargs = worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume, checkpoint_every,
+                        tokens_path=tokens, optim=optim, init_from=init_from)
     cmd = local_torchrun_command(len(plan.used), free_port(),
-                                 worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume,
-                                             checkpoint_every, tokens_path=tokens, optim=optim, init_from=init_from))
+                                 cgroups.exec_command(wargs) if emu.mode == "cgroup" else wargs)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GPUMIX_LAUNCHED="1",
                PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop(cgroups.ENV_CGROUPS, None)
+    if emu.mode == "cgroup":
+        env[cgroups.ENV_CGROUPS] = os.path.join(os.path.abspath(run_dir), EMULATION_FILE)
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
     stop = threading.Event()
     torchrun: subprocess.Popen | None = None
@@ -458,7 +575,7 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
             if rc != 0:  # every rank said it finished; one crashed on its way out
                 store.add_event("exit", f"torchrun exit code {rc} after every rank reported all steps done")
         else:
-            reason, failed_rank = failure_reason(store, torchrun_log, rc)
+            reason, failed_rank = oom_reason(emu) or failure_reason(store, torchrun_log, rc)
     except BaseException as e:
         reason = f"launcher error: {type(e).__name__}: {e}"
         _kill_everything(torchrun, _worker_pids(store))
@@ -593,6 +710,10 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
         if torchrun_pid and _pid_alive(torchrun_pid):
             _signal_group(torchrun_pid, signal.SIGKILL)
         _kill_everything(None, _worker_pids(store))
+        try:
+            cgroups.remove_all(cgroups.run_prefix(run_id_of(run_dir)))  # the killed launcher's, if any
+        except OSError as e:
+            log.error("%s", e)
         row = store.conn.execute("SELECT status FROM run WHERE id = 1").fetchone()
         if row is None or row[0] == "running":
             store.finish("stopped", "stopped on request (the launcher did not end the run; killed)")

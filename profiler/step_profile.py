@@ -18,6 +18,15 @@ forward+backward loop concurrently while this one times, and the clock is wall t
 rank's step takes when N ranks compute at once: contention for cores, caches and memory
 bandwidth included), the clock executor.worker reports its compute in.
 
+An emulated device (`cpu_share`, `memory_gb`: the cluster file's real emulation) is profiled
+under its own limits, as its rank will run (executor/cgroups.py): the timed loop runs in a
+child process started inside the device's cgroups (a CPU quota, a memory limit over the
+child's baseline), timed by wall time (a quota stretches wall time, not CPU time); a step the
+memory limit cannot hold is ended by the kernel's OOM killer and refused by name. The profile
+is saved under the device's kind (`cpu@share0.333`, planner.core.cluster.profile_key), so the
+planner prices the device from what it measurably did, never from its share. The companion
+workers run outside it, each under `companion_cpu_share` when given (the run's other ranks).
+
 FLOPs per sample are counted with `torch.utils.flop_counter.FlopCounterMode` on the
 same code path under FakeTensorMode (no memory, so 7B-class models count in seconds).
 """
@@ -25,10 +34,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import multiprocessing as mp
+import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -36,10 +50,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from executor import cgroups
 from models.collectives import LocalCollectives
 from models.decoder import build_model
 from models.runtime import micro_batch_loss
 from models.sharded import ShardedRuntime
+from planner.core.catalog import GIB
+from planner.core.cluster import profile_key
+from planner.core.paths import PROJECT_ROOT
 from planner.core.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
 from planner.core.specs import ModelSpec, get_model, with_max_seq
 
@@ -124,7 +142,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_clock(device: torch.device, workers: int = 1) -> Callable[[], float]:
+def step_clock(device: torch.device, workers: int = 1, limited: bool = False) -> Callable[[], float]:
     """The clock a step is timed with. On a CPU: the CPU time of this thread. With one torch
     thread, forward, backward (autograd runs CPU work on the calling thread) and the optimizer
     all run on it, so this is the work of one dedicated core, which is what a cpu worker of
@@ -132,23 +150,30 @@ def step_clock(device: torch.device, workers: int = 1) -> Callable[[], float]:
     meanwhile (measured here: 2x at a load average of 7 on 2 cores). On a GPU: wall time
     between synchronizations. `workers` > 1 (local CPU workers profiled concurrently, see
     `concurrent_workers`): wall time, since sharing the cores with the other workers is then
-    what is being measured."""
-    if device.type == "cpu" and workers <= 1:
+    what is being measured. `limited` (under a cgroup CPU quota): wall time, since the quota
+    throttles wall time and leaves the CPU time of the work unchanged."""
+    if device.type == "cpu" and workers <= 1 and not limited:
         return time.thread_time
     return time.perf_counter
 
 
-def clock_name(device: torch.device, workers: int = 1) -> str:
+def clock_name(device: torch.device, workers: int = 1, limited: bool = False) -> str:
     if device.type != "cpu":
         return "wall time"
-    return "thread CPU time" if workers <= 1 else f"wall time with {workers} concurrent workers"
+    if workers <= 1:
+        return "wall time" if limited else "thread CPU time"
+    return f"wall time with {workers} concurrent workers"
 
 
 def _companion(spec: ModelSpec, seq: int, micro_batches: Sequence[int], recompute: str, dtype: str,
-               ready: "mp.synchronize.Event", stop: "mp.synchronize.Event") -> None:
+               ready: "mp.synchronize.Event", stop: "mp.synchronize.Event",
+               cgroup: cgroups.Cgroup | None = None) -> None:
     """One companion worker (a spawned process): the executor rank's loop — forward+backward of
-    every profiled micro-batch size, then the optimizer step — on one torch thread, until `stop`.
+    every profiled micro-batch size, then the optimizer step — on one torch thread, until `stop`,
+    inside `cgroup` when given (another emulated rank's CPU quota).
     `ready` is set after the first (warm-up) round, so timing starts under full contention."""
+    if cgroup is not None:
+        cgroups.join(cgroup)
     torch.set_num_threads(1)
     rt = one_rank_runtime(spec, recompute, torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -171,18 +196,32 @@ def one_rank_runtime(spec: ModelSpec, recompute: str, device: torch.device) -> S
 
 @contextlib.contextmanager
 def concurrent_workers(device: torch.device, workers: int, spec: ModelSpec, seq: int,
-                       micro_batches: Sequence[int], recompute: str, dtype: str) -> Iterator[None]:
+                       micro_batches: Sequence[int], recompute: str, dtype: str,
+                       companion_cpu_share: float | None = None) -> Iterator[None]:
     """Run `workers` − 1 companion processes (the other local CPU workers of a run) while the
-    body times; nothing on a GPU or for one worker. Spawned, not forked: a fork of a process
-    whose torch thread pools have started can hang."""
+    body times, each under a CPU quota of `companion_cpu_share` when given; nothing on a GPU
+    or for one worker. Spawned, not forked: a fork of a process whose torch thread pools have
+    started can hang."""
     if device.type != "cpu" or workers <= 1:
         yield
         return
+    with contextlib.ExitStack() as stack:
+        groups: list[cgroups.Cgroup | None] = [None] * (workers - 1)
+        if companion_cpu_share is not None:
+            groups = [stack.enter_context(cgroups.created(f"{cgroups.PREFIX}profile-{os.getpid()}-c{i}",
+                                                          cgroups.Limits(cpu_share=companion_cpu_share)))
+                      for i in range(workers - 1)]
+        yield stack.enter_context(_companions(spec, seq, micro_batches, recompute, dtype, groups))
+
+
+@contextlib.contextmanager
+def _companions(spec: ModelSpec, seq: int, micro_batches: Sequence[int], recompute: str, dtype: str,
+                groups: Sequence[cgroups.Cgroup | None]) -> Iterator[None]:
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    readies = [ctx.Event() for _ in range(workers - 1)]
-    procs = [ctx.Process(target=_companion, args=(spec, seq, tuple(micro_batches), recompute, dtype, r, stop),
-                         daemon=True, name=f"profile-companion-{i}") for i, r in enumerate(readies)]
+    readies = [ctx.Event() for _ in groups]
+    procs = [ctx.Process(target=_companion, args=(spec, seq, tuple(micro_batches), recompute, dtype, r, stop, g),
+                         daemon=True, name=f"profile-companion-{i}") for i, (r, g) in enumerate(zip(readies, groups))]
     for p in procs:
         p.start()
     try:
@@ -214,10 +253,10 @@ def local_device_type(device: torch.device) -> tuple[str, str]:
 def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
                     micro_batches: Sequence[int], repeats: int, warmup: int, device: torch.device,
                     autocast: torch.dtype | None, progress: Progress, span: tuple[float, float],
-                    workers: int = 1) -> dict[int, list[float]]:
+                    workers: int = 1, limited: bool = False) -> dict[int, list[float]]:
     """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
     `warmup` untimed ones. Gradients accumulate in the parameters' .grad, as in a real step."""
-    clock = step_clock(device, workers)
+    clock = step_clock(device, workers, limited)
     gen = torch.Generator().manual_seed(0)
     batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
                    torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device)) for m in micro_batches}
@@ -240,10 +279,11 @@ def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
     return times
 
 
-def time_optimizer_step(rt: ShardedRuntime, repeats: int, device: torch.device, workers: int = 1) -> float:
+def time_optimizer_step(rt: ShardedRuntime, repeats: int, device: torch.device, workers: int = 1,
+                        limited: bool = False) -> float:
     """Median seconds of the runtime's optimizer phase over the whole model (one rank owning it
     all): `train_step` of no samples = the gradient reduction, the global norm, clipping, AdamW."""
-    clock = step_clock(device, workers)
+    clock = step_clock(device, workers, limited)
     rt.train_step([], 1, lr=1e-4)  # warm-up: caches, and the moments' first touch
     samples = []
     for _ in range(repeats):
@@ -255,15 +295,74 @@ def time_optimizer_step(rt: ShardedRuntime, repeats: int, device: torch.device, 
     return statistics.median(samples)
 
 
+def _measure(run_spec: ModelSpec, seq: int, sizes: Sequence[int], recompute: str, dtype: str, repeats: int,
+             warmup: int, dev: torch.device, progress: Progress, workers: int = 1,
+             limited: bool = False) -> tuple[dict[int, list[float]], float]:
+    """(seconds of forward+backward per size, seconds of the optimizer step) of a one-rank runtime."""
+    rt = one_rank_runtime(run_spec, recompute, dev)
+    net = rt.model
+    times = time_step_sizes(net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype], progress, (0.1, 0.9),
+                            workers, limited)
+    progress(0.9, "timing the optimizer step")
+    for p in net.parameters():  # the timed forward/backward left their gradients here
+        p.grad = None
+    return times, time_optimizer_step(rt, repeats, dev, workers, limited)
+
+
+def _measure_limited(limits: cgroups.Limits, kind: str, run_spec: ModelSpec, seq: int, sizes: Sequence[int],
+                     recompute: str, dtype: str, repeats: int, warmup: int) -> tuple[dict[int, list[float]], float]:
+    """`_measure` in a child process inside the device's cgroups (module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="gpumix-profile-") as tmp, \
+            cgroups.created(f"{cgroups.PREFIX}profile-{os.getpid()}", limits) as cg:
+        table, job, out = (os.path.join(tmp, n) for n in ("cgroups.json", "job.json", "out.json"))
+        cgroups.save_table(table, "cgroup", f"profile of {kind}", {0: cg})
+        with open(job, "w", encoding="utf-8") as fh:
+            json.dump({"spec": run_spec.to_dict(), "seq": seq, "sizes": list(sizes), "recompute": recompute,
+                       "dtype": dtype, "repeats": repeats, "warmup": warmup, "out": out}, fh)
+        env = dict(os.environ, RANK="0", OMP_NUM_THREADS="1", **{cgroups.ENV_CGROUPS: table},
+                   PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+        proc = subprocess.run([sys.executable, *cgroups.exec_command(["-m", "profiler.step_profile", job])],
+                              cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            if cgroups.oom_kills(cg):
+                raise ValueError(f"profiling {kind} ran out of memory: the kernel's OOM killer ended it under "
+                                 f"{limits.describe()} (micro-batch {max(sizes)} at seq {seq} does not fit; "
+                                 "profile smaller micro-batches)")
+            last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            raise RuntimeError(f"profiling {kind} under its cgroup limits failed: {last}")
+        with open(out, encoding="utf-8") as fh:
+            res = json.load(fh)
+    return {int(m): t for m, t in res["times"].items()}, float(res["optimizer_s"])
+
+
+def _limited_child(job_path: str) -> int:
+    """`python -m executor.cgroups exec -- -m profiler.step_profile JOB`: the timed loop inside
+    the device's cgroups; the memory limit is set from this process's baseline first."""
+    with open(job_path, encoding="utf-8") as fh:
+        job = json.load(fh)
+    cgroups.start_rank(0)
+    torch.set_num_threads(1)
+    spec = ModelSpec.from_dict(job["spec"])
+    times, opt_s = _measure(spec, job["seq"], job["sizes"], job["recompute"], job["dtype"], job["repeats"],
+                            job["warmup"], torch.device("cpu"), _noop, limited=True)
+    with open(job["out"], "w", encoding="utf-8") as fh:
+        json.dump({"times": {str(m): t for m, t in times.items()}, "optimizer_s": opt_s}, fh)
+    return 0
+
+
 def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                   micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, recompute: str = "none",
                   repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, device: str | None = None,
                   progress: Progress | None = None, store_dir: str | None = None, save: bool = True,
-                  workers: int = 1) -> StepProfile:
+                  workers: int = 1, cpu_share: float | None = None, memory_gb: float | None = None,
+                  companion_cpu_share: float | None = None) -> StepProfile:
     """Measure the step profile of `model` on a local device and (by default) save it to the store.
 
     `workers`: how many local CPU workers will train at once on this machine; > 1 times under
     that many concurrent processes, by wall time (module docstring). Ignored on a GPU.
+    `cpu_share` / `memory_gb`: profile an emulated CPU device under those cgroup limits, saved
+    under its kind (module docstring); `companion_cpu_share`: the companions' CPU quota.
     `progress(fraction, message)` is called as the work advances (fraction in [0, 1])."""
     spec = get_model(model) if isinstance(model, str) else model
     progress = progress or _noop
@@ -280,38 +379,66 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     workers = workers if dev.type == "cpu" else 1
     device_type, device_name = local_device_type(dev)
+    limits = _limits(dev, cpu_share, memory_gb, companion_cpu_share if workers > 1 else None)
+    kind = profile_key(device_type, cpu_share)
 
     progress(0.0, f"counting FLOPs of {spec.name}")
     flops_per_sample = count_flops(spec, seq, 1, recompute, dtype)
     progress(0.05, f"building {spec.name} on {device_name}")
     with executor_threads(dev):
-        rt = one_rank_runtime(run_spec, recompute, dev)
-        net = rt.model
         if workers > 1:
             progress(0.08, f"starting {workers - 1} concurrent companion worker(s)")
-        with concurrent_workers(dev, workers, run_spec, seq, sizes, recompute, dtype):
-            times = time_step_sizes(net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype],
-                                    progress, (0.1, 0.9), workers)
-            progress(0.9, "timing the optimizer step")
-            for p in net.parameters():  # the timed forward/backward left their gradients here
-                p.grad = None
-            opt_s = time_optimizer_step(rt, repeats, dev, workers)
+        with concurrent_workers(dev, workers, run_spec, seq, sizes, recompute, dtype, companion_cpu_share):
+            if limits.any:
+                progress(0.1, f"timing in a child process under {limits.describe()}")
+                times, opt_s = _measure_limited(limits, kind, run_spec, seq, sizes, recompute, dtype, repeats, warmup)
+            else:
+                times, opt_s = _measure(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress,
+                                        workers)
     medians = [statistics.median(times[m]) for m in sizes]
     # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
     alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
-    peak = peak_tflops(device_type, dtype, store_dir)
+    peak = peak_tflops(device_type, dtype, store_dir)  # the type's: a quota kind reaches a fraction of it
     efficiency = flops_per_sample / beta / 1e12 / peak if beta > 0 else None
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = socket.gethostname()
     threads = "1 torch thread" if dev.type == "cpu" else str(dev)
+    under = f" under cgroup limits ({limits.describe()})" if limits.any else ""
+    companions = f", companions at {companion_cpu_share:g} of a core" if companion_cpu_share and workers > 1 else ""
     profile = StepProfile(
-        device_type, spec.name, seq, dtype, recompute, alpha, beta, opt_s / run_spec.num_params, r2, True,
-        f"measured on {host} ({device_name}, {threads}) at {now}: {clock_name(dev, workers)}, medians of {repeats} at "
+        kind, spec.name, seq, dtype, recompute, alpha, beta, opt_s / run_spec.num_params, r2, True,
+        f"measured on {host} ({device_name}, {threads}){under} at {now}: "
+        f"{clock_name(dev, workers, limits.cpu_share is not None)}{companions}, medians of {repeats} at "
         f"m={sizes}, R²={r2:.3f}",
         flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,
         now, num_matmul_params=spec.matmul_params())
-    log.info("profile %s on %s: alpha=%.4g s beta=%.4g s R2=%.4f", spec.name, device_type, alpha, beta, r2)
+    log.info("profile %s on %s: alpha=%.4g s beta=%.4g s R2=%.4f", spec.name, kind, alpha, beta, r2)
     if save:
         save_step_profile(profile, store_dir)
     progress(1.0, f"done: α={alpha * 1e3:.2f} ms, β={beta * 1e3:.2f} ms/sample, R²={r2:.3f}")
     return profile
+
+
+def _limits(dev: torch.device, cpu_share: float | None, memory_gb: float | None,
+            companion_cpu_share: float | None) -> cgroups.Limits:
+    """The emulated device's limits, checked: a CPU device, valid numbers, cgroups available."""
+    from planner.core.cluster import DeviceSpec
+
+    d = {"type": "cpu"} | ({} if cpu_share is None else {"cpu_share": cpu_share}) | (
+        {} if memory_gb is None else {"memory_gb": memory_gb})
+    DeviceSpec.from_dict(d, "profile")  # the cluster file's checks of these numbers
+    if companion_cpu_share is not None:
+        DeviceSpec.from_dict({"type": "cpu", "cpu_share": companion_cpu_share}, "profile companions")
+    limits = cgroups.Limits(cpu_share, None if memory_gb is None else int(memory_gb * GIB))
+    if (limits.any or companion_cpu_share is not None) and dev.type != "cpu":
+        raise ValueError("cpu_share / memory_gb emulate a CPU worker: profile them on the cpu device")
+    if limits.any or companion_cpu_share is not None:
+        why = cgroups.unavailable_reason()
+        if why is not None:
+            raise ValueError(f"cannot profile an emulated device under its limits: {why} (its profile must be "
+                             "measured, not derived from the share)")
+    return limits
+
+
+if __name__ == "__main__":
+    sys.exit(_limited_child(sys.argv[1]))

@@ -149,3 +149,41 @@ def test_catalog_units_and_dtype_fallbacks():
     assert get_gpu_type("H100-SXM").bf16_tflops > get_gpu_type("A100-80GB").bf16_tflops > get_gpu_type("L4").bf16_tflops
     with pytest.raises(ValueError, match="unknown GPU type 'B300'"):
         get_gpu_type("B300")
+
+
+def test_cpu_share_devices_are_their_own_profile_kind_and_round_trip():
+    from planner.core.cluster import DeviceSpec, profile_key, split_profile_key
+
+    c = ClusterSpec.from_dict({"nodes": [{"name": "local", "gpus": [
+        {"type": "cpu", "cpu_share": 1.0}, {"type": "cpu", "cpu_share": 0.333, "memory_gb": 2}, {"type": "cpu"}]}]})
+    (_, full), (_, third), (_, plain) = c.devices()
+    assert full.emulated and third.emulated and not plain.emulated and c.emulated
+    assert (full.profile_key, third.profile_key, plain.profile_key) == ("cpu@share1", "cpu@share0.333", "cpu")
+    assert split_profile_key(third.profile_key) == ("cpu", 0.333) and split_profile_key("T4") == ("T4", None)
+    assert profile_key("cpu", 0.25) == "cpu@share0.25"
+    assert third.label == "cpu (emulated: 0.333 of a core, 2 GiB)"
+    assert third.to_dict() == {"type": "cpu", "memory_gb": 2, "cpu_share": 0.333}
+    assert ClusterSpec.from_json(c.to_json()) == c
+    assert len(c.groups()) == 3  # three kinds: the ILP counts them apart
+    assert DeviceSpec("cpu", cpu_share=0.5) != DeviceSpec("cpu")
+
+
+@pytest.mark.parametrize("device,needle", [
+    ({"type": "cpu", "cpu_share": 0}, "cpu_share must be a positive number"),
+    ({"type": "cpu", "cpu_share": 1.5}, r"fraction of one core in \(0, 1\]"),
+    ({"type": "cpu", "cpu_share": "half"}, "cpu_share must be a positive number"),
+    ({"type": "cpu", "cpu_share": float("nan")}, "cpu_share must be a positive number"),
+    ({"type": "T4", "cpu_share": 0.5}, "'T4' is not 'cpu'"),
+    ({"type": "cpu", "cpu_share": 0.5, "slowdown": 2}, "either cpu_share .* or slowdown"),
+])
+def test_bad_cpu_shares_name_the_problem(device, needle):
+    with pytest.raises(ValueError, match=needle):
+        ClusterSpec.from_dict({"nodes": [{"name": "a", "gpus": [device]}]})
+
+
+def test_malformed_profile_keys_are_refused():
+    from planner.core.cluster import split_profile_key
+
+    for key in ("cpu@sharex", "cpu@share2", "cpu@share0"):
+        with pytest.raises(ValueError, match="profile key"):
+            split_profile_key(key)

@@ -2,8 +2,22 @@
 
 Format (DESIGN.md): `{"name", "nodes": [{"name", "datacenter", "gpus"}], "network"}`
 where `gpus` is either `{"TYPE": count}` or a list of device objects
-`{"type": "cpu", "slowdown": 3.0, "memory_gb": 2}`. Emulated devices (slowdown or
-memory_gb) are always labelled as such.
+`{"type": "cpu", "cpu_share": 0.333, "memory_gb": 2}`. Emulated devices are always labelled
+as such. Two ways to emulate a slower or smaller device on one machine:
+
+- `cpu_share` (a `cpu` device only; a fraction of one core in (0, 1]; 1 = a whole core) asks
+  for physical emulation: the launcher runs the rank under a cgroup v1 CPU quota, and its
+  `memory_gb` as a memory limit over the process's baseline (executor/cgroups.py), so its
+  slowness and its out-of-memory are the kernel's, not computed. Such a device is its
+  own *kind* for profiles (`profile_key`, e.g. `cpu@share0.333`): `python -m profiler profile
+  --cpu-share 0.333` measures it under its own quota, and the planner prices it from that
+  measurement, never from the share. `memory_gb` is no part of the key: a memory limit does
+  not change how fast the steps that fit run.
+- `slowdown` (any type) and `memory_gb` without a `cpu_share`: arithmetic emulation. The
+  worker sleeps (slowdown - 1) x its measured compute (the planner multiplies the profile by
+  `slowdown`, so the run confirms the cost model that set the sleep) and fails a rank whose
+  measured peak exceeds `memory_gb`. It is also the labelled fallback of a `cpu_share` device
+  where cgroups are unavailable (slowdown = 1 / cpu_share).
 """
 from __future__ import annotations
 
@@ -12,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.core.catalog import CATALOG, GIB, get_gpu_type
+from planner.core.catalog import CATALOG, CPU_TYPE, GIB, get_gpu_type
 from planner.core.jsonio import dumps, save_json_file
 
 
@@ -22,17 +36,53 @@ def _positive_number(value: Any, what: str) -> float:
     return float(value)
 
 
+# the profile kind of a CPU-quota-limited device: "<type>@share<cpu_share>" (cluster module docstring)
+PROFILE_KEY_SHARE = "@share"
+
+
+def profile_key(device_type: str, cpu_share: float | None = None) -> str:
+    """The profile store's key of a device kind: its type, plus its CPU quota when it has one."""
+    return device_type if cpu_share is None else f"{device_type}{PROFILE_KEY_SHARE}{cpu_share:g}"
+
+
+def split_profile_key(key: str) -> tuple[str, float | None]:
+    """(device type, cpu_share) of a profile key; ValueError for a malformed share."""
+    base, sep, share = key.partition(PROFILE_KEY_SHARE)
+    if not sep:
+        return key, None
+    try:
+        value = float(share)
+    except ValueError:
+        raise ValueError(f"profile key {key!r}: the share after {PROFILE_KEY_SHARE!r} is not a number") from None
+    return base, _cpu_share(value, f"profile key {key!r}")
+
+
+def _cpu_share(value: Any, what: str) -> float:
+    share = _positive_number(value, f"{what}: cpu_share")
+    if share > 1.0:
+        raise ValueError(f"{what}: cpu_share is a fraction of one core in (0, 1] (each rank runs one torch "
+                         f"thread), got {value!r}")
+    return share
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
-    """One device. `slowdown` > 1 and `memory_gb` emulate a slower/smaller device."""
+    """One device. `cpu_share` and `memory_gb` emulate a slower/smaller device under cgroup limits,
+    `slowdown` > 1 a slower one by sleeping (module docstring)."""
 
     type: str
     slowdown: float = 1.0
     memory_gb: float | None = None
+    cpu_share: float | None = None  # fraction of one core (cgroup CPU quota); `cpu` devices only
 
     @property
     def emulated(self) -> bool:
-        return self.slowdown != 1.0 or self.memory_gb is not None
+        return self.slowdown != 1.0 or self.memory_gb is not None or self.cpu_share is not None
+
+    @property
+    def profile_key(self) -> str:
+        """The kind the profile store keys this device's step profiles by (`profile_key`)."""
+        return profile_key(self.type, self.cpu_share)
 
     @property
     def memory_bytes(self) -> int:
@@ -43,6 +93,8 @@ class DeviceSpec:
     @property
     def label(self) -> str:
         parts = [self.type]
+        if self.cpu_share is not None:
+            parts.append(f"{self.cpu_share:g} of a core")
         if self.slowdown != 1.0:
             parts.append(f"slowdown {self.slowdown:g}x")
         if self.memory_gb is not None:
@@ -55,13 +107,15 @@ class DeviceSpec:
             d["slowdown"] = self.slowdown
         if self.memory_gb is not None:
             d["memory_gb"] = self.memory_gb
+        if self.cpu_share is not None:
+            d["cpu_share"] = self.cpu_share
         return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "DeviceSpec":
         if not isinstance(d, dict) or "type" not in d:
             raise ValueError(f"{where}: a device must be an object with a 'type', got {d!r}")
-        unknown = set(d) - {"type", "slowdown", "memory_gb"}
+        unknown = set(d) - {"type", "slowdown", "memory_gb", "cpu_share"}
         if unknown:
             raise ValueError(f"{where}: unknown device keys {sorted(unknown)}")
         if not isinstance(d["type"], str) or d["type"] not in CATALOG:
@@ -70,7 +124,16 @@ class DeviceSpec:
         mem = d.get("memory_gb")
         if mem is not None:
             mem = _positive_number(mem, f"{where}: memory_gb")
-        return cls(d["type"], slowdown, mem)
+        share = d.get("cpu_share")
+        if share is not None:
+            share = _cpu_share(share, where)
+            if d["type"] != CPU_TYPE:
+                raise ValueError(f"{where}: cpu_share emulates a slower CPU worker (a CPU quota); "
+                                 f"{d['type']!r} is not 'cpu'")
+            if slowdown != 1.0:
+                raise ValueError(f"{where}: give either cpu_share (a real CPU quota) or slowdown (sleep "
+                                 "emulation), not both")
+        return cls(d["type"], slowdown, mem, share)
 
 
 @dataclass(frozen=True)

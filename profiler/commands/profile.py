@@ -1,12 +1,15 @@
 """`python -m profiler profile --model M --seq S [--json]`: measure the step-time profile
 (forward+backward at several micro-batch sizes, fitted to α + β·m, and the optimizer step)
-of a model on a local device, with the executor's code path, and save it to the store."""
+of a model on a local device, with the executor's code path, and save it to the store.
+
+`--cpu-share S [--memory-gb G]`: profile an emulated CPU device of the cluster file under its
+own cgroup limits (profiler/step_profile.py), saved under its kind (`cpu@shareS`)."""
 from __future__ import annotations
 
 import argparse
 import logging
 
-from planner.cli import device_arg, int_arg, print_json, print_table
+from planner.cli import device_arg, float_arg, int_arg, print_json, print_table
 from planner.core.memory_command import MAX_SEQ
 
 HELP = "measure forward+backward time vs micro-batch (alpha + beta*m) on a local device"
@@ -42,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int_arg(1, MAX_WORKERS), default=1,
                    help="local CPU workers that will train at once on this machine: time with that many "
                         "concurrent processes, by wall time (default 1: one process, thread CPU time)")
+    p.add_argument("--cpu-share", type=float_arg(0.0, 1.0, low_open=True), default=None, metavar="S",
+                   help="emulated CPU device: profile under a CPU quota of S cores (0 < S <= 1, cgroup v1)")
+    p.add_argument("--memory-gb", type=float_arg(0.0, 1e6, low_open=True), default=None, metavar="G",
+                   help="emulated CPU device: profile under a memory limit of baseline + G GiB (cgroup v1)")
+    p.add_argument("--companion-cpu-share", type=float_arg(0.0, 1.0, low_open=True), default=None, metavar="S",
+                   help="with --workers > 1: each companion worker under a CPU quota of S cores")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-save", action="store_true", help="do not write the profile store")
 
@@ -73,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("%3.0f%% %s", 100 * fraction, message)
 
     p = profile_local(args.model, args.seq, args.dtype, args.micro_batches, args.recompute, repeats=args.repeats,
-                      device=args.device, progress=progress, save=not args.no_save, workers=args.workers)
+                      device=args.device, progress=progress, save=not args.no_save, workers=args.workers,
+                      cpu_share=args.cpu_share, memory_gb=args.memory_gb,
+                      companion_cpu_share=args.companion_cpu_share)
     path = None if args.no_save else step_profile_path(p.device_type, p.model, p.seq, p.dtype, p.recompute)
     if args.json:
         out = p.to_dict()
