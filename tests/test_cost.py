@@ -4,8 +4,10 @@ import math
 import pytest
 
 from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.costmodel.training import (BITS_PER_BYTE, CommModel, CostModel, DeviceCoeffs, build_comm_model, build_device_coeffs,
-                          cached_memory_fn, link_bandwidth_bytes_per_s, max_share_fitting, world_size_buckets)
+from planner.costmodel.collectives import bytes_per_s as link_bandwidth_bytes_per_s
+from planner.core.constants import BITS_PER_BYTE
+from planner.costmodel.training import (CommModel, CostModel, DeviceCoeffs, build_comm_model, build_device_coeffs,
+                          cached_memory_fn, max_share_fitting)
 from planner.core.specs import get_model
 
 GB = 1e9
@@ -56,13 +58,6 @@ def test_slowest_link_sets_the_bandwidth():
     assert one_node.bandwidth_bytes_per_s == pytest.approx(50e9)
     assert two_nodes.bandwidth_bytes_per_s == pytest.approx(10e9)
     assert two_nodes.reduce_bytes == 4 * spec.num_params  # every fp32 gradient, once
-
-
-def test_world_size_buckets_cover_every_count_once():
-    for n in (1, 5, 8, 9, 100, 1024):
-        covered = [k for lo, hi in world_size_buckets(n) for k in range(lo, hi + 1)]
-        assert covered == list(range(1, n + 1))
-    assert len(world_size_buckets(1024)) <= 24
 
 
 def test_emulated_slowdown_multiplies_every_time():

@@ -22,7 +22,7 @@ def test_pools_count_devices_and_largest_node_group():
 
 
 @pytest.mark.parametrize("model, seq, batch", [("gpt2", 1024, 64), ("llama2-7b", 4096, 64),
-                                               ("llama2-13b", 4096, 128)])
+                                               ("llama2-13b", 4096, 32)])
 def test_every_option_fits_and_the_smallest_count_is_minimal(model, seq, batch):
     job = JobSpec("j", model, batch, seq, 100, 0.0)
     opts = estimate_options(job, CLUSTER)
@@ -43,7 +43,9 @@ def test_every_option_fits_and_the_smallest_count_is_minimal(model, seq, batch):
 
 
 def test_a_13b_model_needs_more_16gb_parts_than_80gb_ones():
-    job = JobSpec("j", "llama2-13b", 128, 4096, 10, 0.0)
+    # 32 samples of 4,096 tokens: at zero 3 the runtime keeps every micro-batch's unit boundaries
+    # (fp32 residual stream), so a batch of 128 fits on none of these pools at all
+    job = JobSpec("j", "llama2-13b", 32, 4096, 10, 0.0)
     opts = estimate_options(job, CLUSTER)
     first = {o.gpu_type: o.num_gpus for o in reversed(opts)}
     assert estimate_option(job, _pool("T4"), 1) is None

@@ -37,7 +37,7 @@ optimality). A batch with per-device counts ≤ DENSE_ACCUM_STEPS has no bands a
 as before.
 
 Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
-in `link_bandwidth_bytes_per_s`.
+in `planner.costmodel.collectives.bytes_per_s`.
 """
 from __future__ import annotations
 
@@ -51,14 +51,12 @@ from planner.core.catalog import CPU_TYPE, device_dtype
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.specs import ModelSpec
 from planner.core.units import ZERO_STAGES, step_collectives
-from planner.core.constants import BITS_PER_BYTE, FP32_BYTES, GBIT, HALF_BYTES, MAX_MICRO_BATCH
+from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
+                                          sharded_step_comm_s)
+from planner.core.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH
 
 log = logging.getLogger(__name__)
 
-# Per-hop latency of one collective step when nothing was measured: NCCL's ring step costs a few
-# microseconds over NVLink/PCIe and tens over a datacenter network (NCCL tests, 8-byte all-reduce).
-INTRA_NODE_HOP_LATENCY_S = 5e-6
-INTER_NODE_HOP_LATENCY_S = 25e-6
 # The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
 # Accumulation counts enumerated one by one; above it they come in bands that double (AccumBand).
 # Up to EXACT_GLOBAL_BATCH samples every count to 64 is enumerated (no bands below 65: such plans are
@@ -69,10 +67,6 @@ BANDED_DENSE_ACCUM_STEPS = 8
 ACCUM_BAND_GROWTH = 2
 # The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
 RUNTIME_ZERO_STAGE = 1
-# The ILP prices the world size k exactly up to this count; above it k falls in buckets
-# (9–11, 12–15, ...) priced at their largest k, a safe upper bound (comm grows with k).
-EXACT_WORLD_SIZES = 8
-WORLD_BUCKET_GROWTH = 1.4
 
 MemoryFn = Callable[[int, int, float], float]  # (micro_batch, accum_steps, shard_fraction) -> peak bytes
 
@@ -141,21 +135,19 @@ class CommModel:
     reduce_bandwidth_bytes_per_s: float | None = None
     call_latency_s: float | None = None
 
-    def call_latency(self, world_size: int) -> float:
-        """One call's latency: measured, else ⌈log2 k⌉ hops (NCCL/gloo use trees or PAT for small sizes)."""
-        if self.call_latency_s is not None:
-            return self.call_latency_s
-        return math.ceil(math.log2(world_size)) * self.hop_latency_s
+    @property
+    def gather_link(self) -> Link:
+        return Link(self.bandwidth_bytes_per_s, self.hop_latency_s, self.call_latency_s)
+
+    @property
+    def reduce_link(self) -> Link:
+        return Link(self.reduce_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s, self.hop_latency_s,
+                    self.call_latency_s)
 
     def comm_s(self, world_size: int) -> float:
-        """Ring all-gathers and reduce-scatters: (k−1)/k · bytes / bw each, plus num_calls latencies;
-        none of it overlapped with compute. 0 for one device. Non-decreasing in k."""
-        k = world_size
-        if k <= 1:
-            return 0.0
-        reduce_bw = self.reduce_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
-        ring = (k - 1) / k * (self.gather_bytes / self.bandwidth_bytes_per_s + self.reduce_bytes / reduce_bw)
-        return ring + self.num_calls * self.call_latency(k)
+        """planner.costmodel.collectives.sharded_step_comm_s of this step's bytes on k ranks."""
+        return sharded_step_comm_s(self.gather_bytes, self.reduce_bytes, self.num_calls, world_size,
+                                   self.gather_link, self.reduce_link)
 
 
 @dataclass(frozen=True)
@@ -230,11 +222,6 @@ class ScopeTable:
 
 
 # ---- edges: units and the two models this one consumes ----------------------------------------
-
-
-def link_bandwidth_bytes_per_s(gbps: float) -> float:
-    """Gbit/s (cluster file) -> bytes/s."""
-    return gbps * GBIT / BITS_PER_BYTE
 
 
 # The memory model takes shard fractions in (0, 1]; a device without a shard is asked at this one
@@ -397,7 +384,7 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
     gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
     hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S
     where = "inter_node_gbps" if multi_node else "intra_node_gbps"
-    return CommModel(link_bandwidth_bytes_per_s(gbps), hop, gather_bytes, reduce_bytes, calls,
+    return CommModel(bytes_per_s(gbps), hop, gather_bytes, reduce_bytes, calls,
                      f"cluster file {where} {gbps:g}")
 
 
@@ -559,16 +546,3 @@ class CostModel:
                        self.bands(d, global_batch, micro_batches, max_compute_s))
             for d, ix in by_kind.items())
         return ScopeTable(name, multi_node, classes, self.comm_model(by_kind, multi_node))
-
-
-def world_size_buckets(max_world_size: int) -> list[tuple[int, int]]:
-    """[lo, hi] ranges of the number of used devices the ILP distinguishes: each k exactly up
-    to EXACT_WORLD_SIZES, then ranges growing by WORLD_BUCKET_GROWTH (priced at hi: a few % of
-    the collective time at most, and only where hundreds of devices share it)."""
-    out = [(k, k) for k in range(1, min(max_world_size, EXACT_WORLD_SIZES) + 1)]
-    lo = EXACT_WORLD_SIZES + 1
-    while lo <= max_world_size:
-        hi = min(max(lo, int((lo - 1) * WORLD_BUCKET_GROWTH)), max_world_size)
-        out.append((lo, hi))
-        lo = hi + 1
-    return out

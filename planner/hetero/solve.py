@@ -4,9 +4,9 @@ the sharded training state, or nothing; no device over its memory; the shortest 
 The cost model (planner/costmodel/training.py) builds the coefficient tables; this module only consumes them.
 The ILP counts devices per *class* (identical DeviceSpec within a scope), so its size grows with
 types × candidate choices, not with the device count. A *scope* fixes the link bandwidth (one
-node: intra-node; several: inter-node) and a *bucket* of world sizes k fixes the collective time
-comm(k) (exact up to cost.EXACT_WORLD_SIZES devices, priced at the bucket's top above; a bucket's
-best plan with k devices is then re-priced at k and the bucket narrowed to [lo, k] and searched again).
+node: intra-node; several: inter-node) and a range [lo, hi] of world sizes k is priced at comm(lo),
+a lower bound for all of them: branch and bound over such ranges (`solve_scope`) finds the best k
+without skipping any.
 
 The problem of one scope and bucket (classes g, choices c = (m, n) of class g):
     minimize    T
@@ -15,7 +15,7 @@ The problem of one scope and bucket (classes g, choices c = (m, n) of class g):
                 Σ_{g,c} x[g,c]·f[g,c] = 1                                (shards)
                 f[g,c] ≤ max_share[g,c]                                  (memory ≤ capacity × headroom)
                 T ≥ compute[g,c] + opt[g]·f[g,c] + comm   if x[g,c] ≥ 1  (time of each used device)
-                lo ≤ Σ x[g,c] ≤ hi                                       (world size in the bucket)
+                lo ≤ Σ x[g,c] ≤ hi                                       (world size in the range)
 (identical devices on the same choice hold equal shares f[g,c]: the split that minimizes their time).
 The products x·f and the time rows are nonlinear in (x, f, T). For a *fixed* T they are not: a device on
 choice c can hold at most cap[g,c](T) = min(max_share, (T − comm − compute)/opt) of the state, so with
@@ -45,7 +45,7 @@ import pulp
 
 from planner.core.catalog import GIB, get_gpu_type
 from planner.core.cluster import ClusterSpec
-from planner.costmodel.training import Choice, ClassTable, CostModel, ScopeTable, validate_zero, world_size_buckets
+from planner.costmodel.training import Choice, ClassTable, CostModel, ScopeTable, validate_zero
 from planner.core.plan import Assignment, Plan, ZeroCandidate
 from planner.core.units import ZERO_STAGES
 from planner.hetero.baselines import estimate_baselines, estimate_memory_aware
@@ -63,7 +63,7 @@ DEFAULT_MAX_SEQ = 2048
 SHARE_EPS = 1e-9
 # The bisection stops when the best plan is within this factor of the proven lower bound
 # (unless the caller's `gap` is looser): far below the noise of any measured step time.
-BISECTION_TOL = 1e-5
+BISECTION_TOL = 5e-7
 # Bisection steps of the water-filling that prices one configuration's shares (2^-60: exact in float).
 WATER_FILL_STEPS = 60
 
@@ -244,7 +244,13 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
     k = pulp.lpSum(x for _, _, x, _ in entries)
     prob += k >= world[0], "world_lo"
     prob += k <= world[1], "world_hi"
+    started = time.monotonic()
     prob.solve(BoundedCBC(time_limit_s, threads=threads))
+    left_s = time_limit_s - (time.monotonic() - started)
+    if prob.status == pulp.LpStatusNotSolved and left_s > 1.0:
+        # CBC ended without an answer well inside its limit (seen on a loaded machine): once more
+        log.info("CBC returned no answer for t = %.6g s; solving once more", t_s)
+        prob.solve(BoundedCBC(left_s, threads=threads))
     if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         config = [(g, ch, int(round(x.value() or 0))) for g, ch, x, _ in entries
                   if ch is not None and round(x.value() or 0) > 0]
@@ -293,12 +299,13 @@ class _Bisection:
     best configuration found (its exact time is hi)."""
 
     def __init__(self, table: ScopeTable, global_batch: int, world: tuple[int, int], lo_s: float, hi_s: float,
-                 deadline: float):
+                 deadline: float, comm_k: int | None = None):
         self.table, self.global_batch, self.world, self.deadline = table, global_batch, world, deadline
-        self.comm_s = table.comm_s(world[1])
+        self.comm_s = table.comm_s(world[1] if comm_k is None else comm_k)
         self.lo, self.hi = lo_s, hi_s
         self.best: tuple[float, Config] | None = None
         self.proven_lo = True  # every rise of lo was a proof (the bands' relaxation was infeasible too)
+        self.stalled = False  # a probe moved neither end (CBC's tolerance): stop bisecting
 
     def try_at(self, t_s: float) -> bool:
         """Probe t_s: a feasible configuration lowers hi to its exact time, infeasibility raises lo.
@@ -315,6 +322,10 @@ class _Bisection:
             return False
         if self.best is None or priced[0] < self.hi:
             self.best, self.hi = (priced[0], config), min(self.hi, priced[0])
+        elif priced[0] > t_s:
+            # CBC accepted t_s within its own feasibility tolerance, the exact price is above t_s and
+            # no better than hi: the interval cannot shrink from here (closed() decides "optimal")
+            self.stalled = True
         return True
 
     def closed(self, tol: float) -> bool:
@@ -324,21 +335,24 @@ class _Bisection:
         return self.closed(tol) and self.proven_lo
 
     def time_left(self) -> bool:
-        return time.monotonic() < self.deadline
+        return time.monotonic() < self.deadline and not self.stalled
 
 
 def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
-                 deadline: float, tol: float, hint_s: float = math.inf) -> tuple[float, Config, bool] | None:
-    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent);
-    `hint_s`, a known plan's time, is tried first (a probe near the optimum has fewer choices to
-    weigh than one at the slowest choice). Returns (time, configuration, proven within tol) or None
-    if nothing beats upper_s."""
+                 deadline: float, tol: float, hint_s: float = math.inf,
+                 comm_k: int | None = None) -> tuple[float, Config, bool] | None:
+    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent),
+    the collectives priced at `comm_k` devices (default: world's top); `hint_s`, a known plan's
+    time, is tried first (a probe near the optimum has fewer choices to weigh than one at the
+    slowest choice). Returns (time, configuration, proven within tol) or None if nothing beats
+    upper_s."""
+    comm_k = world[1] if comm_k is None else comm_k
     top_s = upper_s
     if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
         top_s = max([ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices]
                     + [b.hi * b.step_s + cls.coeffs.optimizer_s for cls in table.classes for b in cls.bands])
-        top_s += table.comm_s(world[1])
-    search = _Bisection(table, global_batch, world, lower_s, top_s, deadline)
+        top_s += table.comm_s(comm_k)
+    search = _Bisection(table, global_batch, world, lower_s, top_s, deadline, comm_k)
     try:
         # the top of the interval: is there any plan at all below the incumbent?
         if math.isinf(upper_s):
@@ -359,51 +373,66 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             search.try_at(0.5 * (search.lo + search.hi))
     except ProbeTimeout as e:  # undecided: the search stops with what it has, unproven
         log.warning("%s", e)
-        return (search.best[0], search.best[1], False) if search.best else None
+        if search.best is None:
+            raise
+        return search.best[0], search.best[1], False
     assert search.best is not None
     return search.best[0], search.best[1], search.proven(tol)
 
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
                 upper_s: float = math.inf, hint_s: float = math.inf) -> ScopeSolution | None:
-    """The best plan of one scope over its world-size buckets, or None if none beats upper_s."""
+    """The best plan of one scope over every world size k, or None if none beats upper_s.
+
+    Branch and bound over ranges [lo, hi] of k, starting with all of them: a range is solved with
+    its collectives priced at lo, the cheapest any k of it pays (comm grows with k), so its optimum
+    is a lower bound of every plan in the range, and the configuration found, priced at its own k,
+    is a real plan (the incumbent when faster). A range whose bound cannot beat the incumbent is
+    closed; a single k is exact; any other range is split in two. So no world size is skipped and
+    "optimal" means the plan is within the tolerance of the best over all k."""
     fluid_s = _lower_bound_s(table, global_batch)
-    buckets = world_size_buckets(table.num_devices)
-    # the bucket with every device first (usually the best), then by their lower bounds
-    order = sorted(buckets, key=lambda b: (b[1] != table.num_devices, fluid_s + table.comm_s(b[0])))
-    best: tuple[float, Config, int, bool] | None = None
+    best: tuple[float, Config, int] | None = None
     proven = True
-    for world in order:
+    # (lo, hi, a lower bound of the range's plans): the range holding every device first
+    stack: list[tuple[int, int, float]] = [(1, table.num_devices, 0.0)]
+    while stack:
+        lo, hi, parent_s = stack.pop()
         incumbent = best[0] if best else upper_s
-        lower_s = max(fluid_s, _lower_bound_s(table, global_batch, world[1])) + table.comm_s(world[0])
-        if lower_s >= incumbent:
+        lower_s = max(parent_s, fluid_s, _lower_bound_s(table, global_batch, hi) + table.comm_s(lo))
+        if lower_s >= incumbent * (1 - tol):
             continue
         if time.monotonic() >= deadline:
             proven = False
             break
-        found = solve_bucket(table, global_batch, world, lower_s, incumbent, deadline, tol, hint_s)
-        while found is not None:
-            t_s, config, ok = found
-            best = (t_s, config, world[1], ok)
-            proven = proven and ok
-            # the bucket priced its collectives at its largest k; with fewer devices the plan is cheaper,
-            # and the narrower bucket [lo, k] (priced at k) may hold a better plan still
-            k = sum(x for _, _, x in config)
-            if k >= world[1]:
-                break
-            world = (world[0], k)
-            best = (price_config(table, config, table.comm_s(k))[0], config, k, ok)
-            found = solve_bucket(table, global_batch, world, lower_s, best[0], deadline, tol)
+        try:
+            found = solve_bucket(table, global_batch, (lo, hi), lower_s, incumbent, deadline, tol,
+                                 hint_s if best is None else math.inf, comm_k=lo)
+        except ProbeTimeout:  # this range stays undecided: whatever is returned is not proven optimal
+            proven = False
+            continue
+        if found is None:
+            continue
+        bound_s, config, ok = found
+        proven = proven and ok
+        k = sum(x for _, _, x in config)
+        exact_s = price_config(table, config, table.comm_s(k))[0]
+        if best is None or exact_s < best[0]:
+            best = (exact_s, config, k)
+        if lo == hi or bound_s >= best[0] * (1 - tol):
+            continue
+        mid = (lo + hi) // 2
+        halves = [(lo, mid, bound_s), (mid + 1, hi, bound_s)]
+        stack.extend(halves if k > mid else halves[::-1])  # the half holding k is searched first
     if best is None:
         return None
-    t_s, config, hi_world, ok = best
-    _, shares = price_config(table, config, table.comm_s(hi_world))
+    t_s, config, k = best
+    _, shares = price_config(table, config, table.comm_s(k))
     per_device: dict[int, tuple[int, int, float]] = {}
     free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
     for (g, ch, x), share in zip(config, shares):
         for _ in range(x):
             per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
-    return ScopeSolution("optimal" if proven and ok else "feasible", t_s, per_device)
+    return ScopeSolution("optimal" if proven else "feasible", t_s, per_device)
 
 
 def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
@@ -417,8 +446,9 @@ def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None
 
 
 def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
-    return min(_lower_bound_s(table, global_batch, hi) + table.comm_s(lo)
-               for lo, hi in world_size_buckets(table.num_devices))
+    """No plan of the scope is faster than its devices' fluid bound plus one device's collectives
+    (none: comm(1) = 0)."""
+    return _lower_bound_s(table, global_batch) + table.comm_s(1)
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:

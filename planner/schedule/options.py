@@ -1,42 +1,39 @@
 """MARP: which devices, how many, and in which parallel configuration a job fits.
 
-For a job and each *pool* of identical devices in a cluster (same DeviceSpec:
-type, emulated slowdown and memory), list the GPU counts at which the job fits
-in memory, each with the fastest configuration found — data-parallel degree =
-GPU count, ZeRO stage, activation recomputation, micro-batch — and its
-predicted iteration time and so its predicted duration (steps × iteration).
+For a job and each *pool* of identical devices in a cluster (same DeviceSpec: type, emulation and
+memory), list the device counts at which the job fits in memory, each with the fastest
+configuration the sharded runtime can execute there: ZeRO stage 1, 2 or 3, activation
+recomputation, and per device a (micro-batch, accumulation steps) whose product is the device's
+exact part of the global batch (the batch split evenly, ±1 sample where it does not divide), the
+training state sharded evenly. Every figure comes from the one cost model
+(planner.costmodel.training.CostModel on the option's own devices, laid out on nodes as the pool
+holds them): the exact memory model, the step profiles, layer-wise accumulation priced with the
+recompute profile at zero ≥ 2, the collectives as the runtime issues them. So an option is a plan
+the runtime runs (`option_plan` builds it) and the hetero planner on the same devices finds one at
+least as fast. A configuration whose memory the model cannot compute exactly (for example an
+attention kernel whose temporaries are not modelled) is not offered.
 
-Memory is the memory model's (planner.core.memory.estimate_memory); step time is
-the profile's `α + β·m` per micro-batch (planner.core.profiles.get_step_profile,
-measured where this machine has profiled the device, else estimated from the
-catalog's peak FLOP/s). Tensor and pipeline parallelism are not modelled: ZeRO-3
-shards every training state across the data-parallel group, which is enough to
-fit 13B-class models on 16 GB parts at a count a cluster has.
+Tensor and pipeline parallelism are not offered: the runtime has neither.
 
-Everything expensive is cached per (model, seq, dtype, device) so that a
-scheduler decision costs dictionary look-ups, not model evaluations.
+Everything expensive is cached per (model, seq, batch, dtype, pool, count) so that a scheduler
+decision costs dictionary look-ups, not model evaluations.
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
-from planner.core.catalog import device_dtype, get_gpu_type
-from planner.core.cluster import ClusterSpec, DeviceSpec
+from planner.core.catalog import device_dtype
+from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from planner.core.constants import MEMORY_HEADROOM, RECOMPUTE, ZERO_STAGES
 from planner.core.jobs import JobSpec
-from planner.core.profiles import StepProfile, get_step_profile
-from planner.core.specs import ModelSpec, get_model
-from planner.core.constants import BITS_PER_BYTE, MAX_MICRO_BATCH, MEMORY_HEADROOM, RECOMPUTE
+from planner.core.specs import get_model, with_max_seq
+from planner.costmodel.training import CostModel
 
 log = logging.getLogger(__name__)
-
-ZERO_CHOICES = (2, 3)  # ZeRO-1 is dominated by ZeRO-2 (same traffic, less memory); 3 shards parameters too
-# Share of one micro-batch's step time (the backward pass, ~2/3 of it) behind which
-# the gradient reduce-scatter / parameter all-gather of the last micro-batch can hide.
-BACKWARD_OVERLAP = 2.0 / 3.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +52,12 @@ class ResourceOption:
     iteration_s: float  # predicted optimizer-step time
     duration_s: float  # predicted: steps × iteration_s
     samples_per_s: float  # predicted throughput
+    # every device's (micro_batch, accum_steps, shard_fraction), as option_plan lays them out
+    per_device: tuple[tuple[int, int, float], ...] = ()
+    headroom: float = MEMORY_HEADROOM
+    inter_node_gbps: float | None = None  # the override it was priced with (None: the cluster file's)
+    max_per_node: int = 0  # how many of the pool one node holds (0: all on one node)
+    network: NetworkSpec = field(default_factory=NetworkSpec)
 
     @property
     def gpu_type(self) -> str:
@@ -81,6 +84,7 @@ class Pool:
     device: DeviceSpec
     count: int
     max_per_node: int  # the largest group on one node: above it traffic crosses nodes
+    network: NetworkSpec = field(default_factory=NetworkSpec)  # the cluster file's links
 
 
 def cluster_pools(cluster: ClusterSpec) -> list[Pool]:
@@ -89,110 +93,102 @@ def cluster_pools(cluster: ClusterSpec) -> list[Pool]:
     for g in cluster.groups():
         total[g.device] = total.get(g.device, 0) + g.count
         per_node[g.device] = max(per_node.get(g.device, 0), g.count)
-    return [Pool(d, total[d], per_node[d]) for d in total]
+    return [Pool(d, total[d], per_node[d], cluster.network) for d in total]
 
 
-# --- the two models this module consumes (cached) ---
+# --- one count's best configuration, from the cost model ---
 
-@lru_cache(maxsize=None)
-def _peak_bytes(model: str, seq: int, dtype: str, dp: int, zero: int, recompute: str, micro_batch: int,
-                device_type: str = "cpu") -> int:
-    spec = get_model(model)
-    try:
-        from planner.core.memory import MemoryConfig, estimate_memory
-    except ImportError:  # memory model not in this tree yet
-        return _fallback_peak_bytes(spec, seq, dtype, dp, zero, recompute, micro_batch)
-    cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype=dtype, recompute=recompute, dp=dp, zero=zero,
-                       device_type=device_type)
-    return int(estimate_memory(spec, cfg).peak_bytes)
+def pool_cluster(pool: Pool, n: int, inter_node_gbps: float | None = None) -> ClusterSpec:
+    """n devices of `pool` as the pool holds them: full nodes of `max_per_node` devices, then the rest."""
+    nodes, left = [], n
+    while left > 0:
+        here = min(left, pool.max_per_node)
+        nodes.append(NodeSpec(f"n{len(nodes)}", "dc0", tuple([pool.device] * here)))
+        left -= here
+    inter = pool.network.inter_node_gbps if inter_node_gbps is None else inter_node_gbps
+    return ClusterSpec(f"{pool.device.type}x{n}", tuple(nodes), NetworkSpec(pool.network.intra_node_gbps, inter))
 
 
-def _fallback_peak_bytes(spec: ModelSpec, seq: int, dtype: str, dp: int, zero: int, recompute: str, m: int) -> int:
-    # Model states 16 B/param (mixed-precision Adam), sharded by stage; activations per layer
-    # s·b·h·(34 + 5·a·s/h) bytes in 16-bit (Korthikanti et al. 2022), 2·s·b·h with recomputation.
-    p = spec.num_params
-    width = 4 if dtype == "fp32" else 2
-    params, grads, optim = p * (4 if dtype == "fp32" else 2), p * width, p * (16 - 2 * width)
-    shard = max(dp, 1)
-    optim /= shard if zero >= 1 else 1
-    grads /= shard if zero >= 2 else 1
-    params /= shard if zero >= 3 else 1
-    sbh = seq * m * spec.hidden
-    per_layer = 2 * sbh if recompute == "full" else sbh * (34 + 5 * spec.num_heads * seq / spec.hidden)
-    acts = spec.num_layers * per_layer * (width / 2) + 4 * seq * m * spec.vocab_size
-    return int(params + grads + optim + acts)
+def even_batches(global_batch: int, n: int) -> list[int]:
+    """The global batch split over n devices: ⌈B/n⌉ on the first B mod n, ⌊B/n⌋ on the others."""
+    q, r = divmod(global_batch, n)
+    return [q + 1] * r + [q] * (n - r)
 
 
-@lru_cache(maxsize=None)
-def _profile(gpu_type: str, model: str, seq: int, dtype: str, recompute: str) -> StepProfile:
-    # measured where the store has it, else the catalog estimate; cached: it reads the store
-    return get_step_profile(gpu_type, get_model(model), seq, dtype, recompute=recompute)
+def _fastest_split(cost: CostModel, device: DeviceSpec, batch: int, share: float,
+                   global_batch: int) -> tuple[int, int] | None:
+    """The fastest (micro-batch, accumulation steps) with m·n = batch exactly that fits beside
+    `share` of the state, m from the planner's candidates. Larger m is never slower (fewer
+    micro-batches, n = 1 keeps the graph): the first that fits, scanning down, is the fastest."""
+    c = cost.coeffs[device]
+    for m in sorted(cost.micro_batch_candidates(global_batch, None), reverse=True):
+        if batch % m:
+            continue
+        if c.memory_bytes(m, batch // m, share) <= c.capacity_bytes:
+            return m, batch // m
+    return None
 
 
-# --- one configuration's iteration time ---
-
-def _comm_s(spec: ModelSpec, dtype: str, n: int, zero: int, pool: Pool, inter_node_gbps: float) -> float:
-    """Gradient reduce-scatter + parameter all-gather per step (ring: (n-1)/n of the bytes
-    each); ZeRO-3 all-gathers the parameters once more for the backward pass."""
-    if n <= 1:
-        return 0.0
-    width = 4 if dtype == "fp32" else 2
-    volume_bytes = spec.num_params * width * (n - 1) / n * (3 if zero >= 3 else 2)
-    link_gbps = get_gpu_type(pool.device.type).interconnect_gbps  # GB/s (catalog)
-    if n > pool.max_per_node:
-        link_gbps = min(link_gbps, inter_node_gbps / BITS_PER_BYTE)  # cluster file: Gbit/s
-    return volume_bytes / (link_gbps * 1e9)
-
-
-def _iteration_s(prof: StepProfile, slowdown: float, per_device_batch: int, m: int, opt_params: float,
-                 comm_s: float) -> tuple[float, int]:
-    accum = math.ceil(per_device_batch / m)
-    last = per_device_batch - (accum - 1) * m  # the last micro-batch may be smaller
-    micro_s = slowdown * (prof.alpha_s + prof.beta_s * m)
-    last_s = slowdown * (prof.alpha_s + prof.beta_s * last)
-    compute_s = (accum - 1) * micro_s + last_s
-    exposed_comm_s = max(0.0, comm_s - BACKWARD_OVERLAP * last_s)
-    return compute_s + slowdown * prof.optimizer_s_per_param * opt_params + exposed_comm_s, accum
+# per (model, seq, profiles) the step-profile look-ups shared by every CostModel built here
+_PROFILE_CACHES: dict[tuple, dict] = {}
 
 
 @lru_cache(maxsize=None)
 def _best_config(model: str, seq: int, global_batch: int, dtype: str, pool: Pool, n: int,
-                 inter_node_gbps: float, headroom: float) -> tuple | None:
-    """The fastest (zero, recompute, micro_batch) that fits on n devices of the pool, or None."""
+                 inter_node_gbps: float | None, headroom: float) -> tuple | None:
+    """(iteration_s, zero, recompute, per-device (m, n, f), peak bytes) of the fastest configuration
+    on n devices of the pool, or None where nothing fits."""
     if n > global_batch:
         return None  # a device with no sample to work on
-    spec = get_model(model)
-    dt = device_dtype(pool.device.type, dtype)
-    capacity = pool.device.memory_bytes
-    budget = capacity * headroom
-    b = math.ceil(global_batch / n)
-    m_max = 1 << (min(b, MAX_MICRO_BATCH).bit_length() - 1)
+    spec = with_max_seq(get_model(model), seq)
+    sub = pool_cluster(pool, n, inter_node_gbps)
+    batches = even_batches(global_batch, n)
+    share = 1.0 / n
+    profiles = _PROFILE_CACHES.setdefault((model, seq), {})
     best = None
-    for zero in ((0,) if n == 1 else ZERO_CHOICES):
-        comm_s = _comm_s(spec, dt, n, zero, pool, inter_node_gbps)
-        opt_params = spec.num_params / (n if zero >= 1 else 1)
+    for zero in ZERO_STAGES:
         for recompute in RECOMPUTE:
-            m = m_max  # the largest fitting micro-batch is the fastest: a·(α+βm) falls with m
-            while m >= 1 and _peak_bytes(model, seq, dt, n, zero, recompute, m, pool.device.type) > budget:
-                m //= 2
-            if m < 1:
+            cost = CostModel.build(sub, spec, seq, dtype, recompute, headroom, zero=zero, profile_cache=profiles)
+            try:
+                splits = {b: _fastest_split(cost, pool.device, b, share, global_batch) for b in set(batches)}
+            except ValueError as e:  # a memory the model cannot compute exactly: not offered
+                log.debug("%s on %s at zero %d, recompute %s: %s", model, pool.device.label, zero, recompute, e)
                 continue
-            prof = _profile(pool.device.type, model, seq, dt, recompute)
-            it_s, accum = _iteration_s(prof, pool.device.slowdown, b, m, opt_params, comm_s)
+            if any(v is None for v in splits.values()):
+                continue
+            per_device = tuple((*splits[b], share) for b in batches)
+            it_s, _ = cost.estimate_iteration_s(per_device)
             if best is None or it_s < best[0]:
-                best = (it_s, zero, recompute, m, accum, _peak_bytes(model, seq, dt, n, zero, recompute, m, pool.device.type))
+                peak = max(cost.estimate_memory_bytes(pool.device, m, a, f) for m, a, f in per_device)
+                best = (it_s, zero, recompute, per_device, int(peak))
     return best
 
 
-def estimate_option(job: JobSpec, pool: Pool, n: int, dtype: str = "bf16", inter_node_gbps: float = 100.0,
+def estimate_option(job: JobSpec, pool: Pool, n: int, dtype: str = "bf16", inter_node_gbps: float | None = None,
                     headroom: float = MEMORY_HEADROOM) -> ResourceOption | None:
-    """The fastest configuration of `job` on exactly n devices of `pool`; None if it does not fit."""
+    """The fastest configuration of `job` on exactly n devices of `pool`; None if it does not fit.
+    `inter_node_gbps` overrides the pool's cluster file figure."""
     best = _best_config(job.model, job.seq, job.global_batch, dtype, pool, n, inter_node_gbps, headroom)
     if best is None:
         return None
-    it_s, zero, recompute, m, accum, peak = best
+    it_s, zero, recompute, per_device, peak = best
+    m, accum, _ = per_device[0]  # the busiest device (the first takes ⌈B/n⌉)
     return ResourceOption(pool.device, n, zero, recompute, m, accum, device_dtype(pool.device.type, dtype), peak,
-                          pool.device.memory_bytes, it_s, it_s * job.steps, job.global_batch / it_s)
+                          pool.device.memory_bytes, it_s, it_s * job.steps, job.global_batch / it_s, per_device,
+                          headroom, inter_node_gbps, pool.max_per_node, pool.network)
+
+
+def option_plan(job: JobSpec, option: ResourceOption, dtype: str = "bf16"):
+    """The option as the Plan the executor launches: its devices (`pool_cluster`), its stage and
+    per-device (m, n, f), every prediction from the same cost model."""
+    from planner.hetero.solve import build_plan, plan_notes
+
+    pool = Pool(option.pool, option.num_gpus, option.max_per_node or option.num_gpus, option.network)
+    sub = pool_cluster(pool, option.num_gpus, option.inter_node_gbps)
+    spec = with_max_seq(get_model(job.model), job.seq)
+    cost = CostModel.build(sub, spec, job.seq, dtype, option.recompute, option.headroom, zero=option.zero)
+    return build_plan(cost, job.model, job.global_batch, job.seq, dtype, option.recompute, option.per_device,
+                      plan_notes(cost, dtype))
 
 
 def candidate_counts(limit: int) -> list[int]:
@@ -226,5 +222,5 @@ def _options(job: JobSpec, pools: Sequence[Pool], inter_node_gbps: float, dtype:
 
 def clear_caches() -> None:
     """Forget cached memory and profile figures (after new profiles were measured)."""
-    for f in (_peak_bytes, _profile, _best_config):
-        f.cache_clear()
+    _best_config.cache_clear()
+    _PROFILE_CACHES.clear()
