@@ -64,7 +64,7 @@ def _g(name, mem_gib, fp32, fp16, bf16, bw, ic, ic_gbps, vendor="nvidia") -> Gpu
 _COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {
     "H200": (9, 0), "H100-SXM": (9, 0), "H100-PCIe": (9, 0),
     "A100-40GB": (8, 0), "A100-80GB": (8, 0),
-    "A10G": (8, 6), "A6000": (8, 6), "RTX3090": (8, 6),
+    "A10": (8, 6), "A10G": (8, 6), "A6000": (8, 6), "RTX3090": (8, 6),
     "L4": (8, 9), "L40S": (8, 9), "RTX4090": (8, 9),
     "T4": (7, 5), "V100-16GB": (7, 0), "V100-32GB": (7, 0),
     "P100": (6, 0), "P40": (6, 1),
@@ -89,6 +89,8 @@ CATALOG: dict[str, GpuType] = {g.name: g for g in (
     _g("T4", 16, 8.1, 65.0, 0.0, 320, "pcie3", 16),
     # NVIDIA L4 datasheet: 24 GB GDDR6, 300 GB/s, 121 TF bf16/fp16 dense (242 sparse), 30.3 TF fp32, PCIe Gen4
     _g("L4", 24, 30.3, 121.0, 121.0, 300, "pcie4", 32),
+    # NVIDIA A10 datasheet (PCIe, 150 W): 24 GB GDDR6, 600 GB/s, 125 TF bf16/fp16 dense (250 sparse), 31.2 TF fp32
+    _g("A10", 24, 31.2, 125.0, 125.0, 600, "pcie4", 32),
     # NVIDIA A10G (AWS G5; A10 datasheet): 24 GB GDDR6, 600 GB/s, 125 TF bf16 dense (A10), 31.2 TF fp32
     _g("A10G", 24, 31.2, 125.0, 125.0, 600, "pcie4", 32),
     # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, 362 TF bf16 dense (733 sparse), 91.6 TF fp32
@@ -108,6 +110,41 @@ CATALOG: dict[str, GpuType] = {g.name: g for g in (
     # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307 TF fp16/bf16 dense, 163.4 TF fp32
     _g("MI300X", 192, 163.4, 1307.0, 1307.0, 5300, "infinity-fabric", 64, vendor="amd"),
 )}
+
+# Sustained dense matmul rates (TFLOP/s) MEASURED on the part, per compute dtype, where a
+# published measurement exists; planner/core/roofline.py prices matmuls with them (other types:
+# datasheet peak x roofline.DEFAULT_*_EFFICIENCY). Two sources, the first preferred:
+# 1. MAMF: Stas Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
+#    Achievable Matmul FLOPS comparison table" (BF16; mean of 100 iterations after 50 warmups of
+#    the best shape found: the clocks the part holds under matmul load, not its boost), github.com/
+#    stas00/ml-engineering at 744d01e: A100 SXM 271.2 of 312, H100 SXM 794.5 of 989 ("H200 is the
+#    same"), AMD MI300X 668.4 of 1300 (PYTORCH_TUNABLEOP_ENABLED=1). The A100 40GB here is the SXM
+#    part (400 W), so it takes the SXM row (same chip and clocks). fp16 inputs run the same MMA rate.
+# 2. zzc0721/torch-performance-test-data, database.md at 0785868: torch.mm of square matrices 1024 to
+#    10240, 30 iterations after 6 warmups, best size, contributed per device (physical machines and
+#    cloud instances, which the table marks "for reference"); the median of a type's rows:
+#    T4 fp16 41.91 (Colab), 42.71 (Kaggle); fp32 4.17, 4.43 | RTX 3090 fp16 75.64, 75.48 (physical),
+#    75.88; bf16 76.34, 76.58, 76.68; fp32 24.46, 24.79, 24.84 | RTX 4090 24GB fp16 165.08, 171.06
+#    (physical), 162.35, 167.80; bf16 170.06, 173.31, 162.39, 163.09; fp32 55.01, 54.77, 46.48, 54.67 |
+#    RTX A6000 fp16 120.49, bf16 123.34, fp32 23.92 | L40S fp16 264.02, bf16 269.15, fp32 46.88 |
+#    P40 fp16 10.02 (cuBLAS multiplies fp16 at the fp32 rate there, not the 1/64-rate fp16 units),
+#    fp32 10.07 | fp32 only (the half rates come from MAMF): A100 40GB 18.11, A100 SXM4 80GB 19.18,
+#    H100 80GB HBM3 52.11 (physical; the 403.74 of another row is TF32, not fp32), H200 51.34.
+#    The same table's half rates agree with MAMF within 3 % (A100 SXM4 bf16 264.53, H100 783.66 and
+#    789.24, H200 790.29).
+MEASURED_MATMUL_TFLOPS: dict[str, dict[str, float]] = {
+    "A100-40GB": {"bf16": 271.2, "fp16": 271.2, "fp32": 18.11},
+    "A100-80GB": {"bf16": 271.2, "fp16": 271.2, "fp32": 19.18},
+    "H100-SXM": {"bf16": 794.5, "fp16": 794.5, "fp32": 52.11},
+    "H200": {"bf16": 794.5, "fp16": 794.5, "fp32": 51.34},
+    "MI300X": {"bf16": 668.4, "fp16": 668.4},
+    "T4": {"fp16": 42.31, "fp32": 4.30},
+    "RTX3090": {"fp16": 75.64, "bf16": 76.58, "fp32": 24.79},
+    "RTX4090": {"fp16": 166.44, "bf16": 166.575, "fp32": 54.72},
+    "A6000": {"fp16": 120.49, "bf16": 123.34, "fp32": 23.92},
+    "L40S": {"fp16": 264.02, "bf16": 269.15, "fp32": 46.88},
+    "P40": {"fp16": 10.02, "fp32": 10.07},
+}
 
 # The local CPU worker (one core, one torch thread: what an executor rank uses).
 # Its real figures come from `profiler bench` / `profiler profile` (the profile
@@ -138,6 +175,7 @@ _NAME_PATTERNS: tuple[tuple[str, tuple[tuple[float, str], ...]], ...] = (
     ("v100", ((0, "V100-16GB"), (24, "V100-32GB"))),
     ("l40s", ((0, "L40S"),)),
     ("a10g", ((0, "A10G"),)),
+    ("a10", ((0, "A10"),)),  # whole token: "A100" and "A10G" never reach it
     ("a6000", ((0, "A6000"),)),
     ("3090", ((0, "RTX3090"),)),
     ("4090", ((0, "RTX4090"),)),
