@@ -93,7 +93,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as store:
         os.environ[ENV_DATA_DIR] = store  # an empty profile store: every figure is the estimate
         table = rows()
-    result = {"model": f"{MODEL.name} (BERT-large's blocks), seq 384, {DTYPE}", "rows": table, "summary": summary(table)}
+    model = f"{MODEL.name} (BERT-large's blocks), seq 384, {DTYPE}"
+    result = {"model": model, "rows": table, "summary": summary(table)}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
