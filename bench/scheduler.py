@@ -14,15 +14,18 @@ first, same sizing, EASY) and `frenzy` (the reproduction of the paper). The stro
 of a trace is the one with the lowest average JCT there. Targets, per trace: gpumix's average
 JCT >= 12 % below the strongest baseline's, its p99 JCT and makespan no more than 5 % above
 that baseline's; decision time <= 10 ms per job at 1,024 GPUs. Decision time is *measured*:
-wall time of the policy's decisions (option look-ups included, caches cleared before each
-policy) divided by the number of jobs; every JCT figure is simulated.
+CPU time of the policy's decisions (the cost model's option estimates included: caches cleared
+before each policy, as in a fresh process) divided by the number of jobs; CPU time, not wall
+time, so that other processes on a shared machine do not count. The target is checked on the
+median of `--repeats` replays of the largest trace. Every JCT figure is simulated.
 
-    python bench/scheduler.py [--quick] [--check] [--json] [--error-seed 0]
+    python bench/scheduler.py [--quick] [--check] [--json] [--error-seed 0] [--repeats 3]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,7 +45,7 @@ HOUR_S = 3600.0
 POLICY_ORDER = ("gpumix",) + BASELINES
 
 
-def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_seed: int) -> dict:
+def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_seed: int, repeats: int = 1) -> dict:
     cluster = mixed_cluster(DEMO_CLUSTERS[num_gpus])
     jobs = generate_trace(seed, num_jobs, cluster, load=load)
     rows = {}
@@ -50,12 +53,17 @@ def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_see
         clear_caches()  # each policy pays for its own option estimates (cold caches), as in a fresh process
         r = simulate_schedule(jobs, cluster, name, error_seed=error_seed)
         rows[name] = r.to_dict(jobs=False)
+    overheads = [rows["gpumix"]["scheduling_overhead_ms_per_job"]]
+    for _ in range(repeats - 1):  # the same replay again, cold: the decision time's median
+        clear_caches()
+        overheads.append(simulate_schedule(jobs, cluster, "gpumix", error_seed=error_seed).scheduling_overhead_ms_per_job)
     strongest = min(BASELINES, key=lambda b: rows[b]["avg_jct_s"])
     g, s = rows["gpumix"], rows[strongest]
     return {"seed": seed, "num_devices": cluster.num_devices, "num_jobs": num_jobs, "load": load,
             "policies": rows, "strongest_baseline": strongest,
             "avg_jct_gain": 1.0 - g["avg_jct_s"] / s["avg_jct_s"],
-            "p99_ratio": g["p99_jct_s"] / s["p99_jct_s"], "makespan_ratio": g["makespan_s"] / s["makespan_s"]}
+            "p99_ratio": g["p99_jct_s"] / s["p99_jct_s"], "makespan_ratio": g["makespan_s"] / s["makespan_s"],
+            "gpumix_overhead_ms_per_job_median": statistics.median(overheads), "gpumix_overhead_repeats": overheads}
 
 
 def checks_of(results: list[dict]) -> dict[str, bool]:
@@ -70,7 +78,7 @@ def checks_of(results: list[dict]) -> dict[str, bool]:
             r["makespan_ratio"] <= 1 + TARGET_TAIL_SLACK
     largest = max(results, key=lambda r: r["num_devices"])
     out[f"decision time <= {TARGET_OVERHEAD_MS:g} ms/job at {largest['num_devices']} GPUs"] = \
-        largest["policies"]["gpumix"]["scheduling_overhead_ms_per_job"] <= TARGET_OVERHEAD_MS
+        largest["gpumix_overhead_ms_per_job_median"] <= TARGET_OVERHEAD_MS
     return out
 
 
@@ -80,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--error-seed", type=int, default=0, help="seed of the duration error factors")
+    ap.add_argument("--repeats", type=int, default=3, help="replays of the largest trace under gpumix for the decision time's median")
     args = ap.parse_args(argv)
     scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
-    results = [run_scenario(seed, n, gpus, load, args.error_seed) for seed, n, gpus, load in scenarios]
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    largest = max(gpus for _, _, gpus, _ in scenarios)
+    results = [run_scenario(seed, n, gpus, load, args.error_seed, args.repeats if gpus == largest else 1)
+               for seed, n, gpus, load in scenarios]
     checks = checks_of(results)
     failed = not all(checks.values())
     if args.json:
@@ -90,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                      "checks": checks}))
         return 1 if failed and args.check else 0
     print(f"JCT, makespan, utilization simulated (predicted durations x seeded lognormal error, sigma "
-          f"{ERROR_SIGMA}, error seed {args.error_seed}); decision time measured")
+          f"{ERROR_SIGMA}, error seed {args.error_seed}); decision time measured (CPU ms per job, cold caches)")
     print(f"{'trace':>5} {'GPUs':>5} {'load':>5} {'jobs':>5} {'policy':>20} {'avg JCT h':>10} {'p99 JCT h':>10} "
           f"{'makespan h':>11} {'util':>6} {'ms/job':>8} {'restarts':>9}")
     for r in results:
@@ -102,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{p['makespan_s'] / HOUR_S:>11.1f} {p['gpu_utilization']:>6.2f} "
                   f"{p['scheduling_overhead_ms_per_job']:>8.3f} {p['num_restarts']:>9}")
         print(f"      gpumix vs strongest baseline ({r['strongest_baseline']}, *): avg JCT "
-              f"{-100 * r['avg_jct_gain']:+.1f} %, p99 x{r['p99_ratio']:.3f}, makespan x{r['makespan_ratio']:.3f}")
+              f"{-100 * r['avg_jct_gain']:+.1f} %, p99 x{r['p99_ratio']:.3f}, makespan x{r['makespan_ratio']:.3f}; "
+              f"gpumix decision ms/job, median of {len(r['gpumix_overhead_repeats'])}: "
+              f"{r['gpumix_overhead_ms_per_job_median']:.3f}")
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'} {k}")
     return 1 if failed and args.check else 0

@@ -1,7 +1,9 @@
 """Each scheduling policy's defining behaviour on tiny hand-made traces, the seeded duration
-error, and gpumix's preemption (planner/schedule/{fifo,backfill,gpumix,simulate}.py)."""
+error, gpumix's preemption and growth, the simulator's resize accounting
+(planner/schedule/{fifo,backfill,gpumix,simulate}.py)."""
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +13,7 @@ from planner.schedule import simulate as sim
 from planner.schedule.gpumix import GpumixPolicy
 from planner.schedule.simulate import BASELINES, POLICIES, error_factor, simulate_schedule
 from planner.schedule.sizing import Sizing
-from planner.schedule.state import restart_s
+from planner.schedule.state import Decision, Running, restart_s
 from planner.schedule.trace import generate_trace
 
 A100x8 = ClusterSpec.from_dict({"name": "a8", "nodes": [{"name": "n", "gpus": {"A100-80GB": 8}}]})
@@ -149,3 +151,58 @@ def test_quick_bench_gpumix_beats_the_strongest_baseline_on_a_small_trace():
     strongest = r["policies"][r["strongest_baseline"]]
     assert r["policies"]["gpumix"]["avg_jct_s"] < strongest["avg_jct_s"]
     assert r["avg_jct_gain"] == pytest.approx(1 - r["policies"]["gpumix"]["avg_jct_s"] / strongest["avg_jct_s"])
+
+
+def test_gpumix_grows_a_running_job_onto_idle_devices_only_when_nobody_waits():
+    pol = GpumixPolicy(A100x8)
+    job = _job("long", 0.0, 20000, batch=256, seq=1024)  # scales: 8 GPUs run it 7x faster than 1
+    one = next(o for _, o, _ in pol.sizing.entries(job) if o.num_gpus == 1)
+    one = replace(one, duration_s=one.iteration_s * job.steps)
+    pool = pol.sizing.pools[0]
+    assert pol.decide(0.0, [job], {pool: 1}, []) == [Decision(job, one)]  # one GPU free: it starts there
+    view = Running("long", pool, 1, one.duration_s, one, 1.0)
+    grown = pol.decide(10.0, [], {pool: 7}, [view])  # the other 7 come free, nobody waits
+    assert len(grown) == 1 and grown[0].resize and grown[0].option.num_gpus > 1
+    waiting = _job("next", 5.0, 400000, model="llama2-7b", batch=256, seq=4096)  # needs all 8: cannot start
+    again = GpumixPolicy(A100x8)
+    again.decide(0.0, [job], {pool: 1}, [])
+    assert not any(d.resize for d in again.decide(10.0, [waiting], {pool: 7}, [view]))
+
+
+class _ResizeOnce:
+    """Starts every job on 1 GPU; at the first decision where job x runs, moves x to 2 GPUs
+    (a probe of the simulator's resize accounting)."""
+
+    name = "probe"
+
+    def __init__(self, cluster):
+        self.sizing = Sizing(cluster, min_efficiency=0.0)
+        self.resized = False
+
+    def failed(self):
+        return {}
+
+    def _on(self, job, n):
+        o = next(o for _, o, _ in self.sizing.entries(job) if o.num_gpus == n)
+        return replace(o, duration_s=o.iteration_s * job.steps)
+
+    def decide(self, now, waiting, free, running):
+        out = [Decision(j, self._on(j, 1)) for j in waiting]
+        x = next((r for r in running if r.job_id == "x"), None)
+        if x is not None and not self.resized:
+            self.resized = True
+            out.append(Decision(self.job, self._on(self.job, 2), resize=True))
+        return out
+
+
+def test_a_resize_keeps_the_work_done_and_charges_one_restart():
+    job, other = _job("x", 0.0, 100000), _job("tick", 600.0, 10)  # tick's arrival is the next decision point
+    probe = _ResizeOnce(A100x8)
+    probe.job = job
+    r = _by_id(simulate_schedule([job, other], A100x8, probe, error_sigma=0.2, error_seed=5))["x"]
+    d1, d2 = r.option.duration_s, r.final_option.duration_s
+    f = error_factor(5, "x", "A100-80GB", 0.2)
+    done = 600.0 / (d1 * f)
+    assert r.num_restarts == 1 and r.final_option.num_gpus == 2
+    assert r.end_s == pytest.approx(600.0 + restart_s(job) + (1 - done) * d2 * f)
+    assert r.busy_gpu_s == pytest.approx(600.0 + 2 * (r.end_s - 600.0))

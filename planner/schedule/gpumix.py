@@ -1,6 +1,6 @@
 """`gpumix`: GPUMix's own scheduling policy — shortest remaining predicted work first with
-aging, moldable sizing by expected cost to the mean JCT, EASY backfilling, and preemption
-through checkpoint and resume.
+aging, moldable sizing by expected cost to the mean JCT, EASY backfilling, and elastic jobs:
+preemption and growth through checkpoint and resume.
 
 Each decision:
 
@@ -10,22 +10,28 @@ Each decision:
    falls towards 0. A job that has waited `starve_after_s` goes ahead of all the others (oldest
    first), so it is the first that cannot start and holds the reservation: none starves.
 2. Size and start. A job may take any option of the memory model's Pareto front
-   (planner/schedule/options.py: per pool, each count predicted faster than the smaller ones),
-   not only the efficient ones the sized baselines get. Among those that fit the free devices
-   it takes the one of least expected cost to the mean JCT (`_choose`): its own time plus the
-   delay its devices put on the jobs queued behind it and on those expected to arrive while it
-   runs. An idle cluster gives a job its fastest option, a long queue its most efficient one.
+   (planner/schedule/options.py: per pool, each power-of-two count predicted faster than the
+   smaller ones, and the whole pool where its size is not a power of two), not only the
+   efficient ones the sized baselines get. Among those that fit the free devices it takes the
+   one of least expected cost to the mean JCT (`_cost`): its own time plus the delay its
+   devices put on the jobs queued behind it and on those expected to arrive while it runs. An
+   idle cluster gives a job its fastest option, a long queue its most efficient one.
 3. Reserve. The first job that cannot start gets the one reservation (EASY): later jobs use
    its pool only if they end before it or leave it enough devices.
-4. Preempt. If that job would wait long for its reservation while jobs with much more work
-   left hold the devices it needs, those jobs are checkpointed and put back in the queue and
-   it starts now — only when the wait it saves exceeds, by `preempt_gain`, the delay put on
-   them (its own time plus their checkpoint-and-resume cost, planner/schedule/state.py:
-   restart_s); a job is preempted at most `max_preemptions` times, so none is delayed
-   without bound. Without preemption a short job that arrives behind long ones waits for
-   them to end (the head-of-line delay that dominates the mean JCT in bursts).
+4. Preempt. If that job would wait for its reservation while jobs with at least
+   `preempt_ratio` times its work left hold the devices it needs, those jobs are checkpointed
+   and put back in the queue and it starts now, when the wait it saves exceeds (by
+   `preempt_gain`) the delay put on them: its own time plus their checkpoint-and-resume cost
+   (planner/schedule/state.py: restart_s). A job is preempted at most `max_preemptions` times,
+   so none is delayed without bound. Without preemption a short job that arrives behind long
+   ones waits for them to end: the head-of-line delay that dominates the mean JCT in bursts.
+5. Grow. When nobody waits and devices idle, the running jobs with the most predicted time
+   left move to a faster option (checkpoint and resume) where their expected cost, restart
+   included, falls by more than `grow_gain` restarts: the last long jobs of a burst, which set
+   the makespan and the p99, do not stay on the small or slow devices they started on.
 
-Every figure it decides on is predicted; the simulator runs the perturbed durations.
+Every figure it decides on is predicted (running jobs' progress is observed, in steps); the
+simulator runs the perturbed durations.
 """
 from __future__ import annotations
 
@@ -41,9 +47,16 @@ from planner.schedule.state import Decision, Running, restart_s
 
 AGING_S = 6 * 3600.0  # a job that waited this long ranks as if it had half its work left
 STARVE_AFTER_S = 24 * 3600.0  # a job that waited this long goes ahead of every other, oldest first
-PREEMPT_GAIN = 2.0  # the wait saved must be this many times the delay put on the preempted jobs
-PREEMPT_RATIO = 4.0  # a preempted job has at least this many times the starter's work left
-MAX_PREEMPTIONS = 1  # per job
+# Preempt when the predicted sum of JCTs falls: the wait saved exceeds the delay put on the
+# preempted jobs (PREEMPT_GAIN 1); only jobs with at least twice the starter's work left
+# (shortest remaining work first, with a margin for the prediction's error), each at most
+# MAX_PREEMPTIONS times (so a long job's delay stays bounded: p99 and makespan).
+PREEMPT_GAIN = 1.0
+PREEMPT_RATIO = 2.0
+MAX_PREEMPTIONS = 4
+GROW_TOP = 8  # the running jobs with the most predicted time left that may grow, per decision
+GROW_GAIN = 3.0  # a growth must save this many restart costs (the prediction may be wrong)
+MAX_GROWS = 2  # per job
 RATE_WINDOW_S = 3600.0  # the arrival rate is never judged on less than an hour
 
 
@@ -54,13 +67,16 @@ class GpumixPolicy:
                  preempt_gain: float = PREEMPT_GAIN, preempt_ratio: float = PREEMPT_RATIO,
                  max_preemptions: int = MAX_PREEMPTIONS, queue_weight: float = 1.0,
                  arrival_weight: float = 3.0, min_efficiency: float = 0.0,
-                 starve_after_s: float = STARVE_AFTER_S) -> None:
+                 starve_after_s: float = STARVE_AFTER_S, whole_pools: bool = True, grow_top: int = GROW_TOP,
+                 grow_gain: float = GROW_GAIN, max_grows: int = MAX_GROWS) -> None:
         self.cluster, self.dtype = cluster, dtype
         self.aging_s, self.preempt_gain, self.preempt_ratio = aging_s, preempt_gain, preempt_ratio
         self.max_preemptions, self.starve_after_s = max_preemptions, starve_after_s
+        self.grow_top, self.grow_gain, self.max_grows = grow_top, grow_gain, max_grows
+        self._grown: dict[str, int] = {}
         self.queue_weight, self.arrival_weight = queue_weight, arrival_weight
         # every Pareto option (min_efficiency 0): the expected-cost rule of _choose sizes the jobs
-        self.sizing = Sizing(cluster, dtype, min_efficiency=min_efficiency)
+        self.sizing = Sizing(cluster, dtype, min_efficiency=min_efficiency, whole_pools=whole_pools)
         self.total_price = sum(self.sizing.entry_price(p, p.count) for p in self.sizing.pools)
         self._first_s = math.inf
         self._left: dict[str, float] = {}  # share of steps left of each suspended job
@@ -126,6 +142,45 @@ class GpumixPolicy:
                     out.append(Decision(job, o))
                     self._left.pop(job.job_id, None)
                     res = Reservation(job_id=job.job_id)  # the head started: nothing held back
+        if self.grow_top and head is None and any(free_n):
+            out += self._grow(now, free_n, running, rate)
+        return out
+
+    def _cost(self, t: float, price: float, queued: int, rate: float) -> float:
+        """Expected cost to the mean JCT of holding `price` for t seconds: t itself plus the delay on
+        the jobs queued behind and those expected to arrive meanwhile (arrival rate so far × t),
+        each delayed in proportion to the share of the cluster's peak FLOP/s held."""
+        behind = self.queue_weight * queued + self.arrival_weight * rate * t
+        return t * (1.0 + behind * price / self.total_price)
+
+    def _grow(self, now: float, free_n: list[int], running: Sequence[Running], rate: float) -> list[Decision]:
+        """Nobody waits and devices idle: move the running jobs with the most predicted time left
+        to a faster option (checkpoint and resume) where its expected cost (`_cost`, the restart
+        included) falls by more than `grow_gain` restarts."""
+        out = []
+        longest = sorted((r for r in running if r.option is not None and r.job_id in self._jobs
+                          and self._grown.get(r.job_id, 0) < self.max_grows),
+                         key=lambda r: r.end_s, reverse=True)[:self.grow_top]
+        for r in longest:
+            job = self._jobs[r.job_id]
+            restart = restart_s(job)
+            mine = self.sizing.index[r.pool.device]
+            now_cost = self._cost(r.end_s - now, self.sizing.entry(r.option)[2], 0, rate)
+            best = None
+            for k, o, price in self.sizing.entries(job):
+                have = free_n[k] + (r.num_gpus if k == mine else 0)
+                if have < o.num_gpus or o.num_gpus <= (r.num_gpus if k == mine else 0):
+                    continue  # a move must take more devices than it gives back: growth, not a shuffle
+                new_cost = self._cost(r.remaining * job.steps * o.iteration_s + restart, price, 0, rate)
+                if now_cost - new_cost > self.grow_gain * restart and (best is None or new_cost < best[0]):
+                    best = (new_cost, k, o)
+            if best is None:
+                continue
+            _, k, o = best
+            free_n[mine] += r.num_gpus
+            free_n[k] -= o.num_gpus
+            self._grown[r.job_id] = self._grown.get(r.job_id, 0) + 1
+            out.append(Decision(job, replace(o, duration_s=o.iteration_s * job.steps), resize=True))
         return out
 
     def _choose(self, job: JobSpec, left: float, free_n: list[int], blocked, queued: int,
@@ -138,9 +193,7 @@ class GpumixPolicy:
         for k, o, price in self.sizing.entries(job):
             if free_n[k] < o.num_gpus or blocked(k, o):
                 continue
-            t = left * job.steps * o.iteration_s
-            behind = self.queue_weight * queued + self.arrival_weight * rate * t
-            cost = t * (1.0 + behind * price / self.total_price)
+            cost = self._cost(left * job.steps * o.iteration_s, price, queued, rate)
             if best is None or cost < best[0]:
                 best = (cost, k, o)
         return None if best is None else best[1:]
