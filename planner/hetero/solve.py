@@ -130,7 +130,9 @@ def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm_s: float) -> float:
     min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
     slack_s = t_s - comm_s - ch.compute_s
     if slack_s < 0:
-        return -1.0
+        if slack_s < -1e-12 * abs(t_s):
+            return -1.0
+        slack_s = 0.0  # t_s = comm + compute, up to float round-off
     opt_s = cls.coeffs.optimizer_s
     return ch.max_share if opt_s <= 0 else min(ch.max_share, slack_s / opt_s)
 
