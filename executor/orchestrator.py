@@ -224,10 +224,14 @@ class Orchestrator:
         are not offered this pass."""
         ours = {os.path.abspath(j.run_dir) for j in running if j.run_dir}
         held = {k for b in booking.Ledger().live() if b.run_dir not in ours for k in b.devices}
-        keys = booking.cluster_device_keys(self.cluster)
+        keys = self._device_keys()
         taken = tuple(i for i, k in enumerate(keys) if k in held and state.owner[i] is None)
         if taken:
             state.assign(BOOKED_ELSEWHERE, taken)
+
+    def _device_keys(self, devices: tuple[int, ...] | None = None) -> list[str]:
+        """The ledger's names of the cluster's devices `devices` (all by default)."""
+        return booking.cluster_device_keys(self.cluster, devices)
 
     def _plan(self, job: QueuedJob, devices: tuple[int, ...]):
         from planner.hetero.solve import solve_plan
@@ -254,6 +258,11 @@ class Orchestrator:
                 devices = tuple(both[a.device_index] for a in mixed.assignments if a.used)
                 state.assign(str(job.id), devices)
                 plan = self._plan(job, devices) if len(devices) < len(both) else mixed
+        self._start_job(job, plan, devices)
+
+    def _start_job(self, job: QueuedJob, plan, devices: tuple[int, ...]) -> None:
+        """Book the devices, start the run, mark the job running (stopping the run if the job was
+        cancelled meanwhile)."""
         start = self._start
         if start is None:
             from executor.launch import start_run as start
@@ -261,7 +270,7 @@ class Orchestrator:
         ledger = booking.Ledger()
         # booked by the cluster's names of the devices (the plan's sub-cluster renumbers them);
         # start_run and the launcher take the booking over
-        ledger.book(run_dir, booking.cluster_device_keys(self.cluster, devices))
+        ledger.book(run_dir, self._device_keys(devices))
         try:
             handle = start(plan, job.steps, run_dir=run_dir)
         except BaseException:
@@ -276,3 +285,111 @@ class Orchestrator:
             from executor.launch import stop_run
 
             stop_run(handle.run_dir)
+
+
+# ---- the orchestrator on SLURM -----------------------------------------------------------
+
+
+def slurm_cluster(settings=None) -> ClusterSpec:
+    """The SLURM cluster as the orchestrator's pool (profiler.slurm_inventory)."""
+    from executor.slurm import SlurmSettings
+    from profiler.slurm_inventory import build_slurm_cluster, cluster_name, read_nodes
+
+    settings = settings or SlurmSettings()
+    return build_slurm_cluster(read_nodes(settings.gres_name), cluster_name(), dict(settings.type_map))
+
+
+class SlurmOrchestrator(Orchestrator):
+    """The same passes, with SLURM as the truth:
+
+    - a running job's state is its SLURM job's (`scontrol show job`): pending and running hold
+      their devices even when the launcher is gone; completed, failed and cancelled end the job
+      (the run store's reason when the launcher recorded one);
+    - devices SLURM reports in use (`GresUsed`) that none of our running jobs holds, and every
+      device of a node SLURM reports down or drained, are not offered;
+    - a job is marked running (devices, run folder) before its launcher starts, so an
+      orchestrator killed at any point never starts it twice; its launcher
+      (executor.slurm.start_slurm_run) runs in its own session and outlives the orchestrator.
+    """
+
+    def __init__(self, queue: JobQueue | None = None, cluster: ClusterSpec | None = None,
+                 dtype: str = LOCAL_DTYPE, settings=None) -> None:
+        from executor.slurm import SlurmSettings
+
+        self.settings = settings or SlurmSettings()
+        super().__init__(queue, cluster or slurm_cluster(self.settings), dtype)
+
+    def _device_keys(self, devices: tuple[int, ...] | None = None) -> list[str]:
+        """`slurm:<node>/<index within the node>`, as executor.slurm books a launch from the CLI."""
+        keys = []
+        for node in self.cluster.nodes:
+            keys += [f"slurm:{node.name}/{k}" for k in range(len(node.devices))]
+        return keys if devices is None else [keys[i] for i in devices]
+
+    def _run_status(self, job: QueuedJob) -> tuple[str, str | None]:
+        from executor.slurm import job_state, read_job_file
+
+        status, reason = super()._run_status(job)
+        info = read_job_file(job.run_dir) if job.run_dir else None
+        if info is None:  # not submitted yet: the launcher is starting, or died before sbatch
+            return status, reason
+        s = job_state(str(info["job_id"]))
+        if s.active or s.completing:
+            return "running", None  # SLURM runs it, whatever became of its launcher
+        launcher_died = (reason or "").startswith("the launcher (pid")  # executor.store's verdict
+        if status == "running" or not launcher_died or not s.known:
+            return status, reason  # the launcher writes (or wrote) the end of the run with its reason
+        status = {"COMPLETED": "done", "CANCELLED": "stopped"}.get(s.state, "failed")
+        return status, f"SLURM job {s.job_id} {s.state}" + (f" ({s.reason})" if s.reason else "") + \
+            " after its launcher died"
+
+    def _hold_booked_elsewhere(self, state: ClusterState, running: list[QueuedJob]) -> None:
+        super()._hold_booked_elsewhere(state, running)
+        from profiler.slurm_inventory import catalog_type, read_nodes
+
+        reported = {n.name: n for n in read_nodes(self.settings.gres_name, [n.name for n in self.cluster.nodes])}
+        type_map = dict(self.settings.type_map)
+        ours = {i for j in running for i in j.devices}
+        taken: list[int] = []
+        i = 0
+        for node in self.cluster.nodes:
+            idx = list(range(i, i + len(node.devices)))
+            i += len(node.devices)
+            n = reported.get(node.name)
+            if n is None or not n.usable:
+                taken += [k for k in idx if state.owner[k] is None]
+                continue
+            for gres_type, used in n.gres_used.items():
+                t = catalog_type(gres_type, type_map)
+                mine = sum(1 for k in idx if k in ours and node.devices[k - idx[0]].type == t)
+                free = [k for k in idx if state.owner[k] is None and node.devices[k - idx[0]].type == t]
+                taken += free[:max(0, used - mine)]
+        if taken:
+            state.assign(BOOKED_ELSEWHERE + " (SLURM)", tuple(taken))
+
+    def _start_job(self, job: QueuedJob, plan, devices: tuple[int, ...]) -> None:
+        from executor.slurm import start_slurm_run
+
+        run_dir = os.path.join(runs_dir(), f"job-{job.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+        labels = [d.label for _, d in (self.cluster.devices()[i] for i in devices)]
+        ledger = booking.Ledger()
+        ledger.book(run_dir, self._device_keys(devices))
+        if not self.queue.mark_running(job.id, devices, labels, run_dir, None,
+                                       plan.predicted_iteration_s * job.steps):
+            ledger.release(run_dir)  # cancelled meanwhile: nothing started
+            return
+        try:
+            handle = start_slurm_run(plan, job.steps, run_dir, self.settings)
+        except BaseException:
+            ledger.release(run_dir)
+            raise
+        ledger.book(run_dir, (), handle.pid)  # the launcher holds the devices now
+
+    def cancel(self, job_id: int) -> str:
+        job = self.queue.get(job_id)
+        state = super().cancel(job_id)
+        if job.state == "running" and job.run_dir:
+            from executor.slurm import cancel_slurm_run
+
+            cancel_slurm_run(job.run_dir)  # the launcher scancels; this covers a launcher that is gone
+        return state

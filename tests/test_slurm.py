@@ -18,6 +18,7 @@ from executor.store import read_metrics
 from models.optim import OptimConfig
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.plan import Assignment, Plan
+from tests.test_executor_run import _wait
 from tests.slurm_fixture import GRES_NAME, slurm_cluster  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.slow
@@ -89,6 +90,9 @@ def test_two_node_three_rank_run_trains_like_one_rank(slurm_cluster, settings, t
     kinds = [e["kind"] for e in m["events"]]
     assert "slurm_job" in kinds and kinds.count("node_up") == 2 and kinds.count("node_exit") == 2
     assert any("10.77.0.3" in e["message"] for e in m["events"] if e["kind"] == "node_up")
+    r = subprocess.run([sys.executable, "-m", "executor", "metrics", "--run-dir", str(tmp_path / "three"), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and json.loads(r.stdout)["steps"][-1]["loss"] == three[-1]
     slurm_cluster.wait_no_jobs()
 
 
@@ -177,3 +181,58 @@ def test_a_killed_node_fails_the_run_naming_the_node(slurm_cluster, settings, tm
         print(f"\n{m['reason']}")
     finally:
         slurm_cluster.revive_node("n2")
+
+
+STEPS_ORCH = 25  # each job still runs when the orchestrator is killed (three start together)
+
+
+def _orchestrator(cluster_file: str, log_path: str) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "executor", "orchestrate", "--backend", "slurm", "--gres-name",
+                                 GRES_NAME, "--cluster", cluster_file, "--poll-s", "0.5"], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_killed_orchestrator_restarted_loses_no_job_and_double_books_no_device(slurm_cluster, settings,
+                                                                                 tmp_path):
+    from executor.queue import JobQueue
+    from planner.core.paths import runs_dir
+
+    cluster_file = str(tmp_path / "cluster.json")
+    subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", GRES_NAME, "--out",
+                    cluster_file], check=True, capture_output=True, timeout=60)
+    q = JobQueue()
+    # global batch 1: one device per job, so three run at once on n1's two and n2's one device,
+    # and the fourth must wait for one of them, across the restart too
+    ids = [q.submit("tiny", 1, STEPS_ORCH, seq=32) for _ in range(4)]
+    orch = _orchestrator(cluster_file, str(tmp_path / "orch1.log"))
+    try:
+        _wait(lambda: len(q.list(["running"])) == 3 and len(slurm_cluster.cmd("squeue", "-h", "-t", "R", "-o",
+                                                                               "%i").split()) >= 3,
+              120, "three jobs running in SLURM")
+        before = {j.id: j.run_dir for j in q.list(["running"])}
+    finally:
+        os.killpg(orch.pid, 9)  # the orchestrator only: each launcher leads its own session
+        orch.wait(timeout=10)
+    assert q.get(ids[3]).state == "queued"
+    orch = _orchestrator(cluster_file, str(tmp_path / "orch2.log"))
+    try:
+        _wait(lambda: all(q.get(i).state not in ("queued", "running") for i in ids), 300, "every job to end")
+    finally:
+        os.killpg(orch.pid, 9)
+        orch.wait(timeout=10)
+    jobs = [q.get(i) for i in ids]
+    assert [j.state for j in jobs] == ["done"] * 4, [j.reason for j in jobs]
+    for job_id, run_dir in before.items():
+        assert q.get(job_id).run_dir == run_dir  # re-attached, not started again
+    for j in jobs:  # each job ran exactly once: one run folder, one SLURM job
+        assert len([d for d in os.listdir(runs_dir()) if d.startswith(f"job-{j.id}-")]) == 1
+        assert len(read_metrics(j.run_dir)["steps"]) == STEPS_ORCH
+    assert len({read_job_file(j.run_dir)["job_id"] for j in jobs}) == 4
+    for a in jobs:  # never two jobs on one device at the same time
+        for b in jobs:
+            if a.id < b.id and a.started_s < b.ended_s and b.started_s < a.ended_s:
+                assert not set(a.devices) & set(b.devices), (a, b)
+    waited = jobs[3].started_s
+    assert waited >= min(j.ended_s for j in jobs[:3]) - 1.0  # the fourth started once a device was free
+    slurm_cluster.wait_no_jobs()
