@@ -13,7 +13,10 @@ device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
    count, gradients reduce-scattered into the owners' slices, clipped by the global norm,
    AdamW with the LR schedule (models/optim.py) on each rank's slices.
 
-Emulation: `slowdown` s sleeps (s-1) x the measured compute of the rank's micro-batches (one
+Emulation: a device with `cpu_share` / `memory_gb` runs inside cgroups the launcher made for this
+rank (executor/cgroups.py: a real CPU quota and memory limit; `start_rank` sets the limit from the
+baseline at start, and the kernel, not a check, ends a rank over it). The sleep fallback, and the
+cluster file's `slowdown`: `slowdown` s sleeps (s-1) x the measured compute of the rank's micro-batches (one
 sleep after them, before the collectives that wait for every rank's gradients); on CPU
 "compute" is the thread's CPU time, so other processes' share of a busy machine is not
 multiplied (see ShardedRuntime's work clock);
@@ -26,6 +29,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -36,10 +40,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from executor import cgroups
 from executor import checkpoint as ckpt
 from executor.corpus import Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from executor.memtrack import PeakMemory
-from executor.store import MetricsStore
+from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
 from models.sharded import ShardedRuntime
@@ -53,6 +58,8 @@ log = logging.getLogger("executor.worker")
 ENV_NODE = "GPUMIX_NODE"  # multi-node runs: which plan node this torchrun agent is
 ENV_LAUNCHED = "GPUMIX_LAUNCHED"  # set by executor.launch; without it (multi-node) rank 0 keeps the run row
 NUM_VAL_WINDOWS = 8  # fixed validation windows per evaluation (same every time)
+# what each rank sends rank 0 every step (Trainer.gather_figures)
+FIGURES = ("compute_s", "emulated_delay_s", "optimizer_s", "wait_s", "peak_memory_bytes", "loss", "step_s", "val_loss")
 
 
 class EmulatedOutOfMemory(RuntimeError):
@@ -219,7 +226,7 @@ class Trainer:
             raise EmulatedOutOfMemory(
                 f"out of memory (emulated): rank {self.rank} ({self.a.type}, memory_gb {self.a.memory_gb:g}) "
                 f"measured peak {peak / GIB:.3f} GiB > limit {self.memory_limit_bytes / GIB:.3f} GiB")
-        if r.skipped:
+        if r.skipped and self.rank == 0:  # every rank skips the step alike: one note
             self.store.add_event("note", f"step {step}: fp16 overflow, step skipped (loss scale {r.loss_scale:g})",
                                  self.rank)
         wait_s = max(0.0, step_s - r.compute_s - delay[0] - r.optimizer_s)
@@ -231,6 +238,29 @@ class Trainer:
         starts = val_starts(int(self.val_tokens.size), self.plan.seq, NUM_VAL_WINDOWS)
         x, y = self._tensors(starts, self.val_tokens)
         return self.runtime.eval_loss(x, y)
+
+    # ---- the step's figures: gathered to rank 0, written by rank 0 alone -----------------
+    def gather_figures(self, m: dict[str, float | int | None], val: float | None) -> list[dict[str, float | None]]:
+        """One gather of every rank's FIGURES to rank 0 (their values by rank there, [] elsewhere):
+        rank 0 then writes the whole step, so no other rank needs the store for its metrics, nor a
+        filesystem shared with rank 0. A missing value (peak memory not measured this step, no
+        validation loss) travels as NaN; float64 holds every byte count below 2**53 exactly."""
+        mine = dict(m, emulated_delay_s=m["delay_s"], peak_memory_bytes=m["peak"], val_loss=val)
+        t = torch.tensor([math.nan if mine[k] is None else float(mine[k]) for k in FIGURES], dtype=torch.float64,
+                         device=self.device)  # NCCL gathers device tensors
+        gathered = [torch.empty_like(t) for _ in self.plan.used] if self.rank == 0 else None
+        dist.gather(t, gathered, dst=0)
+        return [{k: None if math.isnan(x) else x for k, x in zip(FIGURES, g.tolist())} for g in gathered or ()]
+
+    def record(self, step: int, figures: list[dict[str, float | None]]) -> None:
+        """Rank 0: every rank's row and the step's row (the lead rank's loss, step time and
+        validation loss), one transaction."""
+        ranks = [RankStep(r, f["compute_s"], f["emulated_delay_s"], f["optimizer_s"], f["wait_s"],
+                          None if f["peak_memory_bytes"] is None else int(f["peak_memory_bytes"]))
+                 for r, f in enumerate(figures)]
+        lead = figures[self.owner[0]]
+        self.store.record_steps_of_all_ranks(step, ranks, lead["loss"], lead["step_s"], self.plan.global_batch,
+                                             self.plan.seq, lead["val_loss"])
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -245,14 +275,13 @@ class Trainer:
             every = args.measure_memory_every
             measure = step == first or (every > 0 and step % every == 0)
             m = self.train_step(step, measure)
-            self.store.record_rank_step(self.rank, step, m["compute_s"], m["delay_s"], m["optimizer_s"],
-                                        m["wait_s"], m["peak"])
             val = None
             if (step == args.steps or (args.val_every > 0 and step % args.val_every == 0)) and (
                     lead or self.plan.zero == 3):
                 val = self.val_loss()  # zero 3 gathers the units: every rank takes part
-            if lead:
-                self.store.record_step(step, m["loss"], m["step_s"], self.plan.global_batch, self.plan.seq, val)
+            figures = self.gather_figures(m, val)
+            if self.rank == 0:
+                self.record(step, figures)
             if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
                 ckpt.save(args.run_dir, self.runtime, self.position, step, self.plan)
                 if lead:
@@ -270,8 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     _exit_when_orphaned()
     store = MetricsStore(args.run_dir)
     try:
+        cg, baseline = cgroups.start_rank(rank)  # before anything is built: the memory limit's baseline
+        if cg is not None:
+            store.add_event("emulation", f"rank {rank}: cgroup {cg.name}: {cg.limits.describe()}"
+                            + (f" (baseline {baseline / 2**20:.0f} MiB)" if baseline is not None else ""), rank)
         plan = Plan.load(args.plan)
-        Trainer(args, plan, rank, world, store).run()
+        trainer = Trainer(args, plan, rank, world, store)
+        if cg is not None and cg.memory_dir is not None:
+            trainer.memory_limit_bytes = None  # the kernel enforces memory_gb: no measured-peak check
+        trainer.run()
         store.add_event("rank_done", f"rank {rank}: all steps done", rank)
     except BaseException as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
