@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -13,11 +14,13 @@ import time
 import pytest
 
 from executor.launch import launch_run
-from executor.slurm import SlurmSettings, launch_slurm, read_job_file
+from executor.slurm import (Component, SlurmSettings, batch_script, launch_slurm, node_requests, read_job_file,
+                            sbatch_command)
 from executor.store import read_metrics
 from models.optim import OptimConfig
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.plan import Assignment, Plan
+from profiler.slurm_inventory import SlurmNode
 from tests.test_executor_run import _wait
 from tests.slurm_fixture import GRES_NAME, slurm_cluster  # noqa: F401  (the session fixture)
 
@@ -52,6 +55,47 @@ def losses(run_dir: str) -> list[float]:
     return [s["loss"] for s in read_metrics(run_dir)["steps"]]
 
 
+# ---- the job's shape, without a cluster -------------------------------------------------------
+
+
+def _node(name: str, count: int, state: str = "IDLE") -> SlurmNode:
+    return SlurmNode(name, f"10.0.0.{len(name)}", state, "", {"cpu": count}, {}, 2, 1000, ("debug",))
+
+
+def test_one_component_per_group_of_nodes_asking_the_same_gres():
+    nodes = {"n1": _node("n1", 2), "n2": _node("n2", 1)}
+    got = node_requests(node_plan(THREE), nodes, SlurmSettings(gres_name=GRES_NAME))
+    assert got == [Component(("n1",), (("cpu", 2),)), Component(("n2",), (("cpu", 1),))]
+    even = node_plan([("n1", 1, 1, 0.5), ("n2", 1, 1, 0.5)])
+    assert node_requests(even, nodes, SlurmSettings(gres_name=GRES_NAME)) == [Component(("n1", "n2"), (("cpu", 1),))]
+
+
+@pytest.mark.parametrize("nodes, message", [
+    ({"n1": _node("n1", 2)}, "'n2' is not a SLURM node"),
+    ({"n1": _node("n1", 2), "n2": _node("n2", 1, "DOWN+NOT_RESPONDING")}, "n2 is DOWN"),
+    ({"n1": _node("n1", 1), "n2": _node("n2", 1)}, "n1 has 1 gpumix GRES of type cpu .* the plan uses 2"),
+])
+def test_a_plan_slurm_cannot_run_is_refused_before_submitting(nodes, message):
+    with pytest.raises(ValueError, match=message):
+        node_requests(node_plan(THREE), nodes, SlurmSettings(gres_name=GRES_NAME))
+
+
+def test_the_batch_script_quotes_every_value_and_sbatch_gets_an_argument_list():
+    comps = [Component(("n1",), (("cpu", 2),)), Component(("n2",), (("cpu", 1),))]
+    odd = "/tmp/a run; rm -rf $HOME 'x'"
+    script = batch_script(comps, ["--run-dir", odd, "--", "--seed", "0"])
+    sruns = [shlex.split(line.removesuffix(" &")) for line in script.splitlines() if line.startswith("srun")]
+    assert [a[1] for a in sruns] == ["--het-group=0", "--het-group=1"]
+    assert all(a[a.index("--run-dir") + 1] == odd for a in sruns)  # one argument, as given
+    cmd = sbatch_command(comps, "/r/slurm.sbatch", "/r", SlurmSettings(gres_name=GRES_NAME, partition="debug"))
+    assert cmd[0] == "sbatch" and cmd.count(":") == 1 and "--gres=gpumix:cpu:2" in cmd and cmd[-1] == "/r/slurm.sbatch"
+    assert "--nodelist=n2" in cmd[cmd.index(":"):]
+    with pytest.raises(ValueError, match="'%'"):
+        sbatch_command(comps, "/r/s", "/r%j", SlurmSettings(gres_name=GRES_NAME))
+    with pytest.raises(ValueError, match="GRES name"):
+        SlurmSettings(gres_name="gpu;reboot")
+
+
 def test_inventory_reads_the_real_cluster(slurm_cluster, settings, tmp_path):
     out = str(tmp_path / "cluster.json")
     r = subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", GRES_NAME, "--out",
@@ -67,6 +111,20 @@ def test_inventory_reads_the_real_cluster(slurm_cluster, settings, tmp_path):
     r = subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", "gpu"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no usable SLURM node" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_device_type_is_profiled_as_a_slurm_job_into_the_store(slurm_cluster, settings, tmp_path):
+    from planner.core.profiles import load_step_profiles
+
+    r = subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", GRES_NAME,
+                        "--profile", "tiny", "--seq", "32", "--micro-batches", "1,2,3,4", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    stored = json.loads(r.stdout)["profiles"]["cpu"]["store_path"]
+    assert os.path.isfile(stored)
+    (p,) = [p for p in load_step_profiles() if p.model == "tiny" and p.seq == 32]
+    assert p.device_type == "cpu" and p.measured and p.micro_batches == (1, 2, 3, 4) and p.beta_s > 0
+    assert "JobName=gpumix-profile-cpu" in slurm_cluster.cmd("scontrol", "show", "job", "-o")  # it ran in SLURM
 
 
 def test_two_node_three_rank_run_trains_like_one_rank(slurm_cluster, settings, tmp_path):

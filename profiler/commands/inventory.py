@@ -26,6 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default=None, help="--slurm: only the nodes of this partition")
     p.add_argument("--type-map", action="append", default=None, metavar="GRES_TYPE=CATALOG_TYPE",
                    help="--slurm: a GRES type that names no single catalog type, e.g. a100=A100-80GB")
+    p.add_argument("--profile", default=None, metavar="MODEL",
+                   help="--slurm: also measure MODEL's step profile on each device type, as a SLURM job on a "
+                        "node of that type (python -m profiler profile there), saved in the profile store here")
+    p.add_argument("--seq", type=int, default=128, help="--profile: sequence length (default 128)")
+    p.add_argument("--micro-batches", default="4,8,16,32", metavar="M1,M2,...",
+                   help="--profile: micro-batch sizes to time (default 4,8,16,32)")
 
 
 def _save(cluster, path: str | None) -> None:
@@ -37,7 +43,8 @@ def _save(cluster, path: str | None) -> None:
 
 
 def run_slurm(args: argparse.Namespace) -> int:
-    from profiler.slurm_inventory import build_slurm_cluster, cluster_name, parse_type_map, read_nodes
+    from profiler.slurm_inventory import (build_slurm_cluster, cluster_name, default_gres_name, parse_type_map,
+                                          read_nodes)
 
     type_map = parse_type_map(args.type_map)
     nodes = read_nodes(args.gres_name)
@@ -47,8 +54,18 @@ def run_slurm(args: argparse.Namespace) -> int:
             raise ValueError(f"no SLURM node in partition {args.partition!r}")
     cluster = build_slurm_cluster(nodes, cluster_name(), type_map)
     _save(cluster, args.out)
+    profiles = {}
+    if args.profile:
+        from profiler.slurm_profile import profile_on_slurm
+
+        for t in cluster.device_types():
+            prof, path = profile_on_slurm(t, ["--model", args.profile, "--seq", str(args.seq), "--micro-batches",
+                                              args.micro_batches], args.gres_name or default_gres_name(),
+                                          args.partition, type_map)
+            profiles[t] = {"store_path": path, "alpha_s": prof.alpha_s, "beta_s": prof.beta_s, "host": prof.host}
     if args.json:
-        print_json({"nodes": [n.to_dict() for n in nodes], "cluster": cluster.to_dict(), "cluster_file": args.out})
+        print_json({"nodes": [n.to_dict() for n in nodes], "cluster": cluster.to_dict(), "cluster_file": args.out,
+                    "profiles": profiles})
         return 0
     print_table([{"node": n.name, "addr": n.addr, "state": n.state, "partitions": ",".join(n.partitions),
                   "gres": ",".join(f"{t or '-'}:{c}" for t, c in n.gres.items()) or "none",
@@ -56,14 +73,17 @@ def run_slurm(args: argparse.Namespace) -> int:
                  for n in nodes])
     print(f"\ncluster {cluster.name!r}: {cluster.num_devices} device(s) on {len(cluster.nodes)} usable node(s) "
           f"({', '.join(cluster.device_types())})" + (f", written to {args.out}" if args.out else ""))
+    for t, p in profiles.items():
+        print(f"{t}: profiled as a SLURM job (host {p['host']}): alpha {p['alpha_s'] * 1e3:.3f} ms, "
+              f"beta {p['beta_s'] * 1e3:.3f} ms/sample, saved to {p['store_path']}")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.slurm:
         return run_slurm(args)
-    if args.gres_name or args.partition or args.type_map:
-        raise ValueError("--gres-name, --partition and --type-map go with --slurm")
+    if args.gres_name or args.partition or args.type_map or args.profile:
+        raise ValueError("--gres-name, --partition, --type-map and --profile go with --slurm")
     devices = detect_devices()
     cluster = build_local_cluster(devices)
     _save(cluster, args.out)
