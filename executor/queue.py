@@ -11,6 +11,7 @@ of a failure and the timestamps (Unix seconds). Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from contextlib import closing
 from dataclasses import asdict, dataclass
@@ -34,20 +35,27 @@ CREATE TABLE IF NOT EXISTS jobs (
     steps {int} NOT NULL,
     priority {int} NOT NULL DEFAULT 0,
     state TEXT NOT NULL CHECK (state IN ('queued', 'running', 'done', 'failed', 'cancelled')),
-    devices TEXT NOT NULL DEFAULT '[]',        -- JSON: device indices of the local cluster
+    devices TEXT NOT NULL DEFAULT '[]',        -- JSON: device indices of the cluster of `host`
     device_labels TEXT NOT NULL DEFAULT '[]',  -- JSON: their labels (type, emulation)
     run_dir TEXT,
-    pid {int},                                 -- the run's launcher
+    pid {int},                                 -- the run's launcher (a process on `host`)
     reason TEXT,
     predicted_duration_s {real},
     submitted_s {real} NOT NULL,
     started_s {real},
-    ended_s {real}
+    ended_s {real},
+    host TEXT                                  -- the machine whose orchestrator started it
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
 """
-# version 0 (the file before versions were kept) has the same table
-QUEUE = db.Part("queue", _SCHEMA, ("jobs",), {0: db.only_record_version})
+
+
+def _upgrade_from_0(store: db.Database) -> None:
+    """Version 0 (the file before versions were kept): no host column (every job was this machine's)."""
+    store.execute("ALTER TABLE jobs ADD COLUMN host TEXT")
+
+
+QUEUE = db.Part("queue", _SCHEMA, ("jobs",), {0: _upgrade_from_0})
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class QueuedJob:
     submitted_s: float
     started_s: float | None
     ended_s: float | None
+    host: str | None = None  # the machine that started it (a shared queue holds every machine's jobs)
 
     @classmethod
     def from_row(cls, row: Any) -> "QueuedJob":
@@ -158,12 +167,13 @@ class JobQueue:
 
     def mark_running(self, job_id: int, devices: Sequence[int], device_labels: Sequence[str], run_dir: str,
                      pid: int | None, predicted_duration_s: float | None) -> bool:
-        """queued -> running; False when the job was no longer queued (someone else took it)."""
+        """queued -> running on this machine; False when the job was no longer queued (someone
+        else took it, perhaps another machine's orchestrator on a shared queue)."""
         return self._update(
             "UPDATE jobs SET state = 'running', devices = ?, device_labels = ?, run_dir = ?, pid = ?, "
-            "predicted_duration_s = ?, started_s = ? WHERE id = ? AND state = 'queued'",
+            "predicted_duration_s = ?, started_s = ?, host = ? WHERE id = ? AND state = 'queued'",
             (json.dumps(list(devices)), json.dumps(list(device_labels)), run_dir, pid, predicted_duration_s,
-             time.time(), job_id))
+             time.time(), socket.gethostname(), job_id))
 
     def finish(self, job_id: int, state: str, reason: str | None = None) -> bool:
         """queued|running -> done|failed|cancelled; the job's devices are free again."""

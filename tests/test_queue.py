@@ -1,3 +1,4 @@
+import socket
 import sqlite3
 
 import pytest
@@ -19,7 +20,7 @@ def test_jobs_and_their_states_survive_a_restart(store_backend):
     ja, jb, jc = (q2.get(i) for i in (a, b, c))
     assert (ja.state, ja.devices, ja.run_dir, ja.pid, ja.predicted_duration_s) == ("running", (0, 1), "/runs/a",
                                                                                    4242, 12.5)
-    assert ja.started_s >= ja.submitted_s
+    assert ja.started_s >= ja.submitted_s and ja.host == socket.gethostname() and jb.host is None
     assert (jb.state, jb.seq, jb.priority) == ("queued", 256, 1)
     assert (jc.state, jc.reason) == ("failed", "boom") and jc.ended_s is not None
     assert [j.id for j in q2.list(["queued"])] == [b]
