@@ -102,6 +102,26 @@ def test_a_rank_over_its_memory_cgroup_is_killed_by_the_kernel_and_named(data_di
     assert processes_with_data_dir(data_dir) == []
 
 
+def test_stopping_a_run_whose_launcher_was_killed_removes_its_cgroups(data_dir, tmp_path):
+    import signal
+    import time
+
+    from executor.launch import start_run, stop_run
+
+    devs = [DeviceSpec("cpu", cpu_share=1.0), DeviceSpec("cpu", cpu_share=0.5)]
+    h = start_run(plan_for(devs, [(2, 1, 0.5), (2, 1, 0.5)]), 100_000, str(tmp_path / "killed"), seed=1)
+    deadline = time.monotonic() + 120
+    while len(read_metrics(h.run_dir)["steps"]) < 1:
+        assert time.monotonic() < deadline, "the run never trained a step"
+        time.sleep(0.2)
+    prefix = cgroups.run_prefix(run_id_of(h.run_dir))
+    assert len(cgroups.find(prefix)) == 2  # one CPU cgroup per rank
+    os.kill(h.pid, signal.SIGKILL)  # the launcher cannot clean up now
+    assert stop_run(h.run_dir, timeout_s=5) == "stopped"
+    assert cgroups.find(prefix) == []
+    assert processes_with_data_dir(data_dir) == []
+
+
 def test_without_cgroups_the_run_sleeps_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUMIX_EMULATION", "sleep")
     run = str(tmp_path / "sleep")
