@@ -195,6 +195,7 @@ class GeoReport:
     solve_time_s: float
     num_candidates: int
     chosen_from: str = "search"  # "search", or the pipeline baseline whose plan was fastest
+    search_exact: bool = False  # every structure enumerated (planner/geo/search.py), not a reduced set
 
     def slower_than(self) -> list[str]:
         """Baselines faster than the plan (to rounding): empty unless DP across datacenters wins."""
@@ -227,6 +228,7 @@ class GeoReport:
             "num_candidates": self.num_candidates,
             "kind": "simulated",
             "chosen_from": self.chosen_from,
+            "search_exact": self.search_exact,
             "slower_than": self.slower_than(),
         }
         for k, v in self.baselines.items():
@@ -269,4 +271,4 @@ def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool 
             plan, sim, chosen = b.plan, b.sim, name
     solve_s = time.perf_counter() - t0
     pre, same = run_prefill(scenario, plan, sim)
-    return GeoReport(scenario, plan, sim, base, pre, same, solve_s, atlas.num_candidates, chosen)
+    return GeoReport(scenario, plan, sim, base, pre, same, solve_s, atlas.num_candidates, chosen, atlas.exact)
