@@ -8,7 +8,8 @@ import pytest
 from planner.core.catalog import device_dtype, get_gpu_type
 from planner.geo.atlas import build_job, solve_atlas
 from planner.geo.search import split_for_estimate, split_layers
-from planner.geo.costs import MEMORY_HEADROOM, GeoCosts
+from planner.core.constants import MEMORY_HEADROOM
+from planner.geo.costs import GeoCosts
 from planner.geo.evaluate import simulate_geo
 from planner.geo.scenario import GeoScenario
 from planner.geo.pipeline_sim import simulate_pipeline

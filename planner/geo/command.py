@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
                      "gpu_utilization": b["gpu_utilization"] if it is not None else "-",
                      "speedup": it / out["iteration_s"] if it else "-"})
     print_table(rows)
+    how = "every structure enumerated" if out["search_exact"] else "stage counts cut to a reduced set (too many)"
+    slower = ", ".join(out["slower_than"])
+    print(f"search: {out['num_candidates']} structures priced ({how}); plan from {out['chosen_from']}"
+          + (f"; SLOWER than {slower}" if slower else "; no baseline is faster"))
     if out["wan_utilization"]:
         print("WAN utilization (simulated): " +
               ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(out["wan_utilization"].items())))

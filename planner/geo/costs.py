@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from planner.core.constants import DTYPE_BYTES, MEMORY_HEADROOM  # noqa: F401  (MEMORY_HEADROOM: tests read it here)
+from planner.core.constants import DTYPE_BYTES
 from planner.core.specs import ModelSpec, get_model, with_max_seq
 from planner.costmodel.collectives import Link, all_reduce_s, bytes_per_s
 from planner.costmodel.pipeline import PipelineCostModel, in_flight
