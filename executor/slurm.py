@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from executor import booking
 from executor.launch import (DEFAULT_RDZV_PORT, POLL_S, RunHandle, _check_not_running, _last_step, _reap,
                              _stop_on_signals, check_init_from, check_numbers, copy_tokenizer, failure_reason,
-                             optim_flags, plan_nodes, worker_args, _all_ranks_done)
+                             new_run_dir, optim_flags, plan_nodes, worker_args, _all_ranks_done)
 from executor.store import MetricsStore
 from planner.core.paths import PROJECT_ROOT
 from planner.core.plan import Plan
@@ -490,15 +490,18 @@ def _cleanup(job_id: str) -> None:
 # ---- non-blocking: the dashboard and the orchestrator --------------------------------------
 
 
-def start_slurm_run(plan: Plan | str, steps: int, run_dir: str, settings: SlurmSettings | None = None,
+def start_slurm_run(plan: Plan | str, steps: int, run_dir: str | None = None, settings: SlurmSettings | None = None,
                     seed: int = 0, checkpoint_every: int = 0, corpus_dir: str | None = None,
-                    optim: OptimConfig | None = None, tokenizer: str | None = None) -> RunHandle:
+                    optim: OptimConfig | None = None, tokenizer: str | None = None,
+                    init_from: str | None = None) -> RunHandle:
     """Start `python -m executor launch --backend slurm ...` in a new session and return at once
-    (the launcher outlives its caller: a dashboard reload, an orchestrator restart)."""
+    (the launcher outlives its caller: a dashboard reload, an orchestrator restart). `run_dir`
+    defaults to a new folder under planner.core.paths.runs_dir(), as executor.launch.start_run."""
     settings = settings or SlurmSettings()
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     check_numbers(steps, checkpoint_every, seed)
-    run_dir = os.path.abspath(run_dir)
+    init_from = check_init_from(plan, init_from)
+    run_dir = os.path.abspath(run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
     plan_path = os.path.join(run_dir, "plan.json")
@@ -508,6 +511,7 @@ def start_slurm_run(plan: Plan | str, steps: int, run_dir: str, settings: SlurmS
     cmd = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps), "--run-dir",
            run_dir, "--seed", str(seed), "--checkpoint-every", str(checkpoint_every), *settings.to_args()]
     cmd += (["--data", corpus_dir] if corpus_dir else []) + (["--tokenizer", tokenizer] if tokenizer else [])
+    cmd += ["--init-from", init_from] if init_from else []
     cmd += optim_flags(optim) if optim is not None else []
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,

@@ -189,13 +189,15 @@ def processes_of(run_dir: str) -> list[str]:
     return out
 
 
-def start_background(tmp_path, name: str, settings: SlurmSettings) -> str:
+def start_background(tmp_path, name: str, settings: SlurmSettings, pieces=THREE) -> str:
     from executor.slurm import start_slurm_run
 
-    h = start_slurm_run(node_plan(THREE), LONG, str(tmp_path / name), settings, seed=SEED, optim=OPTIM)
-    m = wait_for_steps(h.run_dir, 2)
+    return start_slurm_run(node_plan(pieces), LONG, str(tmp_path / name), settings, seed=SEED, optim=OPTIM).run_dir
+
+
+def wait_training(run_dir: str) -> None:
+    m = wait_for_steps(run_dir, 2)
     assert m["status"] == "running", (m["reason"], m["events"])
-    return h.run_dir
 
 
 def assert_nothing_left(cluster, run_dir: str) -> None:
@@ -206,29 +208,29 @@ def assert_nothing_left(cluster, run_dir: str) -> None:
     assert not processes_of(run_dir)
 
 
-def test_executor_stop_scancels_the_job(slurm_cluster, settings, tmp_path):
-    run_dir = start_background(tmp_path, "stopped", settings)
-    job = read_job_file(run_dir)["job_id"]
-    r = subprocess.run([sys.executable, "-m", "executor", "stop", "--run-dir", run_dir], capture_output=True,
+def test_executor_stop_and_an_outside_scancel_end_runs_as_stopped(slurm_cluster, settings, tmp_path):
+    # side by side: a one-node job on n1 (a plain job, one srun) and one on n2
+    on_n1 = start_background(tmp_path, "stopped", settings, [("n1", 2, 1, 0.5), ("n1", 2, 1, 0.5)])
+    on_n2 = start_background(tmp_path, "scancelled", settings, [("n2", 4, 1, 1.0)])
+    wait_training(on_n1)
+    wait_training(on_n2)
+    job = read_job_file(on_n1)["job_id"]
+    r = subprocess.run([sys.executable, "-m", "executor", "stop", "--run-dir", on_n1], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "stopped" in r.stdout, r.stderr
-    m = read_metrics(run_dir)
+    m = read_metrics(on_n1)
     assert m["status"] == "stopped" and f"scancel of SLURM job {job}" in m["reason"]
     assert 2 <= len(m["steps"]) < LONG
-    assert_nothing_left(slurm_cluster, run_dir)
-
-
-def test_a_scancel_from_outside_ends_the_run_as_stopped(slurm_cluster, settings, tmp_path):
-    run_dir = start_background(tmp_path, "scancelled", settings)
-    job = read_job_file(run_dir)["job_id"]
-    slurm_cluster.cmd("scancel", job)
-    m = wait_status(run_dir)
+    slurm_cluster.cmd("scancel", read_job_file(on_n2)["job_id"])
+    m = wait_status(on_n2)
     assert m["status"] == "stopped" and "cancelled outside GPUMix" in m["reason"], m["reason"]
-    assert_nothing_left(slurm_cluster, run_dir)
+    assert_nothing_left(slurm_cluster, on_n1)
+    assert_nothing_left(slurm_cluster, on_n2)
 
 
 def test_a_killed_node_fails_the_run_naming_the_node(slurm_cluster, settings, tmp_path):
     run_dir = start_background(tmp_path, "node-died", settings)
+    wait_training(run_dir)
     try:
         slurm_cluster.kill_node("n2")
         m = wait_status(run_dir)
