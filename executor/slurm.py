@@ -229,7 +229,8 @@ def parse_job(text: str, job_id: str) -> JobState:
     states = [c.get("JobState", "UNKNOWN") for c in comps]
     order = [s for s in ACTIVE_STATES if s in states] or ["COMPLETING"] * ("COMPLETING" in states) or [
         s for s in FAILED_STATES if s in states] or ["CANCELLED"] * ("CANCELLED" in states) or states
-    reasons = [c.get("Reason", "None") for c in comps if c.get("Reason", "None") not in ("None", "(null)")]
+    reasons = list(dict.fromkeys(c.get("Reason", "None") for c in comps if c.get("Reason", "None") not in (
+        "None", "(null)")))  # each once: the components of a job often share theirs
     nodes: list[str] = []
     for c in comps:
         nodes += expand_hostlist(c.get("NodeList", ""))
