@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Install and start the dashboard on the embedded defaults (this machine, SQLite
-# under data/, the tiny model, the Python standard library as corpus).
+# Install (into .venv/, see install.sh) and start the dashboard on the embedded defaults
+# (this machine, SQLite under data/, the tiny model, the Python standard library as corpus).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUMIX_SKIP_BROWSER=1 bash scripts/install.sh
-exec python3 -m streamlit run app.py "$@"
+GPUMIX_SKIP_TEST_PACKAGES=1 bash scripts/install.sh
+VENV=$(realpath -m "${GPUMIX_VENV:-.venv}")
+export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
+exec "$VENV/bin/python" -m streamlit run app.py "$@"

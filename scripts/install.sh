@@ -1,14 +1,102 @@
 #!/usr/bin/env bash
-# Installs everything GPUMix needs on a fresh Debian machine: Python packages
-# (pinned) and, for the browser test, Debian's chromium. Never downloads a
-# browser build of its own (playwright drives /usr/bin/chromium).
+# Installs everything GPUMix needs on a fresh Debian/Ubuntu machine:
+#  - the Python packages of requirements.txt (pinned) into a project-local virtual
+#    environment, .venv/, so it works where the system interpreter refuses
+#    `pip install` (PEP 668, "externally managed"); the system pip is never called;
+#  - the Debian packages the tests use, only those missing, as root or with sudo:
+#    python3-venv (when the interpreter has no ensurepip), postgresql (PostgreSQL store
+#    tests), slurmd slurmctld munge slurm-client (SLURM tests), chromium (the browser
+#    test: playwright drives /usr/bin/chromium, never a browser build of its own) and
+#    iproute2 (network namespaces of the SLURM test cluster).
+# torch stays torch==2.13.0 and must be a CPU build: the script refuses to let pip pull a
+# CUDA build (see check_torch_is_cpu).
+#
+# usage: bash scripts/install.sh [--check]
+#   --check  print the commands it would run, run none of them
+# environment (all optional):
+#   GPUMIX_VENV=DIR             the virtual environment (default .venv)
+#   GPUMIX_PYTHON=EXE           the interpreter that creates it (default python3)
+#   GPUMIX_REQUIREMENTS=FILE    the requirements file (default requirements.txt)
+#   GPUMIX_SKIP_TEST_PACKAGES=1 no Debian packages for the tests (the dashboard needs none)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --disable-pip-version-check -r requirements.txt
-if [ "${GPUMIX_SKIP_BROWSER:-0}" != "1" ] && [ ! -x /usr/bin/chromium ]; then
-  if [ "$(id -u)" = "0" ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-  else
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+
+CHECK=0
+case "${1:-}" in
+  "") ;;
+  --check) CHECK=1 ;;
+  *) echo "install.sh: unknown argument '$1' (only --check)" >&2; exit 2 ;;
+esac
+VENV=${GPUMIX_VENV:-.venv}
+PY=${GPUMIX_PYTHON:-python3}
+REQS=${GPUMIX_REQUIREMENTS:-requirements.txt}
+VPY="$VENV/bin/python"
+
+# run CMD...: runs it, or with --check prints it (shell-quoted) after a '+'.
+run() {
+  if [ "$CHECK" = 1 ]; then printf '+'; printf ' %q' "$@"; printf '\n'; else "$@"; fi
+}
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then run env DEBIAN_FRONTEND=noninteractive "$@"
+  elif command -v sudo >/dev/null; then run sudo env DEBIAN_FRONTEND=noninteractive "$@"
+  else echo "install.sh: '$*' needs root (no sudo here)" >&2; return 1
   fi
-fi
+}
+
+deb_installed() {
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
+}
+
+install_debian_packages() {
+  local want=() missing=() p
+  # Debian's own python3 makes venvs only with python3-venv (its ensurepip wheels)
+  case "$(readlink -f "$(command -v "$PY")")" in /usr/bin/*) want+=(python3-venv) ;; esac
+  if [ "${GPUMIX_SKIP_TEST_PACKAGES:-0}" != 1 ]; then
+    want+=(postgresql slurmd slurmctld munge slurm-client chromium iproute2)
+  fi
+  [ "${#want[@]}" -gt 0 ] || return 0
+  if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
+    echo "install.sh: not a Debian system: install ${want[*]} yourself" >&2
+    return 0
+  fi
+  for p in "${want[@]}"; do deb_installed "$p" || missing+=("$p"); done
+  [ "${#missing[@]}" -gt 0 ] || return 0
+  as_root apt-get update -qq
+  as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+create_venv() {
+  if [ -x "$VPY" ] && "$VPY" -c "import pip" 2>/dev/null; then return 0; fi
+  run "$PY" -m venv --clear "$VENV"
+}
+
+# A plain torch==X from the package index is the CUDA build on Linux (gigabytes of CUDA
+# libraries); only a +cpu wheel (a local wheel folder, or the PyTorch CPU index) is taken.
+# pip's dry run resolves without downloading the wheel, so a wrong choice costs nothing.
+check_torch_is_cpu() {
+  local spec report url
+  spec=$(grep -E '^torch==' "$REQS" || true)
+  [ -n "$spec" ] || return 0
+  if [ "$CHECK" = 1 ]; then
+    run "$VPY" -m pip install --dry-run --no-deps --quiet --report REPORT "$spec"; return 0
+  fi
+  if "$VPY" -c "import sys, torch; sys.exit(torch.__version__ != '${spec#torch==}+cpu')" 2>/dev/null; then
+    return 0
+  fi
+  report=$(mktemp)
+  "$VPY" -m pip install --dry-run --no-deps --quiet --report "$report" "$spec"
+  url=$("$VPY" -c "import json, sys; print(' '.join(i['download_info']['url'] for i in json.load(open(sys.argv[1]))['install']))" "$report")
+  rm -f "$report"
+  case "$url" in
+    *+cpu*|*%2Bcpu*|"") ;;
+    *) echo "install.sh: pip would install a CUDA build of torch ($url); give it the CPU build:" \
+            "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/install.sh" >&2
+       exit 1 ;;
+  esac
+}
+
+install_debian_packages
+create_venv
+check_torch_is_cpu
+run "$VPY" -m pip install --quiet --disable-pip-version-check -r "$REQS"
