@@ -75,8 +75,27 @@ def test_infeasible_inputs_show_the_solver_reason_not_a_traceback():
     at = _page()
     at.selectbox(key="plan_cluster_source").set_value("local-2cpu-emulated.json")
     at.selectbox(key="plan_model").set_value("llama2-13b")  # 13B does not fit 2 CPU workers
+    assert "plan" in at.session_state  # the default plan of the first open
     settle(at.button(key="plan_compute").click().run())
     assert any("no feasible plan" in e.value for e in at.error)
+    # the failed plan clears the previous one: no plan, no table, no download, no launch link
+    assert "plan" not in at.session_state and not at.dataframe and not at.get("download_button")
+    at.run()  # a rerun keeps saying why there is no plan
+    assert any("no feasible plan" in e.value for e in at.error) and "plan" not in at.session_state
+
+
+def test_sequence_field_shows_the_models_default_and_refuses_out_of_range():
+    at = _page()
+    assert at.number_input(key="plan_seq:tiny").value == 128  # tiny's own context, not a magic 0
+    assert at.session_state["plan"].seq == 128
+    at.selectbox(key="plan_model").set_value("llama2-7b").run()
+    assert at.number_input(key="plan_seq:llama2-7b").value == 2048  # 4,096 capped at the default 2,048
+    at.number_input(key="plan_seq:llama2-7b").set_value(0).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["Sequence length: 0 is out of range, 1–131,072 tokens"]
+    assert at.button(key="plan_compute").disabled
+    assert at.number_input(key="plan_seq:llama2-7b").value == 0  # the value typed stays, never replaced
+    assert at.number_input(key="plan_global_batch").label == "Global batch (samples, 1–1,000,000)"
 
 
 def test_download_button_carries_a_plan_file():

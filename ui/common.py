@@ -134,6 +134,34 @@ def call_or_error(fn: Callable[..., T], *args: Any, what: str | None = None, **k
     return None
 
 
+# ---- number inputs -------------------------------------------------------------------------
+
+
+def _fmt_bound(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
+def number_field(label: str, *, unit: str, min_value: int | float, max_value: int | float, value: int | float,
+                 key: str, step: int | float | None = None, help: str | None = None, where: Any = None,
+                 format: str | None = None) -> int | float | None:
+    """A number input that says its unit and range in its label, "Steps (steps, 1–1,000,000)",
+    and answers an out-of-range value with an error right under the field (None is returned),
+    instead of the browser silently putting the previous value back (what a Streamlit
+    number_input with min/max bounds does). `where`: the column to draw in (default: the page)."""
+    where = where if where is not None else st
+    integer = isinstance(value, int) and isinstance(min_value, int) and isinstance(step or 1, int)
+    bounds = f"{_fmt_bound(min_value)}–{_fmt_bound(max_value)}"
+    x = where.number_input(f"{label} ({unit}, {bounds})", value=value, step=step or (1 if integer else None),
+                           key=key, help=help, format=format)
+    if x is None:
+        where.error(f"{label}: give a value ({bounds} {unit})", icon=":material/error:")
+        return None
+    if not min_value <= x <= max_value:
+        where.error(f"{label}: {_fmt_bound(x)} is out of range, {bounds} {unit}", icon=":material/error:")
+        return None
+    return int(x) if integer else float(x)
+
+
 # ---- number formatting -------------------------------------------------------------------
 
 

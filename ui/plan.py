@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 
 import streamlit as st
 
 from planner.core.cluster import ClusterSpec
-from planner.hetero.solve import DTYPES, solve_plan
+from planner.hetero.solve import DEFAULT_MAX_SEQ, DTYPES, solve_plan
 from planner.core.paths import PROJECT_ROOT
 from planner.core.plan import Plan
 from planner.core.specs import PRESETS
+from planner.core.specs import get_model as get_model_spec
 from ui import background
-from ui.common import (MEASURED, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
-                       profiles_version, show_emulated_note, show_errors, show_figure, style_figure)
-from ui.state import DEFAULT_GLOBAL_BATCH, get_cluster, get_model, get_plan, set_plan
+from ui.common import (MEASURED, error_message, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
+                       number_field, profiles_version, show_emulated_note, show_errors, show_figure,
+                       style_figure)
+from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
 from planner.core.constants import GIB
+
+log = logging.getLogger(__name__)
 
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "clusters")
 SESSION_SOURCE = "This machine (session cluster)"
@@ -29,6 +34,7 @@ UPLOAD_SOURCE = "Upload a cluster file…"
 HEADROOM = 0.9  # the planner's default: the capacity line on the memory chart
 JOB = "plan"  # this page's background job (ui/background.py)
 REQUEST = "plan_request"  # session key: the compute_plan arguments asked for and not yet answered
+FAILED = "plan_failed"  # session key: the last request ended in an error (no plan shown)
 AUTO_STARTED = "plan_auto_started"  # the first open asked for a default plan once (not again after Cancel)
 
 
@@ -69,18 +75,35 @@ def choose_cluster() -> ClusterSpec | None:
     return None
 
 
-def inputs() -> tuple[ClusterSpec | None, str, int, int | None, str]:
+MAX_GLOBAL_BATCH = 1_000_000
+MAX_SEQ = 131_072  # tokens: the planner extends a learned position table past the model's own
+
+
+def default_seq(model: str) -> int:
+    """The sequence length the planner uses when none is given: the model's own, at most
+    DEFAULT_MAX_SEQ (planner/hetero/solve.py)."""
+    return min(get_model_spec(model).max_seq, DEFAULT_MAX_SEQ)
+
+
+def inputs() -> tuple[ClusterSpec | None, str, int | None, int | None, str]:
+    """The cluster, model, global batch, sequence length and dtype; None for a number out of range
+    (its error is shown under the field)."""
     cluster = choose_cluster()
     current = get_model()
     models = list(PRESETS) if current in PRESETS else [current, *PRESETS]
     c1, c2, c3, c4 = st.columns(4)
     model = c1.selectbox("Model", models, index=models.index(current), key="plan_model")
-    batch = c2.number_input("Global batch (samples)", min_value=1, value=DEFAULT_GLOBAL_BATCH, step=1,
-                            key="plan_global_batch")
-    seq = c3.number_input("Sequence length (tokens)", min_value=0, value=0, step=64, key="plan_seq",
-                          help="0: the model's own, at most 2,048")
+    batch = number_field("Global batch", unit="samples", min_value=1, max_value=MAX_GLOBAL_BATCH,
+                         value=DEFAULT_GLOBAL_BATCH, step=1, key="plan_global_batch", where=c2)
+    seq = None
+    with show_errors(f"Unknown model {model}"):
+        own = default_seq(model)
+        # one field per model, so that each starts at its own default
+        seq = number_field("Sequence length", unit="tokens", min_value=1, max_value=MAX_SEQ, value=own, step=64,
+                           key=f"plan_seq:{model}", where=c3,
+                           help=f"{model}'s default: {own:,} (its context, at most {DEFAULT_MAX_SEQ:,})")
     dtype = c4.selectbox("Dtype", DTYPES, key="plan_dtype")
-    return cluster, model, int(batch), (int(seq) or None), dtype
+    return cluster, model, batch, seq, dtype
 
 
 def device_rows(plan: Plan) -> list[dict]:
@@ -158,22 +181,31 @@ def render(plan: Plan) -> None:
 page_header("Plan", "Per-device micro-batch, accumulation steps and state shard for a mixed cluster: "
                     "no device out of memory, the shortest predicted iteration.")
 cluster, model, batch, seq, dtype = inputs()
-clicked = st.button("Compute plan", key="plan_compute", type="primary")
-if cluster is not None and (clicked or (get_plan() is None and not st.session_state.get(AUTO_STARTED))):
+valid = cluster is not None and batch is not None and seq is not None
+clicked = st.button("Compute plan", key="plan_compute", type="primary", disabled=not valid)
+if valid and (clicked or (get_plan() is None and not st.session_state.get(AUTO_STARTED))):
     st.session_state[AUTO_STARTED] = True
     st.session_state[REQUEST] = (json.dumps(cluster.to_dict()), model, batch, seq, dtype, profiles_version())
+    st.session_state.pop(FAILED, None)
 request = st.session_state.get(REQUEST)
 if request is not None:
     try:
-        with show_errors("Cannot compute the plan"):
-            set_plan(compute_plan(*request))
-        st.session_state.pop(REQUEST, None)  # answered: a plan or an error
+        set_plan(compute_plan(*request))
+        st.session_state.pop(REQUEST, None)  # answered
     except background.Pending:
         background.show_pending(JOB, "Solving the plan…", "plan_cancel",
                                 on_cancel=lambda: st.session_state.pop(REQUEST, None))
+    except (ValueError, OSError, background.ChildFailed) as e:
+        # a failed plan: the previous one (and its launch link) must not stay on screen
+        log.info("plan failed: %s", e, exc_info=not isinstance(e, ValueError))
+        clear_plan()
+        st.session_state[FAILED] = error_message(e)
+        st.session_state.pop(REQUEST, None)
+if st.session_state.get(FAILED):
+    st.error(f"Cannot compute the plan: {st.session_state[FAILED]}", icon=":material/error:")
 plan = get_plan()
 if plan is not None:
-    if cluster is None or (plan.cluster.name, plan.model, plan.global_batch, plan.dtype) != (
-            cluster.name, model, batch, dtype):
+    if cluster is None or (plan.cluster.name, plan.model, plan.global_batch, plan.seq, plan.dtype) != (
+            cluster.name, model, batch, seq, dtype):
         st.caption("Showing the last computed plan: press **Compute plan** for the inputs above.")
     render(plan)

@@ -71,6 +71,11 @@ def set_plan(plan: Plan) -> None:
     st.session_state["plan"] = plan
 
 
+def clear_plan() -> None:
+    """No plan in the session (a failed Compute plan): Plan and Launch show none."""
+    st.session_state.pop("plan", None)
+
+
 @st.cache_data(show_spinner="Computing the default plan…", max_entries=16)
 def _solve_default_plan(cluster_json: str, model: str, global_batch: int, profiles_version: int) -> Plan:
     from planner.hetero.solve import solve_plan
