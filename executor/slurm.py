@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from executor import booking
-from executor.launch import (DEFAULT_RDZV_PORT, POLL_S, RunHandle, _check_not_running, _last_step, _reap,
+from executor.launch import (DEFAULT_RDZV_PORT, RunHandle, _check_not_running, _last_step, _reap,
                              _stop_on_signals, check_init_from, check_numbers, copy_tokenizer, failure_reason,
                              new_run_dir, optim_flags, plan_nodes, worker_args, _all_ranks_done)
 from executor.store import MetricsStore
@@ -61,6 +61,7 @@ JOB_FILE = "slurm.json"
 ACTIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "RESIZING",
                  "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "REQUEUE_FED")
 FAILED_STATES = ("FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+JOB_POLL_S = 1.0  # how often the launcher asks slurmctld about its job (a stop is answered within it)
 NODE_CHECK_S = 2.0  # how often the launcher asks SLURM about the job's nodes
 AGENT_FAIL_GRACE_S = 10.0  # an agent failed but the job still runs (its batch host died): scancel
 COMPLETING_WAIT_S = 120.0  # after the end: wait for SLURM to clean the job's steps away
@@ -428,7 +429,7 @@ def _follow(store: MetricsStore, plan: Plan, steps: int, run_dir: str, settings:
                         log.warning("job %s: %s; cancelling", job_id, down or "an agent failed")
                         cancel_job(job_id)
                         cancelled = True
-                time.sleep(POLL_S)
+                time.sleep(JOB_POLL_S)
         state = _settle(state)
         status, reason, failed_rank = _verdict(store, steps, run_dir, settings, state, job_nodes,
                                                stop.is_set() or store.stop_requested(), cancelled)
@@ -472,7 +473,7 @@ def _settle(state: JobState) -> JobState:
     declared down), or the last one seen after COMPLETING_WAIT_S."""
     deadline = time.monotonic() + COMPLETING_WAIT_S
     while (state.active or state.completing) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+        time.sleep(JOB_POLL_S)
         state = job_state(state.job_id)
     if state.active or state.completing:
         log.warning("SLURM job %s still %s after %.0f s", state.job_id, state.state, COMPLETING_WAIT_S)
