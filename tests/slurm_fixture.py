@@ -292,6 +292,7 @@ def slurm_cluster():
     except BaseException as e:
         text = _problem_text(root)
         _teardown(cluster)
+        shutil.rmtree(root, ignore_errors=True)
         raise RuntimeError(f"the SLURM test cluster did not start: {e}\n{text}") from None
     try:
         yield cluster
