@@ -127,13 +127,27 @@ def running_postgres(durable: bool = False) -> Iterator[PostgresServer]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+_shared: dict[str, object] = {"users": 0}  # one server for the session, however many modules import the fixture
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
+    """The session's server. Each test module that imports this fixture gets its own session-scoped
+    copy of it; they share one server, started by the first and stopped after the last."""
     reason = unavailable()
     if reason is not None:
         pytest.skip(reason)
-    with running_postgres() as server:
-        yield server
+    if _shared["users"] == 0:
+        cm = running_postgres()
+        _shared.update(server=cm.__enter__(), cm=cm)
+    _shared["users"] += 1
+    try:
+        yield _shared["server"]
+    finally:
+        _shared["users"] -= 1
+        if _shared["users"] == 0:
+            _shared.pop("cm").__exit__(None, None, None)
+            _shared.pop("server")
 
 
 def init_store() -> None:
