@@ -28,8 +28,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from planner.core.constants import BITS_PER_BYTE, GBIT
+from planner.costmodel.pipeline import SCHEDULES
 
-SCHEDULES = ("1f1b", "gpipe")
 SHARING = ("dedicated", "temporal", "fair")
 LINK_ORDERS = ("fifo", "pipeline")
 _EPS = 1e-12
