@@ -26,6 +26,8 @@ from tests.slurm_fixture import GRES_NAME, slurm_cluster  # noqa: F401  (the ses
 
 pytestmark = pytest.mark.slow
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 SEQ = 32
 SEED = 7
 STEPS = 3
@@ -111,6 +113,29 @@ def test_inventory_reads_the_real_cluster(slurm_cluster, settings, tmp_path):
     r = subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", "gpu"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no usable SLURM node" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_readme_recipe_inventory_plan_launch_metrics(slurm_cluster, settings, tmp_path, monkeypatch):
+    """README "On a SLURM cluster", command by command (the GRES name from the environment)."""
+    monkeypatch.setenv("GPUMIX_SLURM_GRES", GRES_NAME)
+    monkeypatch.chdir(tmp_path)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, (args, r.stderr[-2000:])
+        return r.stdout
+
+    cli("profiler", "inventory", "--slurm", "--out", "cluster.json")
+    cli("planner", "plan", "--cluster", "cluster.json", "--model", "tiny", "--global-batch", "8", "--seq", "32",
+        "--out", "plan.json")
+    plan = Plan.load("plan.json")
+    assert {a.node for a in plan.used} <= {"n1", "n2"}  # the plan names SLURM's nodes
+    assert "done" in cli("executor", "launch", "--plan", "plan.json", "--steps", "3", "--run-dir", "runs/first",
+                         "--backend", "slurm")
+    m = json.loads(cli("executor", "metrics", "--run-dir", "runs/first", "--json"))
+    assert m["status"] == "done" and len(m["steps"]) == 3 and m["world_size"] == len(plan.used)
+    assert any(e["kind"] == "slurm_job" for e in m["events"])
 
 
 def test_a_device_type_is_profiled_as_a_slurm_job_into_the_store(slurm_cluster, settings, tmp_path):
