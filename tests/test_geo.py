@@ -298,7 +298,8 @@ def test_the_search_is_exact_against_brute_force_on_a_small_scenario():
     priced = search.considered
     assert exact
     L, num_mb, best_r, checked = costs.spec.num_layers, sc.global_batch // sc.micro_batch, float("inf"), 0
-    for subset, chain, d, ks, rc in search.structures(exact=True):
+    assert search.count() == sum(1 for _ in search.structures())
+    for subset, chain, d, ks, rc in search.structures():
         cand = search.evaluate(chain, d, ks, rc)
         where = search.where(chain, ks)
         p, m = len(where), num_mb // d

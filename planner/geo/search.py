@@ -5,7 +5,8 @@ units in one DC or joined by a WAN link, a DC's units next to each other), `k_u`
 the DP degree `d` (pipelines; a divisor of the micro-batch count, `d · k_u` GPUs of unit u) and
 the recompute mode. Every structure is enumerated (DC subsets and orders, stage counts, DP degrees,
 recompute) unless there are more than MAX_STRUCTURES, when each unit's stage counts are cut to
-STAGE_OPTIONS ∪ {all it has} (the result then says `exact=False`).
+STAGE_OPTIONS ∪ {all it has}, then {1, all}, then {all} (the result then says `exact=False`); past that
+the search is refused (bounded time and memory: every structure is held once, to be sorted by bound).
 
 Each structure is priced by the closed-form 1F1B estimate (seconds)
 
@@ -245,35 +246,46 @@ class Search:
             self._tails[key] = (tail(1) - slope, slope)
         return self._tails[key]
 
-    def structures(self, exact: bool):
-        """(subset, chain, d, ks, rc) of every structure (or the reduced set when not exact)."""
+    def _options(self, kmax: int, level: int) -> list[int]:
+        """Stage counts tried for a unit of up to `kmax` stages: all of them (level 0), STAGE_OPTIONS
+        and all (1), one or all (2), all (3)."""
+        if level == 0:
+            return list(range(1, kmax + 1))
+        return sorted({o for o in (STAGE_OPTIONS, (1,), ())[level - 1] if o <= kmax} | {kmax})
+
+    def _units_of(self, chain: tuple[Unit, ...]) -> list[int]:
+        return [dict(self.scenario.datacenter(dc).gpus)[g] for dc, g in chain]
+
+    def structures(self, level: int = 0):
+        """(subset, chain, d, ks, rc) of every structure at `level` (`_options`)."""
         for subset, orders in self.chains.items():
             for chain in orders:
-                counts = [dict(self.scenario.datacenter(dc).gpus)[g] for dc, g in chain]
+                counts = self._units_of(chain)
                 for d in divisors(self.num_mb, min(counts)):
-                    kmax = [min(c // d, self.L) for c in counts]
-                    options = [range(1, k + 1) if exact else sorted({o for o in STAGE_OPTIONS if o <= k} | {k})
-                               for k in kmax]
+                    options = [self._options(min(c // d, self.L), level) for c in counts]
                     for ks in itertools.product(*options):
                         if sum(ks) <= self.L:
                             for rc in RECOMPUTES:
                                 yield subset, chain, d, ks, rc
 
-    def count_full(self) -> int:
-        """Structures of the full enumeration (counted, not listed: a DP over units)."""
+    def count(self, level: int = 0) -> int:
+        """Structures at `level`, counted without listing them (a DP over the units' stage counts)."""
         total = 0
         for orders in self.chains.values():
             for chain in orders:
-                counts = [dict(self.scenario.datacenter(dc).gpus)[g] for dc, g in chain]
+                counts = self._units_of(chain)
                 for d in divisors(self.num_mb, min(counts)):
                     ways = {0: 1}
                     for c in counts:
                         nxt: dict[int, int] = {}
                         for s, w in ways.items():
-                            for k in range(1, min(c // d, self.L - s) + 1):
-                                nxt[s + k] = nxt.get(s + k, 0) + w
+                            for k in self._options(min(c // d, self.L), level):
+                                if s + k <= self.L:
+                                    nxt[s + k] = nxt.get(s + k, 0) + w
                         ways = nxt
                     total += len(RECOMPUTES) * sum(ways.values())
+                    if total > MAX_STRUCTURES:
+                        return total  # past the limit: the exact figure does not matter
         return total
 
     def where(self, chain: tuple[Unit, ...], ks: tuple[int, ...]) -> tuple[Unit, ...]:
@@ -368,9 +380,14 @@ class Search:
         it can join neither the overall best nor its subset's (nor come within the factor), so the
         first candidate is the exact minimum of R over all structures (each at its E-optimal split)
         and every kept one is exactly what its rank says."""
-        exact = self.count_full() <= MAX_STRUCTURES
+        level = next((lv for lv in (0, 1, 2, 3) if self.count(lv) <= MAX_STRUCTURES), None)
+        if level is None:
+            raise ValueError(f"the geo search would price over {MAX_STRUCTURES} pipeline structures even with every "
+                             f"unit's GPUs in use: {len(self.chains)} sets of (datacenter, GPU type) units; "
+                             "use fewer datacenters or GPU types")
+        exact = level == 0
         entries, fixed = [], {}
-        for subset, chain, d, ks, rc in self.structures(exact):
+        for subset, chain, d, ks, rc in self.structures(level):
             key = (chain, d, rc)
             if key not in fixed:
                 fixed[key] = self._fixed(chain, d, rc)
@@ -405,5 +422,5 @@ class Search:
                 push(heap, keep, item)
         out = {id(c): c for heap in [overall, *kept.values()] for *_, c in heap if c.estimate_s <= within * best}
         log.info("geo search (%s): %d of %d structures priced, %s", self.network, self.considered, len(entries),
-                 "exact" if exact else f"stage counts cut to {STAGE_OPTIONS} (over {MAX_STRUCTURES} structures)")
+                 "exact" if exact else f"stage counts cut (level {level}: over {MAX_STRUCTURES} structures in full)")
         return sorted(out.values(), key=lambda c: (c.estimate_s, c.num_gpus)), exact
