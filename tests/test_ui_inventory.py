@@ -111,3 +111,20 @@ def test_good_upload_becomes_the_session_cluster_then_save_writes_a_cluster_file
     at.button(key="inv_add_node").click()
     at.run()
     assert at.session_state["cluster"].num_devices == 4
+
+
+def test_number_fields_show_defaults_and_refuse_out_of_range_values():
+    at = _app()
+    at.number_input(key="inv_gpu_count").set_value(5000).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["Count: 5,000 is out of range, 1–1,024 devices"]
+    assert at.button(key="inv_add_node").disabled and at.number_input(key="inv_gpu_count").value == 5000
+    at.number_input(key="inv_gpu_count").set_value(2)
+    at.selectbox(key="inv_gpu_type").set_value("T4").run()
+    at.checkbox(key="inv_limit_memory:T4").check().run()
+    field = at.number_input(key="inv_memory_gb:T4")
+    assert field.value == 16.0 and field.label.startswith("Emulated memory limit (GiB")  # the T4's own, not 0
+    field.set_value(4.0)
+    at.button(key="inv_add_node").click().run()
+    assert not at.exception and not at.error
+    assert [d.memory_gb for _, d in at.session_state["cluster"].devices() if d.type == "T4"] == [4.0, 4.0]

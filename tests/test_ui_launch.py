@@ -53,6 +53,23 @@ def test_with_a_plan_the_widgets_are_there_and_a_finished_run_is_shown(data_dir)
     assert not at.error
 
 
+def test_the_default_run_lasts_long_enough_to_watch_and_bad_steps_are_refused(data_dir):
+    from ui.launch import MIN_DEFAULT_STEPS, WATCH_S
+
+    plan = two_cpu_plan()
+    at = run_page(plan)
+    steps = at.number_input(key="launch_steps").value
+    assert steps >= MIN_DEFAULT_STEPS and steps * plan.predicted_iteration_s >= 0.9 * WATCH_S
+    assert at.number_input(key="launch_steps").label == "Steps (steps, 1–1,000,000)"
+    assert not [n for n in at.number_input if n.key == "launch_checkpoint_every"]  # no "0 = never"
+    at.checkbox(key="launch_checkpoints").check().run()
+    assert at.number_input(key="launch_checkpoint_every").value == 500
+    at.number_input(key="launch_steps").set_value(0).run()
+    assert not at.exception
+    assert [e.value for e in at.error] == ["Steps: 0 is out of range, 1–1,000,000 steps"]
+    assert not [b for b in at.button if b.key == "launch_button"]  # nothing to launch with a refused value
+
+
 def test_a_reloaded_session_finds_the_running_run_in_the_store(data_dir):
     fabricate_run("run-old", 3, "failed")
     live = fabricate_run("run-live", 4, None)  # running: its 'launcher' is this test process

@@ -37,7 +37,8 @@ def test_default_preset_fits_and_shows_chart():
 def test_large_model_does_not_fit_then_sharding_changes_it():
     at = _page()
     at.selectbox(key="mem_model").set_value("llama2-7b").run()
-    at.number_input(key="mem_seq").set_value(2048).run()
+    assert at.number_input(key="mem_seq:llama2-7b").value == 1024  # each model's field starts at its default
+    at.number_input(key="mem_seq:llama2-7b").set_value(2048).run()
     at.selectbox(key="mem_gpu_type").set_value("A100-40GB").run()
     assert not at.exception
     assert "Does not fit on A100-40GB" in _text(at)
@@ -52,10 +53,15 @@ def test_large_model_does_not_fit_then_sharding_changes_it():
 
 def test_bad_inputs_show_errors_not_tracebacks():
     at = _page()
-    at.number_input(key="mem_seq").set_value(4096).run()  # tiny's max_seq is 128
+    at.number_input(key="mem_seq:tiny").set_value(4096).run()  # tiny's max_seq is 128
     assert not at.exception
-    assert any("max_seq" in e.value for e in at.error)
-    at.number_input(key="mem_seq").set_value(128).run()
+    assert [e.value for e in at.error] == ["Sequence: 4,096 is out of range, 1–128 tokens"]
+    assert at.number_input(key="mem_seq:tiny").value == 4096  # kept as typed, not replaced
+    assert not at.dataframe  # nothing computed from a refused value
+    at.number_input(key="mem_seq:tiny").set_value(128).run()
+    at.number_input(key="mem_dp").set_value(4).run()
+    at.checkbox(key="mem_uneven").check().run()
+    assert at.number_input(key="mem_shard_fraction").value == 0.25  # the even share shown, not a magic 0
     at.selectbox(key="mem_zero").set_value(0).run()
     at.number_input(key="mem_shard_fraction").set_value(0.3).run()  # a shard needs ZeRO >= 1
     assert not at.exception

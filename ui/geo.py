@@ -23,7 +23,8 @@ from planner.geo.scenario import GeoScenario
 from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
-from ui.common import SIMULATED, fmt_seconds, metric, page_header, show_errors, show_figure, style_figure
+from ui.common import (SIMULATED, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
+                       style_figure)
 from planner.core.constants import GIB
 
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
@@ -127,11 +128,12 @@ def inputs(example: dict[str, Any], name: str) -> dict[str, Any] | None:
     c1, c2, c3, c4 = st.columns(4)
     model = c1.selectbox("Model", models, index=models.index(example["model"]) if example["model"] in models else 0,
                          key="geo_model")
-    batch = c2.number_input("Global batch (sequences)", min_value=1, value=int(example["global_batch"]),
-                            key="geo_global_batch")
-    micro = c3.number_input("Micro-batch", min_value=1, value=int(example.get("micro_batch", 1)), key="geo_micro_batch")
-    seq = c4.number_input("Sequence (tokens)", min_value=16, value=int(example.get("seq", 2048)), step=256,
-                          key="geo_seq")
+    batch = number_field("Global batch", unit="sequences", min_value=1, max_value=1_000_000,
+                         value=int(example["global_batch"]), key="geo_global_batch", where=c2)
+    micro = number_field("Micro-batch", unit="sequences", min_value=1, max_value=4096,
+                         value=int(example.get("micro_batch", 1)), key="geo_micro_batch", where=c3)
+    seq = number_field("Sequence", unit="tokens", min_value=16, max_value=131_072, value=int(example.get("seq", 2048)),
+                       step=256, key="geo_seq", where=c4)
     inf = example.get("inference") or {"model": "llama3-8b", "prompt_tokens": 1024, "backlog": True}
     pt = inf["prompt_tokens"]
     pt_text = ", ".join(str(t) for t in (pt["tokens"] if isinstance(pt, dict) else pt if isinstance(pt, list) else [pt]))
@@ -141,8 +143,12 @@ def inputs(example: dict[str, Any], name: str) -> dict[str, Any] | None:
     prompts = c2.text_input("Prompt lengths (tokens, equally likely)", value=pt_text, key="geo_prompts")
     mode = c3.radio("Requests", ["backlog", "arrival rate"], index=0 if inf.get("backlog") else 1, key="geo_mode",
                     horizontal=True)
-    rate = c4.number_input("Requests/s", min_value=0.1, value=float(inf.get("requests_per_s") or 50.0),
-                           key="geo_rate", disabled=mode == "backlog")
+    rate = 0.0
+    if mode != "backlog":
+        rate = number_field("Arrival rate", unit="requests/s", min_value=0.1, max_value=100_000.0,
+                            value=float(inf.get("requests_per_s") or 50.0), key="geo_rate", where=c4)
+    if None in (batch, micro, seq, rate):
+        return None  # the field's error is shown under it
     with show_errors("Bad scenario"):
         workload: dict[str, Any] = {"model": inf_model, "prompt_tokens": parse_prompts(prompts)}
         workload.update({"backlog": True} if mode == "backlog" else {"requests_per_s": float(rate)})

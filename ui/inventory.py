@@ -20,11 +20,13 @@ from planner.core.cluster import ClusterSpec, DeviceSpec
 from planner.core.profiles import get_device_bench, load_step_profiles
 from planner.core.specs import PRESETS
 from profiler.inventory import build_local_cluster, detect_devices
-from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, page_header, page_link, show_emulated_note,
-                       show_errors, source_badge)
+from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, number_field, page_header,
+                       page_link, show_emulated_note, show_errors, source_badge)
 from ui.state import get_cluster, get_model, set_cluster
 
 DEFAULT_PROFILE_SEQ = 128
+MAX_PROFILE_SEQ = 8192
+MAX_ADD_COUNT = 1024
 
 
 @st.cache_data(show_spinner=False)
@@ -78,13 +80,13 @@ def _render_profile_now(has_cpu_only: bool) -> None:
     c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
     model = c1.selectbox("Model to profile", models, index=models.index(current) if current in models else 0,
                          key="inv_profile_model")
-    seq = int(c2.number_input("Sequence length (tokens)", min_value=8, max_value=8192, value=DEFAULT_PROFILE_SEQ,
-                              step=8, key="inv_profile_seq"))
+    seq = number_field("Sequence length", unit="tokens", min_value=8, max_value=MAX_PROFILE_SEQ,
+                       value=DEFAULT_PROFILE_SEQ, step=8, key="inv_profile_seq", where=c2)
     # a CPU trains in fp32 (bf16 there is emulated and slow); a GPU in bf16
     dtypes = ["fp32", "bf16"] if has_cpu_only else ["bf16", "fp32", "fp16"]
     dtype = c3.selectbox("Precision", dtypes, key="inv_profile_dtype")
     collectives = c4.checkbox("Collectives too (spawns 2 ranks)", value=False, key="inv_profile_collectives")
-    if st.button("Profile now", key="inv_profile_now", type="primary"):
+    if st.button("Profile now", key="inv_profile_now", type="primary", disabled=seq is None):
         from profiler.microbench import profile_machine  # torch: only when asked
 
         bar = st.progress(0.0, text="starting")
@@ -138,15 +140,22 @@ def _render_add_devices(cluster: ClusterSpec) -> None:
     types = sorted(CATALOG, key=lambda t: (t == CPU_TYPE, t))
     gpu_type = c3.selectbox("GPU type", types, key="inv_gpu_type",
                             format_func=lambda t: f"{t} ({CATALOG[t].memory_bytes / GIB:.0f} GiB)")
-    count = int(c4.number_input("Count", min_value=1, max_value=1024, value=1, step=1, key="inv_gpu_count"))
+    count = number_field("Count", unit="devices", min_value=1, max_value=MAX_ADD_COUNT, value=1, key="inv_gpu_count",
+                         where=c4)
     e1, e2 = st.columns(2)
-    slowdown = float(e1.number_input("Emulated slowdown (1 = real speed)", min_value=1.0, max_value=100.0, value=1.0,
-                                     step=0.5, key="inv_slowdown"))
-    mem_gb = float(e2.number_input("Emulated memory limit (GiB, 0 = the type's own)", min_value=0.0, value=0.0,
-                                   step=1.0, key="inv_memory_gb"))
-    if st.button("Add to cluster", key="inv_add_node"):
+    slowdown = number_field("Emulated slowdown", unit="× slower, 1 = real speed", min_value=1.0, max_value=100.0,
+                            value=1.0, step=0.5, key="inv_slowdown", where=e1)
+    own_gib = CATALOG[gpu_type].memory_bytes / GIB
+    mem_gb: float | None = None
+    if e2.checkbox(f"Emulate less memory than the {gpu_type}'s {own_gib:g} GiB", value=False,
+                   key=f"inv_limit_memory:{gpu_type}"):
+        mem_gb = number_field("Emulated memory limit", unit="GiB", min_value=0.1, max_value=round(own_gib, 1),
+                              value=round(own_gib, 1), step=1.0, key=f"inv_memory_gb:{gpu_type}", where=e2)
+        if mem_gb is None:
+            return
+    if st.button("Add to cluster", key="inv_add_node", disabled=count is None or slowdown is None):
         with show_errors("Cannot add these devices"):
-            device = DeviceSpec(gpu_type, slowdown, mem_gb if mem_gb > 0 else None)
+            device = DeviceSpec(gpu_type, slowdown, mem_gb)
             set_cluster(cluster.with_devices(node.strip(), dc.strip(), device, count))
             st.rerun()
 

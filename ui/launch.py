@@ -21,7 +21,10 @@ from ui import common, state
 log = logging.getLogger(__name__)
 
 LIVE_REFRESH_S = 1.0
-DEFAULT_STEPS = 200
+MAX_STEPS = 1_000_000
+MIN_DEFAULT_STEPS = 200
+WATCH_S = 60.0  # the default run lasts about this long at the predicted step time: long enough to watch
+DEFAULT_CHECKPOINT_EVERY = 500
 MIB = 2**20
 
 
@@ -50,6 +53,15 @@ def plan_frame(plan: Plan) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def default_steps(plan: Plan) -> int:
+    """Steps that take about WATCH_S at the plan's predicted iteration time (at least
+    MIN_DEFAULT_STEPS), rounded to 50."""
+    if not plan.predicted_iteration_s or plan.predicted_iteration_s <= 0:
+        return MIN_DEFAULT_STEPS
+    steps = int(round(WATCH_S / plan.predicted_iteration_s / 50.0)) * 50
+    return max(MIN_DEFAULT_STEPS, min(MAX_STEPS, steps))
+
+
 def render_launch(plan: Plan | None) -> None:
     st.subheader("Launch")
     if plan is None:
@@ -72,10 +84,16 @@ def render_launch(plan: Plan | None) -> None:
         st.caption(f":material/info: {note}")
     if any("estimat" in n for n in plan.notes):
         common.page_link("ui/inventory.py", "Profile this machine for measured predictions", ":material/speed:")
-    steps = st.number_input("Steps", min_value=1, max_value=1_000_000, value=DEFAULT_STEPS, step=50,
-                            key="launch_steps")
-    ckpt_every = st.number_input("Checkpoint every (steps, 0 = never)", min_value=0, value=0, step=50,
-                                 key="launch_checkpoint_every")
+    steps = common.number_field("Steps", unit="steps", min_value=1, max_value=MAX_STEPS, value=default_steps(plan),
+                                step=50, key="launch_steps",
+                                help=f"default: about {common.fmt_seconds(WATCH_S)} at the predicted step time, "
+                                     "long enough to watch the run live")
+    ckpt_every = 0
+    if st.checkbox("Save checkpoints", value=False, key="launch_checkpoints"):
+        ckpt_every = common.number_field("Checkpoint every", unit="steps", min_value=1, max_value=MAX_STEPS,
+                                         value=DEFAULT_CHECKPOINT_EVERY, step=50, key="launch_checkpoint_every")
+    if steps is None or ckpt_every is None:
+        return
     if not runs_here(plan):
         st.warning("This plan spans several nodes: run one of these commands on each node "
                    "(c10d rendezvous on the first).", icon=":material/lan:")

@@ -14,8 +14,8 @@ import streamlit as st
 from planner.core.catalog import CATALOG
 from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
 from planner.core.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
-from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, page_header, show_errors, show_figure,
-                       style_figure)
+from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, number_field, page_header, show_errors,
+                       show_figure, style_figure)
 from ui.state import get_model as get_session_model
 from ui.state import get_training_inputs, set_model, set_training_inputs
 from planner.core.constants import GIB
@@ -105,11 +105,17 @@ def choose_data(spec: ModelSpec) -> None:
         st.success(f"{train:,} training tokens and {val:,} validation tokens (measured)")
 
 
+MAX_MICRO_BATCH_UI = 4096
+MAX_WORLD_SIZE = 100_000
+
+
 def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
     c1, c2, c3, c4 = st.columns(4)
-    micro_batch = c1.number_input("Micro-batch (samples)", min_value=1, max_value=4096, value=1, key="mem_micro_batch")
-    seq = c2.number_input("Sequence (tokens)", min_value=1, value=min(spec.max_seq, 1024), key="mem_seq",
-                          help=f"at most the model's max_seq ({spec.max_seq})")
+    micro_batch = number_field("Micro-batch", unit="samples", min_value=1, max_value=MAX_MICRO_BATCH_UI, value=1,
+                               key="mem_micro_batch", where=c1)
+    seq = number_field("Sequence", unit="tokens", min_value=1, max_value=spec.max_seq,
+                       value=min(spec.max_seq, 1024), key=f"mem_seq:{spec.name}", where=c2,
+                       help=f"at most the model's max_seq ({spec.max_seq:,})")
     dtype = c3.selectbox("Precision", DTYPES, key="mem_dtype",
                          help="bf16/fp16: autocast compute with fp32 master weights, grads and AdamW state")
     recompute = c4.selectbox("Recomputation", RECOMPUTE, key="mem_recompute",
@@ -118,19 +124,26 @@ def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
     zero = c5.selectbox("ZeRO stage", ZERO_STAGES, index=1, key="mem_zero",
                         help="1: AdamW state sharded; 2: + gradients; 3: + parameters (gathered unit by unit); "
                              "0: one GPU holds everything")
-    dp = c6.number_input("World size (data parallel GPUs)", min_value=1, max_value=100_000, value=1, key="mem_dp")
-    fraction = c7.number_input("Shard fraction (0 = even, 1/world size)", min_value=0.0, max_value=1.0, value=0.0,
-                               step=0.05, format="%.4f", key="mem_shard_fraction",
-                               help="this GPU's share of the sharded state; Cephalo shards unevenly")
+    dp = number_field("World size", unit="data-parallel GPUs", min_value=1, max_value=MAX_WORLD_SIZE, value=1,
+                      key="mem_dp", where=c6)
+    even = 1.0 / (dp or 1)
+    uneven = c7.checkbox(f"Uneven shard (even: 1/{dp or 1} = {even:.4g})", value=False, key="mem_uneven",
+                         help="this GPU's share of the sharded state; Cephalo shards unevenly")
+    fraction = even
+    if uneven:
+        fraction = number_field("Shard fraction", unit="of the state", min_value=0.0001, max_value=1.0,
+                                value=round(even, 4), step=0.05, format="%.4f", key="mem_shard_fraction", where=c7)
     gpu_names = sorted(CATALOG)
     gpu = c8.selectbox("GPU type", gpu_names, index=gpu_names.index(default_gpu_type()), key="mem_gpu_type",
                        help="decides the attention kernel that runs (and so what it keeps for backward)")
-    accum = st.number_input("Accumulation steps (micro-batches per optimizer step)", min_value=1, max_value=4096,
-                            value=1, key="mem_accum_steps",
-                            help="at ZeRO 2/3 every micro-batch's unit boundaries are held (layer-wise accumulation)")
+    accum = number_field("Accumulation steps", unit="micro-batches per optimizer step", min_value=1,
+                         max_value=MAX_MICRO_BATCH_UI, value=1, key="mem_accum_steps",
+                         help="at ZeRO 2/3 every micro-batch's unit boundaries are held (layer-wise accumulation)")
+    if None in (micro_batch, seq, dp, fraction, accum):
+        return None, gpu  # the field's error is shown under it
     with show_errors("Invalid settings"):
-        return MemoryConfig(micro_batch=int(micro_batch), accum_steps=int(accum), seq=int(seq), dtype=dtype,
-                            recompute=recompute, dp=int(dp), zero=int(zero), shard_fraction=float(fraction) or None,
+        return MemoryConfig(micro_batch=micro_batch, accum_steps=accum, seq=seq, dtype=dtype,
+                            recompute=recompute, dp=dp, zero=int(zero), shard_fraction=fraction if uneven else None,
                             device_type=gpu), gpu
     return None, gpu
 

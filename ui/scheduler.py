@@ -14,7 +14,7 @@ from executor.queue import JobQueue
 from planner.core.specs import PRESETS
 from planner.schedule.trace import DEMO_CLUSTERS
 from ui import background
-from ui.common import MEASURED, PREDICTED, metric, page_header, show_errors, show_figure, style_figure
+from ui.common import MEASURED, PREDICTED, metric, number_field, page_header, show_errors, show_figure, style_figure
 from ui.compute import HOUR_S, simulate_both_policies
 from ui.state import default_local_cluster
 
@@ -56,10 +56,11 @@ def submit_panel() -> None:
     c1, c2, c3, c4 = st.columns([2, 1, 1, 1])
     model = c1.selectbox("Model", LOCAL_MODELS + tuple(m for m in PRESETS if m not in LOCAL_MODELS),
                          key="sched_model")
-    batch = c2.number_input("Global batch (samples)", min_value=1, value=8, step=1, key="sched_global_batch")
-    steps = c3.number_input("Steps", min_value=1, value=20, step=1, key="sched_steps")
+    batch = number_field("Global batch", unit="samples", min_value=1, max_value=1_000_000, value=8,
+                         key="sched_global_batch", where=c2)
+    steps = number_field("Steps", unit="steps", min_value=1, max_value=1_000_000, value=20, key="sched_steps", where=c3)
     c4.write("")
-    if c4.button("Submit", key="sched_submit", type="primary"):
+    if c4.button("Submit", key="sched_submit", type="primary", disabled=batch is None or steps is None):
         with show_errors("Cannot queue the job"):
             job_id = JobQueue().submit(model, int(batch), int(steps))
             st.success(f"Queued job {job_id}: GPUMix picks its devices at the next scheduler pass.")
@@ -130,13 +131,15 @@ def simulation() -> None:
                "type, count and configuration from the memory model. Times are predicted by the cost model; "
                "the scheduling overhead is measured.")
     c1, c2, c3, c4 = st.columns(4)
-    seed = c1.number_input("Trace seed", min_value=0, value=1, step=1, key="sched_trace_seed")
+    seed = number_field("Trace seed", unit="integer", min_value=0, max_value=2**31 - 1, value=1,
+                        key="sched_trace_seed", where=c1)
     num_gpus = c2.selectbox("GPUs in the pool", tuple(DEMO_CLUSTERS), key="sched_num_gpus",
                             format_func=lambda n: f"{n} ({', '.join(DEMO_CLUSTERS[n])})")
-    num_jobs = c3.number_input("Jobs", min_value=10, max_value=3000, value=200, step=10, key="sched_num_jobs")
+    num_jobs = number_field("Jobs", unit="jobs", min_value=10, max_value=3000, value=200, step=10,
+                            key="sched_num_jobs", where=c3)
     load = c4.slider("Requested load", 0.1, 1.5, 0.6, 0.1, key="sched_load",
                      help="requested GPU-seconds per device-second of the trace's span")
-    if st.button("Simulate", key="sched_simulate", type="primary"):
+    if st.button("Simulate", key="sched_simulate", type="primary", disabled=seed is None or num_jobs is None):
         st.session_state["sched_result"] = (int(seed), int(num_gpus), int(num_jobs), float(load))
     args = st.session_state.get("sched_result")
     if not args:
