@@ -48,6 +48,7 @@ def data_dir(tmp_path, monkeypatch) -> str:
     path = str(tmp_path / "gpumix-data")
     os.makedirs(path, exist_ok=True)
     monkeypatch.setenv(ENV_DATA_DIR, path)
+    monkeypatch.delenv("GPUMIX_DB", raising=False)  # a developer's shared store never reaches a test
     return path
 
 

@@ -163,6 +163,8 @@ def _cases():
     add("executor", "export", 8, lambda i: _mutate(
         rng, ["--run-dir", rng.choice(["{missing.json}", "{dir}/none"]), "--out", "{dir}/export"],
         ["--step", "--max-shard-gb"]))
+    add("executor", "db", 6, lambda i: [rng.choice(["init", "upgrade", "status", "drop", ""]), "--run-dir",
+                                        rng.choice(["{missing.json}", "{dir}/none", "{malformed.json}", "{dir}"])])
     return out
 
 
