@@ -115,8 +115,10 @@ def test_other_executor_clis_refuse_bad_numbers(tmp_path):
 def test_submit_refuses_what_no_device_set_of_the_pool_can_run(tmp_path):
     from executor.queue import JobQueue
 
+    # tiny at 1e8 samples: the step's 1e8 × 128 token ids alone (the worker holds a step's batch) outgrow this machine
     for args, word in ((["--model", "llama2-13b", "--global-batch", "16", "--steps", "10"], "fits in memory on no"),
-                       (["--model", "tiny", "--global-batch", "100000000", "--steps", "10"], "one step takes")):
+                       (["--model", "tiny", "--global-batch", "100000000", "--steps", "10"], "fits in memory on no"),
+                       (["--model", "gpt2", "--global-batch", "100000", "--steps", "10"], "one step takes")):
         r = executor("submit", *args)
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and word in r.stderr and "nothing queued" in r.stderr, r.stderr
