@@ -3,17 +3,19 @@
 Cephalo's time model (DESIGN.md): on one device type, forward+backward of a
 micro-batch of `m` samples takes about `α + β·m`; `profiler profile` measures
 it at several `m` and fits α, β by least squares (`profiler/step_profile.py`).
-For a device type that was never measured, `get_step_profile` *estimates* α, β
-from the FLOPs of one sample and the catalog peak times an efficiency
-calibrated from whatever was measured (section "Estimates" below). Every
+For a device type that was never measured, `get_step_profile` *estimates* α, β:
+on a GPU type from the roofline of its kernels (planner/core/roofline.py),
+corrected by whatever was measured; on the CPU from FLOPs ÷ (peak × calibrated
+efficiency) (section "Estimates" below). Every
 `StepProfile` says which it is (`measured`, `source`).
 
 Store layout (JSON, one file per profile, under `planner.core.paths.profiles_dir()`,
 i.e. `$GPUMIX_DATA_DIR/profiles`, or a `store_dir` argument):
     steps/<device>__<model>__s<seq>__<dtype>__<recompute>.json   StepProfile
     bench/<device>.json                                          DeviceBench
-Profiles describe a real device type; an *emulated* device's `slowdown` (cluster file)
-multiplies them in the planner's cost model, never here. Pure Python (no torch): the
+Profiles describe a real device type, or a CPU-quota kind (`cpu@share0.333`, keyed by
+planner.core.cluster.profile_key) measured under its own quota; an *emulated* device's
+`slowdown` (cluster file) multiplies them in the planner's cost model, never here. Pure Python (no torch): the
 planner imports this.
 """
 from __future__ import annotations
@@ -23,12 +25,14 @@ import logging
 import os
 import re
 import statistics
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Sequence
 
 from planner.core import paths
 from planner.core.catalog import CPU_TYPE, GB, get_gpu_type
+from planner.core.cluster import split_profile_key
 from planner.core.specs import ModelSpec
+from planner.core import roofline
 from planner.core.constants import RECOMPUTE
 
 log = logging.getLogger(__name__)
@@ -335,7 +339,9 @@ def calibration(device_type: str, dtype: str, store_dir: str | None = None,
     types in the ratio of their peaks. α per layer and the optimizer time per parameter
     come from the same device type only; elsewhere from the defaults above."""
     profiles = load_step_profiles(store_dir) if profiles is None else profiles
-    measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.flops_per_sample > 0]
+    # a CPU-quota kind (planner.core.cluster.profile_key) is a throttled core, not its type's speed
+    measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.flops_per_sample > 0
+                and split_profile_key(p.device_type)[1] is None]
     same_type = [p for p in measured if p.device_type == device_type]
     same_dtype = [p for p in same_type if p.dtype == dtype]
     same_class = [p for p in measured if _is_cpu(p.device_type) == _is_cpu(device_type)]
@@ -408,13 +414,22 @@ def find_measured(device_type: str, spec: ModelSpec, seq: int, dtype: str, recom
 def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, recompute: str = "none",
                      store_dir: str | None = None) -> StepProfile:
     """The measured profile of (device type, model, seq, dtype, recompute) when the store has
-    one; else an estimate: β = FLOPs per sample / (peak × calibrated efficiency),
+    one; else an estimate: on a GPU type the roofline of its kernels (`_roofline_estimate`,
+    planner/core/roofline.py), on the CPU β = FLOPs per sample / (peak × calibrated efficiency),
     α = layers × calibrated α per layer. `measured` and `source` say which."""
     _check_args(seq, dtype, recompute)
-    get_gpu_type(device_type)  # unknown type -> ValueError naming the known ones
+    base_type, cpu_share = split_profile_key(device_type)  # a kind: the type plus its CPU quota
+    get_gpu_type(base_type)  # unknown type -> ValueError naming the known ones
     found = find_measured(device_type, spec, seq, dtype, recompute, store_dir)
     if found is not None:
         return found
+    if cpu_share is not None:
+        # never profiled under its quota: the type's profile over the share, labelled as derived
+        p = get_step_profile(base_type, spec, seq, dtype, recompute, store_dir)
+        return replace(p, device_type=device_type, alpha_s=p.alpha_s / cpu_share, beta_s=p.beta_s / cpu_share,
+                       optimizer_s_per_param=p.optimizer_s_per_param / cpu_share, measured=False,
+                       source=f"estimated: the {base_type} profile ÷ cpu_share {cpu_share:g}, not measured under "
+                              f"its quota (`python -m profiler profile --cpu-share {cpu_share:g}`); {p.source}")
     profiles = load_step_profiles(store_dir)
     counted = [p for p in profiles if p.measured and p.matches(spec) and p.seq == seq
                and p.recompute == recompute and p.flops_per_sample > 0]
@@ -424,6 +439,8 @@ def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, re
         flops, flops_src = analytic_flops_per_sample(spec, seq, recompute), "analytic FLOPs"
     cal = calibration(device_type, dtype, store_dir, profiles)
     peak = peak_tflops(device_type, dtype, store_dir)
+    if not _is_cpu(device_type):  # a GPU never measured: the roofline of its kernels (planner/core/roofline.py)
+        return _roofline_estimate(device_type, spec, seq, dtype, recompute, profiles, cal, flops, flops_src, peak)
     beta = flops / (peak * TFLOPS * cal.efficiency)
     alpha = spec.num_layers * cal.alpha_per_layer_s
     source = (f"estimated: {flops_src} {flops:.3g}/sample ÷ ({device_type} {dtype} peak {peak:.3g} TFLOP/s × "
@@ -431,6 +448,32 @@ def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, re
     return StepProfile(device_type, spec.name, seq, dtype, recompute, alpha, beta, cal.optimizer_s_per_param,
                        None, False, source, flops, spec.num_params, spec.num_layers,
                        efficiency=cal.efficiency, peak_tflops=peak)
+
+
+def _roofline_estimate(device_type: str, spec: ModelSpec, seq: int, dtype: str, recompute: str,
+                       profiles: list[StepProfile], cal: Calibration, flops: float, flops_src: str,
+                       peak: float) -> StepProfile:
+    """A GPU type's estimate: β = the roofline's per-sample time, α = launch overhead (calibrated α
+    per layer) + the roofline's per-micro-batch weight traffic, the optimizer by bandwidth. Measured
+    GPU profiles of the same model correct it by the median of measured β over the roofline's β on
+    their own type (same type first): the roofline's error on real hardware, not a ratio of peaks."""
+    est = roofline.estimate_step_roofline(device_type, spec, seq, dtype, recompute)
+    gpu_measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.matches(spec)
+                    and not _is_cpu(split_profile_key(p.device_type)[0])]
+    pool = [p for p in gpu_measured if p.device_type == device_type] or gpu_measured
+    factor, basis = 1.0, "no GPU profile of this model measured, uncorrected"
+    if pool:
+        factor = statistics.median(
+            p.beta_s / roofline.estimate_step_roofline(p.device_type, spec, p.seq, p.dtype, p.recompute).per_sample_s
+            for p in pool)
+        basis = f"× {factor:.2f}, measured ÷ roofline over {len(pool)} profile(s) on {sorted({p.device_type for p in pool})}"
+    beta = est.per_sample_s * factor
+    alpha = spec.num_layers * cal.alpha_per_layer_s + est.fixed_s * factor
+    same_type_opt = any(p.device_type == device_type and p.optimizer_s_per_param > 0 for p in profiles if p.measured)
+    opt = cal.optimizer_s_per_param if same_type_opt else est.optimizer_s_per_param
+    source = f"estimated, not measured: {est.source} {basis}; {flops_src} {flops:.3g}/sample"
+    return StepProfile(device_type, spec.name, seq, dtype, recompute, alpha, beta, opt, None, False, source, flops,
+                       spec.num_params, spec.num_layers, efficiency=flops / beta / (peak * TFLOPS), peak_tflops=peak)
 
 
 # ---- least squares (shared by the profiler's fits) --------------------------------------------------
