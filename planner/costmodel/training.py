@@ -1,8 +1,9 @@
 """The planner's cost model: time and memory of one device, and the coefficient tables the ILP consumes.
 
 What one optimizer step costs on the executor's sharded runtime (models/sharded.py) at ZeRO stage z:
-- compute: `n` micro-batches of `m` samples, each `α + β·m` seconds (the device type's
-  StepProfile, planner/core/profiles.py), times the device's emulated `slowdown`. At z ≥ 2 with n > 1
+- compute: `n` micro-batches of `m` samples, each `α + β·m` seconds (the StepProfile of the
+  device's kind, planner/core/profiles.py: its type, or its type under a CPU quota, measured
+  under that quota), times the device's emulated `slowdown` (the sleep fallback). At z ≥ 2 with n > 1
   the runtime accumulates layer by layer (planner/core/units.py): it keeps only each micro-batch's unit
   boundaries and recomputes every unit's forward in its backward, so such a choice is priced with
   the type's recompute="full" profile; n = 1, and every choice at z = 1, with the plan's recompute;
@@ -328,9 +329,9 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
     cache = {} if profile_cache is None else profile_cache
 
     def profile(rec: str):
-        key = (device.type, dt, rec)
+        key = (device.profile_key, dt, rec)  # a CPU-quota device is its own kind, profiled under its quota
         if key not in cache:
-            cache[key] = get_step_profile(device.type, spec, seq, dt, recompute=rec, store_dir=profiles_dir)
+            cache[key] = get_step_profile(device.profile_key, spec, seq, dt, recompute=rec, store_dir=profiles_dir)
         return cache[key]
 
     dt = device_dtype(device.type, dtype)
