@@ -37,7 +37,7 @@ from planner.schedule.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster 
 
 # (trace seed, number of jobs, number of GPUs: planner.schedule.trace.DEMO_CLUSTERS, load)
 SCENARIOS = ((1, 300, 64, 0.3), (2, 800, 256, 0.6), (3, 2000, 1024, 0.9))
-QUICK_SCENARIOS = ((1, 120, 64, 0.3), (2, 200, 256, 0.6), (3, 300, 1024, 0.9))
+QUICK_SCENARIOS = ((1, 120, 64, 0.3), (2, 150, 256, 0.6), (3, 200, 1024, 0.9))
 TARGET_JCT_GAIN = 0.12
 TARGET_TAIL_SLACK = 0.05  # p99 and makespan at most 5 % above the strongest baseline's
 TARGET_OVERHEAD_MS = 10.0
@@ -45,12 +45,18 @@ HOUR_S = 3600.0
 POLICY_ORDER = ("gpumix",) + BASELINES
 
 
-def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_seed: int, repeats: int = 1) -> dict:
+def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_seed: int, repeats: int = 1,
+                 cold: bool = True) -> dict:
+    """Every policy on one trace. cold: each policy pays for its own option estimates (caches
+    cleared before it, as in a fresh process); else they are shared (decision time: the policy's
+    own logic, the first policy aside)."""
     cluster = mixed_cluster(DEMO_CLUSTERS[num_gpus])
     jobs = generate_trace(seed, num_jobs, cluster, load=load)
     rows = {}
+    clear_caches()
     for name in POLICY_ORDER:
-        clear_caches()  # each policy pays for its own option estimates (cold caches), as in a fresh process
+        if cold:
+            clear_caches()
         r = simulate_schedule(jobs, cluster, name, error_seed=error_seed)
         rows[name] = r.to_dict(jobs=False)
     overheads = [rows["gpumix"]["scheduling_overhead_ms_per_job"]]
@@ -66,7 +72,7 @@ def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_see
             "gpumix_overhead_ms_per_job_median": statistics.median(overheads), "gpumix_overhead_repeats": overheads}
 
 
-def checks_of(results: list[dict]) -> dict[str, bool]:
+def checks_of(results: list[dict], timed: bool = True) -> dict[str, bool]:
     out = {}
     for r in results:
         tag = f"{r['num_devices']}gpus_load{r['load']}"
@@ -76,6 +82,8 @@ def checks_of(results: list[dict]) -> dict[str, bool]:
             r["p99_ratio"] <= 1 + TARGET_TAIL_SLACK
         out[f"{tag}: makespan <= {1 + TARGET_TAIL_SLACK:.2f}x {r['strongest_baseline']}"] = \
             r["makespan_ratio"] <= 1 + TARGET_TAIL_SLACK
+    if not timed:
+        return out
     largest = max(results, key=lambda r: r["num_devices"])
     out[f"decision time <= {TARGET_OVERHEAD_MS:g} ms/job at {largest['num_devices']} GPUs"] = \
         largest["gpumix_overhead_ms_per_job_median"] <= TARGET_OVERHEAD_MS
@@ -84,7 +92,10 @@ def checks_of(results: list[dict]) -> dict[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smaller traces (same clusters and loads), for a test")
+    ap.add_argument("--quick", action="store_true",
+                    help="smaller traces (same clusters and loads), caches shared between policies, one replay: "
+                         "under a minute, for a test; the decision-time target is not checked (a few hundred "
+                         "jobs do not amortize the cold option estimates the full run charges)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target fails")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--error-seed", type=int, default=0, help="seed of the duration error factors")
@@ -94,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     largest = max(gpus for _, _, gpus, _ in scenarios)
-    results = [run_scenario(seed, n, gpus, load, args.error_seed, args.repeats if gpus == largest else 1)
-               for seed, n, gpus, load in scenarios]
-    checks = checks_of(results)
+    repeats = 1 if args.quick else args.repeats
+    results = [run_scenario(seed, n, gpus, load, args.error_seed, repeats if gpus == largest else 1,
+                            cold=not args.quick) for seed, n, gpus, load in scenarios]
+    checks = checks_of(results, timed=not args.quick)
     failed = not all(checks.values())
     if args.json:
         print(dumps({"error_sigma": ERROR_SIGMA, "error_seed": args.error_seed, "scenarios": results,
@@ -120,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['gpumix_overhead_ms_per_job_median']:.3f}")
     for k, v in checks.items():
         print(f"{'PASS' if v else 'FAIL'} {k}")
+    if args.quick:
+        print(f"n/a  decision time <= {TARGET_OVERHEAD_MS:g} ms/job at {largest} GPUs (checked by the full run only)")
     return 1 if failed and args.check else 0
 
 

@@ -146,7 +146,7 @@ def test_bad_error_sigma_is_refused():
 def test_quick_bench_gpumix_beats_the_strongest_baseline_on_a_small_trace():
     import bench.scheduler as bench
 
-    r = bench.run_scenario(1, 120, 64, 0.3, error_seed=0)
+    r = bench.run_scenario(*bench.QUICK_SCENARIOS[0], error_seed=0, cold=False)
     assert set(r["policies"]) == {"gpumix", *BASELINES}
     strongest = r["policies"][r["strongest_baseline"]]
     assert r["policies"]["gpumix"]["avg_jct_s"] < strongest["avg_jct_s"]

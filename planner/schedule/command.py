@@ -54,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
     summary = result.to_dict(jobs=False)
     print(f"{result.policy} on {cluster.name} ({cluster.num_devices} devices), {len(jobs)} jobs "
           f"— decisions on predicted times, runs simulated with a seeded error (sigma {args.error_sigma}, "
-          f"seed {args.error_seed}), overhead measured")
+          f"seed {args.error_seed}), decision overhead measured (CPU time)")
     print_table([{k: summary[k] for k in SUMMARY_KEYS}])
     return 0

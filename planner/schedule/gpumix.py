@@ -43,7 +43,7 @@ from planner.core.cluster import ClusterSpec
 from planner.core.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import Reservation, Sizing
-from planner.schedule.state import Decision, Running, restart_s
+from planner.schedule.state import ERROR_SIGMA, Decision, Running, restart_s
 
 AGING_S = 6 * 3600.0  # a job that waited this long ranks as if it had half its work left
 STARVE_AFTER_S = 24 * 3600.0  # a job that waited this long goes ahead of every other, oldest first
@@ -55,7 +55,10 @@ PREEMPT_GAIN = 1.0
 PREEMPT_RATIO = 2.0
 MAX_PREEMPTIONS = 4
 GROW_TOP = 8  # the running jobs with the most predicted time left that may grow, per decision
-GROW_GAIN = 3.0  # a growth must save this many restart costs (the prediction may be wrong)
+GROW_GAIN = 3.0  # a growth must save this many restart costs ...
+# ... and be predicted faster by one sigma of the ratio of two independent prediction errors
+# (the job's error on the new option is a new draw): exp(0.25 × √2) = 1.42
+GROW_SPEEDUP = math.exp(ERROR_SIGMA * math.sqrt(2.0))
 MAX_GROWS = 2  # per job
 RATE_WINDOW_S = 3600.0  # the arrival rate is never judged on less than an hour
 
@@ -107,6 +110,10 @@ class GpumixPolicy:
                 self._jobs[j.job_id] = j
                 self._first_s = min(self._first_s, j.submit_s)
         rate = len(self._jobs) / max(now - self._first_s, RATE_WINDOW_S)  # arrivals per second so far
+        # an arrival is delayed only if it finds the cluster full: weigh arrivals by the share of the
+        # cluster's peak FLOP/s held now (an idle cluster gives each job its fastest option)
+        busy = sum(sizing.entry(r.option)[2] for r in running if r.option is not None) / self.total_price
+        rate *= min(1.0, busy)
         todo = sorted((j for j in waiting if sizing.entries(j)), key=lambda j: self._key(now, j))
         out: list[Decision] = []
         started: list[Running] = []
@@ -146,10 +153,11 @@ class GpumixPolicy:
             out += self._grow(now, free_n, running, rate)
         return out
 
-    def _cost(self, t: float, price: float, queued: int, rate: float) -> float:
+    def _cost(self, t: float, price: float, queued: float, rate: float) -> float:
         """Expected cost to the mean JCT of holding `price` for t seconds: t itself plus the delay on
-        the jobs queued behind and those expected to arrive meanwhile (arrival rate so far × t),
-        each delayed in proportion to the share of the cluster's peak FLOP/s held."""
+        the jobs queued behind and those expected to arrive meanwhile (`rate` × t: the arrival rate
+        so far weighed by how busy the cluster is), each delayed in proportion to the share of the
+        cluster's peak FLOP/s held."""
         behind = self.queue_weight * queued + self.arrival_weight * rate * t
         return t * (1.0 + behind * price / self.total_price)
 
@@ -169,9 +177,13 @@ class GpumixPolicy:
             best = None
             for k, o, price in self.sizing.entries(job):
                 have = free_n[k] + (r.num_gpus if k == mine else 0)
-                if have < o.num_gpus or o.num_gpus <= (r.num_gpus if k == mine else 0):
-                    continue  # a move must take more devices than it gives back: growth, not a shuffle
-                new_cost = self._cost(r.remaining * job.steps * o.iteration_s + restart, price, 0, rate)
+                if have < o.num_gpus or o.num_gpus <= (r.num_gpus if k == mine else 0) \
+                        or o.iteration_s >= r.option.iteration_s:
+                    continue  # a move must be predicted faster and, on its own pool, take more devices
+                new_s = r.remaining * job.steps * o.iteration_s
+                if new_s * GROW_SPEEDUP > r.end_s - now:
+                    continue  # not faster by more than the prediction's error
+                new_cost = self._cost(new_s + restart, price, 0, rate)
                 if now_cost - new_cost > self.grow_gain * restart and (best is None or new_cost < best[0]):
                     best = (new_cost, k, o)
             if best is None:
@@ -185,10 +197,8 @@ class GpumixPolicy:
 
     def _choose(self, job: JobSpec, left: float, free_n: list[int], blocked, queued: int,
                 rate: float) -> tuple[int, ResourceOption] | None:
-        """The option that fits now with the least expected cost to the mean JCT: its own time
-        left `t` plus the delay it puts on the others, `behind · t · price / P` — behind: the jobs
-        queued after it and those expected to arrive while it runs (the arrival rate so far × t),
-        price / P: its share of the cluster's peak FLOP/s."""
+        """The option that fits now (and that `blocked` allows) with the least expected cost to the
+        mean JCT (`_cost`): queued jobs behind it, arrivals while it runs."""
         best = None
         for k, o, price in self.sizing.entries(job):
             if free_n[k] < o.num_gpus or blocked(k, o):

@@ -33,21 +33,13 @@ from planner.schedule.fifo import FifoPolicy
 from planner.schedule.frenzy import FrenzyPolicy
 from planner.schedule.gpumix import GpumixPolicy
 from planner.schedule.options import ResourceOption
-from planner.schedule.state import ClusterState, Policy, Running, restart_s
+from planner.schedule.state import ERROR_SIGMA, ClusterState, Policy, Running, restart_s
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("gpumix", "frenzy", "fifo", "fifo-backfill", "fifo-backfill-sized", "sjf")
 BASELINES = ("frenzy", "fifo", "fifo-backfill", "fifo-backfill-sized", "sjf")
 
-# The cost model's measured error on step time, as a lognormal sigma (log of measured/predicted).
-# bench/profile_report.py --quick on this machine (2026-12-01): the estimate path for a model
-# that was not profiled (calibrated on another) is off by 1.24-1.33x (ln 0.21-0.28); profiled
-# fits are within 0.97-1.12x of the medians. Every GPU type of the simulated clusters is
-# estimated from the catalog, never profiled here, so the estimate path's error applies:
-# sigma = 0.25 (68 % of jobs within x/÷ 1.28, 5 % beyond x/÷ 1.63; issue 12 reports an
-# unprofiled A6000/L4 ratio off by 2.1x, which this tail covers).
-ERROR_SIGMA = 0.25
 MAX_ERROR_SIGMA = 2.0  # x/÷ 7.4 at one sigma: past this a "prediction" predicts nothing
 
 def error_factor(seed: int, job_id: str, gpu_type: str, sigma: float = ERROR_SIGMA) -> float:

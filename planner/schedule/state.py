@@ -7,6 +7,8 @@
   option through checkpoint and resume (`resize`), or checkpoint it and put it back in the
   queue (`suspend`, preemption).
 * `Policy` — what the simulator (planner/schedule/simulate.py) and the orchestrator ask.
+* `ERROR_SIGMA`, `restart_s` — what every policy may know of the cost model's error and of a
+  checkpoint-and-resume's cost (the simulator charges the same).
 """
 from __future__ import annotations
 
@@ -17,6 +19,15 @@ from planner.core.cluster import ClusterSpec
 from planner.core.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption, cluster_pools
 
+
+# The cost model's measured error on step time, as a lognormal sigma (log of measured/predicted).
+# bench/profile_report.py --quick on this machine (2026-12-01): the estimate path for a model
+# that was not profiled (calibrated on another) is off by 1.24-1.33x (ln 0.21-0.28); profiled
+# fits are within 0.97-1.12x of the medians. Every GPU type of the simulated clusters is
+# estimated from the catalog, never profiled here, so the estimate path's error applies:
+# sigma = 0.25 (68 % of jobs within x/÷ 1.28, 5 % beyond x/÷ 1.65; the unprofiled A6000/L4
+# ratio issue 12 reports off by 2.1x sits at three sigma).
+ERROR_SIGMA = 0.25
 
 # Checkpoint and resume of a resized job: the whole training state (16 bytes/parameter, mixed-
 # precision Adam) written then read at CHECKPOINT_GBPS (a parallel file system's aggregate
