@@ -5,6 +5,7 @@ polling fragment does in a browser, until the answer is in."""
 import json
 import os
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
 from planner.core.plan import Plan
@@ -104,3 +105,26 @@ def test_download_button_carries_a_plan_file():
     assert button is not None
     plan = at.session_state["plan"]
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_first_plan_on_an_unprofiled_machine_says_estimated_and_offers_the_profile():
+    at = _page()
+    warnings = [w.value for w in at.warning]
+    assert any("Estimated, not measured" in w and "cpu" in w for w in warnings), warnings
+    assert at.button(key="plan_profile_now")
+
+
+@pytest.mark.slow
+def test_one_click_profiles_this_machine_and_plans_again_on_measured_figures():
+    from planner.core.profiles import get_step_profile
+    from planner.core.specs import PRESETS
+
+    at = _page()
+    assert not get_step_profile("cpu", PRESETS["tiny"], 128, "fp32").measured
+    settle(at.button(key="plan_profile_now").click().run())
+    assert not at.exception and not at.error
+    assert get_step_profile("cpu", PRESETS["tiny"], 128, "fp32").measured  # kept in the profile store
+    assert not any("Estimated" in w.value for w in at.warning)
+    assert not [b for b in at.button if b.key == "plan_profile_now"]
+    plan = at.session_state["plan"]
+    assert not any("estimated" in n for n in plan.notes)  # re-planned on the measured profile

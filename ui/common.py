@@ -193,10 +193,73 @@ def fmt_seconds(s: float | None) -> str:
     return f"{minutes // 60} h {minutes % 60} min"
 
 
+def fmt_percent(x: float | None, digits: int = 1, signed: bool = False) -> str:
+    """A percentage as a person writes it: 12.345 -> "12.3 %"; a value that rounds to zero is
+    "0.0 %" (never "-0.0 %"); None -> "—"."""
+    if x is None or not math.isfinite(x):
+        return "—"
+    r = round(x, digits)
+    if r == 0:
+        r = 0.0
+    return f"{r:+.{digits}f} %" if signed and r != 0 else f"{r:.{digits}f} %"
+
+
+def fmt_cell(x: Any, fmt: Callable[[Any], str] = str) -> str:
+    """A table cell for a person: None -> "—", True/False -> "yes"/"no", else fmt(x)."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return fmt(x)
+
+
+def rolling_median(ys: list[float | None], window: int) -> list[float | None]:
+    """The median of each point's trailing window (at most `window` points, None skipped): a
+    measured series smoothed without letting one slow step pull it, as a mean would."""
+    import statistics
+
+    out: list[float | None] = []
+    for i in range(len(ys)):
+        vals = [y for y in ys[max(0, i - window + 1):i + 1] if y is not None]
+        out.append(statistics.median(vals) if vals else None)
+    return out
+
+
 def fmt_rate(x: float | None, unit: str = "samples/s") -> str:
     if x is None or not math.isfinite(x):
         return "—"
     return f"{x:,.1f} {unit}" if x < 1000 else f"{x:,.0f} {unit}"
+
+
+def ranks_table(ranks: list[dict[str, Any]]) -> Any:
+    """A run's per-rank table (executor.store.read_metrics' "ranks"), every cell text a person
+    reads: "—" for a figure not measured yet, units in the column names."""
+    import pandas as pd
+
+    def mib(b: float | None) -> str:
+        return fmt_cell(b, lambda x: f"{x / _KIB**2:,.1f}")
+
+    def secs(x: float | None) -> str:
+        return fmt_cell(x, fmt_seconds)
+
+    rows = []
+    for r in ranks:
+        compute = None
+        if r.get("median_compute_s") is not None:
+            compute = r["median_compute_s"] + (r.get("median_emulated_delay_s") or 0.0)
+        rows.append({
+            "rank": str(r["rank"]), "node": r["node"], "type": r["type"],
+            "emulated": emulated_marker(bool(r["emulated"])),
+            "slowdown": fmt_cell(r["slowdown"], lambda x: f"{x:g}×"),
+            "micro-batch × accum": f"{r['micro_batch']} × {r['accum_steps']}",
+            "state shard": fmt_cell(r["shard_fraction"], lambda x: fmt_percent(100.0 * x)),
+            "peak memory (measured, MiB)": mib(r["peak_memory_bytes"]),
+            "memory (predicted, MiB)": mib(r["predicted_memory_bytes"]),
+            "compute/step (measured median)": secs(compute),
+            "wait/step (measured median)": secs(r["median_wait_s"]),
+            "step (predicted)": secs(r["predicted_step_s"]),
+        })
+    return pd.DataFrame(rows)
 
 
 # ---- charts ------------------------------------------------------------------------------

@@ -111,6 +111,22 @@ def _cluster_table(cluster: ClusterSpec) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def cpu_memory_note(cluster: ClusterSpec) -> str | None:
+    """Why this machine's RAM (inventory) and the cluster's CPU workers' memory differ."""
+    workers = [d for _, d in cluster.devices() if d.type == CPU_TYPE]
+    ram = sum(d["memory_bytes"] or 0 for d in _local_devices() if d["kind"] == "cpu")
+    if not workers or not ram:
+        return None
+    planned = sum(d.memory_bytes for d in workers)
+    nominal = CATALOG[CPU_TYPE].memory_bytes
+    text = (f"Memory: each cpu worker is planned with the catalog's nominal {fmt_bytes(nominal)} per rank "
+            f"(planner/core/catalog.py) unless it has an emulated limit; the {len(workers)} workers share this "
+            f"machine's {fmt_bytes(ram)} of RAM (the table above), {fmt_bytes(planned)} planned in all")
+    if planned > ram:
+        return text + ": more than the machine has, so plan memory-heavy runs with emulated limits that add up."
+    return text + "."
+
+
 def _apply_upload() -> None:
     uploaded = st.file_uploader("Upload a cluster file (JSON)", type=["json"], key="inv_upload")
     if uploaded is None:
@@ -194,6 +210,9 @@ def _render_cluster() -> None:
                 f"network {cluster.network.intra_node_gbps:g} Gbit/s intra-node, "
                 f"{cluster.network.inter_node_gbps:g} Gbit/s inter-node")
     st.dataframe(_cluster_table(cluster), hide_index=True, key="inv_cluster_table")
+    note = cpu_memory_note(cluster)
+    if note:
+        st.caption(note)
     show_emulated_note(cluster.emulated)
     page_link("ui/plan.py", "Next: plan a training run on this cluster", icon=":material/account_tree:")
     nodes = [n.name for n in cluster.nodes]

@@ -8,6 +8,7 @@ sit beside the plan's predictions; emulated devices are marked.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -26,6 +27,9 @@ MIN_DEFAULT_STEPS = 200
 WATCH_S = 60.0  # the default run lasts about this long at the predicted step time: long enough to watch
 DEFAULT_CHECKPOINT_EVERY = 500
 MIB = 2**20
+SMOOTH_STEPS = 11  # the throughput chart's rolling median window (steps)
+MIN_STEPS_FOR_GAP = 10  # measured against predicted only once the median means something
+GAP_TOLERANCE_PERCENT = 15.0  # within this, the prediction holds (issue 16's bar)
 
 
 def _store():
@@ -161,22 +165,12 @@ def pick_run() -> str | None:
 # ---- the live panel ------------------------------------------------------------------------
 
 
+def _mib(b: float | None) -> str:
+    return common.fmt_cell(b, lambda x: f"{x / MIB:,.1f}")
+
+
 def ranks_frame(m: dict[str, Any]) -> pd.DataFrame:
-    rows = []
-    for r in m["ranks"]:
-        compute = (r["median_compute_s"] or 0.0) + (r["median_emulated_delay_s"] or 0.0)
-        rows.append({
-            "rank": r["rank"], "node": r["node"], "type": r["type"], "emulated": common.emulated_marker(r["emulated"]),
-            "slowdown": r["slowdown"], "micro-batch × accum": f"{r['micro_batch']} × {r['accum_steps']}",
-            "shard fraction": r["shard_fraction"],
-            "peak memory (measured, MiB)": None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / MIB,
-            "memory (predicted, MiB)": None if r["predicted_memory_bytes"] is None
-            else r["predicted_memory_bytes"] / MIB,
-            "compute/step (measured median, s)": compute if r["median_compute_s"] is not None else None,
-            "wait/step (measured median, s)": r["median_wait_s"],
-            "step (predicted, s)": r["predicted_step_s"],
-        })
-    return pd.DataFrame(rows)
+    return common.ranks_table(m["ranks"])
 
 
 def per_rank_series(m: dict[str, Any], column: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -194,20 +188,106 @@ def memory_figure(m: dict[str, Any]) -> Any:
     import plotly.graph_objects as go
 
     names = [f"rank {r['rank']}" + (" (emulated)" if r["emulated"] else "") for r in m["ranks"]]
-    fig = go.Figure([
-        go.Bar(name="peak (measured)", x=names, y=[(r["peak_memory_bytes"] or 0) / MIB for r in m["ranks"]]),
-        go.Bar(name="predicted", x=names, y=[(r["predicted_memory_bytes"] or 0) / MIB for r in m["ranks"]]),
-    ])
+    fig = go.Figure()
+    for name, key in (("peak (measured)", "peak_memory_bytes"), ("predicted", "predicted_memory_bytes")):
+        ys = [(r[key] or 0) / MIB for r in m["ranks"]]
+        fig.add_trace(go.Bar(name=name, x=names, y=ys, text=[_mib(r[key]) for r in m["ranks"]],
+                             textposition="outside", textangle=0, cliponaxis=False))
     fig.update_layout(barmode="group")
     return common.style_figure(fig, "rank", "memory (MiB)", title="Per-rank memory")
 
 
 def throughput_figure(m: dict[str, Any]) -> Any:
+    """Measured samples/s per step as points, their rolling median as the line to read, and the
+    plan's prediction."""
+    import plotly.graph_objects as go
+
     steps = m["steps"]
-    series = {"measured": ([s["step"] for s in steps], [s["samples_per_s"] for s in steps])}
+    xs, ys = [s["step"] for s in steps], [s["samples_per_s"] for s in steps]
+    fig = go.Figure([
+        go.Scatter(x=xs, y=ys, mode="markers", name="measured (each step)", marker=dict(size=4, opacity=0.45)),
+        go.Scatter(x=xs, y=common.rolling_median(ys, SMOOTH_STEPS), mode="lines",
+                   name=f"measured (median of {SMOOTH_STEPS} steps)", line=dict(width=3)),
+    ])
     if m.get("predicted_samples_per_s") and steps:
-        series["predicted (plan)"] = ([steps[0]["step"], steps[-1]["step"]], [m["predicted_samples_per_s"]] * 2)
-    return common.line_figure(series, "step", "throughput (samples/s)", title="Throughput")
+        fig.add_trace(go.Scatter(x=[xs[0], xs[-1]], y=[m["predicted_samples_per_s"]] * 2, mode="lines",
+                                 name="predicted (plan)", line=dict(dash="dash")))
+    return common.style_figure(fig, "step", "throughput (samples/s)", title="Throughput")
+
+
+def gap_reasons(m: dict[str, Any]) -> list[str]:
+    """Why a run's measured step may differ from its prediction, from what this page can check:
+    device types planned on estimated (not measured) figures, emulation by sleeping, and the
+    machine's load (CPU profiles time one dedicated core per rank)."""
+    reasons = []
+    from planner.core.profiles import get_step_profile
+    from planner.core.specs import get_model
+
+    types = sorted({r["type"] for r in m["ranks"]})
+    with contextlib.suppress(ValueError, OSError, TypeError):  # TypeError: a run that recorded no seq
+        spec = get_model(m["model"])
+        unmeasured = [t for t in types if not get_step_profile(t, spec, m["seq"], m["dtype"]).measured]
+        if unmeasured:
+            reasons.append(f"no measured profile of {m['model']} at seq {m['seq']} on {', '.join(unmeasured)}: "
+                           "the plan's step times are estimates (profile it on **Inventory**, then plan again)")
+    if any(r["slowdown"] and r["slowdown"] != 1.0 for r in m["ranks"]):
+        reasons.append("emulated slowdowns sleep after each step: the sleep is exact, the compute beside it is not")
+    with contextlib.suppress(OSError):
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if load > 0.8 * cores:
+            reasons.append(f"this machine is loaded (load average {load:.1f} on {cores} cores): CPU profiles time "
+                           "one dedicated core per rank, a shared core makes every step longer")
+    return reasons
+
+
+def render_gap(m: dict[str, Any]) -> None:
+    """Measured against predicted step time: by how much, and the likely reasons when they differ."""
+    med, pred = m.get("median_step_s"), m.get("predicted_iteration_s")
+    if not med or not pred or len(m["steps"]) < MIN_STEPS_FOR_GAP:
+        return
+    gap = 100.0 * (med - pred) / pred
+    line = (f"Measured median step {common.fmt_seconds(med)} against {common.fmt_seconds(pred)} predicted: "
+            f"{common.fmt_percent(abs(gap))} {'slower' if gap > 0 else 'faster'} than predicted")
+    if abs(gap) <= GAP_TOLERANCE_PERCENT:
+        st.caption(f":material/check_circle: {line} (within {GAP_TOLERANCE_PERCENT:g} %).")
+        return
+    reasons = gap_reasons(m)
+    st.warning(line + (". Likely: " + "; ".join(reasons) + "." if reasons else
+                       ". None of the usual causes (unprofiled device, emulation, load) applies here."),
+               icon=":material/difference:")
+
+
+def validation_note(m: dict[str, Any]) -> str | None:
+    """Which data the validation loss is computed on, and how often."""
+    from executor.corpus import VAL_EVERY, VAL_FRACTION  # torch-free
+
+    val_steps = [s["step"] for s in m["steps"] if s["val_loss"] is not None]
+    if not val_steps:
+        return None
+    windows = worker_constant("NUM_VAL_WINDOWS")
+    what = f"{windows} fixed windows" if windows else "fixed windows"
+    every = f"every {val_steps[1] - val_steps[0]} steps" if len(val_steps) > 1 else f"at step {val_steps[0]}"
+    return (f"Validation loss: mean cross-entropy over {what} of {m['seq']} tokens from the held-out "
+            f"{VAL_FRACTION:.0%} of the corpus (every {VAL_EVERY}th document, never trained on), {every} "
+            "and at the last step; the same windows each time, so the points compare.")
+
+
+def worker_constant(name: str) -> int | None:
+    """A module-level integer of executor/worker.py read from its source (importing it would load
+    torch into the dashboard); None when it is not a plain literal there."""
+    import ast
+
+    from executor import corpus
+
+    path = os.path.join(os.path.dirname(corpus.__file__), "worker.py")
+    with contextlib.suppress(OSError, SyntaxError):
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in tree.body:
+            if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
+                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)):
+                return node.value.value
+    return None
 
 
 def render_status(m: dict[str, Any]) -> None:
@@ -262,6 +342,9 @@ def render_charts(m: dict[str, Any]) -> None:
     with c1:
         common.show_figure(common.line_figure(loss, "step", "loss (nats/token)", title="Loss (measured)"),
                            key="launch_loss_chart")
+        note = validation_note(m)
+        if note:
+            st.caption(note)
     with c2:
         common.show_figure(throughput_figure(m), key="launch_speed_chart")
     c3, c4 = st.columns(2)
@@ -301,6 +384,7 @@ def render_monitor(run_dir: str) -> None:
             m = _store().read_metrics(run_dir)
         render_status(m)
         render_numbers(m)
+        render_gap(m)
         render_charts(m)
 
     panel()

@@ -14,7 +14,7 @@ import streamlit as st
 from planner.core.catalog import CATALOG
 from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
 from planner.core.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
-from ui.common import (MEASURED, PREDICTED, fmt_bytes, labelled, metric, number_field, page_header, show_errors,
+from ui.common import (MEASURED, PREDICTED, fmt_bytes, fmt_percent, labelled, metric, number_field, page_header, show_errors,
                        show_figure, style_figure)
 from ui.state import get_model as get_session_model
 from ui.state import get_training_inputs, set_model, set_training_inputs
@@ -198,7 +198,7 @@ def show_trace(spec: ModelSpec, cfg: MemoryConfig, predicted: MemoryBreakdown) -
         metric("Peak memory", fmt_bytes(traced["peak_bytes"]), MEASURED,
                help="live tensor bytes over one whole step of the sharded runtime"
                     + (" (fake tensors)" if fake else ""))
-        st.caption(f"predicted − measured: {err:+.2f} %")
+        st.caption(f"predicted − measured: {fmt_percent(err, 2, signed=True)} of the measured peak")
 
 
 def main() -> None:

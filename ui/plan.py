@@ -19,10 +19,11 @@ from planner.core.paths import PROJECT_ROOT
 from planner.core.plan import Plan
 from planner.core.specs import PRESETS
 from planner.core.specs import get_model as get_model_spec
+from planner.core.specs import with_max_seq
 from ui import background
-from ui.common import (MEASURED, error_message, PREDICTED, fmt_rate, fmt_seconds, labelled, metric, page_header, page_link,
-                       number_field, profiles_version, show_emulated_note, show_errors, show_figure,
-                       style_figure)
+from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
+                       metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
+                       show_errors, show_figure, style_figure)
 from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
 from planner.core.constants import GIB
 
@@ -107,15 +108,16 @@ def inputs() -> tuple[ClusterSpec | None, str, int | None, int | None, str]:
 
 
 def device_rows(plan: Plan) -> list[dict]:
+    """One row per device, every cell text a person reads (units in the column names)."""
     devices = plan.cluster.devices()
     return [{
-        "device": a.device_index, "node": a.node, "type": devices[a.device_index][1].label,
-        "micro-batch": a.micro_batch, "accum. steps": a.accum_steps, "batch (samples)": a.batch,
-        "shard fraction": round(a.shard_fraction, 4),
-        labelled("memory (GiB)", PREDICTED): round(a.predicted_memory_bytes / GIB, 3),
-        "capacity (GiB)": round(devices[a.device_index][1].memory_bytes / GIB, 2),
-        labelled("step (s)", PREDICTED): round(a.predicted_step_s, 6) if a.used else None,
-        "used": a.used,
+        "device": str(a.device_index), "node": a.node, "type": devices[a.device_index][1].label,
+        "micro-batch": str(a.micro_batch), "accum. steps": str(a.accum_steps), "batch (samples)": str(a.batch),
+        "state shard": fmt_percent(100.0 * a.shard_fraction),
+        labelled("memory", PREDICTED): fmt_bytes(a.predicted_memory_bytes),
+        "capacity": fmt_bytes(devices[a.device_index][1].memory_bytes),
+        labelled("step", PREDICTED): fmt_seconds(a.predicted_step_s) if a.used else "—",
+        "used": "yes" if a.used else "no (not needed)",
     } for a in plan.assignments]
 
 
@@ -125,16 +127,22 @@ def memory_figure(plan: Plan):
     devices = plan.cluster.devices()
     names = [f"{a.device_index} · {devices[a.device_index][1].label}" for a in plan.assignments]
     capacity = [devices[a.device_index][1].memory_bytes / GIB for a in plan.assignments]
+    predicted = [a.predicted_memory_bytes / GIB for a in plan.assignments]
     fig = go.Figure([
-        go.Bar(x=names, y=[a.predicted_memory_bytes / GIB for a in plan.assignments], name="predicted peak"),
-        go.Bar(x=names, y=capacity, name="capacity", opacity=0.35),
+        # capacity first and wide, the prediction narrower on top of it: both stay visible
+        go.Bar(x=names, y=capacity, name="capacity", opacity=0.3, width=0.8,
+               text=[fmt_bytes(c * GIB) for c in capacity], textposition="outside", textangle=0, cliponaxis=False),
+        go.Bar(x=names, y=predicted, name="predicted peak", width=0.45,
+               text=[fmt_bytes(a.predicted_memory_bytes) for a in plan.assignments], textposition="outside",
+               textangle=0, cliponaxis=False),
         go.Scatter(x=names, y=[c * HEADROOM for c in capacity], mode="markers", name=f"capacity × {HEADROOM:g}",
                    marker=dict(symbol="line-ew-open", size=28)),
     ])
-    fig.update_layout(barmode="overlay")
-    if max((a.predicted_memory_bytes for a in plan.assignments), default=0) < 0.02 * max(capacity, default=1) * GIB:
-        # a tiny model next to a large capacity would be an invisible sliver on a linear axis
-        fig.update_yaxes(type="log")
+    fig.update_layout(barmode="overlay", uniformtext=dict(mode="hide", minsize=9))
+    if max(predicted, default=0) < 0.02 * max(capacity, default=1):
+        # a tiny model next to a large capacity would be an invisible sliver on a linear axis;
+        # labels at powers of ten only (no labelled minor ticks)
+        fig.update_yaxes(type="log", dtick=1, minor=dict(showgrid=False, ticks=""))
     return style_figure(fig, "device", "memory (GiB)", title="Memory per device: predicted vs capacity")
 
 
@@ -143,7 +151,7 @@ def throughput_figure(plan: Plan):
 
     names, rates, text = ["GPUMix plan"], [plan.predicted_samples_per_s], [fmt_rate(plan.predicted_samples_per_s)]
     for name, b in plan.baselines.items():
-        names.append(name)
+        names.append(name.replace("_", " "))
         if b.oom or not b.predicted_iteration_s:
             rates.append(0.0)
             text.append("out of memory")
@@ -151,8 +159,67 @@ def throughput_figure(plan: Plan):
             rate = plan.global_batch / b.predicted_iteration_s
             rates.append(rate)
             text.append(fmt_rate(rate))
-    fig = go.Figure(go.Bar(x=names, y=rates, text=text, textposition="auto"))
+    fig = go.Figure(go.Bar(x=names, y=rates, text=text, textposition="outside", textangle=0, cliponaxis=False))
+    fig.update_yaxes(range=[0, 1.15 * max(rates, default=1) or 1])  # room for the labels over the bars
     return style_figure(fig, "plan", "throughput (samples/s, predicted)", title="Predicted samples/s vs baselines")
+
+
+def same_as_baselines(plan: Plan) -> bool:
+    """Every baseline that fits predicts the plan's own throughput (within 0.5 %)."""
+    rates = [plan.global_batch / b.predicted_iteration_s for b in plan.baselines.values()
+             if not b.oom and b.predicted_iteration_s]
+    return bool(rates) and all(abs(r - plan.predicted_samples_per_s) <= 0.005 * plan.predicted_samples_per_s
+                               for r in rates)
+
+
+def unmeasured_kinds(plan: Plan) -> list[str]:
+    """The device kinds (type, or type@share) the plan's used devices were priced on estimated,
+    not measured, step profiles (the profile store has none for its model, seq, dtype)."""
+    from planner.core.profiles import get_step_profile
+
+    spec = with_max_seq(get_model_spec(plan.model), plan.seq)
+    devices = plan.cluster.devices()
+    kinds = sorted({devices[a.device_index][1].profile_key for a in plan.assignments if a.used})
+    return [k for k in kinds
+            if not get_step_profile(k, spec, plan.seq, plan.dtype, plan.recompute).measured]
+
+
+def local_types() -> set[str]:
+    from profiler.inventory import detect_devices  # torch: only when a plan is shown
+
+    return {d.catalog_type for d in detect_devices()}
+
+
+def render_estimated(plan: Plan) -> None:
+    """Say plainly when the figures are estimates, and offer the one click that measures them:
+    profile this machine's device type (once: the profile store keeps it), then plan again."""
+    kinds = unmeasured_kinds(plan)
+    if not kinds:
+        return
+    st.warning(f"**Estimated, not measured**: no step profile of {plan.model} at seq {plan.seq}, {plan.dtype} on "
+               f"{', '.join(kinds)} yet, so the step times and throughput below are estimates; a run's measured "
+               "step can differ from them by a factor of 2 or more.", icon=":material/warning:")
+    here = [k for k in kinds if k in local_types()]
+    elsewhere = [k for k in kinds if k not in here]
+    if elsewhere:
+        st.caption(f"Not on this machine: {', '.join(elsewhere)}. Measure them where they are "
+                   f"(`python -m profiler profile --model {plan.model} --seq {plan.seq} --dtype {plan.dtype}`, "
+                   "or `--cpu-share` for an emulated CPU share) and copy the profile store here.")
+    if here and plan.recompute == "none" and st.button(
+            f"Profile {', '.join(here)} now and plan again (measured; once, kept in the profile store)",
+            key="plan_profile_now", type="primary", icon=":material/speed:"):
+        from profiler.microbench import profile_machine  # torch: only when asked
+
+        bar = st.progress(0.0, text="starting")
+        with show_errors("Profiling failed"):
+            profile_machine(plan.model, plan.seq, plan.dtype,
+                            progress=lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m))
+            from planner.schedule.options import clear_caches  # the scheduler's cached profile figures
+
+            clear_caches()
+            st.session_state[REQUEST] = (json.dumps(plan.cluster.to_dict()), plan.model, plan.global_batch,
+                                         plan.seq, plan.dtype, profiles_version())
+            st.rerun()
 
 
 def render(plan: Plan) -> None:
@@ -164,8 +231,9 @@ def render(plan: Plan) -> None:
         metric("Throughput", fmt_rate(plan.predicted_samples_per_s), PREDICTED)
     with c3:
         metric("Solve time", fmt_seconds(plan.solve_s), MEASURED)
+    render_estimated(plan)
     for note in plan.notes:
-        st.info(note)
+        st.caption(f":material/info: {note}")
     st.dataframe(device_rows(plan), key="plan_table", hide_index=True)
     show_emulated_note(plan.cluster.emulated)
     left, right = st.columns(2)
@@ -173,6 +241,10 @@ def render(plan: Plan) -> None:
         show_figure(memory_figure(plan), key="plan_memory_chart")
     with right:
         show_figure(throughput_figure(plan), key="plan_baselines_chart")
+        if same_as_baselines(plan):
+            st.caption("The plan and its baselines predict the same throughput: this cluster's devices are "
+                       "identical, so an even split is already the fastest. Add a slower or smaller device "
+                       "on **Inventory** (emulated) to see an uneven split win.")
     st.download_button("Download the plan (JSON)", plan.to_json(), file_name=f"plan-{plan.cluster.name}.json",
                        mime="application/json", key="plan_download")
     page_link("ui/launch.py", "Launch this plan", icon=":material/rocket_launch:")

@@ -81,7 +81,7 @@ def history_frame(runs: list[dict[str, Any]]) -> pd.DataFrame:
             "model": [r["model"] for r in runs],
             "ranks": [r["world_size"] for r in runs],
             "steps (measured)": [r["steps_recorded"] for r in runs],
-            "steps asked": [r["steps_target"] for r in runs],
+            "steps asked": [common.fmt_cell(r["steps_target"], lambda n: f"{n:,}") for r in runs],
             "emulated": [common.emulated_marker(r["emulated"]) for r in runs],
             "started": [_started(r["started_s"]) for r in runs],
             "note": [r.get("reason") or "" for r in runs],
@@ -104,27 +104,6 @@ def compare_figure(runs: dict[str, dict[str, Any]], column: str, y_title: str) -
         df = steps_frame(m)
         series[f"{name} ({m.get('model')}, {m.get('world_size')} ranks)"] = (df["step"].tolist(), df[column].tolist())
     return common.line_figure(series, "step", y_title)
-
-
-# the per-rank table: store key -> column title (units and kind of number in the title)
-RANK_COLUMNS = {
-    "rank": "rank", "node": "node", "type": "type", "emulated": "emulated", "micro_batch": "micro-batch",
-    "accum_steps": "accum. steps", "shard_fraction": "shard fraction",
-    "peak_memory_bytes": "peak memory (measured, MiB)", "predicted_memory_bytes": "memory (predicted, MiB)",
-    "median_compute_s": "compute per step (measured median, s)", "median_wait_s": "wait per step (measured median, s)",
-    "predicted_step_s": "step (predicted, s)",
-}
-RANK_NUMBER_COLUMNS = [RANK_COLUMNS[k] for k in ("peak_memory_bytes", "predicted_memory_bytes", "median_compute_s",
-                                                 "median_wait_s", "predicted_step_s")]
-MIB = 2**20
-
-
-def ranks_frame(ranks: list[dict[str, Any]]) -> pd.DataFrame:
-    df = pd.DataFrame(ranks).reindex(columns=list(RANK_COLUMNS))
-    df["emulated"] = df["emulated"].map(lambda e: common.emulated_marker(bool(e)))
-    for col in ("peak_memory_bytes", "predicted_memory_bytes"):
-        df[col] = df[col] / MIB
-    return df.rename(columns=RANK_COLUMNS)
 
 
 def render_history(runs: list[dict[str, Any]], broken: list[dict[str, Any]]) -> None:
@@ -196,8 +175,7 @@ def render_export(runs: list[dict[str, Any]]) -> None:
     if ranks:
         st.caption(f"Per rank of {name}: {common.source_badge(common.MEASURED)} beside "
                    f"{common.source_badge(common.PREDICTED)}")
-        st.dataframe(ranks_frame(ranks), hide_index=True, key="runs_ranks_table",
-                     column_config={c: st.column_config.NumberColumn(format="%.4f") for c in RANK_NUMBER_COLUMNS})
+        st.dataframe(common.ranks_table(ranks), hide_index=True, key="runs_ranks_table")
 
 
 def render() -> None:
