@@ -128,3 +128,19 @@ def test_number_fields_show_defaults_and_refuse_out_of_range_values():
     at.button(key="inv_add_node").click().run()
     assert not at.exception and not at.error
     assert [d.memory_gb for _, d in at.session_state["cluster"].devices() if d.type == "T4"] == [4.0, 4.0]
+
+
+def test_one_click_emulated_mixed_cluster_is_kernel_limited_and_labelled():
+    from executor import cgroups
+
+    at = _app()
+    button = at.button(key="inv_emulated_mixed")
+    if cgroups.unavailable_reason() is not None:
+        assert button.disabled and any("unavailable here" in t for t in _texts(at.caption))
+        return
+    button.click().run()
+    assert not at.exception and not at.error
+    c = at.session_state["cluster"]
+    assert [(d.type, d.cpu_share, d.memory_gb) for _, d in c.devices()] == [("cpu", 1.0, None), ("cpu", 0.333, 2.0)]
+    assert c.emulated and any("emulated" in t for t in _texts(at.caption))
+    assert list(at.dataframe[-1].value["emulated"]) == ["emulated", "emulated"]

@@ -149,3 +149,22 @@ def test_a_finished_dashboard_launch_leaves_no_defunct_child(data_dir):
         time.sleep(0.1)
     zombies = [c.pid for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
     assert state() == "reaped" and zombies == [], f"<defunct> children of the dashboard: {zombies}"
+
+
+def test_gap_reasons_name_an_unprofiled_device_and_emulation(data_dir):
+    from ui.launch import gap_reasons
+
+    m = {"model": "tiny", "seq": 128, "dtype": "fp32",
+         "ranks": [{"type": "cpu", "slowdown": 1.0}, {"type": "cpu", "slowdown": 3.0}]}
+    reasons = gap_reasons(m)
+    assert any("no measured profile of tiny at seq 128 on cpu" in r for r in reasons), reasons
+    assert any("emulated slowdowns" in r for r in reasons), reasons
+
+
+def test_rolling_median_and_percent_are_what_a_person_reads():
+    from ui.common import fmt_cell, fmt_percent, rolling_median
+
+    assert rolling_median([1.0, 100.0, 2.0, 3.0, None, 4.0], 3) == [1.0, 50.5, 2.0, 3.0, 2.5, 3.5]
+    assert fmt_percent(-0.001, 2, signed=True) == "0.00 %" and fmt_percent(-1.234, 1, signed=True) == "-1.2 %"
+    assert [fmt_cell(None), fmt_cell(True), fmt_cell(float("nan")), fmt_cell(3, lambda x: f"{x} s")] == [
+        "—", "yes", "—", "3 s"]

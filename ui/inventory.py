@@ -16,10 +16,10 @@ import streamlit as st
 
 from planner.core import paths
 from planner.core.catalog import CATALOG, CPU_TYPE, GIB
-from planner.core.cluster import ClusterSpec, DeviceSpec
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.profiles import get_device_bench, load_step_profiles
 from planner.core.specs import PRESETS
-from profiler.inventory import build_local_cluster, detect_devices
+from profiler.inventory import LOCAL_DATACENTER, LOCAL_NODE, build_local_cluster, detect_devices
 from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, number_field, page_header,
                        page_link, show_emulated_note, show_errors, source_badge)
 from ui.state import get_cluster, get_model, set_cluster
@@ -27,6 +27,9 @@ from ui.state import get_cluster, get_model, set_cluster
 DEFAULT_PROFILE_SEQ = 128
 MAX_PROFILE_SEQ = 8192
 MAX_ADD_COUNT = 1024
+MIXED_FAST_SHARE = 1.0  # of a core
+MIXED_SLOW_SHARE = 0.333  # of a core: a device about 3x slower
+MIXED_SLOW_MEMORY_GB = 2.0  # and smaller
 
 
 @st.cache_data(show_spinner=False)
@@ -200,6 +203,29 @@ def _render_cluster_files(cluster: ClusterSpec) -> None:
     if c2.button("Reset to this machine", key="inv_reset_local"):
         set_cluster(build_local_cluster())
         st.rerun()
+    _render_emulated_mixed(c2)
+
+
+def emulated_mixed_cluster() -> ClusterSpec:
+    """A mixed cluster on any machine: one CPU worker with a full core, one with a third of a
+    core and less memory, each held to it by the kernel (cgroups: executor/cgroups.py)."""
+    fast = DeviceSpec(CPU_TYPE, cpu_share=MIXED_FAST_SHARE)
+    slow = DeviceSpec(CPU_TYPE, cpu_share=MIXED_SLOW_SHARE, memory_gb=MIXED_SLOW_MEMORY_GB)
+    return ClusterSpec("emulated-mixed", (NodeSpec(LOCAL_NODE, LOCAL_DATACENTER, (fast, slow)),))
+
+
+def _render_emulated_mixed(where) -> None:
+    from executor import cgroups  # torch-free
+
+    reason = cgroups.unavailable_reason()
+    if where.button(f"Emulated mixed cluster: 1 core + {MIXED_SLOW_SHARE:g} core ({MIXED_SLOW_MEMORY_GB:g} GiB)",
+                    key="inv_emulated_mixed", disabled=reason is not None, icon=":material/science:",
+                    help="two CPU workers held by the kernel to one full core and a third of one (CPU quota "
+                         "and memory cgroups), labelled emulated everywhere: the Plan page splits unevenly"):
+        set_cluster(emulated_mixed_cluster())
+        st.rerun()
+    if reason is not None:
+        where.caption(f"Emulated mixed cluster unavailable here: {reason}")
 
 
 def _render_cluster() -> None:

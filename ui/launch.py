@@ -49,10 +49,10 @@ def plan_frame(plan: Plan) -> pd.DataFrame:
         rows.append({
             "node": a.node, "device": common.device_label(dev) if dev else a.type,
             "emulated": common.emulated_marker(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None),
-            "micro-batch × accum": f"{a.micro_batch} × {a.accum_steps}", "batch": a.batch,
-            "shard fraction": round(a.shard_fraction, 4),
-            "memory (predicted, MiB)": round(a.predicted_memory_bytes / MIB, 1),
-            "step (predicted, s)": a.predicted_step_s,
+            "micro-batch × accum": f"{a.micro_batch} × {a.accum_steps}", "batch (samples)": str(a.batch),
+            "state shard": common.fmt_percent(100.0 * a.shard_fraction),
+            "memory (predicted, MiB)": _mib(a.predicted_memory_bytes),
+            "step (predicted)": common.fmt_cell(a.predicted_step_s, common.fmt_seconds),
         })
     return pd.DataFrame(rows)
 
@@ -205,14 +205,14 @@ def throughput_figure(m: dict[str, Any]) -> Any:
     steps = m["steps"]
     xs, ys = [s["step"] for s in steps], [s["samples_per_s"] for s in steps]
     fig = go.Figure([
-        go.Scatter(x=xs, y=ys, mode="markers", name="measured (each step)", marker=dict(size=4, opacity=0.45)),
+        go.Scatter(x=xs, y=ys, mode="markers", name="each step", marker=dict(size=4, opacity=0.45)),
         go.Scatter(x=xs, y=common.rolling_median(ys, SMOOTH_STEPS), mode="lines",
-                   name=f"measured (median of {SMOOTH_STEPS} steps)", line=dict(width=3)),
+                   name=f"median of {SMOOTH_STEPS}", line=dict(width=3)),
     ])
     if m.get("predicted_samples_per_s") and steps:
         fig.add_trace(go.Scatter(x=[xs[0], xs[-1]], y=[m["predicted_samples_per_s"]] * 2, mode="lines",
-                                 name="predicted (plan)", line=dict(dash="dash")))
-    return common.style_figure(fig, "step", "throughput (samples/s)", title="Throughput")
+                                 name="predicted", line=dict(dash="dash")))
+    return common.style_figure(fig, "step", "throughput (samples/s)", title="Throughput (measured, predicted)")
 
 
 def gap_reasons(m: dict[str, Any]) -> list[str]:
@@ -246,8 +246,9 @@ def render_gap(m: dict[str, Any]) -> None:
     if not med or not pred or len(m["steps"]) < MIN_STEPS_FOR_GAP:
         return
     gap = 100.0 * (med - pred) / pred
-    line = (f"Measured median step {common.fmt_seconds(med)} against {common.fmt_seconds(pred)} predicted: "
-            f"{common.fmt_percent(abs(gap))} {'slower' if gap > 0 else 'faster'} than predicted")
+    by = f"{med / pred:.1f}× the prediction" if med >= 2 * pred else (
+        f"{common.fmt_percent(abs(gap))} {'slower' if gap > 0 else 'faster'} than predicted")
+    line = f"Measured median step {common.fmt_seconds(med)} against {common.fmt_seconds(pred)} predicted: {by}"
     if abs(gap) <= GAP_TOLERANCE_PERCENT:
         st.caption(f":material/check_circle: {line} (within {GAP_TOLERANCE_PERCENT:g} %).")
         return
