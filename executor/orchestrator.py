@@ -292,7 +292,7 @@ class Orchestrator:
 
 def slurm_cluster(settings=None) -> ClusterSpec:
     """The SLURM cluster as the orchestrator's pool (profiler.slurm_inventory)."""
-    from executor.slurm import SlurmSettings
+    from executor.slurm_job import SlurmSettings
     from profiler.slurm_inventory import build_slurm_cluster, cluster_name, read_nodes
 
     settings = settings or SlurmSettings()
@@ -314,7 +314,7 @@ class SlurmOrchestrator(Orchestrator):
 
     def __init__(self, queue: JobQueue | None = None, cluster: ClusterSpec | None = None,
                  dtype: str = LOCAL_DTYPE, settings=None) -> None:
-        from executor.slurm import SlurmSettings
+        from executor.slurm_job import SlurmSettings
 
         self.settings = settings or SlurmSettings()
         super().__init__(queue, cluster or slurm_cluster(self.settings), dtype)
@@ -327,7 +327,7 @@ class SlurmOrchestrator(Orchestrator):
         return keys if devices is None else [keys[i] for i in devices]
 
     def _run_status(self, job: QueuedJob) -> tuple[str, str | None]:
-        from executor.slurm import job_state, read_job_file
+        from executor.slurm_job import job_state, read_job_file
 
         status, reason = super()._run_status(job)
         info = read_job_file(job.run_dir) if job.run_dir else None

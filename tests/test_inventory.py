@@ -154,7 +154,7 @@ def test_cluster_file_from_the_nodes_skips_down_ones():
 
 
 def test_job_state_of_a_heterogeneous_job():
-    from executor.slurm import expand_hostlist, parse_job
+    from executor.slurm_job import expand_hostlist, parse_job
 
     running = parse_job(SCONTROL_HETJOB_RUNNING, "1")
     assert running.state == "RUNNING" and running.active and running.nodes == ("n1", "n2")

@@ -14,8 +14,9 @@ import time
 import pytest
 
 from executor.launch import launch_run
-from executor.slurm import (Component, SlurmSettings, batch_script, launch_slurm, node_requests, read_job_file,
-                            sbatch_command)
+from executor.slurm import launch_slurm
+from executor.slurm_job import (Component, SlurmSettings, batch_script, node_requests, read_job_file,
+                                sbatch_command)
 from executor.store import read_metrics
 from models.optim import OptimConfig
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec

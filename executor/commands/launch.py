@@ -62,7 +62,7 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
 
 def slurm_settings(args: argparse.Namespace):
     """The SlurmSettings of the flags (ValueError naming a bad one)."""
-    from executor.slurm import SlurmSettings
+    from executor.slurm_job import SlurmSettings
     from profiler.slurm_inventory import parse_type_map
 
     kw = {"gres_name": args.gres_name, "partition": args.partition, "time_limit_min": args.time_limit,
