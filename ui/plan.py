@@ -17,6 +17,7 @@ from planner.core.cluster import ClusterSpec
 from planner.hetero.solve import DEFAULT_MAX_SEQ, DTYPES, solve_plan
 from planner.core.paths import PROJECT_ROOT
 from planner.core.plan import Plan
+from planner.core.profiles import split_profile_key
 from planner.core.specs import PRESETS
 from planner.core.specs import get_model as get_model_spec
 from planner.core.specs import with_max_seq
@@ -199,27 +200,48 @@ def render_estimated(plan: Plan) -> None:
     st.warning(f"**Estimated, not measured**: no step profile of {plan.model} at seq {plan.seq}, {plan.dtype} on "
                f"{', '.join(kinds)} yet, so the step times and throughput below are estimates; a run's measured "
                "step can differ from them by a factor of 2 or more.", icon=":material/warning:")
-    here = [k for k in kinds if k in local_types()]
+    local = local_types()
+    here = [k for k in kinds if split_profile_key(k)[0] in local]
     elsewhere = [k for k in kinds if k not in here]
     if elsewhere:
         st.caption(f"Not on this machine: {', '.join(elsewhere)}. Measure them where they are "
-                   f"(`python -m profiler profile --model {plan.model} --seq {plan.seq} --dtype {plan.dtype}`, "
-                   "or `--cpu-share` for an emulated CPU share) and copy the profile store here.")
+                   f"(`python -m profiler profile --model {plan.model} --seq {plan.seq} --dtype {plan.dtype}`) "
+                   "and copy the profile store here.")
     if here and plan.recompute == "none" and st.button(
             f"Profile {', '.join(here)} now and plan again (measured; once, kept in the profile store)",
             key="plan_profile_now", type="primary", icon=":material/speed:"):
-        from profiler.microbench import profile_machine  # torch: only when asked
-
         bar = st.progress(0.0, text="starting")
         with show_errors("Profiling failed"):
-            profile_machine(plan.model, plan.seq, plan.dtype,
-                            progress=lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m))
+            profile_kinds(plan, here, lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m))
             from planner.schedule.options import clear_caches  # the scheduler's cached profile figures
 
             clear_caches()
             st.session_state[REQUEST] = (json.dumps(plan.cluster.to_dict()), plan.model, plan.global_batch,
                                          plan.seq, plan.dtype, profiles_version())
             st.rerun()
+
+
+def profile_kinds(plan: Plan, kinds: list[str], progress) -> None:
+    """Measure each device kind as the run will use it: a plain type with the machine's
+    micro-benchmarks (profile_machine), an emulated CPU share under its cgroup limits beside
+    companions at the other devices' share (profile_local), as many workers as the plan runs."""
+    from profiler.microbench import profile_machine  # torch: only when asked
+    from profiler.step_profile import profile_local
+
+    devices = plan.cluster.devices()
+    used = [devices[a.device_index][1] for a in plan.assignments if a.used]
+    for i, kind in enumerate(kinds):
+        def part(f: float, m: str, i: int = i) -> None:
+            progress((i + f) / len(kinds), f"{kind}: {m}")
+
+        at = next(j for j, d in enumerate(used) if d.profile_key == kind)
+        device = used[at]
+        if device.cpu_share is None:
+            profile_machine(plan.model, plan.seq, plan.dtype, progress=part)
+            continue
+        others = {d.cpu_share for j, d in enumerate(used) if j != at}
+        profile_local(plan.model, plan.seq, plan.dtype, progress=part, workers=len(used), cpu_share=device.cpu_share,
+                      memory_gb=device.memory_gb, companion_cpu_share=others.pop() if len(others) == 1 else None)
 
 
 def render(plan: Plan) -> None:
