@@ -62,3 +62,29 @@ def test_cancel_stops_the_simulation_and_forgets_the_request(app, monkeypatch):
     assert not app.exception and "geo_request" not in app.session_state
     assert job.cancel_reason == "by the user" and job.proc.returncode is not None
     assert not app.get("plotly_chart")  # no report: the one asked for was cancelled
+
+
+@pytest.mark.parametrize("example", ["paper_like.json", "two_dc_fast.json"])
+def test_defaults_shown_as_values_give_the_examples_own_scenario(app, monkeypatch, example):
+    import json
+    import os
+
+    from planner.geo.scenario import GeoScenario
+    from ui import background
+
+    monkeypatch.setattr(background, "FIRST_WAIT_S", 0.0)  # keep the request in the session
+    app.selectbox(key="geo_example").set_value(example).run()
+    app.button(key="geo_plan").click().run()
+    asked = json.loads(app.session_state["geo_request"])
+    app.button(key="geo_cancel").click().run()
+    with open(os.path.join(os.path.dirname(__file__), "..", "examples", "geo", example)) as fh:
+        original = json.load(fh)
+    # the editors show the intra-DC bandwidth and the TCP window as numbers, not None, and change nothing
+    assert GeoScenario.from_dict(asked).to_dict() == GeoScenario.from_dict(original).to_dict()
+
+
+def test_bubbletea_caption_reads_as_text(app):
+    app.button(key="geo_plan").click().run()
+    settle(app)
+    [line] = [c.value for c in app.caption if c.value.startswith("BubbleTea")]
+    assert "[" not in line and "True" not in line and "False" not in line, line

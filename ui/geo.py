@@ -19,13 +19,15 @@ import streamlit as st
 
 from planner.core.catalog import CATALOG
 from planner.geo.evaluate import GeoReport, simulate_geo
-from planner.geo.scenario import GeoScenario
+from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES, GeoScenario
 from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
 from ui.common import (SIMULATED, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
                        style_figure)
 from planner.core.constants import GIB
+
+MIB = 2**20
 
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
 DEFAULT_EXAMPLE = "paper_like.json"
@@ -87,6 +89,8 @@ def scenario_from_widgets(dcs: pd.DataFrame, links: pd.DataFrame, fields: dict[s
         link = {"a": str(row["a"]), "b": str(row["b"]), "gbps": float(row["gbps"]), "rtt_ms": float(row["rtt_ms"])}
         if not _blank(row.get("per_connection_gbps")):
             link["per_connection_gbps"] = float(row["per_connection_gbps"])
+        if not _blank(row.get("tcp_window_mib")):
+            link["tcp_window_bytes"] = int(round(float(row["tcp_window_mib"]) * MIB))
         wan.append(link)
     return {"name": fields["name"], "datacenters": list(centers.values()), "wan": wan, **fields["training"],
             "inference": fields["inference"]}
@@ -105,7 +109,9 @@ def parse_prompts(text: str) -> list[int]:
 def inputs(example: dict[str, Any], name: str) -> dict[str, Any] | None:
     """The editors; the scenario dict, or None after showing the error."""
     st.subheader("Datacenters and WAN links")
-    dc_rows = [{"name": dc["name"], "gpu_type": t, "count": n, "intra_dc_gbps": dc.get("intra_dc_gbps")}
+    # defaults shown as values: the planner's intra-DC bandwidth and TCP window (planner/geo/scenario.py)
+    dc_rows = [{"name": dc["name"], "gpu_type": t, "count": n,
+                "intra_dc_gbps": dc.get("intra_dc_gbps", DEFAULT_INTRA_DC_GBPS)}
                for dc in example["datacenters"] for t, n in dc["gpus"].items()]
     types = sorted(t for t in CATALOG if t != "cpu")
     dcs = st.data_editor(
@@ -113,16 +119,25 @@ def inputs(example: dict[str, Any], name: str) -> dict[str, Any] | None:
         num_rows="dynamic", width="stretch",
         column_config={"gpu_type": st.column_config.SelectboxColumn("GPU type", options=types),
                        "count": st.column_config.NumberColumn("GPUs", min_value=1, step=1),
-                       "intra_dc_gbps": st.column_config.NumberColumn("intra-DC Gbit/s", min_value=0.1)})
+                       "intra_dc_gbps": st.column_config.NumberColumn(
+                           "intra-DC Gbit/s", min_value=0.1, help=f"default {DEFAULT_INTRA_DC_GBPS:g}")})
+    # a measured single-connection rate only where the example has one (else: window / RTT)
+    measured = any(l.get("per_connection_gbps") is not None for l in example["wan"])
+    columns = ["a", "b", "gbps", "rtt_ms", "tcp_window_mib"] + (["per_connection_gbps"] if measured else [])
     link_rows = [{"a": l["a"], "b": l["b"], "gbps": l["gbps"], "rtt_ms": l["rtt_ms"],
+                  "tcp_window_mib": l.get("tcp_window_bytes", DEFAULT_TCP_WINDOW_BYTES) / MIB,
                   "per_connection_gbps": l.get("per_connection_gbps")} for l in example["wan"]]
     links = st.data_editor(
-        pd.DataFrame(link_rows, columns=["a", "b", "gbps", "rtt_ms", "per_connection_gbps"]), key="geo_links",
+        pd.DataFrame(link_rows, columns=columns), key="geo_links",
         num_rows="dynamic", width="stretch",
         column_config={"gbps": st.column_config.NumberColumn("Gbit/s", min_value=0.001),
                        "rtt_ms": st.column_config.NumberColumn("RTT (ms)", min_value=0.1),
+                       "tcp_window_mib": st.column_config.NumberColumn(
+                           "TCP window (MiB)", min_value=0.01,
+                           help="one TCP connection carries window / RTT (default "
+                                f"{DEFAULT_TCP_WINDOW_BYTES / MIB:g} MiB)"),
                        "per_connection_gbps": st.column_config.NumberColumn(
-                           "one TCP connection (Gbit/s)", help="empty: 6 MiB window / RTT")})
+                           "one TCP connection (Gbit/s, measured)", help="empty: window / RTT")})
     st.subheader("Training and inference")
     models = list(PRESETS)
     c1, c2, c3, c4 = st.columns(4)
@@ -256,8 +271,9 @@ def render(report: GeoReport) -> None:
         pre = out["prefill"]
         st.caption(f"BubbleTea (simulated): {pre['prefill_requests_served']} prefill requests in one iteration on "
                    "idle GPU time only (a bar past the iteration's end continues into the next iteration's start); "
-                   f"stages {pre['eligible_stages']}; training timeline unchanged: "
-                   f"{out['training_unchanged_by_prefill']}. {pre['note']}")
+                   f"on stage{'s' if len(pre['eligible_stages']) != 1 else ''} "
+                   f"{', '.join(str(x) for x in pre['eligible_stages']) or 'none'}; the training timeline is "
+                   f"{'unchanged' if out['training_unchanged_by_prefill'] else 'CHANGED'} by prefill. {pre['note']}")
 
 
 page_header("Geo", "Train across datacenters over a WAN (Atlas: pipeline across DCs, data parallel inside, "

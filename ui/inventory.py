@@ -203,7 +203,6 @@ def _render_cluster_files(cluster: ClusterSpec) -> None:
     if c2.button("Reset to this machine", key="inv_reset_local"):
         set_cluster(build_local_cluster())
         st.rerun()
-    _render_emulated_mixed(c2)
 
 
 def emulated_mixed_cluster() -> ClusterSpec:
@@ -239,6 +238,7 @@ def _render_cluster() -> None:
     note = cpu_memory_note(cluster)
     if note:
         st.caption(note)
+    _render_emulated_mixed(st)
     show_emulated_note(cluster.emulated)
     page_link("ui/plan.py", "Next: plan a training run on this cluster", icon=":material/account_tree:")
     nodes = [n.name for n in cluster.nodes]
