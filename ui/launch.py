@@ -87,7 +87,8 @@ def render_launch(plan: Plan | None) -> None:
     for note in plan.notes:
         st.caption(f":material/info: {note}")
     if any("estimat" in n for n in plan.notes):
-        common.page_link("ui/inventory.py", "Profile this machine for measured predictions", ":material/speed:")
+        common.page_link("ui/plan.py", "Estimated figures: measure this machine and plan again (one click on Plan)",
+                         ":material/speed:")
     steps = common.number_field("Steps", unit="steps", min_value=1, max_value=MAX_STEPS, value=default_steps(plan),
                                 step=50, key="launch_steps",
                                 help=f"default: about {common.fmt_seconds(WATCH_S)} at the predicted step time, "

@@ -137,7 +137,7 @@ def simulation() -> None:
                             format_func=lambda n: f"{n} ({', '.join(DEMO_CLUSTERS[n])})")
     num_jobs = number_field("Jobs", unit="jobs", min_value=10, max_value=3000, value=200, step=10,
                             key="sched_num_jobs", where=c3)
-    load = c4.slider("Requested load", 0.1, 1.5, 0.6, 0.1, key="sched_load",
+    load = c4.slider("Requested load (GPU-s per device-s)", 0.1, 1.5, 0.6, 0.1, key="sched_load",
                      help="requested GPU-seconds per device-second of the trace's span")
     if st.button("Simulate", key="sched_simulate", type="primary", disabled=seed is None or num_jobs is None):
         st.session_state["sched_result"] = (int(seed), int(num_gpus), int(num_jobs), float(load))
