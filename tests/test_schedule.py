@@ -3,6 +3,7 @@ import pytest
 from planner.core.cluster import ClusterSpec
 from planner.core.jobs import JobSpec
 from planner.schedule.simulate import POLICIES, ClusterState, simulate_schedule
+from planner.schedule.state import checkpoint_save_s
 from planner.core.specs import get_model
 from planner.schedule.trace import generate_trace
 
@@ -30,8 +31,11 @@ def test_every_job_finishes_after_it_arrives(results, trace, policy):
     for rec in r.records:
         assert rec.status == "done"
         assert rec.job.submit_s <= rec.start_s < rec.end_s
-        if rec.num_restarts == 0:  # the prediction times the job's seeded error on that type
-            assert rec.end_s - rec.start_s == pytest.approx(rec.job.steps * rec.option.iteration_s * rec.error_factor)
+        run_s = rec.job.steps * rec.option.iteration_s * rec.error_factor  # the prediction times the job's error
+        if rec.num_restarts == 0 and policy != "gpumix":
+            assert rec.end_s - rec.start_s == pytest.approx(run_s)
+        elif rec.num_restarts == 0:  # it may first wait out a preempted job's checkpoint save on its devices
+            assert run_s - 1e-6 <= rec.end_s - rec.start_s <= run_s + max(checkpoint_save_s(j) for j in trace) + 1e-6
     assert r.makespan_s >= max(rec.end_s for rec in r.records) - min(j.submit_s for j in trace) - 1e-6
     assert 0 < r.gpu_utilization <= 1
 

@@ -13,7 +13,7 @@ from planner.schedule import simulate as sim
 from planner.schedule.gpumix import GpumixPolicy
 from planner.schedule.simulate import BASELINES, POLICIES, error_factor, simulate_schedule
 from planner.schedule.sizing import Sizing
-from planner.schedule.state import Decision, Running, restart_s
+from planner.schedule.state import Decision, Running, checkpoint_save_s, restart_s
 from planner.schedule.trace import generate_trace
 
 A100x8 = ClusterSpec.from_dict({"name": "a8", "nodes": [{"name": "n", "gpus": {"A100-80GB": 8}}]})
@@ -88,8 +88,12 @@ def test_error_factor_is_seeded_lognormal_and_paired_across_policies():
                 continue
             key = (r.job.job_id, r.option.gpu_type)
             assert r.error_factor == seen.setdefault(key, r.error_factor)  # same job, same type: same error
-            if r.num_restarts == 0:  # the run lasts the prediction times the error
-                assert r.end_s - r.start_s == pytest.approx(r.option.duration_s * r.error_factor)
+            if r.num_restarts == 0:  # the run lasts the prediction times the error ...
+                run_s = r.option.duration_s * r.error_factor
+                if policy == "gpumix":  # ... after a preempted job's checkpoint save on its devices, if any
+                    assert run_s - 1e-6 <= r.end_s - r.start_s <= run_s + max(checkpoint_save_s(j) for j in trace) + 1e-6
+                else:
+                    assert r.end_s - r.start_s == pytest.approx(run_s)
 
 
 def test_gpumix_preempts_a_long_job_for_a_short_one_and_resumes_it():
@@ -99,9 +103,11 @@ def test_gpumix_preempts_a_long_job_for_a_short_one_and_resumes_it():
     assert s["short"].start_s == pytest.approx(s["long"].end_s)  # non-preemptive: waits it out
     assert g["short"].start_s == 60.0 and g["long"].num_restarts == 1
     d_long, d_short = g["long"].option.duration_s, g["short"].option.duration_s
+    save_s = checkpoint_save_s(long_job)
+    assert g["short"].end_s == pytest.approx(60.0 + save_s + d_short)  # its GPU first wrote long's checkpoint
     # the long job lost nothing but the short job's time and one checkpoint-and-resume
     assert g["long"].end_s == pytest.approx(d_long + d_short + restart_s(long_job))
-    assert g["long"].busy_gpu_s == pytest.approx(d_long + restart_s(long_job))
+    assert g["long"].busy_gpu_s == pytest.approx(d_long + restart_s(long_job) - save_s)  # its save: on short's time
 
 
 def test_gpumix_never_double_books_and_every_job_finishes(monkeypatch):

@@ -43,7 +43,7 @@ from planner.core.cluster import ClusterSpec
 from planner.core.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import Reservation, Sizing
-from planner.schedule.state import ERROR_SIGMA, Decision, Running, restart_s
+from planner.schedule.state import ERROR_SIGMA, Decision, Running, checkpoint_save_s, restart_s
 
 AGING_S = 6 * 3600.0  # a job that waited this long ranks as if it had half its work left
 STARVE_AFTER_S = 24 * 3600.0  # a job that waited this long goes ahead of every other, oldest first
@@ -232,8 +232,10 @@ class GpumixPolicy:
                 have += r.num_gpus
             if have < o.num_gpus or not chosen:
                 continue
-            delay = sum(d + restart_s(self._jobs[r.job_id]) for r in chosen)
-            gain = wait_s - self.preempt_gain * delay
+            # the victims wait out the starter and their restarts; the starter, their checkpoints' save
+            save_s = max(checkpoint_save_s(self._jobs[r.job_id]) for r in chosen)
+            delay = sum(d + save_s + restart_s(self._jobs[r.job_id]) for r in chosen)
+            gain = wait_s - save_s - self.preempt_gain * delay
             if gain > 0 and (best is None or gain > best[0]):
                 best = (gain, chosen, k, o)
         return None if best is None else best[1:]

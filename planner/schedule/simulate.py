@@ -12,9 +12,12 @@ seeded lognormal (`error_factor`), so a policy that trusts a wrong prediction is
 would be on a real cluster. The factor depends only on the seed, the job and the GPU type, so
 every policy meets the same errors on the same choices: comparisons are paired.
 
-Resizing. A policy may move a running job to another option (`Decision.resize`): the job is
-checkpointed and resumed there, keeps the share of its steps already done, and pays
-`restart_s` (checkpoint save + load + warm-up) holding its new devices.
+Resizing and preemption. A policy may move a running job to another option (`Decision.resize`)
+or checkpoint it and put it back in the queue (`Decision.suspend`, resumed by a later start):
+the job keeps the share of its steps already done and, on its new devices, pays
+planner.schedule.state.restart_s (checkpoint save + load + warm-up: 30 s to ~2.5 min) before
+it computes again; a suspended job writes its checkpoint on its own devices, so the job that
+takes them computes only once that save is done, and the resume pays load + warm-up. A running job's progress is observable (steps done), its end is predicted.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from planner.schedule.fifo import FifoPolicy
 from planner.schedule.frenzy import FrenzyPolicy
 from planner.schedule.gpumix import GpumixPolicy
 from planner.schedule.options import ResourceOption
-from planner.schedule.state import ERROR_SIGMA, ClusterState, Policy, Running, restart_s
+from planner.schedule.state import ERROR_SIGMA, ClusterState, Policy, Running, checkpoint_save_s, restart_s
 
 log = logging.getLogger(__name__)
 
@@ -231,12 +234,15 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
         decisions += 1
         # resized and suspended jobs give back their devices before anything is placed
         back: list[JobSpec] = []
+        saving: dict = {}  # per pool: until when a suspended job's checkpoint is still being written there
         for d in chosen:
             if d.resize or d.suspend:
                 run = running[d.job.job_id]
                 state.release(d.job.job_id)
                 busy[d.job.job_id] = busy.get(d.job.job_id, 0.0) + run.option.num_gpus * (now - run.held_from_s)
-                if d.suspend:
+                if d.suspend:  # its devices write its checkpoint first: whoever takes them computes after
+                    pool = run.option.pool
+                    saving[pool] = max(saving.get(pool, now), now + checkpoint_save_s(d.job))
                     suspended[d.job.job_id] = replace(run, done=run.done_at(now), version=run.version + 1)
                     del running[d.job.job_id]
                     restarts[d.job.job_id] = restarts.get(d.job.job_id, 0) + 1
@@ -249,19 +255,22 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
             devices = state.pick(pool_of[d.option.pool], d.option.num_gpus)
             state.assign(job_id, devices)
             f = factor(job_id, d.option.pool.type)
+            ready_s = saving.get(d.option.pool, now)
             if d.resize or job_id in suspended:
                 if d.resize:
                     old, done = running[job_id], running[job_id].done_at(now)
                     restarts[job_id] = restarts.get(job_id, 0) + 1
-                else:  # resumed: the progress it had when suspended
+                    pause_s = restart_s(d.job)  # save, load, warm-up
+                else:  # resumed with the progress it had when suspended; its save was paid then
                     old = suspended.pop(job_id)
                     done = old.done
-                run = _Run(d.job, d.option, f, done, now + restart_s(d.job), now, old.version + 1)
+                    pause_s = restart_s(d.job) - checkpoint_save_s(d.job)
+                run = _Run(d.job, d.option, f, done, max(ready_s, now) + pause_s, now, old.version + 1)
                 started.add(job_id)
             else:
                 if job_id in running or job_id in ended:
                     raise RuntimeError(f"policy {pol.name} started job {job_id} twice")
-                run = _Run(d.job, d.option, f, 0.0, now, now)
+                run = _Run(d.job, d.option, f, 0.0, ready_s, now)
                 first[job_id] = (now, devices, d.option, d.request_adjusted)
                 started.add(job_id)
             running[job_id] = run

@@ -38,8 +38,14 @@ CHECKPOINT_GBPS = 4.0
 STATE_BYTES_PER_PARAM = 16
 
 
+def checkpoint_save_s(job: JobSpec) -> float:
+    """Writing the job's whole training state (reading it back takes as long)."""
+    return STATE_BYTES_PER_PARAM * job.spec.num_params / (CHECKPOINT_GBPS * 1e9)
+
+
 def restart_s(job: JobSpec) -> float:
-    return RESTART_FIXED_S + 2 * STATE_BYTES_PER_PARAM * job.spec.num_params / (CHECKPOINT_GBPS * 1e9)
+    """Checkpoint and resume: save + load + launch and warm-up."""
+    return RESTART_FIXED_S + 2 * checkpoint_save_s(job)
 
 
 class ClusterState:
