@@ -58,6 +58,7 @@ CACHE_VERSION = 2  # 1: byte arrays joined by blank lines (tokens-<key>.npy)
 MANIFEST = "corpus.json"
 VAL_EVERY = 20  # every 20th document held out: a 5 % validation split
 VAL_FRACTION = 1.0 / VAL_EVERY
+NUM_VAL_WINDOWS = 8  # fixed validation windows per evaluation (same every time)
 MIN_VAL_TOKENS = 8192  # NUM_VAL_WINDOWS (8) disjoint windows of seq 1024
 # 8 MiB of source is ~8M byte tokens: far more than a tiny model sees in a demo run,
 # small enough to build in a second and to memory-map from every rank.

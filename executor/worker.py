@@ -42,7 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from executor import cgroups
 from executor import checkpoint as ckpt
-from executor.corpus import Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
+from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from executor.memtrack import PeakMemory
 from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
@@ -57,7 +57,6 @@ log = logging.getLogger("executor.worker")
 
 ENV_NODE = "GPUMIX_NODE"  # multi-node runs: which plan node this torchrun agent is
 ENV_LAUNCHED = "GPUMIX_LAUNCHED"  # set by executor.launch; without it (multi-node) rank 0 keeps the run row
-NUM_VAL_WINDOWS = 8  # fixed validation windows per evaluation (same every time)
 # what each rank sends rank 0 every step (Trainer.gather_figures)
 FIGURES = ("compute_s", "emulated_delay_s", "optimizer_s", "wait_s", "peak_memory_bytes", "loss", "step_s", "val_loss")
 

@@ -323,3 +323,27 @@ def test_a_killed_orchestrator_restarted_loses_no_job_and_double_books_no_device
     waited = jobs[3].started_s
     assert waited >= min(j.ended_s for j in jobs[:3]) - 1.0  # the fourth started once a device was free
     slurm_cluster.wait_no_jobs()
+
+
+def test_a_dashboard_launch_on_slurm_shows_live_metrics_and_is_stopped_from_the_page(slurm_cluster, settings,
+                                                                                       data_dir):
+    """The Launch page with the slurm backend: Launch submits the job, the live panel shows its steps
+    as they come, Stop scancels it, nothing is left on any node."""
+    from tests.test_ui_launch import run_page, texts
+
+    at = run_page(node_plan([("n1", 2, 1, 0.5), ("n1", 2, 1, 0.5)]))
+    at.radio(key="launch_backend").set_value("slurm").run()
+    at.text_input(key="launch_gres_name").set_value(GRES_NAME).run()
+    assert not [w for w in at.warning if "several nodes" in w.value]  # SLURM runs it: no commands to paste
+    at.number_input(key="launch_steps").set_value(LONG).run()
+    at.button(key="launch_button").click().run()
+    assert not at.exception, at.exception
+    run_dir = at.session_state["run_dir"]
+    wait_training(run_dir)
+    assert read_job_file(run_dir)["job_id"]  # it went through sbatch
+    at.run()
+    assert "Run status: running" in texts(at)
+    at.button(key="stop_button").click().run()
+    assert not at.exception, at.exception
+    assert wait_status(run_dir)["status"] == "stopped"
+    assert_nothing_left(slurm_cluster, run_dir)

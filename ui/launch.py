@@ -30,6 +30,7 @@ MIB = 2**20
 SMOOTH_STEPS = 11  # the throughput chart's rolling median window (steps)
 MIN_STEPS_FOR_GAP = 10  # measured against predicted only once the median means something
 GAP_TOLERANCE_PERCENT = 15.0  # within this, the prediction holds (issue 16's bar)
+BACKENDS = ("local", "slurm")  # executor launch --backend
 
 
 def _store():
@@ -99,7 +100,17 @@ def render_launch(plan: Plan | None) -> None:
                                          value=DEFAULT_CHECKPOINT_EVERY, step=50, key="launch_checkpoint_every")
     if steps is None or ckpt_every is None:
         return
-    if not runs_here(plan):
+    backend = st.radio("Backend", BACKENDS, horizontal=True, key="launch_backend",
+                       format_func=lambda b: {"local": "this machine (torchrun)", "slurm": "SLURM (sbatch)"}[b],
+                       help="SLURM submits the plan as one job; its nodes must be the cluster's SLURM nodes")
+    settings = None
+    if backend == "slurm":
+        from executor.slurm_job import SlurmSettings, default_gres_name  # torch-free
+
+        gres = st.text_input("SLURM GRES name", default_gres_name(), key="launch_gres_name",
+                             help="the site's GRES name of its accelerators (GPUMIX_SLURM_GRES)")
+        settings = SlurmSettings(gres_name=gres.strip() or default_gres_name())
+    elif not runs_here(plan):
         st.warning("This plan spans several nodes: run one of these commands on each node "
                    "(c10d rendezvous on the first).", icon=":material/lan:")
         st.code("\n".join(multinode_commands("plan.json", plan, int(steps), "RUN_DIR")), language="bash")
@@ -110,28 +121,35 @@ def render_launch(plan: Plan | None) -> None:
     st.caption(("Inputs (Model & memory page): " + ", ".join(chosen)) if chosen else
                "Inputs: random initialisation, byte tokens, the Python standard library as corpus "
                "(choose others on the Model & memory page).")
-    launch_button(plan, int(steps), int(ckpt_every), inputs)
+    launch_button(plan, int(steps), int(ckpt_every), inputs, settings)
 
 
-def launch_button(plan: Plan, steps: int, ckpt_every: int, inputs: dict[str, str | None]) -> None:
-    """Launch, disabled while another run holds any of the plan's devices (the booking ledger);
-    re-checked every second while they are busy, so it comes back when that run ends."""
+def launch_button(plan: Plan, steps: int, ckpt_every: int, inputs: dict[str, str | None],
+                  slurm=None) -> None:
+    """Launch (on this machine, or through SLURM with `slurm`'s SlurmSettings), disabled while
+    another run holds any of the plan's devices (the booking ledger); re-checked every second
+    while they are busy, so it comes back when that run ends."""
     with common.show_errors("Cannot check the devices"):
-        busy = state.devices_in_use(plan)
+        busy = state.devices_in_use(plan, slurm=slurm is not None)
 
         @st.fragment(run_every=LIVE_REFRESH_S if busy else None)
         def panel() -> None:
-            now_busy = state.devices_in_use(plan)
+            now_busy = state.devices_in_use(plan, slurm=slurm is not None)
             if bool(now_busy) != bool(busy):
                 st.rerun()  # the devices came free (or were taken): redraw the page
             for line in now_busy:
                 st.warning(f"Launch is disabled: {line}. Stop it or wait for it to end.", icon=":material/block:")
             if st.button("Launch", type="primary", key="launch_button", icon=":material/rocket_launch:",
                          disabled=bool(now_busy)):
-                from executor.launch import start_run
-
                 with common.show_errors("Cannot launch"), st.spinner("Starting the launcher…"):
-                    handle = start_run(plan, steps, checkpoint_every=ckpt_every, **inputs)
+                    if slurm is not None:
+                        from executor.slurm import start_slurm_run
+
+                        handle = start_slurm_run(plan, steps, settings=slurm, checkpoint_every=ckpt_every, **inputs)
+                    else:
+                        from executor.launch import start_run
+
+                        handle = start_run(plan, steps, checkpoint_every=ckpt_every, **inputs)
                     state.set_run_dir(handle.run_dir)
                     st.session_state["launch_run_select"] = handle.run_dir
                     st.toast(f"Launched {os.path.basename(handle.run_dir)}", icon=":material/rocket_launch:")
@@ -261,35 +279,16 @@ def render_gap(m: dict[str, Any]) -> None:
 
 def validation_note(m: dict[str, Any]) -> str | None:
     """Which data the validation loss is computed on, and how often."""
-    from executor.corpus import VAL_EVERY, VAL_FRACTION  # torch-free
+    from executor.corpus import NUM_VAL_WINDOWS, VAL_EVERY, VAL_FRACTION  # torch-free
 
     val_steps = [s["step"] for s in m["steps"] if s["val_loss"] is not None]
     if not val_steps:
         return None
-    windows = worker_constant("NUM_VAL_WINDOWS")
-    what = f"{windows} fixed windows" if windows else "fixed windows"
+    what = f"{NUM_VAL_WINDOWS} fixed windows"
     every = f"every {val_steps[1] - val_steps[0]} steps" if len(val_steps) > 1 else f"at step {val_steps[0]}"
     return (f"Validation loss: mean cross-entropy over {what} of {m['seq']} tokens from the held-out "
             f"{VAL_FRACTION:.0%} of the corpus (every {VAL_EVERY}th document, never trained on), {every} "
             "and at the last step; the same windows each time, so the points compare.")
-
-
-def worker_constant(name: str) -> int | None:
-    """A module-level integer of executor/worker.py read from its source (importing it would load
-    torch into the dashboard); None when it is not a plain literal there."""
-    import ast
-
-    from executor import corpus
-
-    path = os.path.join(os.path.dirname(corpus.__file__), "worker.py")
-    with contextlib.suppress(OSError, SyntaxError):
-        with open(path, encoding="utf-8") as fh:
-            tree = ast.parse(fh.read())
-        for node in tree.body:
-            if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]
-                    and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)):
-                return node.value.value
-    return None
 
 
 def render_status(m: dict[str, Any]) -> None:

@@ -121,13 +121,18 @@ def find_live_run() -> str | None:
     return None
 
 
-def devices_in_use(plan: Plan) -> list[str]:
+def devices_in_use(plan: Plan, slurm: bool = False) -> list[str]:
     """One line per other live run holding some of the plan's devices (the booking ledger, repaired
-    from the processes alive): why Launch is disabled."""
+    from the processes alive): why Launch is disabled. `slurm`: the plan's devices as SLURM nodes'."""
     from executor import booking  # torch-free
 
-    return [f"devices {', '.join(devices)} are in use by {b.describe()}"
-            for b, devices in booking.Ledger().conflicts(booking.plan_device_keys(plan))]
+    if slurm:
+        from executor.slurm_job import slurm_device_keys  # torch-free
+
+        keys = slurm_device_keys(plan)
+    else:
+        keys = booking.plan_device_keys(plan)
+    return [f"devices {', '.join(devices)} are in use by {b.describe()}" for b, devices in booking.Ledger().conflicts(keys)]
 
 
 def current_run_dir() -> str | None:
