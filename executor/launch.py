@@ -57,7 +57,7 @@ from executor import booking
 from executor import cgroups
 from executor import checkpoint as ckpt
 from executor.corpus import build_corpus
-from executor.store import MetricsStore, _pid_alive, db_path, read_metrics
+from executor.store import MetricsStore, _pid_alive, has_run, read_metrics
 from planner.core.catalog import GIB
 from planner.core.paths import PROJECT_ROOT, runs_dir
 from planner.core.plan import Plan
@@ -319,7 +319,7 @@ def book_devices(plan: Plan, run_dir: str, pid: int | None = None) -> None:
 
 
 def _check_not_running(run_dir: str) -> None:
-    if os.path.exists(db_path(run_dir)):
+    if has_run(run_dir):
         with contextlib.suppress(ValueError):
             m = read_metrics(run_dir)
             # start_run (our parent) writes the row before we run: that one is ours
@@ -336,7 +336,7 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _worker_pids(store: MetricsStore) -> list[int]:
-    return [r[0] for r in store.conn.execute("SELECT pid FROM ranks WHERE pid IS NOT NULL")]
+    return store.worker_pids()
 
 
 def _is_our_worker(pid: int) -> bool:
@@ -403,15 +403,14 @@ def _describe_exit(code: int | None) -> str:
 def failure_reason(store: MetricsStore, torchrun_log: str, rc: int | None) -> tuple[str, int | None]:
     """(reason, failed rank): a rank's own error unless it only lost a peer; else a rank that
     died without a word (killed); else what torchrun said."""
-    events = [dict(zip(("rank", "kind", "message"), r)) for r in store.conn.execute(
-        "SELECT rank, kind, message FROM events ORDER BY id")]
+    events = store.events()
     failed = [e for e in events if e["kind"] == "rank_failed"]
     primary = [e for e in failed if not any(p in e["message"].lower() for p in _PEER_ERRORS)]
     if primary:
         return primary[0]["message"], primary[0]["rank"]
     codes, root = _torchrun_exit_codes(torchrun_log)
     reported = {e["rank"] for e in events if e["kind"] in ("rank_failed", "rank_done")}
-    registered = [r[0] for r in store.conn.execute("SELECT rank FROM ranks WHERE pid IS NOT NULL ORDER BY rank")]
+    registered = store.registered_ranks()
     silent = [r for r in registered if r not in reported]
     if silent:
         # torchrun's first observed failure, unless it is a rank that spoke; then one killed by a signal
@@ -588,15 +587,11 @@ def _launch_emulated(plan: Plan, steps: int, run_dir: str, seed: int, resume: bo
 
 
 def _all_ranks_done(store: MetricsStore) -> bool:
-    world, started = store.conn.execute("SELECT world_size, started_s FROM run WHERE id = 1").fetchone()
-    done = store.conn.execute("SELECT COUNT(DISTINCT rank) FROM events WHERE kind = 'rank_done' AND time_s >= ?",
-                              (started,)).fetchone()[0]  # this launch's ranks, not a resumed run's earlier ones
-    return bool(world) and done >= world
+    return store.all_ranks_done()  # this launch's ranks, not a resumed run's earlier ones
 
 
 def _last_step(store: MetricsStore) -> int:
-    row = store.conn.execute("SELECT MAX(step) FROM steps").fetchone()
-    return int(row[0] or 0)
+    return store.last_step()
 
 
 # ---- non-blocking: the dashboard -------------------------------------------------------
@@ -680,7 +675,7 @@ def _start_launcher(plan: Plan, steps: int, run_dir: str, seed: int, resume: boo
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     _reap(proc)
-    store.conn.execute("UPDATE run SET launcher_pid = ? WHERE id = 1 AND phase = 'starting'", (proc.pid,))
+    store.set_launcher_pid(proc.pid)
     store.close()
     return proc
 
@@ -689,7 +684,7 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
     """Stop the run: ask the launcher through the store; if it does not end the run within
     `timeout_s` (or is gone, leaving torchrun and the ranks behind), kill the launcher,
     torchrun's group and every rank, and record "stopped". Returns the final status."""
-    if not os.path.exists(db_path(run_dir)):
+    if not has_run(run_dir):
         raise ValueError(f"no run at {run_dir}")
     m = read_metrics(run_dir)
     launcher = m["launcher_pid"] if m["launcher_pid"] != os.getpid() else None
@@ -698,6 +693,10 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
     try:
         workers = [p for p in _worker_pids(store) if _is_our_worker(p)]
         left = _pid_alive(launcher) or (torchrun_pid is not None and _pid_alive(torchrun_pid)) or bool(workers)
+        if not _pid_alive(launcher):
+            from executor.slurm import cancel_slurm_run  # a SLURM job left behind by a killed launcher
+
+            left = cancel_slurm_run(run_dir) or left
         if m["status"] != "running" and not left:
             return m["status"]
         store.request_stop()
@@ -714,8 +713,7 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
             cgroups.remove_all(cgroups.run_prefix(run_id_of(run_dir)))  # the killed launcher's, if any
         except OSError as e:
             log.error("%s", e)
-        row = store.conn.execute("SELECT status FROM run WHERE id = 1").fetchone()
-        if row is None or row[0] == "running":
+        if store.status() in (None, "running"):
             store.finish("stopped", "stopped on request (the launcher did not end the run; killed)")
     finally:
         store.close()

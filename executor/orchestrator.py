@@ -34,7 +34,8 @@ from planner.core.cluster import ClusterSpec, NodeSpec
 from planner.core.jobs import JobSpec
 from planner.schedule.options import ResourceOption
 from planner.core.paths import runs_dir
-from planner.schedule.simulate import ClusterState, FrenzyPolicy, Running
+from planner.schedule.frenzy import FrenzyPolicy
+from planner.schedule.state import ClusterState, Running
 
 log = logging.getLogger(__name__)
 

@@ -126,7 +126,7 @@ def _submit(run_dir: str, plan: Plan, settings: SlurmSettings, components: list[
 
 
 def _events(store: MetricsStore, kind: str) -> list[str]:
-    return [r[0] for r in store.conn.execute("SELECT message FROM events WHERE kind = ? ORDER BY id", (kind,))]
+    return [e["message"] for e in store.events(kind)]
 
 
 def _agent_nodes(store: MetricsStore) -> tuple[set[str], dict[str, int]]:
@@ -230,9 +230,8 @@ def _verdict(store: MetricsStore, steps: int, run_dir: str, settings: SlurmSetti
     dead = dead_nodes(store, job_nodes, settings.gres_name)
     if dead:
         node, why = dead[0]
-        rows = store.conn.execute("SELECT rank FROM ranks WHERE node = ? AND pid IS NOT NULL ORDER BY rank",
-                                  (node,)).fetchall()
-        return "failed", f"node {node} died: {why} ({what})", (rows[0][0] if rows else None)
+        ranks = store.registered_ranks(node=node)
+        return "failed", f"node {node} died: {why} ({what})", (ranks[0] if ranks else None)
     logs = os.path.join(run_dir, "logs", f"slurm-{job_id}.out")
     reason, rank = failure_reason(store, logs, None)
     return "failed", f"{reason} ({what})", rank
@@ -289,7 +288,7 @@ def start_slurm_run(plan: Plan | str, steps: int, run_dir: str | None = None, se
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     _reap(proc)
-    store.conn.execute("UPDATE run SET launcher_pid = ? WHERE id = 1 AND phase = 'starting'", (proc.pid,))
+    store.set_launcher_pid(proc.pid)
     store.close()
     return RunHandle(run_dir, proc.pid)
 

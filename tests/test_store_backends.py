@@ -273,3 +273,25 @@ def test_the_runs_schema_has_one_version_row_per_part(store_backend, tmp_path):
         assert parts == ({"runs"} if store_backend == "sqlite" else {"runs", "queue", "bookings"})
     finally:
         s.close()
+
+
+def test_a_launched_run_records_into_postgresql_and_stops_through_it(postgres_server, monkeypatch, tmp_path):
+    """A real launch (2 CPU ranks) with GPUMIX_DB: the launcher, rank 0 and the readers meet in the
+    shared store, no run-folder database; stop goes through it."""
+    from executor.launch import launch_run, start_run, stop_run
+    from tests.conftest import two_cpu_plan
+    from tests.test_executor_run import _wait
+
+    monkeypatch.setenv(db.ENV_DB, postgres_server.create_database())
+    init_store()
+    assert launch_run(two_cpu_plan(), 3, str(tmp_path / "done"), seed=0) == "done"
+    m = read_metrics(str(tmp_path / "done"))
+    assert [s["step"] for s in m["steps"]] == [1, 2, 3] and len(m["rank_steps"]) == 6
+    assert all(r["peak_memory_bytes"] for r in m["ranks"]) and m["steps"][-1]["val_loss"] is not None
+    assert not os.path.exists(tmp_path / "done" / "metrics.sqlite")
+    h = start_run(two_cpu_plan(), 100_000, str(tmp_path / "long"), seed=0)
+    try:
+        _wait(lambda: read_metrics(h.run_dir)["steps"], 150, "a step")
+    finally:
+        assert stop_run(h.run_dir) == "stopped"
+    assert {r["name"]: r["status"] for r in list_runs()} == {"done": "done", "long": "stopped"}

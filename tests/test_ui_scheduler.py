@@ -12,7 +12,7 @@ from tests.test_ui_background import settle as settle_until
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "scheduler.py")
 
 
-PENDING = "Simulating both policies"
+PENDING = "Simulating every policy"
 
 
 def settle(at: AppTest) -> AppTest:
@@ -49,7 +49,7 @@ def test_bad_submission_shows_an_error_not_a_traceback(monkeypatch):
     assert any("unknown model" in e.value for e in at.error)
 
 
-def test_simulation_compares_frenzy_and_fifo():
+def test_simulation_compares_gpumix_with_every_baseline():
     at = _page()
     at.number_input(key="sched_trace_seed").set_value(4)
     at.selectbox(key="sched_num_gpus").set_value(64)
@@ -58,11 +58,13 @@ def test_simulation_compares_frenzy_and_fifo():
     settle(at)
     assert not at.error
     table = at.dataframe[-1].value  # the simulation table (the queue is empty)
-    assert list(table["policy"]) == ["frenzy", "fifo"]
+    assert list(table["policy"]) == ["gpumix", "sjf", "fifo-backfill-sized", "frenzy", "fifo-backfill", "fifo"]
     assert (table["avg JCT (h, predicted)"] > 0).all() and (table["failed jobs"] == 0).all()
-    assert table["avg JCT (h, predicted)"][0] < table["avg JCT (h, predicted)"][1]
+    jct = dict(zip(table["policy"], table["avg JCT (h, predicted)"]))
+    strongest = min((p for p in jct if p != "gpumix"), key=jct.get)
     labels = " ".join(m.label for m in at.metric)
     assert "predicted" in labels and "measured" in labels
+    assert f"vs {strongest} (strongest baseline)" in labels  # the comparison is against the strongest, named
 
 
 def test_cancel_stops_the_simulation(monkeypatch):

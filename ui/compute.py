@@ -6,11 +6,14 @@ from planner.schedule.simulate import simulate_schedule
 from planner.schedule.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster
 
 HOUR_S = 3600.0
-POLICIES = ("frenzy", "fifo")
+# GPUMix's policy first, then the baselines a practitioner would use, strongest kinds first
+POLICIES = ("gpumix", "sjf", "fifo-backfill-sized", "frenzy", "fifo-backfill", "fifo")
+BASELINES = POLICIES[1:]
 
 
-def simulate_both_policies(seed: int, num_gpus: int, num_jobs: int, load: float) -> dict:
-    """frenzy and fifo on one generated trace: {policy: {"summary": ..., "rows": Gantt rows in hours}}."""
+def simulate_policies(seed: int, num_gpus: int, num_jobs: int, load: float) -> dict:
+    """Every policy on one generated trace (the same jobs, the same seeded prediction errors):
+    {policy: {"summary": ..., "rows": Gantt rows in hours}}."""
     cluster = mixed_cluster(DEMO_CLUSTERS[num_gpus])
     jobs = generate_trace(seed, num_jobs, cluster, load=load)
     types = [d.type for _, d in cluster.devices()]

@@ -29,15 +29,9 @@ def _store():
 
 
 def _stamp(run_dir: str) -> tuple:
-    """Changes whenever a worker writes (WAL file) or the launcher ends: the cache key of a run's metrics."""
-    out = []
-    for suffix in ("", "-wal"):
-        try:
-            s = os.stat(os.path.join(run_dir, _store().DB_NAME + suffix))
-            out.append((s.st_mtime_ns, s.st_size))
-        except OSError:
-            out.append(None)
-    return tuple(out)
+    """Changes whenever rank 0 writes or the launcher ends: the cache key of a run's metrics (the
+    run folder's file stats, or one query of a shared store: executor.store.change_stamp)."""
+    return _store().change_stamp(run_dir)
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
