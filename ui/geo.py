@@ -32,8 +32,9 @@ MIB = 2**20
 EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
 DEFAULT_EXAMPLE = "paper_like.json"
 MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pipelines
-COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "P": "#2ca02c"}
-NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-reduce", "P": "prefill (BubbleTea)"}
+COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "OPT": "#9467bd", "P": "#2ca02c"}
+NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-reduce", "OPT": "optimizer step",
+         "P": "prefill (BubbleTea)"}
 JOB = "geo"  # this page's background job (ui/background.py)
 REQUEST = "geo_request"  # session key: the scenario JSON asked for and not yet answered
 
@@ -191,7 +192,7 @@ def gantt(report: GeoReport) -> go.Figure:
             bars[kind]["base"].append(start_s)
             bars[kind]["x"].append(end_s - start_s)
 
-    for o in report.sim.ops:
+    for o in [*report.sim.ops, *report.sim.step_ops]:  # step_ops: the optimizer step after the collectives
         add(o.kind, o.pipeline, o.stage, o.start_s, o.end_s)
     for p in report.prefill.placements if report.prefill is not None else []:
         add("P", p.pipeline, p.stage, p.start_s, p.end_s)
