@@ -187,3 +187,19 @@ def test_malformed_profile_keys_are_refused():
     for key in ("cpu@sharex", "cpu@share2", "cpu@share0"):
         with pytest.raises(ValueError, match="profile key"):
             split_profile_key(key)
+
+
+def test_a_huge_cluster_file_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
+    import builtins
+
+    from planner.core.jsonio import MAX_INPUT_FILE_BYTES
+
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as fh:
+        fh.truncate(MAX_INPUT_FILE_BYTES + 1)  # sparse: nothing written, the size is what counts
+    opened = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: opened.append(str(f)) or real_open(f, *a, **k))
+    with pytest.raises(ValueError, match="over the limit"):
+        ClusterSpec.load(str(path))
+    assert str(path) not in opened

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.core.catalog import CATALOG, CPU_TYPE, GIB, get_gpu_type
-from planner.core.jsonio import dumps, save_json_file
+from planner.core.jsonio import dumps, read_text_file, save_json_file
 
 
 def _positive_number(value: Any, what: str) -> float:
@@ -309,12 +309,8 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, path: str) -> "ClusterSpec":
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as e:
-            raise ValueError(f"cannot read cluster file {path}: {e.strerror}") from None
-        return cls.from_json(text, source=path)
+        # refused by its size before a byte is read (issue 17: a 10 GB "cluster file" is a mistake)
+        return cls.from_json(read_text_file(path, "cluster file"), source=path)
 
 
 def _device_list(gpus: Any) -> list[dict[str, Any]]:
