@@ -1,6 +1,6 @@
 """Does the heterogeneous plan pay off on physically different devices? Measured side by side.
 
-    python bench/hetero_speedup.py [--steps 30] [--rounds 2] [--global-batch 192] [--seq 128]
+    python bench/hetero_speedup.py [--steps 20] [--rounds 5] [--global-batch 192] [--seq 128]
                                    [--shares 1,0.333] [--no-ddp] [--json]    (defaults shown)
 
 1. Two emulated CPU devices of this machine, each a real cgroup v1 CPU quota (executor/cgroups.py):
@@ -10,7 +10,9 @@
    profiler profile --cpu-share S --workers 2 --companion-cpu-share S'`: timed inside a cgroup
    of share S, by wall time, while a companion runs the same loop under the other device's
    share, as the run's other rank will), into a private GPUMIX_DATA_DIR, saved under the
-   device's kind (`cpu@shareS`), plus the gloo collectives once. The planner prices each device
+   device's kind (`cpu@shareS`), with recompute none and full (the cost model prices the
+   layerwise ZeRO >= 2 runtime from the latter), plus the gloo collectives once. A check says
+   every profile the planner read was measured, none estimated. The planner prices each device
    from its own measured profile; the share never enters the prediction.
 3. The planner's split (planner.hetero.solve.solve_plan) against the two baselines a practitioner
    would run, built and priced by the planner's own baseline code (planner.hetero.baselines) at
@@ -20,12 +22,16 @@
    Checks: planned / even samples/s >= 1.6; planned / proportional printed; the planned run's
    measured iteration within 15 % of the plan's prediction (the prediction from the profiles,
    the measurement from the run: independent paths).
-4. Unless --no-ddp: two unlimited CPU ranks, even split: this runtime against
-   torch.nn.parallel.DistributedDataParallel with torch.optim.AdamW on the same model,
-   micro-batches and samples, alternately. Check: ours / DDP >= 0.9.
+4. Unless --no-ddp: two CPU ranks of one whole core each (cgroups of share 1 for both sides),
+   even split: this runtime against torch.nn.parallel.DistributedDataParallel with
+   torch.optim.AdamW on the same model, micro-batches and samples, alternately. Check: ours /
+   DDP >= 0.9. (Its prediction, printed, prices share-1 ranks from the profile taken beside a
+   1/3 companion.)
 5. Memory: every rank's measured peak (executor.memtrack, live tensor bytes over the first
    step) against planner.core.memory's prediction in the plan. Check: within 10 %.
 
+The prediction check is the median over rounds of each planned run against its own round's
+plan; the per-round errors are printed, the baselines' and the homogeneous runs' beside them.
 Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory tracker,
 step 2 allocator warm-up), pooled over rounds; ratios are of runs taken alternately. The machine
 is shared (2 cores, other engineers' jobs): each emulated device's cgroup carries a raised CPU
@@ -65,8 +71,12 @@ MEMORY_TOL = 0.10
 # it 15-25 % slower than the line on this machine, so a plan of 77 micro-batches of 1 would be
 # priced 25 % too fast); every batch a multiple of 4.
 MICRO_BATCHES = (4, 8, 16, 32)
-PROFILE_REPEATS = 7
+PROFILE_REPEATS = 5
 HETERO = ("planned", "even", "proportional")
+RECOMPUTES = ("none", "full")  # the profiles the cost model reads: full for the layerwise ZeRO >= 2
+# the homogeneous comparison's ranks: one whole core each, in cgroups of the raised weight, so
+# the neighbours' load on this shared machine hits this runtime and DDP alike
+HOMOGENEOUS_SHARE = 1.0
 
 
 # ---- plans ---------------------------------------------------------------------------------
@@ -80,10 +90,11 @@ def hetero_cluster(shares: tuple[float, ...]) -> Any:
 
 
 def homogeneous_cluster() -> Any:
+    """Two devices of one whole core each: this runtime's ranks and DDP's get the same cgroups."""
     from planner.core.cluster import ClusterSpec
 
-    return ClusterSpec.from_dict({"name": "bench-homogeneous", "nodes": [{"name": "localhost",
-                                                                          "gpus": {"cpu": 2}}]})
+    return ClusterSpec.from_dict({"name": "bench-homogeneous", "nodes": [{"name": "localhost", "gpus": [
+        {"type": "cpu", "cpu_share": HOMOGENEOUS_SHARE}] * 2}]})
 
 
 def baseline_plan(cluster: Any, name: str, global_batch: int, seq: int, zero: int) -> Any:
@@ -118,16 +129,15 @@ def baseline_plan(cluster: Any, name: str, global_batch: int, seq: int, zero: in
 # ---- measuring -----------------------------------------------------------------------------
 
 
-def profile_machine(seq: int, shares: tuple[float, ...], collectives: bool, homogeneous: bool) -> None:
+def profile_machine(seq: int, shares: tuple[float, ...], collectives: bool) -> None:
     """Each emulated device's step profile under its own limits, a companion under the other's
-    share (the run's other rank); once, the gloo collectives; for the DDP part, plain `cpu`."""
+    share (the run's other rank); once, the gloo collectives."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     base = ["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches",
             ",".join(map(str, MICRO_BATCHES)), "--repeats", str(PROFILE_REPEATS), "--workers", "2"]
-    cmds = [base + ["--cpu-share", f"{s!r}", "--companion-cpu-share", f"{shares[1 - i]!r}"]
-            for i, s in enumerate(shares)]
-    if homogeneous:
-        cmds.append(base)  # two unlimited ranks: timed with one unlimited companion
+    # recompute full too: at ZeRO >= 2 the cost model prices the layerwise runtime from that profile
+    cmds = [base + ["--cpu-share", f"{s!r}", "--companion-cpu-share", f"{shares[1 - i]!r}", "--recompute", rec]
+            for rec in RECOMPUTES for i, s in enumerate(shares)]
     if collectives:
         cmds.append(["-m", "profiler", "bench", "--quick"])
     for cmd in cmds:
@@ -155,15 +165,22 @@ def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
 
 
 def ddp_launch(global_batch: int, seq: int, micro_batch: int, steps: int, root: str, name: str) -> dict[str, Any]:
-    """This file under torchrun as the DDP baseline (2 ranks, gloo, 1 thread each)."""
+    """This file under torchrun as the DDP baseline (2 ranks, gloo, 1 thread each), each rank in a
+    cgroup of one whole core, as this runtime's homogeneous ranks (HOMOGENEOUS_SHARE)."""
+    from executor import cgroups
     from executor.launch import free_port, local_torchrun_command
 
     out = os.path.join(root, f"{name}.json")
     wargs = [os.path.abspath(__file__), "--ddp-worker", "--out", out, "--global-batch", str(global_batch),
              "--seq", str(seq), "--micro-batch", str(micro_batch), "--steps", str(steps)]
-    cmd = local_torchrun_command(2, free_port(), wargs)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    with open(os.path.join(root, f"{name}.log"), "wb") as log:
+    with contextlib.ExitStack() as stack, open(os.path.join(root, f"{name}.log"), "wb") as log:
+        ranks = {r: stack.enter_context(cgroups.created(f"{cgroups.PREFIX}bench-{os.getpid()}-ddp-r{r}",
+                                                        cgroups.Limits(cpu_share=HOMOGENEOUS_SHARE)))
+                 for r in range(2)}
+        env[cgroups.ENV_CGROUPS] = os.path.join(root, f"{name}.cgroups.json")
+        cgroups.save_table(env[cgroups.ENV_CGROUPS], "cgroup", "DDP baseline", ranks)
+        cmd = local_torchrun_command(2, free_port(), cgroups.exec_command(wargs))
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=600)
     with open(out, encoding="utf-8") as fh:
         res = json.load(fh)
@@ -265,11 +282,13 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
     hetero = hetero_cluster(shares)
     keys = HETERO + (("ours", "ddp") if ddp else ())
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in keys}
-    profiles: list[dict[str, Any]] = []
+    profiles: list[list[dict[str, Any]]] = []
+    zeros: list[int] = []
     for i in range(rounds):  # alternate, so load from other processes hits every side alike
         if profile:  # re-profile each round: the plan prices this machine as it is now
-            profile_machine(seq, shares, collectives=i == 0, homogeneous=ddp)
+            profile_machine(seq, shares, collectives=i == 0)
         planned = solve_plan(hetero, MODEL, global_batch, seq=seq, dtype="fp32", micro_batches=MICRO_BATCHES).plan
+        zeros.append(planned.zero)
         plans = {"planned": planned, "even": baseline_plan(hetero, "even", global_batch, seq, planned.zero),
                  "proportional": baseline_plan(hetero, "proportional", global_batch, seq, planned.zero)}
         profiles.append(profile_rows(hetero, seq))
@@ -289,8 +308,11 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
     per_round = {f"planned_vs_{b}": [median(x["step_s"]) / median(p["step_s"]) for p, x in
                                      zip(runs["planned"], runs[b])] for b in ("even", "proportional")}
     # each round's runs against their own plan's prediction; the median of those errors
+    # (the homogeneous runs' error too: how far this machine's load drifts between profile and run)
     pred_err = {k: median([(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
-                           for r in runs[k]]) for k in HETERO}
+                           for r in runs[k]]) for k in HETERO + (("ours",) if ddp else ())}
+    per_round_err = {k: [(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
+                         for r in runs[k]] for k in pred_err}
     speedup = {b: rate["planned"] / rate[b] for b in ("even", "proportional")}
     mem = memory_rows([runs[k][0] for k in keys if k != "ddp"])
     mem_ok = all(r["error"] is not None and abs(r["error"]) <= MEMORY_TOL for r in mem)
@@ -299,19 +321,22 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
         "planned_iteration_vs_prediction": {"value": pred_err["planned"], "tol": PREDICTION_TOL,
                                             "ok": abs(pred_err["planned"]) <= PREDICTION_TOL},
         "memory_within_10pct": {"value": max(abs(r["error"] or 1.0) for r in mem), "tol": MEMORY_TOL, "ok": mem_ok},
+        # the prediction is the measured profiles' only if every profile the cost model read was measured
+        "every_profile_measured": {"value": all(p["measured"] for rows in profiles for p in rows), "ok": all(
+            p["measured"] for rows in profiles for p in rows)},
     }
     out: dict[str, Any] = {
         "config": {"model": MODEL, "global_batch": global_batch, "seq": seq, "steps": steps, "rounds": rounds,
                    "cpu_shares": list(shares), "median_over": f"steps {SKIP_STEPS + 1}..{steps} of every run"},
         "emulation": sorted({r["emulation"] for k in HETERO for r in runs[k]}),
-        "splits": {k: [r["split"] for r in runs[k]] for k in HETERO},
+        "splits": {k: [r["split"] for r in runs[k]] for k in HETERO}, "zero_per_round": zeros,
         "profiles": profiles,
         "median_step_s": med, "samples_per_s": rate,
         "predicted_iteration_s": {k: median([r["predicted_iteration_s"] for r in runs[k]]) for k in keys if k != "ddp"},
         "prediction_error": pred_err,
         "planned_vs_proportional_speedup": speedup["proportional"],
         "planned_breakdown": breakdown(runs["planned"]),
-        "checks": checks, "per_round_ratios": per_round, "memory": mem,
+        "checks": checks, "per_round_ratios": per_round, "per_round_prediction_error": per_round_err, "memory": mem,
     }
     if ddp:
         ddp_ratio = rate["ours"] / rate["ddp"]
@@ -330,10 +355,12 @@ def profile_rows(cluster: Any, seq: int) -> list[dict[str, Any]]:
 
     spec = with_max_seq(get_model(MODEL), seq)
     rows = []
-    for d in sorted({d for _, d in cluster.devices()}, key=lambda d: d.profile_key):
-        p = get_step_profile(d.profile_key, spec, seq, "fp32")
-        rows.append({"kind": d.profile_key, "measured": p.measured, "alpha_s": p.alpha_s, "beta_s": p.beta_s,
-                     "optimizer_s": p.optimizer_s_per_param * spec.num_params, "source": p.source})
+    for rec in RECOMPUTES:
+        for d in sorted({d for _, d in cluster.devices()}, key=lambda d: d.profile_key):
+            p = get_step_profile(d.profile_key, spec, seq, "fp32", recompute=rec)
+            rows.append({"kind": d.profile_key, "recompute": rec, "measured": p.measured, "alpha_s": p.alpha_s,
+                         "beta_s": p.beta_s, "optimizer_s": p.optimizer_s_per_param * spec.num_params,
+                         "source": p.source})
     return rows
 
 
@@ -345,12 +372,14 @@ def print_report(r: dict[str, Any]) -> None:
           f"(emulation used by the runs: {', '.join(r['emulation'])})")
     print("  profiles the planner priced with (last round; beta = seconds per sample):")
     for p in r["profiles"][-1]:
-        print(f"    {p['kind']:<16} {'measured' if p['measured'] else 'ESTIMATED':<9} alpha {p['alpha_s'] * 1e3:7.2f} ms  "
-              f"beta {p['beta_s'] * 1e3:7.2f} ms  optimizer {p['optimizer_s'] * 1e3:6.2f} ms")
-    kinds = r["profiles"][-1]
+        print(f"    {p['kind']:<16} recompute {p['recompute']:<5} {'measured' if p['measured'] else 'ESTIMATED':<9} "
+              f"alpha {p['alpha_s'] * 1e3:7.2f} ms  beta {p['beta_s'] * 1e3:7.2f} ms  "
+              f"optimizer {p['optimizer_s'] * 1e3:6.2f} ms")
+    kinds = [p for p in r["profiles"][-1] if p["recompute"] == "none"]
     if len(kinds) == 2:
         print(f"    measured speed ratio {kinds[0]['beta_s'] / kinds[1]['beta_s']:.2f}x "
               f"({kinds[0]['kind']} beta / {kinds[1]['kind']} beta)")
+    print(f"  ZeRO stage the planner chose (baselines priced at it), per round: {r['zero_per_round']}")
     for k in HETERO:
         print(f"  {k:<13} split (micro_batch, accum, shard) per round: {r['splits'][k]}")
     print(f"  {'configuration':<36}{'median step (s)':>16}{'samples/s':>12}{'predicted (s)':>15}{'error':>9}")
@@ -378,11 +407,15 @@ def print_report(r: dict[str, Any]) -> None:
               f"{'PASS' if ch['ours_vs_ddp_throughput']['ok'] else 'FAIL'}   "
               f"(loss curves differ by <= {r['ours_vs_ddp_max_loss_rel_diff']:.1e} relative)")
     print("  per round: " + "; ".join(f"{k} {', '.join(f'{x:.2f}x' for x in v)}" for k, v in r["per_round_ratios"].items()))
+    print("  per round, measured vs predicted: " + "; ".join(
+        f"{k} {', '.join(f'{x:+.0%}' for x in v)}" for k, v in r["per_round_prediction_error"].items()))
     print("  per-rank peak memory: measured (live tensor bytes, first step) vs predicted (planner.core.memory)")
     for m in r["memory"]:
         print(f"    {m['run']:<22} rank {m['rank']} (m={m['micro_batch']}, shard {m['shard_fraction']:.3f}): "
               f"{m['measured_peak_bytes'] / 2**20:8.2f} MiB vs {m['predicted_bytes'] / 2**20:8.2f} MiB  {m['error']:+.1%}")
     print(f"  memory within {MEMORY_TOL:.0%}: {'PASS' if ch['memory_within_10pct']['ok'] else 'FAIL'}")
+    print(f"  every profile the planner read was measured under its limits: "
+          f"{'PASS' if ch['every_profile_measured']['ok'] else 'FAIL'}")
     print(f"  bench wall time {r['bench_wall_s']:.0f} s")
 
 
@@ -405,8 +438,8 @@ def _shares(text: str) -> tuple[float, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--global-batch", type=int, default=192)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--shares", type=_shares, default=(1.0, 0.333), help="the two devices' CPU shares (default 1,0.333)")
