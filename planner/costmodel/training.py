@@ -529,7 +529,7 @@ class CostModel:
             out.append(("all nodes", True, [(n, by_node[n.name]) for n in nodes]))
         seen = set()
         for n in nodes:
-            comp = tuple(sorted((d.type, d.slowdown, d.memory_gb or 0.0) for d in n.devices))
+            comp = tuple(sorted((d.profile_key, d.slowdown, d.memory_gb or 0.0) for d in n.devices))
             if comp in seen:
                 continue
             seen.add(comp)
