@@ -417,10 +417,10 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         bound_s, config, ok = found
         proven = proven and ok
         k = sum(x for _, _, x in config)
-        exact_s = price_config(table, config, table.comm_s(k))[0]
-        if best is None or exact_s < best[0]:
-            best = (exact_s, config, k)
-        if lo == hi or bound_s >= best[0] * (1 - tol):
+        priced = price_config(table, config, table.comm_s(k))
+        if priced is not None and (best is None or priced[0] < best[0]):
+            best = (priced[0], config, k)
+        if lo == hi or (best is not None and bound_s >= best[0] * (1 - tol)):
             continue
         mid = (lo + hi) // 2
         halves = [(lo, mid, bound_s), (mid + 1, hi, bound_s)]
