@@ -51,7 +51,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Sequence, TYPE_CHECKING
 
 from executor import booking
 from executor import cgroups
@@ -652,7 +652,9 @@ def _reap(proc: subprocess.Popen) -> None:
 
 def _start_launcher(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool, checkpoint_every: int,
                     corpus_dir: str | None, optim: OptimConfig | None, tokenizer: str | None,
-                    init_from: str | None) -> subprocess.Popen:
+                    init_from: str | None, extra_args: Sequence[str] = ()) -> subprocess.Popen:
+    """`python -m executor launch ...` for the run in a new session (the local and the SLURM
+    backends alike: `extra_args` carries the backend's own flags), its output in logs/launcher.log."""
     plan_path = os.path.join(run_dir, "plan.json")
     plan.save(plan_path)
     # the run row exists before the launcher has imported anything: a page polling the store
@@ -671,6 +673,7 @@ def _start_launcher(plan: Plan, steps: int, run_dir: str, seed: int, resume: boo
         cmd += ["--init-from", init_from]
     if optim is not None:
         cmd += optim_flags(optim)
+    cmd += list(extra_args)
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:
         proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

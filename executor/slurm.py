@@ -27,15 +27,14 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from executor import booking
-from executor.launch import (RunHandle, _all_ranks_done, _check_not_running, _last_step, _reap, _stop_on_signals,
-                             check_init_from, check_numbers, copy_tokenizer, failure_reason, new_run_dir,
-                             optim_flags, plan_nodes, worker_args)
+from executor.launch import (RunHandle, _all_ranks_done, _check_not_running, _last_step, _start_launcher,
+                             _stop_on_signals, check_init_from, check_numbers, copy_tokenizer, failure_reason,
+                             new_run_dir, plan_nodes, worker_args)
 from executor.slurm_job import (JOB_FILE, Component, JobState, SlurmSettings, batch_script, cancel_job, job_state,
                                 node_requests, rdzv_port, read_job_file, run_id_of, sbatch_command,
                                 slurm_device_keys)
@@ -275,21 +274,8 @@ def start_slurm_run(plan: Plan | str, steps: int, run_dir: str | None = None, se
     run_dir = os.path.abspath(run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
-    plan_path = os.path.join(run_dir, "plan.json")
-    plan.save(plan_path)
-    store = MetricsStore(run_dir)  # the row exists before the launcher runs: a poller sees "starting"
-    store.init_run(plan, steps, seed, backend="gloo")
-    cmd = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps), "--run-dir",
-           run_dir, "--seed", str(seed), "--checkpoint-every", str(checkpoint_every), *settings.to_args()]
-    cmd += (["--data", corpus_dir] if corpus_dir else []) + (["--tokenizer", tokenizer] if tokenizer else [])
-    cmd += ["--init-from", init_from] if init_from else []
-    cmd += optim_flags(optim) if optim is not None else []
-    with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as out:
-        proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    _reap(proc)
-    store.set_launcher_pid(proc.pid)
-    store.close()
+    proc = _start_launcher(plan, steps, run_dir, seed, False, checkpoint_every, corpus_dir, optim, tokenizer,
+                           init_from, settings.to_args())
     return RunHandle(run_dir, proc.pid)
 
 
