@@ -87,8 +87,10 @@ def print_table(rows: list[dict[str, Any]], columns: Sequence[str] | None = None
     columns = list(columns or rows[0].keys())
 
     def fmt(v: Any) -> str:
+        if v is None:
+            return "-"  # not measured (yet): never Python's None in a table a person reads
         if isinstance(v, float):
-            return f"{v:.4g}"
+            return f"{v:.4g}" if math.isfinite(v) else "-"
         return str(v)
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]

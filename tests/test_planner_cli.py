@@ -90,3 +90,12 @@ def test_module_entry_point_exit_code():
     r = subprocess.run([sys.executable, "-m", "planner", "plan", "--cluster", LOCAL, "--model", "tiny",
                         "--global-batch", "-3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_tables_show_a_dash_for_what_is_not_there(capsys):
+    from planner.cli import print_table
+
+    print_table([{"step": 1, "val_loss": None, "x": float("nan")}, {"step": 2, "val_loss": 4.5, "x": 1.0}])
+    out = capsys.readouterr().out
+    assert "None" not in out and "nan" not in out
+    assert out.splitlines()[1].split() == ["1", "-", "-"]
