@@ -351,6 +351,11 @@ def _limited_child(job_path: str) -> int:
     return 0
 
 
+# a fit whose time per sample is not positive is noise, not a profile: time again with twice the
+# rounds, this many times, then refuse (a negative slope would price more samples as faster)
+NOISY_RETRIES = 2
+
+
 def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                   micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, recompute: str = "none",
                   repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, device: str | None = None,
@@ -389,15 +394,27 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
         if workers > 1:
             progress(0.08, f"starting {workers - 1} concurrent companion worker(s)")
         with concurrent_workers(dev, workers, run_spec, seq, sizes, recompute, dtype, companion_cpu_share):
-            if limits.any:
-                progress(0.1, f"timing in a child process under {limits.describe()}")
-                times, opt_s = _measure_limited(limits, kind, run_spec, seq, sizes, recompute, dtype, repeats, warmup)
+            for _ in range(1 + NOISY_RETRIES):
+                if limits.any:
+                    progress(0.1, f"timing in a child process under {limits.describe()}")
+                    times, opt_s = _measure_limited(limits, kind, run_spec, seq, sizes, recompute, dtype, repeats,
+                                                    warmup)
+                else:
+                    times, opt_s = _measure(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress,
+                                            workers)
+                medians = [statistics.median(times[m]) for m in sizes]
+                # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
+                alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
+                if beta > 0:
+                    break
+                log.warning("profile %s on %s: per-sample time %.3g s is not positive (R²=%.3f), timing again",
+                            spec.name, kind, beta, r2)
+                repeats *= 2  # more rounds per size: the medians steady
             else:
-                times, opt_s = _measure(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress,
-                                        workers)
-    medians = [statistics.median(times[m]) for m in sizes]
-    # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
-    alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
+                raise RuntimeError(
+                    f"profiling {spec.name} on {kind} failed: after {1 + NOISY_RETRIES} tries the time per sample "
+                    f"is still not positive (medians {[f'{t * 1e3:.2f} ms' for t in medians]} at m={sizes}); "
+                    "the timings are dominated by noise: profile larger micro-batches or on a quieter machine")
     peak = peak_tflops(device_type, dtype, store_dir)  # the type's: a quota kind reaches a fraction of it
     efficiency = flops_per_sample / beta / 1e12 / peak if beta > 0 else None
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -86,6 +86,33 @@ def test_threads_are_restored_and_bad_input_is_rejected():
         profile_local("nope", 128, save=False)
 
 
+def test_a_noise_dominated_fit_is_timed_again_then_refused(data_dir, monkeypatch):
+    """A fit whose time per sample is not positive is noise: timed again with twice the rounds,
+    kept when the slope turns positive, refused with the medians when it never does."""
+    import profiler.step_profile as sp
+
+    calls = []
+
+    def fake(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress, workers=1):
+        calls.append(repeats)
+        slope = 1e-3 if len(calls) == 2 else -1e-4  # noise first, then a real slope
+        return {m: [0.01 + slope * m] * repeats for m in sizes}, 0.001
+
+    monkeypatch.setattr(sp, "_measure", fake)
+    p = profile_local("tiny", 32, micro_batches=(1, 2, 3, 4), repeats=2, save=False)
+    assert calls == [2, 4] and p.beta_s == pytest.approx(1e-3)
+    calls.clear()
+
+    def always_noise(run_spec, seq, sizes, *rest, **kw):
+        calls.append(1)
+        return {m: [0.02 - 1e-4 * m] for m in sizes}, 0.0
+
+    monkeypatch.setattr(sp, "_measure", always_noise)
+    with pytest.raises(RuntimeError, match="not positive.*noise"):
+        profile_local("tiny", 32, micro_batches=(1, 2, 3, 4), repeats=2, save=False)
+    assert len(calls) == 1 + sp.NOISY_RETRIES
+
+
 def test_concurrent_workers_time_under_a_running_companion(data_dir):
     """workers=2: a companion process computes while every timing round runs (seen from the
     progress callback), the clock is wall time, and the companion is gone afterwards."""
