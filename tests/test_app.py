@@ -113,14 +113,16 @@ def test_bad_input_becomes_one_error_line_not_a_traceback():
 
 
 def test_formatting_and_chart_defaults():
-    from ui import common
+    from ui import charts, common
 
     assert common.fmt_bytes(1536) == "1.5 KiB" and common.fmt_bytes(3 * 2**30) == "3.0 GiB"
     assert common.fmt_seconds(2.5e-4) == "250 µs" and common.fmt_seconds(95) == "95.00 s"
     assert common.fmt_seconds(3 * 3600 + 60) == "3 h 1 min"
     fig = common.line_figure({"a": ([0, 1], [2.0, 1.5])}, "step", "loss (nats/token)", title="Loss")
-    assert fig.layout.xaxis.title.text == "step" and fig.layout.yaxis.title.text == "loss (nats/token)"
-    assert list(fig.data[0].y) == [2.0, 1.5]
+    (line,) = charts.spec_layers(fig)
+    assert line["mark"] == "line"
+    assert line["encoding"]["x"]["title"] == "step" and line["encoding"]["y"]["axis"]["title"] == "loss (nats/token)"
+    assert [r["y"] for r in line["rows"]] == [2.0, 1.5] and fig.to_dict()["title"]["text"] == "Loss"
 
 
 def test_profiles_version_changes_when_a_profile_is_written(data_dir):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import streamlit as st
 
 from ui.background import ChildFailed
+from ui.charts import CHART_HEIGHT_PX, MAX_MARKER_POINTS  # noqa: F401  (stable names of this module)
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,7 @@ EMULATED = "emulated"
 # Streamlit markdown badge colours, one per kind of number
 _BADGE_COLOR = {PREDICTED: "blue", SIMULATED: "blue", MEASURED: "green", ESTIMATED: "orange", EMULATED: "violet"}
 
-# Plotly defaults: a compact chart that reads on a laptop screen
-CHART_HEIGHT_PX = 320
-MAX_MARKER_POINTS = 200  # line charts draw markers up to this many points per series
+# chart defaults live in ui/charts.py (imported above, kept here as stable names)
 _CHART_MARGIN = dict(l=10, r=10, t=40, b=10)
 
 _KIB = 1024
@@ -263,12 +262,14 @@ def ranks_table(ranks: list[dict[str, Any]]) -> Any:
 
 
 # ---- charts ------------------------------------------------------------------------------
+# Every chart is Vega-Lite, built in ui/charts.py (why: its docstring). These names stay for the
+# pages that import them from here.
 
 
 def style_figure(fig: Any, x_title: str, y_title: str, title: str | None = None, height: int = CHART_HEIGHT_PX) -> Any:
-    """Apply the dashboard's Plotly defaults. Axis titles must carry units: "step", "loss (nats)",
-    "time (s)", "memory (GiB)". The title sits at the top left, the legend on its own row
-    under it (they never overlap)."""
+    """Deprecated: the Plotly layout of a page not yet moved to ui/charts.py (axis titles with
+    units, the title top left, the legend on its own row). Calls the figure's own methods, so
+    this module never imports Plotly."""
     fig.update_layout(
         title=dict(text=title, x=0, xanchor="left", y=0.98, yanchor="top") if title else None,
         height=height,
@@ -289,21 +290,21 @@ def line_figure(
     title: str | None = None,
     height: int = CHART_HEIGHT_PX,
 ) -> Any:
-    """A Plotly line chart from `{name: (xs, ys)}` with unit axis titles."""
-    import plotly.graph_objects as go
+    """A line chart from `{name: (xs, ys)}` with unit axis titles: ui/charts.line_chart."""
+    from ui.charts import line_chart
 
-    fig = go.Figure()
-    for name, (xs, ys) in series.items():
-        # one SVG node per marker: past a few hundred points (a live run) the browser redraws
-        # too slowly to keep up with a 1 s refresh, and a line reads as well
-        mode = "lines+markers" if len(xs) <= MAX_MARKER_POINTS else "lines"
-        fig.add_trace(go.Scatter(x=list(xs), y=list(ys), mode=mode, name=name, marker=dict(size=4)))
-    return style_figure(fig, x_title, y_title, title=title, height=height)
+    return line_chart(series, x_title, y_title, title, height=height)
 
 
 def show_figure(fig: Any, key: str | None = None) -> None:
-    """`st.plotly_chart` with the dashboard's settings (full width, no Plotly logo)."""
-    st.plotly_chart(fig, width="stretch", key=key, config={"displaylogo": False})
+    """The one place a page draws a chart, full width: an Altair chart (ui/charts.py) with
+    `st.altair_chart`; a Plotly figure of a page not yet moved with `st.plotly_chart`."""
+    from ui.charts import show_chart
+
+    if hasattr(fig, "to_plotly_json"):
+        st.plotly_chart(fig, width="stretch", key=key, config={"displaylogo": False})
+    else:
+        show_chart(fig, key=key)
 
 
 # ---- shared resources --------------------------------------------------------------------
