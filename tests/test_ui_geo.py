@@ -6,6 +6,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.test_ui_background import settle as settle_until
+from ui.charts import element_layers
 
 TIMEOUT_S = 120
 
@@ -32,14 +33,21 @@ def test_plan_renders_summary_gantt_and_bars(app):
     assert "simulated" in labels and "Iteration" in labels
     text = " ".join(md.value for md in app.markdown)
     assert "virginia" in text  # the plan summary names the datacenters
-    charts = app.get("plotly_chart")
+    charts = app.get("vega_lite_chart")
     assert len(charts) == 3  # Gantt, iteration bars, utilization bars
-    import json
-
-    gantt = json.loads(charts[0].proto.spec)
-    names = {t.get("name") for t in gantt["data"]}
+    (gantt,) = element_layers(charts[0].proto)
+    names = {r["color"] for r in gantt["rows"]}
     assert {"training forward", "training backward", "prefill (BubbleTea)"} <= names
-    assert "simulated" in gantt["layout"]["xaxis"]["title"]["text"]
+    enc = gantt["encoding"]
+    assert "simulated" in enc["x"]["title"] and enc["x2"]["field"] == "end" and enc["y"]["field"] == "row"
+    assert all(r["end"] >= r["start"] for r in gantt["rows"])
+    # each bar labelled with its value, horizontally over it; the plan first
+    layers = element_layers(charts[1].proto)
+    bars = next(layer for layer in layers if layer["mark"] == "bar")
+    assert bars["rows"][0]["x"] == "atlas (plan)" and bars["encoding"]["x"]["axis"]["labelAngle"] == 0
+    assert next(layer for layer in layers if layer["mark"] == "text")["rows"][0]["label"] == bars["rows"][0]["label"]
+    util = next(layer for layer in element_layers(charts[2].proto) if layer["mark"] == "bar")
+    assert {r["series"] for r in util["rows"]} == {"training only", "with prefill (BubbleTea)"}
 
 
 def test_bad_input_shows_an_error_not_a_traceback(app):
@@ -61,7 +69,7 @@ def test_cancel_stops_the_simulation_and_forgets_the_request(app, monkeypatch):
     app.button(key="geo_cancel").click().run()
     assert not app.exception and "geo_request" not in app.session_state
     assert job.cancel_reason == "by the user" and job.proc.returncode is not None
-    assert not app.get("plotly_chart")  # no report: the one asked for was cancelled
+    assert not app.get("vega_lite_chart")  # no report: the one asked for was cancelled
 
 
 @pytest.mark.parametrize("example", ["paper_like.json", "two_dc_fast.json"])

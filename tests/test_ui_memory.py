@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
+from planner.core.catalog import CATALOG
 from planner.core.memory import MemoryConfig, estimate_memory
 from planner.core.specs import PRESETS
+from ui.charts import element_layers
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "memory.py")
 TIMEOUT_S = 60
@@ -27,11 +30,16 @@ def test_default_preset_fits_and_shows_chart():
     at = _page()
     assert at.selectbox(key="mem_model").value == "tiny"
     assert "Fits on cpu" in _text(at)  # the session cluster (this machine) is the default type
-    assert at.get("plotly_chart")
-    # the page's figure is the library's: the table holds estimate_memory's peak
-    expected = estimate_memory(PRESETS["tiny"], MemoryConfig(micro_batch=1, seq=128, zero=1)).peak_bytes
-    df = at.dataframe[0].value
-    assert int(df.iloc[-1, 1]) == expected
+    # the page's figures are the library's: the table and the stacked bar hold estimate_memory's peak
+    b = estimate_memory(PRESETS["tiny"], MemoryConfig(micro_batch=1, seq=128, zero=1))
+    df = at.table[0].value
+    assert int(df.iloc[-1, 1].replace(",", "")) == b.peak_bytes
+    (chart,) = at.get("vega_lite_chart")
+    (bars,) = [layer for layer in element_layers(chart.proto) if layer["mark"] == "bar"]
+    assert bars["encoding"]["y"]["stack"] == "zero"
+    assert {r["series"]: r["y"] for r in bars["rows"]} == pytest.approx(
+        {name: getattr(b, f"{name}_bytes") / 2**20 for name in ("params", "grads", "optimizer", "activations", "other")})
+    assert bars["encoding"]["y"]["axis"]["title"] == "memory (MiB)"  # a tiny model: MiB, no capacity line
 
 
 def test_large_model_does_not_fit_then_sharding_changes_it():
@@ -42,6 +50,12 @@ def test_large_model_does_not_fit_then_sharding_changes_it():
     at.selectbox(key="mem_gpu_type").set_value("A100-40GB").run()
     assert not at.exception
     assert "Does not fit on A100-40GB" in _text(at)
+    # the predicted stack drawn over the GPU's capacity, a dashed rule at its datasheet GiB
+    layers = element_layers(at.get("vega_lite_chart")[0].proto)
+    (rule,) = [layer for layer in layers if layer["mark"] == "rule"]
+    assert rule["rows"] == [{"series": "A100-40GB capacity", "y": CATALOG["A100-40GB"].memory_bytes / 2**30}]
+    (bars,) = [layer for layer in layers if layer["mark"] == "bar"]
+    assert sum(r["y"] for r in bars["rows"]) > rule["rows"][0]["y"]
     at.number_input(key="mem_dp").set_value(8).run()
     at.selectbox(key="mem_recompute").set_value("full").run()
     at.selectbox(key="mem_dtype").set_value("bf16").run()
@@ -57,7 +71,7 @@ def test_bad_inputs_show_errors_not_tracebacks():
     assert not at.exception
     assert [e.value for e in at.error] == ["Sequence: 4,096 is out of range, 1–128 tokens"]
     assert at.number_input(key="mem_seq:tiny").value == 4096  # kept as typed, not replaced
-    assert not at.dataframe  # nothing computed from a refused value
+    assert not at.table and not at.get("vega_lite_chart")  # nothing computed from a refused value
     at.number_input(key="mem_seq:tiny").set_value(128).run()
     at.number_input(key="mem_dp").set_value(4).run()
     at.checkbox(key="mem_uneven").check().run()

@@ -8,6 +8,7 @@ from streamlit.testing.v1 import AppTest
 
 from executor.queue import JobQueue
 from tests.test_ui_background import settle as settle_until
+from ui.charts import element_layers
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "scheduler.py")
 
@@ -65,6 +66,13 @@ def test_simulation_compares_gpumix_with_every_baseline():
     labels = " ".join(m.label for m in at.metric)
     assert "predicted" in labels and "measured" in labels
     assert f"vs {strongest} (strongest baseline)" in labels  # the comparison is against the strongest, named
+    # the Gantt of the chosen policy (gpumix): bars from start to end (x, x2), a row per device
+    (bars,) = element_layers(at.get("vega_lite_chart")[-1].proto)
+    enc = bars["encoding"]
+    assert (bars["mark"], enc["x"]["field"], enc["x2"]["field"], enc["y"]["field"]) == ("bar", "start", "end", "row")
+    assert enc["x"]["title"] == "time (h)" and enc["y"]["title"] == "device"
+    assert bars["rows"] and all(r["end"] >= r["start"] >= 0 for r in bars["rows"])
+    assert {r["color"] for r in bars["rows"]} <= {f"j{j:05d}" for j in range(60)}  # the trace's 60 jobs
 
 
 def test_cancel_stops_the_simulation(monkeypatch):

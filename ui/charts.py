@@ -159,7 +159,10 @@ def line_chart(
     names = list(series) + list(dict.fromkeys(r[SERIES] for r in smoothed)) + list(hlines or {})
     scale, axis = y_axis(y_title, [r[Y] for r in raw] + list((hlines or {}).values()), log=log_y, zero=False)
     color = alt.Color(f"{SERIES}:N", scale=color_scale(names, colors), legend=_legend(len(names) > 1))
-    enc = dict(x=alt.X(f"{X}:Q", title=x_title), y=alt.Y(f"{Y}:Q", scale=scale, axis=axis), color=color,
+    # steps are whole numbers: no "0.5" tick between two of them
+    whole = all(isinstance(r[X], int) or (isinstance(r[X], float) and r[X].is_integer()) for r in raw)
+    x_axis = alt.Axis(title=x_title, tickMinStep=1, format="d") if whole and raw else alt.Axis(title=x_title)
+    enc = dict(x=alt.X(f"{X}:Q", title=x_title, axis=x_axis), y=alt.Y(f"{Y}:Q", scale=scale, axis=axis), color=color,
                tooltip=[alt.Tooltip(f"{SERIES}:N", title="series"), alt.Tooltip(f"{X}:Q", title=x_title),
                         alt.Tooltip(f"{Y}:Q", title=y_title, format=",.4~g")])
     base = alt.Chart(_frame(raw, (X, Y, SERIES)))
@@ -298,6 +301,7 @@ def gantt_chart(
     color_order: Sequence[str] | None = None,
     colors: dict[str, str] | None = None,
     legend: bool = True,
+    color_title: str = "what",
     tooltip: Sequence[str] = (),
     height: int | None = None,
 ) -> Any:
@@ -314,7 +318,7 @@ def gantt_chart(
         x=alt.X("start:Q", title=x_title), x2=alt.X2("end:Q"),
         y=alt.Y("row:N", title=y_title, sort=order, axis=alt.Axis(labelLimit=300)),
         color=alt.Color("color:N", scale=color_scale(groups, colors), legend=_legend(legend)),
-        tooltip=[alt.Tooltip("row:N", title=y_title), alt.Tooltip("color:N", title="what"),
+        tooltip=[alt.Tooltip("row:N", title=y_title), alt.Tooltip("color:N", title=color_title),
                  alt.Tooltip("start:Q", format=",.4~g"), alt.Tooltip("end:Q", format=",.4~g"),
                  *[alt.Tooltip(f"{t}:N") for t in tooltip]])
     if height is None:
@@ -326,9 +330,14 @@ def gantt_chart(
 
 
 def show_chart(chart: Any, key: str | None = None) -> None:
-    """Draw a chart full width (`st.altair_chart`; a key gives its container the CSS class
-    `st-key-<key>`, which the browser tests and bench/dashboard_latency.py look for)."""
-    st.altair_chart(chart, width="stretch", key=key)
+    """Draw a chart full width. A key puts it in a keyed container, whose CSS class
+    `st-key-<key>` the browser tests and bench/dashboard_latency.py look for (`st.altair_chart`
+    itself uses its key only for a chart with selections)."""
+    if key is None:
+        st.altair_chart(chart, width="stretch")
+        return
+    with st.container(key=key):
+        st.altair_chart(chart, width="stretch")
 
 
 # ---- reading a chart back (tests, benchmarks) ----------------------------------------------------------
@@ -339,16 +348,28 @@ def spec_layers(chart: Any) -> list[dict[str, Any]]:
     {...}, "rows": [the data rows it draws]}: what a test asserts on (the values, the encodings)
     without walking Altair's nesting of layers and named datasets."""
     spec = chart.to_dict()
-    datasets = spec.get("datasets", {})
+    return _flatten(spec, spec.get("datasets", {}))
 
-    def walk(node: dict[str, Any], data: Any) -> list[dict[str, Any]]:
-        data = node.get("data", data)
-        if "layer" in node:
-            return [x for child in node["layer"] for x in walk(child, data)]
-        mark = node.get("mark")
-        rows = datasets.get(data["name"], []) if isinstance(data, dict) and "name" in data else \
-            (data or {}).get("values", [])
-        return [{"mark": mark["type"] if isinstance(mark, dict) else mark,
-                 "encoding": node.get("encoding", {}), "rows": rows}]
 
-    return walk(spec, None)
+def element_layers(proto: Any) -> list[dict[str, Any]]:
+    """The same flat layers from a drawn chart's Streamlit message (an AppTest element's
+    `.proto`): its spec JSON and its Arrow datasets, as the browser receives them."""
+    import json
+
+    import pyarrow as pa
+
+    datasets = {d.name: pa.ipc.open_stream(d.data.data).read_pandas().to_dict("records") for d in proto.datasets}
+    return _flatten(json.loads(proto.spec), datasets)
+
+
+def _flatten(node: dict[str, Any], datasets: dict[str, list[dict[str, Any]]], data: Any = None) -> list[dict[str, Any]]:
+    data = node.get("data", data)
+    if "layer" in node:
+        return [x for child in node["layer"] for x in _flatten(child, datasets, data)]
+    mark = node.get("mark")
+    if isinstance(data, dict) and "name" in data:
+        rows = datasets.get(data["name"], [])
+    else:
+        rows = (data or {}).get("values", [])
+    return [{"mark": mark["type"] if isinstance(mark, dict) else mark, "encoding": node.get("encoding", {}),
+             "rows": rows}]

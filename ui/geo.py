@@ -14,7 +14,6 @@ import os
 from typing import Any
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from planner.core.catalog import CATALOG
@@ -23,8 +22,8 @@ from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES
 from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
-from ui.common import (SIMULATED, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
-                       style_figure)
+from ui.charts import bar_chart, gantt_chart
+from ui.common import SIMULATED, fmt_percent, fmt_seconds, metric, number_field, page_header, show_errors, show_figure
 from planner.core.constants import GIB
 
 MIB = 2**20
@@ -177,52 +176,47 @@ def inputs(example: dict[str, Any], name: str) -> dict[str, Any] | None:
     return None
 
 
-def gantt(report: GeoReport) -> go.Figure:
-    """One simulated iteration: a row per GPU (pipeline, stage) of the first few pipelines."""
+def gantt(report: GeoReport):
+    """One simulated iteration: a row per GPU (pipeline, stage) of the first few pipelines, a bar per
+    operation from its start to its end, one colour per kind (training forward, backward, ..., prefill)."""
     d = min(report.plan.num_pipelines, MAX_GANTT_PIPELINES)
     stages = report.plan.stages
-    bars: dict[str, dict[str, list]] = {k: {"y": [], "base": [], "x": []} for k in COLORS}
 
     def row(r: int, j: int) -> str:
         return f"p{r} s{j} · {stages[j].dc} {stages[j].gpu_type}"
 
-    def add(kind: str, pipeline: int, stage: int, start_s: float, end_s: float) -> None:
-        if pipeline < d:
-            bars[kind]["y"].append(row(pipeline, stage))
-            bars[kind]["base"].append(start_s)
-            bars[kind]["x"].append(end_s - start_s)
-
-    for o in [*report.sim.ops, *report.sim.step_ops]:  # step_ops: the optimizer step after the collectives
-        add(o.kind, o.pipeline, o.stage, o.start_s, o.end_s)
-    for p in report.prefill.placements if report.prefill is not None else []:
-        add("P", p.pipeline, p.stage, p.start_s, p.end_s)
-    fig = go.Figure()
-    for kind, b in bars.items():
-        if b["x"]:
-            fig.add_trace(go.Bar(y=b["y"], x=b["x"], base=b["base"], orientation="h", name=NAMES[kind],
-                                 marker_color=COLORS[kind], hovertemplate="%{base:.3f} s + %{x:.3f} s"))
+    ops = [(o.kind, o.pipeline, o.stage, o.start_s, o.end_s)
+           for o in [*report.sim.ops, *report.sim.step_ops]]  # step_ops: the optimizer step after the collectives
+    ops += [("P", p.pipeline, p.stage, p.start_s, p.end_s)
+            for p in (report.prefill.placements if report.prefill is not None else [])]
+    rows = [{"row": row(pipeline, stage), "start": start, "end": end, "color": NAMES[kind]}
+            for kind, pipeline, stage, start, end in ops if pipeline < d]
     order = [row(r, j) for r in range(d) for j in range(len(stages))]
-    fig.update_yaxes(categoryorder="array", categoryarray=order[::-1])
-    fig.update_layout(barmode="overlay", bargap=0.15)
     shown = f"pipelines 0–{d - 1} of {report.plan.num_pipelines}" if d < report.plan.num_pipelines else "all pipelines"
-    return style_figure(fig, "time in the iteration (s, simulated)", "GPU (pipeline, stage)",
-                        title=f"One iteration, simulated ({shown})", height=max(320, 22 * len(order) + 120))
+    return gantt_chart(rows, "time in the iteration (s, simulated)", "GPU (pipeline, stage)",
+                       f"One iteration, simulated ({shown})", row_order=order,
+                       color_order=[NAMES[k] for k in COLORS], colors={NAMES[k]: c for k, c in COLORS.items()},
+                       height=max(320, 22 * len(order) + 120))
 
 
-def comparison_figures(report: GeoReport) -> tuple[go.Figure, go.Figure]:
+def comparison_figures(report: GeoReport):
+    """Iteration time and GPU utilization of the plan beside each baseline (simulated), each bar
+    labelled with its value; utilization also with prefill in the bubbles when a workload is given."""
     names = ["atlas (plan)"] + list(report.baselines)
     its = [report.sim.iteration_s] + [b.iteration_s for b in report.baselines.values()]
     utils = [report.sim.gpu_utilization()] + [b.gpu_utilization for b in report.baselines.values()]
     keep = [i for i, t in enumerate(its) if t is not None]
-    fig_t = go.Figure(go.Bar(x=[names[i] for i in keep], y=[its[i] for i in keep], marker_color="#1f77b4"))
-    style_figure(fig_t, "plan", "iteration time (s, simulated)", title="Iteration time, simulated (lower is better)")
     x = [names[i] for i in keep]
-    fig_u = go.Figure(go.Bar(x=x, y=[100 * utils[i] for i in keep], name="training only", marker_color="#1f77b4"))
+    it_name = "iteration (simulated)"
+    fig_t = bar_chart(x, {it_name: [its[i] for i in keep]}, "plan", "iteration time (s, simulated)",
+                      "Iteration time, simulated (lower is better)",
+                      labels={it_name: [fmt_seconds(its[i]) for i in keep]})
+    util = {"training only": [100 * utils[i] for i in keep]}
     if report.prefill is not None:
-        fig_u.add_trace(go.Bar(x=[names[0]], y=[100 * report.prefill.gpu_utilization_with_prefill()],
-                               name="with prefill (BubbleTea)", marker_color="#2ca02c"))
-    fig_u.update_layout(barmode="group")
-    style_figure(fig_u, "plan", "GPU utilization (%, simulated)", title="GPU utilization, simulated")
+        util["with prefill (BubbleTea)"] = [100 * report.prefill.gpu_utilization_with_prefill()] + [None] * (len(x) - 1)
+    fig_u = bar_chart(x, util, "plan", "GPU utilization (%, simulated)", "GPU utilization, simulated",
+                      labels={k: [fmt_percent(v) if v is not None else "" for v in vs] for k, vs in util.items()},
+                      colors={"training only": COLORS["F"], "with prefill (BubbleTea)": COLORS["P"]})
     return fig_t, fig_u
 
 

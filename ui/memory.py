@@ -14,8 +14,9 @@ import streamlit as st
 from planner.core.catalog import CATALOG
 from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
 from planner.core.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
+from ui.charts import RULE_COLOR, bar_chart
 from ui.common import (MEASURED, PREDICTED, fmt_bytes, fmt_percent, labelled, metric, number_field, page_header, show_errors,
-                       show_figure, style_figure)
+                       show_figure)
 from ui.state import get_model as get_session_model
 from ui.state import get_training_inputs, set_model, set_training_inputs
 from planner.core.constants import GIB
@@ -149,25 +150,22 @@ def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
 
 
 def breakdown_figure(b: MemoryBreakdown, capacity_bytes: int, gpu: str):
-    import plotly.graph_objects as go
-
+    """The predicted peak as one stacked bar of its components, beside the GPU's capacity (a
+    dashed rule)."""
     # A tiny model next to a big GPU would be an invisible sliver: switch to MiB and leave the
     # capacity line out (it is named in the title) when the peak is under 5 % of it.
     small = b.peak_bytes < 0.05 * capacity_bytes
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
-    fig = go.Figure()
-    x = [labelled("per-GPU peak", PREDICTED)]
-    for name in COMPONENTS:
-        fig.add_trace(go.Bar(x=x, y=[getattr(b, f"{name}_bytes") / scale], name=name,
-                             hovertemplate=f"{name}: %{{y:.3f}} {unit}<extra></extra>"))
     title = "Per-GPU memory at the step's peak (predicted)"
+    hlines = {}
     if small:
         title += f": {b.peak_bytes / capacity_bytes:.2%} of the {gpu}'s {fmt_bytes(capacity_bytes)}"
     else:
-        fig.add_hline(y=capacity_bytes / scale, line_dash="dash", line_color="crimson",
-                      annotation_text=f"{gpu} capacity", annotation_position="top left")
-    fig.update_layout(barmode="stack")
-    return style_figure(fig, "", f"memory ({unit})", title=title)
+        hlines = {f"{gpu} capacity": capacity_bytes / scale}
+    return bar_chart([labelled("per-GPU peak", PREDICTED)],
+                     {name: [getattr(b, f"{name}_bytes") / scale] for name in COMPONENTS},
+                     "", f"memory ({unit})", title, stacked=True, hlines=hlines,
+                     colors={f"{gpu} capacity": RULE_COLOR})
 
 
 def default_gpu_type() -> str:
@@ -236,9 +234,10 @@ def main() -> None:
         st.error(f"Does not fit on {gpu}: predicted peak {fmt_bytes(b.peak_bytes)} is {share:.1%} of "
                  f"{fmt_bytes(capacity)}. Try recomputation, a smaller micro-batch, bf16 or a larger world size.")
     show_figure(breakdown_figure(b, capacity, gpu), key="mem_chart")
-    st.dataframe([{"component": name, labelled("bytes", PREDICTED): getattr(b, f"{name}_bytes"),
-                   labelled("size", PREDICTED): fmt_bytes(getattr(b, f"{name}_bytes"))}
-                  for name in (*COMPONENTS, "peak")], hide_index=True)
+    # six fixed rows: a static table draws faster in a new tab than an interactive grid
+    st.table([{"component": name, labelled("bytes", PREDICTED): f"{getattr(b, f'{name}_bytes'):,}",
+               labelled("size", PREDICTED): fmt_bytes(getattr(b, f"{name}_bytes"))}
+              for name in (*COMPONENTS, "peak")], hide_index=True)
     if cfg.tp == 1 and cfg.pp == 1:
         st.caption(f"ZeRO {cfg.zero} is what the runtime runs: this figure is checked against traces of the same "
                    "step (tests/test_profiler_memory.py, within 3 %).")

@@ -22,9 +22,10 @@ from planner.core.specs import PRESETS
 from planner.core.specs import get_model as get_model_spec
 from planner.core.specs import with_max_seq
 from ui import background
+from ui.charts import bar_chart, capacity_chart
 from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
                        metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
-                       show_errors, show_figure, style_figure)
+                       show_errors, show_figure)
 from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
 from planner.core.constants import GIB
 
@@ -123,33 +124,26 @@ def device_rows(plan: Plan) -> list[dict]:
 
 
 def memory_figure(plan: Plan):
-    import plotly.graph_objects as go
-
+    """Each device's predicted peak as a bar, its capacity as a thick marker across the bar (a bar
+    over its capacity shows above it) and the planner's headroom as a thinner one."""
     devices = plan.cluster.devices()
     names = [f"{a.device_index} · {devices[a.device_index][1].label}" for a in plan.assignments]
     capacity = [devices[a.device_index][1].memory_bytes / GIB for a in plan.assignments]
     predicted = [a.predicted_memory_bytes / GIB for a in plan.assignments]
-    fig = go.Figure([
-        # capacity first and wide, the prediction narrower on top of it: both stay visible
-        go.Bar(x=names, y=capacity, name="capacity", opacity=0.3, width=0.8,
-               text=[fmt_bytes(c * GIB) for c in capacity], textposition="outside", textangle=0, cliponaxis=False),
-        go.Bar(x=names, y=predicted, name="predicted peak", width=0.45,
-               text=[fmt_bytes(a.predicted_memory_bytes) for a in plan.assignments], textposition="outside",
-               textangle=0, cliponaxis=False),
-        go.Scatter(x=names, y=[c * HEADROOM for c in capacity], mode="markers", name=f"capacity × {HEADROOM:g}",
-                   marker=dict(symbol="line-ew-open", size=28)),
-    ])
-    fig.update_layout(barmode="overlay", uniformtext=dict(mode="hide", minsize=9))
-    if max(predicted, default=0) < 0.02 * max(capacity, default=1):
-        # a tiny model next to a large capacity would be an invisible sliver on a linear axis;
-        # labels at powers of ten only (no labelled minor ticks)
-        fig.update_yaxes(type="log", dtick=1, minor=dict(showgrid=False, ticks=""))
-    return style_figure(fig, "device", "memory (GiB)", title="Memory per device: predicted vs capacity")
+    # a tiny model next to a large capacity would be an invisible sliver on a linear axis: a log
+    # axis, labelled at powers of ten only (no labelled minor ticks)
+    log_y = max(predicted, default=0) < 0.02 * max(capacity, default=1)
+    return capacity_chart(
+        names, predicted, capacity, "device", "memory (GiB)", "Memory per device: predicted vs capacity",
+        value_name="predicted peak", capacity_name="capacity",
+        value_labels=[fmt_bytes(a.predicted_memory_bytes) for a in plan.assignments],
+        capacity_labels=[fmt_bytes(c * GIB) for c in capacity],
+        marks={f"capacity × {HEADROOM:g}": [c * HEADROOM for c in capacity]}, log_y=log_y)
 
 
 def throughput_figure(plan: Plan):
-    import plotly.graph_objects as go
-
+    """The plan's predicted samples/s beside each baseline's, each bar labelled with its value
+    (a baseline that does not fit: no bar, "out of memory")."""
     names, rates, text = ["GPUMix plan"], [plan.predicted_samples_per_s], [fmt_rate(plan.predicted_samples_per_s)]
     for name, b in plan.baselines.items():
         names.append(name.replace("_", " "))
@@ -160,9 +154,8 @@ def throughput_figure(plan: Plan):
             rate = plan.global_batch / b.predicted_iteration_s
             rates.append(rate)
             text.append(fmt_rate(rate))
-    fig = go.Figure(go.Bar(x=names, y=rates, text=text, textposition="outside", textangle=0, cliponaxis=False))
-    fig.update_yaxes(range=[0, 1.15 * max(rates, default=1) or 1])  # room for the labels over the bars
-    return style_figure(fig, "plan", "throughput (samples/s, predicted)", title="Predicted samples/s vs baselines")
+    return bar_chart(names, {labelled("throughput", PREDICTED): rates}, "plan", "throughput (samples/s, predicted)",
+                     "Predicted samples/s vs baselines", labels={labelled("throughput", PREDICTED): text})
 
 
 def same_as_baselines(plan: Plan) -> bool:

@@ -15,8 +15,8 @@ from executor.queue import JobQueue
 from planner.core.specs import PRESETS
 from planner.schedule.trace import DEMO_CLUSTERS
 from ui import background
-from ui.common import (MEASURED, PREDICTED, fmt_percent, metric, number_field, page_header, show_errors, show_figure,
-                       style_figure)
+from ui.charts import gantt_chart
+from ui.common import MEASURED, PREDICTED, fmt_percent, metric, number_field, page_header, show_errors, show_figure
 from ui.compute import BASELINES, HOUR_S, POLICIES, simulate_policies
 from ui.state import default_local_cluster
 
@@ -26,21 +26,10 @@ SIM_JOB = "schedule-simulation"  # this page's background job (ui/background.py)
 
 
 def gantt(rows: list[dict], title: str, x_title: str):
-    """Horizontal bars, one per (device, job) from rows of {device, job, start, end}; one colour per job."""
-    import plotly.graph_objects as go
-    from plotly.colors import qualitative
-
-    palette = qualitative.Plotly
-    index = {job: k for k, job in enumerate(dict.fromkeys(r["job"] for r in rows))}
-    fig = go.Figure(go.Bar(
-        y=[r["device"] for r in rows], x=[r["end"] - r["start"] for r in rows], base=[r["start"] for r in rows],
-        orientation="h", customdata=[r["job"] for r in rows], showlegend=False,
-        marker_color=[palette[index[r["job"]] % len(palette)] for r in rows],
-        hovertemplate="job %{customdata}<br>start %{base:.4g}, length %{x:.4g}<extra></extra>"))
-    fig.update_layout(hovermode="closest")
-    fig.update_yaxes(type="category", autorange="reversed")
-    num_devices = len({r["device"] for r in rows})
-    return style_figure(fig, x_title, "device", title=title, height=min(900, max(260, 16 * num_devices)))
+    """Horizontal bars, one per (device, job) from rows of {device, job, start, end}; one colour per
+    job (cycling through the palette: a trace has hundreds of jobs, so no legend; the tooltip names it)."""
+    return gantt_chart([{"row": str(r["device"]), "start": r["start"], "end": r["end"], "color": str(r["job"])}
+                        for r in rows], x_title, "device", title, legend=False, color_title="job")
 
 
 @st.cache_resource(show_spinner=False)
