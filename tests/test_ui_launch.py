@@ -49,7 +49,7 @@ def test_with_a_plan_the_widgets_are_there_and_a_finished_run_is_shown(data_dir)
     assert at.button(key="stop_button").disabled  # nothing to stop
     assert at.session_state["run_dir"] == done
     assert any("emulated" in c.value for c in at.caption)  # the slowdown-3 device is marked
-    assert len(at.get("plotly_chart")) == 4
+    assert len(at.get("vega_lite_chart")) == 4 and not at.get("plotly_chart")
     assert not at.error
 
 
@@ -155,10 +155,35 @@ def test_gap_reasons_name_an_unprofiled_device_and_emulation(data_dir):
     from ui.launch import gap_reasons
 
     m = {"model": "tiny", "seq": 128, "dtype": "fp32",
-         "ranks": [{"type": "cpu", "slowdown": 1.0}, {"type": "cpu", "slowdown": 3.0}]}
+         "ranks": [{"rank": 0, "type": "cpu", "slowdown": 1.0, "micro_batch": 2},
+                   {"rank": 1, "type": "cpu", "slowdown": 3.0, "micro_batch": 2}]}
     reasons = gap_reasons(m)
     assert any("no measured profile of tiny at seq 128 on cpu" in r for r in reasons), reasons
     assert any("emulated slowdowns" in r for r in reasons), reasons
+    assert any("collectives between this machine's CPU workers were not measured" in r for r in reasons), reasons
+
+
+def test_gap_reasons_read_the_kinds_from_the_run_plan_and_name_an_extrapolated_micro_batch(data_dir):
+    """A run on CPU quotas is priced by its cpu@share profiles (the store's type says only "cpu"):
+    measured ones are not called estimates; a micro-batch under the sizes they timed is named."""
+    from planner.core.profiles import StepProfile, save_step_profile
+    from ui.launch import gap_reasons
+
+    run_dir = os.path.join(data_dir, "runs", "mixed")
+    os.makedirs(run_dir)
+    plan = mixed_plan()
+    plan.save(os.path.join(run_dir, "plan.json"))
+    kinds = sorted({d.profile_key for _, d in plan.cluster.devices()})
+    for kind in kinds:
+        save_step_profile(StepProfile(kind, "tiny", 64, "fp32", "none", 0.001, 0.004, 1e-9, 0.99, True, "test", 1e6,
+                                      micro_batches=(4, 8, 16, 32)))
+    m = {"model": "tiny", "seq": 64, "dtype": "fp32", "run_dir": run_dir,
+         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": mb} for i, mb in enumerate((8, 2))]}
+    reasons = gap_reasons(m)
+    assert not any("no measured profile" in r for r in reasons), reasons
+    assert [r for r in reasons if "micro-batch" in r] == [
+        "rank 1's micro-batch of 2 is outside the sizes its profile timed (4–32): the profile's line is "
+        "extrapolated there (small micro-batches pay a per-call overhead the line does not hold)"]
 
 
 def test_rolling_median_and_percent_are_what_a_person_reads():
@@ -168,3 +193,117 @@ def test_rolling_median_and_percent_are_what_a_person_reads():
     assert fmt_percent(-0.001, 2, signed=True) == "0.00 %" and fmt_percent(-1.234, 1, signed=True) == "-1.2 %"
     assert [fmt_cell(None), fmt_cell(True), fmt_cell(float("nan")), fmt_cell(3, lambda x: f"{x} s")] == [
         "—", "yes", "—", "3 s"]
+
+
+# ---- the charts (Vega-Lite specs) ----------------------------------------------------------
+
+
+def test_the_charts_draw_the_stored_figures():
+    """Each chart's Vega-Lite spec holds the run's own numbers, with unit axis titles."""
+    from ui.charts import spec_layers
+    from ui.common import rolling_median
+    from ui.launch import SMOOTH_STEPS, loss_figure, memory_figure, throughput_figure, wait_figure
+
+    m = read_metrics(fabricate_run("run-charts", 15, "done"))
+    rates = [s["samples_per_s"] for s in m["steps"]]
+    marks = {layer["mark"]: layer for layer in spec_layers(throughput_figure(m))}
+    assert [r["y"] for r in marks["point"]["rows"]] == pytest.approx(rates)
+    assert {r["series"] for r in marks["line"]["rows"]} == {f"median of {SMOOTH_STEPS}"}
+    assert [r["y"] for r in marks["line"]["rows"]] == pytest.approx(rolling_median(rates, SMOOTH_STEPS))
+    assert marks["rule"]["rows"] == [{"series": "predicted", "y": pytest.approx(m["predicted_samples_per_s"])}]
+    assert marks["point"]["encoding"]["y"]["axis"]["title"] == "throughput (samples/s)"
+
+    (loss,) = spec_layers(loss_figure(m))
+    assert [r["y"] for r in loss["rows"]] == pytest.approx([s["loss"] for s in m["steps"]])
+    assert loss["encoding"]["y"]["axis"]["title"] == "loss (nats/token)"
+
+    bars = [layer for layer in spec_layers(memory_figure(m)) if layer["mark"] == "bar"][0]
+    peaks = {(r["x"], r["series"]): r["y"] for r in bars["rows"]}
+    for rank in m["ranks"]:
+        name = f"rank {rank['rank']}"
+        assert peaks[(name, "peak (measured)")] == pytest.approx(rank["peak_memory_bytes"] / 2**20)
+        assert peaks[(name, "predicted")] == pytest.approx(rank["predicted_memory_bytes"] / 2**20)
+    texts = [layer for layer in spec_layers(memory_figure(m)) if layer["mark"] == "text"][0]
+    assert {r["label"] for r in texts["rows"]} >= {"4.8", "9.5"}  # MiB over the bars: 5,000,000 B and 10**7 B
+
+    waits = spec_layers(wait_figure(m))[0]
+    assert {r["series"] for r in waits["rows"]} == {"rank 0", "rank 1"}
+    assert wait_figure(m).to_dict()["title"]["text"] == "Per-rank wait in collectives (measured)"
+
+
+def test_the_page_does_not_import_plotly():
+    with open(PAGE, encoding="utf-8") as fh:
+        assert "plotly" not in fh.read()
+
+
+# ---- against the even split ---------------------------------------------------------------
+
+
+def mixed_plan():
+    from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+    from planner.hetero.solve import solve_plan
+
+    fast, slow = DeviceSpec("cpu", cpu_share=1.0), DeviceSpec("cpu", cpu_share=0.333, memory_gb=2.0)
+    return solve_plan(ClusterSpec("mixed", (NodeSpec("localhost", "local", (fast, slow)),)), "tiny", 48, seq=64).plan
+
+
+def store_run(run_dir: str, plan, step_s: list[float], status: str | None = "done") -> str:
+    """A run of `plan` as the executor writes it, with these step times (through MetricsStore)."""
+    from executor.store import MetricsStore
+
+    os.makedirs(run_dir)
+    plan.save(os.path.join(run_dir, "plan.json"))
+    store = MetricsStore(run_dir)
+    try:
+        store.init_run(plan, steps_target=len(step_s), seed=0, backend="gloo")
+        for step, t in enumerate(step_s, start=1):
+            for rank in range(len(plan.used)):
+                store.record_rank_step(rank, step, t, 0.0, 0.01, 0.0, 1_000_000)
+            store.record_step(step, 5.0 - 0.01 * step, t, plan.global_batch, plan.seq)
+        if status is not None:
+            store.finish(status)
+    finally:
+        store.close()
+    return run_dir
+
+
+def test_a_planned_run_and_its_even_split_are_compared_measured(data_dir):
+    from executor.compare import even_plan
+
+    plan = mixed_plan()
+    planned = store_run(os.path.join(data_dir, "runs", "run-planned"), plan, [3.0, 1.0] + [0.2] * 6 + [0.21] * 4)
+    at = run_page(plan, planned)
+    assert at.button(key="launch_measure_even").label == "Measure the even split"
+    assert not at.button(key="launch_measure_even").disabled
+    assert at.number_input(key="launch_even_steps").value >= 20
+    assert not [m for m in at.metric if "even split" in m.label]  # nothing measured yet
+
+    store_run(planned + "-even", even_plan(plan), [3.0, 1.0] + [0.5] * 10)
+    at = run_page(plan, planned)
+    assert not at.exception, at.exception
+    values = {m.label.split(" :")[0]: m.value for m in at.metric}
+    assert values["Step, planned split (median)"] == "200.0 ms"  # median of steps 3..: 6 x 0.2, 4 x 0.21
+    assert values["Step, even split (median)"] == "500.0 ms"
+    assert values["Speedup over the even split"] == "2.50×"
+    line = next(m.value for m in at.markdown if "Median step over steps 3.." in m.value)
+    assert "planned split 200.0 ms (10 steps), even split 500.0 ms (10 steps)" in line and "2.50× as fast" in line
+    assert at.button(key="launch_measure_even").label == "Measure the even split again"
+    # the even run watched: the same comparison, from its side
+    at = run_page(plan, planned + "-even")
+    assert {m.value for m in at.metric} >= {"2.50×"}
+
+
+def test_measuring_the_even_split_waits_for_the_machine(data_dir):
+    plan = mixed_plan()
+    planned = store_run(os.path.join(data_dir, "runs", "run-planned"), plan, [0.2] * 12)
+    fabricate_run("run-live", 4, None)  # another run is live
+    at = run_page(plan, planned)
+    assert at.button(key="launch_measure_even").disabled
+    assert any("disabled while run `run-live` is live" in c.value for c in at.caption)
+
+
+def test_a_homogeneous_plan_has_nothing_to_compare(data_dir):
+    done = fabricate_run("run-done", 12, "done")  # two alike CPU workers
+    at = run_page(two_cpu_plan(), done)
+    assert not [b for b in at.button if b.key == "launch_measure_even"]
+    assert any("an even split is already what was planned" in c.value for c in at.caption)

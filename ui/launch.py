@@ -31,6 +31,8 @@ SMOOTH_STEPS = 11  # the throughput chart's rolling median window (steps)
 MIN_STEPS_FOR_GAP = 10  # measured against predicted only once the median means something
 GAP_TOLERANCE_PERCENT = 15.0  # within this, the prediction holds (issue 16's bar)
 BACKENDS = ("local", "slurm")  # executor launch --backend
+COMPARE_WATCH_S = 30.0  # the even-split run's default length, at most, at its predicted step
+MIN_COMPARE_STEPS = 20  # and at least this many steps
 
 
 def _store():
@@ -204,51 +206,98 @@ def per_rank_series(m: dict[str, Any], column: str) -> dict[str, tuple[list[floa
 
 
 def memory_figure(m: dict[str, Any]) -> Any:
-    import plotly.graph_objects as go
+    """Per rank: the measured peak beside the plan's prediction, each labelled in MiB."""
+    from ui.charts import bar_chart
 
     names = [f"rank {r['rank']}" + (" (emulated)" if r["emulated"] else "") for r in m["ranks"]]
-    fig = go.Figure()
+    series, labels = {}, {}
     for name, key in (("peak (measured)", "peak_memory_bytes"), ("predicted", "predicted_memory_bytes")):
-        ys = [(r[key] or 0) / MIB for r in m["ranks"]]
-        fig.add_trace(go.Bar(name=name, x=names, y=ys, text=[_mib(r[key]) for r in m["ranks"]],
-                             textposition="outside", textangle=0, cliponaxis=False))
-    fig.update_layout(barmode="group")
-    return common.style_figure(fig, "rank", "memory (MiB)", title="Per-rank memory")
+        series[name] = [None if r[key] is None else r[key] / MIB for r in m["ranks"]]
+        labels[name] = [_mib(r[key]) for r in m["ranks"]]
+    return bar_chart(names, series, "rank", "memory (MiB)", "Per-rank memory", labels=labels)
 
 
 def throughput_figure(m: dict[str, Any]) -> Any:
     """Measured samples/s per step as points, their rolling median as the line to read, and the
-    plan's prediction."""
-    import plotly.graph_objects as go
+    plan's prediction as a dashed rule."""
+    from ui.charts import line_chart
 
     steps = m["steps"]
-    xs, ys = [s["step"] for s in steps], [s["samples_per_s"] for s in steps]
-    fig = go.Figure([
-        go.Scatter(x=xs, y=ys, mode="markers", name="each step", marker=dict(size=4, opacity=0.45)),
-        go.Scatter(x=xs, y=common.rolling_median(ys, SMOOTH_STEPS), mode="lines",
-                   name=f"median of {SMOOTH_STEPS}", line=dict(width=3)),
-    ])
-    if m.get("predicted_samples_per_s") and steps:
-        fig.add_trace(go.Scatter(x=[xs[0], xs[-1]], y=[m["predicted_samples_per_s"]] * 2, mode="lines",
-                                 name="predicted", line=dict(dash="dash")))
-    return common.style_figure(fig, "step", "throughput (samples/s)", title="Throughput (measured, predicted)")
+    series = {"each step (measured)": ([s["step"] for s in steps], [s["samples_per_s"] for s in steps])}
+    pred = m.get("predicted_samples_per_s")
+    return line_chart(series, "step", "throughput (samples/s)", "Throughput (measured, predicted)",
+                      smooth=SMOOTH_STEPS, hlines={"predicted": pred} if pred and steps else None)
+
+
+def loss_figure(m: dict[str, Any]) -> Any:
+    from ui.charts import line_chart
+
+    steps = m["steps"]
+    loss = {"training": ([s["step"] for s in steps], [s["loss"] for s in steps])}
+    val = [(s["step"], s["val_loss"]) for s in steps if s["val_loss"] is not None]
+    if val:
+        loss["validation"] = ([v[0] for v in val], [v[1] for v in val])
+    return line_chart(loss, "step", "loss (nats/token)", "Loss (measured)")
+
+
+def wait_figure(m: dict[str, Any]) -> Any:
+    from ui.charts import line_chart
+
+    return line_chart(per_rank_series(m, "wait_s"), "step", "wait time (s)",
+                      "Per-rank wait in collectives (measured)")
+
+
+def run_plan(m: dict[str, Any]) -> Plan | None:
+    """The plan a run executed (its folder's plan.json), None where there is none to read."""
+    path = os.path.join(m.get("run_dir") or "", "plan.json")
+    try:
+        return Plan.load(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _rank_kinds(m: dict[str, Any]) -> dict[int, str]:
+    """rank -> the profile kind its device is priced by (type, or type@share for a CPU quota):
+    from the run's plan, else the type the store recorded."""
+    kinds = {r["rank"]: r["type"] for r in m["ranks"]}
+    plan = run_plan(m)
+    if plan is not None:
+        devices = plan.cluster.devices()
+        for rank, a in enumerate(plan.used):
+            if rank in kinds and a.device_index < len(devices):
+                kinds[rank] = devices[a.device_index][1].profile_key
+    return kinds
 
 
 def gap_reasons(m: dict[str, Any]) -> list[str]:
     """Why a run's measured step may differ from its prediction, from what this page can check:
-    device types planned on estimated (not measured) figures, emulation by sleeping, and the
+    device kinds planned on estimated (not measured) figures, micro-batches outside the sizes a
+    profile timed, collectives priced from the cluster file, emulation by sleeping, and the
     machine's load (CPU profiles time one dedicated core per rank)."""
     reasons = []
-    from planner.core.profiles import get_step_profile
-    from planner.core.specs import get_model
+    from planner.core.profiles import get_collective_profile, get_step_profile
+    from planner.core.specs import get_model, with_max_seq
 
-    types = sorted({r["type"] for r in m["ranks"]})
+    kinds = _rank_kinds(m)
     with contextlib.suppress(ValueError, OSError, TypeError):  # TypeError: a run that recorded no seq
-        spec = get_model(m["model"])
-        unmeasured = [t for t in types if not get_step_profile(t, spec, m["seq"], m["dtype"]).measured]
+        spec = with_max_seq(get_model(m["model"]), m["seq"])
+        profiles = {k: get_step_profile(k, spec, m["seq"], m["dtype"]) for k in sorted(set(kinds.values()))}
+        unmeasured = [k for k, p in profiles.items() if not p.measured]
         if unmeasured:
             reasons.append(f"no measured profile of {m['model']} at seq {m['seq']} on {', '.join(unmeasured)}: "
                            "the plan's step times are estimates (profile it on **Inventory**, then plan again)")
+        for r in m["ranks"]:
+            p = profiles.get(kinds.get(r["rank"]))
+            if p is not None and p.measured and p.micro_batches and r.get("micro_batch"):
+                lo, hi = min(p.micro_batches), max(p.micro_batches)
+                if not lo <= r["micro_batch"] <= hi:
+                    reasons.append(f"rank {r['rank']}'s micro-batch of {r['micro_batch']} is outside the sizes its "
+                                   f"profile timed ({lo}–{hi}): the profile's line is extrapolated there (small "
+                                   "micro-batches pay a per-call overhead the line does not hold)")
+    cpu_ranks = [r for r in m["ranks"] if r["type"] == "cpu"]
+    if len(cpu_ranks) > 1 and len(cpu_ranks) == len(m["ranks"]) and get_collective_profile("cpu") is None:
+        reasons.append("the collectives between this machine's CPU workers were not measured (`python -m profiler "
+                       "bench`): the plan priced them from the cluster file's intra-node bandwidth")
     if any(r["slowdown"] and r["slowdown"] != 1.0 for r in m["ranks"]):
         reasons.append("emulated slowdowns sleep after each step: the sleep is exact, the compute beside it is not")
     with contextlib.suppress(OSError):
@@ -259,22 +308,181 @@ def gap_reasons(m: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def render_gap(m: dict[str, Any]) -> None:
+def measured_step(m: dict[str, Any]) -> float | None:
+    """The run's measured median step: over steps 3.. (executor.compare) once there are enough of
+    them, before that over what the store has (steps 2..)."""
+    from executor.compare import step_median
+
+    return step_median(m) or m.get("median_step_s")
+
+
+def gap_text(measured_s: float, predicted_s: float) -> tuple[str, bool]:
+    """"Measured ... against ... predicted: by how much" and whether it is within the tolerance."""
+    from executor.compare import prediction_gap
+
+    gap = 100.0 * prediction_gap(measured_s, predicted_s)
+    by = f"{measured_s / predicted_s:.1f}× the prediction" if measured_s >= 2 * predicted_s else (
+        f"{common.fmt_percent(gap, signed=True)}, {'slower' if gap > 0 else 'faster'} than predicted")
+    line = (f"measured median step {common.fmt_seconds(measured_s)} against {common.fmt_seconds(predicted_s)} "
+            f"predicted: {by}")
+    return line, abs(gap) <= GAP_TOLERANCE_PERCENT
+
+
+def render_gap(m: dict[str, Any], prefix: str = "") -> None:
     """Measured against predicted step time: by how much, and the likely reasons when they differ."""
-    med, pred = m.get("median_step_s"), m.get("predicted_iteration_s")
+    med, pred = measured_step(m), m.get("predicted_iteration_s")
     if not med or not pred or len(m["steps"]) < MIN_STEPS_FOR_GAP:
         return
-    gap = 100.0 * (med - pred) / pred
-    by = f"{med / pred:.1f}× the prediction" if med >= 2 * pred else (
-        f"{common.fmt_percent(abs(gap))} {'slower' if gap > 0 else 'faster'} than predicted")
-    line = f"Measured median step {common.fmt_seconds(med)} against {common.fmt_seconds(pred)} predicted: {by}"
-    if abs(gap) <= GAP_TOLERANCE_PERCENT:
+    line, within = gap_text(med, pred)
+    line = (prefix + line) if prefix else line[0].upper() + line[1:]
+    if within:
         st.caption(f":material/check_circle: {line} (within {GAP_TOLERANCE_PERCENT:g} %).")
         return
     reasons = gap_reasons(m)
     st.warning(line + (". Likely: " + "; ".join(reasons) + "." if reasons else
-                       ". None of the usual causes (unprofiled device, emulation, load) applies here."),
-               icon=":material/difference:")
+                       ". None of the usual causes (unprofiled device, micro-batch, collectives, emulation, load) "
+                       "applies here."), icon=":material/difference:")
+
+
+# ---- against the even split -----------------------------------------------------------------
+
+
+def even_default_steps(even: Plan, planned_steps: int) -> int:
+    """The even run's default length: as many steps as the planned run recorded, at most about
+    COMPARE_WATCH_S at the even plan's predicted step, at least MIN_COMPARE_STEPS (a median over
+    steps 3.. of enough of them to compare)."""
+    watch = int(COMPARE_WATCH_S / even.predicted_iteration_s) if even.predicted_iteration_s > 0 else planned_steps
+    return max(MIN_COMPARE_STEPS, min(planned_steps, watch, MAX_STEPS))
+
+
+def render_even_run(even_m: dict[str, Any] | None, even_dir: str) -> None:
+    """Where the latest even-split run stands, while it is not a finished measurement."""
+    name = os.path.basename(even_dir)
+    if even_m is None:
+        st.caption(f"Even split: run `{name}` is starting…")
+        return
+    steps, target = even_m["steps"], even_m.get("steps_target") or 0
+    if even_m["status"] == "running":
+        done = steps[-1]["step"] if steps else 0
+        st.progress(min(1.0, done / target) if target else 0.0, text=f"Even split, run {name}: step {done} of {target}")
+    elif even_m["status"] == "failed":
+        st.error(f"The even-split run {name} failed: {even_m.get('reason') or 'no reason recorded'}",
+                 icon=":material/error:")
+    elif even_m["status"] == "stopped":
+        st.warning(f"The even-split run {name} was stopped: {even_m.get('reason') or 'on request'}",
+                   icon=":material/stop_circle:")
+
+
+def render_comparison(planned_m: dict[str, Any], even_m: dict[str, Any]) -> None:
+    """Both runs measured: their median step times, the speedup, and each against its prediction."""
+    from executor.compare import SKIP_STEPS, compare_runs
+
+    try:
+        c = compare_runs(planned_m, even_m)
+    except ValueError as e:
+        st.caption(common.error_message(e))
+        return
+    c1, c2, c3 = st.columns(3)
+    with c1:
+        common.metric("Step, planned split (median)", common.fmt_seconds(c.planned_step_s), common.MEASURED)
+    with c2:
+        common.metric("Step, even split (median)", common.fmt_seconds(c.even_step_s), common.MEASURED)
+    with c3:
+        common.metric("Speedup over the even split", f"{c.speedup:.2f}×", common.MEASURED,
+                      help="even split's median step / planned split's (the same global batch: samples/s ratio)")
+    faster = "faster" if c.speedup >= 1 else "slower"
+    with st.container(key="launch_compare_figures"):
+        st.markdown(f"{common.source_badge(common.MEASURED)} Median step over steps {SKIP_STEPS + 1}..: planned split "
+                    f"{common.fmt_seconds(c.planned_step_s)} ({c.planned_steps} steps), even split "
+                    f"{common.fmt_seconds(c.even_step_s)} ({c.even_steps} steps): the planned split is "
+                    f"{c.speedup:.2f}× as fast ({faster}).")
+        render_gap(planned_m, prefix="Planned split: ")
+        if c.even_predicted_s:
+            line, _ = gap_text(c.even_step_s, c.even_predicted_s)
+            st.caption(f"Even split: {line}.")
+
+
+def measure_even_button(even: Plan, planned_dir: str, planned_m: dict[str, Any], again: bool) -> None:
+    """Launch the even split for a short run, as a normal run beside the planned one (named after
+    it: executor.compare.next_even_run_dir), on the default corpus and a random initialisation
+    (the step's work is the model's, batch's and split's, not the data's); disabled while any
+    run is live (the measurement needs the machine to itself, and the devices)."""
+    from executor.compare import MIN_COMPARED_STEPS, SKIP_STEPS, next_even_run_dir
+
+    planned_steps = len(planned_m["steps"])
+    busy = state.find_live_run()
+    held = [] if busy else state.devices_in_use(even)
+    steps = common.number_field("Even-split steps", unit="steps", min_value=SKIP_STEPS + MIN_COMPARED_STEPS,
+                                max_value=MAX_STEPS, value=even_default_steps(even, max(planned_steps, 1)), step=10,
+                                key="launch_even_steps",
+                                help=f"a short run; its median over steps {SKIP_STEPS + 1}.. is compared")
+    if busy:
+        st.caption(f"Measure the even split: disabled while run `{os.path.basename(busy)}` is live.")
+    for line in held:
+        st.caption(f"Measure the even split: disabled, {line}.")
+    label = "Measure the even split again" if again else "Measure the even split"
+    if steps is not None and st.button(label, key="launch_measure_even", icon=":material/balance:",
+                                       disabled=bool(busy or held), help=(
+                                           "launch the even split of the same devices, model, batch and ZeRO stage "
+                                           "for a short run (a normal run, in the run history) and compare")):
+        from executor.launch import start_run
+
+        with common.show_errors("Cannot launch the even split"), st.spinner("Starting the even split…"):
+            handle = start_run(even, int(steps), run_dir=next_even_run_dir(planned_dir))
+            st.toast(f"Launched {os.path.basename(handle.run_dir)} (even split)", icon=":material/balance:")
+            st.rerun()  # the whole page: the monitor refreshes while the even run goes
+
+
+def render_compare(run_dir: str, m: dict[str, Any]) -> None:
+    """The watched run against the even split of its devices: measured, not predicted. For an
+    even-split run, the planned run it measured against."""
+    from executor.compare import already_even, even_plan, even_run_dirs, planned_run_of
+
+    planned_dir = planned_run_of(run_dir) or run_dir
+    try:
+        planned_m = m if planned_dir == run_dir else _store().read_metrics(planned_dir)
+    except ValueError:
+        return  # an even-split run whose planned run is gone from the history
+    plan = run_plan(planned_m)
+    if plan is None or len(plan.used) < 2:
+        return
+    st.markdown("**Against the even split** (measured)")
+    with common.show_errors("No even split to compare"):
+        even = even_plan(plan)
+        if len({d.profile_key for _, d in plan.cluster.devices()}) == 1:
+            st.caption("The devices are alike: an even split is already what was planned, so there is nothing to "
+                       "compare.")
+            return
+        if already_even(plan, even):
+            st.caption("The plan already splits the batch and the state evenly: nothing to compare.")
+            return
+        evens = even_run_dirs(planned_dir)
+        even_m = None
+        if evens:
+            with contextlib.suppress(ValueError):  # the launcher has not written its store yet
+                even_m = _store().read_metrics(evens[-1])
+            if even_m is not None and even_m["status"] == "done":
+                render_comparison(planned_m, even_m)
+            else:
+                render_even_run(even_m, evens[-1])
+        if planned_m["status"] == "running":
+            st.caption("Measure the even split once this run has ended.")
+            return
+        measure_even_button(even, planned_dir, planned_m, again=bool(evens))
+
+
+def run_is_live(run_dir: str) -> bool:
+    """The run, or its latest even-split run, is running (or starting): the monitor refreshes."""
+    from executor.compare import even_run_dirs, planned_run_of
+
+    planned = planned_run_of(run_dir) or run_dir
+    for d in [planned, *even_run_dirs(planned)[-1:]]:
+        try:
+            if _store().read_metrics(d)["status"] == "running":
+                return True
+        except ValueError:
+            return True  # the launcher has not written the store yet
+    return False
 
 
 def validation_note(m: dict[str, Any]) -> str | None:
@@ -320,29 +528,23 @@ def render_numbers(m: dict[str, Any]) -> None:
         common.metric("Loss", f"{steps[-1]['loss']:.4f}" if steps else "—", common.MEASURED,
                       help="training loss of the last step, nats/token")
     with c2:
-        common.metric("Step time (median)", common.fmt_seconds(m.get("median_step_s")), common.MEASURED)
+        common.metric("Step time (median)", common.fmt_seconds(measured_step(m)), common.MEASURED,
+                      help="median over steps 3.. (steps 1 and 2 warm up)")
     with c3:
         common.metric("Step time", common.fmt_seconds(m.get("predicted_iteration_s")), common.PREDICTED,
                       help="the plan's predicted iteration time")
     with c4:
-        med = m.get("median_step_s")
+        med = measured_step(m)
         common.metric("Samples/s (median)", f"{m['global_batch'] / med:,.1f}" if med else "—", common.MEASURED,
                       help=f"global batch {m['global_batch']} / median step time")
 
 
 def render_charts(m: dict[str, Any]) -> None:
-    steps = m["steps"]
-    if not steps:
+    if not m["steps"]:
         return
-    xs = [s["step"] for s in steps]
-    loss = {"training": (xs, [s["loss"] for s in steps])}
-    val = [(s["step"], s["val_loss"]) for s in steps if s["val_loss"] is not None]
-    if val:
-        loss["validation"] = ([v[0] for v in val], [v[1] for v in val])
     c1, c2 = st.columns(2)
     with c1:
-        common.show_figure(common.line_figure(loss, "step", "loss (nats/token)", title="Loss (measured)"),
-                           key="launch_loss_chart")
+        common.show_figure(loss_figure(m), key="launch_loss_chart")
         note = validation_note(m)
         if note:
             st.caption(note)
@@ -352,19 +554,14 @@ def render_charts(m: dict[str, Any]) -> None:
     with c3:
         common.show_figure(memory_figure(m), key="launch_memory_chart")
     with c4:
-        fig = common.line_figure(per_rank_series(m, "wait_s"), "step", "wait time (s)",
-                                 title="Per-rank wait in collectives (measured)")
-        common.show_figure(fig, key="launch_wait_chart")
+        common.show_figure(wait_figure(m), key="launch_wait_chart")
     st.caption(f"Per rank: {common.source_badge(common.MEASURED)} beside the plan's "
                f"{common.source_badge(common.PREDICTED)} figures")
     st.dataframe(ranks_frame(m), hide_index=True, key="launch_ranks_table")
 
 
 def render_monitor(run_dir: str) -> None:
-    try:
-        live = _store().read_metrics(run_dir)["status"] == "running"
-    except ValueError:
-        live = True  # the launcher has not written the store yet
+    live = run_is_live(run_dir)
 
     @st.fragment(run_every=LIVE_REFRESH_S if live else None)
     def panel() -> None:
@@ -386,6 +583,7 @@ def render_monitor(run_dir: str) -> None:
         render_status(m)
         render_numbers(m)
         render_gap(m)
+        render_compare(run_dir, m)
         render_charts(m)
 
     panel()
