@@ -60,6 +60,9 @@ def test_add_nodes_from_the_catalog_and_an_emulated_cpu():
     assert not at.exception and not at.error
     c = at.session_state["cluster"]
     assert [(g.node, g.datacenter, g.device.type, g.count) for g in c.groups()][-1] == ("gpu-box", "dc-b", "H200", 4)
+    last = at.table[-1].value.iloc[-1]  # the cluster table: a few rows, static
+    assert (last["node"], last["device"], int(last["count"]), last["memory per device"]) == (
+        "gpu-box", "H200", 4, f"{141e9 / 2**30:.1f} GiB")  # the H200's datasheet 141 GB
     at.text_input(key="inv_node_name").set_value("localhost")
     at.text_input(key="inv_node_dc").set_value("local")
     at.selectbox(key="inv_gpu_type").set_value("cpu")
@@ -143,4 +146,4 @@ def test_one_click_emulated_mixed_cluster_is_kernel_limited_and_labelled():
     c = at.session_state["cluster"]
     assert [(d.type, d.cpu_share, d.memory_gb) for _, d in c.devices()] == [("cpu", 1.0, None), ("cpu", 0.333, 2.0)]
     assert c.emulated and any("emulated" in t for t in _texts(at.caption))
-    assert list(at.dataframe[-1].value["emulated"]) == ["emulated", "emulated"]
+    assert list(at.table[-1].value["emulated"]) == ["emulated", "emulated"]  # the cluster table, static (2 rows)

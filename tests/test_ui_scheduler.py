@@ -39,7 +39,7 @@ def test_submit_and_a_scheduler_pass_that_fails_an_unfittable_job():
     at.button(key="sched_tick").click().run()
     assert not at.exception
     assert JobQueue().get(job.id).state == "failed"
-    assert any("fit" in str(row) for row in at.dataframe[0].value.to_dict("records"))
+    assert any("fit" in str(row) for row in at.table[0].value.to_dict("records"))  # the queue: one job, static
 
 
 def test_bad_submission_shows_an_error_not_a_traceback(monkeypatch):

@@ -261,6 +261,22 @@ def ranks_table(ranks: list[dict[str, Any]]) -> Any:
     return pd.DataFrame(rows)
 
 
+# ---- tables ------------------------------------------------------------------------------
+
+SMALL_TABLE_ROWS = 12  # up to this many rows a table is static (st.table), past it interactive
+
+
+def show_table(rows: Any, key: str | None = None, *, max_static_rows: int = SMALL_TABLE_ROWS) -> None:
+    """A table of a few rows as a static `st.table` (no index): it draws in a new browser tab
+    without loading the interactive grid's JavaScript (issue 16, bench/dashboard_latency.py);
+    a longer one as `st.dataframe`, which a person can sort and scroll."""
+    n = len(rows)
+    if n <= max_static_rows:
+        st.table(rows, hide_index=True)
+    else:
+        st.dataframe(rows, hide_index=True, key=key)
+
+
 # ---- charts ------------------------------------------------------------------------------
 # Every chart is Vega-Lite, built in ui/charts.py (why: its docstring). These names stay for the
 # pages that import them from here.

@@ -23,7 +23,8 @@ from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
 from ui.charts import bar_chart, gantt_chart
-from ui.common import SIMULATED, fmt_percent, fmt_seconds, metric, number_field, page_header, show_errors, show_figure
+from ui.common import (SIMULATED, fmt_percent, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
+                       show_table)
 from planner.core.constants import GIB
 
 MIB = 2**20
@@ -246,12 +247,12 @@ def render(report: GeoReport) -> None:
     if out["wan_utilization"]:
         st.caption("WAN utilization per link direction (simulated): " +
                    ", ".join(f"{k} {100 * v:.0f} %" for k, v in sorted(out["wan_utilization"].items())))
-    st.dataframe(pd.DataFrame([{
+    show_table(pd.DataFrame([{
         "stage": j, "datacenter": s["dc"], "GPU": s["gpu_type"],
         "layers": f"{s['first_layer']}–{s['first_layer'] + s['num_layers'] - 1}",
         "forward (s, predicted)": s["forward_s"], "backward (s, predicted)": s["backward_s"],
         "memory (GiB, predicted)": s["memory_bytes"] / GIB, "capacity (GiB)": s["capacity_bytes"] / GIB,
-    } for j, s in enumerate(plan["stages"])]), width="stretch", hide_index=True)
+    } for j, s in enumerate(plan["stages"])]))
     show_figure(gantt(report), key="geo_gantt")
     fig_t, fig_u = comparison_figures(report)
     c1, c2 = st.columns(2)
@@ -259,9 +260,9 @@ def render(report: GeoReport) -> None:
         show_figure(fig_t, key="geo_iteration_bars")
     with c2:
         show_figure(fig_u, key="geo_util_bars")
-    st.dataframe(pd.DataFrame([{"baseline": k, "iteration (s, simulated)": v["iteration_s"],
-                                "GPUs": v["num_gpus"], "what": v["description"], "note": v["note"]}
-                               for k, v in out["baselines"].items()]), width="stretch", hide_index=True)
+    show_table(pd.DataFrame([{"baseline": k, "iteration (s, simulated)": v["iteration_s"],
+                              "GPUs": v["num_gpus"], "what": v["description"], "note": v["note"]}
+                             for k, v in out["baselines"].items()]))
     if report.prefill is not None:
         pre = out["prefill"]
         st.caption(f"BubbleTea (simulated): {pre['prefill_requests_served']} prefill requests in one iteration on "

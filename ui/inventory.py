@@ -20,8 +20,8 @@ from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.profiles import get_device_bench, load_step_profiles
 from planner.core.specs import PRESETS
 from profiler.inventory import LOCAL_DATACENTER, LOCAL_NODE, build_local_cluster, detect_devices
-from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, metric, number_field, page_header,
-                       page_link, show_emulated_note, show_errors, source_badge)
+from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, fmt_cell, metric, number_field,
+                       page_header, page_link, show_emulated_note, show_errors, show_table, source_badge)
 from ui.state import get_cluster, get_model, set_cluster
 
 DEFAULT_PROFILE_SEQ = 128
@@ -40,11 +40,11 @@ def _local_devices() -> list[dict]:
 def _render_local_devices() -> list[str]:
     st.subheader("This machine")
     devices = _local_devices()
-    st.dataframe(pd.DataFrame([{
+    show_table(pd.DataFrame([{
         "device": f"{d['kind']}:{d['index']}", "name": d["name"], "catalog type": d["catalog_type"],
         "memory": fmt_bytes(d["memory_bytes"]), "compute capability": d["compute_capability"] or "",
-        "SMs": d["num_sms"] or "", "cores": d["num_cores"] or "",
-    } for d in devices]), hide_index=True, key="inv_devices_table")
+        "SMs": str(d["num_sms"] or ""), "cores": str(d["num_cores"] or ""),
+    } for d in devices]), key="inv_devices_table")
     return sorted({d["catalog_type"] for d in devices})
 
 
@@ -69,12 +69,12 @@ def _render_measured(device_type: str) -> None:
                          f"{ar.latency_s * 1e6:.0f} µs" if ar else "tick 'Collectives too' or run "
                          "`python -m profiler bench`"))
     if profiles:
-        st.dataframe(pd.DataFrame([{
-            "model": p.model, "seq": p.seq, "dtype": p.dtype, "recompute": p.recompute,
-            "α (ms, measured)": p.alpha_s * 1e3, "β (ms/sample, measured)": p.beta_s * 1e3, "R²": p.r2,
-            "optimizer (ns/param, measured)": p.optimizer_s_per_param * 1e9,
-            "achieved TFLOP/s (measured)": p.achieved_tflops, "measured at": p.created,
-        } for p in profiles]), hide_index=True, key=f"inv_profiles_{device_type}")
+        show_table(pd.DataFrame([{
+            "model": p.model, "seq": str(p.seq), "dtype": p.dtype, "recompute": p.recompute,
+            "α (ms, measured)": f"{p.alpha_s * 1e3:.4g}", "β (ms/sample, measured)": f"{p.beta_s * 1e3:.4g}",
+            "R²": fmt_cell(p.r2, lambda x: f"{x:.4f}"), "optimizer (ns/param, measured)": f"{p.optimizer_s_per_param * 1e9:.4g}",
+            "achieved TFLOP/s (measured)": fmt_cell(p.achieved_tflops, lambda x: f"{x:.3g}"), "measured at": p.created,
+        } for p in profiles]), key=f"inv_profiles_{device_type}")
 
 
 def _render_profile_now(has_cpu_only: bool) -> None:
@@ -234,7 +234,7 @@ def _render_cluster() -> None:
     st.markdown(f"**{cluster.name}**: {cluster.num_devices} device(s) on {len(cluster.nodes)} node(s), "
                 f"network {cluster.network.intra_node_gbps:g} Gbit/s intra-node, "
                 f"{cluster.network.inter_node_gbps:g} Gbit/s inter-node")
-    st.dataframe(_cluster_table(cluster), hide_index=True, key="inv_cluster_table")
+    show_table(_cluster_table(cluster), key="inv_cluster_table")
     note = cpu_memory_note(cluster)
     if note:
         st.caption(note)

@@ -16,7 +16,8 @@ from planner.core.specs import PRESETS
 from planner.schedule.trace import DEMO_CLUSTERS
 from ui import background
 from ui.charts import gantt_chart
-from ui.common import MEASURED, PREDICTED, fmt_percent, metric, number_field, page_header, show_errors, show_figure
+from ui.common import (MEASURED, PREDICTED, fmt_cell, fmt_percent, metric, number_field, page_header, show_errors, show_figure,
+                       show_table)
 from ui.compute import BASELINES, HOUR_S, POLICIES, simulate_policies
 from ui.state import default_local_cluster
 
@@ -73,10 +74,11 @@ def queue_table(jobs) -> None:
         return
     rows = [{"id": j.id, "state": j.state, "model": j.model, "global batch": j.global_batch, "seq": j.seq,
              "steps": j.steps, "devices": ", ".join(f"{i}: {lab}" for i, lab in zip(j.devices, j.device_labels)),
-             "duration (s, predicted)": j.predicted_duration_s,
-             "ran (s, measured, with start-up)": (j.ended_s or time.time()) - j.started_s if j.started_s else None,
+             "duration (s, predicted)": fmt_cell(j.predicted_duration_s, lambda x: f"{x:,.1f}"),
+             "ran (s, measured, with start-up)": fmt_cell((j.ended_s or time.time()) - j.started_s if j.started_s else None,
+                                                          lambda x: f"{x:,.1f}"),
              "run folder": j.run_dir or "", "reason": j.reason or ""} for j in jobs]
-    st.dataframe(rows, hide_index=True, width="stretch", key="sched_queue_table")
+    show_table(rows, key="sched_queue_table")
 
 
 def real_gantt(jobs) -> None:
