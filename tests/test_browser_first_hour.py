@@ -1,0 +1,197 @@
+"""A new user's first run, in a real browser, on a mixed cluster any laptop has (issue 16).
+
+From an empty data folder: Inventory -> the one-click emulated mixed cluster (one CPU worker at a
+full core, one at a third of a core with 2 GiB, held there by cgroups) -> Plan, where the page
+says the figures are estimates and offers the one click that profiles both device kinds under
+their own limits and plans again -> the plan splits unevenly -> Launch, watch the run to its end
+-> the page's measured step is within 15 % of its prediction -> "Measure the even split" -> the
+page shows the planned split measured faster than the even one. The figures asserted on are the
+ones the page shows, checked against the runs' metrics stores. The prediction comes from the
+profiles the page took (the planner's cost model), the measurement from the runs (the executor):
+independent paths, and the profiles are taken in this test, under the load the runs see.
+
+Global batch 192 (bench/hetero_speedup.py's): a planned step of about half a second, many CPU
+quota periods (10 ms), with the collectives a small part of it. Every process the test started
+is gone at the end. Skipped only where cgroups are unavailable (executor.cgroups).
+"""
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import time
+
+import pytest
+
+from executor import cgroups
+# its helpers, and its skips where playwright or Debian's chromium is missing
+from tests.test_browser_e2e import assert_no_exception, click_key, fill_number, open_page
+from tests.conftest import (WAIT_MS, kill_processes_with_data_dir, launch_browser, processes_with_data_dir,
+                            server_log, streamlit_server, wait_idle)
+
+_WHY = cgroups.unavailable_reason()
+if _WHY is not None:
+    pytest.skip(f"the emulated mixed cluster needs cgroups: {_WHY}", allow_module_level=True)
+from playwright.sync_api import Page, sync_playwright  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
+
+GLOBAL_BATCH = 192
+PLANNED_STEPS = 30  # the median of steps 3..30: 28 steps after the warm-up
+EVEN_STEPS = 22  # 20 steps after the warm-up, each about twice as long
+TOLERANCE = 0.15  # issue 16: the first run's measured step agrees with its prediction within 15 %
+PROFILE_TIMEOUT_S = 240  # two kinds, each under its quota beside a companion, on a loaded 2-core machine
+RUN_TIMEOUT_S = 180
+SECONDS = r"([0-9][0-9,.]*) (µs|ms|s)\b"
+
+
+def seconds(value: str, unit: str) -> float:
+    return float(value.replace(",", "")) * {"µs": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
+def table_column(page: Page, header: str) -> list[str]:
+    """The cells of one column of the page's first table (glide draws on a canvas; its ARIA grid
+    has the text), once the grid has drawn its headers (it redraws after a rerun)."""
+    grid = page.locator('[data-testid="stMain"] [data-testid="stDataFrame"]').first
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while True:
+        headers = [h.strip() for h in grid.locator('[role="columnheader"]').all_inner_texts()]
+        cols = [i for i, h in enumerate(headers) if h.startswith(header)]
+        if cols:
+            break
+        assert time.monotonic() < deadline, f"no column {header!r} in the table's headers {headers}"
+        page.wait_for_timeout(250)
+    rows = grid.locator('[role="row"]:has([role="gridcell"])')
+    return [rows.nth(i).locator('[role="gridcell"]').nth(cols[0]).inner_text().strip() for i in range(rows.count())]
+
+
+def iteration_shown(page: Page) -> str:
+    """The plan's predicted iteration time as the Plan page shows it (its first metric)."""
+    return page.locator('[data-testid="stMetricValue"]').first.inner_text()
+
+
+def main_text(page: Page) -> str:
+    return page.locator('[data-testid="stMain"]').inner_text()
+
+
+def wait_text(page: Page, pattern: str, timeout_s: float) -> re.Match:
+    """Until the page's main area shows `pattern` (the live panel redraws every second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = re.search(pattern, main_text(page))
+        if m:
+            return m
+        assert time.monotonic() < deadline, f"the page never showed /{pattern}/ within {timeout_s:.0f} s"
+        page.wait_for_timeout(500)
+
+
+def store_median(run_dir: str) -> tuple[float, float, int]:
+    """(median step over steps 3.., predicted iteration, steps counted) from the run's own store."""
+    from executor.store import read_metrics
+
+    m = read_metrics(run_dir)
+    assert m["status"] == "done", (run_dir, m["status"], m["reason"])
+    times = [s["step_s"] for s in m["steps"][2:]]
+    return statistics.median(times), m["predicted_iteration_s"], len(times)
+
+
+def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
+    from executor.store import read_metrics
+
+    runs_root = os.path.join(data_dir, "runs")
+    assert sorted(os.listdir(data_dir)) == []  # an empty data folder: no profile, no run
+    t0 = time.monotonic()
+
+    def done(what: str) -> None:  # phase times, shown with -s
+        print(f"  {time.monotonic() - t0:6.1f} s  {what}  (load {os.getloadavg()[0]:.1f})")
+
+    with sync_playwright() as pw:
+        browser = launch_browser(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 2200})
+        try:
+            with streamlit_server(data_dir) as url:
+                try:
+                    # 1. Inventory: one click for the emulated mixed cluster
+                    page.goto(url)
+                    page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
+                    wait_idle(page, 60_000)
+                    click_key(page, "inv_emulated_mixed")
+                    wait_idle(page, 60_000)
+                    page.get_by_text("emulated-mixed").first.wait_for(timeout=WAIT_MS)
+                    assert_no_exception(page, "Inventory")
+                    done("emulated mixed cluster chosen")
+
+                    # 2. Plan: estimated at first, then the one click that profiles both kinds and plans again
+                    open_page(page, "Plan")
+                    wait_idle(page, 60_000)
+                    fill_number(page, "plan_global_batch", GLOBAL_BATCH)
+                    click_key(page, "plan_compute")
+                    page.locator(".st-key-plan_profile_now button").wait_for(timeout=60_000)
+                    assert "Estimated, not measured" in main_text(page)
+                    done("estimated plan, profile button offered")
+                    estimated_iteration = iteration_shown(page)
+                    click_key(page, "plan_profile_now")
+                    deadline = time.monotonic() + PROFILE_TIMEOUT_S
+                    # profiled, then solved again: the estimate's warning and button gone, no solve
+                    # pending, and the iteration time the new (measured) plan's
+                    while ("Estimated, not measured" in main_text(page) or "Solving the plan" in main_text(page)
+                           or page.locator(".st-key-plan_profile_now").count()
+                           or iteration_shown(page) == estimated_iteration):
+                        assert time.monotonic() < deadline, "no measured plan after profiling"
+                        page.wait_for_timeout(500)
+                    wait_idle(page, 60_000)
+                    assert_no_exception(page, "Plan after profiling")
+                    batches = [int(b) for b in table_column(page, "batch")]
+                    assert sum(batches) == GLOBAL_BATCH and len(batches) == 2, batches
+                    assert batches[0] > batches[1], f"the full core should get more of the batch: {batches}"
+                    done(f"measured plan, split {batches}")
+
+                    # 3. Launch and watch the run to its end
+                    open_page(page, "Launch & monitor")
+                    wait_idle(page, 60_000)
+                    fill_number(page, "launch_steps", PLANNED_STEPS)
+                    click_key(page, "launch_button")
+                    wait_text(page, r"Run status:\s*done", RUN_TIMEOUT_S)
+                    (planned_name,) = os.listdir(runs_root)
+                    planned_dir = os.path.join(runs_root, planned_name)
+                    done(f"planned run {planned_name} done")
+
+                    # 4. the page's measured step against its prediction
+                    gap = wait_text(page, rf"Measured median step {SECONDS} against {SECONDS} predicted", 30)
+                    page_measured, page_predicted = seconds(*gap.group(1, 2)), seconds(*gap.group(3, 4))
+
+                    # 5. the even split, measured the same way
+                    fill_number(page, "launch_even_steps", EVEN_STEPS)
+                    click_key(page, "launch_measure_even")
+                    page.locator(".st-key-launch_compare_figures").wait_for(timeout=RUN_TIMEOUT_S * 1000)
+                    figures = page.locator(".st-key-launch_compare_figures").inner_text()
+                    assert_no_exception(page, "Launch after the even split")
+                    done("even split measured")
+                except BaseException:
+                    page.screenshot(path=os.path.join(data_dir, "failure.png"), full_page=True)
+                    print(server_log(data_dir))
+                    raise
+        finally:
+            browser.close()
+            kill_processes_with_data_dir(data_dir)
+    print(figures)
+
+    # what the page showed is what the runs recorded
+    measured, predicted, n = store_median(planned_dir)
+    even_measured, even_predicted, even_n = store_median(planned_dir + "-even")
+    assert page_measured == pytest.approx(measured, abs=6e-5) and page_predicted == pytest.approx(predicted, abs=6e-5)
+    m = re.search(rf"planned split {SECONDS} \((\d+) steps\), even split {SECONDS} \((\d+) steps\): the planned "
+                  r"split is ([0-9.]+)× as fast", figures)
+    assert m, figures
+    assert seconds(*m.group(1, 2)) == pytest.approx(measured, abs=6e-5) and int(m.group(3)) == n == PLANNED_STEPS - 2
+    assert seconds(*m.group(4, 5)) == pytest.approx(even_measured, abs=6e-5) and int(m.group(6)) == even_n
+    speedup = float(m.group(7))
+    assert speedup == pytest.approx(even_measured / measured, abs=0.006)
+    per_step = [round(s["step_s"], 3) for s in read_metrics(planned_dir)["steps"]]
+    context = (f"planned measured {measured:.4f} s vs predicted {predicted:.4f} s, even {even_measured:.4f} s "
+               f"(predicted {even_predicted:.4f} s), load {os.getloadavg()}, planned steps {per_step}")
+    # issue 16: the first run agrees with its prediction, and the planned split beats the even one
+    assert abs(measured - predicted) / predicted <= TOLERANCE, context
+    assert speedup > 1.0 and even_measured > measured, context
+    assert processes_with_data_dir(data_dir) == []  # the server, its profilers, both launchers and their ranks
+    print(f"first hour: {time.monotonic() - t0:.1f} s; {context}")
