@@ -59,9 +59,9 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from executor.compare import SKIP_STEPS, prediction_gap  # noqa: E402  (torch-free)
 
 MODEL = "tiny"
-SKIP_STEPS = 2  # warm-up + the memory-tracked first step
 SPEEDUP_MIN = 1.6
 PREDICTION_TOL = 0.15
 DDP_RATIO_MIN = 0.9
@@ -98,32 +98,12 @@ def homogeneous_cluster() -> Any:
 
 
 def baseline_plan(cluster: Any, name: str, global_batch: int, seq: int, zero: int) -> Any:
-    """The planner's `even` or `proportional` baseline as a launchable plan: the batch split its
-    way (planner.hetero.baselines), in multiples of the smallest micro-batch as a practitioner
-    would round it (an odd batch would force micro-batches of 1), even shards, the largest
-    power-of-two micro-batch dividing each device's batch that fits, re-priced by the planner."""
-    from planner.core.plan import Assignment, Plan
-    from planner.core.specs import get_model, with_max_seq
-    from planner.costmodel.training import CostModel
-    from planner.hetero.baselines import fastest_fitting_split, split_by_weights
-    from planner.hetero.solve import evaluate_plan
+    """The planner's `even` or `proportional` baseline as a launchable plan (executor.compare, the
+    Launch page's even split too), the batch in multiples of the smallest micro-batch as a
+    practitioner would round it (an odd batch would force micro-batches of 1)."""
+    from executor.compare import baseline_plan as launchable_baseline
 
-    cost = CostModel.build(cluster, with_max_seq(get_model(MODEL), seq), seq, "fp32", "none", 0.9, zero=zero)
-    devices = cluster.devices()
-    weights = ([1.0] * len(devices) if name == "even"
-               else [cost.coeffs[d].speed_samples_per_s for _, d in devices])  # proportional: measured speed
-    asg = []
-    unit = MICRO_BATCHES[0]
-    if global_batch % unit:
-        raise ValueError(f"global batch {global_batch} is not a multiple of the smallest micro-batch {unit}")
-    for i, ((node, dev), b) in enumerate(zip(devices, (unit * b for b in split_by_weights(global_batch // unit,
-                                                                                          weights)))):
-        split = fastest_fitting_split(cost, dev, b, 1.0 / len(devices))
-        if split is None:
-            raise ValueError(f"{name}: {dev.label} cannot hold batch {b}")
-        asg.append(Assignment(i, node.name, dev.type, split[0], split[1], b, 1.0 / len(devices), 0, 0.0,
-                              dev.emulated, dev.slowdown, dev.memory_gb))
-    return evaluate_plan(Plan(cluster, MODEL, global_batch, seq, "fp32", "none", tuple(asg), 0.0, 0.0, zero=zero))
+    return launchable_baseline(cluster, name, MODEL, global_batch, seq, "fp32", "none", zero, unit=MICRO_BATCHES[0])
 
 
 # ---- measuring -----------------------------------------------------------------------------
@@ -145,6 +125,7 @@ def profile_machine(seq: int, shares: tuple[float, ...], collectives: bool) -> N
 
 
 def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
+    from executor.compare import step_times
     from executor.launch import EMULATION_FILE, launch_run
     from executor.store import read_metrics
 
@@ -153,7 +134,7 @@ def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
     m = read_metrics(run_dir)
     if status != "done":
         raise RuntimeError(f"{name}: run {status}: {m['reason']}")
-    steps_s = [s["step_s"] for s in m["steps"][SKIP_STEPS:]]
+    steps_s = step_times(m)  # steps 3..: step 1 warms up and tracks memory, step 2 the allocator
     mode = "none"
     with contextlib.suppress(OSError, ValueError, KeyError):
         with open(os.path.join(run_dir, EMULATION_FILE), encoding="utf-8") as fh:
@@ -309,10 +290,9 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
                                      zip(runs["planned"], runs[b])] for b in ("even", "proportional")}
     # each round's runs against their own plan's prediction; the median of those errors
     # (the homogeneous runs' error too: how far this machine's load drifts between profile and run)
-    pred_err = {k: median([(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
-                           for r in runs[k]]) for k in HETERO + (("ours",) if ddp else ())}
-    per_round_err = {k: [(median(r["step_s"]) - r["predicted_iteration_s"]) / r["predicted_iteration_s"]
-                         for r in runs[k]] for k in pred_err}
+    per_round_err = {k: [prediction_gap(median(r["step_s"]), r["predicted_iteration_s"]) for r in runs[k]]
+                     for k in HETERO + (("ours",) if ddp else ())}
+    pred_err = {k: median(v) for k, v in per_round_err.items()}
     speedup = {b: rate["planned"] / rate[b] for b in ("even", "proportional")}
     mem = memory_rows([runs[k][0] for k in keys if k != "ddp"])
     mem_ok = all(r["error"] is not None and abs(r["error"]) <= MEMORY_TOL for r in mem)
