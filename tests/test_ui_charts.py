@@ -49,6 +49,8 @@ def test_grouped_bars_with_horizontal_labels_and_stacked_bars_with_a_capacity_ru
                           hlines={"H100 capacity": 80.0})
     m = _by_mark(st)
     assert m["bar"][0]["encoding"]["y"]["stack"] == "zero" and "xOffset" not in m["bar"][0]["encoding"]
+    assert m["bar"][0]["encoding"]["order"]["field"] == "order"  # weights at the bottom: the order given
+    assert [(r["series"], r["order"]) for r in m["bar"][0]["rows"]] == [("weights", 0), ("activations", 1)]
     assert m["rule"][0]["rows"] == [{"series": "H100 capacity", "y": 80.0}]
 
 
@@ -62,6 +64,7 @@ def test_capacity_chart_draws_the_bar_and_a_capacity_marker_with_decade_ticks_on
     assert [r["y"] for r in m["tick"][1]["rows"]] == [72.0, 72.0]
     axis = m["bar"][0]["encoding"]["y"]["axis"]
     assert axis["values"] == [0.01, 0.1, 1.0, 10.0, 100.0]  # powers of ten only: no labelled minor ticks
+    assert m["bar"][0]["encoding"]["y2"] == {"datum": 0.01}  # bars rise from the axis' bottom (no zero on a log axis)
     assert [r["label"] for r in m["text"][0]["rows"]] == ["51 MiB", "90 GiB"]
 
 

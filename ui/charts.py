@@ -26,10 +26,11 @@ CHART_HEIGHT_PX = 320
 MAX_MARKER_POINTS = 200  # line charts draw a marker per point up to this many points per series
 GANTT_ROW_PX = 22  # a Gantt chart grows with its rows, within [GANTT_MIN_PX, GANTT_MAX_PX]
 GANTT_MIN_PX, GANTT_MAX_PX = 260, 900
+FRAME_PX = 190  # what a chart's height holds besides its plot: title, legend, x axis and its title
 RAW_OPACITY = 0.45  # the raw points under a rolling median
 
 # the fields of the long-form tables the builders make (one row per point/bar)
-X, Y, SERIES, LABEL = "x", "y", "series", "label"
+X, Y, SERIES, LABEL, ORDER = "x", "y", "series", "label", "order"
 
 # one colour per series, in the order the caller names them (Vega's category10)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -96,6 +97,22 @@ def y_axis(title: str, values: Iterable[float | None] = (), *, log: bool = False
     if headroom > 1.0 and vals and max(vals) > 0:
         scale = alt.Scale(zero=zero, domainMax=headroom * max(vals))
     return scale, alt.Axis(title=title)
+
+
+def category_axis(title: str | None, categories: Sequence[str]):
+    """A bar chart's x axis: the categories in the order given, labels horizontal and broken into
+    lines at spaces ("best homogeneous"), so that long names are not dropped for overlapping."""
+    alt = _alt()
+    return alt.X(f"{X}:N", title=title or None, sort=list(dict.fromkeys(categories)),
+                 axis=alt.Axis(labelAngle=0, labelLimit=240, labelExpr="split(datum.label, ' ')"))
+
+
+def bar_floor(scale: Any) -> dict[str, Any]:
+    """Where bars start: from zero on a linear axis (Vega-Lite's default); from the bottom of a log
+    axis (zero is not on it, and a bar from zero is not drawn at all)."""
+    if getattr(scale, "type", None) == "log":
+        return {"y2": _alt().datum(scale.domain[0])}
+    return {}
 
 
 def finish(chart: Any, title: str | None = None, height: int = CHART_HEIGHT_PX) -> Any:
@@ -203,9 +220,9 @@ def bar_chart(
     alt = _alt()
     labels = labels or {}
     rows = []
-    for name, ys in series.items():
+    for k, (name, ys) in enumerate(series.items()):
         texts = list(labels.get(name, [""] * len(categories)))
-        rows += [{X: c, Y: _finite(y), SERIES: name, LABEL: t} for c, y, t in zip(categories, ys, texts)]
+        rows += [{X: c, Y: _finite(y), SERIES: name, LABEL: t, ORDER: k} for c, y, t in zip(categories, ys, texts)]
     rows = [r for r in rows if r[Y] is not None]
     names = list(series) + list(hlines or {})
     values = [r[Y] for r in rows] + list((hlines or {}).values())
@@ -215,8 +232,7 @@ def bar_chart(
             totals[r[X]] = totals.get(r[X], 0.0) + r[Y]
         values = list(totals.values()) + list((hlines or {}).values())
     scale, axis = y_axis(y_title, values, log=log_y, headroom=1.15 if labels and not log_y else 1.0)
-    x = alt.X(f"{X}:N", title=x_title or None, sort=list(dict.fromkeys(categories)), axis=alt.Axis(labelAngle=0,
-                                                                                             labelLimit=240))
+    x = category_axis(x_title, categories)
     enc: dict[str, Any] = dict(
         x=x, y=alt.Y(f"{Y}:Q", scale=scale, axis=axis, stack="zero" if stacked else None),
         color=alt.Color(f"{SERIES}:N", scale=color_scale(names, colors), legend=_legend(len(names) > 1)),
@@ -224,8 +240,10 @@ def bar_chart(
                  alt.Tooltip(f"{Y}:Q", title=y_title, format=",.4~g")])
     if not stacked and len(series) > 1:
         enc["xOffset"] = alt.XOffset(f"{SERIES}:N", sort=list(series))
-    base = alt.Chart(_frame(rows, (X, Y, SERIES, LABEL)))
-    layers = [base.mark_bar().encode(**enc)]
+    if stacked:
+        enc["order"] = alt.Order(f"{ORDER}:Q")  # the first series at the bottom, as the legend reads
+    base = alt.Chart(_frame(rows, (X, Y, SERIES, LABEL, ORDER)))
+    layers = [base.mark_bar().encode(**enc, **bar_floor(scale))]
     if labels and not stacked:
         text_enc = {k: v for k, v in enc.items() if k not in ("color", "tooltip")}
         layers.append(base.mark_text(baseline="bottom", dy=-3, fontSize=11, color="#333").encode(
@@ -266,14 +284,14 @@ def capacity_chart(
     colors = {value_name: PALETTE[0], capacity_name: RULE_COLOR}
     all_values = [r[Y] for r in bars + caps + extra]
     scale, axis = y_axis(y_title, all_values, log=log_y, headroom=1.0 if log_y else 1.15)
-    x = alt.X(f"{X}:N", title=x_title, sort=cats, axis=alt.Axis(labelAngle=0, labelLimit=240))
+    x = category_axis(x_title, cats)
     y = alt.Y(f"{Y}:Q", scale=scale, axis=axis)
     color = alt.Color(f"{SERIES}:N", scale=color_scale(names, colors), legend=_legend())
     tooltip = [alt.Tooltip(f"{X}:N", title=x_title), alt.Tooltip(f"{SERIES}:N", title="series"),
                alt.Tooltip(f"{Y}:Q", title=y_title, format=",.4~g")]
     cols = (X, Y, SERIES, LABEL)
     layers = [
-        alt.Chart(_frame(bars, cols)).mark_bar().encode(x=x, y=y, color=color, tooltip=tooltip),
+        alt.Chart(_frame(bars, cols)).mark_bar().encode(x=x, y=y, color=color, tooltip=tooltip, **bar_floor(scale)),
         alt.Chart(_frame(caps, cols)).mark_tick(thickness=3).encode(x=x, y=y, color=color, tooltip=tooltip),
     ]
     if extra:
@@ -322,7 +340,7 @@ def gantt_chart(
                  alt.Tooltip("start:Q", format=",.4~g"), alt.Tooltip("end:Q", format=",.4~g"),
                  *[alt.Tooltip(f"{t}:N") for t in tooltip]])
     if height is None:
-        height = min(GANTT_MAX_PX, max(GANTT_MIN_PX, GANTT_ROW_PX * len(order) + 60))
+        height = min(GANTT_MAX_PX, max(GANTT_MIN_PX, GANTT_ROW_PX * len(order) + FRAME_PX))
     return finish(chart, title, height)
 
 

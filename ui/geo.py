@@ -23,7 +23,7 @@ from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
 from ui.charts import bar_chart, gantt_chart
-from ui.common import (SIMULATED, fmt_percent, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
+from ui.common import (SIMULATED, fmt_cell, fmt_percent, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
                        show_table)
 from planner.core.constants import GIB
 
@@ -196,14 +196,13 @@ def gantt(report: GeoReport):
     shown = f"pipelines 0–{d - 1} of {report.plan.num_pipelines}" if d < report.plan.num_pipelines else "all pipelines"
     return gantt_chart(rows, "time in the iteration (s, simulated)", "GPU (pipeline, stage)",
                        f"One iteration, simulated ({shown})", row_order=order,
-                       color_order=[NAMES[k] for k in COLORS], colors={NAMES[k]: c for k, c in COLORS.items()},
-                       height=max(320, 22 * len(order) + 120))
+                       color_order=[NAMES[k] for k in COLORS], colors={NAMES[k]: c for k, c in COLORS.items()})
 
 
 def comparison_figures(report: GeoReport):
     """Iteration time and GPU utilization of the plan beside each baseline (simulated), each bar
     labelled with its value; utilization also with prefill in the bubbles when a workload is given."""
-    names = ["atlas (plan)"] + list(report.baselines)
+    names = ["atlas (plan)"] + [name.replace("_", " ") for name in report.baselines]
     its = [report.sim.iteration_s] + [b.iteration_s for b in report.baselines.values()]
     utils = [report.sim.gpu_utilization()] + [b.gpu_utilization for b in report.baselines.values()]
     keep = [i for i, t in enumerate(its) if t is not None]
@@ -250,8 +249,8 @@ def render(report: GeoReport) -> None:
     show_table(pd.DataFrame([{
         "stage": j, "datacenter": s["dc"], "GPU": s["gpu_type"],
         "layers": f"{s['first_layer']}–{s['first_layer'] + s['num_layers'] - 1}",
-        "forward (s, predicted)": s["forward_s"], "backward (s, predicted)": s["backward_s"],
-        "memory (GiB, predicted)": s["memory_bytes"] / GIB, "capacity (GiB)": s["capacity_bytes"] / GIB,
+        "forward (s, predicted)": f"{s['forward_s']:.4f}", "backward (s, predicted)": f"{s['backward_s']:.4f}",
+        "memory (GiB, predicted)": f"{s['memory_bytes'] / GIB:.1f}", "capacity (GiB)": f"{s['capacity_bytes'] / GIB:.1f}",
     } for j, s in enumerate(plan["stages"])]))
     show_figure(gantt(report), key="geo_gantt")
     fig_t, fig_u = comparison_figures(report)
@@ -260,7 +259,7 @@ def render(report: GeoReport) -> None:
         show_figure(fig_t, key="geo_iteration_bars")
     with c2:
         show_figure(fig_u, key="geo_util_bars")
-    show_table(pd.DataFrame([{"baseline": k, "iteration (s, simulated)": v["iteration_s"],
+    show_table(pd.DataFrame([{"baseline": k, "iteration (s, simulated)": fmt_cell(v["iteration_s"], lambda x: f"{x:.2f}"),
                               "GPUs": v["num_gpus"], "what": v["description"], "note": v["note"]}
                              for k, v in out["baselines"].items()]))
     if report.prefill is not None:
