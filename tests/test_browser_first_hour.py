@@ -10,7 +10,7 @@ ones the page shows, checked against the runs' metrics stores. The prediction co
 profiles the page took (the planner's cost model), the measurement from the runs (the executor):
 independent paths, and the profiles are taken in this test, under the load the runs see.
 
-Global batch 192 (bench/hetero_speedup.py's): a planned step of about half a second, many CPU
+Screenshots: artifacts/screenshots/2*-first-hour-*.png. Global batch 192 (bench/hetero_speedup.py's): a planned step of about half a second, many CPU
 quota periods (10 ms), with the collectives a small part of it. Every process the test started
 is gone at the end. Skipped only where cgroups are unavailable (executor.cgroups).
 """
@@ -25,7 +25,7 @@ import pytest
 
 from executor import cgroups
 # its helpers, and its skips where playwright or Debian's chromium is missing
-from tests.test_browser_e2e import assert_no_exception, click_key, fill_number, open_page
+from tests.test_browser_e2e import assert_no_exception, click_key, fill_number, open_page, shot
 from tests.conftest import (WAIT_MS, kill_processes_with_data_dir, launch_browser, processes_with_data_dir,
                             server_log, streamlit_server, wait_idle)
 
@@ -144,6 +144,7 @@ def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
                     batches = [int(b) for b in table_column(page, "batch")]
                     assert sum(batches) == GLOBAL_BATCH and len(batches) == 2, batches
                     assert batches[0] > batches[1], f"the full core should get more of the batch: {batches}"
+                    shot(page, "20-first-hour-plan")
                     done(f"measured plan, split {batches}")
 
                     # 3. Launch and watch the run to its end
@@ -166,9 +167,10 @@ def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
                     page.locator(".st-key-launch_compare_figures").wait_for(timeout=RUN_TIMEOUT_S * 1000)
                     figures = page.locator(".st-key-launch_compare_figures").inner_text()
                     assert_no_exception(page, "Launch after the even split")
+                    shot(page, "21-first-hour-launch-vs-even")
                     done("even split measured")
                 except BaseException:
-                    page.screenshot(path=os.path.join(data_dir, "failure.png"), full_page=True)
+                    shot(page, "29-first-hour-failure")
                     print(server_log(data_dir))
                     raise
         finally:
