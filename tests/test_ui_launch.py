@@ -178,9 +178,14 @@ def test_gap_reasons_read_the_kinds_from_the_run_plan_and_name_an_extrapolated_m
         save_step_profile(StepProfile(kind, "tiny", 64, "fp32", "none", 0.001, 0.004, 1e-9, 0.99, True, "test", 1e6,
                                       micro_batches=(4, 8, 16, 32)))
     m = {"model": "tiny", "seq": 64, "dtype": "fp32", "run_dir": run_dir,
-         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": mb} for i, mb in enumerate((8, 2))]}
+         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": mb, "median_wait_s": w}
+                   for i, (mb, w) in enumerate(((8, 0.01), (2, 0.04)))]}
     reasons = gap_reasons(m)
     assert not any("no measured profile" in r for r in reasons), reasons
+    quota = [r for r in reasons if "CPU quota" in r]
+    assert quota == ["rank 1 runs under a CPU quota of 0.333 of a core: its part of each collective is throttled "
+                     "too, which the collectives' pricing (unthrottled) does not see (its median wait in "
+                     "collectives: 40.0 ms per step)"]
     assert [r for r in reasons if "micro-batch" in r] == [
         "rank 1's micro-batch of 2 is outside the sizes its profile timed (4–32): the profile's line is "
         "extrapolated there (small micro-batches pay a per-call overhead the line does not hold)"]

@@ -256,29 +256,20 @@ def run_plan(m: dict[str, Any]) -> Plan | None:
         return None
 
 
-def _rank_kinds(m: dict[str, Any]) -> dict[int, str]:
-    """rank -> the profile kind its device is priced by (type, or type@share for a CPU quota):
-    from the run's plan, else the type the store recorded."""
-    kinds = {r["rank"]: r["type"] for r in m["ranks"]}
-    plan = run_plan(m)
-    if plan is not None:
-        devices = plan.cluster.devices()
-        for rank, a in enumerate(plan.used):
-            if rank in kinds and a.device_index < len(devices):
-                kinds[rank] = devices[a.device_index][1].profile_key
-    return kinds
+def _rank_devices(plan: Plan | None) -> dict[int, Any]:
+    """rank -> the DeviceSpec it trained on (a local run: rank r trains the r-th used device)."""
+    if plan is None:
+        return {}
+    devices = plan.cluster.devices()
+    return {rank: devices[a.device_index][1] for rank, a in enumerate(plan.used) if a.device_index < len(devices)}
 
 
-def gap_reasons(m: dict[str, Any]) -> list[str]:
-    """Why a run's measured step may differ from its prediction, from what this page can check:
-    device kinds planned on estimated (not measured) figures, micro-batches outside the sizes a
-    profile timed, collectives priced from the cluster file, emulation by sleeping, and the
-    machine's load (CPU profiles time one dedicated core per rank)."""
-    reasons = []
-    from planner.core.profiles import get_collective_profile, get_step_profile
+def _profile_reasons(m: dict[str, Any], kinds: dict[int, str]) -> list[str]:
+    """Device kinds priced on estimates; micro-batches outside the sizes a measured profile timed."""
+    from planner.core.profiles import get_step_profile
     from planner.core.specs import get_model, with_max_seq
 
-    kinds = _rank_kinds(m)
+    reasons = []
     with contextlib.suppress(ValueError, OSError, TypeError):  # TypeError: a run that recorded no seq
         spec = with_max_seq(get_model(m["model"]), m["seq"])
         profiles = {k: get_step_profile(k, spec, m["seq"], m["dtype"]) for k in sorted(set(kinds.values()))}
@@ -294,10 +285,36 @@ def gap_reasons(m: dict[str, Any]) -> list[str]:
                     reasons.append(f"rank {r['rank']}'s micro-batch of {r['micro_batch']} is outside the sizes its "
                                    f"profile timed ({lo}–{hi}): the profile's line is extrapolated there (small "
                                    "micro-batches pay a per-call overhead the line does not hold)")
+    return reasons
+
+
+def _collective_reasons(m: dict[str, Any], devices: dict[int, Any]) -> list[str]:
+    """Collectives priced from the cluster file; a CPU-quota rank's throttled part of them."""
+    from planner.core.profiles import get_collective_profile
+
+    reasons = []
     cpu_ranks = [r for r in m["ranks"] if r["type"] == "cpu"]
     if len(cpu_ranks) > 1 and len(cpu_ranks) == len(m["ranks"]) and get_collective_profile("cpu") is None:
         reasons.append("the collectives between this machine's CPU workers were not measured (`python -m profiler "
                        "bench`): the plan priced them from the cluster file's intra-node bandwidth")
+    for r in m["ranks"] if len(devices) > 1 else ():
+        share = devices[r["rank"]].cpu_share if r["rank"] in devices else None
+        if share is not None and share < 1 and r.get("median_wait_s"):
+            reasons.append(f"rank {r['rank']} runs under a CPU quota of {share:g} of a core: its part of each "
+                           "collective is throttled too, which the collectives' pricing (unthrottled) does not see "
+                           f"(its median wait in collectives: {common.fmt_seconds(r['median_wait_s'])} per step)")
+    return reasons
+
+
+def gap_reasons(m: dict[str, Any]) -> list[str]:
+    """Why a run's measured step may differ from its prediction, from what this page can check:
+    device kinds planned on estimated (not measured) figures, micro-batches outside the sizes a
+    profile timed, collectives priced from the cluster file or throttled by a CPU quota, emulation
+    by sleeping, and the machine's load (CPU profiles time one dedicated core per rank)."""
+    devices = _rank_devices(run_plan(m))
+    # the profile kind each rank was priced by (type@share for a CPU quota); else the store's type
+    kinds = {r["rank"]: devices[r["rank"]].profile_key if r["rank"] in devices else r["type"] for r in m["ranks"]}
+    reasons = _profile_reasons(m, kinds) + _collective_reasons(m, devices)
     if any(r["slowdown"] and r["slowdown"] != 1.0 for r in m["ranks"]):
         reasons.append("emulated slowdowns sleep after each step: the sleep is exact, the compute beside it is not")
     with contextlib.suppress(OSError):
