@@ -86,8 +86,11 @@ def test_choices_respect_memory_and_the_compute_bound():
     cost = CostModel(cluster, 1, {d: coeffs}, lambda devs, multi: CommModel(1.0, 0.0, 0.0, 0.0))
     choices = cost.choices(d, global_batch=8)
     assert {c.micro_batch for c in choices} == {0, 1, 2, 4}  # m = 8 needs 9 GB > 5 GB
+    # n = 1 as choices, n ≥ 2 in bands: every (m, n) with m·n ≤ 8 that fits is offered
+    assert cost.offered(d, 8) == {(1, n) for n in range(1, 9)} | {(2, n) for n in range(1, 5)} | {(4, 1), (4, 2)}
+    assert (4, 2) in {(b.micro_batch, b.hi) for b in cost.bands(d, 8)}
+    assert coeffs.compute_s(4, 2) == pytest.approx(2 * (1.0 + 0.5 * 4))
     by_key = {(c.micro_batch, c.accum_steps): c for c in choices}
-    assert by_key[(4, 2)].compute_s == pytest.approx(2 * (1.0 + 0.5 * 4))
     assert by_key[(2, 1)].max_share == pytest.approx((5 - 3) / 8)
     assert by_key[(0, 0)].max_share == pytest.approx(0.5)
     assert all(c.batch <= 8 for c in choices)

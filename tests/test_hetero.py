@@ -11,7 +11,7 @@ import random
 import pytest
 
 from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.costmodel.training import CommModel, CostModel, DeviceCoeffs
+from planner.costmodel.training import CommModel, CostModel, DeviceCoeffs, make_choice
 from planner.hetero.solve import solve_plan, solve_with_cost_model
 
 GB = 1e9
@@ -144,11 +144,23 @@ def least_time_for_shares(entries):
     return math.inf
 
 
+def every_choice(c: DeviceCoeffs, global_batch: int, micro_batches) -> list:
+    """State only, and every (m, n) with m in micro_batches and m·n ≤ B whose memory fits: the whole
+    plan space of one device, enumerated here rather than taken from the solver's choices and bands."""
+    out = [make_choice(c, 0, 0, c.max_share(0, 0))]
+    for m in micro_batches:
+        for n in range(1, global_batch // m + 1):
+            share = c.max_share(m, n)
+            if share >= 0:
+                out.append(make_choice(c, m, n, share))
+    return [ch for ch in out if ch.max_share >= 0]
+
+
 def brute_force(cost, global_batch, micro_batches):
     devices = cost.cluster.devices()
     options = []
     for _, d in devices:
-        options.append([None] + list(cost.choices(d, global_batch, micro_batches)))
+        options.append([None] + every_choice(cost.coeffs[d], global_batch, micro_batches))
     best = math.inf
 
     def rec(i, left, picked):

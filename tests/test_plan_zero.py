@@ -161,8 +161,7 @@ def test_memory_that_grows_with_accumulation_steps_limits_the_choices():
     for layerwise, expected_s, small_batch in ((False, 2.0, 2), (True, 3.0, 1)):
         cost = _two_device_cost(layerwise)
         small = cost.cluster.devices()[1][1]
-        assert {(c.micro_batch, c.accum_steps) for c in cost.choices(small, 4) if c.batch} == (
-            {(1, 1)} if layerwise else {(1, 1), (1, 2), (1, 3), (1, 4)})
+        assert cost.offered(small, 4) == ({(1, 1)} if layerwise else {(1, 1), (1, 2), (1, 3), (1, 4)})
         sol, _ = solve_with_cost_model(cost, 4, time_limit_s=20.0, micro_batches=[1, 2, 4])
         per_device = [sol.per_device.get(i, (0, 0, 0.0)) for i in range(2)]
         assert cost.estimate_iteration_s(per_device)[0] == pytest.approx(expected_s)
@@ -177,8 +176,7 @@ def test_accumulating_layer_by_layer_can_fit_where_one_micro_batch_does_not():
                           recompute_alpha_s=0.0, recompute_beta_s=1.5)
     cost = CostModel(ClusterSpec("c", (NodeSpec("n", "dc", (dev,)),)), 1, {dev: coeffs},
                      lambda devs, multi: CommModel(1.0, 0.0, 0.0, 0.0), zero=3)
-    assert {(c.micro_batch, c.accum_steps) for c in cost.choices(dev, 8) if c.batch} == {(1, 2), (1, 3), (1, 4),
-                                                                                       (2, 2)}
+    assert cost.offered(dev, 8) == {(1, 2), (1, 3), (1, 4), (2, 2)}
     sol, _ = solve_with_cost_model(cost, 4, time_limit_s=20.0)
     m, n, _ = sol.per_device[0]
     assert (m, n) in ((1, 4), (2, 2))

@@ -26,6 +26,7 @@ gathered and reduced once per step, however many accumulation steps a rank takes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from planner.core.specs import ModelSpec
 from planner.core.constants import ZERO_STAGES
@@ -39,6 +40,7 @@ class Unit:
     numel: int
 
 
+@lru_cache(maxsize=256)  # the memory model asks it on every evaluation; a spec is frozen
 def runtime_units(spec: ModelSpec) -> tuple[Unit, ...]:
     """The runtime's units in forward order with their parameter counts (sum = spec.num_params)."""
     head = spec.final_norm_params() + (0 if spec.tied_embeddings else spec.vocab_size * spec.hidden)

@@ -25,17 +25,20 @@ activations are kept). The tables hold, for every candidate (m, n), the largest 
 still fits (`Choice.max_share`), each found by a few evaluations of the memory model (secant steps:
 each of its moments is affine in f) and cached per (device, m, n).
 
-Candidates that do not grow with the global batch B (issue 17): accumulation counts n ≤
-DENSE_ACCUM_STEPS (64; 8 once B > EXACT_GLOBAL_BATCH) are enumerated one by one (`Choice`, exact memory and time). Above that, every
-micro-batch m gets *bands* of counts (`AccumBand`, [65, 128], [129, 256], ... or [9, 16], ... doubling, one band for
-all of them where the memory model ignores n, as at zero 1) up to min(B/m, the compute bound). The
-ILP (planner/hetero/solve.py) does not pick an n from a band: it counts the devices x on a band and their
-accumulation steps in total, N, an integer; so Σ batch = B stays exactly solvable for any B, and
-the number of variables is types × micro-batches × log2(B/64) at most. A band's memory is asked at
-its ends only: at its top for plans the ILP returns (safe: memory never falls as n grows), at its
-bottom for the relaxation that proves a time infeasible (planner/hetero/solve.py says what that costs in
-optimality). A batch with per-device counts ≤ DENSE_ACCUM_STEPS has no bands and is solved exactly,
-as before.
+Candidates that do not grow with the global batch B (issue 17): every micro-batch m from
+`micro_batch_candidates` (powers of two up to MAX_MICRO_BATCH) is a `Choice` at n = 1 (exact memory
+and time; at zero ≥ 2 one micro-batch keeps its whole graph, unlike n ≥ 2) and an `AccumBand` for
+every n from 2 to min(B/m, the compute bound, the largest n that fits). The ILP (planner/hetero/solve.py)
+does not pick an n from a band: it counts the devices x on it and their accumulation steps in total,
+N, an integer, so Σ batch = B stays exactly solvable for any B. A band is exact, not an
+approximation: the compute of n ≥ 2 micro-batches is n·step (affine in n), and a band is cut where
+the room for the shard, max_share(m, n), stops being affine in n (it is concave: the memory model's
+peak is the largest of a few moments, each affine in n and f; a cut is found by testing the
+midpoint against the chord, AFFINE_TOL). With rows affine in n, the x devices of a band holding N
+steps in total can hold at most x·ℓ(N/x) of the state, ℓ the interpolation of min(room(n), time
+room(n)) at whole n, which three linear rows in (x, N, F) state exactly (planner/hetero/solve.py).
+So the number of variables grows with types × micro-batches × the kinks of the memory curve, not
+with B.
 
 Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
 in `planner.costmodel.collectives.bytes_per_s`.
@@ -51,25 +54,26 @@ from typing import Callable, Iterable, Sequence
 from planner.core.catalog import CPU_TYPE, device_dtype
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.specs import ModelSpec
-from planner.core.units import ZERO_STAGES, step_collectives
+from planner.core.units import ZERO_STAGES, runtime_units, step_collectives
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
                                           sharded_step_comm_s)
 from planner.core.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH
 
 log = logging.getLogger(__name__)
 
-# The largest micro-batch tried: beyond it α is fully amortized and only memory grows.
-# Accumulation counts enumerated one by one; above it they come in bands that double (AccumBand).
-# Up to EXACT_GLOBAL_BATCH samples every count to 64 is enumerated (no bands below 65: such plans are
-# solved exactly); above it counts from 9 on come in bands, which keeps the ILP small for any B.
-DENSE_ACCUM_STEPS = 64
-EXACT_GLOBAL_BATCH = 1024
-BANDED_DENSE_ACCUM_STEPS = 8
-ACCUM_BAND_GROWTH = 2
+# Accumulation counts enumerated one by one as Choices; from the next count on, bands (AccumBand).
+DENSE_ACCUM_STEPS = 1
+# A band's room is affine in n when its midpoint lies within this of the chord (shard-fraction
+# units; max_share itself is found to SHARE_TOL, and its float noise is about 1e-8). A concave
+# curve within AFFINE_TOL of its chord at the midpoint is within 2·AFFINE_TOL of it everywhere, so
+# the ILP adds 2·AFFINE_TOL to the chord: a relaxation, never a lost plan (what a plan holds is
+# priced exactly from its own counts).
+AFFINE_TOL = 1e-7
 # The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
 RUNTIME_ZERO_STAGE = 1
 
 MemoryFn = Callable[[int, int, float], float]  # (micro_batch, accum_steps, shard_fraction) -> peak bytes
+PhasesFn = Callable[[int, int, float], tuple[float, ...]]  # the same -> bytes at each candidate peak moment
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class DeviceCoeffs:
     layerwise: bool = False
     recompute_alpha_s: float | None = None
     recompute_beta_s: float | None = None
+    # the memory model's peak moments (m, n, f) -> bytes each: max_share in four evaluations
+    phases_fn: PhasesFn | None = field(default=None, compare=False, repr=False)
 
     def compute_s(self, micro_batch: int, accum_steps: int) -> float:
         if micro_batch <= 0:
@@ -111,9 +117,19 @@ class DeviceCoeffs:
     def memory_bytes(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> float:
         return self.memory_fn(micro_batch, self.memory_accum_steps(accum_steps), shard_fraction)
 
+    def fits(self, micro_batch: int, accum_steps: int, shard_fraction: float) -> bool:
+        """(m, n, f) within capacity × headroom: one memory-model evaluation (max_share takes several)."""
+        return self.memory_bytes(micro_batch, accum_steps, shard_fraction) <= self.capacity_bytes
+
     def max_share(self, micro_batch: int, accum_steps: int) -> float:
-        """The largest shard fraction that fits beside (m, n); −1 if none does (max_share_fitting)."""
-        return max_share_fitting(self.memory_fn, micro_batch, self.capacity_bytes, self.memory_accum_steps(accum_steps))
+        """The largest shard fraction that fits beside (m, n); −1 if none does (max_share_fitting,
+        in four evaluations from the memory model's peak moments where it has them)."""
+        n = self.memory_accum_steps(accum_steps)
+        if self.phases_fn is not None and micro_batch > 0:
+            share = share_from_phases(self.phases_fn, self.memory_fn, micro_batch, n, self.capacity_bytes)
+            if share is not None:
+                return share
+        return max_share_fitting(self.memory_fn, micro_batch, self.capacity_bytes, n)
 
     @property
     def speed_samples_per_s(self) -> float:
@@ -169,16 +185,22 @@ class Choice:
 
 @dataclass(frozen=True)
 class AccumBand:
-    """Accumulation counts lo..hi (> DENSE_ACCUM_STEPS) at micro-batch m, for devices of one class (above the enumerated counts).
-    Memory grows with n (or ignores it), so max_share_hi ≤ the share any n of the band may hold ≤
-    max_share_lo."""
+    """Accumulation counts lo..hi (> DENSE_ACCUM_STEPS) at micro-batch m for devices of one class,
+    over which a device's compute is n·step_s and its room for the shard is affine in n, from
+    max_share_lo at n = lo to max_share_hi at n = hi (≥ 0: every n of the band fits)."""
 
     micro_batch: int
     lo: int
     hi: int
     step_s: float  # compute of one micro-batch (n > 1: the layer-wise recompute profile at zero ≥ 2)
-    max_share_lo: float  # at n = lo: the relaxation's room
-    max_share_hi: float  # at n = hi: the room a returned plan may count on (≥ 0: hi fits)
+    max_share_lo: float
+    max_share_hi: float
+    room_tol: float = 2 * AFFINE_TOL  # how far the room may lie above the chord (CostModel.affine_tol)
+
+    def room_line(self) -> tuple[float, float]:
+        """(a, s): the room of n counts is at most a + s·n on the band (the chord plus room_tol)."""
+        s = 0.0 if self.hi == self.lo else (self.max_share_hi - self.max_share_lo) / (self.hi - self.lo)
+        return self.max_share_lo - s * self.lo + self.room_tol, s
 
 
 @dataclass(frozen=True)
@@ -213,11 +235,6 @@ class ScopeTable:
     def num_devices(self) -> int:
         return sum(c.count for c in self.classes)
 
-    @property
-    def exact(self) -> bool:
-        """Every candidate count is enumerated (no bands): the ILP's optimum is the plan space's."""
-        return not any(c.bands for c in self.classes)
-
     def comm_s(self, world_size: int) -> float:
         return self.comm.comm_s(world_size)
 
@@ -231,6 +248,8 @@ NO_SHARE = 1e-12
 # max_share is found to this precision in the shard fraction (far below one parameter's worth
 # that matters: the runtime rounds slices to whole parameters anyway).
 SHARE_TOL = 1e-9
+# share_from_phases stays this far below the moments' exact root: a few rounding steps of a slice
+PHASE_ROOT_MARGIN = 1e-7
 
 
 def cached_memory_fn(memory_at: Callable[[int, int, float], float]) -> MemoryFn:
@@ -249,6 +268,34 @@ def cached_memory_fn(memory_at: Callable[[int, int, float], float]) -> MemoryFn:
         return float(memory_at(m, n, f))
 
     return fn
+
+
+def _last_true(pred: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with pred(n), for a pred true at lo that stays false once false
+    (memory non-decreasing in n): bisection."""
+    if pred(hi):
+        return hi
+    good, bad = lo, hi
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if pred(mid) else (good, mid)
+    return good
+
+
+def share_from_phases(phases_fn: PhasesFn, memory_fn: MemoryFn, m: int, n: int, capacity_bytes: float) -> float | None:
+    """max_share_fitting from the peak moments: each is affine in f (planner.core.memory.
+    estimate_peak_phases), so the largest f under capacity is the least of their roots, taken from f = 0
+    and f = 1, less PHASE_ROOT_MARGIN (each unit's slice is rounded to whole parameters, so the
+    curve steps every 1/numel of a unit, ~3e-8 for a 1.5B model's block). Checked against the memory
+    model itself; None where it does not fit there, for the caller's search."""
+    at0, at1 = phases_fn(m, n, 0.0), phases_fn(m, n, 1.0)
+    if max(at1) <= capacity_bytes:
+        return 1.0
+    if max(at0) > capacity_bytes:
+        return -1.0
+    f = min((capacity_bytes - a) / (b - a) for a, b in zip(at0, at1) if b > capacity_bytes and b > a)
+    f = min(max(f - PHASE_ROOT_MARGIN, 0.0), 1.0)
+    return f if memory_fn(m, n, f) <= capacity_bytes else None
 
 
 def max_share_fitting(memory_fn: MemoryFn, micro_batch: int, capacity_bytes: float, accum_steps: int = 1) -> float:
@@ -305,6 +352,21 @@ def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, wor
     return cached_memory_fn(memory_at)
 
 
+def runtime_phases_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
+                      zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> PhasesFn:
+    """runtime_memory_fn's moments (planner.core.memory.estimate_peak_phases), in a fixed order, cached."""
+    from planner.core.memory import MemoryConfig, estimate_peak_phases
+
+    @lru_cache(maxsize=None)
+    def phases_at(m: int, n: int, f: float) -> tuple[float, ...]:
+        cfg = MemoryConfig(micro_batch=m, accum_steps=max(n, 1), seq=seq, dtype=dtype, recompute=recompute,
+                           dp=max(world_size, 1), zero=zero, shard_fraction=max(f, NO_SHARE), device_type=device_type)
+        phases = estimate_peak_phases(spec, cfg)
+        return tuple(float(phases[k]) for k in sorted(phases))
+
+    return phases_at
+
+
 def validate_zero(zero: int) -> int:
     if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero!r}")
@@ -345,6 +407,7 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
         optimizer_s=prof.optimizer_s_per_param * spec.num_params * device.slowdown,
         capacity_bytes=device.memory_bytes * headroom,
         memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size, zero, device.type),
+        phases_fn=runtime_phases_fn(spec, seq, dt, recompute, world_size, zero, device.type),
         measured=bool(prof.measured and (full is None or full.measured)), source=prof.source,
         layerwise=layerwise,
         recompute_alpha_s=full.alpha_s * device.slowdown if full else None,
@@ -396,9 +459,14 @@ class CostModel:
     """Per-device costs for one cluster and training setup; evaluates plans and builds ILP tables."""
 
     def __init__(self, cluster: ClusterSpec, num_params: int, coeffs: dict[DeviceSpec, DeviceCoeffs],
-                 comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel], zero: int = RUNTIME_ZERO_STAGE):
+                 comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel], zero: int = RUNTIME_ZERO_STAGE,
+                 share_step: float = 0.0):
         self.cluster = cluster
         self.num_params = num_params
+        # the room curve's own roughness: each unit's slice is a whole number of parameters (rounded),
+        # which moves memory by up to half a parameter's state per unit, about (units / P) of the
+        # state in all (the bands' affinity test allows twice that)
+        self.affine_tol = max(AFFINE_TOL, 2.0 * share_step)
         self.coeffs = coeffs
         self.zero = validate_zero(zero)
         self._comm_for = comm_for
@@ -418,7 +486,8 @@ class CostModel:
         def comm_for(devices: Sequence[DeviceSpec], multi_node: bool) -> CommModel:
             return build_comm_model(devices, multi_node, cluster, spec, zero, dtype, profiles_dir)
 
-        return cls(cluster, spec.num_params, coeffs, comm_for, zero)
+        return cls(cluster, spec.num_params, coeffs, comm_for, zero,
+                   share_step=len(runtime_units(spec)) / spec.num_params)
 
     def comm_model(self, devices: Iterable[DeviceSpec], multi_node: bool) -> CommModel:
         key = (frozenset(devices), multi_node)
@@ -461,10 +530,6 @@ class CostModel:
             1 << i for i in range(min(global_batch, MAX_MICRO_BATCH).bit_length())]
         return [m for m in ms if 0 < m <= global_batch]
 
-    @staticmethod
-    def dense_accum_steps(global_batch: int) -> int:
-        return DENSE_ACCUM_STEPS if global_batch <= EXACT_GLOBAL_BATCH else BANDED_DENSE_ACCUM_STEPS
-
     def choices(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
                 max_compute_s: float = math.inf) -> tuple[Choice, ...]:
         """The state-only choice, then every (m, n) with m from `micro_batch_candidates` whose memory
@@ -475,7 +540,7 @@ class CostModel:
         c = self.coeffs[device]
         out = []
         for m in [0] + self.micro_batch_candidates(global_batch, micro_batches):
-            for n in ([0] if m == 0 else range(1, min(global_batch // m, self.dense_accum_steps(global_batch)) + 1)):
+            for n in ([0] if m == 0 else range(1, min(global_batch // m, DENSE_ACCUM_STEPS) + 1)):
                 if c.compute_s(m, n) > max_compute_s:
                     break
                 max_share = self.max_share(device, m, n)
@@ -490,10 +555,9 @@ class CostModel:
 
     def bands(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
               max_compute_s: float = math.inf) -> tuple[AccumBand, ...]:
-        """Accumulation counts above DENSE_ACCUM_STEPS, per micro-batch, in doubling bands up to
-        min(B/m, the compute bound) and the largest n whose memory fits (memory is non-decreasing
-        in n: found by bisection); one band where the memory model ignores n. Their number grows
-        with log2(B), their cost with it (a few memory-model calls each)."""
+        """Accumulation counts above DENSE_ACCUM_STEPS, per micro-batch, up to min(B/m, the compute
+        bound) and the largest n whose memory fits (memory is non-decreasing in n: found by
+        bisection), cut into pieces over which the room is affine in n (`_affine_pieces`)."""
         c = self.coeffs[device]
         out = []
         for m in self.micro_batch_candidates(global_batch, micro_batches):
@@ -501,21 +565,49 @@ class CostModel:
             top = global_batch // m
             if step_s > 0 and math.isfinite(max_compute_s):
                 top = min(top, int(max_compute_s / step_s))
-            lo = self.dense_accum_steps(global_batch) + 1
-            if top < lo or self.max_share(device, m, lo) < 0:
+            lo = DENSE_ACCUM_STEPS + 1
+            if top < lo or not c.fits(m, lo, 0.0):
                 continue
-            if self.max_share(device, m, top) < 0:  # the largest n that fits: memory non-decreasing in n
-                fits, over = lo, top
-                while over - fits > 1:
-                    mid = (fits + over) // 2
-                    fits, over = (mid, over) if self.max_share(device, m, mid) >= 0 else (fits, mid)
-                top = fits
-            flat = self.max_share(device, m, lo) == self.max_share(device, m, top)
-            while lo <= top:
-                hi = top if flat else min(top, lo * ACCUM_BAND_GROWTH - 1)
-                out.append(AccumBand(m, lo, hi, step_s, self.max_share(device, m, lo), self.max_share(device, m, hi)))
-                lo = hi + 1
+            top = _last_true(lambda n: c.fits(m, n, 0.0), lo, top)  # the largest n that fits at all
+            # the room is capped at the whole state (1) up to some n: that plateau is one band, found
+            # by bisection, so the cap's kink costs no cascade of cuts
+            whole = _last_true(lambda n: c.fits(m, n, 1.0), lo, top) if c.fits(m, lo, 1.0) else lo - 1
+            if whole >= lo:
+                out.append(AccumBand(m, lo, whole, step_s, 1.0, 1.0))
+            if whole < top:
+                for a, b in self._affine_pieces(device, m, whole + 1, top):
+                    out.append(AccumBand(m, a, b, step_s, self.max_share(device, m, a), self.max_share(device, m, b),
+                                     2 * self.affine_tol))
         return tuple(out)
+
+    def offered(self, device: DeviceSpec, global_batch: int, micro_batches: Sequence[int] | None = None,
+                max_compute_s: float = math.inf) -> set[tuple[int, int]]:
+        """Every (m, n) with m·n > 0 the ILP may give `device`: its choices and every count of its
+        bands (for tests and explanations: a band of a large batch holds millions of counts)."""
+        out = {(c.micro_batch, c.accum_steps) for c in self.choices(device, global_batch, micro_batches,
+                                                                    max_compute_s) if c.batch}
+        for b in self.bands(device, global_batch, micro_batches, max_compute_s):
+            out.update((b.micro_batch, n) for n in range(b.lo, b.hi + 1))
+        return out
+
+    def _affine_pieces(self, device: DeviceSpec, m: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[lo, hi] cut into ranges of n over which max_share(m, n) is affine (AFFINE_TOL): a range
+        whose midpoint lies off its chord is cut there. The room is concave in n, so a range within
+        the tolerance at its midpoint is within twice it everywhere; cuts happen only around the
+        few kinks of the curve (where the memory peak moves to another moment of the step)."""
+        out, todo = [], [(lo, hi)]
+        while todo:
+            a, b = todo.pop()
+            if b - a <= 1:
+                out.append((a, b))
+                continue
+            mid = (a + b) // 2
+            ra, rb, rm = self.max_share(device, m, a), self.max_share(device, m, b), self.max_share(device, m, mid)
+            if abs(rm - (ra + (rb - ra) * (mid - a) / (b - a))) <= self.affine_tol:
+                out.append((a, b))
+            else:
+                todo += [(mid, b), (a, mid - 1)] if mid > a else [(a + 1, b), (a, a)]
+        return sorted(out)
 
     def scopes(self) -> list[tuple[str, bool, list[tuple[NodeSpec, list[int]]]]]:
         """The device sets a plan's link bandwidth depends on: all nodes (when there are several),

@@ -45,7 +45,7 @@ import pulp
 
 from planner.core.catalog import GIB, get_gpu_type
 from planner.core.cluster import ClusterSpec
-from planner.costmodel.training import Choice, ClassTable, CostModel, ScopeTable, validate_zero
+from planner.costmodel.training import AccumBand, Choice, ClassTable, CostModel, ScopeTable, validate_zero
 from planner.core.plan import Assignment, Plan, ZeroCandidate
 from planner.core.units import ZERO_STAGES
 from planner.hetero.baselines import estimate_baselines, estimate_memory_aware
@@ -61,9 +61,11 @@ ZERO_CHOICES = (ZERO_AUTO, *ZERO_STAGES)
 DEFAULT_MAX_SEQ = 2048
 # Shares below this are solver round-off, not a slice worth a rank's optimizer call.
 SHARE_EPS = 1e-9
-# The bisection stops when the best plan is within this factor of the proven lower bound
-# (unless the caller's `gap` is looser): far below the noise of any measured step time.
-BISECTION_TOL = 5e-7
+# "optimal" means within this relative distance of the proven lower bound (unless the caller's
+# `gap` is looser): 0.01 %, the default relative MIP gap of Gurobi and CPLEX, far below the noise of
+# any measured step time. A tighter one buys nothing measurable and costs the world-size search
+# many more ranges (comm(k) differs by ~A/k² between neighbouring k: bench/planner_scaling.py).
+BISECTION_TOL = 1e-4
 # Bisection steps of the water-filling that prices one configuration's shares (2^-60: exact in float).
 WATER_FILL_STEPS = 60
 
@@ -143,7 +145,9 @@ class BoundedCBC(pulp.PULP_CBC_CMD):
     kernel ends CBC at the limit even if this process dies first (no orphan outlives it)."""
 
     def __init__(self, wall_s: float, memory_bytes: int = CBC_MEMORY_BYTES, threads: int | None = None):
-        super().__init__(msg=False, timeLimit=max(wall_s, 0.01), threads=threads)
+        # presolve off: on these small probes CBC's presolve costs more than it saves (a 256-variable
+        # probe at B = 1e7 took 0.36 s with it, 0.03 s without; the answers are the same)
+        super().__init__(msg=False, timeLimit=max(wall_s, 0.01), threads=threads, presolve=False)
         self.wall_s, self.memory_bytes = wall_s, memory_bytes
 
     def actualSolve(self, lp, **kwargs):
@@ -164,11 +168,34 @@ class BoundedCBC(pulp.PULP_CBC_CMD):
             os.unlink(wrapper)
 
 
+def band_rows(band: AccumBand, opt_s: float, slack_s: float, n_top: int) -> list[tuple[float, float]]:
+    """Rows (a, s) with F ≤ a·x + s·N that say exactly how much state x devices of a band can hold
+    with N accumulation steps in total by the time t (slack_s = t − comm for compute and optimizer).
+
+    A device on n steps holds at most ℓ(n) = min(room(n), (slack − n·step)/opt), room affine on the
+    band (AccumBand.room_line): ℓ is concave, so the even split (n_i ∈ {⌊N/x⌋, ⌈N/x⌉}) holds the
+    most, Σ ℓ(n_i) = x·ℓ̂(N/x) with ℓ̂ the interpolation of ℓ at whole n. ℓ̂ is the least of three
+    lines: the room, the time room, and the chord over the unit interval where those two cross; each
+    line L(n) = a + s·n gives the row F ≤ x·L(N/x) = a·x + s·N."""
+    a1, s1 = band.room_line()
+    rows = [(a1, s1)]
+    if opt_s <= 0:  # no optimizer time: only memory bounds the share
+        return rows
+    a2, s2 = slack_s / opt_s, -band.step_s / opt_s
+    rows.append((a2, s2))
+    if s1 != s2:
+        j = math.floor((a2 - a1) / (s1 - s2))  # the lines cross in [j, j + 1]
+        if band.lo <= j < n_top:
+            v0, v1 = (min(a1 + s1 * n, a2 + s2 * n) for n in (j, j + 1))
+            rows.append((v0 - (v1 - v0) * j, v1 - v0))
+    return rows
+
+
 def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
-          time_limit_s: float, threads: int | None = None, relaxed: bool = False) -> Config | None:
-    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s, or None.
-    `relaxed`: the bands' rows loosened so that every plan of the space passes (a proof of
-    infeasibility only; the configuration it returns is not a plan)."""
+          time_limit_s: float, threads: int | None = None) -> Config | None:
+    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s (up to
+    the bands' 2·AFFINE_TOL of room: the caller prices it exactly), or None, which proves that no
+    plan of the scope's world sizes ends by t_s."""
     if time_limit_s <= 0:
         raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
     prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
@@ -204,10 +231,9 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
             entries.append((g, ch, x, F))
         for b, band in enumerate(cls.bands):
             slack_s = t_s - comm_s  # what one device of the band has for compute + optimizer
-            # the most steps one device may take by t_s (the band's rows below need each n_i ≤ it)
+            # the most steps one device may take by t_s (a device at n needs n·step ≤ t − comm)
             n_top = min(band.hi, int(slack_s / band.step_s) if band.step_s > 0 else band.hi)
-            room = band.max_share_lo if relaxed else band.max_share_hi
-            if n_top < band.lo or room < 0:
+            if n_top < band.lo:
                 continue
             ub = min(cls.count, global_batch // (band.micro_batch * band.lo))
             if ub < 1:
@@ -219,13 +245,9 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
             # counts: lo ≤ each n_i ≤ n_top, so lo·x ≤ N ≤ n_top·x (split evenly: n_i ∈ {⌊N/x⌋, ⌈N/x⌉})
             prob += N >= band.lo * x, f"band_lo_{g}_{b}"
             prob += N <= n_top * x, f"band_hi_{g}_{b}"
-            # memory: F ≤ room·x (room at the band's top: every n_i of it fits; relaxed: at its bottom)
-            prob += F <= room * x, f"band_mem_{g}_{b}"
-            # time, summed over the x devices: Σ (n_i·step + opt·f_i) ≤ x·(t − comm). Split evenly, a
-            # device has n_i ≤ N/x + 1, so the plan's rows hold when x·(t − comm − step) is the bound
-            # (one micro-batch per device given up); relaxed: the sum of the rows themselves
-            budget_s = slack_s if relaxed else slack_s - band.step_s
-            prob += band.step_s * N + cls.coeffs.optimizer_s * F <= budget_s * x, f"band_time_{g}_{b}"
+            # the most state the x devices hold: F ≤ a·x + s·N for each row (band_rows)
+            for r, (a, sl) in enumerate(band_rows(band, cls.coeffs.optimizer_s, slack_s, n_top)):
+                prob += F <= a * x + sl * N, f"band_room_{g}_{b}_{r}"
             xs.append(x)
             entries.append((g, None, x, F))
             band_entries.append((g, band, x, N))
@@ -306,19 +328,17 @@ class _Bisection:
         self.comm_s = table.comm_s(world[1] if comm_k is None else comm_k)
         self.lo, self.hi = lo_s, hi_s
         self.best: tuple[float, Config] | None = None
-        self.proven_lo = True  # every rise of lo was a proof (the bands' relaxation was infeasible too)
+        self.proven_lo = True  # every rise of lo was a proof (an infeasible probe)
         self.stalled = False  # a probe moved neither end (CBC's tolerance): stop bisecting
 
     def try_at(self, t_s: float) -> bool:
         """Probe t_s: a feasible configuration lowers hi to its exact time, infeasibility raises lo.
-        ProbeTimeout (undecided) moves neither. With bands, an infeasible probe is a proof only if
-        the relaxation is infeasible too; else lo rises all the same and the search is unproven."""
+        ProbeTimeout (undecided) moves neither. A configuration the probe accepted within the bands'
+        tolerance that cannot hold the state when priced exactly raises lo all the same, unproven."""
         config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic())
         priced = price_config(self.table, config, self.comm_s) if config else None
         if priced is None:
-            if self.proven_lo and not self.table.exact and probe(
-                    self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic(),
-                    relaxed=True) is not None:
+            if config:
                 self.proven_lo = False
             self.lo = max(self.lo, t_s)
             return False
@@ -395,12 +415,16 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
     fluid_s = _lower_bound_s(table, global_batch)
     best: tuple[float, Config, int] | None = None
     proven = True
-    # (lo, hi, a lower bound of the range's plans): the range holding every device first
-    stack: list[tuple[int, int, float]] = [(1, table.num_devices, 0.0)]
+    # (lo, hi, a lower bound of the range's plans): first the ranges between powers of two, where
+    # the collectives' latency (⌈log2 k⌉ hops) is constant and the ring's (k − 1)/k varies least, so
+    # comm(lo) bounds the whole range tightly (one range [1, K] priced at comm(1) = 0 bounds nothing);
+    # the most promising range is searched first (popped last)
+    stack = sorted(world_segments(table.num_devices), key=lambda r: -_range_bound_s(table, global_batch, *r))
+    stack = [(lo, hi, 0.0) for lo, hi in stack]
     while stack:
         lo, hi, parent_s = stack.pop()
         incumbent = best[0] if best else upper_s
-        lower_s = max(parent_s, fluid_s, _lower_bound_s(table, global_batch, hi) + table.comm_s(lo))
+        lower_s = max(parent_s, fluid_s, _range_bound_s(table, global_batch, lo, hi))
         if lower_s >= incumbent * (1 - tol):
             continue
         if time.monotonic() >= deadline:
@@ -428,6 +452,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
     if best is None:
         return None
     t_s, config, k = best
+    config = fewest_steps(table, config)
     _, shares = price_config(table, config, table.comm_s(k))
     per_device: dict[int, tuple[int, int, float]] = {}
     free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
@@ -435,6 +460,38 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         for _ in range(x):
             per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
     return ScopeSolution("optimal" if proven else "feasible", t_s, per_device)
+
+
+def world_segments(num_devices: int) -> list[tuple[int, int]]:
+    """[1, 1], [2, 2], [3, 4], [5, 8], ... up to num_devices: world sizes between powers of two."""
+    out, lo = [], 1
+    while lo <= num_devices:
+        hi = min(num_devices, 1 if lo == 1 else 2 * (lo - 1))
+        out.append((lo, hi))
+        lo = hi + 1
+    return out
+
+
+def _range_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int) -> float:
+    """No plan with lo ≤ k ≤ hi devices is faster than the hi fastest devices' fluid bound plus comm(lo)."""
+    return _lower_bound_s(table, global_batch, hi) + table.comm_s(lo)
+
+
+def fewest_steps(table: ScopeTable, config: Config) -> Config:
+    """Each entry's batch in the fewest accumulation steps that are no slower and hold no less state:
+    where the profile prices m = 1 × n = 4 like m = 4 × n = 1 (α = 0), every accumulation step still
+    has fixed costs the profile may not resolve. The configuration's time cannot rise."""
+    out = []
+    for g, ch, x in config:
+        cls = table.classes[g]
+        sizes = {c.micro_batch for c in cls.choices} | {b.micro_batch for b in cls.bands}
+        for m in sorted((m for m in sizes if m > ch.micro_batch and ch.batch % m == 0), reverse=True):
+            alt = cls.choice(m, ch.batch // m)
+            if alt.compute_s <= ch.compute_s * (1 + 1e-12) and alt.max_share >= ch.max_share * (1 - 1e-12):
+                ch = alt
+                break
+        out.append((g, ch, x))
+    return out
 
 
 def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
@@ -672,8 +729,8 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     log.info("plan for %s on %s: zero %d, %.4g s/iteration (%s, %s) in %.3f s", model, cluster.name, cost.zero,
              plan.predicted_iteration_s, sol.status, best.scope, solve_s)
     reason = "" if sol.status == "optimal" else (
-        f"not proven optimal: the time limit of {time_limit_s:g} s (--time-limit) ran out, or accumulation counts "
-        "above the enumerated ones were searched in bands (planner/costmodel/training.py)")
+        f"not proven optimal: the time limit of {time_limit_s:g} s (--time-limit) ran out before the search closed "
+        f"to {BISECTION_TOL:.0e} of its lower bound")
     return HeteroResult(sol.status, sol.objective_s, plan, solve_s, reason)
 
 
