@@ -270,6 +270,23 @@ def cached_memory_fn(memory_at: Callable[[int, int, float], float]) -> MemoryFn:
     return fn
 
 
+def last_fitting(c: DeviceCoeffs, m: int, f: float, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] at which (m, n, f) fits, given that it fits at lo. Every peak moment
+    is affine in n (the unit boundaries kept grow with it), so the moments at lo and hi give the
+    answer in four evaluations, checked against the memory model (fits at n, not at n + 1); bisection
+    where the check fails or the moments are unknown."""
+    if c.fits(m, hi, f):
+        return hi
+    if c.phases_fn is not None:
+        at_lo, at_hi = c.phases_fn(m, lo, f), c.phases_fn(m, hi, f)
+        cap = c.capacity_bytes
+        n = min(lo + math.floor((cap - a) * (hi - lo) / (b - a)) for a, b in zip(at_lo, at_hi) if b > cap and b > a)
+        n = min(max(n, lo), hi - 1)
+        if c.fits(m, n, f) and not c.fits(m, n + 1, f):
+            return n
+    return _last_true(lambda k: c.fits(m, k, f), lo, hi)
+
+
 def _last_true(pred: Callable[[int], bool], lo: int, hi: int) -> int:
     """The largest n in [lo, hi] with pred(n), for a pred true at lo that stays false once false
     (memory non-decreasing in n): bisection."""
@@ -568,10 +585,10 @@ class CostModel:
             lo = DENSE_ACCUM_STEPS + 1
             if top < lo or not c.fits(m, lo, 0.0):
                 continue
-            top = _last_true(lambda n: c.fits(m, n, 0.0), lo, top)  # the largest n that fits at all
+            top = last_fitting(c, m, 0.0, lo, top)  # the largest n that fits at all
             # the room is capped at the whole state (1) up to some n: that plateau is one band, found
-            # by bisection, so the cap's kink costs no cascade of cuts
-            whole = _last_true(lambda n: c.fits(m, n, 1.0), lo, top) if c.fits(m, lo, 1.0) else lo - 1
+            # directly, so the cap's kink costs no cascade of cuts
+            whole = last_fitting(c, m, 1.0, lo, top) if c.fits(m, lo, 1.0) else lo - 1
             if whole >= lo:
                 out.append(AccumBand(m, lo, whole, step_s, 1.0, 1.0))
             if whole < top:

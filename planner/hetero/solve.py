@@ -504,6 +504,13 @@ def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None
     return global_batch / rate if rate > 0 else math.inf
 
 
+def _most_samples(table: ScopeTable) -> int:
+    """The most samples the scope's devices can take in one step, each on its largest choice or band."""
+    return sum(cls.count * max([ch.batch for ch in cls.choices] + [b.micro_batch * b.hi for b in cls.bands],
+                               default=0)
+               for cls in table.classes)
+
+
 def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
     """No plan of the scope is faster than its devices' fluid bound plus one device's collectives
     (none: comm(1) = 0)."""
@@ -572,8 +579,8 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
     proven = True
     for table in sorted(tables, key=lambda t: bounds[t.name]):
         incumbent = best[2] if best else beat_s
-        if bounds[table.name] >= incumbent * (1 - tol):
-            continue
+        if bounds[table.name] >= incumbent * (1 - tol) or _most_samples(table) < global_batch:
+            continue  # cannot beat the incumbent, or cannot take the batch even with every device full
         if time.monotonic() >= deadline:
             proven = False
             break
