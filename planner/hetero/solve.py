@@ -494,14 +494,28 @@ def fewest_steps(table: ScopeTable, config: Config) -> Config:
     return out
 
 
+def _best_rate(cls: ClassTable) -> float:
+    """The most samples per second one device of the class computes on any of its choices or bands
+    (α amortized over the largest micro-batch that fits)."""
+    rates = [ch.batch / ch.compute_s for ch in cls.choices if ch.batch and ch.compute_s > 0]
+    rates += [b.micro_batch / b.step_s for b in cls.bands if b.step_s > 0]
+    return max(rates, default=0.0)
+
+
 def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
-    """Fluid bound: the `max_devices` fastest devices that can compute at all, at 1/β each, with no α,
-    optimizer or collectives."""
-    rates = sorted((1.0 / cls.coeffs.beta_s for cls in table.classes
-                    if cls.bands or any(ch.batch for ch in cls.choices)
-                    for _ in range(cls.count)), reverse=True)
+    """Fluid bound of the `max_devices` fastest devices (no collectives): a device i that takes b_i
+    samples and holds f_i of the state needs T ≥ b_i / r_i + f_i·opt_i at its best rate r_i, so
+    Σ r_i·T ≥ B + Σ r_i·f_i·opt_i ≥ B + min_i r_i·opt_i (Σ f_i = 1); with Σ r_i at most the
+    fastest devices' sum R, T ≥ (B + min_i r_i·opt_i) / R."""
+    per_class = [(_best_rate(cls), cls) for cls in table.classes]
+    rates = sorted((r for r, cls in per_class for _ in range(cls.count) if r > 0), reverse=True)
     rate = sum(rates[:max_devices] if max_devices is not None else rates)
-    return global_batch / rate if rate > 0 else math.inf
+    if rate <= 0:
+        return math.inf
+    # state-only devices (rate 0) may hold the whole state: then no optimizer time is forced on the workers
+    state_only = any(any(ch.batch == 0 and ch.max_share > 0 for ch in cls.choices) for cls in table.classes)
+    opt_term = 0.0 if state_only else min(r * cls.coeffs.optimizer_s for r, cls in per_class if r > 0)
+    return (global_batch + opt_term) / rate
 
 
 def _most_samples(table: ScopeTable) -> int:
