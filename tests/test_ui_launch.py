@@ -292,10 +292,15 @@ def test_a_planned_run_and_its_even_split_are_compared_measured(data_dir):
     assert values["Speedup over the even split"] == "2.50×"
     line = next(m.value for m in at.markdown if "Median step over steps 3.." in m.value)
     assert "planned split 200.0 ms (10 steps), even split 500.0 ms (10 steps)" in line and "2.50× as fast" in line
+    captions = [c.value for c in at.caption]
+    assert any(c.startswith("Planned split: measured median step 200.0 ms against ") for c in captions), captions
+    assert any(c.startswith("Even split: measured median step 500.0 ms against ") for c in captions), captions
     assert at.button(key="launch_measure_even").label == "Measure the even split again"
     # the even run watched: the same comparison, from its side
     at = run_page(plan, planned + "-even")
     assert {m.value for m in at.metric} >= {"2.50×"}
+    shown = [c.value for c in at.caption] + [w.value for w in at.warning]  # with the planned run's reasons
+    assert any(t.startswith("Planned split: measured median step 200.0 ms against ") for t in shown), shown
 
 
 def test_measuring_the_even_split_waits_for_the_machine(data_dir):

@@ -345,6 +345,12 @@ def gap_text(measured_s: float, predicted_s: float) -> tuple[str, bool]:
     return line, abs(gap) <= GAP_TOLERANCE_PERCENT
 
 
+def gap_line(measured_s: float, predicted_s: float) -> str:
+    """gap_text with its verdict: "(within 15 %)" or "(outside 15 %)"."""
+    line, within = gap_text(measured_s, predicted_s)
+    return f"{line} ({'within' if within else 'outside'} {GAP_TOLERANCE_PERCENT:g} %)"
+
+
 def render_gap(m: dict[str, Any], prefix: str = "") -> None:
     """Measured against predicted step time: by how much, and the likely reasons when they differ."""
     med, pred = measured_step(m), m.get("predicted_iteration_s")
@@ -390,8 +396,9 @@ def render_even_run(even_m: dict[str, Any] | None, even_dir: str) -> None:
                    icon=":material/stop_circle:")
 
 
-def render_comparison(planned_m: dict[str, Any], even_m: dict[str, Any]) -> None:
-    """Both runs measured: their median step times, the speedup, and each against its prediction."""
+def render_comparison(planned_m: dict[str, Any], even_m: dict[str, Any], with_reasons: bool) -> None:
+    """Both runs measured: their median step times, the speedup, and each against its prediction
+    (`with_reasons`: the planned run's likely reasons too, when the page does not show them above)."""
     from executor.compare import SKIP_STEPS, compare_runs
 
     try:
@@ -413,10 +420,12 @@ def render_comparison(planned_m: dict[str, Any], even_m: dict[str, Any]) -> None
                     f"{common.fmt_seconds(c.planned_step_s)} ({c.planned_steps} steps), even split "
                     f"{common.fmt_seconds(c.even_step_s)} ({c.even_steps} steps): the planned split is "
                     f"{c.speedup:.2f}× as fast ({faster}).")
-        render_gap(planned_m, prefix="Planned split: ")
+        if with_reasons:
+            render_gap(planned_m, prefix="Planned split: ")
+        elif c.planned_predicted_s:  # the watched run: its gap and reasons are shown above
+            st.caption(f"Planned split: {gap_line(c.planned_step_s, c.planned_predicted_s)}.")
         if c.even_predicted_s:
-            line, _ = gap_text(c.even_step_s, c.even_predicted_s)
-            st.caption(f"Even split: {line}.")
+            st.caption(f"Even split: {gap_line(c.even_step_s, c.even_predicted_s)}.")
 
 
 def measure_even_button(even: Plan, planned_dir: str, planned_m: dict[str, Any], again: bool) -> None:
@@ -479,7 +488,7 @@ def render_compare(run_dir: str, m: dict[str, Any]) -> None:
             with contextlib.suppress(ValueError):  # the launcher has not written its store yet
                 even_m = _store().read_metrics(evens[-1])
             if even_m is not None and even_m["status"] == "done":
-                render_comparison(planned_m, even_m)
+                render_comparison(planned_m, even_m, with_reasons=planned_dir != run_dir)
             else:
                 render_even_run(even_m, evens[-1])
         if planned_m["status"] == "running":
