@@ -14,7 +14,7 @@ from tests.conftest import fabricate_run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 APP = os.path.join(ROOT, "app.py")
 # shared modules in ui/ that are not pages
-NOT_PAGES = {"__init__.py", "state.py", "common.py", "background.py", "compute.py"}
+NOT_PAGES = {"__init__.py", "state.py", "common.py", "background.py", "compute.py", "charts.py"}
 # first render of a page may import torch or solve a small ILP on a loaded 2-core machine
 TIMEOUT_S = 60
 
@@ -177,3 +177,14 @@ def test_after_stop_the_sidebar_link_goes_at_once(data_dir):
     # one source of status: the store; no cached "Running" link after Stop
     assert not [e for e in at.get("page_link") if e.proto.label.startswith("Running:")]
     assert at.button(key="stop_button").disabled
+
+
+def test_no_page_imports_plotly():
+    """Every chart is Vega-Lite (ui/charts.py): a Plotly chart's lazily loaded JavaScript alone
+    puts a page opened in a new tab over 2 s (issue 16)."""
+    import glob
+
+    for path in [os.path.join(ROOT, "app.py"), *glob.glob(os.path.join(ROOT, "ui", "*.py"))]:
+        with open(path, encoding="utf-8") as fh:
+            src = fh.read()
+        assert "import plotly" not in src and "from plotly" not in src and "plotly_chart" not in src, path

@@ -6,7 +6,7 @@ House rules these helpers make cheap to follow (docs/TEAM.md):
 - emulated devices are marked (`emulated_marker`, `device_label`);
 - bad input shows `st.error` with one clear line, never a traceback
   (`show_errors`, `call_or_error`);
-- every chart axis has a unit (`style_figure`, `line_figure`);
+- every chart axis has a unit (ui/charts.py, `line_figure`);
 - SQLite connections shared between reruns come from `sqlite_connection`
   (`st.cache_resource`).
 
@@ -40,7 +40,6 @@ EMULATED = "emulated"
 _BADGE_COLOR = {PREDICTED: "blue", SIMULATED: "blue", MEASURED: "green", ESTIMATED: "orange", EMULATED: "violet"}
 
 # chart defaults live in ui/charts.py (imported above, kept here as stable names)
-_CHART_MARGIN = dict(l=10, r=10, t=40, b=10)
 
 _KIB = 1024
 
@@ -278,25 +277,8 @@ def show_table(rows: Any, key: str | None = None, *, max_static_rows: int = SMAL
 
 
 # ---- charts ------------------------------------------------------------------------------
-# Every chart is Vega-Lite, built in ui/charts.py (why: its docstring). These names stay for the
+# Every chart is Vega-Lite, built in ui/charts.py (why: its docstring); these names stay for the
 # pages that import them from here.
-
-
-def style_figure(fig: Any, x_title: str, y_title: str, title: str | None = None, height: int = CHART_HEIGHT_PX) -> Any:
-    """Deprecated: the Plotly layout of a page not yet moved to ui/charts.py (axis titles with
-    units, the title top left, the legend on its own row). Calls the figure's own methods, so
-    this module never imports Plotly."""
-    fig.update_layout(
-        title=dict(text=title, x=0, xanchor="left", y=0.98, yanchor="top") if title else None,
-        height=height,
-        margin=dict(_CHART_MARGIN, t=_CHART_MARGIN["t"] + (30 if title else 0)),
-        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="left", x=0),
-        hovermode="x unified",
-        template="plotly_white",
-    )
-    fig.update_xaxes(title_text=x_title)
-    fig.update_yaxes(title_text=y_title)
-    return fig
 
 
 def line_figure(
@@ -313,14 +295,10 @@ def line_figure(
 
 
 def show_figure(fig: Any, key: str | None = None) -> None:
-    """The one place a page draws a chart, full width: an Altair chart (ui/charts.py) with
-    `st.altair_chart`; a Plotly figure of a page not yet moved with `st.plotly_chart`."""
+    """The one place a page draws a chart (an Altair chart from ui/charts.py), full width."""
     from ui.charts import show_chart
 
-    if hasattr(fig, "to_plotly_json"):
-        st.plotly_chart(fig, width="stretch", key=key, config={"displaylogo": False})
-    else:
-        show_chart(fig, key=key)
+    show_chart(fig, key=key)
 
 
 # ---- shared resources --------------------------------------------------------------------
