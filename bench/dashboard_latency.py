@@ -41,6 +41,7 @@ from planner.core.paths import ENV_DATA_DIR  # noqa: E402
 from tests.conftest import RENDERED_JS, fabricate_run, launch_browser, streamlit_server, write_step  # noqa: E402
 
 TARGET_S = 2.0
+FLOOR_WARN_SHARE = 0.8  # a floor above this share of the target is said aloud: the machine is loaded
 PAGES = {"Inventory": "inventory", "Model & memory": "memory", "Plan": "plan", "Launch & monitor": "launch",
          "Runs": "runs", "Scheduler": "scheduler", "Geo": "geo"}
 FIRST_STEPS = 3  # rows the fabricated run has when the page opens
@@ -237,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['tab_complete_minus_floor_s']:>+7.2f}s  {ok:<41} {r['nav_title_s']:>20.2f}s {r['nav_complete_s']:>9.2f}s")
     slow = [t for t, r in result["pages"].items() if not r["target_met"]]
     print(f"  new-tab target: {'every page ok' if not slow else 'SLOW: ' + ', '.join(slow)}")
+    if ref["tab_complete_s"] > FLOOR_WARN_SHARE * TARGET_S:
+        print(f"  note: the one-line app alone took {ref['tab_complete_s']:.2f} s in these rounds (Streamlit and this "
+              f"machine's load): the target leaves a page {TARGET_S - ref['tab_complete_s']:+.2f} s above that floor")
     d = result["row_to_browser_s"]
     ok = "ok" if d["median"] <= TARGET_S else "SLOW"  # issue 6
     print(f"Metric row written to SQLite -> visible on Launch & monitor: median {d['median']:.2f} s, "
