@@ -27,6 +27,7 @@ MAX_MARKER_POINTS = 200  # line charts draw a marker per point up to this many p
 GANTT_ROW_PX = 22  # a Gantt chart grows with its rows, within [GANTT_MIN_PX, GANTT_MAX_PX]
 GANTT_MIN_PX, GANTT_MAX_PX = 260, 900
 FRAME_PX = 190  # what a chart's height holds besides its plot: title, legend, x axis and its title
+WRAP_LABEL_CHARS = 14  # a category label longer than this is written on several lines
 RAW_OPACITY = 0.45  # the raw points under a rolling median
 
 # the fields of the long-form tables the builders make (one row per point/bar)
@@ -100,11 +101,13 @@ def y_axis(title: str, values: Iterable[float | None] = (), *, log: bool = False
 
 
 def category_axis(title: str | None, categories: Sequence[str]):
-    """A bar chart's x axis: the categories in the order given, labels horizontal and broken into
-    lines at spaces ("best homogeneous"), so that long names are not dropped for overlapping."""
+    """A bar chart's x axis: the categories in the order given, labels horizontal, a long one
+    broken into lines at spaces ("best homogeneous"), so that long names are not dropped for
+    overlapping."""
     alt = _alt()
     return alt.X(f"{X}:N", title=title or None, sort=list(dict.fromkeys(categories)),
-                 axis=alt.Axis(labelAngle=0, labelLimit=240, labelExpr="split(datum.label, ' ')"))
+                 axis=alt.Axis(labelAngle=0, labelLimit=240,
+                               labelExpr=f"length(datum.label) > {WRAP_LABEL_CHARS} ? split(datum.label, ' ') : datum.label"))
 
 
 def bar_floor(scale: Any) -> dict[str, Any]:
