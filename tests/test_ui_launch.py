@@ -178,15 +178,16 @@ def test_gap_reasons_read_the_kinds_from_the_run_plan_and_name_an_extrapolated_m
         save_step_profile(StepProfile(kind, "tiny", 64, "fp32", "none", 0.001, 0.004, 1e-9, 0.99, True, "test", 1e6,
                                       micro_batches=(4, 8, 16, 32)))
     m = {"model": "tiny", "seq": 64, "dtype": "fp32", "run_dir": run_dir,
-         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": mb, "median_wait_s": w}
-                   for i, (mb, w) in enumerate(((8, 0.01), (2, 0.04)))]}
+         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": mb, "accum_steps": n, "median_wait_s": w}
+                   for i, (mb, n, w) in enumerate(((8, 3, 0.01), (2, 20, 0.04)))]}
     reasons = gap_reasons(m)
     assert not any("no measured profile" in r for r in reasons), reasons
     quota = [r for r in reasons if "CPU quota" in r]
     assert quota == ["rank 1 runs under a CPU quota of 0.333 of a core: its part of each collective is throttled "
                      "too, which the collectives' pricing (unthrottled) does not see (its median wait in "
                      "collectives: 40.0 ms per step)"]
-    assert [r for r in reasons if "micro-batch" in r] == [
+    assert [r for r in reasons if "micro-batches per step" in r] == []  # alpha 1 ms: priced
+    assert [r for r in reasons if "micro-batch of" in r] == [
         "rank 1's micro-batch of 2 is outside the sizes its profile timed (4–32): the profile's line is "
         "extrapolated there (small micro-batches pay a per-call overhead the line does not hold)"]
 
@@ -317,3 +318,22 @@ def test_a_homogeneous_plan_has_nothing_to_compare(data_dir):
     at = run_page(two_cpu_plan(), done)
     assert not [b for b in at.button if b.key == "launch_measure_even"]
     assert any("an even split is already what was planned" in c.value for c in at.caption)
+
+
+def test_gap_reasons_name_many_micro_batches_on_a_profile_without_a_fixed_cost(data_dir):
+    from planner.core.profiles import StepProfile, save_step_profile
+    from ui.launch import gap_reasons
+
+    run_dir = os.path.join(data_dir, "runs", "mixed")
+    os.makedirs(run_dir)
+    plan = mixed_plan()
+    plan.save(os.path.join(run_dir, "plan.json"))
+    for kind in sorted({d.profile_key for _, d in plan.cluster.devices()}):
+        save_step_profile(StepProfile(kind, "tiny", 64, "fp32", "none", 0.0, 0.004, 1e-9, 0.99, True, "test", 1e6,
+                                      micro_batches=(4, 8, 16, 32)))
+    m = {"model": "tiny", "seq": 64, "dtype": "fp32", "run_dir": run_dir,
+         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": 4, "accum_steps": n}
+                   for i, n in enumerate((35, 3))]}
+    assert [r for r in gap_reasons(m) if "micro-batches per step" in r] == [
+        "rank 0 runs 35 micro-batches per step and its profile fitted no fixed cost per micro-batch (α = 0): what "
+        "the runtime does per micro-batch (its data windows, the gradient accumulation) is not priced"]

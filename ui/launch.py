@@ -33,6 +33,7 @@ GAP_TOLERANCE_PERCENT = 15.0  # within this, the prediction holds (issue 16's ba
 BACKENDS = ("local", "slurm")  # executor launch --backend
 COMPARE_WATCH_S = 30.0  # the even-split run's default length, at most, at its predicted step
 MIN_COMPARE_STEPS = 20  # and at least this many steps
+MANY_MICRO_BATCHES = 8  # per step: where an unpriced per-micro-batch cost shows (gap_reasons)
 
 
 def _store():
@@ -285,6 +286,11 @@ def _profile_reasons(m: dict[str, Any], kinds: dict[int, str]) -> list[str]:
                     reasons.append(f"rank {r['rank']}'s micro-batch of {r['micro_batch']} is outside the sizes its "
                                    f"profile timed ({lo}–{hi}): the profile's line is extrapolated there (small "
                                    "micro-batches pay a per-call overhead the line does not hold)")
+            if (p is not None and p.measured and p.alpha_s <= 0
+                    and (r.get("accum_steps") or 0) >= MANY_MICRO_BATCHES):
+                reasons.append(f"rank {r['rank']} runs {r['accum_steps']} micro-batches per step and its profile "
+                               "fitted no fixed cost per micro-batch (α = 0): what the runtime does per micro-batch "
+                               "(its data windows, the gradient accumulation) is not priced")
     return reasons
 
 
