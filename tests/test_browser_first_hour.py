@@ -56,20 +56,27 @@ def shown(value: str, unit: str) -> float:
     return 0.5 * 10.0 ** -decimals * UNITS[unit] * (1 + 1e-9)
 
 
+# the cells of an interactive grid (glide draws on a canvas; its ARIA grid has the text), or of a
+# static st.table (HTML): (table, header cell, body row, body cell)
+TABLES = (('[data-testid="stDataFrame"]', '[role="columnheader"]', '[role="row"]:has([role="gridcell"])',
+           '[role="gridcell"]'),
+          ('[data-testid="stTable"]', "thead th", "tbody tr", "th, td"))  # th: a row header under a header cell
+
+
 def table_column(page: Page, header: str) -> list[str]:
-    """The cells of one column of the page's first table (glide draws on a canvas; its ARIA grid
-    has the text), once the grid has drawn its headers (it redraws after a rerun)."""
-    grid = page.locator('[data-testid="stMain"] [data-testid="stDataFrame"]').first
+    """The cells of one column of the page's first table, once it has drawn its headers (a grid
+    redraws after a rerun)."""
     deadline = time.monotonic() + WAIT_MS / 1000
     while True:
-        headers = [h.strip() for h in grid.locator('[role="columnheader"]').all_inner_texts()]
-        cols = [i for i, h in enumerate(headers) if h.startswith(header)]
-        if cols:
-            break
-        assert time.monotonic() < deadline, f"no column {header!r} in the table's headers {headers}"
+        for table, head, row, cell in TABLES:
+            grid = page.locator(f'[data-testid="stMain"] {table}').first
+            headers = [h.strip() for h in grid.locator(head).all_inner_texts()] if grid.count() else []
+            cols = [i for i, h in enumerate(headers) if h.startswith(header)]
+            if cols:
+                rows = grid.locator(row)
+                return [rows.nth(i).locator(cell).nth(cols[0]).inner_text().strip() for i in range(rows.count())]
+        assert time.monotonic() < deadline, f"no table with a column {header!r} on the page"
         page.wait_for_timeout(250)
-    rows = grid.locator('[role="row"]:has([role="gridcell"])')
-    return [rows.nth(i).locator('[role="gridcell"]').nth(cols[0]).inner_text().strip() for i in range(rows.count())]
 
 
 def iteration_shown(page: Page) -> str:
