@@ -57,6 +57,7 @@ from models.runtime import micro_batch_loss
 from models.sharded import ShardedRuntime
 from planner.core.catalog import GIB
 from planner.core.cluster import profile_key
+from planner.core.constants import PROFILE_MICRO_BATCHES
 from planner.core.paths import PROJECT_ROOT
 from planner.core.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
 from planner.core.specs import ModelSpec, get_model, with_max_seq
@@ -66,9 +67,11 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float, str], None]
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-# Micro-batches large enough that compute, not Python overhead, dominates at seq 128 on one
-# core, so the line fit is not drowned by scheduler noise on a shared machine.
-DEFAULT_MICRO_BATCHES = (4, 8, 16, 32)
+# From 1 up: the fixed cost of a micro-batch (α: Python, kernel launches, a CPU quota's period)
+# is what the smallest sizes resolve. Timed from 4 up it fitted to 0 (tiny at seq 128 under a third
+# of a core: α 0.00 ms from 4..32, 7.95 ms from 1..32, R² 0.996 and 0.999), and the planner then
+# priced 139 micro-batches of 1 like 4 of 35: a run 2× slower than predicted (issue 16).
+DEFAULT_MICRO_BATCHES = PROFILE_MICRO_BATCHES
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_FIT_POINTS = 4

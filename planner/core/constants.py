@@ -21,6 +21,9 @@ ZERO_STAGES = (1, 2, 3)
 
 # The largest micro-batch a planner tries: beyond it α is fully amortized and only memory grows.
 MAX_MICRO_BATCH = 64
+# The micro-batch sizes a step profile times by default (profiler.step_profile): from 1 up, where the
+# fixed cost of a micro-batch shows
+PROFILE_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 # The share of a device's memory a plan may use: the rest is the allocator's fragmentation, the CUDA
 # context and the communication library's buffers.
 MEMORY_HEADROOM = 0.9

@@ -10,6 +10,7 @@ import argparse
 import logging
 
 from planner.cli import device_arg, float_arg, int_arg, print_json, print_table
+from planner.core.constants import PROFILE_MICRO_BATCHES
 from planner.core.memory_command import MAX_SEQ
 
 HELP = "measure forward+backward time vs micro-batch (alpha + beta*m) on a local device"
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int_arg(1, MAX_SEQ), default=128, help="sequence length (default 128)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--recompute", choices=("none", "full"), default="none")
-    p.add_argument("--micro-batches", type=_sizes, default=(4, 8, 16, 32), metavar="M1,M2,...",
+    p.add_argument("--micro-batches", type=_sizes, default=PROFILE_MICRO_BATCHES, metavar="M1,M2,...",
                    help="micro-batch sizes to time (at least 4; default 4,8,16,32)")
     p.add_argument("--repeats", type=int_arg(1, MAX_REPEATS), default=5, help="timed repeats per size (median; default 5)")
     p.add_argument("--device", type=device_arg, help="torch device (default: cuda if present, else cpu)")
