@@ -61,8 +61,8 @@ ZERO_CHOICES = (ZERO_AUTO, *ZERO_STAGES)
 DEFAULT_MAX_SEQ = 2048
 # Shares below this are solver round-off, not a slice worth a rank's optimizer call.
 SHARE_EPS = 1e-9
-# "optimal" means within this relative distance of the proven lower bound (unless the caller's
-# `gap` is looser): 0.01 %, the default relative MIP gap of Gurobi and CPLEX, far below the noise of
+# "optimal" means within this relative distance of the proven lower bound (unless the caller
+# gives another `gap`): 0.01 %, the default relative MIP gap of Gurobi and CPLEX, far below the noise of
 # any measured step time. A tighter one buys nothing measurable and costs the world-size search
 # many more ranges (comm(k) differs by ~A/k² between neighbouring k: bench/planner_scaling.py).
 BISECTION_TOL = 1e-4
@@ -584,7 +584,7 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
     when nothing fits."""
     deadline = time.monotonic() + time_limit_s
     upper_bound_s = min(upper_bound_s, beat_s)
-    tol = max(gap, BISECTION_TOL)
+    tol = gap if gap > 0 else BISECTION_TOL
     tables = [cost.scope_table(name, multi, [i for _, ix in members for i in ix], global_batch, micro_batches,
                                upper_bound_s)
               for name, multi, members in cost.scopes()]
@@ -699,9 +699,10 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
 
     `zero`: "auto" solves each ZeRO stage (1, 2, 3, in that order) and keeps the shortest predicted
     iteration that fits; a later stage must beat the earlier ones by more than the solver's
-    tolerance, so ties go to the lower stage. An int forces that stage. `gap`: stop once the plan is
-    within this relative distance of the proven lower bound (the bisection always closes to
-    BISECTION_TOL at least); `time_limit_s` bounds the whole search, every stage together.
+    tolerance, so ties go to the lower stage. An int forces that stage. `gap`: "optimal" means within
+    this relative distance of the proven lower bound (0: BISECTION_TOL; tighter costs more ranges of
+    world sizes, tests/test_ilp_exact.py asks 5e-7); `time_limit_s` bounds the whole search, every
+    stage together.
     `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
     ValueError on bad input and when no plan fits at any stage tried, naming why."""
     validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
