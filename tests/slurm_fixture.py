@@ -4,9 +4,9 @@ What `slurm_cluster` starts (it installs nothing: scripts/install.sh installs th
 packages slurmctld, slurmd, slurm-client and munge):
 
     munged                      one key, its socket in the cluster's folder
-    slurmctld                   root network namespace, on the bridge's 10.77.0.1
-    slurmd -N n1  (netns gmx..1, 10.77.0.2)  Gres=gpumix:cpu:2
-    slurmd -N n2  (netns gmx..2, 10.77.0.3)  Gres=gpumix:cpu:1
+    slurmctld                   root network namespace, on the bridge's 10.77.X.1 (the first X free)
+    slurmd -N n1  (netns gmx..1, 10.77.X.2)  Gres=gpumix:cpu:2
+    slurmd -N n2  (netns gmx..2, 10.77.X.3)  Gres=gpumix:cpu:1
 
 Each node is a network namespace joined to a bridge by a veth pair, so a run's traffic between
 nodes crosses a real network link. slurmd is started with `nsenter --net=...`, not
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import pytest
 
 GRES_NAME = "gpumix"
-SUBNET = "10.77.0"
+SUBNET_PREFIX = "10.77"  # each test cluster takes the first 10.77.X.0/24 no interface of this host uses
 NODES = (("n1", 2), ("n2", 1))  # (node, count of its cpu GRES)
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo",
             "scancel", "ip", "nsenter")
@@ -43,6 +43,20 @@ START_TIMEOUT_S = 60.0
 
 def _run(*cmd: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=60, env=env)
+
+
+def _free_subnet() -> str:
+    """10.77.X with no address of this host in it: two test clusters on one machine (two engineers'
+    runs) must not answer each other's daemons."""
+    used = _run("ip", "-o", "-4", "addr", "show").stdout
+    for x in range(256):
+        if f" {SUBNET_PREFIX}.{x}." not in used:
+            return f"{SUBNET_PREFIX}.{x}"
+    raise RuntimeError(f"every {SUBNET_PREFIX}.X.0/24 subnet is in use on this host")
+
+
+def _subnet(nodes: list) -> str:
+    return nodes[0].addr.rsplit(".", 1)[0]
 
 
 def _free_port() -> int:
@@ -176,7 +190,7 @@ def platform_problem() -> str | None:
 def _slurm_conf(root: str, nodes: list[SlurmNode], ctl_port: int) -> str:
     host = socket.gethostname().split(".")[0]
     lines = [
-        "ClusterName=gpumix", f"SlurmctldHost={host}({SUBNET}.1)", f"SlurmctldPort={ctl_port}", "SlurmdPort=6818",
+        "ClusterName=gpumix", f"SlurmctldHost={host}({_subnet(nodes)}.1)", f"SlurmctldPort={ctl_port}", "SlurmdPort=6818",
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
         f"AuthInfo=socket={root}/munge.socket", f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool/%n",
         f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",
@@ -205,7 +219,7 @@ def _slurm_conf(root: str, nodes: list[SlurmNode], ctl_port: int) -> str:
 
 def _network_up(cluster: SlurmCluster) -> None:
     _run("ip", "link", "add", cluster.bridge, "type", "bridge")
-    _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", cluster.bridge)
+    _run("ip", "addr", "add", f"{_subnet(cluster.nodes)}.1/24", "dev", cluster.bridge)
     _run("ip", "link", "set", cluster.bridge, "up")
     for n in cluster.nodes:
         _run("ip", "netns", "add", n.netns)
@@ -283,7 +297,8 @@ def slurm_cluster():
     root = tempfile.mkdtemp(prefix="gpumix-slurm-")
     os.chmod(root, 0o755)  # munged refuses a group/world-writable folder; slurmd's children read it
     tag = f"gmx{os.getpid() % 100000}"
-    nodes = [SlurmNode(name, f"{tag}{name}", f"{tag}{name}v", f"{SUBNET}.{i + 2}", count)
+    subnet = _free_subnet()
+    nodes = [SlurmNode(name, f"{tag}{name}", f"{tag}{name}v", f"{subnet}.{i + 2}", count)
              for i, (name, count) in enumerate(NODES)]
     cluster = SlurmCluster(root, nodes, f"{tag}br", {"SLURM_CONF": os.path.join(root, "slurm.conf")})
     _slurm_conf(root, nodes, _free_port())
