@@ -280,10 +280,12 @@ def last_fitting(c: DeviceCoeffs, m: int, f: float, lo: int, hi: int) -> int:
     if c.phases_fn is not None:
         at_lo, at_hi = c.phases_fn(m, lo, f), c.phases_fn(m, hi, f)
         cap = c.capacity_bytes
-        n = min(lo + math.floor((cap - a) * (hi - lo) / (b - a)) for a, b in zip(at_lo, at_hi) if b > cap and b > a)
-        n = min(max(n, lo), hi - 1)
-        if c.fits(m, n, f) and not c.fits(m, n + 1, f):
-            return n
+        n = min((lo + math.floor((cap - a) * (hi - lo) / (b - a)) for a, b in zip(at_lo, at_hi) if b > cap and b > a),
+                default=None)
+        if n is not None:
+            n = min(max(n, lo), hi - 1)
+            if c.fits(m, n, f) and not c.fits(m, n + 1, f):
+                return n
     return _last_true(lambda k: c.fits(m, k, f), lo, hi)
 
 
@@ -310,7 +312,9 @@ def share_from_phases(phases_fn: PhasesFn, memory_fn: MemoryFn, m: int, n: int, 
         return 1.0
     if max(at0) > capacity_bytes:
         return -1.0
-    f = min((capacity_bytes - a) / (b - a) for a, b in zip(at0, at1) if b > capacity_bytes and b > a)
+    f = min(((capacity_bytes - a) / (b - a) for a, b in zip(at0, at1) if b > capacity_bytes and b > a), default=None)
+    if f is None:  # the moments disagree with the peak: the caller searches
+        return None
     f = min(max(f - PHASE_ROOT_MARGIN, 0.0), 1.0)
     return f if memory_fn(m, n, f) <= capacity_bytes else None
 
