@@ -3,6 +3,16 @@
 One `Assignment` per device of the cluster, in the cluster's device order.
 A device the plan leaves out has `batch == 0` and `shard_fraction == 0`.
 The JSON written by `python -m planner plan --json` *is* a plan file.
+
+A pipeline plan (`"pipeline"`, written by `python -m planner geo --out` and by `planner plan` when
+stages beat data parallelism) cuts the model's layers into stages, in order. Every micro-batch of
+`pipeline.micro_batch` samples passes through every stage; stage s splits each micro-batch's rows
+over its devices (`rows`, data parallel inside the stage, the rows of device i following those of
+device i-1), so stages may have different numbers of devices. A device of stage s has
+`micro_batch = rows[i]`, `accum_steps = num_microbatches`, and its `shard_fraction` is its share of
+the STAGE's sharded state: batches and shard fractions sum per stage (to the global batch and 1).
+`wan` names the links between the stages' datacenters (nodes) that `executor launch --emulate-wan`
+shapes, and `connections` the TCP connections per transfer on each.
 """
 from __future__ import annotations
 
@@ -14,6 +24,12 @@ from planner.core.jsonio import dumps, load_json_file, save_json_file
 from planner.core.constants import ZERO_STAGES
 
 PLAN_VERSION = 1
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+
+
+def link_key(a: str, b: str) -> str:
+    """The key of the link between two datacenters (or nodes) in `connections`: sorted, "a|b"."""
+    return "|".join(sorted((a, b)))
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,103 @@ class ZeroCandidate:
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    first_layer: int
+    num_layers: int
+    devices: tuple[int, ...]  # device_index of each of the stage's devices, in data-parallel order
+    rows: tuple[int, ...]  # per device: its rows of every micro-batch (sum: the pipeline's micro_batch)
+    datacenter: str = ""  # where the stage runs (its devices' node / datacenter)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first_layer": self.first_layer, "num_layers": self.num_layers, "devices": list(self.devices),
+                "rows": list(self.rows), "datacenter": self.datacenter}
+
+
+@dataclass(frozen=True)
+class WanLink:
+    """A link to emulate between two datacenters (or nodes): bandwidth and round trip."""
+    a: str
+    b: str
+    gbps: float
+    rtt_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    schedule: str  # "1f1b" | "gpipe"
+    micro_batch: int  # samples per micro-batch (all stages)
+    num_microbatches: int  # per optimizer step; global_batch = micro_batch × num_microbatches
+    stages: tuple[PipelineStage, ...]
+    connections: dict[str, int] = field(default_factory=dict)  # link_key(a, b) -> TCP connections per transfer
+    wan: tuple[WanLink, ...] = ()
+    # the simulator's timeline of one iteration (planner/geo/pipeline_sim): rows of
+    # {"stage", "replica", "op", "mb", "start_s", "end_s"}, for the measured-against-simulated Gantt
+    simulated_ops: tuple[dict, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"plan: pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                             f"got {self.schedule!r}")
+        for what, v in (("micro_batch", self.micro_batch), ("num_microbatches", self.num_microbatches)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"plan: pipeline {what} must be a positive integer, got {v!r}")
+        if len(self.stages) < 1:
+            raise ValueError("plan: a pipeline needs at least one stage")
+        nxt = 0
+        for s, st in enumerate(self.stages):
+            if st.first_layer != nxt or st.num_layers < 0:
+                raise ValueError(f"plan: pipeline stage {s} starts at layer {st.first_layer} with {st.num_layers} "
+                                 f"layers; stages must cover the layers in order from 0 (stage {s} must start at {nxt})")
+            nxt += st.num_layers
+            if not st.devices or len(st.devices) != len(st.rows):
+                raise ValueError(f"plan: pipeline stage {s} needs one row count per device "
+                                 f"({len(st.devices)} devices, {len(st.rows)} row counts)")
+            if any(r < 1 for r in st.rows) or sum(st.rows) != self.micro_batch:
+                raise ValueError(f"plan: pipeline stage {s}'s rows {list(st.rows)} must be positive and sum to "
+                                 f"the micro-batch {self.micro_batch}")
+        seen = [d for st in self.stages for d in st.devices]
+        if len(seen) != len(set(seen)):
+            raise ValueError("plan: a device appears in more than one pipeline stage (or twice in one)")
+        for k, c in self.connections.items():
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                raise ValueError(f"plan: pipeline connections[{k!r}] must be a positive integer, got {c!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return sum(st.num_layers for st in self.stages)
+
+    def stage_of(self, device_index: int) -> tuple[int, int]:
+        """(stage, position inside the stage) of a device; ValueError when no stage has it."""
+        for s, st in enumerate(self.stages):
+            if device_index in st.devices:
+                return s, st.devices.index(device_index)
+        raise ValueError(f"plan: device {device_index} is in no pipeline stage")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "micro_batch": self.micro_batch,
+                "num_microbatches": self.num_microbatches, "stages": [st.to_dict() for st in self.stages],
+                "connections": dict(self.connections), "wan": [w.to_dict() for w in self.wan],
+                "simulated_ops": [dict(o) for o in self.simulated_ops]}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "PipelineSpec":
+        if not isinstance(d, dict):
+            raise ValueError("plan: pipeline must be a JSON object")
+        stages = tuple(PipelineStage(first_layer=int(st["first_layer"]), num_layers=int(st["num_layers"]),
+                                     devices=tuple(int(x) for x in st["devices"]),
+                                     rows=tuple(int(x) for x in st["rows"]), datacenter=str(st.get("datacenter", "")))
+                       for st in d["stages"])
+        wan = tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)))
+                    for w in d.get("wan", ()))
+        return cls(schedule=str(d["schedule"]), micro_batch=d["micro_batch"], num_microbatches=d["num_microbatches"],
+                   stages=stages, connections={str(k): v for k, v in d.get("connections", {}).items()}, wan=wan,
+                   simulated_ops=tuple(dict(o) for o in d.get("simulated_ops", ())))
+
+
+@dataclass(frozen=True)
 class Plan:
     cluster: ClusterSpec
     model: str  # preset name or config path, as given
@@ -82,21 +195,51 @@ class Plan:
     zero: int = 1
     # the stages the planner tried and their predicted iteration times (zero -> candidate)
     zero_candidates: dict[int, ZeroCandidate] = field(default_factory=dict)
+    pipeline: PipelineSpec | None = None  # None: pure (sharded) data parallelism
 
     def __post_init__(self) -> None:
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"plan: zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
-        total = sum(a.batch for a in self.assignments)
-        if total != self.global_batch:
-            raise ValueError(f"plan: batches sum to {total}, not the global batch {self.global_batch}")
-        frac = sum(a.shard_fraction for a in self.assignments)
-        if abs(frac - 1.0) > 1e-6:
-            raise ValueError(f"plan: shard fractions sum to {frac:.6f}, not 1")
+        groups = [self.assignments] if self.pipeline is None else self._stage_assignments()
+        for g, group in enumerate(groups):
+            where = "" if self.pipeline is None else f"pipeline stage {g}: "
+            total = sum(a.batch for a in group)
+            if total != self.global_batch:
+                raise ValueError(f"plan: {where}batches sum to {total}, not the global batch {self.global_batch}")
+            frac = sum(a.shard_fraction for a in group)
+            if abs(frac - 1.0) > 1e-6:
+                raise ValueError(f"plan: {where}shard fractions sum to {frac:.6f}, not 1")
         for a in self.assignments:
             if a.batch != a.micro_batch * a.accum_steps:
                 raise ValueError(
                     f"plan: device {a.device_index} batch {a.batch} != micro_batch {a.micro_batch} × accum_steps {a.accum_steps}"
                 )
+
+    def _stage_assignments(self) -> list[list[Assignment]]:
+        p = self.pipeline
+        assert p is not None
+        if p.micro_batch * p.num_microbatches != self.global_batch:
+            raise ValueError(f"plan: pipeline micro_batch {p.micro_batch} × num_microbatches {p.num_microbatches} "
+                             f"is not the global batch {self.global_batch}")
+        by_index = {a.device_index: a for a in self.assignments}
+        staged = {d for st in p.stages for d in st.devices}
+        for a in self.assignments:
+            if a.used and a.device_index not in staged:
+                raise ValueError(f"plan: device {a.device_index} is used but in no pipeline stage")
+        groups = []
+        for s, st in enumerate(p.stages):
+            group = []
+            for d, rows in zip(st.devices, st.rows):
+                a = by_index.get(d)
+                if a is None:
+                    raise ValueError(f"plan: pipeline stage {s} names device {d}, which the plan has not")
+                if a.micro_batch != rows or a.accum_steps != p.num_microbatches:
+                    raise ValueError(f"plan: device {d} of pipeline stage {s} must have micro_batch {rows} "
+                                     f"(its rows) × accum_steps {p.num_microbatches}, got "
+                                     f"{a.micro_batch} × {a.accum_steps}")
+                group.append(a)
+            groups.append(group)
+        return groups
 
     @property
     def used(self) -> list[Assignment]:
@@ -119,6 +262,7 @@ class Plan:
             "solve_s": self.solve_s,
             "notes": list(self.notes),
             "zero_candidates": {str(z): c.to_dict() for z, c in sorted(self.zero_candidates.items())},
+            **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -149,6 +293,7 @@ class Plan:
                 notes=tuple(d.get("notes", ())),
                 zero=int(d.get("zero", 1)),
                 zero_candidates={int(z): ZeroCandidate(**c) for z, c in d.get("zero_candidates", {}).items()},
+                pipeline=PipelineSpec.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
