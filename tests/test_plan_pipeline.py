@@ -21,9 +21,9 @@ def _plan(rows=(2, 2), m=4, layers=(3, 1), fractions=(0.5, 0.5)) -> Plan:
         Assignment(2, "dc-b", "cpu", mb, m, mb * m, 1.0, 0, 0.0),
     )
     pipe = PipelineSpec("1f1b", mb, m, (PipelineStage(0, layers[0], (0, 1), tuple(rows), "dc-a"),
-                                        PipelineStage(layers[0], layers[1], (2,), (mb,), "dc-b")),
-                        connections={link_key("dc-b", "dc-a"): 4}, wan=(WanLink("dc-a", "dc-b", 0.05, 30.0),))
-    return Plan(_cluster(), "small", mb * m, 64, "fp32", "none", assignments, 1.0, mb * m, pipeline=pipe)
+                                        PipelineStage(layers[0], layers[1], (2,), (mb,), "dc-b")))
+    return Plan(_cluster(), "small", mb * m, 64, "fp32", "none", assignments, 1.0, mb * m, pipeline=pipe,
+                connections={link_key("dc-b", "dc-a"): 4}, wan=(WanLink("dc-a", "dc-b", 0.05, 30.0),))
 
 
 def test_a_pipeline_plan_round_trips_through_json():
@@ -31,7 +31,7 @@ def test_a_pipeline_plan_round_trips_through_json():
     q = Plan.from_dict(p.to_dict())
     assert q == p
     assert q.pipeline.stage_of(1) == (0, 1) and q.pipeline.stage_of(2) == (1, 0)
-    assert q.pipeline.connections == {"dc-a|dc-b": 4}
+    assert q.connections == {"dc-a|dc-b": 4} and q.wan == (WanLink("dc-a", "dc-b", 0.05, 30.0),)
     assert "pipeline" not in Plan.from_dict({k: v for k, v in p.to_dict().items() if k != "pipeline"} | {
         "assignments": [a.to_dict() | {"batch": 4, "micro_batch": 1} for a in p.assignments[:2]]
         + [p.assignments[2].to_dict() | {"batch": 0, "micro_batch": 0, "shard_fraction": 0.0, "accum_steps": 0}],
@@ -78,4 +78,14 @@ def test_unknown_schedule_is_refused():
     p = _plan().to_dict()
     p["pipeline"]["schedule"] = "zigzag"
     with pytest.raises(ValueError, match="1f1b, gpipe"):
+        Plan.from_dict(p)
+
+
+def test_a_wan_link_must_join_two_nodes_of_the_cluster():
+    p = _plan().to_dict()
+    p["wan"] = [{"a": "dc-a", "b": "dc-z", "gbps": 1.0}]
+    with pytest.raises(ValueError, match="dc-z"):
+        Plan.from_dict(p)
+    p["wan"] = [{"a": "dc-a", "b": "dc-b", "gbps": 0.0}]
+    with pytest.raises(ValueError, match="gbps > 0"):
         Plan.from_dict(p)

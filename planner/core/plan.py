@@ -11,8 +11,9 @@ over its devices (`rows`, data parallel inside the stage, the rows of device i f
 device i-1), so stages may have different numbers of devices. A device of stage s has
 `micro_batch = rows[i]`, `accum_steps = num_microbatches`, and its `shard_fraction` is its share of
 the STAGE's sharded state: batches and shard fractions sum per stage (to the global batch and 1).
-`wan` names the links between the stages' datacenters (nodes) that `executor launch --emulate-wan`
-shapes, and `connections` the TCP connections per transfer on each.
+
+Any plan may carry `wan`: the links between its nodes (datacenters) that `executor launch
+--emulate-wan` shapes, and `connections`: the TCP connections per transfer on each link.
 """
 from __future__ import annotations
 
@@ -110,8 +111,6 @@ class PipelineSpec:
     micro_batch: int  # samples per micro-batch (all stages)
     num_microbatches: int  # per optimizer step; global_batch = micro_batch × num_microbatches
     stages: tuple[PipelineStage, ...]
-    connections: dict[str, int] = field(default_factory=dict)  # link_key(a, b) -> TCP connections per transfer
-    wan: tuple[WanLink, ...] = ()
     # the simulator's timeline of one iteration (planner/geo/pipeline_sim): rows of
     # {"stage", "replica", "op", "mb", "start_s", "end_s"}, for the measured-against-simulated Gantt
     simulated_ops: tuple[dict, ...] = ()
@@ -140,9 +139,6 @@ class PipelineSpec:
         seen = [d for st in self.stages for d in st.devices]
         if len(seen) != len(set(seen)):
             raise ValueError("plan: a device appears in more than one pipeline stage (or twice in one)")
-        for k, c in self.connections.items():
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-                raise ValueError(f"plan: pipeline connections[{k!r}] must be a positive integer, got {c!r}")
 
     @property
     def num_layers(self) -> int:
@@ -158,7 +154,6 @@ class PipelineSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "micro_batch": self.micro_batch,
                 "num_microbatches": self.num_microbatches, "stages": [st.to_dict() for st in self.stages],
-                "connections": dict(self.connections), "wan": [w.to_dict() for w in self.wan],
                 "simulated_ops": [dict(o) for o in self.simulated_ops]}
 
     @classmethod
@@ -169,11 +164,8 @@ class PipelineSpec:
                                      devices=tuple(int(x) for x in st["devices"]),
                                      rows=tuple(int(x) for x in st["rows"]), datacenter=str(st.get("datacenter", "")))
                        for st in d["stages"])
-        wan = tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)))
-                    for w in d.get("wan", ()))
         return cls(schedule=str(d["schedule"]), micro_batch=d["micro_batch"], num_microbatches=d["num_microbatches"],
-                   stages=stages, connections={str(k): v for k, v in d.get("connections", {}).items()}, wan=wan,
-                   simulated_ops=tuple(dict(o) for o in d.get("simulated_ops", ())))
+                   stages=stages, simulated_ops=tuple(dict(o) for o in d.get("simulated_ops", ())))
 
 
 @dataclass(frozen=True)
@@ -196,10 +188,22 @@ class Plan:
     # the stages the planner tried and their predicted iteration times (zero -> candidate)
     zero_candidates: dict[int, ZeroCandidate] = field(default_factory=dict)
     pipeline: PipelineSpec | None = None  # None: pure (sharded) data parallelism
+    wan: tuple[WanLink, ...] = ()  # links between nodes (datacenters) to emulate (executor launch --emulate-wan)
+    connections: dict[str, int] = field(default_factory=dict)  # link_key(a, b) -> TCP connections per transfer
 
     def __post_init__(self) -> None:
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(f"plan: zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
+        nodes = {n.name for n in self.cluster.nodes}
+        for w in self.wan:
+            if w.a not in nodes or w.b not in nodes or w.a == w.b:
+                raise ValueError(f"plan: wan link {w.a!r}–{w.b!r} must join two different nodes of the cluster "
+                                 f"({', '.join(sorted(nodes))})")
+            if not (w.gbps > 0 and w.rtt_ms >= 0):
+                raise ValueError(f"plan: wan link {w.a}–{w.b} needs gbps > 0 and rtt_ms >= 0")
+        for k, c in self.connections.items():
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                raise ValueError(f"plan: connections[{k!r}] must be a positive integer, got {c!r}")
         groups = [self.assignments] if self.pipeline is None else self._stage_assignments()
         for g, group in enumerate(groups):
             where = "" if self.pipeline is None else f"pipeline stage {g}: "
@@ -263,6 +267,8 @@ class Plan:
             "notes": list(self.notes),
             "zero_candidates": {str(z): c.to_dict() for z, c in sorted(self.zero_candidates.items())},
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
+            **({"wan": [w.to_dict() for w in self.wan]} if self.wan else {}),
+            **({"connections": dict(self.connections)} if self.connections else {}),
         }
 
     def to_json(self) -> str:
@@ -294,6 +300,9 @@ class Plan:
                 zero=int(d.get("zero", 1)),
                 zero_candidates={int(z): ZeroCandidate(**c) for z, c in d.get("zero_candidates", {}).items()},
                 pipeline=PipelineSpec.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
+                wan=tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)))
+                          for w in d.get("wan", ())),
+                connections={str(k): v for k, v in d.get("connections", {}).items()},
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
