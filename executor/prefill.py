@@ -1,0 +1,363 @@
+"""BubbleTea for real: inference prefill run in a pipeline rank's idle time, in bounded chunks.
+
+A training rank of a pipeline plan waits for activations and gradients to cross the (emulated) WAN.
+While it waits, the worker calls `PrefillWorker.step()` over and over; each call does ONE bounded
+piece of real prefill work and returns, so a receive that completes mid-call delays the training
+operation behind it by at most one piece. The pieces are units of chunked prefill (Sarathi-style):
+a request's prompt is cut into token chunks, and one unit is one decoder layer over one chunk,
+attending to the chunk's own tokens and to the keys and values the layer cached for the earlier
+chunks (a KV cache per layer). The last unit of a request is the LM head on its last position: its
+argmax is the first generated token, and the time to first token (TTFT) is arrival -> that end.
+
+Why chunk by tokens and not only by layer: one layer over a whole prompt grows with the prompt
+(one gpt2 layer over 1,024 tokens is tens of ms on a CPU core), so a layer alone bounds nothing.
+The chunk size is chosen per chunk from the measured time per token of the units so far (a
+calibration at construction, then every unit), aiming at half the time box; every unit's duration is
+recorded and the summary reports the longest and how many overran the box, measured, not assumed.
+A model whose one-token layer already exceeds the box is refused at construction.
+
+The model: models/decoder.py's decoder built from a preset (the inference model of the geo
+scenario, e.g. `tiny` or `small`), with weights of its own drawn under `torch.random.fork_rng`, so
+the training rank's random state, and hence its training, is the same with and without prefill.
+Prompts are random token ids (seeded): prefill's cost does not depend on which tokens they are.
+
+Requests, from the config (planner.geo.scenario.InferenceWorkload's keys, so a geo scenario's
+`inference` object is a valid config): prompt lengths with weights, and either a seeded Poisson
+arrival process (`requests_per_s`; the clock starts at the first `step()`, not at construction, so
+the rank's setup does not count as queueing) or a standing `backlog`. Extra keys: `max_chunk_s`
+(the time box, default 5 ms), `num_requests` (stop after this many arrivals), `stages` (which
+pipeline stages' ranks run prefill; the worker asks `runs_on_stage`), `dtype`.
+
+All times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of the
+machine, like the training timeline's); `last_chunk` is the (start, end) of the latest unit, for the
+timeline's "prefill" ops.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from models.decoder import build_model, rotate_half
+from planner.geo.scenario import InferenceWorkload
+from planner.core.specs import get_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CHUNK_S = 0.005  # a few ms: the most a training op may wait behind one step()
+CHUNK_TARGET = 0.5  # aim each unit at this fraction of the box: the next chunk has a longer context
+ESTIMATE_WINDOW = 16  # units whose time per token steers the next chunk's size
+CALIBRATION_TOKENS = 16  # the chunk timed at construction (after one warm-up)
+RUNTIME_KEYS = ("max_chunk_s", "num_requests", "stages", "dtype")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class PrefillRequest:
+    """One inference request; times are seconds since the worker's first step()."""
+
+    index: int
+    num_tokens: int
+    arrival_s: float
+    start_s: float | None = None
+    end_s: float | None = None
+    busy_s: float = 0.0  # the compute of its units (the time between them is training's)
+    first_token: int | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.arrival_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "tokens": self.num_tokens, "arrival_s": self.arrival_s, "start_s": self.start_s,
+                "end_s": self.end_s, "busy_s": self.busy_s, "first_token": self.first_token}
+
+
+@dataclass
+class _InFlight:
+    """The request being prefilled: where it is (chunk [lo, hi), next layer) and its KV cache."""
+
+    req: PrefillRequest
+    ids: torch.Tensor  # (1, n) token ids
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # (n, hd) cos, sin, or None (learned positions)
+    lo: int = 0
+    hi: int = 0
+    layer: int = 0  # next unit: layer 0..L-1 of chunk [lo, hi), L = the head (last chunk only)
+    x: torch.Tensor | None = None  # (1, hi-lo, h) the chunk's residual stream
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (1, nkv, lo, hd)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+def _percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 1]) of the values; None for none."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def parse_config(config: Any) -> tuple[InferenceWorkload, dict[str, Any]]:
+    """(the workload, the runtime options) of a prefill config; ValueError naming the bad key."""
+    if not isinstance(config, dict):
+        raise ValueError(f"prefill: the config must be a JSON object, got {type(config).__name__}")
+    workload = InferenceWorkload.from_dict({k: v for k, v in config.items() if k not in RUNTIME_KEYS}, "prefill")
+    box = config.get("max_chunk_s", DEFAULT_MAX_CHUNK_S)
+    if isinstance(box, bool) or not isinstance(box, (int, float)) or not 0 < box <= 1:
+        raise ValueError(f"prefill: max_chunk_s must be a number of seconds in (0, 1], got {box!r}")
+    limit = config.get("num_requests")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"prefill: num_requests must be a positive integer, got {limit!r}")
+    stages = config.get("stages")
+    if stages is not None and (not isinstance(stages, list) or
+                               not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stages)):
+        raise ValueError(f"prefill: stages must be a list of stage indices, got {stages!r}")
+    dtype = config.get("dtype", "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"prefill: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    spec = get_model(workload.model)
+    longest = max(t for t, _ in workload.prompt_tokens)
+    if longest > spec.max_seq:
+        raise ValueError(f"prefill: a prompt of {longest} tokens exceeds {spec.name}'s max_seq {spec.max_seq}")
+    return workload, {"max_chunk_s": float(box), "num_requests": limit,
+                      "stages": None if stages is None else tuple(stages), "dtype": dtype}
+
+
+def runs_on_stage(config: dict[str, Any], stage: int) -> bool:
+    """Whether the ranks of pipeline stage `stage` run this prefill config (default: every stage)."""
+    stages = parse_config(config)[1]["stages"]
+    return stages is None or stage in stages
+
+
+class PrefillWorker:
+    """Real prefill of a stream of requests, one bounded unit per `step()`."""
+
+    def __init__(self, workload: InferenceWorkload, device: torch.device, seed: int = 0,
+                 max_chunk_s: float = DEFAULT_MAX_CHUNK_S, num_requests: int | None = None, dtype: str = "fp32"):
+        self.workload, self.device, self.seed = workload, torch.device(device), seed
+        self.max_chunk_s, self.num_requests = max_chunk_s, num_requests
+        self.spec = get_model(workload.model)
+        with torch.random.fork_rng(devices=[]):  # own weights; the training rank's RNG untouched
+            torch.manual_seed(seed)
+            self.model = build_model(self.spec).to(self.device, DTYPES[dtype]).eval()
+        self._rng = random.Random(seed)
+        self._tokens = torch.Generator().manual_seed(seed)
+        self.t0: float | None = None  # perf_counter of the first step(): the arrival clock's zero
+        self.end_wall: float | None = None
+        self.requests: list[PrefillRequest] = []  # every arrival so far, in order
+        self._next = 0  # index of the next request to start
+        self._pending_arrival: float | None = None  # the next Poisson arrival, drawn, not yet reached
+        self._current: _InFlight | None = None
+        self.unit_s: list[float] = []  # every unit's measured duration
+        self.last_chunk: tuple[float, float] | None = None
+        self.last_logits: torch.Tensor | None = None  # (V,) of the last finished request's last position
+        self.last_ids: torch.Tensor | None = None  # (1, n) that request's prompt
+        self._recent: list[float] = []  # the latest units' seconds per token (ESTIMATE_WINDOW)
+        self._per_token_s = self._calibrate()
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], device: torch.device, seed: int) -> "PrefillWorker":
+        workload, opts = parse_config(config)
+        return cls(workload, device, seed, opts["max_chunk_s"], opts["num_requests"], opts["dtype"])
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def _draw_length(self) -> int:
+        tokens, weights = zip(*self.workload.prompt_tokens)
+        return self._rng.choices(tokens, weights)[0]
+
+    def _arrive(self, now_s: float) -> None:
+        """Append the arrivals up to `now_s` (a backlog: one waiting request at any time)."""
+        def room() -> bool:
+            return self.num_requests is None or len(self.requests) < self.num_requests
+
+        if self.workload.backlog:
+            if self._next == len(self.requests) and room():
+                self.requests.append(PrefillRequest(len(self.requests), self._draw_length(), now_s))
+            return
+        rate = self.workload.requests_per_s
+        while room():
+            last = self.requests[-1].arrival_s if self.requests else 0.0
+            if self._pending_arrival is None:
+                self._pending_arrival = last + self._rng.expovariate(rate)
+            if self._pending_arrival > now_s:
+                return
+            self.requests.append(PrefillRequest(len(self.requests), self._draw_length(), self._pending_arrival))
+            self._pending_arrival = None
+
+    def _start(self, req: PrefillRequest, now_s: float) -> _InFlight:
+        req.start_s = now_s
+        ids = torch.randint(0, self.spec.vocab_size, (1, req.num_tokens), generator=self._tokens).to(self.device)
+        rope = self.model.rope(req.num_tokens, self.device)
+        return _InFlight(req, ids, rope)
+
+    # ---- the units of chunked prefill ---------------------------------------------------------------
+
+    def _chunk_tokens(self, remaining: int) -> int:
+        """Tokens in the next chunk: what the measured time per token fits in CHUNK_TARGET of the box."""
+        fit = int(CHUNK_TARGET * self.max_chunk_s / max(self._per_token_s, 1e-12))
+        return max(1, min(remaining, fit))
+
+    def _attend(self, block: Any, f: _InFlight, h: torch.Tensor) -> torch.Tensor:
+        """Attention of chunk [lo, hi) at one layer: its queries on the cached keys/values of
+        positions [0, lo) and its own [lo, hi), causally; appends its keys/values to the cache."""
+        attn, (lo, hi) = block.attn, (f.lo, f.hi)
+        B, T, _ = h.shape
+        q = attn.q_proj(h).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)  # (1, nh, T, hd)
+        k = attn.k_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # (1, nkv, T, hd)
+        v = attn.v_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)  # (1, nkv, T, hd)
+        if f.rope is not None:
+            cos, sin = f.rope[0][lo:hi], f.rope[1][lo:hi]  # (T, hd): positions lo..hi-1
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        i = f.layer
+        if lo:
+            k, v = torch.cat((f.keys[i], k), dim=2), torch.cat((f.values[i], v), dim=2)  # (1, nkv, hi, hd)
+            f.keys[i], f.values[i] = k, v
+        else:
+            f.keys.append(k)
+            f.values.append(v)
+        gqa = attn.num_kv_heads != attn.num_heads
+        if lo:
+            # query t (position lo+t) sees keys 0..lo+t: SDPA's is_causal aligns top-left, so a mask
+            mask = torch.arange(hi, device=h.device)[None, :] <= torch.arange(lo, hi, device=h.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)  # (1, nh, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # as the model's own
+        return attn.o_proj(y.transpose(1, 2).reshape(B, T, attn.num_heads * attn.head_dim))
+
+    @torch.no_grad()
+    def _unit(self, f: _InFlight) -> bool:
+        """One unit of `f`; True when the request is done (its first token known)."""
+        m, L = self.model, self.spec.num_layers
+        if f.layer == L:  # the head, on the prompt's last position only
+            logits = m.head_logits(f.x[:, -1:, :])[0, -1]  # (V,)
+            self.last_logits, self.last_ids = logits.float(), f.ids
+            f.req.first_token = int(logits.argmax())
+            return True
+        if f.layer == 0:
+            f.lo, f.hi = f.hi, f.hi + self._chunk_tokens(f.req.num_tokens - f.hi)
+            x = m.embed(f.ids[:, f.lo:f.hi])  # (1, T, h)
+            if m.pos_embed is not None:
+                x = x + m.pos_embed(torch.arange(f.lo, f.hi, device=self.device))
+            f.x = x
+        block = m.blocks[f.layer]
+        x = f.x + self._attend(block, f, block.attn_norm(f.x))
+        f.x = x + block.mlp(block.mlp_norm(x))
+        f.layer += 1
+        if f.layer == L and f.hi < f.req.num_tokens:
+            f.layer = 0  # next chunk; the head runs after the last chunk only
+        return False
+
+    def _timed_unit(self, f: _InFlight) -> tuple[bool, float, float]:
+        head = f.layer == self.spec.num_layers
+        start = time.perf_counter()
+        done = self._unit(f)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the unit's kernels end inside the call: a real bound
+        end = time.perf_counter()
+        if not head:  # the layers' cost per token steers the next chunk's size
+            self._recent.append((end - start) / (f.hi - f.lo))
+            del self._recent[:-ESTIMATE_WINDOW]
+            # the least of the recent: time the process was preempted (a shared machine) is not the
+            # unit's cost, and a smaller chunk would not have been spared it
+            self._per_token_s = min(self._recent)
+        return done, start, end
+
+    def _calibrate(self) -> float:
+        """Seconds per token of one layer: a dummy prompt of two CALIBRATION_TOKENS chunks through every
+        unit (the cache-free and the cached attention, the head), once to warm up, once timed."""
+        n = min(2 * CALIBRATION_TOKENS, self.spec.max_seq)
+        ids = torch.zeros((1, n), dtype=torch.long, device=self.device)
+        for _ in range(2):
+            self._recent.clear()
+            f, done = _InFlight(PrefillRequest(-1, n, 0.0), ids, self.model.rope(n, self.device)), False
+            while not done:
+                self._per_token_s = CHUNK_TARGET * self.max_chunk_s / CALIBRATION_TOKENS  # chunks of that many
+                done = self._timed_unit(f)[0]
+        per_token = min(self._recent)
+        self._recent.clear()
+        self.last_logits = self.last_ids = None  # the dummy's
+        if per_token > self.max_chunk_s:
+            raise ValueError(f"prefill: one layer of {self.spec.name} takes {per_token * 1e3:.2f} ms per token here, "
+                             f"over the time box max_chunk_s {self.max_chunk_s * 1e3:.2f} ms")
+        return per_token
+
+    # ---- the worker's calls -------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One unit of prefill work (under the time box), or False at once when no request is waiting."""
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+        if self._current is None:
+            self._arrive(now - self.t0)
+            if self._next >= len(self.requests):
+                return False
+            self._current = self._start(self.requests[self._next], now - self.t0)
+            self._next += 1
+        f = self._current
+        done, start, end = self._timed_unit(f)
+        self.unit_s.append(end - start)
+        self.last_chunk = (start, end)
+        f.req.busy_s += end - start
+        if done:
+            f.req.end_s = end - self.t0
+            self._current = None
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """The run's figures, measured: throughput over wall and busy time, TTFT, the units' durations."""
+        end = self.end_wall if self.end_wall is not None else time.perf_counter()
+        wall = 0.0 if self.t0 is None else end - self.t0
+        done = [r for r in self.requests if r.end_s is not None]
+        tokens = sum(r.num_tokens for r in done)
+        busy_done = sum(r.busy_s for r in done)
+        ttft = [r.ttft_s for r in done] if not self.workload.backlog else []
+        latency = [r.end_s - r.start_s for r in done]
+        return {
+            "model": self.spec.name, "device": str(self.device), "seed": self.seed,
+            "workload": self.workload.to_dict(), "max_chunk_s": self.max_chunk_s,
+            "wall_s": wall, "busy_s": sum(self.unit_s),
+            "requests_arrived": len(self.requests), "requests_done": len(done),
+            "prefill_tokens": tokens,
+            "prefill_tokens_per_s": tokens / wall if wall > 0 else None,
+            "prefill_tokens_per_busy_s": tokens / busy_done if busy_done > 0 else None,
+            # TTFT = arrival -> prefill end; a backlog has no arrivals to measure from
+            "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+            "ttft_p50_s": _percentile(ttft, 0.50), "ttft_p99_s": _percentile(ttft, 0.99),
+            "latency_mean_s": statistics.fmean(latency) if latency else None,
+            "latency_p99_s": _percentile(latency, 0.99),
+            "num_chunks": len(self.unit_s), "chunk_max_s": max(self.unit_s, default=None),
+            "chunk_p99_s": _percentile(self.unit_s, 0.99),
+            "chunks_over_box": sum(1 for u in self.unit_s if u > self.max_chunk_s),
+            "requests": [r.to_dict() for r in self.requests],
+        }
+
+    def write_summary(self, run_dir: str, rank: int) -> str:
+        """Write `<run_dir>/prefill_rank<rank>.json` (the summary, `rank` added); returns its path."""
+        self.end_wall = time.perf_counter()
+        path = os.path.join(run_dir, f"prefill_rank{rank}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"rank": rank, **self.summary()}, fh, indent=1)
+        os.replace(tmp, path)
+        return path
+
+
+def read_prefill_summaries(run_dir: str) -> list[dict[str, Any]]:
+    """Every `prefill_rank<r>.json` of a run folder, by rank."""
+    out = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("prefill_rank") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name), encoding="utf-8") as fh:
+                out.append(json.load(fh))
+    return sorted(out, key=lambda d: d["rank"])
