@@ -47,6 +47,7 @@ from executor.memtrack import PeakMemory
 from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
+from models.pipeline import PipelineRuntime
 from models.sharded import ShardedRuntime
 from planner.core.attention import select_kernel
 from planner.core.catalog import GIB
@@ -81,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optim", default=None, help="OptimConfig as JSON (models/optim.py); default: its defaults")
     p.add_argument("--measure-memory-every", type=int, default=0,
                    help="measure peak memory every K steps (0: the first step of the process only)")
+    p.add_argument("--prefill", default=None,
+                   help="pipeline plans: a JSON object for executor.prefill.PrefillWorker, run while a rank waits")
+    p.add_argument("--timeline-step", type=int, default=None,
+                   help="pipeline plans: the step whose timeline rank 0 writes to timeline.json (default: the last)")
     return p.parse_args(argv)
 
 
@@ -168,21 +173,22 @@ class Trainer:
         comm = ProcessGroupCollectives(self.position, [self.owner[p] for p in range(world)])
         kernel = select_kernel(my_type if self.cuda else "cpu", plan.dtype if self.cuda else "fp32",
                                spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        self.runtime = ShardedRuntime(spec, zero=plan.zero, fractions=[u.shard_fraction for u in used],
-                                      position=self.position, comm=comm, device=self.device,
-                                      recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
-                                      seed=args.seed, loss_scaling=loss_scaling, expand_kv=kernel.expand_kv,
-                                      materialize=not (args.resume or args.init_from))  # both overwrite every slice
-        if args.init_from and not args.resume:
-            from executor.hf_io import HFWeights
-
-            self.runtime.load_parameters(HFWeights(args.init_from, spec).read)
+        self.pipe = plan.pipeline
+        if self.pipe is not None:
+            self._build_pipeline(args, spec, kernel.expand_kv, loss_scaling)
+        else:
+            self._build_sharded(args, spec, kernel.expand_kv, loss_scaling, comm)
         shard = self.runtime.shard_numel()
 
         corpus = Corpus.load(args.tokens or build_corpus(args.corpus, args.tokenizer, vocab_size=spec.vocab_size))
         self.train_tokens, self.val_tokens = corpus.train, corpus.val
         self.sampler = GlobalSampler(int(self.train_tokens.size), plan.seq, plan.global_batch, args.seed)
-        self.slices = batch_slices(self.batches, self.position, self.a.micro_batch) if self.a.batch else []
+        if self.pipe is None:
+            self.slices = batch_slices(self.batches, self.position, self.a.micro_batch) if self.a.batch else []
+        else:  # micro-batch k = windows [k·mb, (k+1)·mb) of the step; this rank takes its rows of each
+            off, mb = self.runtime.my_rows[0], self.pipe.micro_batch
+            self.slices = [slice(k * mb + off, k * mb + off + self.a.micro_batch)
+                           for k in range(self.pipe.num_microbatches)]
         self.global_tokens = plan.global_batch * plan.seq
         self.memory_limit_bytes = int(self.a.memory_gb * GIB) if self.a.memory_gb is not None else None
         self.standalone = os.environ.get(ENV_LAUNCHED) != "1"
@@ -191,16 +197,74 @@ class Trainer:
                            prefill_ranks=False)
         store.register_rank(rank, self.position, self.a, os.getpid(), shard,
                             PeakMemory(self.device).method)
-        log.info("rank %d = plan device %d (%s, micro_batch %d x %d, zero %d, %d of %d parameters)%s", rank,
+        where = "" if self.pipe is None else f", pipeline stage {self.runtime.stage} dp {self.runtime.dp_index}"
+        log.info("rank %d = plan device %d (%s, micro_batch %d x %d, zero %d, %d of %d parameters%s)%s", rank,
                  self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, plan.zero, shard,
-                 spec.num_params, " EMULATED" if _is_emulated(self.a) else "")
+                 spec.num_params, where, " EMULATED" if _is_emulated(self.a) else "")
+        self.prefill = self._build_prefill(args) if args.prefill else None
+
+    def _build_sharded(self, args, spec, expand_kv: bool, loss_scaling: bool, comm) -> None:
+        plan, used = self.plan, self.plan.used
+        self.runtime = ShardedRuntime(spec, zero=plan.zero, fractions=[u.shard_fraction for u in used],
+                                      position=self.position, comm=comm, device=self.device,
+                                      recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
+                                      seed=args.seed, loss_scaling=loss_scaling, expand_kv=expand_kv,
+                                      materialize=not (args.resume or args.init_from))  # both overwrite every slice
+        if args.init_from and not args.resume:
+            from executor.hf_io import HFWeights
+
+            self.runtime.load_parameters(HFWeights(args.init_from, spec).read)
+
+    def _build_pipeline(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
+        """This rank's (stage, data-parallel index) of the plan's pipeline (models/pipeline.py)."""
+        plan, pipe = self.plan, self.pipe
+        if args.resume or args.init_from or args.checkpoint_every:
+            raise ValueError("pipeline plans do not checkpoint, resume or --init-from yet: run them from "
+                             "their initial weights without --resume/--init-from/--checkpoint-every")
+        if plan.zero != 1:
+            raise ValueError(f"pipeline plans run ZeRO-1 inside each stage; this plan says zero {plan.zero}")
+        position_of = {a.device_index: p for p, a in enumerate(plan.used)}
+        by_index = {a.device_index: a for a in plan.used}
+        stage_ranks = [[self.owner[position_of[d]] for d in st.devices] for st in pipe.stages]
+        s, i = pipe.stage_of(self.a.device_index)
+        self.runtime = PipelineRuntime(
+            spec, pipe, stage=s, dp_index=i, stage_ranks=stage_ranks,
+            fractions=[by_index[d].shard_fraction for d in pipe.stages[s].devices], device=self.device,
+            seq=plan.seq, recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim, seed=args.seed,
+            loss_scaling=loss_scaling, expand_kv=expand_kv)
+
+    def _build_prefill(self, args):
+        """The BubbleTea prefill worker of `--prefill JSON` on the stages it names (default: all)."""
+        if self.pipe is None:
+            raise ValueError("--prefill needs a pipeline plan: prefill runs while a stage waits for a receive")
+        try:
+            config = json.loads(args.prefill)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prefill is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError("--prefill must be a JSON object")
+        stages = config.get("stages")
+        if stages is not None and self.runtime.stage not in stages:
+            return None
+        from executor.prefill import PrefillWorker
+
+        return PrefillWorker.from_config(config, self.device, self.args.seed)
 
     # ---- one step ------------------------------------------------------------------------
     def _tensors(self, starts: np.ndarray, data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = windows(data, starts, self.plan.seq)
         return torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
 
-    def train_step(self, step: int, measure_memory: bool) -> dict[str, float | int | None]:
+    def _batches(self, starts: np.ndarray) -> list:
+        """This rank's micro-batches: (tokens, targets) pairs; a pipeline stage gets tokens only on the
+        first stage and targets only on the last (None elsewhere)."""
+        out = [self._tensors(starts[sl], self.train_tokens) for sl in self.slices]
+        if self.pipe is None:
+            return out
+        rt = self.runtime
+        return [(x if rt.first else None, y if rt.last else None) for x, y in out]
+
+    def train_step(self, step: int, measure_memory: bool, timeline: bool = False) -> dict[str, float | int | None]:
         starts = self.sampler.starts(step)
         rt = self.runtime
         tracker = PeakMemory(self.device, rt.resident_tensors()) if measure_memory else contextlib.nullcontext()
@@ -216,9 +280,14 @@ class Trainer:
 
         t0 = time.perf_counter()
         with tracker:
-            batches = [self._tensors(starts[sl], self.train_tokens) for sl in self.slices]
+            batches = self._batches(starts)
             lr = lr_at(step, self.args.steps, self.optim)
-            r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down)
+            if self.pipe is None:
+                r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down)
+            else:
+                t_start = time.time()
+                r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down,
+                                  idle=self.prefill.step if self.prefill is not None else None, timeline=timeline)
         step_s = time.perf_counter() - t0
         peak = tracker.peak_bytes if measure_memory else None
         if peak is not None and self.memory_limit_bytes is not None and peak > self.memory_limit_bytes:
@@ -229,8 +298,30 @@ class Trainer:
             self.store.add_event("note", f"step {step}: fp16 overflow, step skipped (loss scale {r.loss_scale:g})",
                                  self.rank)
         wait_s = max(0.0, step_s - r.compute_s - delay[0] - r.optimizer_s)
-        return {"loss": r.loss, "step_s": step_s, "compute_s": r.compute_s, "delay_s": delay[0],
-                "optimizer_s": r.optimizer_s, "wait_s": wait_s, "peak": peak}
+        out = {"loss": r.loss, "step_s": step_s, "compute_s": r.compute_s, "delay_s": delay[0],
+               "optimizer_s": r.optimizer_s, "wait_s": wait_s, "peak": peak}
+        if timeline:
+            out["timeline"] = (t_start, list(r.ops))
+        return out
+
+    def write_timeline(self, step: int, start_s: float, ops: list[dict]) -> None:
+        """Gather every rank's ops of `step` to rank 0, which writes <run_dir>/timeline.json (times relative
+        to the earliest rank's step start: one machine clock on a local run)."""
+        rt, dev = self.runtime, self.a
+        mine = {"rank": self.rank, "stage": rt.stage, "dp_index": rt.dp_index, "device_index": dev.device_index,
+                "datacenter": self.pipe.stages[rt.stage].datacenter, "start": start_s, "ops": ops}
+        got = [None] * len(self.plan.used) if self.rank == 0 else None
+        dist.gather_object(mine, got, dst=0)
+        if self.rank != 0:
+            return
+        t0 = min(g["start"] for g in got)
+        ranks = [{**{k: v for k, v in g.items() if k not in ("start", "ops")},
+                  "ops": [{"op": o["op"], "mb": o["mb"], "start_s": o["start_s"] - t0, "end_s": o["end_s"] - t0}
+                          for o in g["ops"]]} for g in sorted(got, key=lambda g: g["rank"])]
+        path = os.path.join(self.args.run_dir, "timeline.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"step": step, "ranks": ranks}, f)
+        os.replace(path + ".tmp", path)
 
     @torch.no_grad()
     def val_loss(self) -> float:
@@ -273,11 +364,14 @@ class Trainer:
         for step in range(first, args.steps + 1):
             every = args.measure_memory_every
             measure = step == first or (every > 0 and step % every == 0)
-            m = self.train_step(step, measure)
+            timeline = self.pipe is not None and step == (args.timeline_step or args.steps)
+            m = self.train_step(step, measure, timeline)
+            if timeline:
+                self.write_timeline(step, *m.pop("timeline"))
             val = None
             if (step == args.steps or (args.val_every > 0 and step % args.val_every == 0)) and (
-                    lead or self.plan.zero == 3):
-                val = self.val_loss()  # zero 3 gathers the units: every rank takes part
+                    lead or self.plan.zero == 3 or self.pipe is not None):
+                val = self.val_loss()  # zero 3 gathers the units, a pipeline passes stages: every rank takes part
             figures = self.gather_figures(m, val)
             if self.rank == 0:
                 self.record(step, figures)
@@ -285,6 +379,8 @@ class Trainer:
                 ckpt.save(args.run_dir, self.runtime, self.position, step, self.plan)
                 if lead:
                     self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
+        if self.prefill is not None:
+            self.prefill.write_summary(args.run_dir, self.rank)
         dist.barrier()
         if self.standalone and self.rank == 0:
             self.store.finish("done")

@@ -1,0 +1,418 @@
+"""Pipeline-parallel training: one rank = (stage s, data-parallel index i) of a plan's PipelineSpec.
+
+Why not torch.distributed.pipelining: its PipelineStage maps stage k to ONE rank of the pipeline
+group (`stage_index_to_group_rank = {k: k % group_size}`, and a group larger than the number of
+stages is refused), so data parallelism means several identical pipeline groups side by side. A
+heterogeneous plan has stages with DIFFERENT data-parallel degrees (2 ranks in stage 0, 1 in stage 1)
+whose activations must be split and merged by rows between stages; that layout cannot be expressed.
+So the schedule is written here with `dist.isend` / `dist.irecv` (gloo and NCCL alike).
+
+Layout. The model is cut into the units of planner/core/units.py; stage s holds "embed" (first stage),
+"block.l" for its layers, "head" (last stage), each built and initialized exactly as
+models/sharded.py does (this class IS a ShardedRuntime restricted to the stage's units: the same
+flat buffers, the same per-unit generator seed*SEED_STRIDE+u with u the unit's global index), so a
+pipeline starts from the same weights as one rank. Tied embeddings: the last stage keeps a replica of
+the whole "embed" unit (the head reads its token table); after backward the full embedding gradient
+is all-reduced over the ranks of the first and the last stage (Megatron's embedding group), so both
+copies take the same AdamW update and stay bit-identical. The global norm counts the replica once
+(on the first stage only).
+
+Rows. Stage s splits each micro-batch's rows over its devices (`rows`, consecutive ranges in
+data-parallel order). Rank (s, i) receives its input rows from every rank of stage s-1 whose range
+intersects its own, straight into views of one (rows, T, h) buffer, and sends each intersecting piece
+of its output to the rank of stage s+1 that owns it; gradients travel the same pieces backward.
+
+Data parallel inside a stage: ZeRO-1 with the plan's uneven shard fractions (the STAGE's fractions):
+full fp32 gradients accumulate over all micro-batches, then one reduce-scatter per unit inside the
+stage's process group, AdamW on the owned slice, one all-gather of the updated parameters. The global
+gradient norm, the fp16 overflow flag and the step's loss travel in one all-reduce over the world.
+The loss is each row's summed cross-entropy over the GLOBAL token count (as models/sharded.py), so
+the last stage's ranks' losses sum to the single-rank loss.
+
+Schedules: "gpipe" runs every micro-batch forward, then every one backward; "1f1b" (Narayanan et al.
+2021, PipeDream-flush) runs min(S-1-s, M) forwards, then alternates one forward and one backward,
+then the remaining backwards: stage s holds at most min(S-s, M) micro-batches' activations.
+Receives are posted when the op that needs them starts (so a receive buffer exists only from then);
+sends are asynchronous; a rank keeps at most the previous micro-batch's gradient send in flight
+(it waits for it before the next backward's send) and waits for all sends before the gradient sync.
+While a receive is pending the rank polls `Work.is_completed()` and calls `idle()` between polls
+(the prefill worker of BubbleTea): idle work is never started once the receive has completed.
+
+Timeline: with `timeline=True` a step records (time.time()) the start and end of every forward,
+backward, send_fwd, recv_fwd, send_bwd, recv_bwd, grad_sync (reduce-scatters, the tied all-reduce and
+the stats all-reduce), optimizer (AdamW and the parameter all-gather) and prefill (idle calls that
+did work). A send's end is when the rank first sees it completed (it polls between ops).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from models.collectives import ProcessGroupCollectives
+from models.optim import OptimConfig, decay_ranges, global_grad_norm_sq
+from models.runtime import shard_bounds
+from models.sharded import SEED_STRIDE, ShardedRuntime, StepResult, UnitState, host_float
+from planner.core.plan import PipelineSpec
+from planner.core.specs import ModelSpec
+from planner.core.units import runtime_units
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def stage_unit_indices(spec: ModelSpec, pipeline: PipelineSpec, stage: int) -> list[int]:
+    """Global unit indices (planner/core/units.py order) stage `stage` holds, the tied replica included."""
+    S, L = len(pipeline.stages), spec.num_layers
+    st = pipeline.stages[stage]
+    out = [0] if stage == 0 or (stage == S - 1 and spec.tied_embeddings) else []
+    out += [1 + l for l in range(st.first_layer, st.first_layer + st.num_layers)]
+    if stage == S - 1:
+        out.append(L + 1)
+    return out
+
+
+def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The (op, micro-batch) order of one stage: op "F" or "B" (module docstring)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
+    M = num_microbatches
+    if schedule == "gpipe":
+        return [("F", k) for k in range(M)] + [("B", k) for k in range(M)]
+    warm = min(num_stages - 1 - stage, M)
+    ops = [("F", k) for k in range(warm)]
+    for k in range(M - warm):
+        ops += [("F", warm + k), ("B", k)]
+    ops += [("B", k) for k in range(M - warm, M)]
+    return ops
+
+
+def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Most micro-batches whose activations stage `stage` holds at once (from `schedule_ops`)."""
+    live, peak = 0, 0
+    for op, _ in schedule_ops(schedule, num_stages, stage, num_microbatches):
+        live += 1 if op == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def row_offsets(rows: Sequence[int]) -> list[int]:
+    out, o = [], 0
+    for r in rows:
+        out.append(o)
+        o += r
+    return out
+
+
+def row_pieces(mine: tuple[int, int], rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(peer dp index, start, end) in MY local row coordinates for every peer range intersecting `mine`
+    (mine = (offset, count) in micro-batch rows; rows = the peer stage's row counts)."""
+    a0, n = mine
+    out = []
+    for j, (o, r) in enumerate(zip(row_offsets(rows), rows)):
+        a, b = max(a0, o), min(a0 + n, o + r)
+        if a < b:
+            out.append((j, a - a0, b - a0))
+    return out
+
+
+class _StepComm:
+    """The comm ShardedRuntime._finish_step sees on a pipeline rank: its one all-reduce (squared norm,
+    overflow flag, loss) goes over the WORLD, every stage's squares and the last stage's losses, with
+    the tied replica's squares taken out first (the first stage counts that unit); its all-gathers of
+    the updated slices stay inside the stage."""
+
+    def __init__(self, rt: "PipelineRuntime", t_sync: float):
+        self.rt, self.t_sync = rt, t_sync
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        rt = self.rt
+        if rt.replica:
+            t[0] -= global_grad_norm_sq(u.grad for u in rt.units if u.index == 0).to(t.device)
+        dist.all_reduce(t)
+        rt.comm_done = time.time()
+        rt._note("grad_sync", -1, self.t_sync, rt.comm_done)
+
+    def all_gather(self, *args, **kwargs):
+        return self.rt.stage_comm.all_gather(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class PipelineStepResult(StepResult):
+    ops: tuple[dict, ...] = ()  # the timeline: {"op", "mb", "start_s", "end_s"} (time.time())
+
+
+class PipelineRuntime(ShardedRuntime):
+    """One rank (stage, dp_index) of a pipeline plan (module docstring). `stage_ranks[s]` are the global
+    ranks of stage s in data-parallel order; every rank must construct it (it creates process groups)."""
+
+    def __init__(self, spec: ModelSpec, pipeline: PipelineSpec, *, stage: int, dp_index: int,
+                 stage_ranks: Sequence[Sequence[int]], fractions: Sequence[float], device: torch.device,
+                 seq: int, recompute: str = "none", autocast_dtype: torch.dtype | None = None,
+                 optim: OptimConfig | None = None, seed: int = 0, loss_scaling: bool = False,
+                 materialize: bool = True, expand_kv: bool = False):
+        S = len(pipeline.stages)
+        if len(stage_ranks) != S or any(len(r) != len(st.devices) for r, st in zip(stage_ranks, pipeline.stages)):
+            raise ValueError("stage_ranks must list one rank per device of every pipeline stage")
+        if pipeline.num_layers != spec.num_layers:
+            raise ValueError(f"pipeline stages cover {pipeline.num_layers} layers, model {spec.name} has "
+                             f"{spec.num_layers}")
+        if not 0 <= stage < S or not 0 <= dp_index < len(stage_ranks[stage]):
+            raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in this pipeline")
+        self.pipeline, self.stage, self.dp_index, self.num_stages = pipeline, stage, dp_index, S
+        self.stage_ranks = [list(r) for r in stage_ranks]
+        self.seq = seq
+        self.first, self.last = stage == 0, stage == S - 1
+        self.replica = self.last and not self.first and spec.tied_embeddings
+        # every rank creates every group, in the same order (torch.distributed requires it)
+        groups = [dist.new_group(r) for r in self.stage_ranks]
+        tied = sorted(set(self.stage_ranks[0]) | set(self.stage_ranks[-1]))
+        tied_group = dist.new_group(tied) if spec.tied_embeddings and S > 1 else None
+        self.tied_group = tied_group if (self.first or self.last) else None
+        group = groups[stage]
+        order = sorted(self.stage_ranks[stage])
+        comm = ProcessGroupCollectives(dp_index, [order.index(r) for r in self.stage_ranks[stage]], group=group)
+        self._unit_ids = stage_unit_indices(spec, pipeline, stage)
+        super().__init__(spec, zero=1, fractions=fractions, position=dp_index, comm=comm, device=device,
+                         recompute=recompute, autocast_dtype=autocast_dtype, optim=optim, seed=seed,
+                         loss_scaling=loss_scaling, materialize=materialize, expand_kv=expand_kv)
+        st = pipeline.stages[stage]
+        self.rows = st.rows[dp_index]
+        self.my_rows = (row_offsets(st.rows)[dp_index], self.rows)
+        self.blocks = [self.model.blocks[l] for l in range(st.first_layer, st.first_layer + st.num_layers)]
+        self.prev = row_pieces(self.my_rows, pipeline.stages[stage - 1].rows) if not self.first else []
+        self.next = row_pieces(self.my_rows, pipeline.stages[stage + 1].rows) if not self.last else []
+        self.stage_comm = comm
+        self.comm_done = 0.0
+        self.ops_order = schedule_ops(pipeline.schedule, S, stage, pipeline.num_microbatches)
+
+    def __repr__(self) -> str:
+        return (f"PipelineRuntime({self.spec.name!r}, stage {self.stage} of {self.num_stages}, dp {self.dp_index}, "
+                f"units {[u.name for u in self.units]})")
+
+    # ---- layout: ShardedRuntime's units, only this stage's --------------------------------------
+    def _build_units(self, seed: int, materialize: bool) -> list[UnitState]:
+        layout, groups = runtime_units(self.spec), self._unit_modules()
+        units = []
+        for i in self._unit_ids:
+            lu, mods = layout[i], groups[i]
+            slots = [(sub, name) for mod in mods for sub in mod.modules()
+                     for name, _ in sub.named_parameters(recurse=False)]
+            shapes = [tuple(getattr(sub, name).shape) for sub, name in slots]
+            offsets = [sum(math.prod(s) for s in shapes[:k]) for k in range(len(shapes))]
+            bounds = shard_bounds(lu.numel, self.fractions)
+            s, e = bounds[self.position]
+            full = torch.empty(lu.numel, dtype=torch.float32, device=self.device)
+            params = []
+            for (sub, name), o, shape in zip(slots, offsets, shapes):
+                param = torch.nn.Parameter(full[o:o + math.prod(shape)].view(shape))
+                sub._parameters[name] = param
+                params.append(param)
+            unit = UnitState(lu.name, i, params, offsets, lu.numel, bounds, s, e, master=full[s:e],
+                             exp_avg=torch.zeros(e - s, device=self.device),
+                             exp_avg_sq=torch.zeros(e - s, device=self.device),
+                             grad=torch.empty(e - s, device=self.device),
+                             decay=decay_ranges(shapes, s, e), full=full, held=True)
+            if materialize:  # the same generator as ShardedRuntime: seed·SEED_STRIDE + global unit index
+                self._init_unit(mods, torch.Generator(device=self.device).manual_seed(seed * SEED_STRIDE + i))
+            unit.grad.untyped_storage().resize_(0)
+            units.append(unit)
+        return units
+
+    # ---- communication ----------------------------------------------------------------------------
+    def _peer(self, stage: int, j: int) -> int:
+        return self.stage_ranks[stage][j]
+
+    def _note(self, op: str, mb: int, t0: float, t1: float) -> None:
+        if self._ops is not None:
+            self._ops.append({"op": op, "mb": mb, "start_s": t0, "end_s": t1})
+
+    def _reap_sends(self, wait: str | None = None) -> None:
+        """Drop the sends that completed (recording when they were first seen done); first wait for
+        those of kind `wait` ("send_bwd", or "all")."""
+        keep = []
+        for rec in self._sends:
+            works, op, mb, t0, _ = rec
+            if wait in (op, "all"):
+                for w in works:
+                    w.wait()
+            if all(w.is_completed() for w in works):
+                self._note(op, mb, t0, time.time())
+            else:
+                keep.append(rec)
+        self._sends = keep
+
+    def _send(self, t: torch.Tensor, pieces, stage: int, op: str, mb: int, tag: int) -> None:
+        t0 = time.time()
+        works = [dist.isend(t[a:b].contiguous(), dst=self._peer(stage, j), tag=tag) for j, a, b in pieces]
+        self._sends.append((works, op, mb, t0, t))  # t stays alive until the send completes
+
+    def _recv(self, pieces, stage: int, op: str, mb: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
+        """Receive this rank's rows (rows, T, h) from the peers of `stage`; idle() between polls."""
+        t0 = time.time()
+        buf = torch.empty(self.rows, self.seq, self.spec.hidden, dtype=dtype, device=self.device)
+        works = [dist.irecv(buf[a:b], src=self._peer(stage, j), tag=tag) for j, a, b in pieces]
+        busy = None
+        while not all(w.is_completed() for w in works):
+            self._reap_sends()
+            if self._idle is None:
+                break
+            t1 = time.time()
+            if not self._idle():
+                break
+            busy = (busy[0] if busy else t1, time.time())
+        for w in works:
+            w.wait()
+        if busy:
+            self._note("prefill", mb, *busy)
+        self._note(op, mb, t0, time.time())
+        return buf
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def _forward(self, k: int, batch: tuple[torch.Tensor | None, torch.Tensor | None], rope, normalizer: int,
+                 scale: float, ctx: dict) -> None:
+        if self.first:
+            inp = None
+        else:
+            inp = self._recv(self.prev, self.stage - 1, "recv_fwd", k, k, torch.float32).requires_grad_()
+        t0 = time.time()
+
+        def fwd():
+            with self._autocast():
+                h = self.model.embed_tokens(batch[0]) if self.first else inp
+                for block in self.blocks:
+                    h = (checkpoint(block, h, rope, use_reentrant=False) if self.recompute == "full"
+                         else block(h, rope))
+                if not self.last:
+                    return h
+                logits = self.model.head_logits(h)
+            del h
+            loss = self._loss(logits, batch[1], normalizer)
+            del logits
+            return loss
+        out = self._timed(fwd)
+        self._note("forward", k, t0, time.time())
+        ctx[k] = (inp, out)  # the stage's input leaf (its .grad goes back) and its output (or loss)
+        if not self.last:
+            self._send(out.detach(), self.next, self.stage + 1, "send_fwd", k, k)
+
+    def _backward(self, k: int, scale: float, ctx: dict) -> float:
+        M = self.pipeline.num_microbatches
+        inp, out = ctx.pop(k)
+        dy = None if self.last else self._recv(self.next, self.stage + 1, "recv_bwd", k, M + k, out.dtype)
+        t0 = time.time()
+
+        def bwd() -> float:
+            if self.last:
+                (out * scale if scale != 1.0 else out).backward()
+                return host_float(out.detach())
+            out.backward(dy)
+            return 0.0
+        loss = self._timed(bwd)
+        del out, dy
+        self._note("backward", k, t0, time.time())
+        if not self.first:
+            # at most one gradient send in flight: the previous micro-batch's must be done
+            self._reap_sends(wait="send_bwd")
+            self._send(inp.grad, self.prev, self.stage - 1, "send_bwd", k, M + k)
+        return loss
+
+    def train_step(self, batches: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]], token_normalizer: int,
+                   lr: float, after_compute: Callable[[float], None] | None = None,
+                   idle: Callable[[], bool] | None = None, timeline: bool = False) -> PipelineStepResult:
+        """One optimizer step over the pipeline's micro-batches. `batches[k]` = (tokens, targets) of this
+        rank's rows of micro-batch k (tokens on the first stage, targets on the last, else None);
+        `token_normalizer` the GLOBAL token count; `idle` runs between polls of a pending receive."""
+        if token_normalizer <= 0:
+            raise ValueError(f"token_normalizer must be > 0, got {token_normalizer}")
+        if len(batches) != self.pipeline.num_microbatches:
+            raise ValueError(f"{len(batches)} micro-batches given, the pipeline runs {self.pipeline.num_microbatches}")
+        self._clock, self._ops, self._sends, self._idle = [0.0, 0.0], ([] if timeline else None), [], idle
+        scale = self.scaler.scale
+        for u in self.units:
+            u.grad_fresh = True
+            self._grad_buffer(u)
+        with self._autocast():
+            rope = self.model.rope(self.seq, self.device) if self.blocks else None
+        ctx: dict[int, Any] = {}
+        total = 0.0
+        for op, k in self.ops_order:
+            self._reap_sends()
+            if op == "F":
+                self._forward(k, batches[k], rope, token_normalizer, scale, ctx)
+            else:
+                total += self._backward(k, scale, ctx)
+        del rope
+        self._reap_sends(wait="all")
+        if after_compute is not None:
+            after_compute(self._clock[1])
+        t0 = time.time()
+        self._sync_grads()
+        r = self._finish(total, lr, scale, t0)
+        ops = tuple(self._ops or ())
+        self._ops, self._idle = None, None
+        return r if not timeline else PipelineStepResult(**{**r.__dict__, "ops": ops})
+
+    def _sync_grads(self) -> None:
+        """Tied embedding: all-reduce its full gradient over the first and last stages' ranks (every one
+        then holds the sum of all contributions) and keep this rank's slice; the other units:
+        reduce-scatter inside the stage."""
+        for u in self.units:
+            if u.index == 0 and self.tied_group is not None:
+                dist.all_reduce(u.full_grad, group=self.tied_group)
+                st = u.grad.untyped_storage()
+                st.resize_(u.grad.numel() * u.grad.element_size())
+                u.grad.copy_(u.full_grad[u.start:u.end])
+                for p in u.params:
+                    p.grad = None
+                u.full_grad = None
+            else:
+                self._reduce(u)
+
+    def _finish(self, loss: float, lr: float, scale: float, t_sync: float) -> PipelineStepResult:
+        """ShardedRuntime's step end (norm, overflow, clipping, AdamW, the all-gather) with `_StepComm`:
+        its stats all-reduce spans the world and its gathers stay in the stage."""
+        stage_comm, self.comm = self.comm, _StepComm(self, t_sync)
+        try:
+            r = self._finish_step(loss, lr, scale)
+        finally:
+            self.comm = stage_comm
+        self._note("optimizer", -1, self.comm_done, time.time())  # AdamW and the all-gather
+        return PipelineStepResult(**r.__dict__)
+
+    # ---- evaluation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean next-token loss of one batch through the pipeline (collective: every rank calls it; the
+        data-parallel index 0 rank of each stage computes, the others only join the final all-reduce)."""
+        out = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.dp_index == 0:
+            B, T = targets.shape
+            with self._autocast():
+                if self.first:
+                    h = self.model.embed_tokens(tokens)
+                else:
+                    h = torch.empty(B, T, self.spec.hidden, dtype=torch.float32, device=self.device)
+                    dist.recv(h, src=self._peer(self.stage - 1, 0), tag=2 * self.pipeline.num_microbatches)
+                rope = self.model.rope(T, self.device) if self.blocks else None
+                for block in self.blocks:
+                    h = block(h, rope)
+                if not self.last:
+                    dist.send(h.float().contiguous(), dst=self._peer(self.stage + 1, 0),
+                              tag=2 * self.pipeline.num_microbatches)
+                else:
+                    logits = self.model.head_logits(h)
+            if self.last:
+                out += float(self._loss(logits, targets, targets.numel()))
+        dist.all_reduce(out)
+        return float(out)
+
+
+__all__ = ["PipelineRuntime", "PipelineStepResult", "schedule_ops", "in_flight", "stage_unit_indices", "row_pieces"]

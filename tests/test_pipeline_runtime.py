@@ -1,0 +1,119 @@
+"""Pipeline-parallel runs through executor.launch.launch_run (torchrun, gloo, 1 thread per rank): 2 stages
+of 3 and 1 layers of `small`, 4 micro-batches, data parallel 2 inside one stage (uneven rows and shard
+fractions), are the same training as 1 rank (1F1B and GPipe, DP 2 -> 1 and 1 -> 2); the timeline holds
+every op of every micro-batch; the schedules' orders and in-flight counts by hand."""
+import json
+import os
+
+import pytest
+
+from executor.launch import launch_run
+from executor.store import read_metrics
+from models.optim import OptimConfig
+from models.pipeline import in_flight, row_pieces, schedule_ops
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.paths import ENV_DATA_DIR
+from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan
+
+SEQ = 64
+SEED = 3
+STEPS = 3
+M = 4  # micro-batches per step
+MB = 3  # samples per micro-batch
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, max_grad_norm=0.5, decay_steps=STEPS)
+
+
+def plan_of(stages: list[tuple[int, list[int], list[float]]], schedule: str = "1f1b", model: str = "small",
+            micro_batch: int = MB, num_microbatches: int = M, seq: int = SEQ) -> Plan:
+    """A local CPU plan; one (num_layers, rows per device, shard fractions) per stage. A single stage of
+    one device with pipeline=None when `schedule` is None (the 1-rank reference)."""
+    n = sum(len(r) for _, r, _ in stages)
+    cluster = ClusterSpec("test", (NodeSpec("localhost", "local", tuple([DeviceSpec("cpu")] * n)),))
+    asg, pstages, d, first = [], [], 0, 0
+    for layers, rows, fracs in stages:
+        devs = []
+        for r, f in zip(rows, fracs):
+            k = num_microbatches
+            asg.append(Assignment(d, "localhost", "cpu", r, k, r * k, f, 0, 0.0))
+            devs.append(d)
+            d += 1
+        pstages.append(PipelineStage(first, layers, tuple(devs), tuple(rows), "local"))
+        first += layers
+    pipe = None if schedule is None else PipelineSpec(schedule, micro_batch, num_microbatches, tuple(pstages))
+    return Plan(cluster, model, micro_batch * num_microbatches, seq, "fp32", "none", tuple(asg), 0.0, 0.0,
+                pipeline=pipe)
+
+
+ONE = [(4, [MB], [1.0])]
+DP2_THEN_1 = [(3, [2, 1], [0.6, 0.4]), (1, [MB], [1.0])]
+DP1_THEN_2 = [(3, [MB], [1.0]), (1, [1, 2], [0.3, 0.7])]
+
+
+def losses(run_dir: str) -> list[float]:
+    return [s["loss"] for s in read_metrics(run_dir)["steps"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV_DATA_DIR, str(tmp_path_factory.mktemp("data")))
+        root = tmp_path_factory.mktemp("runs")
+        cases = {"one": plan_of(ONE, None), "1f1b": plan_of(DP2_THEN_1), "gpipe": plan_of(DP2_THEN_1, "gpipe"),
+                 "1f1b_up": plan_of(DP1_THEN_2)}
+        out = {}
+        for key, plan in cases.items():
+            d = str(root / key)
+            out[key] = (d, launch_run(plan, STEPS, d, seed=SEED, optim=OPTIM))
+        yield out
+
+
+@pytest.mark.parametrize("key", ["1f1b", "gpipe", "1f1b_up"])
+def test_pipeline_trains_exactly_like_one_rank(runs, key):
+    (d1, st1), (d, st) = runs["one"], runs[key]
+    assert st1 == st == "done", read_metrics(d)["reason"]
+    one, pipe = losses(d1), losses(d)
+    assert len(one) == len(pipe) == STEPS
+    assert one[-1] < one[0]  # it learns
+    rel = [abs(a - b) / abs(a) for a, b in zip(one, pipe)]
+    print(f"{key}: 1-rank {one} pipeline {pipe} max relative difference {max(rel):.2e}")
+    assert max(rel) <= 1e-5, (one, pipe)
+    m, m1 = read_metrics(d), read_metrics(d1)
+    assert m["world_size"] == 3
+    assert m["steps"][-1]["val_loss"] == pytest.approx(m1["steps"][-1]["val_loss"], rel=1e-5)
+
+
+def test_timeline_has_every_op_of_every_micro_batch(runs):
+    d, _ = runs["1f1b"]
+    tl = json.load(open(os.path.join(d, "timeline.json")))
+    assert tl["step"] == STEPS and len(tl["ranks"]) == 3
+    for r in tl["ranks"]:
+        ops = r["ops"]
+        assert all(0 <= o["start_s"] <= o["end_s"] for o in ops)
+        kinds = {"forward", "backward"} | ({"recv_fwd", "send_bwd"} if r["stage"] == 1 else {"send_fwd", "recv_bwd"})
+        for kind in kinds:
+            assert sorted(o["mb"] for o in ops if o["op"] == kind) == list(range(M)), (r["rank"], kind)
+        assert [o["op"] for o in ops if o["mb"] == -1] == ["grad_sync", "optimizer"]
+        # the forward of micro-batch k ends before its backward starts
+        f = {o["mb"]: o for o in ops if o["op"] == "forward"}
+        assert all(o["start_s"] >= f[o["mb"]]["end_s"] for o in ops if o["op"] == "backward")
+
+
+def test_schedules_by_hand():
+    assert schedule_ops("1f1b", 2, 0, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2),
+                                             ("B", 3)]
+    assert schedule_ops("1f1b", 2, 1, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3),
+                                             ("B", 3)]
+    assert schedule_ops("gpipe", 3, 1, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    # 1F1B: stage s of S holds min(S - s, M); GPipe all M
+    assert [in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", 4, s, 3) for s in range(4)] == [3, 3, 3, 3]
+    with pytest.raises(ValueError, match="schedule"):
+        schedule_ops("zb", 2, 0, 4)
+
+
+def test_row_pieces_split_and_merge_rows():
+    # rank with rows [2, 5) of a micro-batch of 6 against peers holding 2, 1, 3 rows
+    assert row_pieces((2, 3), [2, 1, 3]) == [(1, 0, 1), (2, 1, 3)]
+    assert row_pieces((0, 6), [6]) == [(0, 0, 6)]
+    assert row_pieces((0, 2), [1, 2]) == [(0, 0, 1), (1, 1, 2)]
