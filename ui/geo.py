@@ -3,7 +3,16 @@
 Widgets (datacenters, WAN links, model and batch, inference workload) -> one library call
 (`planner.geo.evaluate.simulate_geo`, cached) -> render: the plan, a Gantt timeline of one
 simulated iteration (training and prefill in different colours), GPU utilization and
-iteration time against the baselines. Every figure here is simulated from the cost model.
+iteration time against the baselines. Those figures are simulated from the cost model.
+
+Below them, measured runs: a run of a pipeline plan (`executor launch`, rank 0 writes
+`timeline.json`: every forward, backward, send, receive, sync and prefill of one step, on one
+machine clock) drawn as a Gantt beside the plan's own simulated timeline (`plan.pipeline.
+simulated_ops`, which the planner wrote into the plan file), and per stage the measured against the
+simulated busy time (forward + backward) with the error; the run's prefill summaries
+(`prefill_rank<r>.json`, executor/prefill.py) when it ran BubbleTea. The page reads those files as
+JSON (no torch import: the page stays fast); runs come from executor.store.list_runs like the Runs
+page's.
 """
 from __future__ import annotations
 
@@ -11,20 +20,22 @@ import glob
 import json
 import math
 import os
+import statistics
 from typing import Any
 
 import pandas as pd
 import streamlit as st
 
 from planner.core.catalog import CATALOG
+from planner.core.plan import Plan
 from planner.geo.evaluate import GeoReport, simulate_geo
 from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES, GeoScenario
 from planner.core.paths import PROJECT_ROOT
 from planner.core.specs import PRESETS
 from ui import background
 from ui.charts import bar_chart, gantt_chart
-from ui.common import (SIMULATED, fmt_cell, fmt_percent, fmt_seconds, metric, number_field, page_header, show_errors, show_figure,
-                       show_table)
+from ui.common import (MEASURED, SIMULATED, error_message, fmt_cell, fmt_percent, fmt_rate, fmt_seconds, metric,
+                       number_field, page_header, show_errors, show_figure, show_table)
 from planner.core.constants import GIB
 
 MIB = 2**20
@@ -35,6 +46,16 @@ MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pi
 COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "OPT": "#9467bd", "P": "#2ca02c"}
 NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-reduce", "OPT": "optimizer step",
          "P": "prefill (BubbleTea)"}
+# the measured timeline's op names (timeline.json) -> the legend's names, shared with the simulated Gantt
+OP_NAMES = {"forward": NAMES["F"], "backward": NAMES["B"], "grad_sync": NAMES["AR"], "optimizer": NAMES["OPT"],
+            "prefill": NAMES["P"], "send_fwd": "send", "send_bwd": "send", "recv_fwd": "receive (waiting)",
+            "recv_bwd": "receive (waiting)"}
+OP_COLORS = {NAMES["F"]: COLORS["F"], NAMES["B"]: COLORS["B"], NAMES["AR"]: COLORS["AR"], NAMES["OPT"]: COLORS["OPT"],
+             NAMES["P"]: COLORS["P"], "send": "#17becf", "receive (waiting)": "#d9d9d9"}
+SIM_KINDS = {"F": "forward", "B": "backward", "AR": "grad_sync", "TIED": "grad_sync", "OPT": "optimizer", "P": "prefill"}
+BUSY_OPS = ("forward", "backward")  # what a stage's busy time counts, measured and simulated alike
+TIMELINE_FILE = "timeline.json"
+WARMUP_STEPS = 1  # the measured iteration is the median step after these
 JOB = "geo"  # this page's background job (ui/background.py)
 REQUEST = "geo_request"  # session key: the scenario JSON asked for and not yet answered
 
@@ -271,9 +292,229 @@ def render(report: GeoReport) -> None:
                    f"{'unchanged' if out['training_unchanged_by_prefill'] else 'CHANGED'} by prefill. {pre['note']}")
 
 
+# ---- measured runs of pipeline plans ------------------------------------------------------------
+
+
+def _runs_with_timelines() -> list[dict[str, Any]]:
+    """The store's runs (newest first) whose folder holds a timeline.json."""
+    from executor import store  # torch-free reader
+
+    return [r for r in store.list_runs() if os.path.isfile(os.path.join(r["run_dir"], TIMELINE_FILE))]
+
+
+def _check_ops(ops: Any, where: str, names: dict[str, str]) -> list[dict[str, Any]]:
+    if not isinstance(ops, list):
+        raise ValueError(f"{where}: 'ops' must be a list")
+    out = []
+    for k, o in enumerate(ops):
+        try:
+            op, start, end = o["op"], float(o["start_s"]), float(o["end_s"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{where}: op {k} needs op, start_s and end_s") from None
+        if op not in names:
+            raise ValueError(f"{where}: op {k} is {op!r}, not one of {', '.join(sorted(set(names)))}")
+        if not (math.isfinite(start) and math.isfinite(end) and end >= start):
+            raise ValueError(f"{where}: op {k} ({op}) ends before it starts or has no finite times")
+        out.append({**o, "op": names[op], "start_s": start, "end_s": end})
+    return out
+
+
+def parse_timeline(d: Any, plan: Plan) -> list[dict[str, Any]]:
+    """timeline.json's ranks, checked against the plan (stages exist, ops known); ValueError, one line."""
+    if not isinstance(d, dict) or not isinstance(d.get("ranks"), list) or not d["ranks"]:
+        raise ValueError("timeline.json: expected {\"step\", \"ranks\": [...]} with at least one rank")
+    num_stages = len(plan.pipeline.stages)
+    ranks = []
+    for i, r in enumerate(d["ranks"]):
+        where = f"timeline.json rank entry {i}"
+        if not isinstance(r, dict) or not isinstance(r.get("stage"), int) or not 0 <= r["stage"] < num_stages:
+            raise ValueError(f"{where}: 'stage' must be a stage of the plan (0–{num_stages - 1})")
+        ranks.append({**r, "dp_index": int(r.get("dp_index", 0)),
+                      "ops": _check_ops(r.get("ops"), where, {n: n for n in OP_NAMES})})
+    return ranks
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _load_run_cached(run_dir: str, stamp: tuple) -> tuple[Plan, dict[str, Any], list[dict[str, Any]], list[dict]]:
+    plan = Plan.load(os.path.join(run_dir, "plan.json"))
+    if plan.pipeline is None:
+        raise ValueError(f"{os.path.basename(run_dir)}: its plan has no pipeline section")
+    with open(os.path.join(run_dir, TIMELINE_FILE), encoding="utf-8") as fh:
+        try:
+            raw = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"timeline.json is not JSON ({e.msg}, line {e.lineno})") from None
+    ranks = parse_timeline(raw, plan)
+    sim = _check_ops(list(plan.pipeline.simulated_ops), "the plan's simulated_ops",
+                     {**SIM_KINDS, **{n: n for n in OP_NAMES}})
+    for k, o in enumerate(sim):
+        s, r = o.get("stage"), o.get("replica")
+        if not (isinstance(s, int) and 0 <= s < len(plan.pipeline.stages) and isinstance(r, int)
+                and 0 <= r < len(plan.pipeline.stages[s].devices)):
+            raise ValueError(f"the plan's simulated_ops: op {k} names stage {s!r} replica {r!r}, not one of the plan's")
+    prefill = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "prefill_rank*.json"))):
+        with open(path, encoding="utf-8") as fh:
+            prefill.append(json.load(fh))
+    return plan, {"step": raw.get("step"), "ranks": ranks}, sim, sorted(prefill, key=lambda p: p.get("rank", 0))
+
+
+def load_run(run_dir: str):
+    """(plan, timeline, simulated ops, prefill summaries) of a run folder, cached until a file changes."""
+    names = ["plan.json", TIMELINE_FILE, *sorted(os.path.basename(p) for p in
+                                                  glob.glob(os.path.join(run_dir, "prefill_rank*.json")))]
+    stamp = tuple((n, os.stat(os.path.join(run_dir, n)).st_mtime_ns) for n in names
+                  if os.path.exists(os.path.join(run_dir, n)))
+    return _load_run_cached(run_dir, stamp)
+
+
+def _row_label(stage: int, replica: int, plan: Plan) -> str:
+    dc = plan.pipeline.stages[stage].datacenter
+    return f"s{stage} r{replica}" + (f" · {dc}" if dc else "")
+
+
+def _row_order(plan: Plan) -> list[str]:
+    return [_row_label(s, r, plan) for s, st_ in enumerate(plan.pipeline.stages) for r in range(len(st_.devices))]
+
+
+def timeline_gantt(rows: list[dict[str, Any]], plan: Plan, kind: str, title: str):
+    """A Gantt of (stage, replica, op, start_s, end_s) rows, one row per stage replica, colours by op."""
+    bars = [{"row": _row_label(r["stage"], r["replica"], plan), "start": r["start_s"], "end": r["end_s"],
+             "color": OP_NAMES[r["op"]]} for r in rows]
+    return gantt_chart(bars, f"time in the step (s, {kind})", "stage, replica", title, row_order=_row_order(plan),
+                       color_order=list(OP_COLORS), colors=OP_COLORS)
+
+
+def measured_ops(timeline: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"stage": r["stage"], "replica": r["dp_index"], **o} for r in timeline["ranks"] for o in r["ops"]]
+
+
+def _per_replica(ops: list[dict[str, Any]], which: tuple[str, ...]) -> dict[tuple[int, int], float]:
+    out: dict[tuple[int, int], float] = {}
+    for o in ops:
+        if o["op"] in which:
+            key = (o["stage"], o["replica"])
+            out[key] = out.get(key, 0.0) + o["end_s"] - o["start_s"]
+    return out
+
+
+def stage_comparison(plan: Plan, measured: list[dict[str, Any]], simulated: list[dict[str, Any]]) -> list[dict]:
+    """Per stage: the mean over its replicas of the forward + backward time in the step, measured and
+    simulated, the signed error of the measurement against the simulation, and the measured idle
+    share of the step and prefill time. None where a side has no such op (never a guess)."""
+    span = max((o["end_s"] for o in measured), default=0.0)
+    busy_m, busy_s = _per_replica(measured, BUSY_OPS), _per_replica(simulated, BUSY_OPS)
+    work_m = _per_replica(measured, ("forward", "backward", "grad_sync", "optimizer"))
+    pre_m = _per_replica(measured, ("prefill",))
+    out = []
+    for s, st_ in enumerate(plan.pipeline.stages):
+        reps = range(len(st_.devices))
+
+        def mean(table: dict[tuple[int, int], float], default: float | None = None) -> float | None:
+            vals = [table.get((s, r), default) for r in reps]
+            return None if any(v is None for v in vals) else statistics.fmean(vals)
+
+        m, sim = mean(busy_m), mean(busy_s)
+        work = mean(work_m)
+        out.append({"stage": s, "datacenter": st_.datacenter, "replicas": len(st_.devices),
+                    "layers": f"{st_.first_layer}–{st_.first_layer + st_.num_layers - 1}",
+                    "busy_measured_s": m, "busy_simulated_s": sim,
+                    "error": (m - sim) / sim if m is not None and sim else None,
+                    "idle_measured": 1 - work / span if work is not None and span > 0 else None,
+                    "prefill_measured_s": mean(pre_m, 0.0) if pre_m else None})
+    return out
+
+
+def measured_iteration_s(run_dir: str) -> tuple[float | None, int]:
+    """(median step_s after WARMUP_STEPS, steps it counts) from the run's store; (None, 0) before any."""
+    from ui.runs import read_metrics  # cached by the run's change stamp
+
+    steps = [s["step_s"] for s in read_metrics(run_dir).get("steps") or [] if s.get("step_s") is not None]
+    after = steps[WARMUP_STEPS:] if len(steps) > WARMUP_STEPS else steps
+    return (statistics.median(after) if after else None), len(after)
+
+
+def render_prefill(summaries: list[dict[str, Any]], timeline: dict[str, Any]) -> None:
+    stage_of = {r.get("rank"): r["stage"] for r in timeline["ranks"]}
+    show_table(pd.DataFrame([{
+        "rank": str(p.get("rank")), "stage": fmt_cell(stage_of.get(p.get("rank"))), "model": p.get("model"),
+        "requests done": fmt_cell(p.get("requests_done")),
+        "prefill (measured, tokens/s of the run)": fmt_rate(p.get("prefill_tokens_per_s"), "tok/s"),
+        "prefill (measured, tokens/s busy)": fmt_rate(p.get("prefill_tokens_per_busy_s"), "tok/s"),
+        "TTFT mean (measured)": fmt_seconds(p.get("ttft_mean_s")), "TTFT p99 (measured)": fmt_seconds(p.get("ttft_p99_s")),
+        "longest chunk (measured)": fmt_seconds(p.get("chunk_max_s")),
+        "chunks over the box": fmt_cell(p.get("chunks_over_box")),
+    } for p in summaries]))
+    st.caption("Prefill ran only while its rank waited for a pipeline receive, one bounded chunk at a time "
+               "(executor/prefill.py); TTFT is arrival to the end of the prompt's prefill, "
+               "blank with a standing backlog.")
+
+
+def render_measured() -> None:
+    st.divider()
+    st.subheader("Measured runs: a pipeline run's timeline beside its simulation")
+    try:
+        runs = _runs_with_timelines()
+    except ValueError as e:
+        st.error(f"Cannot list the runs: {error_message(e)}")
+        return
+    if not runs:
+        st.info("No run of a pipeline plan with a measured timeline yet. Write a plan with "
+                "`python -m planner geo --scenario S --out P` and run it with "
+                "`python -m executor launch --plan P --emulate-wan`; its timeline shows here.")
+        return
+    names = {f"{r['name']} ({r['status']})": r["run_dir"] for r in runs}
+    choice = st.selectbox("Run", list(names), key="geo_run")
+    run_dir = names[choice]
+    try:
+        plan, timeline, simulated, prefill = load_run(run_dir)
+        iteration, counted = measured_iteration_s(run_dir)
+    except (OSError, ValueError) as e:
+        st.error(f"Cannot show {os.path.basename(run_dir)}: {error_message(e)}")
+        return
+    predicted = plan.predicted_iteration_s
+    c = st.columns(4)
+    with c[0]:
+        metric("Iteration", fmt_seconds(iteration), MEASURED,
+               help=f"median step time of {counted} steps after the first {WARMUP_STEPS}")
+    with c[1]:
+        metric("Iteration", fmt_seconds(predicted), SIMULATED, help="the plan's predicted_iteration_s")
+    with c[2]:
+        err = (iteration - predicted) / predicted if iteration is not None and predicted > 0 else None
+        metric("Error", fmt_cell(err, lambda x: fmt_percent(100 * x, signed=True)), MEASURED,
+               help="measured against simulated iteration")
+    with c[3]:
+        metric("Timeline of step", fmt_cell(timeline["step"]), MEASURED)
+    ops = measured_ops(timeline)
+    left, right = st.columns(2)
+    with left:
+        show_figure(timeline_gantt(ops, plan, "measured", f"Step {fmt_cell(timeline['step'])}, measured"),
+                    key="geo_measured_gantt")
+    with right:
+        if simulated:
+            show_figure(timeline_gantt(simulated, plan, "simulated", "The plan's iteration, simulated"),
+                        key="geo_simulated_gantt")
+        else:
+            st.info("This plan file has no simulated timeline (write it with `python -m planner geo --out`).")
+    show_table(pd.DataFrame([{
+        "stage": str(r["stage"]), "datacenter": r["datacenter"] or "—", "replicas": str(r["replicas"]),
+        "layers": r["layers"],
+        "forward + backward (s, measured)": fmt_cell(r["busy_measured_s"], lambda x: f"{x:.4f}"),
+        "forward + backward (s, simulated)": fmt_cell(r["busy_simulated_s"], lambda x: f"{x:.4f}"),
+        "error (measured vs simulated)": fmt_cell(r["error"], lambda x: fmt_percent(100 * x, signed=True)),
+        "idle (measured, % of the step)": fmt_cell(r["idle_measured"], lambda x: fmt_percent(100 * x)),
+        "prefill (s, measured)": fmt_cell(r["prefill_measured_s"], lambda x: f"{x:.4f}"),
+    } for r in stage_comparison(plan, ops, simulated)]))
+    st.caption("Busy time: a stage replica's forward and backward time in the step, the mean over the stage's "
+               "replicas; idle: the share of the measured step in which it ran no forward, backward, gradient "
+               "sync or optimizer step.")
+    if prefill:
+        render_prefill(prefill, timeline)
+
+
 page_header("Geo", "Train across datacenters over a WAN (Atlas: pipeline across DCs, data parallel inside, "
                    "several TCP connections, WAN shared in turns) and fill the bubbles with inference prefill "
-                   "(BubbleTea). All figures are simulated.")
+                   "(BubbleTea). The plan's figures are simulated; the measured runs below are measured.")
 names = list(examples())
 if not names:
     st.error(f"no example scenarios in {EXAMPLES_DIR}")
@@ -299,3 +540,4 @@ if shown is not None:
     if shown[0] != current:
         st.info("The inputs changed since this plan: press Plan to update it.")
     render(shown[1])
+render_measured()
