@@ -68,6 +68,13 @@ SHARE_EPS = 1e-9
 BISECTION_TOL = 1e-4
 # Bisection steps of the water-filling that prices one configuration's shares (2^-60: exact in float).
 WATER_FILL_STEPS = 60
+# closing a bisection's interval, a probe at hi − NEAR_HI_STEP·(hi − lo): the incumbent is usually
+# optimal already, so probes near hi are infeasible and each cuts the interval to a tenth
+NEAR_HI_STEP = 0.1
+# galloping up from the fluid bound (solve_bucket) where the batch per device is large: probes at
+# lo·(1 + g) for g = GALLOP_FIRST, ×GALLOP_FACTOR, ... up to GALLOP_LAST
+GALLOP_SAMPLES_PER_DEVICE = 32
+GALLOP_FIRST, GALLOP_FACTOR, GALLOP_LAST = 1e-3, 4.0, 0.07
 
 
 @dataclass(frozen=True)
@@ -382,6 +389,15 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
                 return None
         elif not search.try_at(upper_s * (1 - tol)):
             return None
+        # a large batch per device leaves little to round: the optimum lies just above the fluid
+        # bound, so gallop up from it (each infeasible probe is a proof that raises lo) before bisecting
+        if global_batch >= GALLOP_SAMPLES_PER_DEVICE * table.num_devices and search.lo > 0:
+            step = GALLOP_FIRST
+            while step <= GALLOP_LAST and search.time_left():
+                t = search.lo * (1 + step)
+                if not search.lo < t < search.hi or search.try_at(t):
+                    break
+                step *= GALLOP_FACTOR
         points = _breakpoints(table, search.comm_s, search.lo, search.hi)
         while points and search.time_left():
             mid = points[len(points) // 2]
@@ -389,10 +405,16 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             points = [t for t in points if search.lo < t < search.hi and (t < mid if ok else t > mid)]
         # between breakpoints only the shares' room changes: the best configuration found so far is
         # usually already optimal (price_config placed its shares exactly), which one probe just below proves
-        if not search.closed(tol) and search.time_left():
-            search.try_at(search.hi * (1 - tol))
+        # so probe near hi: each infeasible probe there cuts the interval to NEAR_HI_STEP of itself (a
+        # midpoint only halves it); after a feasible one (hi moved down) the next probe is the midpoint,
+        # so a run of improvements still closes the interval geometrically
+        near_hi = True
         while not search.closed(tol) and search.time_left():
-            search.try_at(0.5 * (search.lo + search.hi))
+            gap = search.hi - search.lo
+            t = search.hi - max(tol * search.hi, NEAR_HI_STEP * gap) if near_hi else search.lo + 0.5 * gap
+            if not search.lo < t < search.hi:  # rounding at the tolerance's edge: a midpoint always moves
+                t = search.lo + 0.5 * gap
+            near_hi = not search.try_at(t)
     except ProbeTimeout as e:  # undecided: the search stops with what it has, unproven
         log.warning("%s", e)
         if search.best is None:
