@@ -16,6 +16,11 @@ Time (seconds, one micro-batch of `micro_batch` samples):
   4·V·h backward. The embedding lookup has no matmul FLOPs (0).
 - optimizer: the profile's optimizer_s_per_param × the stage's parameters / d.
 - collectives: planner.costmodel.collectives.sharded_step_comm_s over the stage's units.
+- a boundary: the runtime (models/pipeline.py) sends each micro-batch's activation as fp32 rows
+  (rows, seq, hidden), and its gradient back the same way (`WIRE_BYTES` per element, whatever the
+  training dtype): `boundary_bytes`.
+- a tied embedding (the LM head is the embedding): the first and the last stage each hold it, and
+  their fp32 "embed" gradients are all-reduced once per step over both stages' ranks (`tied_sync_s`).
 
 Memory (bytes per GPU): planner.core.memory.estimate_memory of the model cut to the stage's
 `num_layers` blocks (exact for those blocks, asked at each layer count, never extrapolated) on the
@@ -32,15 +37,18 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from planner.core.catalog import device_dtype, get_gpu_type
+from planner.core.cluster import split_profile_key
 from planner.core.constants import DTYPE_BYTES, FP32_BYTES, MEMORY_HEADROOM
 from planner.core.specs import ModelSpec
 from planner.core.units import runtime_units
-from planner.costmodel.collectives import Link, sharded_step_comm_s
+from planner.costmodel.collectives import Link, all_reduce_s, sharded_step_comm_s
 from planner.costmodel.training import compute_dtype_bytes
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("1f1b", "gpipe")
+# bytes per element of an activation or gradient between stages: the runtime sends fp32
+WIRE_BYTES = FP32_BYTES
 
 
 @dataclass(frozen=True)
@@ -96,8 +104,16 @@ def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int)
     return min(num_stages - stage, num_microbatches)  # 1F1B (Narayanan et al. 2021)
 
 
+def base_type(kind: str) -> str:
+    """The catalog type of a device kind: a type, or a profile key with a CPU quota ("cpu@share0.5",
+    planner.core.cluster.profile_key), whose step profile is measured under its quota but whose
+    memory and dtype are the type's."""
+    return split_profile_key(kind)[0]
+
+
 class PipelineCostModel:
-    """Stage costs of one model, sequence length, micro-batch and dtype, cached per device type."""
+    """Stage costs of one model, sequence length, micro-batch and dtype, cached per device kind (a
+    catalog type or a CPU-quota profile key: `base_type`)."""
 
     def __init__(self, spec: ModelSpec, seq: int, micro_batch: int, dtype: str, schedule: str = "1f1b",
                  profiles_dir: str | None = None):
@@ -111,9 +127,13 @@ class PipelineCostModel:
         self._embed_params, self._block_params, self._head_params = units[0].numel, units[1].numel, units[-1].numel
 
     # --- what crosses a boundary ---
-    def boundary_bytes(self, gpu_type: str) -> int:
-        """One micro-batch's activation (and, backward, its gradient): s·b·h in the compute dtype."""
-        return self.seq * self.micro_batch * self.spec.hidden * DTYPE_BYTES[device_dtype(gpu_type, self.dtype)]
+    def boundary_bytes(self) -> int:
+        """One micro-batch's activation (and, backward, its gradient) as the runtime sends it: s·b·h fp32."""
+        return self.seq * self.micro_batch * self.spec.hidden * WIRE_BYTES
+
+    def dtype_of(self, kind: str) -> str:
+        """The dtype the kind trains in (bf16 falls back to fp16 on a part without it)."""
+        return device_dtype(base_type(kind), self.dtype)
 
     # --- time ---
     def profile(self, gpu_type: str, recompute: str):
@@ -121,7 +141,7 @@ class PipelineCostModel:
         if key not in self._profiles:
             from planner.core.profiles import get_step_profile
 
-            self._profiles[key] = get_step_profile(gpu_type, self.spec, self.seq, device_dtype(gpu_type, self.dtype),
+            self._profiles[key] = get_step_profile(gpu_type, self.spec, self.seq, self.dtype_of(gpu_type),
                                                    recompute, self.profiles_dir)
         return self._profiles[key]
 
@@ -158,13 +178,52 @@ class PipelineCostModel:
     def stage_units(self, num_layers: int, first: bool, last: bool) -> int:
         return num_layers + (1 if first else 0) + (1 if last else 0)
 
-    def sync_s(self, gpu_type: str, num_layers: int, first: bool, last: bool, dp: int, link: Link) -> float:
+    def sync_s(self, gpu_type: str, num_layers: int, first: bool, last: bool, dp: int, link: Link,
+               reduce_link: Link | None = None) -> float:
         """ZeRO-1 inside the stage, as the runtime issues it: every unit's fp32 gradient
-        reduce-scattered and its updated parameters all-gathered in the compute dtype, one call each."""
+        reduce-scattered and its updated parameters all-gathered in the compute dtype, one call each.
+        `reduce_link`: the reduce-scatters' own figures where they were measured apart (else `link`)."""
+        return sum(self.sync_parts_s(gpu_type, num_layers, first, last, dp, link, reduce_link))
+
+    def sync_parts_s(self, gpu_type: str, num_layers: int, first: bool, last: bool, dp: int, link: Link,
+                     reduce_link: Link | None = None) -> tuple[float, float]:
+        """(reduce-scatters, all-gathers) of `sync_s` apart: the runtime runs the optimizer step between
+        them (and, in a pipeline, a world all-reduce before it). A tied replica of the embedding on the
+        last stage is no part of it (its gradient is all-reduced whole: `tied_sync_s`)."""
         n = self.stage_params(num_layers, first, last)
-        cbytes = compute_dtype_bytes(gpu_type, device_dtype(gpu_type, self.dtype))
-        return sharded_step_comm_s(n * cbytes, n * FP32_BYTES, 2 * self.stage_units(num_layers, first, last), dp,
-                                   link)
+        units = self.stage_units(num_layers, first, last)
+        cbytes = compute_dtype_bytes(base_type(gpu_type), self.dtype_of(gpu_type))
+        reduce_link = reduce_link or link
+        return (sharded_step_comm_s(0.0, n * FP32_BYTES, units, dp, reduce_link, reduce_link),
+                sharded_step_comm_s(n * cbytes, 0.0, units, dp, link, link))
+
+    def runtime_state(self, num_layers: int, stage: int, num_stages: int) -> tuple[int, int, int, int]:
+        """(reduce-scattered params, reduce-scatter calls, all-gathered = AdamW params, all-gather calls)
+        of stage `stage` as models/pipeline.py runs it: its units (planner/core/units.py), and with a
+        tied embedding and 2+ stages the last stage's whole replica of "embed" too, whose gradient (and
+        the first stage's) is all-reduced over both stages instead of reduce-scattered
+        (`tied_sync_s`), then sharded, updated and all-gathered like any unit."""
+        first, last = stage == 0, stage == num_stages - 1
+        params, units = self.stage_params(num_layers, first, last), self.stage_units(num_layers, first, last)
+        if not (self.spec.tied_embeddings and num_stages > 1):
+            return params, units, params, units
+        if last:  # the replica joins the state, not the reduce-scatters
+            return params, units, params + self._embed_params, units + 1
+        return params - self._embed_params, units - 1, params, units  # the first stage's embed: all-reduced
+
+    def runtime_sync_parts_s(self, gpu_type: str, num_layers: int, stage: int, num_stages: int, dp: int,
+                             link: Link, reduce_link: Link | None = None) -> tuple[float, float]:
+        """(reduce-scatters, all-gathers) of a stage as models/pipeline.py issues them (`runtime_state`)."""
+        rs_params, rs_calls, ag_params, ag_calls = self.runtime_state(num_layers, stage, num_stages)
+        cbytes = compute_dtype_bytes(base_type(gpu_type), self.dtype_of(gpu_type))
+        reduce_link = reduce_link or link
+        return (sharded_step_comm_s(0.0, rs_params * FP32_BYTES, rs_calls, dp, reduce_link, reduce_link),
+                sharded_step_comm_s(ag_params * cbytes, 0.0, ag_calls, dp, link, link))
+
+    def tied_bytes(self) -> int:
+        """The tied embedding's full fp32 gradient all-reduced between the first and last stage ("embed":
+        the token table and, for learned positions, the position table)."""
+        return self._embed_params * FP32_BYTES if self.spec.tied_embeddings else 0
 
     def optimizer_s(self, gpu_type: str, recompute: str, num_params: int, dp: int) -> float:
         """AdamW over this GPU's 1/dp of the stage's parameters (ZeRO-1)."""
@@ -172,30 +231,42 @@ class PipelineCostModel:
 
     # --- memory ---
     def capacity_bytes(self, gpu_type: str) -> int:
-        return int(get_gpu_type(gpu_type).memory_bytes * MEMORY_HEADROOM)
+        return int(get_gpu_type(base_type(gpu_type)).memory_bytes * MEMORY_HEADROOM)
 
     def memory_bytes(self, gpu_type: str, num_layers: int, in_flight_mb: int, dp: int, recompute: str) -> int:
         """Peak bytes per GPU of a stage of `num_layers` blocks holding `in_flight_mb` micro-batches."""
-        return _stage_memory(self.spec, self.micro_batch, self.seq, device_dtype(gpu_type, self.dtype), recompute,
-                             dp, gpu_type, num_layers, in_flight_mb)
+        return _stage_memory(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), recompute,
+                             dp, base_type(gpu_type), num_layers, in_flight_mb)
 
     def max_layers(self, gpu_type: str, in_flight_mb: int, dp: int, recompute: str) -> int:
         """The most blocks a stage fits on one GPU of `gpu_type` (0: not even one; memory grows with
         the blocks, so a bisection over the exact memory of each count)."""
         cap = self.capacity_bytes(gpu_type)
-        return _max_layers(self.spec, self.micro_batch, self.seq, device_dtype(gpu_type, self.dtype), recompute, dp,
-                           gpu_type, in_flight_mb, cap)
+        return _max_layers(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), recompute, dp,
+                           base_type(gpu_type), in_flight_mb, cap)
 
     def estimate_stage(self, gpu_type: str, num_layers: int, stage: int, num_stages: int, num_microbatches: int,
-                       dp: int, recompute: str, link: Link) -> StageEstimate:
+                       dp: int, recompute: str, link: Link, reduce_link: Link | None = None) -> StageEstimate:
         first, last = stage == 0, stage == num_stages - 1
         fwd, bwd = self.compute_s(gpu_type, recompute, num_layers, first, last)
         params = self.stage_params(num_layers, first, last)
         k = in_flight(self.schedule, stage, num_stages, num_microbatches)
-        return StageEstimate(fwd, bwd, self.sync_s(gpu_type, num_layers, first, last, dp, link),
+        return StageEstimate(fwd, bwd, self.sync_s(gpu_type, num_layers, first, last, dp, link, reduce_link),
                              self.optimizer_s(gpu_type, recompute, params, dp),
                              self.memory_bytes(gpu_type, num_layers, k, dp, recompute),
                              self.capacity_bytes(gpu_type), params)
+
+
+def tied_sync_s(num_bytes: int, num_ranks: int, link: Link) -> float:
+    """The tied embedding's gradient summed between the first and the last stage, once per step, as
+    models/pipeline.py does it: one all-reduce of the whole `num_bytes` fp32 gradient
+    (PipelineCostModel.tied_bytes) over the group of both stages' ranks (2d: Megatron's embedding
+    group), a ring (planner/costmodel/collectives.all_reduce_s) over `link`: its slowest edge (the
+    ring crosses from the first stage's ranks to the last's and back once, one flow per direction)
+    and the call latency of its steps. 0 when nothing is tied (num_bytes 0)."""
+    if num_bytes <= 0:
+        return 0.0
+    return all_reduce_s(num_bytes, num_ranks, link)
 
 
 def _config(micro_batch: int, seq: int, dtype: str, recompute: str, dp: int, gpu_type: str):

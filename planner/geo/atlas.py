@@ -109,7 +109,10 @@ def _link_name(x: str, y: str) -> str:
 
 
 def build_job(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan, schedule: str = "1f1b") -> PipelineJob:
-    """The simulator's view of a plan: stages, and a channel per boundary (LAN or WAN link)."""
+    """The simulator's view of a plan: stages, a channel per boundary (LAN or WAN link), and the tied
+    embedding's sum between the first and the last stage (GeoCosts.tied_sync_s). The search's
+    estimate E leaves that sum out (a constant of the chain, it only makes E a lower bound of the
+    simulation); the simulated shortlist, which decides, has it."""
     channels: dict[str, Channel] = {}
     hops = []
     conns = dict(plan.connections)
@@ -125,8 +128,9 @@ def build_job(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan, schedule: s
                                      plan.sharing)
         hops.append(name)
     stages = tuple(Stage(s.forward_s, s.backward_s, s.allreduce_s, s.label(), s.optimizer_s) for s in plan.stages)
+    tied = costs.tied_sync_s(plan.chain, plan.num_pipelines, conns) if len(stages) > 1 else 0.0
     return PipelineJob(stages, tuple(hops), tuple(channels.values()), plan.num_pipelines,
-                       plan.num_microbatches, costs.transfer_bytes, schedule, plan.link_order)
+                       plan.num_microbatches, costs.transfer_bytes, schedule, plan.link_order, tied)
 
 
 def plan_from(scenario: GeoScenario, costs: GeoCosts, cand: Candidate, network: str) -> GeoPlan:

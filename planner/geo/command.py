@@ -1,11 +1,15 @@
 """`python -m planner geo`: plan training across datacenters (Atlas) and fill its bubbles with
-prefill (BubbleTea); every figure is simulated (planner/pipeline_sim) from the cost model."""
+prefill (BubbleTea); every figure is simulated (planner/pipeline_sim) from the cost model.
+
+`--out P` writes the chosen plan as a plan file that `python -m executor launch` runs
+(planner/geo/plan_file.py); the JSON output then also carries it under "plan_file"."""
 from __future__ import annotations
 
 import argparse
 
 from planner.cli import print_json, print_table
 from planner.geo.evaluate import simulate_geo
+from planner.geo.plan_file import geo_plan_to_plan, report_baselines
 from planner.geo.scenario import GeoScenario
 from planner.geo.pipeline_sim import SCHEDULES
 
@@ -17,12 +21,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule to simulate")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines (faster)")
     p.add_argument("--json", action="store_true", help="one JSON object (the plan's stages included)")
+    p.add_argument("--out", metavar="P", help="write the chosen plan as a plan file that `executor launch` runs")
 
 
 def run(args: argparse.Namespace) -> int:
     scenario = GeoScenario.load(args.scenario)
     report = simulate_geo(scenario, args.schedule, baselines=not args.no_baselines)
     out = report.to_dict()
+    plan_file = None
+    if args.out:
+        plan_file = geo_plan_to_plan(scenario, report.plan, schedule=args.schedule,
+                                     baselines=report_baselines(report.baselines),
+                                     search_iteration_s=report.sim.iteration_s, solve_s=report.solve_time_s)
+        plan_file.save(args.out)
+        out["plan_file"] = {"path": args.out, "predicted_iteration_s": plan_file.predicted_iteration_s,
+                            "pipeline": plan_file.pipeline is not None}
     if args.json:
         print_json(out)
         return 0
@@ -65,4 +78,8 @@ def run(args: argparse.Namespace) -> int:
                       "training_unchanged": out["training_unchanged_by_prefill"]}])
         if pre["note"]:
             print(f"note: {pre['note']}")
+    if plan_file is not None:
+        kind = f"{len(plan_file.pipeline.stages)} stages" if plan_file.pipeline else "data parallel, one stage"
+        print(f"plan file written to {args.out} ({kind}): predicted {plan_file.predicted_iteration_s:.4g} s/iteration "
+              "as the runtime runs it (fp32 transfers, fair link sharing)")
     return 0

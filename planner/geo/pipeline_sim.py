@@ -17,7 +17,14 @@ After a stage's last backward on every replica its gradients are synchronized
 among the replicas (`Stage.allreduce_s`: the ZeRO-1 collectives), then each
 replica runs the optimizer step over its shard (`Stage.optimizer_s`, kind "OPT",
 kept in `SimResult.step_ops` beside the training `ops`); the iteration ends when
-the last operation or transfer ends. `reserved` intervals (BubbleTea's prefill) block a
+the last operation or transfer ends. With `tied_sync_s`, the first and the last stage first sum
+their tied embedding's gradient (kind "TIED", both stages' replicas at once, once both are done).
+With `runtime_step` the simulator follows models/pipeline.py's step instead: a receive is posted
+when the operation that needs it starts and a transfer moves only then (gloo and NCCL send when the
+receiver is ready: it starts at max(send, post + one-way latency)); a rank starts its syncs once
+its own sends have arrived; after every stage's syncs a world all-reduce (the gradient norm and the
+loss, `world_sync_s`, kind "SYNC") joins all ranks before their optimizer steps.
+`reserved` intervals (BubbleTea's prefill) block a
 GPU: a training operation that would overlap one starts after it instead, which
 is how tests check that prefill never moves training.
 """
@@ -72,6 +79,14 @@ class PipelineJob:
     transfer_bytes: float  # activation (and its gradient) per micro-batch per boundary
     schedule: str = "1f1b"
     link_order: str = "fifo"  # temporal channels: "fifo" (first come) or "pipeline" (lower pipeline first)
+    # a tied embedding's gradient summed between the first and the last stage (each replica with its
+    # counterpart), once both have run their last backward and before either's own sync; 0: none
+    tied_sync_s: float = 0.0
+    # models/pipeline.py's own step (module docstring, "runtime step"): rendezvous transfers, a rank
+    # syncs once its sends are done, a world all-reduce of `world_sync_s` between the syncs and the
+    # optimizer steps (then `Stage.allreduce_s` is the reduce-scatters, `optimizer_s` AdamW + all-gathers)
+    runtime_step: bool = False
+    world_sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.hops) != len(self.stages) - 1:
@@ -86,6 +101,8 @@ class PipelineJob:
             raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {self.link_order!r}")
         if self.num_pipelines < 1 or self.num_microbatches < 1:
             raise ValueError("num_pipelines and num_microbatches must be >= 1")
+        if self.tied_sync_s < 0 or (self.tied_sync_s > 0 and len(self.stages) < 2):
+            raise ValueError("tied_sync_s must be >= 0, and > 0 only with two stages or more")
         num_ops = 2 * self.num_microbatches * self.num_pipelines * len(self.stages)
         if num_ops > MAX_SIMULATED_OPS:
             raise ValueError(f"pipeline simulation of {self.num_pipelines} pipelines × {len(self.stages)} stages × "
@@ -105,7 +122,8 @@ class PipelineJob:
 class Op:
     pipeline: int
     stage: int
-    kind: str  # "F" forward, "B" backward, "AR" gradient all-reduce, "OPT" optimizer step, "P" prefill
+    kind: str  # "F" forward, "B" backward, "AR" gradient all-reduce, "TIED" tied-embedding sum, "SYNC" the
+    # runtime step's world all-reduce, "OPT" optimizer step, "P" prefill
     microbatch: int  # -1 for AR; request index for P
     start_s: float
     end_s: float
@@ -196,6 +214,11 @@ class _Sim:
         self.busy = {w: False for w in self.next_op}
         self.ready: set[tuple] = set()  # ("act"|"grad"|"fdone", r, j, mb)
         self.stage_done = [0] * self.p
+        self.tied_waiting: dict[int, float] = {}  # first/last stage -> when all its replicas were done
+        self.posted: dict[tuple, float] = {}  # runtime step: (direction, r, hop, mb) -> when its receive was posted
+        self.parked: dict[tuple, tuple] = {}  # runtime step: sends waiting for their receive
+        self.unsent = {w: 0 for w in self.next_op}  # runtime step: a worker's sends not yet arrived
+        self.synced: dict[int, float] = {}  # runtime step: stage -> when its syncs ended
         self.ops: list[Op] = []
         self.step_ops: list[Op] = []
         self.transfers: list[Transfer] = []
@@ -216,6 +239,11 @@ class _Sim:
         if self.busy[w] or self.next_op[w] >= len(self.orders[j]):
             return
         kind, mb = self.orders[j][self.next_op[w]]
+        if self.job.runtime_step:  # the op starts waiting: its receive is posted now
+            if kind == "F" and j > 0:
+                self.post(now, ("fwd", r, j - 1, mb))
+            elif kind == "B" and j < self.p - 1:
+                self.post(now, ("bwd", r, j, mb))
         if kind == "F" and j > 0 and ("act", r, j, mb) not in self.ready:
             return
         if kind == "B" and (("fdone", r, j, mb) not in self.ready
@@ -239,11 +267,34 @@ class _Sim:
         else:
             if j > 0:
                 self.send(now, r, j - 1, "bwd", mb)
-            if self.next_op[w] == len(self.orders[j]):
-                self.stage_done[j] += 1
-                if self.stage_done[j] == self.d:
-                    self.allreduce(now, j)
+            if self.next_op[w] == len(self.orders[j]) and self.unsent[w] == 0:
+                self.worker_done(now, w)
         self.try_start(w, now)
+
+    def worker_done(self, now: float, w: tuple[int, int]) -> None:
+        """A worker ran its last operation (and, in the runtime step, its sends arrived)."""
+        j = w[1]
+        self.stage_done[j] += 1
+        if self.stage_done[j] == self.d:
+            self.stage_finished(now, j)
+
+    def stage_finished(self, now: float, j: int) -> None:
+        """Every replica of stage j ran its last backward: its syncs, after the tied embedding's sum
+        between the first and the last stage when the job has one."""
+        tied_s, last = self.job.tied_sync_s, self.p - 1
+        if tied_s <= 0 or j not in (0, last):
+            self.allreduce(now, j)
+            return
+        self.tied_waiting[j] = now
+        if len(self.tied_waiting) < 2:
+            return
+        ends = (0, last)
+        start = max(_fit(now, tied_s, self.reserved.get((r, s), [])) for r in range(self.d) for s in ends)
+        for s in ends:
+            for r in range(self.d):
+                self.ops.append(Op(r, s, "TIED", -1, start, start + tied_s))
+        for s in ends:
+            self.allreduce(start + tied_s, s)
 
     def allreduce(self, now: float, j: int) -> None:
         """The stage's collectives (all replicas at once), then each replica's optimizer step."""
@@ -254,13 +305,62 @@ class _Sim:
             end = start + dur
             for r in range(self.d):
                 self.ops.append(Op(r, j, "AR", -1, start, end))
+        if self.job.runtime_step:
+            self.synced[j] = end
+            if len(self.synced) == self.p:
+                self.world_sync(max(self.synced.values()))
+            return
+        self.optimizer_steps(end, j)
+
+    def world_sync(self, now: float) -> None:
+        """The runtime step's world all-reduce (every rank at once), then every rank's optimizer step."""
+        dur, end = self.job.world_sync_s, now
+        if dur > 0:
+            workers = list(self.next_op)
+            start = max(_fit(now, dur, self.reserved.get(w, [])) for w in workers)
+            end = start + dur
+            self.ops += [Op(r, j, "SYNC", -1, start, end) for r, j in workers]
+        for j in range(self.p):
+            self.optimizer_steps(end, j)
+
+    def optimizer_steps(self, end: float, j: int) -> None:
+        stage = self.job.stages[j]
         if stage.optimizer_s > 0:
             for r in range(self.d):
                 start = _fit(end, stage.optimizer_s, self.reserved.get((r, j), []))
                 self.step_ops.append(Op(r, j, "OPT", -1, start, start + stage.optimizer_s))
 
     # --- network ---
+    def post(self, now: float, key: tuple) -> None:
+        """Runtime step: the receive of transfer `key` is posted; a parked send may move."""
+        if key in self.posted:
+            return
+        self.posted[key] = now
+        if key in self.parked:
+            self.release(now, self.parked.pop(key))
+
+    def release(self, now: float, key: tuple) -> None:
+        """Runtime step: the data moves once the receiver's readiness reached the sender."""
+        direction, r, hop, mb = key
+        t = max(now, self.posted[key] + self.channels[self.job.hops[hop]].latency_s)
+        if t > now + _EPS:
+            self.push(t, "enter", key)
+        else:
+            self.enter(now, r, hop, direction, mb)
+
     def send(self, now: float, r: int, hop: int, direction: str, mb: int) -> None:
+        if not self.job.runtime_step:
+            self.enter(now, r, hop, direction, mb)
+            return
+        self.unsent[(r, hop if direction == "fwd" else hop + 1)] += 1
+        key = (direction, r, hop, mb)
+        if key in self.posted:
+            self.release(now, key)
+        else:
+            self.parked[key] = key
+
+    def enter(self, now: float, r: int, hop: int, direction: str, mb: int) -> None:
+        """A transfer's data is handed to its channel."""
         ch = self.channels[self.job.hops[hop]]
         key = f"{ch.name}/{direction}"
         bits = self.job.transfer_bytes * BITS_PER_BYTE
@@ -327,6 +427,11 @@ class _Sim:
         self.fair_schedule(now, key)
 
     def arrive(self, now: float, r: int, hop: int, direction: str, mb: int) -> None:
+        if self.job.runtime_step:
+            sender = (r, hop if direction == "fwd" else hop + 1)
+            self.unsent[sender] -= 1
+            if self.unsent[sender] == 0 and self.next_op[sender] == len(self.orders[sender[1]]):
+                self.worker_done(now, sender)
         if direction == "fwd":
             self.ready.add(("act", r, hop + 1, mb))
             self.try_start((r, hop + 1), now)
@@ -343,6 +448,9 @@ class _Sim:
                 self.op_end(now, *payload)
             elif kind == "arrive":
                 self.arrive(now, *payload)
+            elif kind == "enter":
+                direction, r, hop, mb = payload
+                self.enter(now, r, hop, direction, mb)
             elif kind == "link_free":
                 self.next_temporal(now, payload)
             else:

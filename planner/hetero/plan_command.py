@@ -1,6 +1,9 @@
 """`python -m planner plan`: the fastest heterogeneous plan of a model on a cluster (issue 4).
 
 The `--json` output is itself a plan file (Plan.to_dict()); `--out P` also writes it there.
+On a cluster of two or more nodes pipeline stages are priced beside the ILP's data-parallel plan
+(planner/geo/cluster_plan.py) and the faster is written; its notes and baselines say both times,
+and a chosen pipeline plan carries its `pipeline` section. `--no-pipeline` keeps data parallelism.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from planner.core.cluster import ClusterSpec
 from planner.hetero.solve import DTYPES, RECOMPUTE, ZERO_AUTO, ZERO_CHOICES, solve_plan
 from planner.core.plan import Plan
 from planner.core.constants import DTYPES, GIB, RECOMPUTE
+from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
 
@@ -27,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto (default): the fastest predicted stage that fits")
     p.add_argument("--headroom", type=float, default=0.9, help="use at most this share of each device's memory")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit (s)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="do not price pipeline stages on a multi-node cluster (pure data parallelism)")
     p.add_argument("--json", action="store_true", help="print the plan file as one JSON object")
     p.add_argument("--out", metavar="P", help="also write the plan file here")
 
@@ -36,7 +42,11 @@ def print_plan(plan: Plan) -> None:
     print(f"plan for {plan.model} on {plan.cluster.name}: global batch {plan.global_batch}, seq {plan.seq}, "
           f"{plan.dtype}, recompute {plan.recompute}, zero {plan.zero} (all figures predicted)")
     devices = plan.cluster.devices()
+    stage_of = {}
+    if plan.pipeline is not None:
+        stage_of = {d: s for s, st in enumerate(plan.pipeline.stages) for d in st.devices}
     rows = [{"device": a.device_index, "node": a.node, "type": devices[a.device_index][1].label,
+             **({"stage": stage_of.get(a.device_index, "-")} if stage_of else {}),
              "micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
              "shard_fraction": round(a.shard_fraction, 4),
              "memory_GiB": round(a.predicted_memory_bytes / GIB, 2),
@@ -64,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
                         recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
                         zero=args.zero if args.zero == ZERO_AUTO else int(args.zero))
     plan = result.plan
+    if not args.no_pipeline and len(cluster.nodes) > 1:
+        option = solve_cluster_pipeline(cluster, args.model, args.global_batch, plan.seq, args.dtype)
+        plan = choose_plan(plan, option)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -1,0 +1,272 @@
+"""The prediction of a GIVEN plan on given hardware: what `executor launch` will measure.
+
+`predict_plan(plan)` simulates exactly the plan's pipeline (its stages, rows, micro-batches,
+schedule, devices and links) with the discrete-event simulator (planner/geo/pipeline_sim) and the
+shared cost model (planner/costmodel/pipeline.py); `predict_dp_plan(plan)` prices a data-parallel
+plan across the same links. bench/geo_real.py compares both against measured runs on emulated
+datacenters, so every term follows the runtime (models/pipeline.py, models/sharded.py), not the
+geo search's idealisations:
+
+- compute: forward / backward of one micro-batch of the device's `rows` through the stage's units,
+  from the device kind's step profile (planner.core.profiles.get_step_profile: measured by
+  `profiler profile`, a CPU-quota kind under its own quota, or estimated and labelled so), split
+  by the units' FLOPs (PipelineCostModel.compute_s), times the device's emulated `slowdown`.
+- a boundary: the runtime sends each activation as fp32 rows (rows, seq, hidden) from a rank of
+  stage j to the rank of stage j+1 whose rows it covers, and the gradient back the same way:
+  `rows·seq·hidden·4` bytes per micro-batch and direction (costmodel.pipeline.WIRE_BYTES).
+  Same node: a path of its own per pair at the node's collective bandwidth (the measured gloo fit
+  for CPU ranks, else `intra_node_gbps`). Different nodes: the plan's WAN link (`plan.wan`), one
+  direction shared FAIRLY by the transfers in flight (several TCP streams through one `tc tbf`
+  shaper share it; the runtime does not take turns as Atlas's temporal sharing would), each
+  transfer at most `min(gbps, k · window / RTT)` with `k = plan.connections` (planner/geo/scenario
+  WanLink), plus the one-way latency RTT / 2; without a `wan` entry the cluster's `inter_node_gbps`.
+  `rtt=False` drops the RTT (latency and window cap) for an emulation that cannot add delay.
+- sync inside a stage: ZeRO-1 over the stage's d ranks (a reduce-scatter of every unit's fp32
+  gradient, an all-gather of its updated parameters in the compute dtype: PipelineCostModel.sync_s)
+  over the node's collective link, after the stage's last backward.
+- a tied embedding (GPT-2): its gradient is summed between the first and the last stage (replica r
+  with replica r: costmodel.pipeline.tied_sync_s) once both are done, before their own syncs: a 2-rank all-reduce of
+  V·h fp32 per pair, the d pairs sharing the link between the two stages' nodes.
+- optimizer: AdamW over the device's shard (`shard_fraction` of the stage's parameters) at the
+  profile's optimizer_s_per_param, times `slowdown`; the iteration ends at the last optimizer step.
+
+What the simulator cannot describe is refused (ValueError), never approximated: stages of
+different widths or uneven rows (the replicas of the simulator are identical pipelines), a stage
+of mixed device kinds, or one that spans nodes.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.constants import BITS_PER_BYTE, GBIT
+from planner.core.plan import Plan, WanLink as PlanWanLink, link_key
+from planner.core.specs import ModelSpec, get_model, with_max_seq
+from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, Link, all_reduce_s, bytes_per_s,
+                                          sharded_step_comm_s)
+from planner.costmodel.pipeline import WIRE_BYTES, PipelineCostModel, in_flight, tied_sync_s
+from planner.costmodel.training import CostModel, build_comm_model
+from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
+from planner.geo.scenario import WanLink as ScenarioWanLink
+
+log = logging.getLogger(__name__)
+
+# the world all-reduce of models/pipeline.py's step end: the gradient norm, the overflow flag, the loss
+STATS_BYTES = 3 * 8
+# the simulator's op kinds -> the measured timeline's op names (DESIGN: timeline.json)
+OP_NAMES = {"F": "forward", "B": "backward", "AR": "grad_sync", "TIED": "grad_sync", "SYNC": "grad_sync",
+            "OPT": "optimizer",
+            "P": "prefill"}
+
+
+@dataclass(frozen=True)
+class PlanSimulation:
+    """A pipeline plan simulated: the iteration, its timeline rows and per-device figures."""
+
+    iteration_s: float
+    ops: tuple[dict[str, Any], ...]  # {"stage", "replica", "op", "mb", "start_s", "end_s"}
+    step_s: dict[int, float]  # device_index -> when its last operation (its optimizer step) ends
+    memory_bytes: dict[int, int]  # device_index -> predicted peak
+    sim: SimResult
+
+
+def model_spec(plan: Plan) -> ModelSpec:
+    return with_max_seq(get_model(plan.model), plan.seq)
+
+
+def _collective_links(cluster: ClusterSpec, node: NodeSpec, devices: list[DeviceSpec], spec: ModelSpec,
+                      dtype: str, profiles_dir: str | None) -> tuple[Link, Link]:
+    """(all-gather, reduce-scatter) links among ranks of one node: the measured gloo fits for CPU
+    ranks when `profiler bench` has them, else the cluster's intra_node_gbps (training.build_comm_model)."""
+    comm = build_comm_model(devices, False, cluster, spec, 1, dtype, profiles_dir)
+    return comm.gather_link, comm.reduce_link
+
+
+def wan_rate(w: PlanWanLink, connections: int, rtt: bool) -> tuple[float, float]:
+    """(Gbit/s one transfer reaches on its `connections`, one-way latency s) of a plan's WAN link."""
+    if not rtt or w.rtt_ms <= 0:
+        return w.gbps, 0.0
+    link = ScenarioWanLink(w.a, w.b, w.gbps, w.rtt_ms)
+    return link.throughput_gbps(connections), link.one_way_latency_s
+
+
+def _wan_of(plan: Plan, a: str, b: str) -> PlanWanLink | None:
+    return next((w for w in plan.wan if {w.a, w.b} == {a, b}), None)
+
+
+def node_channel(plan: Plan, a: str, b: str, rtt: bool) -> Channel:
+    """The channel between two nodes: the plan's WAN link (fair sharing), else inter_node_gbps."""
+    name = link_key(a, b)
+    w = _wan_of(plan, a, b)
+    if w is None:
+        gbps = plan.cluster.network.inter_node_gbps
+        return Channel(name, INTER_NODE_HOP_LATENCY_S, gbps, gbps, "fair")
+    per_transfer, latency = wan_rate(w, plan.connections.get(name, 1), rtt)
+    return Channel(name, latency, per_transfer, w.gbps, "fair")
+
+
+def _stage_layout(plan: Plan) -> tuple[int, int, list[tuple[NodeSpec, DeviceSpec]]]:
+    """(replicas d, rows per replica, each stage's node and device kind); ValueError for a plan the
+    simulator cannot describe exactly (module docstring)."""
+    p = plan.pipeline
+    assert p is not None
+    devices = plan.cluster.devices()
+    d = len(p.stages[0].devices)
+    out = []
+    for s, st in enumerate(p.stages):
+        if len(st.devices) != d or len(set(st.rows)) != 1:
+            raise ValueError(f"plan: pipeline stage {s} has {len(st.devices)} devices with rows {list(st.rows)}; "
+                             f"the simulator prices stages of {d} devices with equal rows only")
+        nodes = {devices[i][0].name for i in st.devices}
+        kinds = {devices[i][1] for i in st.devices}
+        if len(nodes) != 1 or len(kinds) != 1:
+            raise ValueError(f"plan: pipeline stage {s} spans nodes {sorted(nodes)} or mixes device kinds "
+                             f"({', '.join(sorted(k.label for k in kinds))}); not simulated")
+        out.append(devices[st.devices[0]])
+    return d, p.micro_batch // d, out
+
+
+def ring_link(plan: Plan, ranks: list[int], intra: dict[str, Link], rtt: bool) -> Link:
+    """The link of a ring collective over `ranks` (device indices, in rank order): its slowest edge
+    (inside a node the node's collective link `intra[node]`, across nodes the channel between them,
+    one flow per direction: `node_channel`'s per-transfer rate), and per call the larger of the
+    nodes' own call latency and (k − 1) steps of the largest one-way latency it crosses."""
+    devices = plan.cluster.devices()
+    nodes = [devices[i][0].name for i in ranks]
+    k = len(ranks)
+    bw = min(intra[n].bandwidth_bytes_per_s for n in set(nodes))
+    call = max(intra[n].latency_s(k) for n in set(nodes))
+    for a, b in zip(nodes, nodes[1:] + nodes[:1]):
+        if a == b:
+            continue
+        if plan.wan and _wan_of(plan, a, b) is None:
+            raise ValueError(f"plan: a ring collective joins nodes {a!r} and {b!r}, which no wan link of the "
+                             "plan joins")
+        ch = node_channel(plan, a, b, rtt)
+        bw = min(bw, bytes_per_s(ch.per_transfer_gbps))
+        call = max(call, (k - 1) * ch.latency_s)
+    return Link(bw, call / max(1, math.ceil(math.log2(k))) if k > 1 else 0.0, call_latency_s=call)
+
+
+def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[PipelineJob, dict]:
+    """The simulator's job of a pipeline plan (module docstring), and each device's predicted memory."""
+    p = plan.pipeline
+    if p is None:
+        raise ValueError("plan: not a pipeline plan (no 'pipeline' section); use predict_dp_plan")
+    spec = model_spec(plan)
+    d, rows, layout = _stage_layout(plan)
+    num = len(p.stages)
+    model = PipelineCostModel(spec, plan.seq, rows, plan.dtype, p.schedule, profiles_dir)
+    by_index = {a.device_index: a for a in plan.assignments}
+    links: dict[str, tuple[Link, Link]] = {}
+    for node, dev in layout:
+        if node.name not in links:
+            links[node.name] = _collective_links(plan.cluster, node, [dev], spec, plan.dtype, profiles_dir)
+    stages, memory = [], {}
+    for j, (st, (node, dev)) in enumerate(zip(p.stages, layout)):
+        kind = dev.profile_key
+        gather, reduce = links[node.name]
+        fwd, bwd = model.compute_s(kind, plan.recompute, st.num_layers, j == 0, j == num - 1)
+        _, _, state_params, _ = model.runtime_state(st.num_layers, j, num)
+        rs_s, ag_s = model.runtime_sync_parts_s(kind, st.num_layers, j, num, d, gather, reduce)
+        share = max(by_index[i].shard_fraction for i in st.devices)  # the largest shard's step ends last
+        adamw = model.profile(kind, plan.recompute).optimizer_time_s(state_params * share) * dev.slowdown
+        stages.append(Stage(fwd * dev.slowdown, bwd * dev.slowdown, rs_s,
+                            f"{node.name} {dev.label} L{st.first_layer}-{st.first_layer + st.num_layers - 1}",
+                            adamw + ag_s))
+        mem = model.memory_bytes(kind, st.num_layers, in_flight(p.schedule, j, num, p.num_microbatches), d,
+                                 plan.recompute)
+        memory.update({i: mem for i in st.devices})
+    channels: dict[str, Channel] = {}
+    hops = []
+    for (a, _), (b, _) in zip(layout, layout[1:]):
+        if a.name == b.name:
+            gather = links[a.name][0]
+            name = f"lan:{a.name}"
+            gbps = gather.bandwidth_bytes_per_s * BITS_PER_BYTE / GBIT
+            lat = gather.call_latency_s if gather.call_latency_s is not None else gather.hop_latency_s
+            channels[name] = Channel(name, lat, gbps, gbps, "dedicated")
+        else:
+            ch = node_channel(plan, a.name, b.name, rtt)
+            channels[ch.name] = ch
+            name = ch.name
+        hops.append(name)
+    intra = {n: g for n, (g, _) in links.items()}
+    tied = 0.0
+    if num > 1 and model.tied_bytes():
+        ends = sorted(p.stages[0].devices + p.stages[-1].devices)
+        tied = tied_sync_s(model.tied_bytes(), len(ends), ring_link(plan, ends, intra, rtt))
+    world = sorted(i for st in p.stages for i in st.devices)
+    stats = all_reduce_s(STATS_BYTES, len(world), ring_link(plan, world, intra, rtt))
+    job = PipelineJob(tuple(stages), tuple(hops), tuple(channels.values()), d, p.num_microbatches,
+                      model.boundary_bytes(), p.schedule, "fifo", tied, runtime_step=True, world_sync_s=stats)
+    return job, memory
+
+
+def timeline_rows(sim: SimResult) -> tuple[dict[str, Any], ...]:
+    """The simulation as plan rows {"stage", "replica", "op", "mb", "start_s", "end_s"} in the measured
+    timeline's op names; each transfer is a send on its sender and a receive on its receiver."""
+    rows = [{"stage": o.stage, "replica": o.pipeline, "op": OP_NAMES[o.kind], "mb": o.microbatch,
+             "start_s": o.start_s, "end_s": o.end_s} for o in sim.ops + sim.step_ops]
+    for t in sim.transfers:
+        src, dst = (t.hop, t.hop + 1) if t.direction == "fwd" else (t.hop + 1, t.hop)
+        for stage, op in ((src, f"send_{t.direction}"), (dst, f"recv_{t.direction}")):
+            rows.append({"stage": stage, "replica": t.pipeline, "op": op, "mb": t.microbatch,
+                         "start_s": t.start_s, "end_s": t.end_s})
+    rows.sort(key=lambda r: (r["stage"], r["replica"], r["start_s"], r["end_s"]))
+    return tuple(rows)
+
+
+def simulate_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> PlanSimulation:
+    """The pipeline plan simulated as the runtime runs it (module docstring)."""
+    job, memory = build_plan_job(plan, profiles_dir, rtt)
+    sim = simulate_pipeline(job)
+    p = plan.pipeline
+    ends: dict[tuple[int, int], float] = {}
+    for o in sim.ops + sim.step_ops:
+        ends[(o.stage, o.pipeline)] = max(ends.get((o.stage, o.pipeline), 0.0), o.end_s)
+    step = {dev: ends[(j, r)] for j, st in enumerate(p.stages) for r, dev in enumerate(st.devices)}
+    return PlanSimulation(sim.iteration_s, timeline_rows(sim), step, memory, sim)
+
+
+def predict_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[float, tuple[dict, ...]]:
+    """(iteration seconds, simulated timeline rows) of a pipeline plan on its hardware and links."""
+    s = simulate_plan(plan, profiles_dir, rtt)
+    return s.iteration_s, s.ops
+
+
+def predict_dp_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[float, dict[int, float]]:
+    """(iteration seconds, device_index -> step seconds) of a data-parallel plan (no `pipeline`) on its
+    links: each device's n·(α + β·m)·slowdown + its optimizer share (planner/costmodel/training.py),
+    then the ZeRO collectives of the whole model over every used rank (the runtime synchronizes
+    after compute, nothing overlapped), over the ring's slowest edge (`ring_link`)."""
+    if plan.pipeline is not None:
+        raise ValueError("plan: a pipeline plan; use predict_plan")
+    spec = model_spec(plan)
+    cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, 1.0, profiles_dir, plan.zero)
+    devices = plan.cluster.devices()
+    used = [a.device_index for a in plan.assignments if a.used]
+    if not used:
+        raise ValueError("plan: no device is used")
+    nodes = {devices[i][0].name for i in used}
+    kinds = {devices[i][1] for i in used}
+    comm = cost.comm_model(kinds, len(nodes) > 1)
+    if len(nodes) > 1:
+        # each node's own collective figures (measured gloo fits for CPU ranks) inside it, the WAN across
+        gathers, reduces = {}, {}
+        for node in nodes:
+            members = sorted({devices[i][1] for i in used if devices[i][0].name == node}, key=lambda d: d.type)
+            node_spec = next(n for n in plan.cluster.nodes if n.name == node)
+            gathers[node], reduces[node] = _collective_links(plan.cluster, node_spec, members, spec, plan.dtype,
+                                                             profiles_dir)
+        comm_s = sharded_step_comm_s(comm.gather_bytes, comm.reduce_bytes, comm.num_calls, len(used),
+                                     ring_link(plan, used, gathers, rtt), ring_link(plan, used, reduces, rtt))
+    else:
+        comm_s = comm.comm_s(len(used))
+    by_index = {a.device_index: a for a in plan.assignments}
+    steps = {i: cost.coeffs[devices[i][1]].step_s(by_index[i].micro_batch, by_index[i].accum_steps,
+                                                  by_index[i].shard_fraction) + comm_s for i in used}
+    return max(steps.values()), steps

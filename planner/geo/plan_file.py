@@ -1,0 +1,175 @@
+"""A geo plan as a plan file (planner/core/plan.py) that `python -m executor launch` runs.
+
+`geo_plan_to_plan` turns Atlas's choice (a chain of stages, each on one datacenter's GPUs of one
+type, replicated `d` times) into a `Plan` with a `pipeline` section:
+
+- the cluster: the given one (`planner plan --cluster`: nodes are the datacenters), or, for a
+  scenario, one node per datacenter used (node name = datacenter name), holding the stages'
+  devices in stage order; its network says the smallest intra-DC and WAN rates;
+- stage j: d devices of its type on its node (the d data-parallel replicas), each with
+  rows = the per-pipeline micro-batch b, so the plan's micro_batch is d·b and every micro-batch
+  passes every stage once; num_microbatches = the per-pipeline count m (global batch = d·b·m);
+  shard fractions even inside a stage (1/d, ZeRO-1 over the stage group);
+- `wan`: the scenario's links between the datacenters used (gbps, rtt_ms); `connections`: the
+  plan's TCP connections per transfer on each WAN hop;
+- predicted figures from planner/geo/emulated.py, which simulates exactly this file's stages,
+  rows and links as the runtime runs them (fp32 rows on the wire, fair sharing of each link), so
+  `predicted_iteration_s` and `simulated_ops` are what a run of this file is compared with; the
+  geo search's own simulation (temporal WAN sharing, Atlas's ideal) is kept in the notes.
+
+A one-stage plan (one datacenter) is written as a plain data-parallel plan (no `pipeline`): it is
+the sharded runtime's ordinary run. `check_runnable` refuses a plan the runtime cannot run (a stage
+without layers, a device over its memory, stages on different nodes with no link between them):
+such a plan is never written.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from planner.core.constants import MEMORY_HEADROOM
+from planner.core.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
+from planner.geo.atlas import GeoPlan
+from planner.geo.emulated import predict_dp_plan, simulate_plan
+from planner.geo.scenario import GeoScenario
+
+log = logging.getLogger(__name__)
+
+
+def scenario_cluster(scenario: GeoScenario, geo: GeoPlan) -> ClusterSpec:
+    """One node per datacenter the plan uses (chain order), its stages' devices in stage order."""
+    d = geo.num_pipelines
+    nodes = []
+    for dc in geo.chain:
+        devices = tuple(DeviceSpec(s.gpu_type) for s in geo.stages if s.dc == dc for _ in range(d))
+        nodes.append(NodeSpec(dc, dc, devices))
+    intra = min(scenario.datacenter(dc).intra_dc_gbps for dc in geo.chain)
+    links = [l.gbps for l in scenario.wan if l.a in geo.chain and l.b in geo.chain]
+    return ClusterSpec(f"{scenario.name}-geo", tuple(nodes), NetworkSpec(intra, min(links, default=intra)))
+
+
+def _take_devices(cluster: ClusterSpec, geo: GeoPlan) -> list[tuple[int, ...]]:
+    """Device indices of each stage: the next d free devices of the stage's type on its node."""
+    free: dict[tuple[str, str], list[int]] = {}
+    for i, (node, dev) in enumerate(cluster.devices()):
+        if not dev.emulated:
+            free.setdefault((node.name, dev.type), []).append(i)
+    out = []
+    for j, s in enumerate(geo.stages):
+        pool = free.get((s.dc, s.gpu_type), [])
+        if len(pool) < geo.num_pipelines:
+            raise ValueError(f"geo plan: stage {j} needs {geo.num_pipelines} {s.gpu_type} on {s.dc!r}, "
+                             f"the cluster has {len(pool)} left")
+        out.append(tuple(pool[:geo.num_pipelines]))
+        del pool[:geo.num_pipelines]
+    return out
+
+
+def scenario_wan(scenario: GeoScenario, chain: tuple[str, ...]) -> tuple[WanLink, ...]:
+    return tuple(WanLink(l.a, l.b, l.gbps, l.rtt_ms) for l in scenario.wan if l.a in chain and l.b in chain)
+
+
+def plan_connections(geo: GeoPlan) -> dict[str, int]:
+    """link_key -> TCP connections per transfer, from the plan's ("x-y", k) per hop of its chain."""
+    named = dict(geo.connections)
+    out = {}
+    for x, y in zip(geo.chain, geo.chain[1:]):
+        k = named.get(f"{x}-{y}")
+        if k is not None:
+            out[link_key(x, y)] = k
+    return out
+
+
+def check_runnable(plan: Plan, headroom: float = MEMORY_HEADROOM) -> None:
+    """ValueError (one line) when the runtime could not run `plan` as planned."""
+    devices = plan.cluster.devices()
+    p = plan.pipeline
+    if p is not None:
+        for s, st in enumerate(p.stages):
+            if st.num_layers < 1:
+                raise ValueError(f"geo plan: pipeline stage {s} has no layers; the runtime needs at least one "
+                                 "block per stage")
+        if p.num_layers != _num_layers(plan):
+            raise ValueError(f"geo plan: the stages cover {p.num_layers} layers, the model has {_num_layers(plan)}")
+        nodes = [devices[st.devices[0]][0].name for st in p.stages]
+        if plan.wan:
+            for a, b in zip(nodes, nodes[1:]):
+                if a != b and not any({w.a, w.b} == {a, b} for w in plan.wan):
+                    raise ValueError(f"geo plan: stages on {a!r} and {b!r} have no wan link between them")
+    for a in plan.assignments:
+        if not a.used:
+            continue
+        cap = devices[a.device_index][1].memory_bytes * headroom
+        if a.predicted_memory_bytes > cap:
+            raise ValueError(f"geo plan: device {a.device_index} ({a.type} on {a.node}) needs "
+                             f"{a.predicted_memory_bytes / 2**30:.2f} GiB, over its {cap / 2**30:.2f} GiB")
+
+
+def _num_layers(plan: Plan) -> int:
+    from planner.geo.emulated import model_spec
+
+    return model_spec(plan).num_layers
+
+
+def _assignments(cluster: ClusterSpec, per_device: dict[int, tuple[int, int, float]], memory: dict[int, int],
+                 step: dict[int, float]) -> tuple[Assignment, ...]:
+    out = []
+    for i, (node, dev) in enumerate(cluster.devices()):
+        m, n, f = per_device.get(i, (0, 0, 0.0))
+        out.append(Assignment(i, node.name, dev.type, m, n, m * n, f, int(memory.get(i, 0)), float(step.get(i, 0.0)),
+                              dev.emulated, dev.slowdown, dev.memory_gb))
+    return tuple(out)
+
+
+def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f1b",
+                     cluster: ClusterSpec | None = None, wan: tuple[WanLink, ...] | None = None,
+                     baselines: dict[str, BaselineResult] | None = None, notes: tuple[str, ...] = (),
+                     search_iteration_s: float | None = None, solve_s: float = 0.0,
+                     profiles_dir: str | None = None, rtt: bool = True) -> Plan:
+    """The plan file of `geo` (module docstring), predicted by planner/geo/emulated.py and checked
+    by `check_runnable`. `cluster`/`wan`: the cluster and links to place it on (default: the
+    scenario's datacenters used, and their links)."""
+    cluster = cluster or scenario_cluster(scenario, geo)
+    wan = scenario_wan(scenario, geo.chain) if wan is None else wan
+    conns = plan_connections(geo)
+    taken = _take_devices(cluster, geo)
+    d, b, m = geo.num_pipelines, scenario.micro_batch, geo.num_microbatches
+    per_device = {i: (b, m, 1.0 / d) for devs in taken for i in devs}
+    for devs in taken:  # shares sum exactly to 1 per stage: the last replica takes the float remainder
+        per_device[devs[-1]] = (b, m, 1.0 - (d - 1) * (1.0 / d))
+    extra = [] if search_iteration_s is None else [
+        f"geo search: {search_iteration_s:.4g} s/iteration simulated with Atlas's temporal WAN sharing and "
+        f"{scenario.dtype} transfers; predicted_iteration_s simulates this file as the runtime runs it "
+        "(fp32 rows on the wire, links shared fairly)"]
+    common = dict(model=scenario.model, global_batch=scenario.global_batch, seq=scenario.seq, dtype=scenario.dtype,
+                  recompute=geo.recompute, baselines=dict(baselines or {}), solve_s=solve_s, zero=1,
+                  wan=wan, connections=conns)
+    if geo.num_stages == 1:
+        draft = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, {}, {}),
+                     predicted_iteration_s=0.0, predicted_samples_per_s=0.0, **common)
+        it, steps = predict_dp_plan(draft, profiles_dir, rtt)
+        memory = {i: geo.stages[0].memory_bytes for i in per_device}
+        plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, memory, steps),
+                    predicted_iteration_s=it, predicted_samples_per_s=scenario.global_batch / it,
+                    notes=(*notes, *extra, "one stage: written as a data-parallel plan (no pipeline)"), **common)
+        check_runnable(plan)
+        return plan
+    stages = tuple(PipelineStage(s.first_layer, s.num_layers, devs, (b,) * d, s.dc)
+                   for s, devs in zip(geo.stages, taken))
+    pipe = PipelineSpec(schedule, d * b, m, stages)
+    draft = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, {}, {}), predicted_iteration_s=0.0,
+                 predicted_samples_per_s=0.0, pipeline=pipe, **common)
+    check_runnable(draft)  # a stage without layers is refused before it is priced
+    sim = simulate_plan(draft, profiles_dir, rtt)
+    plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, sim.memory_bytes, sim.step_s),
+                predicted_iteration_s=sim.iteration_s, predicted_samples_per_s=scenario.global_batch / sim.iteration_s,
+                pipeline=PipelineSpec(schedule, d * b, m, stages, sim.ops), notes=(*notes, *extra), **common)
+    check_runnable(plan)
+    return plan
+
+
+def report_baselines(baselines: dict[str, Any]) -> dict[str, BaselineResult]:
+    """The geo report's baselines (evaluate.BaselineOutcome) as plan baselines."""
+    return {k: BaselineResult(b.iteration_s, b.iteration_s is None, b.note or b.description)
+            for k, b in baselines.items()}
