@@ -33,20 +33,24 @@ Schedules: "gpipe" runs every micro-batch forward, then every one backward; "1f1
 2021, PipeDream-flush) runs min(S-1-s, M) forwards, then alternates one forward and one backward,
 then the remaining backwards: stage s holds at most min(S-s, M) micro-batches' activations.
 Receives are posted when the op that needs them starts (so a receive buffer exists only from then);
-sends are asynchronous; a rank keeps at most the previous micro-batch's gradient send in flight
-(it waits for it before the next backward's send) and waits for all sends before the gradient sync.
-While a receive is pending the rank polls `Work.is_completed()` and calls `idle()` between polls
-(the prefill worker of BubbleTea): idle work is never started once the receive has completed.
+sends are asynchronous. A forward send of micro-batch k is waited for (it is done) when its gradient
+comes back, a gradient send before the next one is posted, all sends before the gradient sync: so
+what a rank holds is the same at every run, whatever the timing (planner/core/stage_memory.py).
+While a receive is pending the rank polls for its completion and calls `idle()` between polls (the
+prefill worker of BubbleTea): idle work is never started once the receive has completed. gloo's
+Work.is_completed() cannot be polled (it stays False until wait()): a helper thread waits instead
+(`_Transfer`).
 
 Timeline: with `timeline=True` a step records (time.time()) the start and end of every forward,
 backward, send_fwd, recv_fwd, send_bwd, recv_bwd, grad_sync (reduce-scatters, the tied all-reduce and
 the stats all-reduce), optimizer (AdamW and the parameter all-gather) and prefill (idle calls that
-did work). A send's end is when the rank first sees it completed (it polls between ops).
+did work). A send's end is when its wait returned in a helper thread (only started with the timeline).
 """
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -121,6 +125,38 @@ def row_pieces(mine: tuple[int, int], rows: Sequence[int]) -> list[tuple[int, in
         if a < b:
             out.append((j, a - a0, b - a0))
     return out
+
+
+class _Transfer:
+    """The works of one send or receive. gloo's point-to-point Work.is_completed() stays False until
+    wait() is called (measured on torch 2.13), so polling it cannot see a receive land: with
+    watch=True a daemon thread waits for the works (gloo's wait releases the GIL) and records when
+    they completed; the main thread then polls that and never waits on the works itself (two
+    waiters on one gloo buffer would each wait for a completion of their own)."""
+
+    def __init__(self, works: list, watch: bool, keep: torch.Tensor | None = None):
+        self.works, self.keep, self.start_s, self.done_at = works, keep, time.time(), None
+        self._done = threading.Event() if watch else None
+        if watch:
+            threading.Thread(target=self._watch, name="pipeline-transfer", daemon=True).start()
+
+    def _watch(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.done_at = time.time()
+        self._done.set()
+
+    def completed(self) -> bool:
+        return self._done.is_set() if self._done is not None else all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        if self._done is not None:
+            self._done.wait()
+        else:
+            for w in self.works:
+                w.wait()
+            self.done_at = time.time()
+        self.keep = None
 
 
 class _StepComm:
@@ -234,45 +270,32 @@ class PipelineRuntime(ShardedRuntime):
         if self._ops is not None:
             self._ops.append({"op": op, "mb": mb, "start_s": t0, "end_s": t1})
 
-    def _reap_sends(self, wait: str | None = None) -> None:
-        """Drop the sends that completed (recording when they were first seen done); first wait for
-        those of kind `wait` ("send_bwd", or "all")."""
-        keep = []
-        for rec in self._sends:
-            works, op, mb, t0, _ = rec
-            if wait in (op, "all"):
-                for w in works:
-                    w.wait()
-            if all(w.is_completed() for w in works):
-                self._note(op, mb, t0, time.time())
-            else:
-                keep.append(rec)
-        self._sends = keep
+    def _wait_send(self, key: tuple[str, int]) -> None:
+        """Wait for the send `key` = (op, mb) and drop it (its tensor with it), recording its interval."""
+        t = self._sends.pop(key, None)
+        if t is not None:
+            t.wait()
+            self._note(key[0], key[1], t.start_s, t.done_at)
 
     def _send(self, t: torch.Tensor, pieces, stage: int, op: str, mb: int, tag: int) -> None:
-        t0 = time.time()
         works = [dist.isend(t[a:b].contiguous(), dst=self._peer(stage, j), tag=tag) for j, a, b in pieces]
-        self._sends.append((works, op, mb, t0, t))  # t stays alive until the send completes
+        self._sends[(op, mb)] = _Transfer(works, watch=self._ops is not None, keep=t)
 
     def _recv(self, pieces, stage: int, op: str, mb: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
         """Receive this rank's rows (rows, T, h) from the peers of `stage`; idle() between polls."""
-        t0 = time.time()
         buf = torch.empty(self.rows, self.seq, self.spec.hidden, dtype=dtype, device=self.device)
         works = [dist.irecv(buf[a:b], src=self._peer(stage, j), tag=tag) for j, a, b in pieces]
+        t = _Transfer(works, watch=self._idle is not None)
         busy = None
-        while not all(w.is_completed() for w in works):
-            self._reap_sends()
-            if self._idle is None:
-                break
+        while self._idle is not None and not t.completed():
             t1 = time.time()
             if not self._idle():
                 break
             busy = (busy[0] if busy else t1, time.time())
-        for w in works:
-            w.wait()
+        t.wait()
         if busy:
             self._note("prefill", mb, *busy)
-        self._note(op, mb, t0, time.time())
+        self._note(op, mb, t.start_s, t.done_at)
         return buf
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -306,6 +329,7 @@ class PipelineRuntime(ShardedRuntime):
     def _backward(self, k: int, scale: float, ctx: dict) -> float:
         M = self.pipeline.num_microbatches
         inp, out = ctx.pop(k)
+        self._wait_send(("send_fwd", k))  # done: stage s+1 used it before sending this gradient back
         dy = None if self.last else self._recv(self.next, self.stage + 1, "recv_bwd", k, M + k, out.dtype)
         t0 = time.time()
 
@@ -320,7 +344,7 @@ class PipelineRuntime(ShardedRuntime):
         self._note("backward", k, t0, time.time())
         if not self.first:
             # at most one gradient send in flight: the previous micro-batch's must be done
-            self._reap_sends(wait="send_bwd")
+            self._wait_send(("send_bwd", k - 1))  # at most one gradient send in flight
             self._send(inp.grad, self.prev, self.stage - 1, "send_bwd", k, M + k)
         return loss
 
@@ -334,7 +358,8 @@ class PipelineRuntime(ShardedRuntime):
             raise ValueError(f"token_normalizer must be > 0, got {token_normalizer}")
         if len(batches) != self.pipeline.num_microbatches:
             raise ValueError(f"{len(batches)} micro-batches given, the pipeline runs {self.pipeline.num_microbatches}")
-        self._clock, self._ops, self._sends, self._idle = [0.0, 0.0], ([] if timeline else None), [], idle
+        self._clock, self._ops, self._idle = [0.0, 0.0], ([] if timeline else None), idle
+        self._sends: dict[tuple[str, int], _Transfer] = {}
         scale = self.scaler.scale
         for u in self.units:
             u.grad_fresh = True
@@ -344,13 +369,13 @@ class PipelineRuntime(ShardedRuntime):
         ctx: dict[int, Any] = {}
         total = 0.0
         for op, k in self.ops_order:
-            self._reap_sends()
             if op == "F":
                 self._forward(k, batches[k], rope, token_normalizer, scale, ctx)
             else:
                 total += self._backward(k, scale, ctx)
         del rope
-        self._reap_sends(wait="all")
+        for key in list(self._sends):
+            self._wait_send(key)
         if after_compute is not None:
             after_compute(self._clock[1])
         t0 = time.time()

@@ -245,8 +245,7 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
     shared = (INT64_BYTES * seq if s.gpt2 else 2 * seq * s.head_dim * w) + buffers
     # one block's saved bytes for the micro-batch(es) in flight: per-token terms plus attention
     layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, tokens // seq, seq, w)
-    final_norm = 2 * FP32_BYTES if s.gpt2 else FP32_BYTES + FP32_BYTES * h
-    final = FP32_BYTES * h + final_norm + (w * h if autocast else FP32_BYTES * h)  # x_L, norm, head input
+    final = _head_saved_per_token(s, w)
     block_copies = w * _block_matmul_params(spec, s) if autocast else 0  # autocast weight copies
     head_copy = w * V * h if autocast else 0
     head_grad_pending = FP32_BYTES * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
@@ -255,14 +254,7 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
     kept = (FP32_BYTES * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's fp32 input
     kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
 
-    # Inside one block's backward (the largest transient, models/decoder.py MLP in reverse):
-    # down_proj: grad of its output (autocast: a w-byte cast), grad of its input (w·f per token),
-    # its weight grad (w·h·f); SwiGLU's mul: two w·f gradients on top of the incoming one.
-    bias = w * h if spec.linear_bias else 0
-    in_block = max(
-        (w * h if autocast else 0) * tokens + w * f * tokens + w * h * f + bias,
-        0 if s.gpt2 else 2 * w * f * tokens,
-    )
+    in_block = _in_block_backward(spec, s, w, tokens)
     phases = {
         # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
         # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
@@ -293,6 +285,22 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
         # end of backward: the head's grad, the embedding's grad and their sum, (V, h) fp32 each
         phases["tied_embedding"] = (0, inputs + 3 * FP32_BYTES * V * h)
     return phases
+
+
+def _head_saved_per_token(s: _Shape, w: int) -> int:
+    """Bytes per token the head keeps for backward: the last block's output x_L (the final norm's
+    input), the norm's statistics and the head's input (the norm's output, a w-byte copy under autocast)."""
+    final_norm = 2 * FP32_BYTES if s.gpt2 else FP32_BYTES + FP32_BYTES * s.h
+    return FP32_BYTES * s.h + final_norm + (w * s.h if w != FP32_BYTES else FP32_BYTES * s.h)
+
+
+def _in_block_backward(spec: ModelSpec, s: _Shape, w: int, tokens: int) -> int:
+    """The largest transient inside one block's backward (models/decoder.py MLP in reverse): down_proj's
+    output grad (autocast: a w-byte cast), its input grad (w·f per token) and its weight grad (w·h·f);
+    SwiGLU's mul: two w·f gradients on top of the incoming one."""
+    bias = w * s.h if spec.linear_bias else 0
+    return max((w * s.h if w != FP32_BYTES else 0) * tokens + w * s.f * tokens + w * s.h * s.f + bias,
+               0 if s.gpt2 else 2 * w * s.f * tokens)
 
 
 def _shard_numels(spec: ModelSpec, f: float) -> list[int]:
@@ -483,3 +491,33 @@ def _estimate_analytic(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> tuple[Me
     breakdown = MemoryBreakdown(num_params=n, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
                                 activations_bytes=act, other_bytes=other, peak_bytes=states + act + other)
     return breakdown, {k: states + a + o for k, (a, o) in phases.items()}
+
+
+# ---- public pieces for other runtimes' models (planner/core/stage_memory.py: a pipeline stage) ------------
+
+
+def compute_width(cfg: MemoryConfig) -> int:
+    """Bytes of the compute dtype: 4 in fp32, 2 under bf16/fp16 autocast."""
+    return HALF_BYTES if cfg.dtype != "fp32" else FP32_BYTES
+
+
+def block_saved_bytes(spec: ModelSpec, cfg: MemoryConfig, batch: int, seq: int) -> int:
+    """Bytes one block keeps for backward for `batch` samples of `seq` tokens, no recomputation (its
+    per-token tensors and the attention kernel's, as `_phases` counts them; autocast weight copies apart)."""
+    s, w = _shape(spec, replace(cfg, pp=1)), compute_width(cfg)
+    return _layer_saved_bytes_per_token(s, w) * batch * seq + _attention_bytes(spec, cfg, s, batch, seq, w)
+
+
+def block_backward_transient_bytes(spec: ModelSpec, cfg: MemoryConfig, tokens: int) -> int:
+    """The largest transient inside one block's backward for `tokens` tokens (`_in_block_backward`)."""
+    return _in_block_backward(spec, _shape(spec, replace(cfg, pp=1)), compute_width(cfg), tokens)
+
+
+def head_saved_bytes_per_token(spec: ModelSpec, cfg: MemoryConfig) -> int:
+    """Bytes per token the final norm and the head keep for backward (`_head_saved_per_token`)."""
+    return _head_saved_per_token(_shape(spec, replace(cfg, pp=1)), compute_width(cfg))
+
+
+def block_weight_copy_bytes(spec: ModelSpec, cfg: MemoryConfig) -> int:
+    """Autocast's w-byte copies of one block's matmul weights (0 in fp32)."""
+    return HALF_BYTES * _block_matmul_params(spec, _shape(spec, replace(cfg, pp=1))) if cfg.dtype != "fp32" else 0

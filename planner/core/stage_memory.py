@@ -1,0 +1,158 @@
+"""Peak memory of one rank of a pipeline stage, as models/pipeline.py runs it (pure Python, no torch).
+
+The runtime: stage s of S holds its units (planner/core/units.py; "embed" on the first stage, its blocks,
+"head" on the last, and on the last stage of a tied model a replica of "embed"), ZeRO-1 inside the stage
+(full fp32 parameters and gradients, AdamW moments of the owned slice), and runs the schedule's order of
+forwards and backwards of its `rows` of each micro-batch (models/pipeline.schedule_ops). Every term below
+names the tensor it counts; the per-layer pieces are planner/core/memory.py's (the same decoder code).
+
+State (the whole step):
+  params      4 B x every element of the stage's units (the tied replica included)
+  grads       4 B x the same: full fp32 gradients from the step's start to their reduce
+  optimizer   8 B x the owned slice (exp_avg, exp_avg_sq), round-half-up of fraction x numel per unit
+Inputs the worker holds for the step: the tokens of every micro-batch (first stage) and the targets
+(last stage), (rows, T) int64 each.
+
+One micro-batch in flight (its forward done, its backward not yet), `in_flight` of them at most
+(1F1B: min(S-s, M), GPipe: M; models/pipeline.in_flight):
+  blocks      memory.block_saved_bytes for each of the stage's blocks (the block input, which is the
+              receive buffer on a later stage, is the first block's saved input)
+  output      a stage other than the last: the last block's output, 4·N·h, kept for its backward (it is
+              also the send buffer)
+  head/loss   the last stage: memory.head_saved_bytes_per_token·N and log_softmax's saved output 4·N·V
+  positions   GPT-2's position ids (T,) int64, saved by the position embedding (first stage)
+
+Moments (the peak is the largest):
+  forward_end     the in-flight micro-batches after the last forward (GPipe: all M)
+  loss            last stage: the loss's backward starts: + grad of nll and grad of the logits, 4·N·V each
+  head            last stage: the head's weight gradient (V, h) fp32 before it is accumulated, with the
+                  grad of the logits and of the head's input
+  last_block      the stage's last block's backward: the incoming gradient (the receive buffer, 4·N·h; on
+                  the last stage the head's input gradient), memory.block_backward_transient_bytes, the
+                  previous micro-batch's input gradient still being sent (a stage other than the first)
+  embed_backward  first stage: the embedding's dense gradient (V+T rows, h) fp32 before it is accumulated,
+                  with the first block's input gradient
+  step            after backward: the slice gradients (4 B x owned) appear as the full ones are reduced;
+                  the global norm's fp64 chunk (models/optim.py)
+Not counted: gloo/NCCL buffers (outside the torch allocator), tensors of a few bytes (losses, scalars).
+Autocast (bf16/fp16) adds memory.block_weight_copy_bytes per block per micro-batch in flight; the
+measured check (tests/test_stage_memory.py) runs fp32 on CPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from planner.core.constants import STEP_CHUNK_NUMEL
+from planner.core.memory import (FP32_BYTES, INT64_BYTES, MemoryConfig, block_backward_transient_bytes,
+                                 block_saved_bytes, block_weight_copy_bytes, head_saved_bytes_per_token)
+from planner.core.plan import PIPELINE_SCHEDULES, PipelineSpec, Plan
+from planner.core.specs import ModelSpec, get_model, with_max_seq
+from planner.core.units import runtime_units
+
+
+def schedule_in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at once: 1F1B min(S-s, M), GPipe M."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+    if not 0 <= stage < num_stages or num_microbatches < 1:
+        raise ValueError(f"stage {stage} of {num_stages} with {num_microbatches} micro-batches is no pipeline stage")
+    return num_microbatches if schedule == "gpipe" else min(num_stages - stage, num_microbatches)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes of one pipeline rank at its peak moment (`phase`); peak_bytes is the sum of the parts."""
+
+    stage: int
+    in_flight: int  # micro-batches held at once
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    tied_replica_bytes: int  # of the three above: the last stage's replica of the embedding unit
+    activations_bytes: int  # saved activations of the micro-batches in flight at the peak
+    buffers_bytes: int  # receive / send buffers alive at the peak (outside the saved activations)
+    transient_bytes: int  # gradients and temporaries of the op running at the peak
+    inputs_bytes: int
+    peak_bytes: int
+    phase: str
+    phases: dict[str, int]  # every candidate moment's total
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _owned(numel: int, fraction: float) -> int:
+    return int(math.floor(numel * fraction + 0.5))  # round half up, as models/runtime.shard_bounds
+
+
+def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, dp_index: int, shard_fraction: float,
+                          seq: int, dtype: str = "fp32", recompute: str = "none",
+                          device_type: str = "cpu") -> StageMemory:
+    """Peak bytes of rank (stage, dp_index) of `pipeline` training `spec` (module docstring)."""
+    S, M = len(pipeline.stages), pipeline.num_microbatches
+    if not 0 <= stage < S or not 0 <= dp_index < len(pipeline.stages[stage].rows):
+        raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in a pipeline of {S} stages")
+    if pipeline.num_layers != spec.num_layers:
+        raise ValueError(f"pipeline stages cover {pipeline.num_layers} layers, model {spec.name} has {spec.num_layers}")
+    if recompute != "none":
+        raise ValueError("the stage memory model covers recompute 'none' only (the runtime's checkpointed "
+                         "blocks are not traced against it)")
+    st = pipeline.stages[stage]
+    first, last = stage == 0, stage == S - 1
+    b = st.rows[dp_index]
+    N, h, V, T = b * seq, spec.hidden, spec.vocab_size, seq
+    cfg = MemoryConfig(micro_batch=b, seq=seq, dtype=dtype, device_type=device_type)
+    units = runtime_units(spec)
+    replica = last and not first and spec.tied_embeddings
+    mine = ([units[0]] if first or replica else []) + list(units[1 + st.first_layer:1 + st.first_layer + st.num_layers]) \
+        + ([units[-1]] if last else [])
+    numel = sum(u.numel for u in mine)
+    owned = [_owned(u.numel, shard_fraction) for u in mine]
+    params, grads, optimizer = FP32_BYTES * numel, FP32_BYTES * numel, 2 * FP32_BYTES * sum(owned)
+    rep = (2 * FP32_BYTES * units[0].numel + 2 * FP32_BYTES * owned[0]) if replica else 0
+    inputs = INT64_BYTES * N * M * ((1 if first else 0) + (1 if last else 0))
+
+    # one micro-batch in flight
+    L = st.num_layers
+    blocks = L * (block_saved_bytes(spec, cfg, b, seq) + block_weight_copy_bytes(spec, cfg))
+    positions = INT64_BYTES * T if first and spec.positional == "learned" else 0
+    out = 0 if last else FP32_BYTES * N * h
+    head = head_saved_bytes_per_token(spec, cfg) * N + FP32_BYTES * N * V if last else 0
+    per_mb = blocks + positions + out + head
+    F = schedule_in_flight(pipeline.schedule, S, stage, M)
+    act = F * per_mb  # the backward's moments: all F micro-batches, the one being run still whole
+    dx_pending = 0 if first else FP32_BYTES * N * h  # the previous micro-batch's input gradient being sent
+
+    phases: dict[str, tuple[int, int, int]] = {"forward_end": (act, 0, 0)}  # (activations, buffers, transient)
+    if last:
+        phases["loss"] = (act, dx_pending, 2 * FP32_BYTES * N * V)
+        phases["head"] = (act, dx_pending, FP32_BYTES * (N * V + N * h + V * h))
+    if L:
+        incoming = FP32_BYTES * N * h  # the receive buffer (the head's input gradient on the last stage)
+        phases["last_block"] = (act - head, dx_pending + incoming, block_backward_transient_bytes(spec, cfg, N))
+    if first:
+        # the embedding's backward: its dense (V, h) gradient (and the positions' (T, h)), the input gradient
+        dense = FP32_BYTES * (V * h + (spec.max_seq * h if spec.positional == "learned" else 0))
+        phases["embed_backward"] = (act - per_mb, 0, dense + FP32_BYTES * N * h)
+    largest_slice = max(owned)
+    phases["step"] = (0, 0, FP32_BYTES * sum(owned) + 2 * FP32_BYTES * min(largest_slice, STEP_CHUNK_NUMEL) - grads)
+    state = params + grads + optimizer + inputs
+    totals = {k: state + sum(v) for k, v in phases.items()}
+    phase = max(totals, key=totals.get)
+    a, buf, tr = phases[phase]
+    return StageMemory(stage, F, params, grads, optimizer, rep, a, buf, tr, inputs, totals[phase], phase, totals)
+
+
+def estimate_plan_stage_memory(plan: Plan, device_index: int, device_type: str = "cpu") -> StageMemory:
+    """`estimate_stage_memory` for the rank of a pipeline plan that trains device `device_index`."""
+    if plan.pipeline is None:
+        raise ValueError("plan has no pipeline: use planner.core.memory.estimate_memory")
+    s, i = plan.pipeline.stage_of(device_index)
+    a = next(x for x in plan.assignments if x.device_index == device_index)
+    spec = with_max_seq(get_model(plan.model), plan.seq)
+    return estimate_stage_memory(spec, plan.pipeline, s, i, a.shard_fraction, plan.seq, plan.dtype, plan.recompute,
+                                 device_type)
+
+
+__all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory", "schedule_in_flight"]
