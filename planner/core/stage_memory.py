@@ -25,8 +25,8 @@ One micro-batch in flight (its forward done, its backward not yet), `in_flight` 
 Moments (the peak is the largest):
   forward_end     the in-flight micro-batches after the last forward (GPipe: all M)
   loss            last stage: the loss's backward starts: + grad of nll and grad of the logits, 4·N·V each
-  head            last stage: the head's weight gradient (V, h) fp32 before it is accumulated, with the
-                  grad of the logits and of the head's input
+  head            last stage: the head's weight gradient (V, h) fp32 before it is accumulated and the grad
+                  of the head's input, with the grad of the logits (in place of log_softmax's saved output)
   last_block      the stage's last block's backward: the incoming gradient (the receive buffer, 4·N·h; on
                   the last stage the head's input gradient), memory.block_backward_transient_bytes, the
                   previous micro-batch's input gradient still being sent (a stage other than the first)
@@ -122,12 +122,16 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
     per_mb = blocks + positions + out + head
     F = schedule_in_flight(pipeline.schedule, S, stage, M)
     act = F * per_mb  # the backward's moments: all F micro-batches, the one being run still whole
-    dx_pending = 0 if first else FP32_BYTES * N * h  # the previous micro-batch's input gradient being sent
+    # Backward j runs with min(F, M-j) micro-batches in flight and, for j > 0 on a stage other than the
+    # first, the previous micro-batch's input gradient still being sent (4·N·h). The largest is j = 1 when
+    # it still has F in flight (M > F: 1F1B's steady state), else j = 0 (nothing pending yet).
+    dx_pending = FP32_BYTES * N * h if not first and M > F else 0
 
     phases: dict[str, tuple[int, int, int]] = {"forward_end": (act, 0, 0)}  # (activations, buffers, transient)
     if last:
         phases["loss"] = (act, dx_pending, 2 * FP32_BYTES * N * V)
-        phases["head"] = (act, dx_pending, FP32_BYTES * (N * V + N * h + V * h))
+        # log_softmax's saved output is gone; the grad of the logits takes its place (both 4·N·V)
+        phases["head"] = (act, dx_pending, FP32_BYTES * (N * h + V * h))
     if L:
         incoming = FP32_BYTES * N * h  # the receive buffer (the head's input gradient on the last stage)
         phases["last_block"] = (act - head, dx_pending + incoming, block_backward_transient_bytes(spec, cfg, N))
