@@ -22,13 +22,16 @@ Time (seconds, one micro-batch of `micro_batch` samples):
 - a tied embedding (the LM head is the embedding): the first and the last stage each hold it, and
   their fp32 "embed" gradients are all-reduced once per step over both stages' ranks (`tied_sync_s`).
 
-Memory (bytes per GPU): planner.core.memory.estimate_memory of the model cut to the stage's
-`num_layers` blocks (exact for those blocks, asked at each layer count, never extrapolated) on the
-device type, at ZeRO-1 over d, plus the kept activations of the extra micro-batches the schedule
-holds in flight (1F1B: stage j of p keeps min(p − j, m); GPipe all m), one block's kept bytes
-(the memory model's activations of 2 blocks minus 1) per block each. The memory model prices the
-embedding, the head and the loss on every stage (it models the whole runtime): safe on the high
-side for the middle stages (planner/core/memory.py has no stage-level entry point yet).
+Memory (bytes per GPU): `stage_memory_bytes` is planner/core/stage_memory.estimate_stage_memory,
+the exact per-rank model of models/pipeline.py (its units only, the tied replica on the last stage,
+ZeRO-1 over the stage's d ranks at an even 1/d shard, the schedule's micro-batches in flight, the
+step's token and target inputs): it is asked with a pipeline of the stage's position (stage j of p,
+m micro-batches) whose other stages hold one layer each, which changes nothing of stage j's own
+memory. With full recomputation that model refuses (the runtime's checkpointed blocks are not
+traced against it), so such a stage is priced by `memory_bytes`: planner.core.memory.estimate_memory
+of the model cut to the stage's blocks (embedding, head and loss on every stage) plus the kept
+activations of the extra micro-batches in flight (1F1B: stage j of p keeps min(p − j, m); GPipe all
+m), one block's kept bytes (the memory model's activations of 2 blocks minus 1) per block each.
 """
 from __future__ import annotations
 
@@ -238,6 +241,33 @@ class PipelineCostModel:
         return _stage_memory(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), recompute,
                              dp, base_type(gpu_type), num_layers, in_flight_mb)
 
+    def stage_memory_bytes(self, gpu_type: str, num_layers: int, stage: int, num_stages: int, num_microbatches: int,
+                           dp: int, recompute: str) -> int:
+        """Peak bytes per GPU of stage `stage` of `num_stages` with `num_layers` blocks (module docstring)."""
+        if recompute != "none":
+            k = in_flight(self.schedule, stage, num_stages, num_microbatches)
+            return self.memory_bytes(gpu_type, num_layers, k, dp, recompute)
+        return _runtime_stage_memory(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), dp,
+                                     base_type(gpu_type), num_layers, stage, num_stages, num_microbatches,
+                                     self.schedule)
+
+    def stage_max_layers(self, gpu_type: str, stage: int, num_stages: int, num_microbatches: int, dp: int,
+                         recompute: str) -> int:
+        """The most blocks stage `stage` of `num_stages` fits on one GPU of `gpu_type` (0: not one)."""
+        if recompute != "none":
+            return self.max_layers(gpu_type, in_flight(self.schedule, stage, num_stages, num_microbatches), dp,
+                                   recompute)
+        cap = self.capacity_bytes(gpu_type)
+
+        def fits(n: int) -> bool:
+            try:
+                return self.stage_memory_bytes(gpu_type, n, stage, num_stages, num_microbatches, dp, "none") <= cap
+            except ValueError as e:  # not priced (e.g. no attention kernel for this type and dtype): refused
+                log.debug("%s cannot hold a stage: %s", gpu_type, e)
+                return False
+
+        return _last_fitting(fits, self.spec.num_layers)
+
     def max_layers(self, gpu_type: str, in_flight_mb: int, dp: int, recompute: str) -> int:
         """The most blocks a stage fits on one GPU of `gpu_type` (0: not even one; memory grows with
         the blocks, so a bisection over the exact memory of each count)."""
@@ -253,7 +283,8 @@ class PipelineCostModel:
         k = in_flight(self.schedule, stage, num_stages, num_microbatches)
         return StageEstimate(fwd, bwd, self.sync_s(gpu_type, num_layers, first, last, dp, link, reduce_link),
                              self.optimizer_s(gpu_type, recompute, params, dp),
-                             self.memory_bytes(gpu_type, num_layers, k, dp, recompute),
+                             self.stage_memory_bytes(gpu_type, num_layers, stage, num_stages, num_microbatches, dp,
+                                                     recompute),
                              self.capacity_bytes(gpu_type), params)
 
 
@@ -308,10 +339,44 @@ def _max_layers(spec: ModelSpec, micro_batch: int, seq: int, dtype: str, recompu
             log.debug("%s cannot hold a stage: %s", gpu_type, e)
             return False
 
-    lo, hi = 0, spec.num_layers
+    return _last_fitting(fits, spec.num_layers)
+
+
+def _last_fitting(fits, most: int) -> int:
+    """The largest n in 0..most with fits(n) (memory grows with the blocks: a bisection; 0: none fits)."""
+    lo, hi = 0, most
     if fits(hi):
         return hi
     while hi - lo > 1:  # invariant: lo fits (or is 0), hi does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def position_pipeline(num_layers: int, micro_batch: int, dp: int, stage: int, num_stages: int,
+                      num_microbatches: int, schedule: str):
+    """A pipeline in which stage `stage` of `num_stages` has `num_layers` blocks on dp ranks of
+    `micro_batch` rows each and every other stage one block on one rank: what stage_memory needs to
+    price that stage (nothing of the others enters its memory). Its model has num_layers + p − 1 blocks."""
+    from planner.core.plan import PipelineSpec, PipelineStage
+
+    stages, first, nxt = [], 0, dp
+    for j in range(num_stages):
+        n = num_layers if j == stage else 1
+        if j == stage:
+            devices, rows = tuple(range(dp)), (micro_batch,) * dp
+        else:
+            devices, rows, nxt = (nxt,), (micro_batch * dp,), nxt + 1
+        stages.append(PipelineStage(first, n, devices, rows))
+        first += n
+    return PipelineSpec(schedule, micro_batch * dp, num_microbatches, tuple(stages))
+
+
+@lru_cache(maxsize=65536)
+def _runtime_stage_memory(spec: ModelSpec, micro_batch: int, seq: int, dtype: str, dp: int, gpu_type: str,
+                          num_layers: int, stage: int, num_stages: int, num_microbatches: int, schedule: str) -> int:
+    from planner.core.stage_memory import estimate_stage_memory
+
+    pipe = position_pipeline(num_layers, micro_batch, dp, stage, num_stages, num_microbatches, schedule)
+    model = replace(spec, num_layers=num_layers + num_stages - 1)
+    return estimate_stage_memory(model, pipe, stage, 0, 1.0 / dp, seq, dtype, "none", gpu_type).peak_bytes

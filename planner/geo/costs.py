@@ -70,14 +70,14 @@ class GeoCosts:
 
     def stage_memory_bytes(self, gpu_type: str, num_layers: int, j: int, p: int, m: int, dp: int,
                            recompute: str) -> int:
-        return self.model.memory_bytes(gpu_type, num_layers, self.in_flight(j, p, m), dp, recompute)
+        return self.model.stage_memory_bytes(gpu_type, num_layers, j, p, m, dp, recompute)
 
     def capacity_bytes(self, gpu_type: str) -> int:
         return self.model.capacity_bytes(gpu_type)
 
     def max_layers(self, gpu_type: str, j: int, p: int, m: int, dp: int, recompute: str) -> int:
         """The most layers stage j (of p) fits on one GPU of `gpu_type`."""
-        return self.model.max_layers(gpu_type, self.in_flight(j, p, m), dp, recompute)
+        return self.model.stage_max_layers(gpu_type, j, p, m, dp, recompute)
 
     # --- communication ---
     def stage_params(self, num_layers: int, first: bool, last: bool) -> int:

@@ -27,6 +27,7 @@ geo search's idealisations:
 - a tied embedding (GPT-2): its gradient is summed between the first and the last stage (replica r
   with replica r: costmodel.pipeline.tied_sync_s) once both are done, before their own syncs: a 2-rank all-reduce of
   V·h fp32 per pair, the d pairs sharing the link between the two stages' nodes.
+- memory: planner/core/stage_memory.py's exact per-rank model (`device_memory_bytes`).
 - optimizer: AdamW over the device's shard (`shard_fraction` of the stage's parameters) at the
   profile's optimizer_s_per_param, times `slowdown`; the iteration ends at the last optimizer step.
 
@@ -47,7 +48,8 @@ from planner.core.plan import Plan, WanLink as PlanWanLink, link_key
 from planner.core.specs import ModelSpec, get_model, with_max_seq
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, Link, all_reduce_s, bytes_per_s,
                                           sharded_step_comm_s)
-from planner.costmodel.pipeline import WIRE_BYTES, PipelineCostModel, in_flight, tied_sync_s
+from planner.core.stage_memory import estimate_plan_stage_memory
+from planner.costmodel.pipeline import PipelineCostModel, base_type, tied_sync_s
 from planner.costmodel.training import CostModel, build_comm_model
 from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
 from planner.geo.scenario import WanLink as ScenarioWanLink
@@ -151,6 +153,19 @@ def ring_link(plan: Plan, ranks: list[int], intra: dict[str, Link], rtt: bool) -
     return Link(bw, call / max(1, math.ceil(math.log2(k))) if k > 1 else 0.0, call_latency_s=call)
 
 
+def device_memory_bytes(plan: Plan, model: PipelineCostModel, device_index: int, kind: str) -> int:
+    """Predicted peak of one rank: planner/core/stage_memory.estimate_plan_stage_memory, exact for the
+    runtime, at the device's own rows and shard fraction; with full recomputation (which that model
+    does not cover) the cost model's bound (PipelineCostModel.stage_memory_bytes)."""
+    p = plan.pipeline
+    s, _ = p.stage_of(device_index)
+    if plan.recompute == "none":
+        return estimate_plan_stage_memory(plan, device_index, base_type(kind)).peak_bytes
+    dp = len(p.stages[s].devices)
+    return model.stage_memory_bytes(kind, p.stages[s].num_layers, s, len(p.stages), p.num_microbatches, dp,
+                                    plan.recompute)
+
+
 def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[PipelineJob, dict]:
     """The simulator's job of a pipeline plan (module docstring), and each device's predicted memory."""
     p = plan.pipeline
@@ -177,9 +192,7 @@ def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True
         stages.append(Stage(fwd * dev.slowdown, bwd * dev.slowdown, rs_s,
                             f"{node.name} {dev.label} L{st.first_layer}-{st.first_layer + st.num_layers - 1}",
                             adamw + ag_s))
-        mem = model.memory_bytes(kind, st.num_layers, in_flight(p.schedule, j, num, p.num_microbatches), d,
-                                 plan.recompute)
-        memory.update({i: mem for i in st.devices})
+        memory.update({i: device_memory_bytes(plan, model, i, kind) for i in st.devices})
     channels: dict[str, Channel] = {}
     hops = []
     for (a, _), (b, _) in zip(layout, layout[1:]):
@@ -270,3 +283,14 @@ def predict_dp_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = Tru
     steps = {i: cost.coeffs[devices[i][1]].step_s(by_index[i].micro_batch, by_index[i].accum_steps,
                                                   by_index[i].shard_fraction) + comm_s for i in used}
     return max(steps.values()), steps
+
+
+def dp_memory_bytes(plan: Plan, profiles_dir: str | None = None) -> dict[int, int]:
+    """device_index -> predicted peak of a data-parallel plan's used devices: the sharded runtime's
+    memory model at the device's (micro-batch, accumulation steps, shard fraction), as `planner plan`."""
+    spec = model_spec(plan)
+    cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, 1.0, profiles_dir, plan.zero)
+    devices = plan.cluster.devices()
+    return {a.device_index: int(cost.estimate_memory_bytes(devices[a.device_index][1], a.micro_batch, a.accum_steps,
+                                                           a.shard_fraction))
+            for a in plan.assignments if a.used}

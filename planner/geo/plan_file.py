@@ -31,7 +31,7 @@ from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
 from planner.core.constants import MEMORY_HEADROOM
 from planner.core.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
 from planner.geo.atlas import GeoPlan
-from planner.geo.emulated import predict_dp_plan, simulate_plan
+from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, simulate_plan
 from planner.geo.scenario import GeoScenario
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
         draft = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, {}, {}),
                      predicted_iteration_s=0.0, predicted_samples_per_s=0.0, **common)
         it, steps = predict_dp_plan(draft, profiles_dir, rtt)
-        memory = {i: geo.stages[0].memory_bytes for i in per_device}
+        memory = dp_memory_bytes(draft, profiles_dir)
         plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, memory, steps),
                     predicted_iteration_s=it, predicted_samples_per_s=scenario.global_batch / it,
                     notes=(*notes, *extra, "one stage: written as a data-parallel plan (no pipeline)"), **common)

@@ -205,9 +205,11 @@ class Search:
         return self._times[key]
 
     def cap(self, gpu_type: str, j: int, p: int, m: int, d: int, rc: str) -> int:
-        key = (gpu_type, self.costs.in_flight(j, p, m), d, rc)
+        # a stage's memory depends on its position only through first / last, its micro-batches in
+        # flight and the step's micro-batches (planner/costmodel/pipeline.stage_memory_bytes)
+        key = (gpu_type, j == 0, j == p - 1, self.costs.in_flight(j, p, m), m, d, rc)
         if key not in self._caps:
-            self._caps[key] = self.costs.model.max_layers(gpu_type, key[1], d, rc)
+            self._caps[key] = self.costs.max_layers(gpu_type, j, p, m, d, rc)
         return self._caps[key]
 
     def connections(self, x: str, y: str) -> int:
@@ -302,8 +304,9 @@ class Search:
         W = max((h.busy_s for h in hops), default=0.0)
         # every stage's tail is at least a middle stage's of its type: no embedding, no head
         tails = [self.tail_terms(u, False, False, d, rc) for u in chain]
-        # the most layers a stage of each unit holds: at one micro-batch in flight
-        most = [min(self.cap(g, 0, 1, 1, d, rc), self.L) for _, g in chain]
+        # the most layers a stage of each unit holds: a middle stage (no embedding, head, tokens) at one
+        # micro-batch in flight of one per step (stage 1 of 3, m = 1), the least memory per layer
+        most = [min(self.cap(g, 1, 3, 1, d, rc), self.L) for _, g in chain]
         steps = sorted({n * t for t, c in zip(tau, most) for n in range(1, c + 1)})
         # a round trip over each boundary between units: what R's in-flight limit charges it
         trips = [2 * (max(h.wire_s, h.busy_s) + h.latency_s) for h in hops]
