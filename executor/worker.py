@@ -13,6 +13,19 @@ device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
    count, gradients reduce-scattered into the owners' slices, clipped by the global norm,
    AdamW with the LR schedule (models/optim.py) on each rank's slices.
 
+A pipeline plan (`plan.pipeline`, models/pipeline.py): rank r trains the plan position's stage s and
+data-parallel index i. Micro-batch k of a step is windows [k·micro_batch, (k+1)·micro_batch) of the
+step's global batch (the same GlobalSampler), and the rank takes its rows of each (first stage: the
+tokens, last stage: the targets). The loss (global, from the stats all-reduce every rank joins), the
+figures and the peak memory go through the same gather to rank 0; the validation loss passes through
+the stages (every rank calls it). Rank 0 writes <run_dir>/timeline.json for `--timeline-step K`
+(default: the last step, because the first one pays gloo's lazy connection set-up and, measured for
+memory, the tracker's slower ops: the last is a steady step). `--prefill JSON` runs
+executor.prefill.PrefillWorker.step() while the rank waits for a receive, on the stages the config
+names, and writes its summary at the end. Pipeline plans run ZeRO-1 inside each stage and refuse
+--resume, --init-from and --checkpoint-every (not built yet); a prefill worker's tensors live on the
+rank's device, so a measured step's peak includes them.
+
 Emulation: a device with `cpu_share` / `memory_gb` runs inside cgroups the launcher made for this
 rank (executor/cgroups.py: a real CPU quota and memory limit; `start_rank` sets the limit from the
 baseline at start, and the kernel, not a check, ends a rank over it). The sleep fallback, and the
@@ -241,14 +254,11 @@ class Trainer:
             config = json.loads(args.prefill)
         except json.JSONDecodeError as e:
             raise ValueError(f"--prefill is not JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError("--prefill must be a JSON object")
-        stages = config.get("stages")
-        if stages is not None and self.runtime.stage not in stages:
-            return None
-        from executor.prefill import PrefillWorker
+        from executor.prefill import PrefillWorker, runs_on_stage
 
-        return PrefillWorker.from_config(config, self.device, self.args.seed)
+        if not runs_on_stage(config, self.runtime.stage):  # also checks the config (one-line ValueError)
+            return None
+        return PrefillWorker.from_config(config, self.device, args.seed)
 
     # ---- one step ------------------------------------------------------------------------
     def _tensors(self, starts: np.ndarray, data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
