@@ -13,23 +13,33 @@ geo search's idealisations:
   by the units' FLOPs (PipelineCostModel.compute_s), times the device's emulated `slowdown`.
 - a boundary: the runtime sends each activation as fp32 rows (rows, seq, hidden) from a rank of
   stage j to the rank of stage j+1 whose rows it covers, and the gradient back the same way:
-  `rows·seq·hidden·4` bytes per micro-batch and direction (costmodel.pipeline.WIRE_BYTES).
-  Same node: a path of its own per pair at the node's collective bandwidth (the measured gloo fit
-  for CPU ranks, else `intra_node_gbps`). Different nodes: the plan's WAN link (`plan.wan`), one
-  direction shared FAIRLY by the transfers in flight (several TCP streams through one `tc tbf`
-  shaper share it; the runtime does not take turns as Atlas's temporal sharing would), each
-  transfer at most `min(gbps, k · window / RTT)` with `k = plan.connections` (planner/geo/scenario
-  WanLink), plus the one-way latency RTT / 2; without a `wan` entry the cluster's `inter_node_gbps`.
-  `rtt=False` drops the RTT (latency and window cap) for an emulation that cannot add delay.
-- sync inside a stage: ZeRO-1 over the stage's d ranks (a reduce-scatter of every unit's fp32
-  gradient, an all-gather of its updated parameters in the compute dtype: PipelineCostModel.sync_s)
-  over the node's collective link, after the stage's last backward.
-- a tied embedding (GPT-2): its gradient is summed between the first and the last stage (replica r
-  with replica r: costmodel.pipeline.tied_sync_s) once both are done, before their own syncs: a 2-rank all-reduce of
-  V·h fp32 per pair, the d pairs sharing the link between the two stages' nodes.
+  `rows·seq·hidden·4` bytes per micro-batch and direction (costmodel.pipeline.WIRE_BYTES). It posts
+  a receive only when the op that needs it starts, and gloo / NCCL move a send's data only once the
+  receiver is ready, so a transfer starts at max(send, receive posted + one-way latency)
+  (pipeline_sim's `runtime_step`). Same node: a path of its own per pair at the node's collective
+  bandwidth (the measured gloo fit for CPU ranks, else `intra_node_gbps`). Different nodes: the
+  plan's WAN link (`plan.wan`), one direction shared FAIRLY by the transfers in flight (several TCP
+  streams through one `tc tbf` shaper share it; the runtime does not take turns as Atlas's temporal
+  sharing would), each transfer at most `min(gbps, k · window / RTT)` with `k = plan.connections`
+  (planner/geo/scenario WanLink), plus the one-way latency RTT / 2; without a `wan` entry the
+  cluster's `inter_node_gbps`. `rtt=False` drops the RTT (latency and window cap) for an emulation
+  that cannot add delay (no netem: executor/wan.py says "rtt_mode": "modelled" in wan.json).
+- the step end, as models/pipeline.py runs it: a rank waits for its own sends, then
+  1. a tied embedding (GPT-2): the first and the last stage all-reduce the whole "embed" unit's
+     fp32 gradient over their 2d ranks (costmodel.pipeline.tied_sync_s: a ring over `ring_link`,
+     which crosses the link between the two stages' nodes), once both stages are done;
+  2. ZeRO-1 reduce-scatters of the stage's other units over its d ranks
+     (PipelineCostModel.runtime_sync_parts_s, the node's collective link);
+  3. one all-reduce over the world of the gradient norm, the overflow flag and the loss
+     (`STATS_BYTES`): every rank waits for the slowest stage here;
+  4. AdamW over the rank's shard (`shard_fraction` of the stage's state, the tied replica included)
+     at the profile's optimizer_s_per_param × `slowdown`, then the all-gathers of the updated
+     parameters; the iteration ends at the last rank's.
 - memory: planner/core/stage_memory.py's exact per-rank model (`device_memory_bytes`).
-- optimizer: AdamW over the device's shard (`shard_fraction` of the stage's parameters) at the
-  profile's optimizer_s_per_param, times `slowdown`; the iteration ends at the last optimizer step.
+
+Not modelled (a measured run pays them): the time between two of a rank's operations (Python
+dispatch, polling a pending transfer), the wait for the previous micro-batch's gradient send before
+the next backward's send, and any CPU the ranks of one machine take from each other.
 
 What the simulator cannot describe is refused (ValueError), never approximated: stages of
 different widths or uneven rows (the replicas of the simulator are identical pipelines), a stage

@@ -32,7 +32,7 @@ from planner.core.constants import MEMORY_HEADROOM
 from planner.core.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
 from planner.geo.atlas import GeoPlan
 from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, simulate_plan
-from planner.geo.scenario import GeoScenario
+from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, GeoScenario
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,11 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
         f"geo search: {search_iteration_s:.4g} s/iteration simulated with Atlas's temporal WAN sharing and "
         f"{scenario.dtype} transfers; predicted_iteration_s simulates this file as the runtime runs it "
         "(fp32 rows on the wire, links shared fairly)"]
+    lost = [f"{l.a}-{l.b}" for l in scenario.wan if l.a in geo.chain and l.b in geo.chain
+            and (l.per_connection_gbps is not None or l.tcp_window_bytes != DEFAULT_TCP_WINDOW_BYTES)]
+    if lost:
+        extra.append(f"wan links {', '.join(lost)}: the plan file carries gbps and rtt_ms only; its prediction "
+                     "prices one TCP connection by the default window over the RTT, not the scenario's figure")
     common = dict(model=scenario.model, global_batch=scenario.global_batch, seq=scenario.seq, dtype=scenario.dtype,
                   recompute=geo.recompute, baselines=dict(baselines or {}), solve_s=solve_s, zero=1,
                   wan=wan, connections=conns)
