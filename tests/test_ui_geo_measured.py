@@ -1,12 +1,16 @@
 """The Geo page's measured runs: a pipeline run's timeline beside the plan's simulated one.
 
-The run folder is written the executor's way (plan.json, metrics through executor.store's
-MetricsStore, timeline.json, prefill_rank<r>.json). The timeline and the simulated ops are
-HAND-WRITTEN numbers (a real pipeline run is not cheap enough for a page test): the test checks
-the page's rendering logic, every expected figure computed here from those numbers. The prefill
-summary is real: a PrefillWorker run for a few hundred units."""
+Two kinds of run folder:
+- written the executor's way (plan.json, metrics through executor.store's MetricsStore, timeline.json,
+  prefill_rank<r>.json) with HAND-WRITTEN timeline and simulated numbers, so the expected figures
+  are exact (+20.0 %): the page's rendering logic, bad input, no runs; its prefill summary is real
+  (a PrefillWorker run);
+- a REAL run (`test_a_real_pipeline_runs_timeline_beside_its_simulation`): 2 stages of tiny launched
+  with torchrun on this machine (2 steps, ~15-40 s here), prefill on stage 1, the plan's simulated
+  ops from planner/geo/emulated.py; the page's per-stage figures recomputed from the files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -168,3 +172,39 @@ def test_without_pipeline_runs_the_page_says_how_to_make_one(data_dir):
     at = open_page()
     assert any("executor launch" in i.value for i in at.info)
     assert not at.error
+
+
+def test_a_real_pipeline_runs_timeline_beside_its_simulation(data_dir):
+    """A REAL run: 2 stages of tiny on this machine (torchrun, gloo), prefill on stage 1, its plan's
+    simulated ops from planner/geo/emulated.py; the page's figures recomputed here from the files."""
+    from executor.launch import launch_run
+    from planner.geo.emulated import simulate_plan
+
+    cluster = ClusterSpec("local", (NodeSpec("localhost", "local", (DeviceSpec("cpu"), DeviceSpec("cpu"))),))
+    asg = tuple(Assignment(i, "localhost", "cpu", 2, 2, 4, 1.0, 0, 0.0) for i in range(2))
+    stages = (PipelineStage(0, 1, (0,), (2,), "local"), PipelineStage(1, 1, (1,), (2,), "local"))
+    draft = Plan(cluster, "tiny", 4, 64, "fp32", "none", asg, 0.0, 0.0, pipeline=PipelineSpec("1f1b", 2, 2, stages))
+    sim = simulate_plan(draft)
+    plan = dataclasses.replace(draft, predicted_iteration_s=sim.iteration_s, predicted_samples_per_s=4 / sim.iteration_s,
+                               pipeline=dataclasses.replace(draft.pipeline, simulated_ops=sim.ops))
+    run_dir = os.path.join(runs_dir(), "real-pipe")
+    status = launch_run(plan, 2, run_dir, seed=1,
+                        prefill={"model": "tiny", "prompt_tokens": 16, "backlog": True, "stages": [1]})
+    assert status == "done"
+    at = open_page()
+    assert not at.error
+    measured, simulated = [element_layers(c.proto)[0] for c in at.get("vega_lite_chart")]
+    with open(os.path.join(run_dir, "timeline.json")) as fh:
+        timeline = json.load(fh)
+    assert len(measured["rows"]) == sum(len(r["ops"]) for r in timeline["ranks"])
+    assert len(simulated["rows"]) == len(sim.ops)
+    df = stage_table(at)
+    for r in timeline["ranks"]:
+        busy = sum(o["end_s"] - o["start_s"] for o in r["ops"] if o["op"] in ("forward", "backward"))
+        sim_busy = sum(o["end_s"] - o["start_s"] for o in sim.ops
+                       if o["stage"] == r["stage"] and o["op"] in ("forward", "backward"))
+        assert df["forward + backward (s, measured)"][r["stage"]] == f"{busy:.4f}"
+        assert df["forward + backward (s, simulated)"][r["stage"]] == f"{sim_busy:.4f}"
+        assert df["error (measured vs simulated)"][r["stage"]] == f"{100 * (busy - sim_busy) / sim_busy:+.1f} %"
+    [pre] = [t.value for t in at.table if "requests done" in t.value.columns]
+    assert list(pre["rank"]) == ["1"] and list(pre["stage"]) == ["1"]
