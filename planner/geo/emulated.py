@@ -144,15 +144,21 @@ def _stage_layout(plan: Plan) -> tuple[int, int, list[tuple[NodeSpec, DeviceSpec
 
 
 def ring_link(plan: Plan, ranks: list[int], intra: dict[str, Link], rtt: bool) -> Link:
-    """The link of a ring collective over `ranks` (device indices, in rank order): its slowest edge
-    (inside a node the node's collective link `intra[node]`, across nodes the channel between them,
-    one flow per direction: `node_channel`'s per-transfer rate), and per call the larger of the
-    nodes' own call latency and (k − 1) steps of the largest one-way latency it crosses."""
+    """The link of a ring collective over `ranks` (device indices, in rank order). Bandwidth: its
+    slowest edge (inside a node the node's collective link `intra[node]`, across nodes the channel
+    between them, one flow per direction: `node_channel`'s per-transfer rate). Latency of one call
+    (a reduce-scatter or an all-gather: k − 1 steps, each rank's step waiting for its neighbour's):
+    the chain of k − 1 hops goes once around the ring, so it pays the nodes' own call latency plus
+    (k − 1)/k of the one-way latencies of the node boundaries it crosses (about one round trip
+    between two nodes), not (k − 1) times the largest."""
     devices = plan.cluster.devices()
     nodes = [devices[i][0].name for i in ranks]
     k = len(ranks)
+    if k <= 1:
+        return Link(min(intra[n].bandwidth_bytes_per_s for n in set(nodes)), 0.0, call_latency_s=0.0)
     bw = min(intra[n].bandwidth_bytes_per_s for n in set(nodes))
-    call = max(intra[n].latency_s(k) for n in set(nodes))
+    local = max(intra[n].latency_s(k) for n in set(nodes))
+    crossing = 0.0
     for a, b in zip(nodes, nodes[1:] + nodes[:1]):
         if a == b:
             continue
@@ -161,8 +167,9 @@ def ring_link(plan: Plan, ranks: list[int], intra: dict[str, Link], rtt: bool) -
                              "plan joins")
         ch = node_channel(plan, a, b, rtt)
         bw = min(bw, bytes_per_s(ch.per_transfer_gbps))
-        call = max(call, (k - 1) * ch.latency_s)
-    return Link(bw, call / max(1, math.ceil(math.log2(k))) if k > 1 else 0.0, call_latency_s=call)
+        crossing += ch.latency_s
+    call = local + (k - 1) / k * crossing
+    return Link(bw, call / math.ceil(math.log2(k)), call_latency_s=call)
 
 
 def device_memory_bytes(plan: Plan, model: PipelineCostModel, device_index: int, kind: str) -> int:
