@@ -377,12 +377,19 @@ def _row_order(plan: Plan) -> list[str]:
     return [_row_label(s, r, plan) for s, st_ in enumerate(plan.pipeline.stages) for r in range(len(st_.devices))]
 
 
-def timeline_gantt(rows: list[dict[str, Any]], plan: Plan, kind: str, title: str):
-    """A Gantt of (stage, replica, op, start_s, end_s) rows, one row per stage replica, colours by op."""
+def timeline_gantt(rows: list[dict[str, Any]], plan: Plan, kind: str, title: str, end_s: float):
+    """A Gantt of (stage, replica, op, start_s, end_s) rows, one row per stage replica, colours by op,
+    on a time axis from 0 to `end_s` (the same for the measured and the simulated chart)."""
+    import altair as alt
+
+    # waits first, prefill last: a prefill chunk runs inside a receive's wait and is drawn over it
+    z = {"recv_fwd": 0, "recv_bwd": 0, "send_fwd": 1, "send_bwd": 1, "prefill": 3}
     bars = [{"row": _row_label(r["stage"], r["replica"], plan), "start": r["start_s"], "end": r["end_s"],
-             "color": OP_NAMES[r["op"]]} for r in rows]
-    return gantt_chart(bars, f"time in the step (s, {kind})", "stage, replica", title, row_order=_row_order(plan),
-                       color_order=list(OP_COLORS), colors=OP_COLORS)
+             "color": OP_NAMES[r["op"]]} for r in sorted(rows, key=lambda r: z.get(r["op"], 2))]
+    x_title = f"time in the step (s, {kind})"
+    chart = gantt_chart(bars, x_title, "stage, replica", title, row_order=_row_order(plan),
+                        color_order=list(OP_COLORS), colors=OP_COLORS)
+    return chart.encode(x=alt.X("start:Q", title=x_title, scale=alt.Scale(domain=[0.0, end_s])))
 
 
 def measured_ops(timeline: dict[str, Any]) -> list[dict[str, Any]]:
@@ -486,16 +493,14 @@ def render_measured() -> None:
     with c[3]:
         metric("Timeline of step", fmt_cell(timeline["step"]), MEASURED)
     ops = measured_ops(timeline)
-    left, right = st.columns(2)
-    with left:
-        show_figure(timeline_gantt(ops, plan, "measured", f"Step {fmt_cell(timeline['step'])}, measured"),
-                    key="geo_measured_gantt")
-    with right:
-        if simulated:
-            show_figure(timeline_gantt(simulated, plan, "simulated", "The plan's iteration, simulated"),
-                        key="geo_simulated_gantt")
-        else:
-            st.info("This plan file has no simulated timeline (write it with `python -m planner geo --out`).")
+    end = max((o["end_s"] for o in [*ops, *simulated]), default=0.0)
+    show_figure(timeline_gantt(ops, plan, "measured", f"Step {fmt_cell(timeline['step'])}, measured", end),
+                key="geo_measured_gantt")
+    if simulated:
+        show_figure(timeline_gantt(simulated, plan, "simulated", "The plan's iteration, simulated", end),
+                    key="geo_simulated_gantt")
+    else:
+        st.info("This plan file has no simulated timeline (write it with `python -m planner geo --out`).")
     show_table(pd.DataFrame([{
         "stage": str(r["stage"]), "datacenter": r["datacenter"] or "—", "replicas": str(r["replicas"]),
         "layers": r["layers"],
