@@ -41,7 +41,7 @@ from functools import lru_cache
 
 from planner.core.catalog import device_dtype, get_gpu_type
 from planner.core.cluster import split_profile_key
-from planner.core.constants import DTYPE_BYTES, FP32_BYTES, MEMORY_HEADROOM
+from planner.core.constants import FP32_BYTES, MEMORY_HEADROOM
 from planner.core.specs import ModelSpec
 from planner.core.units import runtime_units
 from planner.costmodel.collectives import Link, all_reduce_s, sharded_step_comm_s
