@@ -34,6 +34,17 @@ machine ("localhost", "127.0.0.1", "local", this host's name), is not run here:
 the first node). Each worker finds its plan device from GPUMIX_NODE and LOCAL_RANK, so
 the rank order the rendezvous picks does not matter. A single-node plan runs here,
 whatever the node is called: the command is run on that node.
+
+Emulated datacenters (`emulate_wan`, executor/wan.py): a plan on k >= 2 nodes runs here with
+each node a datacenter in its own network namespace; one torchrun agent per node, started in
+its namespace (`nsenter --net=...`, an argument list) with the same flags as `multinode_commands`
+(`node_torchrun_command`: c10d rendezvous hosted by node 0 at its namespace address), GPUMIX_NODE,
+GLOO_SOCKET_IFNAME (the host interface once per TCP connection) and OMP_NUM_THREADS=1. The
+launcher watches all agents as it watches the one of a local run (`_watch`: the store, dead
+ranks, stop requests; one agent failed for DEAD_RANK_GRACE_S while others run ends the run too),
+merges their logs into logs/torchrun.log for the failure reason, and removes the namespaces with
+every process in them before it records the run's end, however the run ends; a guard process does
+it if the launcher is killed, `stop_run` and the next emulated launch of the run as well.
 """
 from __future__ import annotations
 
@@ -56,6 +67,7 @@ from typing import Sequence, TYPE_CHECKING
 from executor import booking
 from executor import cgroups
 from executor import checkpoint as ckpt
+from executor import wan
 from executor.corpus import build_corpus
 from executor.store import MetricsStore, _pid_alive, has_run, read_metrics
 from planner.core.catalog import GIB
@@ -73,6 +85,7 @@ TERM_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 DEFAULT_RDZV_PORT = 29500
 ENV_EMULATION = "GPUMIX_EMULATION"  # "sleep" forces the sleep fallback (default: cgroups where available)
 EMULATION_FILE = "emulation.json"
+PREFILL_FILE = "prefill.json"  # start_run's prefill object, for the launcher's --prefill
 LOCAL_NAMES = booking.LOCAL_NAMES
 # secondary failures: the ranks that lost a peer, not the cause of the run's end
 _PEER_ERRORS = ("connection closed by peer", "connection reset", "broken pipe", "timed out", "gloo",
@@ -110,7 +123,8 @@ def default_optim(steps: int, optim: OptimConfig | None = None) -> OptimConfig:
 def worker_args(plan_path: str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                 checkpoint_every: int = 0, tokens_path: str | None = None, corpus_dir: str | None = None,
                 optim: OptimConfig | None = None, tokenizer: str | None = None,
-                init_from: str | None = None) -> list[str]:
+                init_from: str | None = None, prefill: dict | None = None) -> list[str]:
+    """The executor.worker arguments; `prefill` (a JSON object) goes to every rank as `--prefill`."""
     args = ["-m", "executor.worker", "--plan", plan_path, "--steps", str(steps), "--run-dir", run_dir,
             "--seed", str(seed), "--checkpoint-every", str(checkpoint_every),
             "--optim", json.dumps(default_optim(steps, optim).to_dict())]
@@ -122,6 +136,8 @@ def worker_args(plan_path: str, steps: int, run_dir: str, seed: int = 0, resume:
         args += ["--init-from", init_from]
     if resume:
         args.append("--resume")
+    if prefill is not None:
+        args += ["--prefill", json.dumps(prefill)]
     return args
 
 
@@ -160,12 +176,19 @@ def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, see
                         tokenizer=tokenizer, init_from=init_from)
     lines = []
     for i, node in enumerate(nodes):
-        k = sum(1 for a in plan.used if a.node == node)
-        cmd = ["python", "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc-per-node={k}",
-               f"--node-rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes[0]}:{port}", f"--rdzv-id={run_id}",
-               "--max-restarts=0", *wargs]
+        cmd = node_torchrun_command("python", plan, nodes, i, f"{nodes[0]}:{port}", run_id, wargs)
         lines.append(f"GPUMIX_NODE={shlex.quote(node)} {shlex.join(cmd)}")
     return lines
+
+
+def node_torchrun_command(python: str, plan: Plan, nodes: Sequence[str], i: int, endpoint: str, run_id: str,
+                          wargs: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """torchrun for node `nodes[i]` of a multi-node run: its share of the ranks, a c10d rendezvous at
+    `endpoint` (`extra`: more torchrun flags, e.g. is_host and the node's own address)."""
+    k = sum(1 for a in plan.used if a.node == nodes[i])
+    return [python, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc-per-node={k}",
+            f"--node-rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            *extra, "--max-restarts=0", *wargs]
 
 
 def run_id_of(run_dir: str) -> str:
@@ -184,10 +207,12 @@ class Emulation:
 
 
 def emulation_limits(plan: Plan) -> dict[int, cgroups.Limits]:
-    """rank -> the limits of its device, for the ranks whose device has a cpu_share (a local run:
-    rank r trains the r-th used device). `cpu_share` is what asks for physical emulation; a
-    device with only `slowdown` / `memory_gb` keeps the arithmetic one (sleep, measured-peak
-    check), which the cost model it confirms was built for (planner.core.cluster)."""
+    """rank -> the limits of its device, for the ranks whose device has a cpu_share (rank r trains
+    the r-th used device: on a local run, and on an emulated-datacenter run too, whose used devices
+    come in node order and whose rendezvous ranks the agents in node order, executor/wan.py).
+    `cpu_share` is what asks for physical emulation; a device with only `slowdown` / `memory_gb`
+    keeps the arithmetic one (sleep, measured-peak check), which the cost model it confirms was
+    built for (planner.core.cluster)."""
     devices = plan.cluster.devices()
     out = {}
     for rank, a in enumerate(plan.used):
@@ -303,13 +328,38 @@ def check_devices(plan: Plan) -> None:
                                  f"machine has {have} CUDA device(s)")
 
 
-def _check_args(plan: Plan, steps: int, checkpoint_every: int, seed: int = 0) -> None:
+def check_emulate_wan(plan: Plan) -> None:
+    """An emulated-datacenter run (executor/wan.py) can run here (ValueError saying why not)."""
+    nodes = plan_nodes(plan)
+    if len(nodes) < 2:
+        raise ValueError(f"--emulate-wan: the plan's used devices sit on one node ({', '.join(nodes)}); emulated "
+                         "datacenters need devices on at least 2 nodes (each node is one datacenter)")
+    gpus = sorted({a.type for a in plan.used if a.type != "cpu"})
+    if gpus:
+        raise ValueError(f"--emulate-wan runs CPU ranks only (the plan uses {', '.join(gpus)}): NCCL between GPUs of "
+                         "one machine takes shared memory or NVLink, past the emulated links")
+    why = wan.unavailable_reason()
+    if why is not None:
+        raise ValueError(f"--emulate-wan: {why}")
+
+
+def check_prefill(prefill: dict | None) -> None:
+    if prefill is not None and not isinstance(prefill, dict):
+        raise ValueError(f"prefill must be a JSON object, got {type(prefill).__name__}")
+
+
+def _check_args(plan: Plan, steps: int, checkpoint_every: int, seed: int = 0, emulate_wan: bool = False,
+                prefill: dict | None = None) -> None:
     check_numbers(steps, checkpoint_every, seed)
+    check_prefill(prefill)
     if not plan.used:
         raise ValueError("plan uses no device")
+    if emulate_wan:
+        check_emulate_wan(plan)  # every node is emulated here, whatever it is called
+        return
     if not runs_here(plan):
         raise ValueError(f"plan spans nodes {', '.join(plan_nodes(plan))}: run `python -m executor launch` "
-                         "to print the per-node torchrun commands")
+                         "to print the per-node torchrun commands, or emulate them here with --emulate-wan")
     check_devices(plan)
 
 
@@ -349,23 +399,24 @@ def _is_our_worker(pid: int) -> bool:
         return False
 
 
-def _kill_everything(torchrun: subprocess.Popen | None, worker_pids: list[int]) -> None:
-    """SIGTERM torchrun's group and every rank's session, SIGKILL what is left after the grace."""
+def _kill_everything(agents: Sequence[subprocess.Popen], worker_pids: list[int]) -> None:
+    """SIGTERM every torchrun agent's group and every rank's session, SIGKILL what is left after the grace."""
     workers = [p for p in worker_pids if _is_our_worker(p)]
-    if torchrun is not None and torchrun.poll() is None:
-        _signal_group(torchrun.pid, signal.SIGTERM)
+    for agent in agents:
+        if agent.poll() is None:
+            _signal_group(agent.pid, signal.SIGTERM)
     for pid in workers:
         _signal_group(pid, signal.SIGTERM)  # each rank leads its own session (torchrun's start_new_session)
     deadline = time.monotonic() + TERM_GRACE_S
     while time.monotonic() < deadline:
-        alive = (torchrun is not None and torchrun.poll() is None) or any(_pid_alive(p) for p in workers)
+        alive = any(a.poll() is None for a in agents) or any(_pid_alive(p) for p in workers)
         if not alive:
             break
         time.sleep(0.1)
-    if torchrun is not None:
-        _signal_group(torchrun.pid, signal.SIGKILL)
+    for agent in agents:
+        _signal_group(agent.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            torchrun.wait(timeout=5)
+            agent.wait(timeout=5)
     for pid in workers:
         if _pid_alive(pid):
             _signal_group(pid, signal.SIGKILL)
@@ -479,28 +530,31 @@ def copy_tokenizer(tokenizer: str | None, dest_dir: str) -> None:
 
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
-               tokenizer: str | None = None, init_from: str | None = None) -> str:
+               tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
+               prefill: dict | None = None) -> str:
     """Run `plan` for `steps` global steps with torchrun; block until it ends.
     Returns the final status: "done" | "failed" | "stopped". ValueError on bad input.
     `corpus_dir`: the training data (a folder of text files, JSON Lines with "text", or token
     files; default the Python standard library), `tokenizer`: a tokenizer.json (default bytes),
-    `init_from`: a Hugging Face model folder to start from (each rank reads its own slices)."""
+    `init_from`: a Hugging Face model folder to start from (each rank reads its own slices),
+    `emulate_wan`: each plan node is a datacenter emulated on this machine (executor/wan.py),
+    `prefill`: a JSON object every rank gets as `--prefill` (executor.prefill)."""
     plan = _load(plan)
-    _check_args(plan, steps, checkpoint_every, seed)
+    _check_args(plan, steps, checkpoint_every, seed, emulate_wan, prefill)
     init_from = check_init_from(plan, init_from)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     _check_not_running(run_dir)
     book_devices(plan, run_dir)  # start_run booked already: the launcher takes the booking over
     try:
         return _launch_booked(plan, steps, run_dir, seed, resume, checkpoint_every, corpus_dir, optim, tokenizer,
-                              init_from)
+                              init_from, emulate_wan, prefill)
     finally:
         booking.Ledger().release(run_dir)
 
 
 def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool, checkpoint_every: int,
                    corpus_dir: str | None, optim: OptimConfig | None, tokenizer: str | None,
-                   init_from: str | None) -> str:
+                   init_from: str | None, emulate_wan: bool, prefill: dict | None) -> str:
     meta = ckpt.check_resumable(run_dir, plan) if resume else None
     from planner.core.specs import get_model
 
@@ -509,14 +563,125 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
     emu = setup_emulation(plan, run_dir)
     try:
         return _launch_emulated(plan, steps, run_dir, seed, resume, checkpoint_every, optim, init_from, meta,
-                                tokens, emu)
+                                tokens, emu, emulate_wan, prefill)
     finally:
         remove_emulation(emu)
 
 
+def _rank_env(run_dir: str, emu: Emulation) -> dict[str, str]:
+    """The environment of every torchrun agent and its ranks."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GPUMIX_LAUNCHED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop(cgroups.ENV_CGROUPS, None)
+    if emu.mode == "cgroup":
+        env[cgroups.ENV_CGROUPS] = os.path.join(os.path.abspath(run_dir), EMULATION_FILE)
+    return env
+
+
+def _start_agent(cmd: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+    log.info("starting %s", shlex.join(cmd))
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _agent_log(run_dir: str, i: int) -> str:
+    return os.path.join(run_dir, "logs", f"torchrun-node{i}.log")
+
+
+def _start_wan_agents(setup: wan.WanSetup, plan: Plan, wargs: list[str], env: dict[str, str],
+                      run_dir: str) -> list[subprocess.Popen]:
+    """One torchrun agent per plan node, each inside its node's namespace: c10d rendezvous hosted by
+    node 0 at its namespace address, gloo bound to the node's host interface (repeated once per
+    TCP connection per transfer)."""
+    endpoint = f"{setup.addr(0)}:{DEFAULT_RDZV_PORT}"  # nothing else listens inside namespace 0
+    agents = []
+    for i, node in enumerate(setup.nodes):
+        cmd = setup.exec_prefix(i) + node_torchrun_command(
+            sys.executable, plan, setup.nodes, i, endpoint, setup.run_id, wargs,
+            extra=[f"--rdzv-conf=is_host={1 if i == 0 else 0}", f"--local-addr={setup.addr(i)}"])
+        agents.append(_start_agent(cmd, dict(env, GPUMIX_NODE=node, GLOO_SOCKET_IFNAME=setup.gloo_ifname),
+                                   _agent_log(run_dir, i)))
+    return agents
+
+
+def _start_wan(plan: Plan, run_dir: str, store: MetricsStore) -> tuple[wan.WanSetup, subprocess.Popen]:
+    """The run's emulated datacenters and their guard (it removes them if this launcher is killed)."""
+    run_id = run_id_of(run_dir)
+    stale = wan.remove_stale(run_id)
+    if stale:
+        store.add_event("emulation", f"wan: removed stale namespaces {', '.join(stale)}")
+    nodes = plan_nodes(plan)
+    setup = wan.create(plan, nodes, run_id)
+    try:
+        setup.save(os.path.join(run_dir, wan.WAN_FILE))
+        with open(os.path.join(run_dir, "logs", "wan-guard.log"), "ab") as out:
+            guard = subprocess.Popen(wan.guard_command(setup, os.path.abspath(run_dir)), cwd=PROJECT_ROOT,
+                                     env=dict(os.environ, PYTHONPATH=PROJECT_ROOT), stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        wan.remove(setup)
+        raise
+    for line in setup.describe() + wan.connections_of(plan, nodes)[1]:
+        store.add_event("emulation", line)
+    return setup, guard
+
+
+def _stop_wan(setup: wan.WanSetup, guard: subprocess.Popen | None) -> None:
+    """Remove the namespaces (every process left in them first), then end the guard."""
+    try:
+        wan.remove(setup)
+    except OSError as e:
+        log.error("%s", e)
+    if guard is not None:
+        guard.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard.wait(timeout=10)
+
+
+def _merge_agent_logs(run_dir: str, n: int, dest: str) -> None:
+    """logs/torchrun.log: every agent's log one after the other (failure_reason reads one file)."""
+    with open(dest, "ab") as out:
+        for i in range(n):
+            with contextlib.suppress(OSError), open(_agent_log(run_dir, i), "rb") as fh:
+                out.write(f"==== torchrun agent of node {i} ====\n".encode())
+                shutil.copyfileobj(fh, out)
+
+
+def _watch(agents: Sequence[subprocess.Popen], store: MetricsStore, stop: threading.Event) -> None:
+    """Until every agent has ended, a stop is asked, a registered rank has been dead for
+    DEAD_RANK_GRACE_S while an agent runs, or one agent failed that long ago while others run."""
+    dead_since: float | None = None
+    failed_since: float | None = None
+    while any(a.poll() is None for a in agents):
+        if stop.is_set() or store.stop_requested():
+            stop.set()
+            return
+        now = time.monotonic()
+        dead = [p for p in _worker_pids(store) if not _pid_alive(p)]
+        if dead and dead_since is None:
+            dead_since = now
+        if dead_since is not None and now - dead_since > DEAD_RANK_GRACE_S:
+            log.warning("rank pid(s) %s dead for %.0f s while torchrun runs: ending the run", dead, DEAD_RANK_GRACE_S)
+            return
+        if failed_since is None and any(a.poll() not in (None, 0) for a in agents):
+            failed_since = now
+        if failed_since is not None and now - failed_since > DEAD_RANK_GRACE_S:
+            log.warning("a torchrun agent failed %.0f s ago while others run: ending the run", DEAD_RANK_GRACE_S)
+            return
+        time.sleep(POLL_S)
+
+
+def _exit_code(agents: Sequence[subprocess.Popen]) -> int | None:
+    """0 when every agent ended with 0; else the first failure's code (None: one still ran)."""
+    codes = [a.poll() for a in agents]
+    failed = [c for c in codes if c not in (None, 0)]
+    return failed[0] if failed else (None if None in codes else 0)
+
+
 def _launch_emulated(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool, checkpoint_every: int,
                      optim: OptimConfig | None, init_from: str | None, meta: dict | None, tokens: str,
-                     emu: Emulation) -> str:
+                     emu: Emulation, emulate_wan: bool = False, prefill: dict | None = None) -> str:
     if emu.mode == "sleep":
         plan = sleep_fallback_plan(plan)
     plan_path = os.path.join(os.path.abspath(run_dir), "plan.json")
@@ -533,40 +698,29 @@ def _launch_emulated(plan: Plan, steps: int, run_dir: str, seed: int, resume: bo
     with open(os.path.join(run_dir, "launcher.pid"), "w") as fh:
         fh.write(str(os.getpid()))
     wargs = worker_args(plan_path, steps, os.path.abspath(run_dir), seed, resume, checkpoint_every,
-                        tokens_path=tokens, optim=optim, init_from=init_from)
-    cmd = local_torchrun_command(len(plan.used), free_port(),
-                                 cgroups.exec_command(wargs) if emu.mode == "cgroup" else wargs)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", GPUMIX_LAUNCHED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
-    env.pop(cgroups.ENV_CGROUPS, None)
-    if emu.mode == "cgroup":
-        env[cgroups.ENV_CGROUPS] = os.path.join(os.path.abspath(run_dir), EMULATION_FILE)
+                        tokens_path=tokens, optim=optim, init_from=init_from, prefill=prefill)
+    wargs = cgroups.exec_command(wargs) if emu.mode == "cgroup" else wargs
+    env = _rank_env(run_dir, emu)
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
     stop = threading.Event()
-    torchrun: subprocess.Popen | None = None
+    agents: list[subprocess.Popen] = []
+    setup: wan.WanSetup | None = None
+    guard: subprocess.Popen | None = None
     status, reason, failed_rank = "failed", None, None
     try:
-        with _stop_on_signals(stop), open(torchrun_log, "ab") as out:
-            log.info("starting %s", shlex.join(cmd))
-            torchrun = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        with _stop_on_signals(stop):
+            if emulate_wan:
+                setup, guard = _start_wan(plan, run_dir, store)
+                agents = _start_wan_agents(setup, plan, wargs, env, run_dir)
+            else:
+                agents = [_start_agent(local_torchrun_command(len(plan.used), free_port(), wargs), env, torchrun_log)]
             with open(os.path.join(run_dir, "torchrun.pid"), "w") as fh:
-                fh.write(str(torchrun.pid))
-            dead_since: float | None = None
-            while torchrun.poll() is None:
-                if stop.is_set() or store.stop_requested():
-                    stop.set()
-                    break
-                dead = [p for p in _worker_pids(store) if not _pid_alive(p)]
-                if dead and dead_since is None:
-                    dead_since = time.monotonic()
-                if dead_since is not None and time.monotonic() - dead_since > DEAD_RANK_GRACE_S:
-                    log.warning("rank pid(s) %s dead for %.0f s while torchrun runs: ending the run",
-                                dead, DEAD_RANK_GRACE_S)
-                    break
-                time.sleep(POLL_S)
-        rc = torchrun.poll()
-        _kill_everything(torchrun, _worker_pids(store))
+                fh.write(str(agents[0].pid))  # the rendezvous host's agent
+            _watch(agents, store, stop)
+        rc = _exit_code(agents)
+        _kill_everything(agents, _worker_pids(store))
+        if setup is not None:
+            _merge_agent_logs(run_dir, len(agents), torchrun_log)
         if stop.is_set() or store.stop_requested():
             status, reason = "stopped", "stopped on request"
         elif _last_step(store) == steps and (rc == 0 or _all_ranks_done(store)):
@@ -577,9 +731,11 @@ def _launch_emulated(plan: Plan, steps: int, run_dir: str, seed: int, resume: bo
             reason, failed_rank = oom_reason(emu) or failure_reason(store, torchrun_log, rc)
     except BaseException as e:
         reason = f"launcher error: {type(e).__name__}: {e}"
-        _kill_everything(torchrun, _worker_pids(store))
+        _kill_everything(agents, _worker_pids(store))
         raise
     finally:
+        if setup is not None:  # torn down before the run's end is recorded: "done" means nothing is left
+            _stop_wan(setup, guard)
         store.finish(status, reason, failed_rank)
         store.close()
         log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
@@ -622,12 +778,14 @@ class RunHandle:
 
 def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
-              tokenizer: str | None = None, init_from: str | None = None) -> RunHandle:
+              tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
+              prefill: dict | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
-    folder under planner.core.paths.runs_dir()."""
+    folder under planner.core.paths.runs_dir(). `emulate_wan`, `prefill`: as launch_run (the
+    prefill object travels as the run folder's prefill.json)."""
     plan = _load(plan)
-    _check_args(plan, steps, checkpoint_every, seed)
+    _check_args(plan, steps, checkpoint_every, seed, emulate_wan, prefill)
     init_from = check_init_from(plan, init_from)
     run_dir = os.path.abspath(run_dir or new_run_dir())
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -635,9 +793,15 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
     if resume:
         ckpt.check_resumable(run_dir, plan)
     book_devices(plan, run_dir)  # held by this process until the launcher takes it over
+    extra = ["--emulate-wan"] if emulate_wan else []
+    if prefill is not None:
+        prefill_path = os.path.join(run_dir, PREFILL_FILE)
+        with open(prefill_path, "w", encoding="utf-8") as fh:
+            json.dump(prefill, fh)
+        extra += ["--prefill", prefill_path]
     try:
         proc = _start_launcher(plan, steps, run_dir, seed, resume, checkpoint_every, corpus_dir, optim, tokenizer,
-                               init_from)
+                               init_from, extra)
     except BaseException:
         booking.Ledger().release(run_dir)
         raise
@@ -696,6 +860,7 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
     try:
         workers = [p for p in _worker_pids(store) if _is_our_worker(p)]
         left = _pid_alive(launcher) or (torchrun_pid is not None and _pid_alive(torchrun_pid)) or bool(workers)
+        left = left or bool(wan.find(wan.run_prefix(run_id_of(run_dir))))  # a killed launcher's datacenters
         if not _pid_alive(launcher):
             from executor.slurm import cancel_slurm_run  # a SLURM job left behind by a killed launcher
 
@@ -711,17 +876,23 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
                 os.kill(launcher, signal.SIGKILL)  # the launcher only: its group may be a user's shell
         if torchrun_pid and _pid_alive(torchrun_pid):
             _signal_group(torchrun_pid, signal.SIGKILL)
-        _kill_everything(None, _worker_pids(store))
-        try:
-            cgroups.remove_all(cgroups.run_prefix(run_id_of(run_dir)))  # the killed launcher's, if any
-        except OSError as e:
-            log.error("%s", e)
+        _kill_everything((), _worker_pids(store))
+        _remove_leftovers(run_id_of(run_dir))
         if store.status() in (None, "running"):
             store.finish("stopped", "stopped on request (the launcher did not end the run; killed)")
     finally:
         store.close()
     booking.Ledger().release(run_dir)  # everything of the run is gone now
     return read_metrics(run_dir)["status"]
+
+
+def _remove_leftovers(run_id: str) -> None:
+    """A killed launcher's emulated datacenters (if its guard has not removed them yet) and cgroups."""
+    for remove in (lambda: wan.remove_run(run_id), lambda: cgroups.remove_all(cgroups.run_prefix(run_id))):
+        try:
+            remove()
+        except OSError as e:
+            log.error("%s", e)
 
 
 def _read_pid(path: str) -> int | None:

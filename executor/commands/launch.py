@@ -1,10 +1,12 @@
 """`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K]
-[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags]
+[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan] [--prefill FILE]
 [--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
 
 Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed).
 `local` (the default): torchrun here; a plan spanning several nodes prints the per-node
-torchrun commands instead. `slurm`: the plan as one SLURM job (executor/slurm.py), one
+torchrun commands instead, or with `--emulate-wan` runs here with each node a datacenter in its
+own network namespace behind links shaped to the plan's `wan` (executor/wan.py). `--prefill FILE`:
+a JSON object every rank gets as `--prefill` (executor.prefill). `slurm`: the plan as one SLURM job (executor/slurm.py), one
 torchrun agent per node, followed until SLURM says it ended.
 """
 from __future__ import annotations
@@ -39,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=None, help="AdamW decay on matrices only (default 0.1)")
     p.add_argument("--max-grad-norm", default=None, metavar="N|none",
                    help="clip gradients by their global norm (default 1.0; 'none': no clipping)")
+    p.add_argument("--emulate-wan", action="store_true",
+                   help="run every node of the plan here, each a datacenter in its own network namespace, the "
+                        "links between them shaped with tc to the plan's wan (needs root, ip, tc, nsenter)")
+    p.add_argument("--prefill", default=None, metavar="FILE",
+                   help="a JSON object passed to every rank as --prefill (prefill work in pipeline bubbles)")
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
     add_backend_arguments(p)
 
@@ -108,6 +115,24 @@ def optim_from_args(args: argparse.Namespace):
     return OptimConfig.from_dict(base)
 
 
+def read_prefill(path: str | None) -> dict | None:
+    """The --prefill file's JSON object (ValueError naming the file when it is not one)."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except OSError as e:
+        raise ValueError(f"--prefill {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--prefill {path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--prefill {path}: must hold a JSON object, not a {type(d).__name__}")
+    return d
+
+
 def run(args: argparse.Namespace) -> int:
     from planner.cli import print_json
     from planner.core.plan import Plan
@@ -117,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args.steps, args.checkpoint_every, args.seed)  # on every path, multi-node included
     plan = Plan.load(args.plan)
     optim = optim_from_args(args)
+    prefill = read_prefill(args.prefill)
+    if args.emulate_wan and args.backend != "local":
+        raise ValueError("--emulate-wan emulates the datacenters on this machine: use it with --backend local")
+    if prefill is not None and args.backend != "local":
+        raise ValueError("--prefill runs with --backend local")
     if args.backend == "slurm":
         from executor.slurm import launch_slurm
 
@@ -127,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                               checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
                               tokenizer=args.tokenizer, init_from=args.init_from)
         return _report(args, status)
-    if not runs_here(plan):
+    if not runs_here(plan) and not args.emulate_wan:
         run_dir = os.path.abspath(args.run_dir)
         os.makedirs(run_dir, exist_ok=True)
         plan_path = os.path.join(run_dir, "plan.json")
@@ -145,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         tokenize_with_progress(args.corpus, args.tokenizer, plan.model)  # once; the launch then hits the cache
     status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
                         checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
-                        tokenizer=args.tokenizer, init_from=args.init_from)
+                        tokenizer=args.tokenizer, init_from=args.init_from, emulate_wan=args.emulate_wan,
+                        prefill=prefill)
     return _report(args, status)
 
 

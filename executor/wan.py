@@ -1,0 +1,481 @@
+"""Emulated datacenters on one machine: a network namespace per plan node, veth links shaped by tc.
+
+`executor launch --emulate-wan` runs a plan whose used devices sit on k >= 2 nodes (each node one
+datacenter) on this machine, each node's torchrun agent and ranks inside the node's own network
+namespace, so every byte between datacenters crosses a real, kernel-shaped link:
+
+    netns gpumix-wan.<run id>.<launcher pid>.<i>          (i: the node's place in plan order)
+        lo      up: the node's own ranks talk over it (inside a datacenter: not shaped)
+        gmx0    10.78.X.(100+i)/32, the node's one host address (gmx0p: its veth peer, same namespace)
+        wan<j>  veth to namespace j's wan<i>; route 10.78.X.(100+j)/32 dev wan<j> src 10.78.X.(100+i)
+                tc on both ends: tbf at the link's rate [+ netem delay rtt/2 where the kernel has it]
+
+Why this shape:
+- One host address per node, routed over the direct veth to each peer: torchrun and gloo advertise
+  one address per rank (gloo binds the address of GLOO_SOCKET_IFNAME's interface and publishes it),
+  so every peer must reach the node at that same address, each over its own link. A subnet per
+  link would give a node one address per peer.
+- gmx0 is a veth pair inside the namespace because this kernel has no `dummy` link type, and an
+  address on `lo` would not do: gloo binds the interface's first address, 127.0.0.1 on lo.
+- Both ends of every veth live in run namespaces, created there (`ip -n A link add wan<j> type veth
+  peer name wan<i> netns B`): nothing of a run exists in the root namespace, so deleting its
+  namespaces (once no process holds them) deletes its links and qdiscs with them, and interface
+  names never collide with the host's or another run's.
+- Addresses of three digits (100 + i, so at most MAX_NODES nodes) sort as strings in node order:
+  the c10d rendezvous ranks its agents by their --local-addr string, so node i's ranks follow
+  those of nodes 0..i-1, and rank r is the r-th used device of the plan as on a local run (the
+  cgroup table of executor.launch relies on it).
+- The subnet is the first 10.78.X.0/24 that no host interface uses (the SLURM test fixture takes
+  10.77.X); the namespaces have no route anywhere else, so two runs on one subnet cannot meet,
+  and a name lookup (c10d does reverse lookups) fails at once instead of timing out.
+- Processes enter with `nsenter --net=/var/run/netns/<ns>`, an argument list like everything
+  here, not `ip netns exec`: that one remounts /sys, where executor.cgroups then finds no cgroup
+  hierarchy (a `cpu_share` device inside an emulated datacenter needs both).
+
+Shaping (tc tbf, on the egress of both ends, so each direction has the link's rate):
+- rate: the plan's `gbps` is what a transfer gets (the cost models price bytes of payload at it),
+  so tbf, which counts whole frames, is set to gbps × FRAME_BYTES / PAYLOAD_BYTES: at MTU 1500 a
+  full TCP segment carries 1448 bytes in a 1514-byte frame (14 Ethernet + 20 IP + 20 TCP + 12 of
+  the timestamp option). Measured here before the correction: 19.15 Mbit/s of payload through a
+  20 Mbit/s tbf, 191 through 200 (95.7 %, the ratio above).
+- burst: max(BURST_MIN_BYTES, BURST_S of traffic at the rate). The bucket must hold at least one
+  frame and more than the timer slack; 16 KiB is 6.5 ms at 20 Mbit/s, negligible against any
+  transfer worth emulating, and rate × 1 ms keeps the shaper's wake-ups bounded at 10 Gbit/s.
+- latency (the queue: rate × latency + burst bytes): QUEUE_S = 20 ms, a router's buffer. TCP over
+  these near-zero-RTT links keeps a queue that short full (5 ms measured the same rate), and a
+  transfer queued behind another waits at most that long in the queue.
+
+RTT: `probe_netem` tries a netem qdisc in a throw-away namespace. Where it works, each shaped end
+gets a netem child under its tbf delaying rtt_ms / 2 (the round trip is both directions). Where it
+does not (this kernel: "Specified qdisc kind is unknown"), no delay is added and the run's record
+says the RTT is modelled, not emulated. `WanSetup.rtt_mode` and the run's `emulation` events say which.
+
+Connections: gloo opens one full mesh per entry of GLOO_SOCKET_IFNAME, so the interface name is
+repeated `connections` times, the most that any used link asks in `plan.connections` (every rank
+of a gloo group must open the same number of meshes). Gloo gives each operation (a collective, a
+send) one mesh, round robin: n connections carry n operations at once; one operation is not
+striped over them.
+
+Tear-down (`remove`, `remove_run`): every process whose network namespace is one of the run's is
+SIGKILLed (ours by construction: nothing else enters them), then the namespaces are deleted. It
+runs at the end of every launch, however the launch ends; a guard process
+(`python -m executor.wan guard`, its own session) does it when the launcher itself is killed;
+`remove_stale` at each emulated launch removes the namespaces of this run id and of any launcher
+no longer alive (the pid is in the name; a reused pid keeps its namespaces until the next launch
+of that run or a stop_run).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from planner.core.constants import GBIT
+from planner.core.plan import Plan, link_key
+
+log = logging.getLogger(__name__)
+
+PREFIX = "gpumix-wan."  # + "<run id>.<launcher pid>.<node index>"; a run id has no "." (launch.run_id_of)
+NETNS_DIR = "/var/run/netns"
+HOST_IF, HOST_PEER_IF = "gmx0", "gmx0p"
+SUBNET_PREFIX = "10.78"
+ADDR_BASE = 100  # node i is 10.78.X.(100 + i): three digits, string order = node order
+MAX_NODES = 255 - ADDR_BASE
+BINARIES = ("ip", "tc", "nsenter")
+MTU = 1500
+FRAME_BYTES = MTU + 14  # what tbf counts of a full segment: the Ethernet header and the IP packet
+PAYLOAD_BYTES = MTU - 20 - 20 - 12  # IP, TCP, the timestamp option (on by default in every namespace)
+BURST_S = 0.001
+BURST_MIN_BYTES = 16 * 1024
+QUEUE_S = 0.020
+NETEM_MIN_LIMIT = 1000  # packets, netem's default
+COMMAND_TIMEOUT_S = 30.0
+KILL_TIMEOUT_S = 10.0
+GUARD_POLL_S = 0.5
+WAN_FILE = "wan.json"
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                       stdin=subprocess.DEVNULL)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"`{shlex.join(argv)}` failed: {(r.stderr or r.stdout).strip() or r.returncode}")
+    return r
+
+
+# ---- what this machine can do ----------------------------------------------------------------
+
+
+def unavailable_reason() -> str | None:
+    """None when this process can build emulated datacenters; else what is missing."""
+    if os.geteuid() != 0:
+        return "not root (network namespaces, veth links and tc need root)"
+    missing = [b for b in BINARIES if shutil.which(b) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (Debian: apt-get install iproute2 util-linux)"
+    return None
+
+
+def probe_netem() -> str | None:
+    """None when the kernel has netem (a delay can be added); else the kernel's answer."""
+    ns = f"{PREFIX}probe.{os.getpid()}.0"
+    _run(["ip", "netns", "add", ns])
+    try:
+        r = _run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False)
+        return None if r.returncode == 0 else ((r.stderr or r.stdout).strip() or f"tc exit code {r.returncode}")
+    finally:
+        _run(["ip", "netns", "del", ns], check=False)
+
+
+def free_subnet() -> str:
+    """10.78.X with no address of any host interface in it."""
+    used = _run(["ip", "-o", "-4", "addr", "show"]).stdout
+    for x in range(256):
+        if f" {SUBNET_PREFIX}.{x}." not in used:
+            return f"{SUBNET_PREFIX}.{x}"
+    raise RuntimeError(f"every {SUBNET_PREFIX}.X.0/24 subnet is in use on this host")
+
+
+# ---- the layout (pure) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between nodes i < j; gbps None: the plan has no wan link for the pair (unshaped)."""
+
+    i: int
+    j: int
+    a: str
+    b: str
+    gbps: float | None
+    rtt_ms: float = 0.0
+
+    @property
+    def tbf_rate_bps(self) -> int:
+        """tbf's rate in bit/s: frames, so that TCP's payload gets `gbps` (module docstring)."""
+        assert self.gbps is not None
+        return round(self.gbps * GBIT * FRAME_BYTES / PAYLOAD_BYTES)
+
+    @property
+    def burst_bytes(self) -> int:
+        return max(BURST_MIN_BYTES, round(self.tbf_rate_bps / 8 * BURST_S))
+
+    def netem_limit_packets(self) -> int:
+        """netem holds the packets of half a round trip plus the queue (it replaces tbf's queue)."""
+        frames_per_s = self.tbf_rate_bps / 8 / FRAME_BYTES
+        return max(NETEM_MIN_LIMIT, round(2 * frames_per_s * (self.rtt_ms / 2000 + QUEUE_S)))
+
+
+@dataclass(frozen=True)
+class WanSetup:
+    """One run's emulated datacenters: enough to enter, describe and remove them (wan.json)."""
+
+    run_id: str
+    owner_pid: int  # the launcher: a namespace whose owner is gone is stale
+    subnet: str  # "10.78.X"
+    nodes: tuple[str, ...]  # plan node names, in plan order: node i is namespace i
+    links: tuple[Link, ...]
+    connections: int
+    rtt_mode: str  # "netem": the RTT is added; "modelled": the kernel cannot add it
+    netem_problem: str | None = None
+
+    def netns(self, i: int) -> str:
+        return f"{PREFIX}{self.run_id}.{self.owner_pid}.{i}"
+
+    def addr(self, i: int) -> str:
+        return f"{self.subnet}.{ADDR_BASE + i}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """The argument list that runs a command inside node i's namespace."""
+        return ["nsenter", f"--net={NETNS_DIR}/{self.netns(i)}"]
+
+    @property
+    def gloo_ifname(self) -> str:
+        return ",".join([HOST_IF] * self.connections)
+
+    def describe(self) -> list[str]:
+        """What is emulated, one line per fact, for the run's `emulation` events."""
+        lines = [f"wan: {len(self.nodes)} datacenters, each in its own network namespace on this machine ("
+                 + ", ".join(f"{n} = {self.netns(i)} at {self.addr(i)}" for i, n in enumerate(self.nodes)) + ")"]
+        for ln in self.links:
+            if ln.gbps is None:
+                lines.append(f"wan: link {ln.a}–{ln.b}: the plan has no wan link for this pair: unshaped veth")
+                continue
+            rtt = ("no round trip asked" if ln.rtt_ms == 0 else
+                   f"RTT {ln.rtt_ms:g} ms added (netem delay {ln.rtt_ms / 2:g} ms each way)" if self.rtt_mode == "netem"
+                   else f"RTT {ln.rtt_ms:g} ms modelled, not added (netem unavailable: {self.netem_problem})")
+            lines.append(f"wan: link {ln.a}–{ln.b}: tc tbf each direction, {ln.gbps * 1e3:g} Mbit/s of TCP payload "
+                         f"(tbf rate {ln.tbf_rate_bps / 1e6:.3f} Mbit/s of frames at MTU {MTU}), burst "
+                         f"{ln.burst_bytes} bytes, queue {QUEUE_S * 1e3:g} ms; {rtt}")
+        lines.append(f"wan: {self.connections} TCP connection(s) per transfer between every pair of ranks "
+                     f"(GLOO_SOCKET_IFNAME={self.gloo_ifname}); RTT "
+                     + ("added with netem" if self.rtt_mode == "netem" else "modelled, not added"))
+        return lines
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["netns"] = [self.netns(i) for i in range(len(self.nodes))]
+        d["addrs"] = [self.addr(i) for i in range(len(self.nodes))]
+        return d
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+
+    @classmethod
+    def load(cls, path: str) -> "WanSetup":
+        with open(path, encoding="utf-8") as fh:
+            d = json.load(fh)
+        return cls(d["run_id"], d["owner_pid"], d["subnet"], tuple(d["nodes"]), tuple(Link(**ln) for ln in d["links"]),
+                   d["connections"], d["rtt_mode"], d.get("netem_problem"))
+
+
+def connections_of(plan: Plan, nodes: Sequence[str]) -> tuple[int, list[str]]:
+    """(the connections every rank opens, notes): the most any link between used nodes asks."""
+    asked = {link_key(a, b): plan.connections.get(link_key(a, b), 1)
+             for i, a in enumerate(nodes) for b in nodes[i + 1:]}
+    n = max(asked.values(), default=1)
+    notes = []
+    if len(set(asked.values())) > 1:
+        notes.append(f"wan: links ask different connection counts ({', '.join(f'{k}: {v}' for k, v in asked.items())}"
+                     f"); gloo opens the same number on every rank: {n}")
+    return n, notes
+
+
+def layout(plan: Plan, nodes: Sequence[str], run_id: str, owner_pid: int, subnet: str,
+           netem_problem: str | None) -> WanSetup:
+    """The emulated datacenters of `plan` (no command run): one namespace per node, a link per pair."""
+    if len(nodes) < 2:
+        raise ValueError(f"--emulate-wan: the plan's used devices sit on one node ({', '.join(nodes) or 'none'}); "
+                         "emulated datacenters need devices on at least 2 nodes")
+    if len(nodes) > MAX_NODES:
+        raise ValueError(f"--emulate-wan: {len(nodes)} nodes, at most {MAX_NODES} emulated datacenters")
+    if "." in run_id:
+        raise ValueError(f"run id {run_id!r} must not contain '.' (namespace names split on it)")
+    wan = {link_key(w.a, w.b): w for w in plan.wan}
+    links = []
+    for i, a in enumerate(nodes):
+        for j in range(i + 1, len(nodes)):
+            w = wan.get(link_key(a, nodes[j]))
+            links.append(Link(i, j, a, nodes[j], None if w is None else w.gbps, 0.0 if w is None else w.rtt_ms))
+    connections, _ = connections_of(plan, nodes)
+    return WanSetup(run_id, owner_pid, subnet, tuple(nodes), tuple(links), connections,
+                    "netem" if netem_problem is None else "modelled", netem_problem)
+
+
+def _shape_commands(setup: WanSetup, ln: Link) -> list[list[str]]:
+    """tc commands for both ends of one shaped link."""
+    out = []
+    for me, peer in ((ln.i, ln.j), (ln.j, ln.i)):
+        ns, dev = setup.netns(me), f"wan{peer}"
+        out.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
+                    "rate", f"{ln.tbf_rate_bps}bit", "burst", str(ln.burst_bytes), "latency", f"{QUEUE_S * 1e3:g}ms"])
+        if setup.rtt_mode == "netem" and ln.rtt_ms > 0:
+            out.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
+                        "delay", f"{ln.rtt_ms / 2:g}ms", "limit", str(ln.netem_limit_packets())])
+    return out
+
+
+def build_commands(setup: WanSetup) -> list[list[str]]:
+    """Every command that builds `setup`, in order (namespaces, host addresses, links, routes, tc)."""
+    n = len(setup.nodes)
+    cmds: list[list[str]] = []
+    for i in range(n):
+        ns = setup.netns(i)
+        cmds += [["ip", "netns", "add", ns],
+                 ["ip", "-n", ns, "link", "set", "lo", "up"],
+                 ["ip", "-n", ns, "link", "add", HOST_IF, "type", "veth", "peer", "name", HOST_PEER_IF],
+                 ["ip", "-n", ns, "addr", "add", f"{setup.addr(i)}/32", "dev", HOST_IF],
+                 ["ip", "-n", ns, "link", "set", HOST_PEER_IF, "up"],
+                 ["ip", "-n", ns, "link", "set", HOST_IF, "up"]]
+    for ln in setup.links:
+        a, b = setup.netns(ln.i), setup.netns(ln.j)
+        cmds.append(["ip", "-n", a, "link", "add", f"wan{ln.j}", "mtu", str(MTU), "type", "veth",
+                     "peer", "name", f"wan{ln.i}", "netns", b, "mtu", str(MTU)])
+        for me, peer in ((ln.i, ln.j), (ln.j, ln.i)):
+            ns, dev = setup.netns(me), f"wan{peer}"
+            cmds += [["ip", "-n", ns, "link", "set", dev, "up"],
+                     ["ip", "-n", ns, "route", "add", f"{setup.addr(peer)}/32", "dev", dev, "src", setup.addr(me)]]
+        if ln.gbps is not None:
+            cmds += _shape_commands(setup, ln)
+    return cmds
+
+
+# ---- create and remove -------------------------------------------------------------------------
+
+
+def create(plan: Plan, nodes: Sequence[str], run_id: str, owner_pid: int | None = None) -> WanSetup:
+    """Build the emulated datacenters of `plan` (RuntimeError naming the command that failed; what
+    was built is removed again)."""
+    why = unavailable_reason()
+    if why is not None:
+        raise ValueError(f"--emulate-wan: {why}")
+    setup = layout(plan, nodes, run_id, owner_pid or os.getpid(), free_subnet(), probe_netem())
+    try:
+        for cmd in build_commands(setup):
+            _run(cmd)
+    except BaseException:
+        remove(setup)
+        raise
+    return setup
+
+
+def netns_inode(name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(NETNS_DIR, name)).st_ino
+    except OSError:
+        return None
+
+
+def pids_in(inodes: set[int]) -> list[int]:
+    """Every process whose network namespace is one of `inodes`."""
+    wanted = {f"net:[{ino}]" for ino in inodes}
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/net") in wanted:
+                out.append(int(pid))
+    return out
+
+
+def find(prefix: str = PREFIX) -> list[str]:
+    """Namespace names under NETNS_DIR that start with `prefix`."""
+    with contextlib.suppress(OSError):
+        return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(prefix))
+    return []
+
+
+def remove_names(names: Sequence[str]) -> None:
+    """Kill every process in these namespaces, then delete them (OSError if a process survives)."""
+    inodes = {ino for ino in map(netns_inode, names) if ino is not None}
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    while inodes:
+        pids = pids_in(inodes)
+        if not pids:
+            break
+        if time.monotonic() > deadline:
+            raise OSError(f"processes {pids} in namespaces {', '.join(names)} survive SIGKILL")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    for name in names:
+        if netns_inode(name) is not None:
+            r = _run(["ip", "netns", "del", name], check=False)
+            if r.returncode != 0 and netns_inode(name) is not None:
+                raise OSError(f"cannot delete namespace {name}: {r.stderr.strip()}")
+
+
+def remove(setup: WanSetup) -> None:
+    remove_names([setup.netns(i) for i in range(len(setup.nodes))])
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{PREFIX}{run_id}."
+
+
+def remove_run(run_id: str) -> None:
+    """Remove every namespace of the run (any launcher of it), with its processes."""
+    remove_names(find(run_prefix(run_id)))
+
+
+def _owner(name: str) -> tuple[str, int] | None:
+    parts = name[len(PREFIX):].split(".")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed launcher its parent has not reaped yet)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except ImportError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 0)
+            return True
+        return False
+    except Exception:  # psutil.NoSuchProcess
+        return False
+
+
+def remove_stale(run_id: str) -> list[str]:
+    """Remove this run's namespaces and those whose launcher is gone (a killed launcher left them);
+    returns the names removed."""
+    stale = []
+    for name in find():
+        owner = _owner(name)
+        if owner is not None and (owner[0] == run_id or not _alive(owner[1])):
+            stale.append(name)
+    remove_names(stale)
+    return stale
+
+
+def leftovers(setup: WanSetup) -> list[str]:
+    """What still holds a namespace of `setup` by name: its file under NETNS_DIR or a mount of it
+    (empty after a complete tear-down; with no process left in them either, the kernel has freed
+    the namespaces and, with them, their veths and qdiscs). Processes are the caller's to check:
+    a namespace's inode number is reused once it is freed, so "a process in inode N" after the
+    removal may be another namespace's."""
+    names = [setup.netns(i) for i in range(len(setup.nodes))]
+    left = [f"netns {n}" for n in names if netns_inode(n) is not None]
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
+        mounts = fh.read()
+        left += [f"mount of {n}" for n in names if f"{NETNS_DIR}/{n} " in mounts]
+    return left
+
+
+# ---- the guard: tear-down when the launcher is killed -------------------------------------------
+
+
+def guard_command(setup: WanSetup, run_dir: str | None = None) -> list[str]:
+    return [sys.executable, "-m", "executor.wan", "guard", "--owner-pid", str(setup.owner_pid), "--run-id",
+            setup.run_id, *(["--run-dir", run_dir] if run_dir else [])]
+
+
+def _guard_main(argv: list[str]) -> int:
+    """Wait for the launcher to go; if it went without removing its namespaces, remove them.
+    SIGTERM (the launcher's own tear-down is done) ends the guard without touching anything."""
+    p = argparse.ArgumentParser(prog="python -m executor.wan guard")
+    p.add_argument("--owner-pid", type=int, required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--run-dir", default=None)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the launcher's terminal is the launcher's
+    mine = f"{run_prefix(args.run_id)}{args.owner_pid}."
+    while _alive(args.owner_pid):
+        time.sleep(GUARD_POLL_S)
+    names = find(mine)
+    if not names:
+        return 0
+    remove_names(names)
+    if args.run_dir:
+        with contextlib.suppress(Exception):
+            from executor.store import MetricsStore
+
+            store = MetricsStore(args.run_dir)
+            store.add_event("emulation", f"wan: launcher pid {args.owner_pid} gone: the guard removed "
+                                         f"{', '.join(names)} and every process in them")
+            store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if sys.argv[1:2] != ["guard"]:
+        print("usage: python -m executor.wan guard --owner-pid PID --run-id ID [--run-dir R]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(_guard_main(sys.argv[2:]))
