@@ -1,6 +1,7 @@
 """The planner's layout is its architecture: subpackages by subsystem, imports in one direction.
 
-core <- costmodel <- hetero <- schedule, and costmodel <- geo. `planner.cli` (argument parsing and
+core <- costmodel <- hetero <- schedule, and costmodel <- geo <- hetero (`planner plan` prices
+pipeline stages with the geo search beside the ILP: planner/geo/cluster_plan.py). `planner.cli` (argument parsing and
 printing shared by every CLI) is imported only by the `*command` modules. Every import counts,
 also those inside functions, and no module cycle exists anywhere in `planner` (read from the
 source with `ast`, so a lazy import cannot hide one).
@@ -16,8 +17,8 @@ PLANNER = pathlib.Path(__file__).resolve().parents[1] / "planner"
 ALLOWED = {
     "core": set(),
     "costmodel": {"core"},
-    "hetero": {"core", "costmodel"},
-    "schedule": {"core", "costmodel", "hetero"},
+    "hetero": {"core", "costmodel", "geo"},
+    "schedule": {"core", "costmodel", "hetero", "geo"},
     "geo": {"core", "costmodel"},
 }
 TOP_LEVEL = {"__init__", "__main__", "cli"}
