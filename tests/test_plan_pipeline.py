@@ -60,6 +60,24 @@ def test_stages_must_cover_the_layers_in_order():
         Plan.from_dict(p)
 
 
+def test_a_stage_without_layers_is_refused():
+    p = _plan().to_dict()
+    p["pipeline"]["stages"][0]["num_layers"] = 0
+    p["pipeline"]["stages"][1]["first_layer"] = 0
+    with pytest.raises(ValueError, match="stage 0 has no layers"):
+        Plan.from_dict(p)
+
+
+def test_a_links_per_connection_rate_round_trips_and_must_be_positive():
+    p = _plan().to_dict()
+    p["wan"][0]["per_connection_gbps"] = 0.01
+    assert Plan.from_dict(p).wan[0].per_connection_gbps == 0.01
+    assert Plan.from_dict(p).to_dict()["wan"][0]["per_connection_gbps"] == 0.01
+    p["wan"][0]["per_connection_gbps"] = -1
+    with pytest.raises(ValueError, match="per_connection_gbps > 0"):
+        Plan.from_dict(p)
+
+
 def test_a_device_in_two_stages_or_none_is_refused():
     p = _plan().to_dict()
     p["pipeline"]["stages"][1]["devices"] = [1]

@@ -100,9 +100,14 @@ class WanLink:
     b: str
     gbps: float
     rtt_ms: float = 0.0
+    # one TCP connection's measured rate where the scenario gives it (else the window / RTT rule)
+    per_connection_gbps: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if self.per_connection_gbps is None:
+            del d["per_connection_gbps"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,9 @@ class PipelineSpec:
             raise ValueError("plan: a pipeline needs at least one stage")
         nxt = 0
         for s, st in enumerate(self.stages):
-            if st.first_layer != nxt or st.num_layers < 0:
+            if st.num_layers < 1:
+                raise ValueError(f"plan: pipeline stage {s} has no layers (every stage needs at least one)")
+            if st.first_layer != nxt:
                 raise ValueError(f"plan: pipeline stage {s} starts at layer {st.first_layer} with {st.num_layers} "
                                  f"layers; stages must cover the layers in order from 0 (stage {s} must start at {nxt})")
             nxt += st.num_layers
@@ -199,8 +206,9 @@ class Plan:
             if w.a not in nodes or w.b not in nodes or w.a == w.b:
                 raise ValueError(f"plan: wan link {w.a!r}–{w.b!r} must join two different nodes of the cluster "
                                  f"({', '.join(sorted(nodes))})")
-            if not (w.gbps > 0 and w.rtt_ms >= 0):
-                raise ValueError(f"plan: wan link {w.a}–{w.b} needs gbps > 0 and rtt_ms >= 0")
+            if not (w.gbps > 0 and w.rtt_ms >= 0 and (w.per_connection_gbps is None or w.per_connection_gbps > 0)):
+                raise ValueError(f"plan: wan link {w.a}–{w.b} needs gbps > 0, rtt_ms >= 0 and, when given, "
+                                 "per_connection_gbps > 0")
         for k, c in self.connections.items():
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 raise ValueError(f"plan: connections[{k!r}] must be a positive integer, got {c!r}")
@@ -300,7 +308,8 @@ class Plan:
                 zero=int(d.get("zero", 1)),
                 zero_candidates={int(z): ZeroCandidate(**c) for z, c in d.get("zero_candidates", {}).items()},
                 pipeline=PipelineSpec.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
-                wan=tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)))
+                wan=tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)),
+                                  None if w.get("per_connection_gbps") is None else float(w["per_connection_gbps"]))
                           for w in d.get("wan", ())),
                 connections={str(k): v for k, v in d.get("connections", {}).items()},
             )
