@@ -22,8 +22,8 @@ geo search's idealisations:
   bandwidth (the measured gloo fit for CPU ranks, else `intra_node_gbps`). Different nodes: the
   plan's WAN link (`plan.wan`), one direction shared FAIRLY by the transfers in flight (several TCP
   streams through one `tc tbf` shaper share it; the runtime does not take turns as Atlas's temporal
-  sharing would), each transfer at most `min(gbps, k · window / RTT)` with `k = plan.connections`
-  (planner/geo/scenario WanLink), plus the one-way latency RTT / 2; without a `wan` entry the
+  sharing would), each transfer at most `min(gbps, k · per-connection rate)` (the link's
+  `per_connection_gbps`, else window / RTT) with `k = plan.connections` (planner/geo/scenario WanLink), plus the one-way latency RTT / 2; without a `wan` entry the
   cluster's `inter_node_gbps`. `rtt=False` drops the RTT (latency and window cap) for an emulation
   that cannot add delay (no netem: executor/wan.py says "rtt_mode": "modelled" in wan.json).
 - the step end, as models/pipeline.py runs it: a rank waits for its own sends, then
@@ -103,7 +103,7 @@ def wan_rate(w: PlanWanLink, connections: int, rtt: bool) -> tuple[float, float]
     """(Gbit/s one transfer reaches on its `connections`, one-way latency s) of a plan's WAN link."""
     if not rtt or w.rtt_ms <= 0:
         return w.gbps, 0.0
-    link = ScenarioWanLink(w.a, w.b, w.gbps, w.rtt_ms)
+    link = ScenarioWanLink(w.a, w.b, w.gbps, w.rtt_ms, per_connection_gbps=w.per_connection_gbps)
     return link.throughput_gbps(connections), link.one_way_latency_s
 
 

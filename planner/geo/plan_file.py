@@ -67,7 +67,8 @@ def _take_devices(cluster: ClusterSpec, geo: GeoPlan) -> list[tuple[int, ...]]:
 
 
 def scenario_wan(scenario: GeoScenario, chain: tuple[str, ...]) -> tuple[WanLink, ...]:
-    return tuple(WanLink(l.a, l.b, l.gbps, l.rtt_ms) for l in scenario.wan if l.a in chain and l.b in chain)
+    return tuple(WanLink(l.a, l.b, l.gbps, l.rtt_ms, l.per_connection_gbps)
+                 for l in scenario.wan if l.a in chain and l.b in chain)
 
 
 def plan_connections(geo: GeoPlan) -> dict[str, int]:
@@ -143,10 +144,10 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
         f"{scenario.dtype} transfers; predicted_iteration_s simulates this file as the runtime runs it "
         "(fp32 rows on the wire, links shared fairly)"]
     lost = [f"{l.a}-{l.b}" for l in scenario.wan if l.a in geo.chain and l.b in geo.chain
-            and (l.per_connection_gbps is not None or l.tcp_window_bytes != DEFAULT_TCP_WINDOW_BYTES)]
+            and l.per_connection_gbps is None and l.tcp_window_bytes != DEFAULT_TCP_WINDOW_BYTES]
     if lost:
-        extra.append(f"wan links {', '.join(lost)}: the plan file carries gbps and rtt_ms only; its prediction "
-                     "prices one TCP connection by the default window over the RTT, not the scenario's figure")
+        extra.append(f"wan links {', '.join(lost)}: the plan file carries gbps, rtt_ms and a per-connection rate, "
+                     "not a TCP window; its prediction prices one connection by the default window over the RTT")
     common = dict(model=scenario.model, global_batch=scenario.global_batch, seq=scenario.seq, dtype=scenario.dtype,
                   recompute=geo.recompute, baselines=dict(baselines or {}), solve_s=solve_s, zero=1,
                   wan=wan, connections=conns)
