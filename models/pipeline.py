@@ -43,8 +43,9 @@ Work.is_completed() cannot be polled (it stays False until wait()): a helper thr
 
 Timeline: with `timeline=True` a step records (time.time()) the start and end of every forward,
 backward, send_fwd, recv_fwd, send_bwd, recv_bwd, grad_sync (reduce-scatters, the tied all-reduce and
-the stats all-reduce), optimizer (AdamW and the parameter all-gather) and prefill (idle calls that
-did work). A send's end is when its wait returned in a helper thread (only started with the timeline).
+the stats all-reduce), optimizer (AdamW and the parameter all-gather) and prefill (one row per idle
+call that did work; each starts before its receive completed, the last one may end after it: that
+overrun is the delay prefill imposes on training, one bounded piece at most). A send's end is when its wait returned in a helper thread (only started with the timeline).
 """
 from __future__ import annotations
 
@@ -286,15 +287,12 @@ class PipelineRuntime(ShardedRuntime):
         buf = torch.empty(self.rows, self.seq, self.spec.hidden, dtype=dtype, device=self.device)
         works = [dist.irecv(buf[a:b], src=self._peer(stage, j), tag=tag) for j, a, b in pieces]
         t = _Transfer(works, watch=self._idle is not None)
-        busy = None
-        while self._idle is not None and not t.completed():
+        while self._idle is not None and not t.completed():  # never starts a piece after completion
             t1 = time.time()
             if not self._idle():
                 break
-            busy = (busy[0] if busy else t1, time.time())
+            self._note("prefill", mb, t1, time.time())  # one row per piece: each starts inside the wait
         t.wait()
-        if busy:
-            self._note("prefill", mb, *busy)
         self._note(op, mb, t.start_s, t.done_at)
         return buf
 

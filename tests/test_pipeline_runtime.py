@@ -44,6 +44,7 @@ def plan_of(stages: list[tuple[int, list[int], list[float]]], schedule: str = "1
                 pipeline=pipe)
 
 
+PREFILL = {"model": "tiny", "prompt_tokens": 32, "backlog": True, "stages": [1], "max_chunk_s": 0.002}
 ONE = [(4, [MB], [1.0])]
 DP2_THEN_1 = [(3, [2, 1], [0.6, 0.4]), (1, [MB], [1.0])]
 DP1_THEN_2 = [(3, [MB], [1.0]), (1, [1, 2], [0.3, 0.7])]
@@ -63,7 +64,9 @@ def runs(tmp_path_factory):
         out = {}
         for key, plan in cases.items():
             d = str(root / key)
-            out[key] = (d, launch_run(plan, STEPS, d, seed=SEED, optim=OPTIM))
+            # 1f1b_up also runs BubbleTea's prefill in the waits of stage 1 (its 2 ranks wait for stage 0)
+            out[key] = (d, launch_run(plan, STEPS, d, seed=SEED, optim=OPTIM,
+                                      prefill=PREFILL if key == "1f1b_up" else None))
         yield out
 
 
@@ -96,6 +99,30 @@ def test_timeline_has_every_op_of_every_micro_batch(runs):
         # the forward of micro-batch k ends before its backward starts
         f = {o["mb"]: o for o in ops if o["op"] == "forward"}
         assert all(o["start_s"] >= f[o["mb"]]["end_s"] for o in ops if o["op"] == "backward")
+
+
+def test_prefill_runs_only_inside_receive_waits(runs):
+    """1f1b_up ran prefill on stage 1 and still trained like 1 rank (test above: the prefill model
+    draws its weights under its own RNG)."""
+    d, st = runs["1f1b_up"]
+    assert st == "done", read_metrics(d)["reason"]
+    tl = json.load(open(os.path.join(d, "timeline.json")))
+    stage1 = next(r for r in tl["ranks"] if r["stage"] == 1)
+    fills = [o for o in stage1["ops"] if o["op"] == "prefill"]
+    assert fills, "stage 1 waits for stage 0's forwards: prefill must have run in those waits"
+    recvs = [o for o in stage1["ops"] if o["op"].startswith("recv")]
+    for f in fills:  # each piece starts inside a receive of the same micro-batch, never after it completed
+        assert any(r["mb"] == f["mb"] and r["start_s"] <= f["start_s"] <= r["end_s"] for r in recvs), f
+    # the training op after a receive waits for one piece at most: the last piece's overrun
+    overrun = [max(f["end_s"] for f in fills if f["mb"] == r["mb"] and r["start_s"] <= f["start_s"] <= r["end_s"])
+               - r["end_s"] for r in recvs if any(f["mb"] == r["mb"] and r["start_s"] <= f["start_s"] <= r["end_s"]
+                                                  for f in fills)]
+    pieces = sorted(f["end_s"] - f["start_s"] for f in fills)
+    print(f"prefill: {len(fills)} pieces, median {pieces[len(pieces) // 2] * 1e3:.2f} ms, overrun past the receive "
+          f"max {max(overrun) * 1e3:.2f} ms")
+    assert max(overrun) <= max(pieces) + 1e-3
+    assert not any(o["op"] == "prefill" for r in tl["ranks"] if r["stage"] == 0 for o in r["ops"])
+    assert os.path.exists(os.path.join(d, f"prefill_rank{stage1['rank']}.json"))
 
 
 def test_schedules_by_hand():

@@ -38,9 +38,10 @@ micro_batch and (up to rounding and the chunk cap) in shard_fraction; a coeffici
 interpolate each moment and take the max, not interpolate the max.
 
 Tensor parallelism (Megatron: blocks and activations ÷tp, except the layer-norm inputs and the
-residual stream) and pipeline parallelism (each stage holds ceil(L/pp) layers and, in 1F1B, up
-to pp micro-batches of the first stage's activations) are analytic only (`_estimate_analytic`):
-the runtime does not run them, so no trace checks them.
+residual stream) and the `--pp P` shortcut (each stage holds ceil(L/pp) layers and, in 1F1B, up
+to pp micro-batches of the first stage's activations) are analytic only (`_estimate_analytic`).
+The pipeline runtime's own stages (models/pipeline.py: uneven layers, rows, schedules) have their
+exact model in planner/core/stage_memory.py, built from the public pieces at the end of this module.
 """
 from __future__ import annotations
 
