@@ -338,9 +338,28 @@ def check_emulate_wan(plan: Plan) -> None:
     if gpus:
         raise ValueError(f"--emulate-wan runs CPU ranks only (the plan uses {', '.join(gpus)}): NCCL between GPUs of "
                          "one machine takes shared memory or NVLink, past the emulated links")
-    why = wan.unavailable_reason()
+    why = wan.unavailable_reason() or _store_unreachable_from_namespaces()
     if why is not None:
         raise ValueError(f"--emulate-wan: {why}")
+
+
+def _store_unreachable_from_namespaces() -> str | None:
+    """Why the ranks inside emulated datacenters could not write the run store, or None. Their
+    namespaces reach no network outside them; a file (SQLite) or a Unix socket is not networked."""
+    import urllib.parse
+
+    from executor import db
+
+    url = db.configured()
+    if url is None or url.dialect != "postgresql":
+        return None
+    u = urllib.parse.urlsplit(url.target)
+    host = (urllib.parse.parse_qs(u.query).get("host") or [u.hostname or ""])[0]
+    if not host or host.startswith("/"):
+        return None
+    return (f"the ranks inside the emulated datacenters reach no network outside them, so not the PostgreSQL "
+            f"store at {host} ({db.ENV_DB}); use the embedded store (unset {db.ENV_DB}) or a Unix-socket URL "
+            "(postgresql://user@/db?host=/var/run/postgresql)")
 
 
 def check_prefill(prefill: dict | None) -> None:

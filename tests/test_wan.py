@@ -1,8 +1,10 @@
-"""Emulated datacenters (executor/wan.py, `executor launch --emulate-wan`): a 2-datacenter run of
-the tiny model finishes `done` and leaves no namespace, link, qdisc or process behind, also when a
-rank or the launcher is SIGKILLed mid-run; a plain-socket transfer through a link shaped at 20 Mbit/s
+"""Emulated datacenters (executor/wan.py, `executor launch --emulate-wan`): a 2-datacenter
+data-parallel run of the tiny model and a 2-stage pipeline (stage 0 in dc-a, stage 1 in dc-b, with
+prefill) finish `done` and leave no namespace, link, qdisc or process behind, also when a rank or
+the launcher is SIGKILLed mid-run; a plain-socket transfer through a link shaped at 20 Mbit/s
 measures within 10 % of it; `connections` > 1 really opens more TCP connections between the
 datacenters; bad requests get one-line errors."""
+import json
 import os
 import signal
 import subprocess
@@ -12,10 +14,10 @@ import time
 import pytest
 
 from executor import wan
-from executor.launch import launch_run, start_run
+from executor.launch import launch_run, start_run, stop_run
 from executor.store import _pid_alive, read_metrics
 from planner.core.cluster import ClusterSpec
-from planner.core.plan import Assignment, Plan, WanLink, link_key
+from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
 from tests.conftest import processes_with_data_dir
 
 needs_wan = pytest.mark.skipif(wan.unavailable_reason() is not None,
@@ -177,6 +179,32 @@ def test_an_emulated_two_datacenter_run_finishes_and_leaves_nothing(data_dir, tm
 
 
 @needs_wan
+def test_a_two_stage_pipeline_across_two_emulated_datacenters_with_prefill(data_dir, tmp_path):
+    """Stage 0 (layer 0) in dc-a, stage 1 (layer 1) in dc-b, 1F1B over 4 micro-batches: every
+    activation and its gradient crosses the 50 Mbit/s link; stage 1 runs prefill in its bubbles
+    (the --prefill object reaches the ranks through start_run's prefill.json)."""
+    cluster = ClusterSpec.from_dict({"name": "geo", "nodes": [{"name": n, "datacenter": n, "gpus": {"cpu": 1}}
+                                                               for n in ("dc-a", "dc-b")]})
+    stages = (PipelineStage(0, 1, (0,), (2,), "dc-a"), PipelineStage(1, 1, (1,), (2,), "dc-b"))
+    asg = (Assignment(0, "dc-a", "cpu", 2, 4, 8, 1.0, 0, 0.0), Assignment(1, "dc-b", "cpu", 2, 4, 8, 1.0, 0, 0.0))
+    plan = Plan(cluster, "tiny", 8, SEQ, "fp32", "none", asg, 0.0, 0.0, pipeline=PipelineSpec("1f1b", 2, 4, stages),
+                wan=(WanLink("dc-a", "dc-b", 0.05, 40.0),), connections={"dc-a|dc-b": 2})
+    run = str(tmp_path / "pipe")
+    prefill = {"model": "tiny", "prompt_tokens": 32, "backlog": True, "stages": [1], "max_chunk_s": 0.002}
+    h = start_run(plan, 3, run, seed=1, emulate_wan=True, prefill=prefill)
+    seen = _watch_run(run)
+    assert h.wait(RUN_TIMEOUT_S) == "done", read_metrics(run)["reason"]
+    timeline = json.load(open(os.path.join(run, "timeline.json")))
+    assert {(r["stage"], r["datacenter"]) for r in timeline["ranks"]} == {(0, "dc-a"), (1, "dc-b")}
+    ops = {op["op"] for r in timeline["ranks"] for op in r["ops"]}
+    assert {"send_fwd", "recv_fwd", "send_bwd", "recv_bwd"} <= ops, ops
+    assert os.path.exists(os.path.join(run, "prefill_rank1.json")) and not os.path.exists(
+        os.path.join(run, "prefill_rank0.json"))
+    assert "link dc-a–dc-b: tc tbf each direction, 50 Mbit/s" in "\n".join(_events(run))
+    _assert_torn_down(seen, data_dir, h.pid)
+
+
+@needs_wan
 def test_a_rank_killed_mid_run_fails_the_run_and_everything_is_torn_down(data_dir, tmp_path):
     run = str(tmp_path / "killed")
     h = start_run(geo_plan(0.1, connections=1), 10_000, run, seed=1, emulate_wan=True)
@@ -201,6 +229,8 @@ def test_a_killed_launcher_leaves_nothing_its_guard_removes_it(data_dir, tmp_pat
           "the guard's tear-down")
     assert any("the guard removed" in e for e in _events(run))
     _assert_torn_down(seen, data_dir, h.pid)
+    # the store reads a run whose launcher is gone as failed; with nothing of it left, stop_run keeps that
+    assert read_metrics(run)["status"] == "failed" and stop_run(run, timeout_s=5) == "failed"
 
 
 @needs_wan
@@ -242,6 +272,17 @@ def test_without_root_or_tools_the_error_names_what_is_missing(tmp_path, monkeyp
     monkeypatch.setattr(wan.shutil, "which", lambda b: None if b == "tc" else "/usr/sbin/" + b)
     with pytest.raises(ValueError, match="--emulate-wan: missing tc"):
         launch_run(geo_plan(0.1), 1, str(tmp_path / "r"), emulate_wan=True)
+
+
+def test_a_networked_store_is_refused_a_unix_socket_is_not(tmp_path, monkeypatch):
+    from executor.launch import check_emulate_wan
+
+    monkeypatch.setattr(wan, "unavailable_reason", lambda: None)
+    monkeypatch.setenv("GPUMIX_DB", "postgresql://gpumix@127.0.0.1:5432/runs")
+    with pytest.raises(ValueError, match="reach no network outside them, so not the PostgreSQL store at 127.0.0.1"):
+        check_emulate_wan(geo_plan(0.1))
+    monkeypatch.setenv("GPUMIX_DB", "postgresql://gpumix@/runs?host=/var/run/postgresql")
+    check_emulate_wan(geo_plan(0.1))
 
 
 def test_a_prefill_file_that_is_not_an_object_is_refused(tmp_path):
