@@ -26,11 +26,12 @@ geo plan's speedup over DP, both measured (target: > 1), the step time with pref
 (target: <= 1.05), the prefill tokens/s over the run and TTFT (mean, p99) from each rank's
 prefill_rank<r>.json, beside BubbleTea's simulated figure for the same scenario.
 
-The whole run is sized for a 2-core machine: at most 3 ranks at once, the `small` model (4 layers),
-a global batch of 8, short runs; about 2-4 minutes. The machine is shared: every figure is a median
+The whole run is sized for a 2-core machine: at most 3 ranks at once, a GPT-2 style model of 8
+layers of width 256 (MODEL_CONFIG: why not a preset), a global batch of 8 sequences of 64 tokens,
+short runs; about 3-5 minutes. The machine is shared: every figure is a median
 or a ratio of runs made side by side.
 
-Run: sudo python bench/geo_real.py [--dcs 2|3] [--gbps 0.05] [--steps 12] [--json] [--keep DIR]
+Run: sudo python bench/geo_real.py [--dcs 2|3] [--gbps 0.1] [--steps 12] [--repeats 2] [--json] [--keep DIR]
 """
 from __future__ import annotations
 
@@ -49,8 +50,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODEL = "small"
-SEQ = 128
+# The training model: GPT-2 style, 8 layers of width 256 (6.4 M parameters), written as a config.json
+# into the work folder. Why not a preset: a pipeline beats one datacenter only when a stage's compute
+# per micro-batch exceeds its activation's time on the link, and that ratio grows with width x depth
+# (compute per token ~ 12·h²·L, bytes per token 4·h): `small` (4 x 128) computes a token about as
+# fast as 50 Mbit/s carries its 512 bytes, and the planner rightly kept it in one datacenter.
+MODEL_CONFIG = {"model_type": "gpt2", "n_embd": 256, "n_layer": 8, "n_head": 4, "vocab_size": 256,
+                "n_positions": 64, "tie_word_embeddings": True}
+MODEL_NAME = "geo-real-8x256"
+SEQ = 64
+DP_STEPS = 6  # the DP run's steps: its gradient collectives cross the WAN every step (seconds each)
 GLOBAL_BATCH = 8
 MICRO_BATCH = 1
 RTT_MS = 2.0
@@ -67,12 +76,22 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def scenario(dcs: int, gbps: float) -> dict:
+def write_model(work: str) -> str:
+    """The training model's config.json (MODEL_CONFIG) in `work`; its path is the plan's model."""
+    folder = os.path.join(work, MODEL_NAME)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(MODEL_CONFIG, fh)
+    return path
+
+
+def scenario(dcs: int, gbps: float, model: str) -> dict:
     names = [f"dc-{c}" for c in "abc"[:dcs]]
     return {"name": f"emulated-{dcs}dc-{gbps * 1e3:g}mbit",
             "datacenters": [{"name": n, "gpus": {"cpu": 1}} for n in names],
             "wan": [{"a": a, "b": b, "gbps": gbps, "rtt_ms": RTT_MS} for i, a in enumerate(names) for b in names[i + 1:]],
-            "model": MODEL, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seq": SEQ, "dtype": "fp32",
+            "model": model, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seq": SEQ, "dtype": "fp32",
             "inference": INFERENCE}
 
 
@@ -96,9 +115,9 @@ def run_cmd(args: list[str], env: dict, what: str, timeout_s: float = RUN_TIMEOU
     return out
 
 
-def profile(workers: int, env: dict) -> None:
+def profile(model: str, workers: int, env: dict) -> None:
     """`profiler profile` of the training model with `workers` concurrent processes, into env's data dir."""
-    run_cmd([sys.executable, "-m", "profiler", "profile", "--model", MODEL, "--seq", str(SEQ), "--micro-batches",
+    run_cmd([sys.executable, "-m", "profiler", "profile", "--model", model, "--seq", str(SEQ), "--micro-batches",
              PROFILE_SIZES, "--workers", str(workers), "--json"], env, "profile", timeout_s=300)
 
 
@@ -215,9 +234,10 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int) -> dict:
 
     load_before = os.getloadavg()[0]
     workers = 1 if dcs <= (os.cpu_count() or 1) else dcs
-    log(f"profiling {MODEL} (seq {SEQ}) with {workers} worker(s) ...")
-    profile(workers, env)
-    scn = scenario(dcs, gbps)
+    model = write_model(work)
+    log(f"profiling {MODEL_NAME} (seq {SEQ}) with {workers} worker(s) ...")
+    profile(model, workers, env)
+    scn = scenario(dcs, gbps, model)
     scn_path, geo_path = os.path.join(work, "scenario.json"), os.path.join(work, "geo_plan.json")
     with open(scn_path, "w", encoding="utf-8") as fh:
         json.dump(scn, fh, indent=1)
@@ -246,13 +266,13 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int) -> dict:
         log(f"geo plan, run {k + 1}/{repeats}: with prefill ...")
         with_prefill.append(measured_run(geo_path, os.path.join(runs, f"geo-prefill-{k}"), steps, env, prefill_path))
     log("data-parallel plan across the same links ...")
-    dp_run = measured_run(dp_path, os.path.join(runs, "dp"), steps, env)
+    dp_run = measured_run(dp_path, os.path.join(runs, "dp"), DP_STEPS, env)
 
     # the same profile once more after the runs, into a store of its own: how far the machine's speed
     # drifted while they ran (the prediction above used the profile taken before them)
     after = os.path.join(work, "data-after")
     log("profiling again after the runs ...")
-    profile(workers, {**env, "GPUMIX_DATA_DIR": after})
+    profile(model, workers, {**env, "GPUMIX_DATA_DIR": after})
     geo_pred_after = simulate_plan(geo, os.path.join(after, "profiles"), rtt=rtt).iteration_s
     load_after = os.getloadavg()[0]
 
@@ -338,9 +358,9 @@ def print_report(r: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dcs", type=int, choices=(2, 3), default=2, help="datacenters, one CPU rank each")
-    ap.add_argument("--gbps", type=float, default=0.05, help="WAN link rate in Gbit/s (0.02-0.2)")
-    ap.add_argument("--steps", type=int, default=12, help=f"steps per run ({WARMUP_STEPS} of warm-up)")
-    ap.add_argument("--repeats", type=int, default=1, help="geo runs without/with prefill, alternated")
+    ap.add_argument("--gbps", type=float, default=0.1, help="WAN link rate in Gbit/s (0.02-0.2)")
+    ap.add_argument("--steps", type=int, default=10, help=f"steps per geo run ({WARMUP_STEPS} of warm-up)")
+    ap.add_argument("--repeats", type=int, default=2, help="geo runs without/with prefill, alternated")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep the plans and run folders in DIR (default: a temp folder)")
     args = ap.parse_args()
