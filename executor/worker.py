@@ -22,9 +22,10 @@ the stages (every rank calls it). Rank 0 writes <run_dir>/timeline.json for `--t
 (default: the last step, because the first one pays gloo's lazy connection set-up and, measured for
 memory, the tracker's slower ops: the last is a steady step). `--prefill JSON` runs
 executor.prefill.PrefillWorker.step() while the rank waits for a receive, on the stages the config
-names, and writes its summary at the end. Pipeline plans run ZeRO-1 inside each stage and refuse
---resume, --init-from and --checkpoint-every (not built yet); a prefill worker's tensors live on the
-rank's device, so a measured step's peak includes them.
+names, and writes its summary at the end. Pipeline plans run ZeRO-1 inside each stage; their
+checkpoints are the same logical checkpoints as a data-parallel run's (PipelineRuntime.checkpoint_view),
+so either resumes the other; --init-from reads each stage's slices. A prefill worker's tensors live on
+the rank's device, so a measured step's peak includes them.
 
 Emulation: a device with `cpu_share` / `memory_gb` runs inside cgroups the launcher made for this
 rank (executor/cgroups.py: a real CPU quota and memory limit; `start_rank` sets the limit from the
@@ -191,6 +192,10 @@ class Trainer:
             self._build_pipeline(args, spec, kernel.expand_kv, loss_scaling)
         else:
             self._build_sharded(args, spec, kernel.expand_kv, loss_scaling, comm)
+        if args.init_from and not args.resume:  # each rank reads only its slices (a pipeline's replica too)
+            from executor.hf_io import HFWeights
+
+            self.runtime.load_parameters(HFWeights(args.init_from, spec).read)
         shard = self.runtime.shard_numel()
 
         corpus = Corpus.load(args.tokens or build_corpus(args.corpus, args.tokenizer, vocab_size=spec.vocab_size))
@@ -223,17 +228,10 @@ class Trainer:
                                       recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
                                       seed=args.seed, loss_scaling=loss_scaling, expand_kv=expand_kv,
                                       materialize=not (args.resume or args.init_from))  # both overwrite every slice
-        if args.init_from and not args.resume:
-            from executor.hf_io import HFWeights
-
-            self.runtime.load_parameters(HFWeights(args.init_from, spec).read)
 
     def _build_pipeline(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
         """This rank's (stage, data-parallel index) of the plan's pipeline (models/pipeline.py)."""
         plan, pipe = self.plan, self.pipe
-        if args.resume or args.init_from or args.checkpoint_every:
-            raise ValueError("pipeline plans do not checkpoint, resume or --init-from yet: run them from "
-                             "their initial weights without --resume/--init-from/--checkpoint-every")
         if plan.zero != 1:
             raise ValueError(f"pipeline plans run ZeRO-1 inside each stage; this plan says zero {plan.zero}")
         position_of = {a.device_index: p for p, a in enumerate(plan.used)}
@@ -244,7 +242,11 @@ class Trainer:
             spec, pipe, stage=s, dp_index=i, stage_ranks=stage_ranks,
             fractions=[by_index[d].shard_fraction for d in pipe.stages[s].devices], device=self.device,
             seq=plan.seq, recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim, seed=args.seed,
-            loss_scaling=loss_scaling, expand_kv=expand_kv)
+            loss_scaling=loss_scaling, expand_kv=expand_kv, materialize=not (args.resume or args.init_from))
+
+    def _checkpointable(self, save: bool):
+        """What executor/checkpoint.py saves and loads: the runtime, or a pipeline rank's view of all units."""
+        return self.runtime if self.pipe is None else self.runtime.checkpoint_view(save)
 
     def _build_prefill(self, args):
         """The BubbleTea prefill worker of `--prefill JSON` on the stages it names (default: all)."""
@@ -367,7 +369,7 @@ class Trainer:
         args = self.args
         first = 1
         if args.resume:
-            done = ckpt.load(args.run_dir, self.runtime, self.position)
+            done = ckpt.load(args.run_dir, self._checkpointable(save=False), self.position)
             first = done + 1
             log.info("resumed from the checkpoint of step %d", done)
         lead = self.position == 0
@@ -386,7 +388,7 @@ class Trainer:
             if self.rank == 0:
                 self.record(step, figures)
             if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
-                ckpt.save(args.run_dir, self.runtime, self.position, step, self.plan)
+                ckpt.save(args.run_dir, self._checkpointable(save=True), self.position, step, self.plan)
                 if lead:
                     self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
         if self.prefill is not None:

@@ -182,6 +182,32 @@ class _StepComm:
 
 
 @dataclass(frozen=True)
+class _Absent:
+    """A unit this rank does not hold: the empty slice [numel, numel) (nothing saved, nothing loaded;
+    at the end, so the checkpoint's sort by start still tiles the owners' slices)."""
+    name: str
+    numel: int
+    master: torch.Tensor = torch.empty(0)
+    exp_avg: torch.Tensor = torch.empty(0)
+    exp_avg_sq: torch.Tensor = torch.empty(0)
+
+    @property
+    def start(self) -> int:
+        return self.numel
+
+    end = start
+
+
+class _CheckpointView:
+    """PipelineRuntime.checkpoint_view: the runtime's scalar state and after_load, all units listed."""
+
+    def __init__(self, rt: "PipelineRuntime", save: bool):
+        mine = {u.index: u for u in rt.units if not (save and rt.replica and u.index == 0)}
+        self.units = [mine.get(i, _Absent(lu.name, lu.numel)) for i, lu in enumerate(runtime_units(rt.spec))]
+        self.scalar_state, self.load_scalar_state, self.after_load = rt.scalar_state, rt.load_scalar_state, rt.after_load
+
+
+@dataclass(frozen=True)
 class PipelineStepResult(StepResult):
     ops: tuple[dict, ...] = ()  # the timeline: {"op", "mb", "start_s", "end_s"} (time.time())
 
@@ -409,6 +435,14 @@ class PipelineRuntime(ShardedRuntime):
             self.comm = stage_comm
         self._note("optimizer", -1, self.comm_done, time.time())  # AdamW and the all-gather
         return PipelineStepResult(**r.__dict__)
+
+    # ---- checkpoints (executor/checkpoint.py's logical format) ------------------------------------
+    def checkpoint_view(self, save: bool) -> "_CheckpointView":
+        """This rank as executor/checkpoint.py sees a runtime: every unit of the model in order, the
+        stage's own with their slices, the others (and, when saving, the tied replica: the first stage
+        saves that unit) as empty slices; so a pipeline's checkpoint is the same logical checkpoint as a
+        data-parallel run's, and either resumes the other."""
+        return _CheckpointView(self, save)
 
     # ---- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -6,14 +6,19 @@ import json
 import os
 
 import pytest
+import torch
 
+from executor import checkpoint as ckpt
 from executor.launch import launch_run
 from executor.store import read_metrics
+from models.collectives import LocalCollectives
 from models.optim import OptimConfig
 from models.pipeline import in_flight, row_pieces, schedule_ops
+from models.sharded import ShardedRuntime
 from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.paths import ENV_DATA_DIR
 from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan
+from planner.core.specs import get_model, with_max_seq
 
 SEQ = 64
 SEED = 3
@@ -64,9 +69,15 @@ def runs(tmp_path_factory):
         out = {}
         for key, plan in cases.items():
             d = str(root / key)
+            if key == "gpipe":  # 2 steps, then resumed from their checkpoint on the other layout (DP 1 -> 2)
+                first = launch_run(plan, STEPS - 1, d, seed=SEED, optim=OPTIM, checkpoint_every=STEPS - 1)
+                st = launch_run(plan_of(DP1_THEN_2, "gpipe"), STEPS, d, seed=SEED, optim=OPTIM,
+                                checkpoint_every=STEPS, resume=True)
+                out[key] = (d, st if first == "done" else first)
+                continue
             # 1f1b_up also runs BubbleTea's prefill in the waits of stage 1 (its 2 ranks wait for stage 0)
-            out[key] = (d, launch_run(plan, STEPS, d, seed=SEED, optim=OPTIM,
-                                      prefill=PREFILL if key == "1f1b_up" else None))
+            out[key] = (d, launch_run(plan, STEPS, d, seed=SEED, optim=OPTIM, checkpoint_every=STEPS if key == "one"
+                                      else 0, prefill=PREFILL if key == "1f1b_up" else None))
         yield out
 
 
@@ -83,6 +94,30 @@ def test_pipeline_trains_exactly_like_one_rank(runs, key):
     m, m1 = read_metrics(d), read_metrics(d1)
     assert m["world_size"] == 3
     assert m["steps"][-1]["val_loss"] == pytest.approx(m1["steps"][-1]["val_loss"], rel=1e-5)
+
+
+def final_params(run_dir: str) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's parameters, read back through a 1-rank data-parallel runtime."""
+    rt = ShardedRuntime(with_max_seq(get_model("small"), SEQ), zero=1, fractions=[1.0], position=0,
+                        comm=LocalCollectives(0, 1), device=torch.device("cpu"), materialize=False)
+    ckpt.load(run_dir, rt, 0)
+    return rt.full_state_dict()
+
+
+def test_a_pipeline_checkpoint_resumes_on_another_layout_and_is_a_data_parallel_checkpoint(runs):
+    """gpipe: steps 1-2 on DP 2 -> 1, step 3 resumed on DP 1 -> 2 (the loss test above holds for all
+    three); its step-3 checkpoint, read by a data-parallel runtime, is the 1-rank run's weights."""
+    (d1, _), (d, st) = runs["one"], runs["gpipe"]
+    assert st == "done"
+    assert "resume" in [e["kind"] for e in read_metrics(d)["events"]]
+    p1, pp = final_params(d1), final_params(d)
+    rt = ShardedRuntime(with_max_seq(get_model("small"), SEQ), zero=1, fractions=[1.0], position=0,
+                        comm=LocalCollectives(0, 1), device=torch.device("cpu"), seed=SEED)
+    init = rt.full_state_dict()
+    moved = max((p1[k] - init[k]).abs().max().item() for k in p1)
+    diff = max((p1[k] - pp[k]).abs().max().item() for k in p1)
+    print(f"weights moved {moved:.2e}, pipeline vs 1 rank {diff:.2e}")
+    assert moved > 1e-3 and diff <= 0.01 * moved
 
 
 def test_timeline_has_every_op_of_every_micro_batch(runs):
