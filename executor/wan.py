@@ -37,7 +37,8 @@ Shaping (tc tbf, on the egress of both ends, so each direction has the link's ra
   so tbf, which counts whole frames, is set to gbps × FRAME_BYTES / PAYLOAD_BYTES: at MTU 1500 a
   full TCP segment carries 1448 bytes in a 1514-byte frame (14 Ethernet + 20 IP + 20 TCP + 12 of
   the timestamp option). Measured here before the correction: 19.15 Mbit/s of payload through a
-  20 Mbit/s tbf, 191 through 200 (95.7 %, the ratio above).
+  20 Mbit/s tbf, 191 through 200 (95.7 %, the ratio above); after it, asked 20 / 50 / 200 Mbit/s,
+  measured 20.06 / 50.06 / 200.4 (one TCP stream, 3 runs each), 20.1 and 199 with 3-4 streams.
 - burst: max(BURST_MIN_BYTES, BURST_S of traffic at the rate). The bucket must hold at least one
   frame and more than the timer slack; 16 KiB is 6.5 ms at 20 Mbit/s, negligible against any
   transfer worth emulating, and rate × 1 ms keeps the shaper's wake-ups bounded at 10 Gbit/s.
@@ -46,14 +47,16 @@ Shaping (tc tbf, on the egress of both ends, so each direction has the link's ra
   transfer queued behind another waits at most that long in the queue.
 
 RTT: `probe_netem` tries a netem qdisc in a throw-away namespace. Where it works, each shaped end
-gets a netem child under its tbf delaying rtt_ms / 2 (the round trip is both directions). Where it
-does not (this kernel: "Specified qdisc kind is unknown"), no delay is added and the run's record
+gets a netem child under its tbf delaying rtt_ms / 2 (the round trip is both directions; not
+exercised on this kernel, which has no netem). Where it does not ("Specified qdisc kind is
+unknown" here), no delay is added and the run's record
 says the RTT is modelled, not emulated. `WanSetup.rtt_mode` and the run's `emulation` events say which.
 
 Connections: gloo opens one full mesh per entry of GLOO_SOCKET_IFNAME, so the interface name is
 repeated `connections` times, the most that any used link asks in `plan.connections` (every rank
-of a gloo group must open the same number of meshes). Gloo gives each operation (a collective, a
-send) one mesh, round robin: n connections carry n operations at once; one operation is not
+of a gloo group must open the same number of meshes). Gloo gives each operation one mesh: a
+collective the next one round robin, a send or receive mesh `tag % n` (models/pipeline.py tags a
+transfer by its micro-batch), so n connections carry n operations at once; one operation is not
 striped over them.
 
 Tear-down (`remove`, `remove_run`): every process whose network namespace is one of the run's is
@@ -80,7 +83,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from planner.core.constants import GBIT
+from planner.core.constants import BITS_PER_BYTE, GBIT
 from planner.core.plan import Plan, link_key
 
 log = logging.getLogger(__name__)
@@ -168,11 +171,12 @@ class Link:
 
     @property
     def burst_bytes(self) -> int:
-        return max(BURST_MIN_BYTES, round(self.tbf_rate_bps / 8 * BURST_S))
+        return max(BURST_MIN_BYTES, round(self.tbf_rate_bps / BITS_PER_BYTE * BURST_S))
 
     def netem_limit_packets(self) -> int:
-        """netem holds the packets of half a round trip plus the queue (it replaces tbf's queue)."""
-        frames_per_s = self.tbf_rate_bps / 8 / FRAME_BYTES
+        """netem holds the packets of half a round trip plus the queue (it replaces tbf's queue), twice
+        over: a limit too short drops what TCP has in flight and the link runs below its rate."""
+        frames_per_s = self.tbf_rate_bps / BITS_PER_BYTE / FRAME_BYTES
         return max(NETEM_MIN_LIMIT, round(2 * frames_per_s * (self.rtt_ms / 2000 + QUEUE_S)))
 
 
