@@ -11,10 +11,11 @@ argmax is the first generated token, and the time to first token (TTFT) is arriv
 
 Why chunk by tokens and not only by layer: one layer over a whole prompt grows with the prompt
 (one gpt2 layer over 1,024 tokens is tens of ms on a CPU core), so a layer alone bounds nothing.
-The chunk size is chosen per chunk from the measured time per token of the units so far (a
-calibration at construction, then every unit), aiming at half the time box; every unit's duration is
-recorded and the summary reports the longest and how many overran the box, measured, not assumed.
-A model whose one-token layer already exceeds the box is refused at construction.
+The chunk size starts from a calibration at construction (a layer unit costs a + b·tokens, both
+measured) and then follows a controller on the measured unit times (`_chunk_tokens`), aiming at
+half the time box; every unit's duration (wall and the thread's CPU time) is recorded and the
+summary reports the longest and how many overran the box, measured, not assumed. A model whose
+one-token layer already exceeds the box is refused at construction.
 
 The model: models/decoder.py's decoder built from a preset (the inference model of the geo
 scenario, e.g. `tiny` or `small`), with weights of its own drawn under `torch.random.fork_rng`, so
@@ -55,8 +56,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHUNK_S = 0.005  # a few ms: the most a training op may wait behind one step()
 CHUNK_TARGET = 0.5  # aim each unit at this fraction of the box: the next chunk has a longer context
-ESTIMATE_WINDOW = 16  # units whose time per token steers the next chunk's size
-CALIBRATION_TOKENS = 16  # the chunk timed at construction (after one warm-up)
+STEP_BOUNDS = (0.5, 1.5)  # the most one chunk's timing may shrink or grow the next chunk's size
+CALIBRATION_CHUNKS = (4, 32)  # tokens of the two chunks timed at construction: a + b·tokens from both
 RUNTIME_KEYS = ("max_chunk_s", "num_requests", "stages", "dtype")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -156,12 +157,16 @@ class PrefillWorker:
         self._next = 0  # index of the next request to start
         self._pending_arrival: float | None = None  # the next Poisson arrival, drawn, not yet reached
         self._current: _InFlight | None = None
-        self.unit_s: list[float] = []  # every unit's measured duration
+        self.unit_s: list[float] = []  # every unit's measured duration (wall)
+        # and the thread's CPU time in it: a unit over the box by wall time but not by CPU time was
+        # preempted (other processes on the machine), not sized too large
+        self.unit_cpu_s: list[float] = []
         self.last_chunk: tuple[float, float] | None = None
         self.last_logits: torch.Tensor | None = None  # (V,) of the last finished request's last position
         self.last_ids: torch.Tensor | None = None  # (1, n) that request's prompt
-        self._recent: list[float] = []  # the latest units' seconds per token (ESTIMATE_WINDOW)
-        self._per_token_s = self._calibrate()
+        self._samples: list[tuple[int, float]] = []  # (tokens, seconds) of the last chunk's layer units
+        self._chunk = 1  # tokens per chunk now (the controller's state)
+        self._calibrate()
 
     @classmethod
     def from_config(cls, config: dict[str, Any], device: torch.device, seed: int) -> "PrefillWorker":
@@ -202,9 +207,18 @@ class PrefillWorker:
     # ---- the units of chunked prefill ---------------------------------------------------------------
 
     def _chunk_tokens(self, remaining: int) -> int:
-        """Tokens in the next chunk: what the measured time per token fits in CHUNK_TARGET of the box."""
-        fit = int(CHUNK_TARGET * self.max_chunk_s / max(self._per_token_s, 1e-12))
-        return max(1, min(remaining, fit))
+        """Tokens in the next chunk. A controller on the measured unit time t: the chunk size is scaled
+        by target / t (at most STEP_BOUNDS per chunk), target = CHUNK_TARGET of the box. With units of
+        a + b·n seconds it settles where a + b·n = target (the step's slope there is a / target < 1),
+        fixed cost included, which a size from time per token alone would not: that counts the fixed
+        cost per token and spirals down to one-token units of pure overhead. t is the median over the
+        last chunk's layers: one preempted unit (another process's time) does not halve the chunk."""
+        full = [t for n, t in self._samples if n == self._chunk]  # a prompt's short remainder says nothing
+        if len(full) == len(self._samples) and full:
+            ratio = CHUNK_TARGET * self.max_chunk_s / max(statistics.median(full), 1e-12)
+            self._chunk = max(1, round(self._chunk * min(max(ratio, STEP_BOUNDS[0]), STEP_BOUNDS[1])))
+        self._samples.clear()
+        return max(1, min(remaining, self._chunk))
 
     def _attend(self, block: Any, f: _InFlight, h: torch.Tensor) -> torch.Tensor:
         """Attention of chunk [lo, hi) at one layer: its queries on the cached keys/values of
@@ -264,32 +278,39 @@ class PrefillWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the unit's kernels end inside the call: a real bound
         end = time.perf_counter()
-        if not head:  # the layers' cost per token steers the next chunk's size
-            self._recent.append((end - start) / (f.hi - f.lo))
-            del self._recent[:-ESTIMATE_WINDOW]
-            # the least of the recent: time the process was preempted (a shared machine) is not the
-            # unit's cost, and a smaller chunk would not have been spared it
-            self._per_token_s = min(self._recent)
+        if not head:
+            self._samples.append((f.hi - f.lo, end - start))
         return done, start, end
 
-    def _calibrate(self) -> float:
-        """Seconds per token of one layer: a dummy prompt of two CALIBRATION_TOKENS chunks through every
-        unit (the cache-free and the cached attention, the head), once to warm up, once timed."""
-        n = min(2 * CALIBRATION_TOKENS, self.spec.max_seq)
+    def _calibrate(self) -> None:
+        """The first chunk size, from a + b·tokens of a layer unit: a dummy prompt in a
+        CALIBRATION_CHUNKS[0]-token chunk then a CALIBRATION_CHUNKS[1]-token one through every unit
+        (cache-free and cached attention, the head), once to warm up, then twice timed; the least
+        time of each size over layers and runs. ValueError when a one-token unit exceeds the box."""
+        small, large = CALIBRATION_CHUNKS
+        n = min(small + large, self.spec.max_seq)
         ids = torch.zeros((1, n), dtype=torch.long, device=self.device)
-        for _ in range(2):
-            self._recent.clear()
+        best: dict[int, float] = {}
+        for round_ in range(3):
             f, done = _InFlight(PrefillRequest(-1, n, 0.0), ids, self.model.rope(n, self.device)), False
             while not done:
-                self._per_token_s = CHUNK_TARGET * self.max_chunk_s / CALIBRATION_TOKENS  # chunks of that many
+                if f.layer == 0:
+                    self._samples.clear()
+                    self._chunk = small if f.hi == 0 else large
+                seen = len(self._samples)
                 done = self._timed_unit(f)[0]
-        per_token = min(self._recent)
-        self._recent.clear()
+                for tokens, t in self._samples[seen:] if round_ else ():  # a layer unit's (not the head's)
+                    best[tokens] = min(best.get(tokens, math.inf), t)
+        self._samples.clear()
         self.last_logits = self.last_ids = None  # the dummy's
-        if per_token > self.max_chunk_s:
-            raise ValueError(f"prefill: one layer of {self.spec.name} takes {per_token * 1e3:.2f} ms per token here, "
-                             f"over the time box max_chunk_s {self.max_chunk_s * 1e3:.2f} ms")
-        return per_token
+        lo, hi = min(best), max(best)
+        per_token = max((best[hi] - best[lo]) / (hi - lo), 1e-9) if hi > lo else best[lo] / lo
+        fixed = max(best[lo] - lo * per_token, 0.0)
+        if fixed + per_token > self.max_chunk_s:
+            raise ValueError(f"prefill: one layer of {self.spec.name} over one token takes "
+                             f"{(fixed + per_token) * 1e3:.2f} ms here, over the time box max_chunk_s "
+                             f"{self.max_chunk_s * 1e3:.2f} ms")
+        self._chunk = max(1, int((CHUNK_TARGET * self.max_chunk_s - fixed) / per_token))
 
     # ---- the worker's calls -------------------------------------------------------------------------
 
@@ -305,7 +326,9 @@ class PrefillWorker:
             self._current = self._start(self.requests[self._next], now - self.t0)
             self._next += 1
         f = self._current
+        cpu0 = time.thread_time()
         done, start, end = self._timed_unit(f)
+        self.unit_cpu_s.append(time.thread_time() - cpu0)
         self.unit_s.append(end - start)
         self.last_chunk = (start, end)
         f.req.busy_s += end - start
@@ -337,8 +360,11 @@ class PrefillWorker:
             "latency_mean_s": statistics.fmean(latency) if latency else None,
             "latency_p99_s": _percentile(latency, 0.99),
             "num_chunks": len(self.unit_s), "chunk_max_s": max(self.unit_s, default=None),
-            "chunk_p99_s": _percentile(self.unit_s, 0.99),
+            "chunk_p50_s": _percentile(self.unit_s, 0.50), "chunk_p99_s": _percentile(self.unit_s, 0.99),
             "chunks_over_box": sum(1 for u in self.unit_s if u > self.max_chunk_s),
+            # CPU only: on CUDA the thread waits for the kernels, so its CPU time says nothing
+            "chunks_over_box_cpu_time": (sum(1 for u in self.unit_cpu_s if u > self.max_chunk_s)
+                                         if self.device.type == "cpu" else None),
             "requests": [r.to_dict() for r in self.requests],
         }
 

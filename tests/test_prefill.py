@@ -80,24 +80,29 @@ def test_units_stay_in_the_time_box_where_a_whole_layer_would_not():
     probe = PrefillWorker.from_config(config, CPU, seed=1)
     x = torch.randn(1, 256, probe.spec.hidden)
     whole = min(_timed(lambda: probe.model.blocks[0](x)) for _ in range(3))
-    box = whole / 4
+    box = whole / 2  # binds, and still a few times a unit's fixed cost (~0.25 ms of Python and dispatch here)
     w = PrefillWorker.from_config({**config, "max_chunk_s": box}, CPU, seed=1)
     drain(w)
     s = w.summary()
     assert s["requests_done"] == 4
-    assert s["num_chunks"] / 4 > 4 * w.spec.num_layers  # chunks of the prompt, not whole layers
-    # preemption on a shared machine can stretch a unit; the bulk must be in the box
-    assert s["chunks_over_box"] <= 0.1 * s["num_chunks"], (s["chunks_over_box"], s["num_chunks"], s["chunk_max_s"], box)
+    assert s["num_chunks"] / 4 > 2 * w.spec.num_layers + 1  # chunks of the prompt, not whole layers
+    # the sizing: by the thread's CPU time (what the chunk costs) nearly every unit is in the box;
+    # by wall time preemption on a shared machine (load 5 on 2 cores here at times) stretches some
+    # units by more than any chunk size could spare them: the typical unit must still be in it
+    n = s["num_chunks"]
+    assert s["chunks_over_box_cpu_time"] <= 0.05 * n, (s["chunks_over_box_cpu_time"], n, box)
+    assert s["chunk_p50_s"] <= box, (s["chunk_p50_s"], box)
     torch.testing.assert_close(w.last_logits, plain_last_logits(w), rtol=1e-5, atol=1e-5)
 
 
 def _timed(fn) -> float:
+    """The thread's CPU time of fn(): what it costs, whatever else the machine runs."""
     import time
 
-    t = time.perf_counter()
+    t = time.thread_time()
     with torch.no_grad():
         fn()
-    return time.perf_counter() - t
+    return time.thread_time() - t
 
 
 def test_poisson_accounting_adds_up(tmp_path):
@@ -121,6 +126,7 @@ def test_poisson_accounting_adds_up(tmp_path):
     assert s["prefill_tokens_per_s"] == pytest.approx(tokens / s["wall_s"])
     assert s["prefill_tokens_per_busy_s"] == pytest.approx(tokens / sum(r.busy_s for r in reqs))
     assert s["busy_s"] == pytest.approx(sum(w.unit_s)) and s["busy_s"] <= s["wall_s"]
+    assert len(w.unit_cpu_s) == s["num_chunks"] and s["chunks_over_box_cpu_time"] <= s["num_chunks"]
     ttft = sorted(r.end_s - r.arrival_s for r in reqs)
     assert s["ttft_mean_s"] == pytest.approx(sum(ttft) / 12)
     assert s["ttft_p50_s"] == ttft[5] and s["ttft_p99_s"] == ttft[11]  # nearest rank of 12
