@@ -140,13 +140,14 @@ def probe_netem() -> str | None:
         _run(["ip", "netns", "del", ns], check=False)
 
 
-def free_subnet() -> str:
-    """10.78.X with no address of any host interface in it."""
+def free_subnet(prefix: str = SUBNET_PREFIX) -> str:
+    """`prefix`.X (10.78.X by default) with no address of any host interface in it (the SLURM test
+    cluster takes 10.77.X the same way)."""
     used = _run(["ip", "-o", "-4", "addr", "show"]).stdout
     for x in range(256):
-        if f" {SUBNET_PREFIX}.{x}." not in used:
-            return f"{SUBNET_PREFIX}.{x}"
-    raise RuntimeError(f"every {SUBNET_PREFIX}.X.0/24 subnet is in use on this host")
+        if f" {prefix}.{x}." not in used:
+            return f"{prefix}.{x}"
+    raise RuntimeError(f"every {prefix}.X.0/24 subnet is in use on this host")
 
 
 # ---- the layout (pure) -------------------------------------------------------------------------

@@ -31,6 +31,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from executor.wan import free_subnet
+
 import pytest
 
 GRES_NAME = "gpumix"
@@ -48,11 +50,7 @@ def _run(*cmd: str, check: bool = True, env: dict | None = None) -> subprocess.C
 def _free_subnet() -> str:
     """10.77.X with no address of this host in it: two test clusters on one machine (two engineers'
     runs) must not answer each other's daemons."""
-    used = _run("ip", "-o", "-4", "addr", "show").stdout
-    for x in range(256):
-        if f" {SUBNET_PREFIX}.{x}." not in used:
-            return f"{SUBNET_PREFIX}.{x}"
-    raise RuntimeError(f"every {SUBNET_PREFIX}.X.0/24 subnet is in use on this host")
+    return free_subnet(SUBNET_PREFIX)
 
 
 def _subnet(nodes: list) -> str:
