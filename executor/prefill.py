@@ -94,7 +94,7 @@ class _InFlight:
     hi: int = 0
     layer: int = 0  # next unit: layer 0..L-1 of chunk [lo, hi), L = the head (last chunk only)
     x: torch.Tensor | None = None  # (1, hi-lo, h) the chunk's residual stream
-    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (1, nkv, lo, hd)
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer (1, nkv, n, hd), filled up to hi
     values: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -233,14 +233,14 @@ class PrefillWorker:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         i = f.layer
-        if lo:
-            k, v = torch.cat((f.keys[i], k), dim=2), torch.cat((f.values[i], v), dim=2)  # (1, nkv, hi, hd)
-            f.keys[i], f.values[i] = k, v
-        else:
-            f.keys.append(k)
-            f.values.append(v)
+        if not lo:  # the request's first chunk: this layer's cache for the whole prompt, filled chunk by chunk
+            n = f.req.num_tokens
+            f.keys.append(k.new_empty(B, attn.num_kv_heads, n, attn.head_dim))  # (1, nkv, n, hd)
+            f.values.append(v.new_empty(B, attn.num_kv_heads, n, attn.head_dim))
+        f.keys[i][:, :, lo:hi], f.values[i][:, :, lo:hi] = k, v
         gqa = attn.num_kv_heads != attn.num_heads
         if lo:
+            k, v = f.keys[i][:, :, :hi], f.values[i][:, :, :hi]  # (1, nkv, hi, hd): positions 0..hi-1
             # query t (position lo+t) sees keys 0..lo+t: SDPA's is_causal aligns top-left, so a mask
             mask = torch.arange(hi, device=h.device)[None, :] <= torch.arange(lo, hi, device=h.device)[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)  # (1, nh, T, hd)
