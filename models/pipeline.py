@@ -32,8 +32,13 @@ the last stage's ranks' losses sum to the single-rank loss.
 Schedules: "gpipe" runs every micro-batch forward, then every one backward; "1f1b" (Narayanan et al.
 2021, PipeDream-flush) runs min(S-1-s, M) forwards, then alternates one forward and one backward,
 then the remaining backwards: stage s holds at most min(S-s, M) micro-batches' activations.
-Receives are posted when the op that needs them starts (so a receive buffer exists only from then);
-sends are asynchronous. A forward send of micro-batch k is waited for (it is done) when its gradient
+Receives are posted one op ahead: when op i of the schedule's order starts (before it waits for its
+own receive) the receive of op i+1 is posted (a forward's input, a backward's incoming gradient), the
+step's first op posting its own. gloo moves a send's data only once the receiver has posted (measured:
+an isend completes only then), so a receive posted at the op that needs it put every boundary transfer
+on the critical path; posted one op earlier, a transfer over a slow link overlaps the current op's
+compute. A receive buffer thus exists from the start of the op before the one that uses it, at every
+run whatever the timing (planner/core/stage_memory.py counts it); sends are asynchronous. A forward send of micro-batch k is waited for (it is done) when its gradient
 comes back, a gradient send before the next one is posted, all sends before the gradient sync: so
 what a rank holds is the same at every run, whatever the timing (planner/core/stage_memory.py).
 While a receive is pending the rank polls for its completion and calls `idle()` between polls (the
@@ -308,18 +313,34 @@ class PipelineRuntime(ShardedRuntime):
         works = [dist.isend(t[a:b].contiguous(), dst=self._peer(stage, j), tag=tag) for j, a, b in pieces]
         self._sends[(op, mb)] = _Transfer(works, watch=self._ops is not None, keep=t)
 
-    def _recv(self, pieces, stage: int, op: str, mb: int, tag: int, dtype: torch.dtype) -> torch.Tensor:
-        """Receive this rank's rows (rows, T, h) from the peers of `stage`; idle() between polls."""
-        buf = torch.empty(self.rows, self.seq, self.spec.hidden, dtype=dtype, device=self.device)
+    def _needs_recv(self, op: str) -> bool:
+        return (op == "F" and not self.first) or (op == "B" and not self.last)
+
+    def _post(self, op: str, k: int) -> None:
+        """Post the receive op (op, k) needs, if it needs one and it is not posted yet: its rows
+        (rows, T, h) fp32 from the peers of the previous stage (a forward's input) or of the next
+        stage (a backward's incoming gradient: the next stage's fp32 input gradient)."""
+        if not self._needs_recv(op) or (op, k) in self._posted:
+            return
+        M = self.pipeline.num_microbatches
+        pieces, stage, tag = (self.prev, self.stage - 1, k) if op == "F" else (self.next, self.stage + 1, M + k)
+        buf = torch.empty(self.rows, self.seq, self.spec.hidden, dtype=torch.float32, device=self.device)
         works = [dist.irecv(buf[a:b], src=self._peer(stage, j), tag=tag) for j, a, b in pieces]
-        t = _Transfer(works, watch=self._idle is not None)
+        self._posted[(op, k)] = _Transfer(works, watch=self._idle is not None or self._ops is not None, keep=buf)
+
+    def _recv(self, op: str, k: int) -> torch.Tensor:
+        """The receive of op (op, k), posted now if it was not (the step's first op): wait for it,
+        calling idle() between polls, and return its buffer."""
+        self._post(op, k)
+        t = self._posted.pop((op, k))
+        buf = t.keep
         while self._idle is not None and not t.completed():  # never starts a piece after completion
             t1 = time.time()
             if not self._idle():
                 break
-            self._note("prefill", mb, t1, time.time())  # one row per piece: each starts inside the wait
+            self._note("prefill", k, t1, time.time())  # one row per piece: each starts inside the wait
         t.wait()
-        self._note(op, mb, t.start_s, t.done_at)
+        self._note("recv_fwd" if op == "F" else "recv_bwd", k, t.start_s, t.done_at)
         return buf
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -328,7 +349,7 @@ class PipelineRuntime(ShardedRuntime):
         if self.first:
             inp = None
         else:
-            inp = self._recv(self.prev, self.stage - 1, "recv_fwd", k, k, torch.float32).requires_grad_()
+            inp = self._recv("F", k).requires_grad_()
         t0 = time.time()
 
         def fwd():
@@ -354,7 +375,7 @@ class PipelineRuntime(ShardedRuntime):
         M = self.pipeline.num_microbatches
         inp, out = ctx.pop(k)
         self._wait_send(("send_fwd", k))  # done: stage s+1 used it before sending this gradient back
-        dy = None if self.last else self._recv(self.next, self.stage + 1, "recv_bwd", k, M + k, out.dtype)
+        dy = None if self.last else self._recv("B", k).to(out.dtype)
         t0 = time.time()
 
         def bwd() -> float:
@@ -392,7 +413,11 @@ class PipelineRuntime(ShardedRuntime):
             rope = self.model.rope(self.seq, self.device) if self.blocks else None
         ctx: dict[int, Any] = {}
         total = 0.0
-        for op, k in self.ops_order:
+        self._posted: dict[tuple[str, int], _Transfer] = {}
+        for i, (op, k) in enumerate(self.ops_order):
+            self._post(op, k)  # the step's first op: nothing posted it
+            if i + 1 < len(self.ops_order):  # the next op's receive, so its transfer overlaps this op
+                self._post(*self.ops_order[i + 1])
             if op == "F":
                 self._forward(k, batches[k], rope, token_normalizer, scale, ctx)
             else:

@@ -134,6 +134,12 @@ def test_timeline_has_every_op_of_every_micro_batch(runs):
         # the forward of micro-batch k ends before its backward starts
         f = {o["mb"]: o for o in ops if o["op"] == "forward"}
         assert all(o["start_s"] >= f[o["mb"]]["end_s"] for o in ops if o["op"] == "backward")
+        # receives are posted one op ahead: op i+1's receive starts before op i's compute does
+        comp = {(o["op"][0].upper(), o["mb"]): o for o in ops if o["op"] in ("forward", "backward")}
+        recv = {("F" if o["op"] == "recv_fwd" else "B", o["mb"]): o for o in ops if o["op"].startswith("recv")}
+        order = schedule_ops("1f1b", 2, r["stage"], M)
+        ahead = [(a, b) for a, b in zip(order, order[1:]) if b in recv]
+        assert ahead and all(recv[b]["start_s"] <= comp[a]["start_s"] for a, b in ahead), r["rank"]
 
 
 def test_prefill_runs_only_inside_receive_waits(runs):

@@ -120,3 +120,20 @@ def test_collectives_then_optimizer_step_end_the_iteration():
     assert all(o.kind == "OPT" for o in r.step_ops) and all(o.kind != "OPT" for o in r.ops)
     assert (0, 0, "OPT", -1) in r.training_ops()
     assert r.idle_intervals(0, 1)[-1] == (4.75, 6.75)  # the optimizer step is not idle time
+
+
+def test_runtime_step_posts_each_receive_one_op_ahead():
+    """models/pipeline.py's rule by hand: 2 stages, 1F1B, 2 micro-batches, f = 1, b = 2, a 0.5 s transfer
+    that moves only once its receive is posted. Stage 1 posts micro-batch 1's input when its backward 0
+    starts (t = 2.5, not when forward 1 starts at 4.5), so that transfer overlaps backward 0; stage 0
+    posts gradient 0 at forward 1 (t = 1) and gradient 1 at backward 0 (t = 5). Iteration 10.0 s (posting
+    at the op that needs the receive: 10.5 s, forward 1 of stage 1 at 5.0)."""
+    lan = Channel("lan", 0.0, 8e-9 / 0.5, 1.0)  # 1 byte in 0.5 s
+    r = simulate_pipeline(PipelineJob((Stage(1.0, 2.0), Stage(1.0, 2.0)), ("lan",), (lan,), 1, 2, 1.0, "1f1b",
+                                      runtime_step=True))
+    ops = r.training_ops()
+    fwd1 = next(t for t in r.transfers if t.direction == "fwd" and t.microbatch == 1)
+    assert (fwd1.ready_s, fwd1.start_s, fwd1.end_s) == pytest.approx((2.5, 2.5, 3.0))
+    assert ops[(0, 1, "F", 1)] == pytest.approx((4.5, 5.5))
+    assert ops[(0, 0, "B", 0)] == pytest.approx((5.0, 7.0)) and ops[(0, 0, "B", 1)] == pytest.approx((8.0, 10.0))
+    assert r.iteration_s == pytest.approx(10.0)

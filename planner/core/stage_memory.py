@@ -22,18 +22,25 @@ One micro-batch in flight (its forward done, its backward not yet), `in_flight` 
   head/loss   the last stage: memory.head_saved_bytes_per_token·N and log_softmax's saved output 4·N·V
   positions   GPT-2's position ids (T,) int64, saved by the position embedding (first stage)
 
-Moments (the peak is the largest):
-  forward_end     the in-flight micro-batches after the last forward (GPipe: all M)
+Buffers (outside the saved activations): the receive of the NEXT op of the order, posted when the
+current op starts (models/pipeline.py posts receives one op ahead, so a transfer overlaps compute): a
+forward's input on a stage other than the first, a backward's incoming gradient on one other than the
+last, 4·N·h each; the previous backward's input gradient (4·N·h), still being sent until the next
+backward's own send (a stage other than the first).
+
+Moments: the model walks the stage's order of ops (`schedule_order`, written apart from the runtime's)
+and takes, for every op, each of its moments with the micro-batches then in flight and the buffers
+then alive; a phase's figure is its largest over the ops, the peak the largest phase:
+  forward_end     a forward ends: the micro-batches in flight (its own included)
   loss            last stage: the loss's backward starts: + grad of nll and grad of the logits, 4·N·V each
   head            last stage: the head's weight gradient (V, h) fp32 before it is accumulated and the grad
                   of the head's input, with the grad of the logits (in place of log_softmax's saved output)
   last_block      the stage's last block's backward: the incoming gradient (the receive buffer, 4·N·h; on
-                  the last stage the head's input gradient), memory.block_backward_transient_bytes, the
-                  previous micro-batch's input gradient still being sent (a stage other than the first)
+                  the last stage the head's input gradient), memory.block_backward_transient_bytes
   embed_backward  first stage: the embedding's dense gradient (V+T rows, h) fp32 before it is accumulated,
                   with the first block's input gradient
   step            after backward: the slice gradients (4 B x owned) appear as the full ones are reduced;
-                  the global norm's fp64 chunk (models/optim.py)
+                  the global norm's fp64 chunk (models/optim.py); no receive is pending any more
 Not counted: gloo/NCCL buffers (outside the torch allocator), tensors of a few bytes (losses, scalars).
 Autocast (bf16/fp16) adds memory.block_weight_copy_bytes per block per micro-batch in flight; the
 measured check (tests/test_stage_memory.py) runs fp32 on CPU.
@@ -49,6 +56,21 @@ from planner.core.memory import (FP32_BYTES, INT64_BYTES, MemoryConfig, block_ba
 from planner.core.plan import PIPELINE_SCHEDULES, PipelineSpec, Plan
 from planner.core.specs import ModelSpec, get_model, with_max_seq
 from planner.core.units import runtime_units
+
+
+def schedule_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The (op "F" | "B", micro-batch) order stage `stage` runs: GPipe every forward then every backward;
+    1F1B min(S-1-s, M) forwards, then one forward and one backward alternately, then the remaining
+    backwards (written here apart from models/pipeline.schedule_ops: the model is checked against it)."""
+    schedule_in_flight(schedule, num_stages, stage, num_microbatches)  # validates
+    M = num_microbatches
+    if schedule == "gpipe":
+        return [("F", k) for k in range(M)] + [("B", k) for k in range(M)]
+    warm = min(num_stages - 1 - stage, M)
+    order = [("F", k) for k in range(warm)]
+    for k in range(M - warm):
+        order += [("F", warm + k), ("B", k)]
+    return order + [("B", k) for k in range(M - warm, M)]
 
 
 def schedule_in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
@@ -121,24 +143,41 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
     head = head_saved_bytes_per_token(spec, cfg) * N + FP32_BYTES * N * V if last else 0
     per_mb = blocks + positions + out + head
     F = schedule_in_flight(pipeline.schedule, S, stage, M)
-    act = F * per_mb  # the backward's moments: all F micro-batches, the one being run still whole
-    # Backward j runs with min(F, M-j) micro-batches in flight and, for j > 0 on a stage other than the
-    # first, the previous micro-batch's input gradient still being sent (4·N·h). The largest is j = 1 when
-    # it still has F in flight (M > F: 1F1B's steady state), else j = 0 (nothing pending yet).
-    dx_pending = FP32_BYTES * N * h if not first and M > F else 0
+    piece = FP32_BYTES * N * h  # one receive buffer, one input gradient: (rows, T, h) fp32
+    dense = FP32_BYTES * (V * h + (spec.max_seq * h if spec.positional == "learned" else 0))
 
-    phases: dict[str, tuple[int, int, int]] = {"forward_end": (act, 0, 0)}  # (activations, buffers, transient)
-    if last:
-        phases["loss"] = (act, dx_pending, 2 * FP32_BYTES * N * V)
-        # log_softmax's saved output is gone; the grad of the logits takes its place (both 4·N·V)
-        phases["head"] = (act, dx_pending, FP32_BYTES * (N * h + V * h))
-    if L:
-        incoming = FP32_BYTES * N * h  # the receive buffer (the head's input gradient on the last stage)
-        phases["last_block"] = (act - head, dx_pending + incoming, block_backward_transient_bytes(spec, cfg, N))
-    if first:
-        # the embedding's backward: its dense (V, h) gradient (and the positions' (T, h)), the input gradient
-        dense = FP32_BYTES * (V * h + (spec.max_seq * h if spec.positional == "learned" else 0))
-        phases["embed_backward"] = (act - per_mb, 0, dense + FP32_BYTES * N * h)
+    # Walk the schedule's order: each op's moments with what is alive then (activations, buffers,
+    # transient); a phase's total is its largest over the ops.
+    phases: dict[str, tuple[int, int, int]] = {}
+
+    def moment(name: str, parts: tuple[int, int, int]) -> None:
+        if name not in phases or sum(parts) > sum(phases[name]):
+            phases[name] = parts
+
+    order = schedule_order(pipeline.schedule, S, stage, M)
+    live = backs = 0
+    for i, (op, _) in enumerate(order):
+        nxt = order[i + 1][0] if i + 1 < len(order) else None
+        # the next op's receive, posted when this op starts (models/pipeline.py)
+        ahead = piece if (nxt == "F" and not first) or (nxt == "B" and not last) else 0
+        # the previous backward's input gradient, still being sent until this backward's send
+        pending = piece if not first and backs else 0
+        if op == "F":
+            live += 1
+            moment("forward_end", (live * per_mb, ahead + pending, 0))
+            continue
+        act = live * per_mb  # the micro-batch being run still whole
+        if last:
+            moment("loss", (act, ahead + pending, 2 * FP32_BYTES * N * V))
+            # log_softmax's saved output is gone; the grad of the logits takes its place (both 4·N·V)
+            moment("head", (act, ahead + pending, FP32_BYTES * (N * h + V * h)))
+        if L:  # + the incoming gradient: the receive buffer (the head's input gradient on the last stage)
+            moment("last_block", (act - head, ahead + pending + piece, block_backward_transient_bytes(spec, cfg, N)))
+        if first:
+            # the embedding's backward: its dense (V, h) gradient (and the positions' (T, h)), the input gradient
+            moment("embed_backward", (act - per_mb, ahead, dense + piece))
+        live -= 1
+        backs += 1
     largest_slice = max(owned)
     phases["step"] = (0, 0, FP32_BYTES * sum(owned) + 2 * FP32_BYTES * min(largest_slice, STEP_CHUNK_NUMEL) - grads)
     state = params + grads + optimizer + inputs
@@ -159,4 +198,4 @@ def estimate_plan_stage_memory(plan: Plan, device_index: int, device_type: str =
                                  device_type)
 
 
-__all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory", "schedule_in_flight"]
+__all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory", "schedule_in_flight", "schedule_order"]

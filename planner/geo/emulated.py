@@ -14,11 +14,11 @@ geo search's idealisations:
 - a boundary: the runtime sends each activation as fp32 rows (rows, seq, hidden) from a rank of
   stage j to the rank of stage j+1 whose rows it covers, and the gradient back the same way:
   `rows·seq·hidden·4` bytes per micro-batch and direction (costmodel.pipeline.WIRE_BYTES). It posts
-  a receive only when the op that needs it starts, and gloo / NCCL move a send's data only once the
-  receiver is ready (gloo/transport/tcp/pair.cc, Pair::send: "Execute this send if there is a remote
+  each receive one op ahead (when op i of a rank's order starts, the receive of its op i+1), and
+  gloo / NCCL move a send's data only once the receiver is ready (gloo/transport/tcp/pair.cc, Pair::send: "Execute this send if there is a remote
   pending receive", else it notifies the peer and waits; measured here: an isend of 32 KiB to 16 MiB
   completes only when the receiver posts), so a transfer starts at max(send, receive posted + one-way latency)
-  (pipeline_sim's `runtime_step`). Same node: a path of its own per pair at the node's collective
+  (pipeline_sim's `runtime_step`) and overlaps the receiver's op before the one that needs it. Same node: a path of its own per pair at the node's collective
   bandwidth (the measured gloo fit for CPU ranks, else `intra_node_gbps`). Different nodes: the
   plan's WAN link (`plan.wan`), one direction shared FAIRLY by the transfers in flight (several TCP
   streams through one `tc tbf` shaper share it; the runtime does not take turns as Atlas's temporal

@@ -19,9 +19,11 @@ replica runs the optimizer step over its shard (`Stage.optimizer_s`, kind "OPT",
 kept in `SimResult.step_ops` beside the training `ops`); the iteration ends when
 the last operation or transfer ends. With `tied_sync_s`, the first and the last stage first sum
 their tied embedding's gradient (kind "TIED", both stages' replicas at once, once both are done).
-With `runtime_step` the simulator follows models/pipeline.py's step instead: a receive is posted
-when the operation that needs it starts and a transfer moves only then (gloo and NCCL send when the
-receiver is ready: it starts at max(send, post + one-way latency)); a rank starts its syncs once
+With `runtime_step` the simulator follows models/pipeline.py's step instead: receives are posted one
+operation ahead (when a worker's operation i starts, waiting or not, the receive of its operation i+1
+is posted; the first operation posts its own) and a transfer moves only once its receive is posted
+(gloo and NCCL send when the receiver is ready: it starts at max(send, post + one-way latency)), so a
+transfer overlaps the receiver's previous operation; a rank starts its syncs once
 its own sends have arrived; after every stage's syncs a world all-reduce (the gradient norm and the
 loss, `world_sync_s`, kind "SYNC") joins all ranks before their optimizer steps.
 `reserved` intervals (BubbleTea's prefill) block a
@@ -35,6 +37,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from planner.core.constants import BITS_PER_BYTE, GBIT
+from planner.core.stage_memory import schedule_order
 from planner.costmodel.pipeline import SCHEDULES
 
 SHARING = ("dedicated", "temporal", "fair")
@@ -183,14 +186,9 @@ class SimResult:
 
 
 def stage_order(schedule: str, stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
-    """The order in which one stage runs its micro-batches' forwards and backwards."""
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(num_stages - stage - 1, m)  # 1F1B (Narayanan et al. 2021, PipeDream-Flush)
-    order = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warm, m)]
+    """The order in which one stage runs its micro-batches' forwards and backwards (1F1B: Narayanan
+    et al. 2021, PipeDream-Flush; planner/core/stage_memory.schedule_order)."""
+    return schedule_order(schedule, num_stages, stage, m)
 
 
 def _fit(t: float, dur: float, reserved: list[tuple[float, float]]) -> float:
@@ -238,12 +236,11 @@ class _Sim:
         r, j = w
         if self.busy[w] or self.next_op[w] >= len(self.orders[j]):
             return
-        kind, mb = self.orders[j][self.next_op[w]]
-        if self.job.runtime_step:  # the op starts waiting: its receive is posted now
-            if kind == "F" and j > 0:
-                self.post(now, ("fwd", r, j - 1, mb))
-            elif kind == "B" and j < self.p - 1:
-                self.post(now, ("bwd", r, j, mb))
+        order, i = self.orders[j], self.next_op[w]
+        kind, mb = order[i]
+        if self.job.runtime_step:  # the op starts: its own receive (the first op's) and the next op's are posted
+            for k, m in order[i:i + 2]:
+                self.post_for(now, r, j, k, m)
         if kind == "F" and j > 0 and ("act", r, j, mb) not in self.ready:
             return
         if kind == "B" and (("fdone", r, j, mb) not in self.ready
@@ -331,6 +328,13 @@ class _Sim:
                 self.step_ops.append(Op(r, j, "OPT", -1, start, start + stage.optimizer_s))
 
     # --- network ---
+    def post_for(self, now: float, r: int, j: int, kind: str, mb: int) -> None:
+        """Runtime step: post the receive op (kind, mb) of worker (r, j) needs, if any."""
+        if kind == "F" and j > 0:
+            self.post(now, ("fwd", r, j - 1, mb))
+        elif kind == "B" and j < self.p - 1:
+            self.post(now, ("bwd", r, j, mb))
+
     def post(self, now: float, key: tuple) -> None:
         """Runtime step: the receive of transfer `key` is posted; a parked send may move."""
         if key in self.posted:
