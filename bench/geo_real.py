@@ -27,7 +27,8 @@ geo plan's speedup over DP, both measured (target: > 1), the step time with pref
 prefill_rank<r>.json, beside BubbleTea's simulated figure for the same scenario.
 
 The whole run is sized for a 2-core machine: at most 3 ranks at once, a GPT-2 style model of 8
-layers of width 256 (MODEL_CONFIG: why not a preset), a global batch of 8 sequences of 64 tokens,
+layers of width 256 (MODEL_CONFIG: why not a preset), a global batch of 8 (12 with 3 datacenters)
+sequences of 64 tokens,
 short runs; about 3-5 minutes. The machine is shared: every figure is a median
 or a ratio of runs made side by side.
 
@@ -60,7 +61,7 @@ MODEL_CONFIG = {"model_type": "gpt2", "n_embd": 256, "n_layer": 8, "n_head": 4, 
 MODEL_NAME = "geo-real-8x256"
 SEQ = 64
 DP_STEPS = 6  # the DP run's steps: its gradient collectives cross the WAN every step (seconds each)
-GLOBAL_BATCH = 8
+GLOBAL_BATCH = {2: 8, 3: 12}  # per number of datacenters: splits evenly over the DP plan's 2 or 3 ranks
 MICRO_BATCH = 1
 RTT_MS = 2.0
 PROFILE_SIZES = "1,2,4,8"
@@ -91,7 +92,7 @@ def scenario(dcs: int, gbps: float, model: str) -> dict:
     return {"name": f"emulated-{dcs}dc-{gbps * 1e3:g}mbit",
             "datacenters": [{"name": n, "gpus": {"cpu": 1}} for n in names],
             "wan": [{"a": a, "b": b, "gbps": gbps, "rtt_ms": RTT_MS} for i, a in enumerate(names) for b in names[i + 1:]],
-            "model": model, "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH, "seq": SEQ, "dtype": "fp32",
+            "model": model, "global_batch": GLOBAL_BATCH[dcs], "micro_batch": MICRO_BATCH, "seq": SEQ, "dtype": "fp32",
             "inference": INFERENCE}
 
 
@@ -130,9 +131,9 @@ def dp_plan(geo, rtt: bool):
 
     devices = geo.cluster.devices()
     n = len(devices)
-    if GLOBAL_BATCH % (n * MICRO_BATCH):
-        raise ValueError(f"global batch {GLOBAL_BATCH} does not split evenly over {n} ranks")
-    accum = GLOBAL_BATCH // (n * MICRO_BATCH)
+    if geo.global_batch % (n * MICRO_BATCH):
+        raise ValueError(f"global batch {geo.global_batch} does not split evenly over {n} ranks")
+    accum = geo.global_batch // (n * MICRO_BATCH)
     spec = model_spec(geo)
     mem = estimate_memory(spec, MemoryConfig(micro_batch=MICRO_BATCH, seq=SEQ, accum_steps=accum, dp=n, zero=1,
                                              shard_fraction=1.0 / n)).peak_bytes
@@ -143,7 +144,7 @@ def dp_plan(geo, rtt: bool):
                  zero=1, wan=geo.wan, connections=geo.connections,
                  notes=("bench/geo_real.py: data parallelism over the geo plan's devices and links",))
     it, steps = predict_dp_plan(draft, rtt=rtt)
-    return dataclasses.replace(draft, predicted_iteration_s=it, predicted_samples_per_s=GLOBAL_BATCH / it,
+    return dataclasses.replace(draft, predicted_iteration_s=it, predicted_samples_per_s=geo.global_batch / it,
                                assignments=tuple(dataclasses.replace(a, predicted_step_s=steps[a.device_index])
                                                  for a in asg))
 
@@ -176,7 +177,9 @@ def measured_run(plan_path: str, run_dir: str, steps: int, env: dict, prefill_pa
         if name.startswith("prefill_rank") and name.endswith(".json"):
             with open(os.path.join(run_dir, name), encoding="utf-8") as fh:
                 prefill.append(json.load(fh))
+    compute = [r["median_compute_s"] for r in metrics.get("ranks") or [] if r.get("median_compute_s") is not None]
     return {"run_dir": run_dir, "status": metrics["status"], "steps": step_s,
+            "compute_s": statistics.fmean(compute) if compute else None,
             "median_step_s": statistics.median(step_s[WARMUP_STEPS:]), "launch_wall_s": wall, "prefill": prefill}
 
 
@@ -219,6 +222,7 @@ def prefill_figures(runs: list[dict]) -> dict:
             "requests_arrived": sum(p["requests_arrived"] for p in s),
             "chunk_max_s": max((p["chunk_max_s"] for p in s if p["chunk_max_s"] is not None), default=None),
             "chunks_over_box": sum(p["chunks_over_box"] for p in s), "num_chunks": sum(p["num_chunks"] for p in s),
+            "chunks_over_box_cpu_time": sum(p.get("chunks_over_box_cpu_time") or 0 for p in s),
             "ranks": len(s)})
     return {k: med([p[k] for p in per_run]) for k in per_run[0]} if per_run else {}
 
@@ -296,6 +300,13 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int) -> dict:
         "geo_with_prefill_measured_s": pre_meas, "prefill_slowdown": pre_meas / geo_meas,
         "prefill": pre,
         "ops_by_stage": op_totals(geo_sim.ops, plain[0]["run_dir"]),
+        # the machine's speed in each run: the ranks' compute per step (their threads' CPU time, the
+        # median over steps, the mean over ranks) against the prediction's forward + backward per rank
+        "compute_per_step_s": {os.path.basename(r["run_dir"]): r["compute_s"] for r in [*plain, *with_prefill]},
+        "compute_per_step_predicted_s": statistics.fmean(
+            sum(o["end_s"] - o["start_s"] for o in geo_sim.ops if o["op"] in ("forward", "backward")
+                and (o["stage"], o["replica"]) == key)
+            for key in {(o["stage"], o["replica"]) for o in geo_sim.ops}),
         "prefill_simulated": {"tokens_per_s": report.get("prefill_tokens_per_s"),
                               "gpu_utilization": report.get("gpu_utilization"),
                               "gpu_utilization_with_prefill": report.get("gpu_utilization_with_prefill")},
@@ -340,13 +351,15 @@ def print_report(r: dict) -> None:
         for o in ops:
             print(f"  stage {o['stage']} {o['op']:10} measured {fmt_s(o['measured_s']):>9}  "
                   f"simulated {fmt_s(o['simulated_s']):>9}")
+    cps = ", ".join(f"{k} {fmt_s(v)}" for k, v in r["compute_per_step_s"].items())
+    print(f"ranks' compute per step (CPU time, measured): {cps}; predicted {fmt_s(r['compute_per_step_predicted_s'])}")
     p, s = r["prefill"], r["prefill_simulated"]
     if p:
         print(f"prefill (measured): {p['tokens_per_s']:.0f} tokens/s over the run ({p['tokens_per_busy_s']:.0f} per busy "
               f"second), {p['requests_done']} of {p['requests_arrived']} requests done on {p['ranks']} ranks, "
               f"TTFT mean {fmt_s(p['ttft_mean_s'])}, p99 {fmt_s(p['ttft_p99_s'])}; longest chunk "
-              f"{fmt_s(p['chunk_max_s'])}, {p['chunks_over_box']} of {p['num_chunks']} chunks over the "
-              f"{MAX_CHUNK_S * 1e3:g} ms box")
+              f"{fmt_s(p['chunk_max_s'])}, {p['chunks_over_box']:g} of {p['num_chunks']:g} chunks over the "
+              f"{MAX_CHUNK_S * 1e3:g} ms box by wall time, {p['chunks_over_box_cpu_time']:g} by CPU time")
     if s.get("tokens_per_s") is not None:
         print(f"prefill (BubbleTea, simulated for the scenario): {s['tokens_per_s']:.0f} tokens/s; utilization "
               f"{100 * s['gpu_utilization']:.1f} % training only, {100 * s['gpu_utilization_with_prefill']:.1f} % "
