@@ -29,7 +29,7 @@ OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, max_grad_norm=0.5, decay_steps=STEP
 
 
 def plan_of(stages: list[tuple[int, list[int], list[float]]], schedule: str = "1f1b", model: str = "small",
-            micro_batch: int = MB, num_microbatches: int = M, seq: int = SEQ) -> Plan:
+            micro_batch: int = MB, num_microbatches: int = M, seq: int = SEQ, recompute: str = "none") -> Plan:
     """A local CPU plan; one (num_layers, rows per device, shard fractions) per stage. A single stage of
     one device with pipeline=None when `schedule` is None (the 1-rank reference)."""
     n = sum(len(r) for _, r, _ in stages)
@@ -45,7 +45,7 @@ def plan_of(stages: list[tuple[int, list[int], list[float]]], schedule: str = "1
         pstages.append(PipelineStage(first, layers, tuple(devs), tuple(rows), "local"))
         first += layers
     pipe = None if schedule is None else PipelineSpec(schedule, micro_batch, num_microbatches, tuple(pstages))
-    return Plan(cluster, model, micro_batch * num_microbatches, seq, "fp32", "none", tuple(asg), 0.0, 0.0,
+    return Plan(cluster, model, micro_batch * num_microbatches, seq, "fp32", recompute, tuple(asg), 0.0, 0.0,
                 pipeline=pipe)
 
 

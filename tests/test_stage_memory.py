@@ -17,7 +17,9 @@ from planner.core.stage_memory import estimate_plan_stage_memory, estimate_stage
 from tests.test_pipeline_runtime import DP1_THEN_2, DP2_THEN_1, OPTIM, plan_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = {"1f1b": (DP2_THEN_1, "1f1b"), "gpipe": (DP2_THEN_1, "gpipe"), "1f1b_up": (DP1_THEN_2, "1f1b")}
+# (stages, schedule, recompute): both schedules, DP 2 -> 1 and 1 -> 2, with and without full recomputation
+CASES = {"1f1b": (DP2_THEN_1, "1f1b", "none"), "gpipe": (DP2_THEN_1, "gpipe", "none"),
+         "1f1b_full_up": (DP1_THEN_2, "1f1b", "full"), "gpipe_full": (DP2_THEN_1, "gpipe", "full")}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +27,8 @@ def measured(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENV_DATA_DIR, str(tmp_path_factory.mktemp("data")))
         out = {}
-        for key, (stages, schedule) in CASES.items():
-            plan = plan_of(stages, schedule)
+        for key, (stages, schedule, recompute) in CASES.items():
+            plan = plan_of(stages, schedule, recompute=recompute)
             d = str(tmp_path_factory.mktemp(key))
             assert launch_run(plan, 1, d, seed=3, optim=OPTIM) == "done"
             m = json.loads(subprocess.run([sys.executable, "-m", "executor", "metrics", "--run-dir", d, "--json"],
@@ -66,6 +68,13 @@ def test_in_flight_counts_match_the_runtime_schedule():
         schedule_in_flight("interleaved", 2, 0, 4)
 
 
+def test_full_recomputation_holds_less_than_none(measured):
+    """Independent of the model: GPipe's first stage keeps 4 micro-batches of 3 blocks; checkpointed
+    blocks keep only their inputs."""
+    none, full = measured["gpipe"][1]["ranks"], measured["gpipe_full"][1]["ranks"]
+    assert full[0]["peak_memory_bytes"] < none[0]["peak_memory_bytes"] * 0.9
+
+
 def test_activations_grow_with_the_micro_batches_in_flight():
     spec = with_max_seq(get_model("small"), 64)
     plan = plan_of(DP2_THEN_1, "gpipe", num_microbatches=8)
@@ -77,3 +86,8 @@ def test_activations_grow_with_the_micro_batches_in_flight():
     assert last.tied_replica_bytes > 0 and last.params_bytes > last.tied_replica_bytes / 2
     with pytest.raises(ValueError, match="no rank"):
         estimate_stage_memory(spec, plan.pipeline, 2, 0, 1.0, 64)
+    with pytest.raises(ValueError, match="recompute"):
+        estimate_stage_memory(spec, plan.pipeline, 0, 0, 0.6, 64, recompute="selective")
+    # full recomputation: GPipe's 8 micro-batches keep 3 block inputs each, not 3 blocks' activations
+    full = estimate_stage_memory(spec, plan.pipeline, 0, 0, 0.6, 64, recompute="full")
+    assert full.peak_bytes < e8.peak_bytes and full.params_bytes == e8.params_bytes

@@ -16,7 +16,10 @@ Inputs the worker holds for the step: the tokens of every micro-batch (first sta
 One micro-batch in flight (its forward done, its backward not yet), `in_flight` of them at most
 (1F1B: min(S-s, M), GPipe: M; models/pipeline.in_flight):
   blocks      memory.block_saved_bytes for each of the stage's blocks (the block input, which is the
-              receive buffer on a later stage, is the first block's saved input)
+              receive buffer on a later stage, is the first block's saved input); with recompute
+              "full" (torch.utils.checkpoint around every block, non-reentrant) only each block's fp32
+              input, 4·N·h, and in the backward of the stage's last block that block's saved tensors
+              are rebuilt (block_saved_bytes less its input) on top
   output      a stage other than the last: the last block's output, 4·N·h, kept for its backward (it is
               also the send buffer)
   head/loss   the last stage: memory.head_saved_bytes_per_token·N and log_softmax's saved output 4·N·V
@@ -50,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from planner.core.constants import STEP_CHUNK_NUMEL
+from planner.core.constants import RECOMPUTE, STEP_CHUNK_NUMEL
 from planner.core.memory import (FP32_BYTES, INT64_BYTES, MemoryConfig, block_backward_transient_bytes,
                                  block_saved_bytes, block_weight_copy_bytes, head_saved_bytes_per_token)
 from planner.core.plan import PIPELINE_SCHEDULES, PipelineSpec, Plan
@@ -117,9 +120,9 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
         raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in a pipeline of {S} stages")
     if pipeline.num_layers != spec.num_layers:
         raise ValueError(f"pipeline stages cover {pipeline.num_layers} layers, model {spec.name} has {spec.num_layers}")
-    if recompute != "none":
-        raise ValueError("the stage memory model covers recompute 'none' only (the runtime's checkpointed "
-                         "blocks are not traced against it)")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    full = recompute == "full"
     st = pipeline.stages[stage]
     first, last = stage == 0, stage == S - 1
     b = st.rows[dp_index]
@@ -137,13 +140,18 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
 
     # one micro-batch in flight
     L = st.num_layers
-    blocks = L * (block_saved_bytes(spec, cfg, b, seq) + block_weight_copy_bytes(spec, cfg))
+    piece = FP32_BYTES * N * h  # one receive buffer, one input gradient, one block input: (rows, T, h) fp32
+    saved, copies = block_saved_bytes(spec, cfg, b, seq), block_weight_copy_bytes(spec, cfg)
+    # full recomputation (a checkpoint per block): each block keeps only its fp32 input
+    blocks = L * (piece if full else saved + copies)
+    # in the backward of a checkpointed block its saved tensors (less its input, already kept) and its
+    # autocast weight copies are rebuilt
+    rebuilt = saved - piece + copies if full else 0
     positions = INT64_BYTES * T if first and spec.positional == "learned" else 0
     out = 0 if last else FP32_BYTES * N * h
     head = head_saved_bytes_per_token(spec, cfg) * N + FP32_BYTES * N * V if last else 0
     per_mb = blocks + positions + out + head
     F = schedule_in_flight(pipeline.schedule, S, stage, M)
-    piece = FP32_BYTES * N * h  # one receive buffer, one input gradient: (rows, T, h) fp32
     dense = FP32_BYTES * (V * h + (spec.max_seq * h if spec.positional == "learned" else 0))
 
     # Walk the schedule's order: each op's moments with what is alive then (activations, buffers,
@@ -172,7 +180,8 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
             # log_softmax's saved output is gone; the grad of the logits takes its place (both 4·N·V)
             moment("head", (act, ahead + pending, FP32_BYTES * (N * h + V * h)))
         if L:  # + the incoming gradient: the receive buffer (the head's input gradient on the last stage)
-            moment("last_block", (act - head, ahead + pending + piece, block_backward_transient_bytes(spec, cfg, N)))
+            moment("last_block", (act - head + rebuilt, ahead + pending + piece,
+                                  block_backward_transient_bytes(spec, cfg, N)))
         if first:
             # the embedding's backward: its dense (V, h) gradient (and the positions' (T, h)), the input gradient
             moment("embed_backward", (act - per_mb, ahead, dense + piece))

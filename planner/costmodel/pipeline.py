@@ -27,11 +27,7 @@ the exact per-rank model of models/pipeline.py (its units only, the tied replica
 ZeRO-1 over the stage's d ranks at an even 1/d shard, the schedule's micro-batches in flight, the
 step's token and target inputs): it is asked with a pipeline of the stage's position (stage j of p,
 m micro-batches) whose other stages hold one layer each, which changes nothing of stage j's own
-memory. With full recomputation that model refuses (the runtime's checkpointed blocks are not
-traced against it), so such a stage is priced by `memory_bytes`: planner.core.memory.estimate_memory
-of the model cut to the stage's blocks (embedding, head and loss on every stage) plus the kept
-activations of the extra micro-batches in flight (1F1B: stage j of p keeps min(p − j, m); GPipe all
-m), one block's kept bytes (the memory model's activations of 2 blocks minus 1) per block each.
+memory. Full recomputation (a checkpoint per block, as the runtime runs it) is part of that model.
 """
 from __future__ import annotations
 
@@ -237,31 +233,28 @@ class PipelineCostModel:
         return int(get_gpu_type(base_type(gpu_type)).memory_bytes * MEMORY_HEADROOM)
 
     def memory_bytes(self, gpu_type: str, num_layers: int, in_flight_mb: int, dp: int, recompute: str) -> int:
-        """Peak bytes per GPU of a stage of `num_layers` blocks holding `in_flight_mb` micro-batches."""
+        """A whole-model bound, not the runtime's stage (stage_memory_bytes is): planner.core.memory of the
+        model cut to `num_layers` blocks (embedding, head and loss included) plus the kept activations of
+        `in_flight_mb` - 1 more micro-batches, one block's kept bytes (2 blocks' activations minus 1) each."""
         return _stage_memory(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), recompute,
                              dp, base_type(gpu_type), num_layers, in_flight_mb)
 
     def stage_memory_bytes(self, gpu_type: str, num_layers: int, stage: int, num_stages: int, num_microbatches: int,
                            dp: int, recompute: str) -> int:
         """Peak bytes per GPU of stage `stage` of `num_stages` with `num_layers` blocks (module docstring)."""
-        if recompute != "none":
-            k = in_flight(self.schedule, stage, num_stages, num_microbatches)
-            return self.memory_bytes(gpu_type, num_layers, k, dp, recompute)
         return _runtime_stage_memory(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), dp,
                                      base_type(gpu_type), num_layers, stage, num_stages, num_microbatches,
-                                     self.schedule)
+                                     self.schedule, recompute)
 
     def stage_max_layers(self, gpu_type: str, stage: int, num_stages: int, num_microbatches: int, dp: int,
                          recompute: str) -> int:
-        """The most blocks stage `stage` of `num_stages` fits on one GPU of `gpu_type` (0: not one)."""
-        if recompute != "none":
-            return self.max_layers(gpu_type, in_flight(self.schedule, stage, num_stages, num_microbatches), dp,
-                                   recompute)
+        """The most blocks stage `stage` of `num_stages` fits on one GPU of `gpu_type` (0: not one; memory
+        grows with the blocks, so a bisection over the exact memory of each count)."""
         cap = self.capacity_bytes(gpu_type)
 
         def fits(n: int) -> bool:
             try:
-                return self.stage_memory_bytes(gpu_type, n, stage, num_stages, num_microbatches, dp, "none") <= cap
+                return self.stage_memory_bytes(gpu_type, n, stage, num_stages, num_microbatches, dp, recompute) <= cap
             except ValueError as e:  # not priced (e.g. no attention kernel for this type and dtype): refused
                 log.debug("%s cannot hold a stage: %s", gpu_type, e)
                 return False
@@ -374,9 +367,10 @@ def position_pipeline(num_layers: int, micro_batch: int, dp: int, stage: int, nu
 
 @lru_cache(maxsize=65536)
 def _runtime_stage_memory(spec: ModelSpec, micro_batch: int, seq: int, dtype: str, dp: int, gpu_type: str,
-                          num_layers: int, stage: int, num_stages: int, num_microbatches: int, schedule: str) -> int:
+                          num_layers: int, stage: int, num_stages: int, num_microbatches: int, schedule: str,
+                          recompute: str) -> int:
     from planner.core.stage_memory import estimate_stage_memory
 
     pipe = position_pipeline(num_layers, micro_batch, dp, stage, num_stages, num_microbatches, schedule)
     model = replace(spec, num_layers=num_layers + num_stages - 1)
-    return estimate_stage_memory(model, pipe, stage, 0, 1.0 / dp, seq, dtype, "none", gpu_type).peak_bytes
+    return estimate_stage_memory(model, pipe, stage, 0, 1.0 / dp, seq, dtype, recompute, gpu_type).peak_bytes

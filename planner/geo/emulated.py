@@ -172,17 +172,10 @@ def ring_link(plan: Plan, ranks: list[int], intra: dict[str, Link], rtt: bool) -
     return Link(bw, call / math.ceil(math.log2(k)), call_latency_s=call)
 
 
-def device_memory_bytes(plan: Plan, model: PipelineCostModel, device_index: int, kind: str) -> int:
+def device_memory_bytes(plan: Plan, device_index: int, kind: str) -> int:
     """Predicted peak of one rank: planner/core/stage_memory.estimate_plan_stage_memory, exact for the
-    runtime, at the device's own rows and shard fraction; with full recomputation (which that model
-    does not cover) the cost model's bound (PipelineCostModel.stage_memory_bytes)."""
-    p = plan.pipeline
-    s, _ = p.stage_of(device_index)
-    if plan.recompute == "none":
-        return estimate_plan_stage_memory(plan, device_index, base_type(kind)).peak_bytes
-    dp = len(p.stages[s].devices)
-    return model.stage_memory_bytes(kind, p.stages[s].num_layers, s, len(p.stages), p.num_microbatches, dp,
-                                    plan.recompute)
+    runtime (full recomputation included), at the device's own rows and shard fraction."""
+    return estimate_plan_stage_memory(plan, device_index, base_type(kind)).peak_bytes
 
 
 def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[PipelineJob, dict]:
@@ -211,7 +204,7 @@ def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True
         stages.append(Stage(fwd * dev.slowdown, bwd * dev.slowdown, rs_s,
                             f"{node.name} {dev.label} L{st.first_layer}-{st.first_layer + st.num_layers - 1}",
                             adamw + ag_s))
-        memory.update({i: device_memory_bytes(plan, model, i, kind) for i in st.devices})
+        memory.update({i: device_memory_bytes(plan, i, kind) for i in st.devices})
     channels: dict[str, Channel] = {}
     hops = []
     for (a, _), (b, _) in zip(layout, layout[1:]):
