@@ -174,9 +174,12 @@ class MetricsStore:
         used = plan.used
         emulated = any(_emulated(a) for a in used)
         with self.db.transaction():
-            if not resume:
-                for table in ("steps", "rank_steps", "events", "ranks"):
-                    self.db.execute(f"DELETE FROM {table} WHERE run_key = ?", (self.key,))
+            # the ranks table is this launch's ranks: a launcher's resume (perhaps on a plan with fewer
+            # ranks) must not keep an earlier launch's rank row, whose dead pid would read as a rank that
+            # died. (Without a launcher, rank 0 calls this while the other ranks may be registering.)
+            wipe = ("steps", "rank_steps", "events", "ranks") if not resume else ("ranks",) if prefill_ranks else ()
+            for table in wipe:
+                self.db.execute(f"DELETE FROM {table} WHERE run_key = ?", (self.key,))
             self.db.execute(_UPSERT_RUN, (
                 self.key, "running", "starting", None, None, now, None, now, int(emulated), plan.model,
                 plan.global_batch, plan.seq, plan.dtype, len(used), steps_target, seed, backend,

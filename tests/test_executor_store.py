@@ -168,3 +168,21 @@ def test_what_the_launcher_reads_back_is_this_runs_alone(store_backend, tmp_path
     finally:
         for s in runs:
             s.close()
+
+
+def test_a_resume_on_fewer_ranks_keeps_no_dead_rank_of_the_earlier_launch(store_backend, tmp_path):
+    """A launcher resuming a run on a plan with fewer ranks: the earlier launch's extra rank (its pid
+    long dead) must not stay registered, or the launcher reads it as a rank that died and ends the run."""
+    os.makedirs(tmp_path / "run")
+    s = MetricsStore(str(tmp_path / "run"))
+    try:
+        s.init_run(small_plan((1.0, 1.0, 1.0)), steps_target=3, seed=0, backend="gloo")
+        for r, a in enumerate(small_plan((1.0, 1.0, 1.0)).used):
+            s.register_rank(r, r, a, 10_000_000 + r, 10, "test")  # pids no process has
+        s.add_event("checkpoint", "checkpoint of step 3")
+        s.init_run(small_plan(), steps_target=5, seed=0, backend="gloo", resume=True)
+        assert s.worker_pids() == []
+        assert [r["rank"] for r in read_metrics(str(tmp_path / "run"))["ranks"]] == [0, 1]
+        assert any(e["kind"] == "checkpoint" for e in read_metrics(str(tmp_path / "run"))["events"])  # history kept
+    finally:
+        s.close()
