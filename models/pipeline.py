@@ -55,7 +55,6 @@ overrun is the delay prefill imposes on training, one bounded piece at most). A 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -66,9 +65,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from models.collectives import ProcessGroupCollectives
-from models.optim import OptimConfig, decay_ranges, global_grad_norm_sq
-from models.runtime import shard_bounds
-from models.sharded import SEED_STRIDE, ShardedRuntime, StepResult, UnitState, host_float
+from models.optim import OptimConfig
+from models.sharded import ShardedRuntime, StepResult, UnitState, host_float
 from planner.core.plan import PipelineSpec
 from planner.core.specs import ModelSpec
 from planner.core.units import runtime_units
@@ -165,27 +163,6 @@ class _Transfer:
         self.keep = None
 
 
-class _StepComm:
-    """The comm ShardedRuntime._finish_step sees on a pipeline rank: its one all-reduce (squared norm,
-    overflow flag, loss) goes over the WORLD, every stage's squares and the last stage's losses, with
-    the tied replica's squares taken out first (the first stage counts that unit); its all-gathers of
-    the updated slices stay inside the stage."""
-
-    def __init__(self, rt: "PipelineRuntime", t_sync: float):
-        self.rt, self.t_sync = rt, t_sync
-
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
-        rt = self.rt
-        if rt.replica:
-            t[0] -= global_grad_norm_sq(u.grad for u in rt.units if u.index == 0).to(t.device)
-        dist.all_reduce(t)
-        rt.comm_done = time.time()
-        rt._note("grad_sync", -1, self.t_sync, rt.comm_done)
-
-    def all_gather(self, *args, **kwargs):
-        return self.rt.stage_comm.all_gather(*args, **kwargs)
-
-
 @dataclass(frozen=True)
 class _Absent:
     """A unit this rank does not hold: the empty slice [numel, numel) (nothing saved, nothing loaded;
@@ -257,8 +234,7 @@ class PipelineRuntime(ShardedRuntime):
         self.blocks = [self.model.blocks[l] for l in range(st.first_layer, st.first_layer + st.num_layers)]
         self.prev = row_pieces(self.my_rows, pipeline.stages[stage - 1].rows) if not self.first else []
         self.next = row_pieces(self.my_rows, pipeline.stages[stage + 1].rows) if not self.last else []
-        self.stage_comm = comm
-        self.comm_done = 0.0
+        self.comm_done, self._t_sync = 0.0, 0.0
         self.ops_order = schedule_ops(pipeline.schedule, S, stage, pipeline.num_microbatches)
 
     def __repr__(self) -> str:
@@ -266,33 +242,8 @@ class PipelineRuntime(ShardedRuntime):
                 f"units {[u.name for u in self.units]})")
 
     # ---- layout: ShardedRuntime's units, only this stage's --------------------------------------
-    def _build_units(self, seed: int, materialize: bool) -> list[UnitState]:
-        layout, groups = runtime_units(self.spec), self._unit_modules()
-        units = []
-        for i in self._unit_ids:
-            lu, mods = layout[i], groups[i]
-            slots = [(sub, name) for mod in mods for sub in mod.modules()
-                     for name, _ in sub.named_parameters(recurse=False)]
-            shapes = [tuple(getattr(sub, name).shape) for sub, name in slots]
-            offsets = [sum(math.prod(s) for s in shapes[:k]) for k in range(len(shapes))]
-            bounds = shard_bounds(lu.numel, self.fractions)
-            s, e = bounds[self.position]
-            full = torch.empty(lu.numel, dtype=torch.float32, device=self.device)
-            params = []
-            for (sub, name), o, shape in zip(slots, offsets, shapes):
-                param = torch.nn.Parameter(full[o:o + math.prod(shape)].view(shape))
-                sub._parameters[name] = param
-                params.append(param)
-            unit = UnitState(lu.name, i, params, offsets, lu.numel, bounds, s, e, master=full[s:e],
-                             exp_avg=torch.zeros(e - s, device=self.device),
-                             exp_avg_sq=torch.zeros(e - s, device=self.device),
-                             grad=torch.empty(e - s, device=self.device),
-                             decay=decay_ranges(shapes, s, e), full=full, held=True)
-            if materialize:  # the same generator as ShardedRuntime: seed·SEED_STRIDE + global unit index
-                self._init_unit(mods, torch.Generator(device=self.device).manual_seed(seed * SEED_STRIDE + i))
-            unit.grad.untyped_storage().resize_(0)
-            units.append(unit)
-        return units
+    def _unit_indices(self) -> list[int]:
+        return self._unit_ids
 
     # ---- communication ----------------------------------------------------------------------------
     def _peer(self, stage: int, j: int) -> int:
@@ -451,15 +402,23 @@ class PipelineRuntime(ShardedRuntime):
                 self._reduce(u)
 
     def _finish(self, loss: float, lr: float, scale: float, t_sync: float) -> PipelineStepResult:
-        """ShardedRuntime's step end (norm, overflow, clipping, AdamW, the all-gather) with `_StepComm`:
-        its stats all-reduce spans the world and its gathers stay in the stage."""
-        stage_comm, self.comm = self.comm, _StepComm(self, t_sync)
-        try:
-            r = self._finish_step(loss, lr, scale)
-        finally:
-            self.comm = stage_comm
+        """ShardedRuntime's step end (norm, overflow, clipping, AdamW, the all-gathers inside the stage)
+        with this runtime's `_norm_units` and `_reduce_stats`."""
+        self._t_sync = t_sync
+        r = self._finish_step(loss, lr, scale)
         self._note("optimizer", -1, self.comm_done, time.time())  # AdamW and the all-gather
         return PipelineStepResult(**r.__dict__)
+
+    def _norm_units(self) -> list[UnitState]:
+        """The global norm counts the tied replica once: on the first stage, not on the last."""
+        return [u for u in self.units if not (self.replica and u.index == 0)]
+
+    def _reduce_stats(self, stats: torch.Tensor) -> None:
+        """The step's (squared norm, overflow flag, loss) summed over the WORLD: every stage's squares
+        and the last stage's losses (the all-gathers of the updated slices stay inside the stage)."""
+        dist.all_reduce(stats)
+        self.comm_done = time.time()
+        self._note("grad_sync", -1, self._t_sync, self.comm_done)
 
     # ---- checkpoints (executor/checkpoint.py's logical format) ------------------------------------
     def checkpoint_view(self, save: bool) -> "_CheckpointView":

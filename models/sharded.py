@@ -60,7 +60,7 @@ from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coef
                           global_grad_norm_sq)
 from models.runtime import shard_bounds
 from planner.core.specs import ModelSpec
-from planner.core.units import ZERO_STAGES, runtime_units
+from planner.core.units import ZERO_STAGES, Unit, runtime_units
 
 log = logging.getLogger(__name__)
 
@@ -147,46 +147,53 @@ class ShardedRuntime:
         head = [m.norm] + ([m.lm_head] if m.lm_head is not None else [])
         return [embed, *[[b] for b in m.blocks], head]
 
+    def _unit_indices(self) -> list[int]:
+        """Global indices (planner/core/units.py order) of the units this rank holds: all of them here
+        (models/pipeline.py: its stage's)."""
+        return list(range(len(runtime_units(self.spec))))
+
     def _build_units(self, seed: int, materialize: bool) -> list[UnitState]:
-        layout = runtime_units(self.spec)
-        groups = self._unit_modules()
-        units = []
-        for i, (lu, mods) in enumerate(zip(layout, groups)):
-            # (owning module, attribute) of each parameter, in registration order
-            slots = [(sub, name) for mod in mods for sub in mod.modules()
-                     for name, _ in sub.named_parameters(recurse=False)]
-            offsets, off, shapes = [], 0, []
-            for sub, name in slots:
-                offsets.append(off)
-                shapes.append(tuple(getattr(sub, name).shape))
-                off += math.prod(shapes[-1])
-            if off != lu.numel:
-                raise AssertionError(f"unit {lu.name}: modules hold {off} parameters, planner/core/units.py says {lu.numel}")
-            bounds = shard_bounds(lu.numel, self.fractions)
-            s, e = bounds[self.position]
-            full = torch.empty(lu.numel, dtype=torch.float32, device=self.device)
-            params = []
-            for (sub, name), o, shape in zip(slots, offsets, shapes):
-                # the meta parameter becomes a view of the unit's full buffer, for good
-                param = nn.Parameter(full[o:o + math.prod(shape)].view(shape))
-                sub._parameters[name] = param
-                params.append(param)
-            unit = UnitState(lu.name, i, params, offsets, lu.numel, bounds, s, e, master=full[s:e],
-                             exp_avg=torch.zeros(e - s, device=self.device),
-                             exp_avg_sq=torch.zeros(e - s, device=self.device),
-                             grad=torch.empty(e - s, device=self.device),
-                             decay=decay_ranges(shapes, s, e), full=full, held=True)
-            if materialize:
-                gen = torch.Generator(device=self.device).manual_seed(seed * SEED_STRIDE + i)
-                self._init_unit(mods, gen)
-            unit.grad.untyped_storage().resize_(0)  # no gradient until the unit's first reduce
-            if self.zero == 3:  # keep the slice only; the full unit dies before the next one exists
-                unit.master = full[s:e].clone()
-                self._release(unit)
-            else:
-                unit.master = full[s:e]
-            units.append(unit)
-        return units
+        layout, groups = runtime_units(self.spec), self._unit_modules()
+        return [self._build_unit(i, layout[i], groups[i], seed, materialize) for i in self._unit_indices()]
+
+    def _build_unit(self, i: int, lu: Unit, mods: list[nn.Module], seed: int, materialize: bool) -> UnitState:
+        """Unit i (layout entry `lu`, its modules `mods`): one flat fp32 buffer whose views become the
+        modules' parameters, this rank's slice, its moments and (empty) gradient; initialized from the
+        generator seed·SEED_STRIDE + i, so a unit's weights do not depend on which units a rank holds."""
+        # (owning module, attribute) of each parameter, in registration order
+        slots = [(sub, name) for mod in mods for sub in mod.modules()
+                 for name, _ in sub.named_parameters(recurse=False)]
+        offsets, off, shapes = [], 0, []
+        for sub, name in slots:
+            offsets.append(off)
+            shapes.append(tuple(getattr(sub, name).shape))
+            off += math.prod(shapes[-1])
+        if off != lu.numel:
+            raise AssertionError(f"unit {lu.name}: modules hold {off} parameters, planner/core/units.py says {lu.numel}")
+        bounds = shard_bounds(lu.numel, self.fractions)
+        s, e = bounds[self.position]
+        full = torch.empty(lu.numel, dtype=torch.float32, device=self.device)
+        params = []
+        for (sub, name), o, shape in zip(slots, offsets, shapes):
+            # the meta parameter becomes a view of the unit's full buffer, for good
+            param = nn.Parameter(full[o:o + math.prod(shape)].view(shape))
+            sub._parameters[name] = param
+            params.append(param)
+        unit = UnitState(lu.name, i, params, offsets, lu.numel, bounds, s, e, master=full[s:e],
+                         exp_avg=torch.zeros(e - s, device=self.device),
+                         exp_avg_sq=torch.zeros(e - s, device=self.device),
+                         grad=torch.empty(e - s, device=self.device),
+                         decay=decay_ranges(shapes, s, e), full=full, held=True)
+        if materialize:
+            gen = torch.Generator(device=self.device).manual_seed(seed * SEED_STRIDE + i)
+            self._init_unit(mods, gen)
+        unit.grad.untyped_storage().resize_(0)  # no gradient until the unit's first reduce
+        if self.zero == 3:  # keep the slice only; the full unit dies before the next one exists
+            unit.master = full[s:e].clone()
+            self._release(unit)
+        else:
+            unit.master = full[s:e]
+        return unit
 
     @torch.no_grad()
     def _init_unit(self, mods: list[nn.Module], gen: torch.Generator) -> None:
@@ -466,12 +473,12 @@ class ShardedRuntime:
 
     @torch.no_grad()
     def _finish_step(self, loss: float, lr: float, scale: float) -> StepResult:
-        sq = global_grad_norm_sq(u.grad for u in self.units).to(self.device)  # fp64 scalar
+        sq = global_grad_norm_sq(u.grad for u in self._norm_units()).to(self.device)  # fp64 scalar
         # one all-reduce for the squared norm, the overflow flag and the step's loss
         stats = torch.stack([sq, torch.tensor(0.0 if math.isfinite(host_float(sq)) else 1.0, dtype=torch.float64,
                                               device=self.device),
                              torch.tensor(loss, dtype=torch.float64, device=self.device)])
-        self.comm.all_reduce(stats, "sum")
+        self._reduce_stats(stats)
         loss = host_float(stats[2])
         found_inf = host_float(stats[1]) > 0 or not math.isfinite(host_float(stats[0]))
         scale_used = self.scaler.scale
@@ -500,6 +507,16 @@ class ShardedRuntime:
             for w in works:
                 w.wait()
         return StepResult(loss, norm, False, self._clock[0], self._clock[1], scale_used, optimizer_s)
+
+    def _norm_units(self) -> list[UnitState]:
+        """The units whose gradients the global norm counts on this rank (models/pipeline.py leaves out
+        the tied replica, counted by the first stage)."""
+        return self.units
+
+    def _reduce_stats(self, stats: torch.Tensor) -> None:
+        """Sum the step's (squared norm, overflow flag, loss) over every rank that trains the model: the
+        data-parallel group here (models/pipeline.py: the world, every stage)."""
+        self.comm.all_reduce(stats, "sum")
 
     def _free_slice_grads(self) -> None:
         """Between steps a rank holds no gradient at all (as FSDP2): the slices' storage is resized

@@ -187,7 +187,7 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
             moment("embed_backward", (act - per_mb, ahead, dense + piece))
         live -= 1
         backs += 1
-    largest_slice = max(owned)
+    largest_slice = max(owned[1:] if replica else owned)  # the norm leaves out the tied replica
     phases["step"] = (0, 0, FP32_BYTES * sum(owned) + 2 * FP32_BYTES * min(largest_slice, STEP_CHUNK_NUMEL) - grads)
     state = params + grads + optimizer + inputs
     totals = {k: state + sum(v) for k, v in phases.items()}
