@@ -7,7 +7,8 @@
 #    python3-venv (when the interpreter has no ensurepip), postgresql (PostgreSQL store
 #    tests), slurmd slurmctld munge slurm-client (SLURM tests), chromium (the browser
 #    test: playwright drives /usr/bin/chromium, never a browser build of its own) and
-#    iproute2 (network namespaces of the SLURM test cluster).
+#    iproute2 and util-linux (`ip`, `tc`, `nsenter`: network namespaces of the SLURM test
+#    cluster and of the emulated datacenters, `executor launch --emulate-wan`).
 # torch stays torch==2.13.0 and must be a CPU build: the script refuses to let pip pull a
 # CUDA build (see check_torch_is_cpu).
 #
@@ -53,7 +54,7 @@ install_debian_packages() {
   # Debian's own python3 makes venvs only with python3-venv (its ensurepip wheels)
   case "$(readlink -f "$(command -v "$PY")")" in /usr/bin/*) want+=(python3-venv) ;; esac
   if [ "${GPUMIX_SKIP_TEST_PACKAGES:-0}" != 1 ]; then
-    want+=(postgresql slurmd slurmctld munge slurm-client chromium iproute2)
+    want+=(postgresql slurmd slurmctld munge slurm-client chromium iproute2 util-linux)
   fi
   [ "${#want[@]}" -gt 0 ] || return 0
   if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
