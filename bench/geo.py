@@ -15,15 +15,17 @@ WAN and utilization with prefill >= 90 %; everywhere (issue 12) the plan no slow
 baseline (speedup >= 1 against each); wherever the plan leaves bubbles (issue 15) utilization
 with prefill >= 90 %, printed beside training-only utilization.
 
-Why prefill falls short, per scenario (`idle_breakdown`): each iteration's GPU time split into
-training, gradient sync + optimizer (neither utilization nor a gap prefill may take), prefill, and
-the idle time left: on stages whose free memory cannot hold the prefill model, in gaps shorter than
-the quickest prompt's whole prefill (BubbleTea's simulator places a request inside ONE gap), and in
-long-enough gaps (fragments, or no request waiting at the scenario's arrival rate).
-`util_bound_chunked` = 1 - sync/optimizer - ineligible: what chunked prefill across gaps (as
-executor/prefill.py runs it: a layer of a token chunk at a time, the KV cache kept in between) could
-reach with requests always waiting, the chunks' granularity not counted: an upper bound, exact
-arithmetic on the same simulation. Every figure is simulated from the cost
+Why prefill falls short, per scenario (`idle_breakdown`): each iteration's GPU compute time split
+into training, optimizer steps, prefill, and the compute-idle time left: on stages whose free memory
+cannot hold the prefill model (`idle_ineligible`) and on eligible ones (`idle_unfilled`: gap ends no
+layer x chunk unit fits, or no request waiting at the scenario's arrival rate). Prefill is chunked
+across gaps as executor/prefill.py runs it and also fills the gradient collectives' time (`sync`,
+shown beside: the GPU's compute idles there). `util_bound` = 1 - optimizer - ineligible: what
+prefill could reach with a unit for every idle instant. `offered`, `served`, `served_share`: the
+requests arriving in the iteration (rate mode), those completed in it, and the share; `prefill_limit`
+says what limits prefill: `arrivals` when every offered request was started and idle compute stayed
+(the workload offers too little: a limit of the scenario's arrival rate, not of the planner),
+`backlog` when requests always wait (the plan's memory and the units' granularity limit it). Every figure is simulated from the cost
 model (profiles: estimated FLOPs / (peak x efficiency) unless measured); the solve time
 is measured on this machine.
 
@@ -44,20 +46,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("GPUMIX_DATA_DIR", tempfile.mkdtemp(prefix="gpumix-bench-geo-"))  # no profile store side effects
 
-from planner.geo.bubbletea import prefill_time_s, steady_state_gaps  # noqa: E402
+from planner.geo.bubbletea import COMPUTE_KINDS, compute_idle_gaps  # noqa: E402
 from planner.geo.costs import GeoCosts  # noqa: E402
 from planner.geo.evaluate import GeoReport, simulate_dp_baseline, simulate_geo, solve_each_dc  # noqa: E402
 from planner.geo.scenario import GeoScenario  # noqa: E402
-from planner.core.specs import get_model  # noqa: E402
 
 PAPER_LIKE = "paper_like"
 TARGET_SPEEDUP_VS_DP = 10.0
 TARGET_UTIL_WITH_PREFILL = 0.90
 BUBBLE_EPS = 1e-6  # training-only utilization below 1 - this: the plan has bubbles
 UTIL_COLUMNS = ["scenario", "plan_stages", "plan_dp", "bubbles", "gpu_util_training", "gpu_util_prefill",
-                "util_bound_chunked",
-                "time_training", "time_sync_and_optimizer", "time_prefill", "time_idle_ineligible",
-                "time_idle_short_gaps", "time_idle_left_in_gaps"]
+                "util_bound", "offered", "served", "served_share", "prefill_limit",
+                "time_training", "time_optimizer", "time_prefill", "time_idle_ineligible", "time_idle_unfilled",
+                "time_sync"]
 SPEEDUPS = ("speedup_vs_single_dc", "speedup_vs_dp", "speedup_vs_dp_best_subset", "speedup_vs_pp_fair",
             "speedup_vs_even_split")
 
@@ -76,40 +77,28 @@ def best_dp_subset(scenario: GeoScenario) -> tuple[float | None, list[str]]:
 
 
 def idle_breakdown(report: GeoReport) -> dict:
-    """Where one iteration's GPU time goes, as shares of num_gpus × iteration (they sum to 1):
-    training compute (F, B), the gradient sync and optimizer steps (not utilization, and no gap for
-    prefill either), prefill, and the idle time prefill did not take: on stages whose free memory
-    cannot hold the prefill model (`idle_ineligible`), in gaps shorter than the quickest servable
-    prompt (`idle_short_gaps`), and what stayed free in gaps long enough (`idle_left_in_gaps`:
-    fragments shorter than every waiting request, or no request waiting in rate mode). It says why
-    utilization with prefill falls short of 100 %."""
+    """Where one iteration's GPU compute time goes, as shares of num_gpus × iteration (they sum to
+    1): training compute (F, B), the optimizer steps, prefill, and the compute-idle time prefill did
+    not take: on stages whose free memory cannot hold the prefill model (`idle_ineligible`), and on
+    eligible ones (`idle_unfilled`: the pieces of gaps no layer × chunk unit fits, or no request
+    waiting in rate mode). `sync` (info, not in the sum): the share of time in gradient collectives,
+    idle compute that prefill may fill. It says why utilization with prefill falls short of 100 %."""
     sim, pre = report.sim, report.prefill
     T, n = sim.iteration_s, sim.job.num_gpus
     total = n * T
-    step = sum(o.end_s - o.start_s for o in sim.ops + sim.step_ops if o.kind not in ("F", "B"))
-    out = {"training": sim.compute_busy_s() / total, "sync_and_optimizer": step / total,
-           "prefill": 0.0, "idle_ineligible": 0.0, "idle_short_gaps": 0.0, "idle_left_in_gaps": 0.0}
+    ops = sim.ops + sim.step_ops
+    out = {"training": sim.compute_busy_s() / total,
+           "optimizer": sum(o.end_s - o.start_s for o in ops if o.kind == "OPT") / total,
+           "prefill": 0.0, "idle_ineligible": 0.0, "idle_unfilled": 0.0,
+           "sync": sum(o.end_s - o.start_s for o in ops if o.kind not in (*COMPUTE_KINDS, "P")) / total}
     eligible = set(pre.eligible_stages) if pre is not None else set()
-    quickest: dict[int, float] = {}
-    if pre is not None and eligible:
-        inf = report.scenario.inference
-        spec = get_model(inf.model)
-        shortest = min(t for t, _ in inf.prompt_tokens)
-        quickest = {j: prefill_time_s(spec, shortest, report.plan.stages[j].gpu_type, report.scenario.dtype)
-                    for j in eligible}
     for r in range(sim.job.num_pipelines):
         for j in range(sim.job.num_stages):
-            gaps = steady_state_gaps(sim.idle_intervals(r, j), T)
-            idle = sum(e - s for s, e in gaps)
-            if j not in eligible:
-                out["idle_ineligible"] += idle / total
-                continue
-            short = sum(e - s for s, e in gaps if e - s < quickest[j])
-            out["idle_short_gaps"] += short / total
-            out["idle_left_in_gaps"] += (idle - short) / total
+            idle = sum(e - s for s, e in compute_idle_gaps(sim, r, j)) / total
+            out["idle_ineligible" if j not in eligible else "idle_unfilled"] += idle
     if pre is not None:
         out["prefill"] = pre.prefill_busy_s / total
-        out["idle_left_in_gaps"] -= out["prefill"]
+        out["idle_unfilled"] -= out["prefill"]
     return out
 
 
@@ -153,7 +142,16 @@ def bench(path: str) -> dict:
         "wall_s": wall,
         **{f"time_{k}": v for k, v in idle_breakdown(report).items()},
     }
-    row["util_bound_chunked"] = 1 - row["time_sync_and_optimizer"] - row["time_idle_ineligible"]
+    row["util_bound"] = 1 - row["time_optimizer"] - row["time_idle_ineligible"]
+    pre = out["prefill"] or {}
+    row["offered"] = pre.get("prefill_requests_offered")
+    row["served"] = pre.get("prefill_requests_served")
+    row["served_share"] = pre.get("prefill_offered_share_served")
+    # what limits prefill: the workload's arrivals (every offered request started, idle time left),
+    # or the plan (memory, the units' granularity)
+    row["prefill_limit"] = ("arrivals" if pre.get("prefill_arrival_limited") else
+                            "backlog" if out["prefill"] and row["offered"] is None else
+                            "-" if not out["prefill"] else "gpu_time")
     return row
 
 

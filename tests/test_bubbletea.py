@@ -1,8 +1,9 @@
-"""BubbleTea: prefill fills idle intervals only, never moves training, respects memory."""
+"""BubbleTea: chunked prefill fills idle compute only, never moves training, respects memory."""
 import pytest
 
-from planner.geo.bubbletea import (prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
-                               steady_state_gaps)
+from planner.geo.bubbletea import (COMPUTE_KINDS, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
+                                  prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
+                                  split_reservations, steady_state_gaps, training_unchanged)
 from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
@@ -27,10 +28,31 @@ def test_prefill_never_moves_a_training_operation():
     sim = simulate_pipeline(wan_job())
     pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, [40 * 2**30] * 4, backlog(), GPT2)
     assert len(pre.placements) > 10  # there is something to check
-    again = simulate_pipeline(sim.job, reservations(pre))
+    reserved, during = split_reservations(pre, sim)
+    assert during  # some prefill runs inside a gradient collective (idle compute)
+    again = simulate_pipeline(sim.job, reserved)
     assert again.training_ops() == sim.training_ops()
     assert again.iteration_s == sim.iteration_s
+    assert training_unchanged(sim, pre)
     assert pre.gpu_utilization_with_prefill() > sim.gpu_utilization()
+
+
+def test_the_check_catches_prefill_over_a_compute_op():
+    # negative controls: a piece over a forward (reserved: it moves) or over a collective and a forward
+    sim = simulate_pipeline(wan_job())
+    f = next(o for o in sim.ops if o.kind == "F" and o.stage == 2)
+    ar = next(o for o in sim.ops if o.kind == "AR")
+    bad = PrefillResult(sim.iteration_s, sim.job.num_gpus, 0.0, (2,),
+                        [PrefillPlacement(0, 128, f.pipeline, 2, 0.0, f.start_s, f.end_s)])
+    assert not training_unchanged(sim, bad)
+    prev = max((o for o in sim.ops if (o.pipeline, o.stage) == (ar.pipeline, ar.stage)
+                and o.kind in COMPUTE_KINDS and o.end_s <= ar.start_s + 1e-12), key=lambda o: o.end_s)
+    over = PrefillResult(sim.iteration_s, sim.job.num_gpus, 0.0, (ar.stage,),
+                         [PrefillPlacement(0, 128, ar.pipeline, ar.stage, 0.0, prev.end_s - 1e-3, ar.end_s)])
+    assert not training_unchanged(sim, over)
+    inside = PrefillResult(sim.iteration_s, sim.job.num_gpus, 0.0, (ar.stage,),
+                           [PrefillPlacement(0, 128, ar.pipeline, ar.stage, 0.0, ar.start_s, ar.end_s)])
+    assert training_unchanged(sim, inside)
 
 
 def test_the_comparison_would_catch_a_moved_operation():
@@ -41,7 +63,7 @@ def test_the_comparison_would_catch_a_moved_operation():
     assert moved.training_ops() != sim.training_ops()
 
 
-def test_placements_fit_gaps_and_never_overlap():
+def test_pieces_fit_idle_compute_and_never_overlap():
     sim = simulate_pipeline(wan_job())
     pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, [40 * 2**30] * 4, backlog(), GPT2)
     T = sim.iteration_s
@@ -49,15 +71,42 @@ def test_placements_fit_gaps_and_never_overlap():
         taken = sorted(taken)
         for (s1, e1), (s2, e2) in zip(taken, taken[1:]):
             assert e1 <= s2 + 1e-12
-        train = [(o.start_s, o.end_s) for o in sim.ops if (o.pipeline, o.stage) == (r, j)]
+        train = [(o.start_s, o.end_s) for o in sim.ops + sim.step_ops
+                 if (o.pipeline, o.stage) == (r, j) and o.kind in COMPUTE_KINDS]
         for s, e in taken:
             assert 0 <= s < e <= T + 1e-12
             assert all(e <= ts + 1e-12 or s >= te - 1e-12 for ts, te in train)
-    # each request's duration is the prefill time of its length on that GPU type
-    took = {n: prefill_time_s(GPT2, n, "A100-80GB") for n in (128, 256, 512)}
+    assert pre.prefill_tokens_per_s() == pytest.approx(sum(p.tokens for p in pre.served) / T)
+
+
+def test_a_request_is_chunked_across_gaps_at_layer_granularity():
+    sim = simulate_pipeline(wan_job())
+    big, n = get_model("llama3-8b"), 2048
+    whole = prefill_time_s(big, n, "A100-80GB")
+    gaps = {(0, j): compute_idle_gaps(sim, 0, j) for j in range(4)}
+    short = {k: [(s, e) for s, e in g if e - s < whole] for k, g in gaps.items()}
+    assert any(short.values())  # the job has gaps shorter than one whole prefill
+    units = UnitTimes(big, "A100-80GB", "bf16")
+    assert units.unit_s(0, n) * big.num_layers == pytest.approx(whole)  # one chunk: the unchunked time
+    assert units.unit_s(1024, 1024) >= units.unit_s(0, 1024)  # a later chunk attends to more cached keys
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, [60 * 2**30] * 4, backlog((n,)), big)
+    pieces: dict[int, list] = {}
     for p in pre.placements:
-        assert p.end_s - p.start_s == pytest.approx(took[p.tokens])
-    assert pre.prefill_tokens_per_s() == pytest.approx(sum(p.tokens for p in pre.placements) / T)
+        pieces.setdefault(p.request, []).append(p)
+        assert p.units >= 1
+    split = [ps for ps in pieces.values() if len(ps) > 1 and ps[-1].done]
+    assert split  # some request ran across gaps and finished
+    for ps in split:
+        assert [p.done for p in ps] == [False] * (len(ps) - 1) + [True]
+        assert len({(p.pipeline, p.stage) for p in ps}) == 1  # its KV cache stays on one GPU
+        # chunking never makes a prompt cheaper than its unchunked pass
+        assert sum(p.end_s - p.start_s for p in ps) >= whole * (1 - 1e-9)
+        assert sum(p.units for p in ps) >= big.num_layers
+    # gaps shorter than a whole prefill are used too (a whole-request placement leaves them empty)
+    in_short = [p for p in pre.placements if p.pipeline == 0 and any(
+        s - 1e-12 <= p.start_s and p.end_s <= e + 1e-12 for s, e in short[(0, p.stage)])]
+    assert in_short
+    assert training_unchanged(sim, pre)
 
 
 def test_memory_left_by_training_decides_which_stages_serve():
@@ -77,12 +126,26 @@ def test_rate_mode_serves_at_most_what_arrives_with_causal_ttft():
     sim = simulate_pipeline(wan_job())
     wl = InferenceWorkload("gpt2", ((256, 1.0),), requests_per_s=20.0)
     pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, [40 * 2**30] * 4, wl, GPT2)
-    assert 0 < len(pre.placements) <= pre.requests_offered
+    assert 0 < len(pre.served) <= pre.requests_offered
     took = prefill_time_s(GPT2, 256, "A100-80GB")
     for p in pre.placements:
         assert p.start_s >= p.arrival_s
     assert min(pre.ttft_s()) >= took - 1e-12
     assert pre.summary()["ttft_mean_s"] >= took
+
+
+def test_a_low_arrival_rate_is_reported_as_the_limit():
+    sim = simulate_pipeline(wan_job())
+    wl = InferenceWorkload("gpt2", ((256, 1.0),), requests_per_s=5.0)
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, [40 * 2**30] * 4, wl, GPT2)
+    summary = pre.summary()
+    assert pre.requests_offered > 0 and pre.arrival_limited()
+    assert summary["prefill_arrival_limited"] is True
+    assert summary["prefill_requests_started"] == pre.requests_offered  # every arrival started
+    assert 0 < summary["prefill_offered_share_served"] <= 1
+    assert pre.prefill_busy_s < pre.fillable_s
+    full = simulate_bubbletea(sim, ["A100-80GB"] * 4, [40 * 2**30] * 4, backlog((256,)), GPT2)
+    assert not full.arrival_limited() and full.prefill_busy_s > pre.prefill_busy_s
 
 
 def test_steady_state_joins_the_tail_and_the_head():

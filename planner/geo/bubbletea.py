@@ -1,22 +1,51 @@
-"""BubbleTea: run inference prefill requests in the bubbles of a training pipeline.
+"""BubbleTea: run inference prefill requests in the idle compute of a training pipeline.
 
-Given one simulated training iteration, place prefill requests into the idle
-intervals of the GPUs whose stage leaves enough memory free for the inference
-model, each request on one GPU and entirely inside one idle interval, so no
-training operation moves (the caller re-simulates with the placements as
-reserved intervals to prove it). A free GPU takes, among the first LOOKAHEAD
-waiting requests, the longest that fits the rest of its gap (best fit, oldest on
-a tie). With `requests_per_s`, requests arrive as a Poisson process with lengths in
-the distribution's proportions, and the time to first token is measured. With a
-backlog, requests of every listed length are always waiting: the bubbles take
-what fits, so the served mix (reported) leans to the shorter prompts.
+Given one simulated training iteration, prefill requests fill the GPU time training's compute does
+not use, on the GPUs whose stage leaves enough memory free for the inference model, so no training
+operation moves (the caller re-simulates with the prefill as reserved intervals to prove it).
 
-Prefill time: the profile store's forward time of one sequence of the prompt's
-length on that GPU type (a third of `get_step_profile(...).step_time_s(1)`; the
-profile counts the LM head over every position, a slight over-estimate).
-Prefill memory (per GPU, documented formula): the 16-bit weights, the KV cache
-`2 · L · n · kv_heads · head_dim` elements, and one layer's transient work
-space `n · (4·h + 2·ffn)` elements, plus one position's fp32 logits.
+Chunked prefill across gaps, as executor/prefill.py runs it: a request's prompt is cut into token
+chunks, and the unit of work is one decoder layer over one chunk, its keys and values kept in a KV
+cache per layer between units (and between gaps: a request started on a GPU finishes there, its
+cache held through the training operations in between). A unit starts only where the whole unit
+fits the rest of the gap; the chunk size is chosen when a chunk starts: the largest of the
+request's remaining tokens and CHUNK_LADDER whose one-layer unit fits the gap's rest (big chunks
+where the gap allows, small ones in short gaps); a layer that no longer fits waits for the GPU's
+next gap. What no unit fits stays idle (the granularity's cost, counted, not assumed away). The
+real worker bounds a unit by a time box because it cannot know when a receive completes; the
+simulator knows each gap's end, so it sizes units to the gap instead.
+
+Which time is fillable: every interval in which the GPU runs no forward, backward or optimizer step,
+including the gradient collectives (AR, TIED, SYNC: data moved over NVLink/IB/TCP while the GPU's
+compute waits), as BubbleTea fills any idle compute training does not need. Assumption, stated: a
+prefill unit overlapping a collective does not slow it (true of the gloo/TCP collectives the
+executor runs over the WAN; NCCL kernels would share SMs and memory bandwidth with it, not priced).
+Such time cannot be passed to the simulator as reserved (a reservation blocks the GPU, the
+collective would move), so `split_reservations` keeps it apart and the caller checks that it
+overlaps no compute operation of the re-simulated timeline. executor/worker.py calls the real
+worker's step() only while waiting for a pipeline receive, not during the gradient sync.
+
+Unit time on a GPU type, from the profile store's forward time P(n) of one n-token sequence (a
+third of `get_step_profile(...).step_time_s(1)`; it counts the LM head over every position, a
+slight over-estimate): a layer over chunk [lo, lo + c) costs max(P(c), P(lo + c) - P(lo)) / L. A
+chunk pays at least a fresh c-token pass (each chunk re-reads the layer's weights), and at least the
+marginal work of extending the prompt from lo to lo + c tokens (attention to the cached keys). One
+chunk of the whole prompt is exactly P(n), the unchunked time.
+
+Prefill memory (per GPU, documented formula): the 16-bit weights, the KV cache of the whole prompt
+`2 · L · n · kv_heads · head_dim` elements (held between chunks and gaps), and one layer's transient
+work space `n · (4·h + 2·ffn)` elements (the largest chunk is the whole prompt), plus one position's
+fp32 logits. A stage qualifies only if it holds the whole inference model: splitting the inference
+model across a pipeline's stages would send each chunk's hidden state across the stage boundaries,
+over the same WAN links whose time training's activations share (temporal sharing), so prefill
+traffic would move training transfers; within one datacenter it would not, but then a chunk's layers
+on stage j wait for stage j-1's units in that stage's own gaps (not modelled here).
+
+Requests: with `requests_per_s`, a seeded Poisson process with lengths in the distribution's
+proportions, served first come first served (the oldest waiting request whose memory fits the
+GPU); the time to first token is arrival -> the last unit's end. With a backlog, requests of every
+listed length always wait, in the distribution's proportions. A request still running at the
+iteration's end counts its work as busy time but is not counted served (nor its tokens).
 """
 from __future__ import annotations
 
@@ -26,18 +55,22 @@ import statistics
 from dataclasses import dataclass, field
 
 from planner.geo.scenario import InferenceWorkload
-from planner.geo.pipeline_sim import SimResult
+from planner.geo.pipeline_sim import SimResult, simulate_pipeline
 from planner.core.specs import ModelSpec, with_max_seq
 from planner.core.constants import DTYPE_BYTES
 
-LOOKAHEAD = 32  # how far down the queue a free GPU looks for a request that fits its gap
-# Requests simulated in one iteration (offered in rate mode, placed with a backlog): each is a
-# Python object and a reserved interval in the re-simulation, so the work stays bounded.
+LOOKAHEAD = 32  # how far down the queue a free GPU looks for a request whose memory fits it
+# Requests simulated in one iteration (offered in rate mode, started with a backlog): each is a
+# Python object and its pieces reserved intervals in the re-simulation, so the work stays bounded.
 MAX_PREFILL_REQUESTS = 100_000
+CHUNK_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)  # chunk sizes (tokens) below a whole prompt
+COMPUTE_KINDS = ("F", "B", "OPT")  # the GPU's training compute; every other op (collectives) leaves it idle
 
 
 @dataclass(frozen=True)
 class PrefillPlacement:
+    """One contiguous piece of a request's prefill on one GPU (its units back to back in one gap);
+    `done` on the request's last piece (its first token is out at end_s)."""
     request: int
     tokens: int
     pipeline: int
@@ -45,6 +78,8 @@ class PrefillPlacement:
     arrival_s: float
     start_s: float
     end_s: float
+    done: bool = True
+    units: int = 0  # layer x chunk units in this piece
 
 
 @dataclass
@@ -57,30 +92,49 @@ class PrefillResult:
     requests_offered: int = 0  # arrivals in the iteration (rate mode); 0 with a backlog
     backlog: bool = False
     note: str = ""
+    fillable_s: float = 0.0  # compute-idle GPU time on the eligible GPUs (what prefill may take)
+    queue_ran_dry: bool = False  # rate mode: every servable request offered was started
 
     @property
     def prefill_busy_s(self) -> float:
         return sum(p.end_s - p.start_s for p in self.placements)
 
+    @property
+    def served(self) -> list[PrefillPlacement]:
+        return [p for p in self.placements if p.done]
+
     def gpu_utilization_with_prefill(self) -> float:
         return (self.training_busy_s + self.prefill_busy_s) / (self.num_gpus * self.iteration_s)
 
     def prefill_tokens_per_s(self) -> float:
-        return sum(p.tokens for p in self.placements) / self.iteration_s
+        """Tokens of the requests completed in the iteration per second (unfinished ones not counted)."""
+        return sum(p.tokens for p in self.served) / self.iteration_s
 
     def ttft_s(self) -> list[float]:
         """Time to first token of each served request: queueing plus prefill (rate mode only)."""
-        return [] if self.backlog else sorted(p.end_s - p.arrival_s for p in self.placements)
+        return [] if self.backlog else sorted(p.end_s - p.arrival_s for p in self.served)
+
+    def arrival_limited(self) -> bool:
+        """Rate mode: the queue ran dry while fillable time remained (too few requests arrive)."""
+        return (not self.backlog and self.queue_ran_dry
+                and self.prefill_busy_s < self.fillable_s * (1 - 1e-9))
 
     def summary(self) -> dict:
         ttft = self.ttft_s()
-        served = [p.tokens for p in self.placements]
+        served = [p.tokens for p in self.served]
+        started = len({p.request for p in self.placements})
         return {
             "served_mean_prompt_tokens": statistics.fmean(served) if served else None,
-            "prefill_requests_served": len(self.placements),
+            "prefill_requests_served": len(served),
+            "prefill_requests_started": started,
             "prefill_requests_offered": None if self.backlog else self.requests_offered,
+            "prefill_offered_share_served": (len(served) / self.requests_offered
+                                             if not self.backlog and self.requests_offered else None),
+            "prefill_arrival_limited": self.arrival_limited(),
             "prefill_tokens_per_s": self.prefill_tokens_per_s(),
             "prefill_busy_s": self.prefill_busy_s,
+            "prefill_fillable_s": self.fillable_s,
+            "prefill_units": sum(p.units for p in self.placements),
             "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
             "eligible_stages": list(self.eligible_stages),
@@ -102,6 +156,28 @@ def prefill_time_s(spec: ModelSpec, tokens: int, gpu_type: str, dtype: str = "bf
     return prof.step_time_s(1) / 3.0
 
 
+class UnitTimes:
+    """One-layer unit times of chunked prefill on one GPU type (module docstring's formula), with
+    the forward times P(n) cached per token count."""
+
+    def __init__(self, spec: ModelSpec, gpu_type: str, dtype: str):
+        self.spec, self.gpu_type, self.dtype = spec, gpu_type, dtype
+        self._p: dict[int, float] = {0: 0.0}
+        self._u: dict[tuple[int, int], float] = {}
+
+    def forward_s(self, n: int) -> float:
+        if n not in self._p:
+            self._p[n] = prefill_time_s(self.spec, n, self.gpu_type, self.dtype)
+        return self._p[n]
+
+    def unit_s(self, lo: int, c: int) -> float:
+        """One decoder layer over tokens [lo, lo + c) of a prompt, the earlier ones cached."""
+        key = (lo, c)
+        if key not in self._u:
+            self._u[key] = max(self.forward_s(c), self.forward_s(lo + c) - self.forward_s(lo)) / self.spec.num_layers
+        return self._u[key]
+
+
 def _request_lengths(workload: InferenceWorkload):
     """An endless deterministic sequence following the distribution (largest deficit first)."""
     counts = [0] * len(workload.prompt_tokens)
@@ -113,42 +189,116 @@ def _request_lengths(workload: InferenceWorkload):
         yield workload.prompt_tokens[k][0]
 
 
+def compute_idle_gaps(sim: SimResult, pipeline: int, stage: int) -> list[tuple[float, float]]:
+    """A GPU's intervals in [0, iteration_s] with no forward, backward or optimizer step (the
+    collectives count as idle compute), joined across the iteration boundary (steady state)."""
+    busy = sorted((o.start_s, o.end_s) for o in sim.ops + sim.step_ops
+                  if o.pipeline == pipeline and o.stage == stage and o.kind in COMPUTE_KINDS)
+    gaps, t = [], 0.0
+    for s, e in busy:
+        if s > t + 1e-12:
+            gaps.append((t, s))
+        t = max(t, e)
+    if sim.iteration_s > t + 1e-12:
+        gaps.append((t, sim.iteration_s))
+    return steady_state_gaps(gaps, sim.iteration_s)
+
+
+class _Gpu:
+    """One eligible GPU's walk through its gaps: `at` is the time it is free, inside gap `gi`."""
+
+    def __init__(self, key: tuple[int, int], gaps: list[tuple[float, float]], units: UnitTimes, fits: set[int]):
+        self.key, self.gaps, self.units, self.fits = key, gaps, units, fits
+        self.gi, self.at = 0, gaps[0][0]
+
+    def seek(self, t: float) -> bool:
+        """Move to the first free time >= t; False when the iteration's gaps are used up."""
+        t = max(t, self.at)
+        while self.gi < len(self.gaps) and self.gaps[self.gi][1] <= t + 1e-12:
+            self.gi += 1
+        if self.gi >= len(self.gaps):
+            return False
+        self.at = max(t, self.gaps[self.gi][0])
+        return True
+
+    def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> None:
+        """Prefill request idx (n tokens) from `at` on, unit by unit across gaps, to its end or the
+        iteration's; appends its pieces."""
+        L = self.units.spec.num_layers
+        lo, layer, c = 0, 0, 0
+        piece_start, piece_units = None, 0
+
+        def close(done: bool) -> None:
+            nonlocal piece_start, piece_units
+            if piece_start is not None:
+                out.append(PrefillPlacement(idx, n, self.key[0], self.key[1], arrival, piece_start, self.at,
+                                            done, piece_units))
+            piece_start, piece_units = None, 0
+
+        while True:
+            rest = self.gaps[self.gi][1] - self.at
+            if layer == 0:  # a new chunk: the largest that fits the gap's rest
+                left = n - lo
+                c = next((k for k in (left, *(k for k in CHUNK_LADDER if k < left))
+                          if self.units.unit_s(lo, k) <= rest + 1e-12), 0)
+                took = self.units.unit_s(lo, c) if c else None
+            else:
+                took = self.units.unit_s(lo, c)
+                if took > rest + 1e-12:
+                    took = None
+            if took is None:  # nothing fits the rest of this gap: the next gap
+                close(False)
+                self.gi += 1
+                if self.gi >= len(self.gaps):
+                    return
+                self.at = self.gaps[self.gi][0]
+                continue
+            if piece_start is None:
+                piece_start = self.at
+            self.at += took
+            piece_units += 1
+            layer += 1
+            if layer == L:
+                lo, layer = lo + c, 0
+                if lo >= n:
+                    close(True)
+                    return
+
+
 def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
                        workload: InferenceWorkload, spec: ModelSpec, dtype: str = "bf16",
                        seed: int = 0) -> PrefillResult:
-    """Place `workload`'s prefill requests into `sim`'s idle intervals (one iteration)."""
+    """Prefill `workload`'s requests, chunked, in `sim`'s idle compute (one iteration)."""
     T = sim.iteration_s
     lengths = sorted({t for t, _ in workload.prompt_tokens})
     need = {n: prefill_memory_bytes(spec, n, dtype) for n in lengths}
-    # per stage: prefill time of each prompt length that fits the memory training leaves free
-    dur: dict[int, dict[int, float]] = {}
-    took = {(g, n): prefill_time_s(spec, n, g, dtype) for g in set(stage_gpu_types) for n in lengths}
-    for j, (g, free) in enumerate(zip(stage_gpu_types, stage_free_bytes)):
-        fits = {n: took[(g, n)] for n in lengths if need[n] <= free}
-        if fits:
-            dur[j] = fits
-    gaps = {(r, j): steady_state_gaps(sim.idle_intervals(r, j), T) for r in range(sim.job.num_pipelines) for j in dur}
-    # a prompt length that fits no GPU's memory or no gap can never be served by this job
-    longest = {j: max((e - s for (_, jj), g in gaps.items() if jj == j for s, e in g), default=0.0) for j in dur}
-    servable = {n for j in dur for n, t in dur[j].items() if t <= longest[j]}
-    res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(dur)), backlog=workload.backlog)
-    if not servable:
-        res.note = (f"no stage has both {min(need.values()) / 2**30:.1f} GiB free for {spec.name} prefill "
-                    f"and an idle interval long enough")
+    fits = {j: {n for n in lengths if need[n] <= free} for j, free in enumerate(stage_free_bytes)}
+    fits = {j: f for j, f in fits.items() if f}
+    units = {g: UnitTimes(spec, g, dtype) for g in {stage_gpu_types[j] for j in fits}}
+    gpus = []
+    for r in range(sim.job.num_pipelines):
+        for j in sorted(fits):
+            gaps = compute_idle_gaps(sim, r, j)
+            if gaps:
+                gpus.append(_Gpu((r, j), gaps, units[stage_gpu_types[j]], fits[j]))
+    res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(fits)), backlog=workload.backlog)
+    res.fillable_s = sum(e - s for g in gpus for s, e in g.gaps)
+    servable = set().union(*fits.values()) if fits else set()
+    if not servable or not gpus:
+        res.note = (f"no stage has {min(need.values()) / 2**30:.1f} GiB free for {spec.name} prefill"
+                    if not servable else "no eligible GPU has idle compute")
         return res
     if servable != set(lengths):
-        res.note = f"prompt lengths {sorted(set(lengths) - servable)} fit no GPU's free memory or idle interval"
+        res.note = f"prompt lengths {sorted(set(lengths) - servable)} fit no GPU's free memory"
 
-    # the queue: (arrival, index, tokens); a backlog holds one of each servable length, refilled
+    # the queue: (arrival, index, tokens), in arrival order
+    gen = _request_lengths(workload)
     queue: list[tuple[float, int, int]] = []
-    if workload.backlog:
-        queue = [(0.0, i, n) for i, n in enumerate(sorted(servable))]
-    else:
+    if not workload.backlog:
         expected = workload.requests_per_s * T
         if expected > MAX_PREFILL_REQUESTS:
             raise ValueError(f"inference: requests_per_s {workload.requests_per_s:g} over a {T:.3g} s iteration is "
                              f"{expected:.3g} requests, over the simulator's limit of {MAX_PREFILL_REQUESTS}")
-        gen = _request_lengths(workload)
         rng, t = random.Random(seed), 0.0
         while True:
             t += rng.expovariate(workload.requests_per_s)
@@ -156,40 +306,43 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
                 break
             queue.append((t, len(queue), next(gen)))
         res.requests_offered = len(queue)
+        queue = [q for q in queue if q[2] in servable]  # unservable lengths stay unserved (counted offered)
     next_index = len(queue)
 
-    queue = [q for q in queue if q[2] in servable]  # unservable lengths stay unserved (rate mode: counted)
-    # a heap of (time the GPU is free for prefill, gpu, gap index) over every eligible GPU's gaps
-    heap = [(g[0][0], w, 0) for w, g in gaps.items() if g]
+    def backlog_fill() -> None:
+        nonlocal next_index
+        while len(queue) < LOOKAHEAD:
+            n = next(gen)
+            if n in servable:
+                queue.append((0.0, next_index, n))
+            next_index += 1
+
+    heap = [(g.at, i) for i, g in enumerate(gpus)]
     heapq.heapify(heap)
-    while heap and queue:
-        if len(res.placements) >= MAX_PREFILL_REQUESTS:
-            res.note = (res.note + "; " if res.note else "") + \
-                f"stopped at {MAX_PREFILL_REQUESTS} placed requests (the simulator's limit): a lower bound"
+    started = 0
+    while heap:
+        if workload.backlog:
+            backlog_fill()
+        elif not queue:
+            res.queue_ran_dry = True
             break
-        t, w, gi = heapq.heappop(heap)
-        gap_end = gaps[w][gi][1]
-        pick, longest_fit = None, 0.0
-        for qi, (arrival, idx, n) in enumerate(queue[:LOOKAHEAD]):
-            if arrival > t:
-                break  # the queue is in arrival order
-            took = dur[w[1]].get(n)
-            if took is not None and t + took <= gap_end and took > longest_fit:
-                pick, longest_fit = qi, took  # best fit: the longest waiting request the gap holds
-        if pick is not None:
-            arrival, idx, n = queue.pop(pick)
-            end = t + dur[w[1]][n]
-            res.placements.append(PrefillPlacement(idx, n, w[0], w[1], arrival, t, end))
-            heapq.heappush(heap, (end, w, gi))
-            if workload.backlog:
-                queue.insert(pick, (0.0, next_index, n))
-                next_index += 1
+        t, i = heapq.heappop(heap)
+        g = gpus[i]
+        pick = next((qi for qi, (a, _, n) in enumerate(queue[:LOOKAHEAD]) if a <= t and n in g.fits), None)
+        if pick is None:  # nothing waiting that this GPU can hold: wait for the next such arrival
+            later = next((a for a, _, n in queue if a > t and n in g.fits), None)
+            if later is not None and g.seek(later):
+                heapq.heappush(heap, (g.at, i))
             continue
-        later = next((a for a, _, _ in queue[:LOOKAHEAD] if a > t), None)
-        if later is not None and later < gap_end:
-            heapq.heappush(heap, (later, w, gi))  # wait inside the gap for the next arrival
-        elif gi + 1 < len(gaps[w]):
-            heapq.heappush(heap, (gaps[w][gi + 1][0], w, gi + 1))
+        if started >= MAX_PREFILL_REQUESTS:
+            res.note = (res.note + "; " if res.note else "") + \
+                f"stopped at {MAX_PREFILL_REQUESTS} started requests (the simulator's limit): a lower bound"
+            break
+        arrival, idx, n = queue.pop(pick)
+        started += 1
+        g.run(idx, n, arrival, res.placements)
+        if g.seek(g.at):
+            heapq.heappush(heap, (g.at, i))
     return res
 
 
@@ -214,3 +367,65 @@ def reservations(result: PrefillResult) -> dict[tuple[int, int], list[tuple[floa
             took += [(p.start_s, T)] if p.start_s < T else []
             took.append((max(p.start_s, T) - T, p.end_s - T))
     return out
+
+
+def _subtract(iv: tuple[float, float], cuts: list[tuple[float, float]]) -> tuple[list, list]:
+    """(parts of iv outside every cut, parts inside one); cuts sorted and disjoint."""
+    s, e = iv
+    outside, inside = [], []
+    for cs, ce in cuts:
+        if ce <= s or cs >= e:
+            continue
+        if cs > s:
+            outside.append((s, cs))
+        inside.append((max(s, cs), min(e, ce)))
+        s = ce
+        if s >= e:
+            break
+    if s < e:
+        outside.append((s, e))
+    return outside, inside
+
+
+def split_reservations(result: PrefillResult, sim: SimResult) -> tuple[dict, dict]:
+    """`reservations(result)` split per GPU into (the parts over no training operation: pass them to
+    the simulator as reserved, the parts over a collective: they must overlap no compute operation,
+    which the caller checks on the re-simulated timeline)."""
+    comm: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for o in sim.ops + sim.step_ops:
+        if o.kind not in COMPUTE_KINDS and o.kind != "P" and o.end_s > o.start_s:
+            comm.setdefault((o.pipeline, o.stage), []).append((o.start_s, o.end_s))
+    merged: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for k, ivs in comm.items():
+        m: list[list[float]] = []
+        for s, e in sorted(ivs):
+            if m and s <= m[-1][1]:
+                m[-1][1] = max(m[-1][1], e)
+            else:
+                m.append([s, e])
+        merged[k] = [(s, e) for s, e in m]
+    free, during = {}, {}
+    for k, ivs in reservations(result).items():
+        for iv in ivs:
+            out, inside = _subtract(iv, merged.get(k, []))
+            free.setdefault(k, []).extend(out)
+            if inside:
+                during.setdefault(k, []).extend(inside)
+    return free, during
+
+
+def training_unchanged(sim: SimResult, result: PrefillResult) -> bool:
+    """Whether `result`'s prefill leaves `sim`'s training as it was: re-simulated with the prefill
+    outside the collectives reserved, every training op at the same times, and the prefill inside a
+    collective overlapping no compute op of that timeline."""
+    reserved, during = split_reservations(result, sim)
+    again = simulate_pipeline(sim.job, reserved)
+    before, after = sim.training_ops(), again.training_ops()
+    if before.keys() != after.keys() or any(abs(before[k][0] - after[k][0]) >= 1e-9 or
+                                            abs(before[k][1] - after[k][1]) >= 1e-9 for k in before):
+        return False
+    for o in again.ops + again.step_ops:
+        if o.kind in COMPUTE_KINDS:
+            if any(s < o.end_s - 1e-9 and e > o.start_s + 1e-9 for s, e in during.get((o.pipeline, o.stage), [])):
+                return False
+    return True

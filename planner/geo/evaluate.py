@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from planner.geo.bubbletea import PrefillResult, prefill_memory_bytes, reservations, simulate_bubbletea
+from planner.geo.bubbletea import PrefillResult, prefill_memory_bytes, simulate_bubbletea, training_unchanged
 from planner.geo.atlas import AtlasResult, GeoPlan, StagePlan, build_job, solve_atlas
 from planner.geo.costs import GeoCosts
 from planner.costmodel.collectives import Link, bytes_per_s
@@ -238,18 +238,16 @@ class GeoReport:
 
 
 def run_prefill(scenario: GeoScenario, plan: GeoPlan, sim: SimResult) -> tuple[PrefillResult | None, bool | None]:
-    """BubbleTea on the plan's timeline, and whether the training timeline stays identical with it."""
+    """BubbleTea on the plan's timeline, and whether the training timeline stays identical with it:
+    re-simulated with the prefill outside the collectives reserved (every training op at the same
+    times), and the prefill inside a collective overlapping no compute op of that timeline."""
     if scenario.inference is None:
         return None, None
     spec = get_model(scenario.inference.model)
     free = [s.capacity_bytes - s.memory_bytes for s in plan.stages]
     pre = simulate_bubbletea(sim, [s.gpu_type for s in plan.stages], free, scenario.inference, spec,
                              scenario.dtype)
-    again = simulate_pipeline(sim.job, reservations(pre))
-    before, after = sim.training_ops(), again.training_ops()
-    same = before.keys() == after.keys() and all(
-        abs(before[k][0] - after[k][0]) < 1e-9 and abs(before[k][1] - after[k][1]) < 1e-9 for k in before)
-    return pre, same
+    return pre, training_unchanged(sim, pre)
 
 
 def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool = True) -> GeoReport:
