@@ -137,3 +137,5 @@ def test_runtime_step_posts_each_receive_one_op_ahead():
     assert ops[(0, 1, "F", 1)] == pytest.approx((4.5, 5.5))
     assert ops[(0, 0, "B", 0)] == pytest.approx((5.0, 7.0)) and ops[(0, 0, "B", 1)] == pytest.approx((8.0, 10.0))
     assert r.iteration_s == pytest.approx(10.0)
+    fwd0 = next(t for t in r.transfers if t.direction == "fwd" and t.microbatch == 0)
+    assert fwd1.posted_s == pytest.approx(2.5) and fwd0.posted_s == 0.0  # stage 1's first op posts its own

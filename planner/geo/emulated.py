@@ -233,14 +233,17 @@ def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True
 
 def timeline_rows(sim: SimResult) -> tuple[dict[str, Any], ...]:
     """The simulation as plan rows {"stage", "replica", "op", "mb", "start_s", "end_s"} in the measured
-    timeline's op names; each transfer is a send on its sender and a receive on its receiver."""
+    timeline's op names; each transfer is a send on its sender (from its first byte on the wire) and a
+    receive on its receiver, from when the receive was posted (runtime step; as models/pipeline.py's
+    timeline records it, one op ahead) to the arrival."""
     rows = [{"stage": o.stage, "replica": o.pipeline, "op": OP_NAMES[o.kind], "mb": o.microbatch,
              "start_s": o.start_s, "end_s": o.end_s} for o in sim.ops + sim.step_ops]
     for t in sim.transfers:
         src, dst = (t.hop, t.hop + 1) if t.direction == "fwd" else (t.hop + 1, t.hop)
-        for stage, op in ((src, f"send_{t.direction}"), (dst, f"recv_{t.direction}")):
+        recv_start = t.start_s if t.posted_s is None else min(t.posted_s, t.start_s)
+        for stage, op, start in ((src, f"send_{t.direction}", t.start_s), (dst, f"recv_{t.direction}", recv_start)):
             rows.append({"stage": stage, "replica": t.pipeline, "op": op, "mb": t.microbatch,
-                         "start_s": t.start_s, "end_s": t.end_s})
+                         "start_s": start, "end_s": t.end_s})
     rows.sort(key=lambda r: (r["stage"], r["replica"], r["start_s"], r["end_s"]))
     return tuple(rows)
 

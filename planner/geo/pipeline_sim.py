@@ -141,6 +141,7 @@ class Transfer:
     ready_s: float  # handed to the network
     start_s: float  # first byte on the wire
     end_s: float  # arrived
+    posted_s: float | None = None  # runtime step: when the receiver posted its receive
 
 
 @dataclass
@@ -384,7 +385,8 @@ class _Sim:
 
     def arrive_at(self, item, start: float, end: float) -> None:
         ready, r, hop, direction, mb = item
-        self.transfers.append(Transfer(r, hop, direction, mb, ready, start, end))
+        self.transfers.append(Transfer(r, hop, direction, mb, ready, start, end,
+                                       self.posted.get((direction, r, hop, mb))))
         self.push(end, "arrive", (r, hop, direction, mb))
 
     def next_temporal(self, now: float, key: str) -> None:
@@ -475,7 +477,7 @@ def simulate_pipeline(job: PipelineJob,
     one = _Sim(replace(job, num_pipelines=1), {}).run()
     d = job.num_pipelines
     ops = [Op(r, o.stage, o.kind, o.microbatch, o.start_s, o.end_s) for r in range(d) for o in one.ops]
-    transfers = [Transfer(r, t.hop, t.direction, t.microbatch, t.ready_s, t.start_s, t.end_s)
+    transfers = [Transfer(r, t.hop, t.direction, t.microbatch, t.ready_s, t.start_s, t.end_s, t.posted_s)
                  for r in range(d) for t in one.transfers]
     steps = [Op(r, o.stage, o.kind, o.microbatch, o.start_s, o.end_s) for r in range(d) for o in one.step_ops]
     return SimResult(job, one.iteration_s, ops, transfers, {k: v * d for k, v in one.channel_bits.items()}, steps)
