@@ -128,7 +128,7 @@ def test_measured_gantt_beside_the_simulated_and_the_stage_errors(data_dir):
     assert len(measured["rows"]) == sum(len(r["ops"]) for r in timeline["ranks"])
     assert {r["row"] for r in measured["rows"]} == {"s0 r0 · dc-a", "s0 r1 · dc-a", "s1 r0 · dc-b"}
     assert {r["color"] for r in measured["rows"]} == {"training forward", "training backward", "send",
-                                                      "receive (waiting)", "gradient all-reduce", "optimizer step",
+                                                      "receive (posted → arrived)", "gradient all-reduce", "optimizer step",
                                                       "prefill (BubbleTea)"}
     assert len(simulated["rows"]) == len(pipeline_plan().pipeline.simulated_ops)
     assert measured["encoding"]["y"]["sort"] == simulated["encoding"]["y"]["sort"]  # same rows, same order

@@ -48,10 +48,10 @@ NAMES = {"F": "training forward", "B": "training backward", "AR": "gradient all-
          "P": "prefill (BubbleTea)"}
 # the measured timeline's op names (timeline.json) -> the legend's names, shared with the simulated Gantt
 OP_NAMES = {"forward": NAMES["F"], "backward": NAMES["B"], "grad_sync": NAMES["AR"], "optimizer": NAMES["OPT"],
-            "prefill": NAMES["P"], "send_fwd": "send", "send_bwd": "send", "recv_fwd": "receive (waiting)",
-            "recv_bwd": "receive (waiting)"}
+            "prefill": NAMES["P"], "send_fwd": "send", "send_bwd": "send", "recv_fwd": "receive (posted → arrived)",
+            "recv_bwd": "receive (posted → arrived)"}
 OP_COLORS = {NAMES["F"]: COLORS["F"], NAMES["B"]: COLORS["B"], NAMES["AR"]: COLORS["AR"], NAMES["OPT"]: COLORS["OPT"],
-             NAMES["P"]: COLORS["P"], "send": "#17becf", "receive (waiting)": "#d9d9d9"}
+             NAMES["P"]: COLORS["P"], "send": "#17becf", "receive (posted → arrived)": "#d9d9d9"}
 SIM_KINDS = {"F": "forward", "B": "backward", "AR": "grad_sync", "TIED": "grad_sync", "OPT": "optimizer", "P": "prefill"}
 BUSY_OPS = ("forward", "backward")  # what a stage's busy time counts, measured and simulated alike
 TIMELINE_FILE = "timeline.json"
