@@ -17,7 +17,7 @@ with prefill >= 90 %, printed beside training-only utilization.
 
 Why prefill falls short, per scenario (`idle_breakdown`): each iteration's GPU compute time split
 into training, optimizer steps, prefill, and the compute-idle time left: on stages whose free memory
-cannot hold the prefill model (`idle_ineligible`) and on eligible ones (`idle_unfilled`: gap ends no
+cannot hold the prefill model, nor a share of it in a split group (`idle_ineligible`) and on eligible ones (`idle_unfilled`: gap ends no
 layer x chunk unit fits, or no request waiting at the scenario's arrival rate). Prefill is chunked
 across gaps as executor/prefill.py runs it and also fills the gradient collectives' time (`sync`,
 shown beside: the GPU's compute idles there). `util_bound` = 1 - optimizer - ineligible: what

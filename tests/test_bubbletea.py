@@ -2,8 +2,8 @@
 import pytest
 
 from planner.geo.bubbletea import (COMPUTE_KINDS, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
-                                  prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
-                                  split_reservations, steady_state_gaps, training_unchanged)
+                                  SPLIT_CHUNK, prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
+                                  split_layers, split_memory_bytes, split_reservations, steady_state_gaps, training_unchanged)
 from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
@@ -114,12 +114,40 @@ def test_memory_left_by_training_decides_which_stages_serve():
     need = prefill_memory_bytes(GPT2, 512)
     free = [need - 1, need, 0, 10 * need]
     pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((512,)), GPT2)
-    assert pre.eligible_stages == (1, 3)
-    assert {p.stage for p in pre.placements} <= {1, 3}
+    grouped = {j for g in pre.split_groups for j in g["stages"]}
+    assert 2 not in pre.eligible_stages and 2 not in grouped  # no memory free at all
+    assert {1, 3} <= set(pre.eligible_stages)
+    assert {p.stage for p in pre.placements} <= {1, 3} | grouped
     none = simulate_bubbletea(sim, ["A100-80GB"] * 4, [0] * 4, backlog(), GPT2)
     assert none.placements == [] and "free" in none.note
     # the weights alone: 124M params in 16-bit
     assert prefill_memory_bytes(GPT2, 1) > 2 * GPT2.num_params
+
+
+def test_a_split_group_shares_one_copy_of_the_model():
+    # no stage holds the whole model; stages 0 and 1 (one datacenter: a LAN hop) hold it between them
+    sim = simulate_pipeline(wan_job())
+    big, n = get_model("llama3-8b"), 512
+    need = prefill_memory_bytes(big, n)
+    free = [int(0.9 * need), int(0.9 * need), 0, 0]
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((n,)), big)
+    assert pre.split_groups and pre.split_groups[0]["stages"] == [0, 1]
+    layers = pre.split_groups[0]["layers"]
+    assert sum(layers) == big.num_layers and all(k >= 1 for k in layers)
+    for j, k in enumerate(layers):  # each GPU's share fits the memory training leaves it
+        assert split_memory_bytes(big, k, n, True) <= free[j]
+    assert {p.stage for p in pre.placements} == {0, 1}
+    done = [p for p in pre.placements if p.done]
+    assert done and all(p.stage == 1 for p in done)  # the last layer (and the head) is on stage 1
+    units: dict[int, int] = {}
+    for p in pre.placements:
+        units[p.request] = units.get(p.request, 0) + p.units
+    for p in done:  # every layer of every chunk ran once
+        assert units[p.request] == big.num_layers * -(-n // SPLIT_CHUNK)
+    assert training_unchanged(sim, pre)
+    assert pre.gpu_utilization_with_prefill() > sim.gpu_utilization()
+    # one GPU's share alone cannot hold the model: without the split nothing would run
+    assert split_layers(big, [free[0]], [1.0], n, "bf16") is None
 
 
 def test_rate_mode_serves_at_most_what_arrives_with_causal_ttft():

@@ -1,7 +1,8 @@
 """BubbleTea: run inference prefill requests in the idle compute of a training pipeline.
 
 Given one simulated training iteration, prefill requests fill the GPU time training's compute does
-not use, on the GPUs whose stage leaves enough memory free for the inference model, so no training
+not use, on the GPUs whose stage leaves enough memory free for the inference model (or, in a split
+group, for its share of the model's layers), so no training
 operation moves (the caller re-simulates with the prefill as reserved intervals to prove it).
 
 Chunked prefill across gaps, as executor/prefill.py runs it: a request's prompt is cut into token
@@ -35,11 +36,20 @@ chunk of the whole prompt is exactly P(n), the unchunked time.
 Prefill memory (per GPU, documented formula): the 16-bit weights, the KV cache of the whole prompt
 `2 · L · n · kv_heads · head_dim` elements (held between chunks and gaps), and one layer's transient
 work space `n · (4·h + 2·ffn)` elements (the largest chunk is the whole prompt), plus one position's
-fp32 logits. A stage qualifies only if it holds the whole inference model: splitting the inference
-model across a pipeline's stages would send each chunk's hidden state across the stage boundaries,
-over the same WAN links whose time training's activations share (temporal sharing), so prefill
-traffic would move training transfers; within one datacenter it would not, but then a chunk's layers
-on stage j wait for stage j-1's units in that stage's own gaps (not modelled here).
+fp32 logits. A stage holding that serves requests alone. Split groups (the inference model spread over
+a pipeline's GPUs, as BubbleTea does): where a stage cannot hold the whole model, each run of the
+pipeline's consecutive stages inside ONE datacenter (dedicated hops) that has such a stage may share
+one copy, stage j taking `layers[j]` consecutive layers (`split_layers`: in proportion to its idle
+compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
+SPLIT_INFLIGHT requests at once, one chunk's work space, and at both ends the embeddings and head).
+A chunk (SPLIT_CHUNK tokens: its units cross GPUs whose gaps differ, so it is not sized to one gap)
+runs layer by layer across the group, unit (c, l) after (c, l-1) plus the hidden state's hop
+(latency + c·h·2 bytes at the hop channel's rate; not reserved on the link: an intra-DC transfer
+is assumed not to delay training's, which the simulator cannot check) and after (c-1, l); each unit
+at its GPU's earliest free time (a free list per GPU, so later requests fill earlier holes). Groups
+never cross a WAN hop: the hidden states would share the links whose time training's transfers
+share (temporal sharing), so prefill traffic would move training transfers. `simulate_bubbletea`
+simulates with and without the groups and keeps the one serving more prompt tokens.
 
 Requests: with `requests_per_s`, a seeded Poisson process with lengths in the distribution's
 proportions, served first come first served (the oldest waiting request whose memory fits the
@@ -93,6 +103,7 @@ class PrefillResult:
     backlog: bool = False
     note: str = ""
     fillable_s: float = 0.0  # compute-idle GPU time on the eligible GPUs (what prefill may take)
+    split_groups: list = field(default_factory=list)  # [{"stages", "layers"}]: one model copy split per group
     queue_ran_dry: bool = False  # rate mode: every servable request offered was started
 
     @property
@@ -138,6 +149,7 @@ class PrefillResult:
             "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
             "eligible_stages": list(self.eligible_stages),
+            "split_groups": self.split_groups,
             "note": self.note,
         }
 
@@ -265,25 +277,202 @@ class _Gpu:
                     return
 
 
+SPLIT_CHUNK = 512  # tokens per chunk in a split group (its units cross GPUs whose gaps differ)
+SPLIT_INFLIGHT = 16  # requests a split group runs at once (each stage holds their KV caches)
+
+
+def split_memory_bytes(spec: ModelSpec, layers: int, tokens: int, ends: bool, dtype: str = "bf16") -> int:
+    """One GPU of a split group: its `layers` decoder layers' 16-bit weights, their KV cache for
+    SPLIT_INFLIGHT requests of `tokens`, one layer's work space, and (`ends`: the first or last
+    layer's owner) the embeddings and LM head with one position's fp32 logits (charged whole to both
+    ends, an upper bound)."""
+    w = DTYPE_BYTES[dtype]
+    per_layer = spec.block_params()
+    kv = SPLIT_INFLIGHT * 2 * layers * tokens * spec.num_kv_heads * spec.head_dim
+    work = min(tokens, SPLIT_CHUNK) * (4 * spec.hidden + 2 * spec.ffn_hidden)
+    out = (layers * per_layer + kv + work) * w
+    if ends:
+        out += (spec.embedding_params() + spec.final_norm_params()) * w + 4 * spec.vocab_size
+    return int(out)
+
+
+def split_layers(spec: ModelSpec, free: list[int], idle: list[float], tokens: int, dtype: str) -> list[int] | None:
+    """The inference model's layers over a group's GPUs in order, in proportion to each GPU's idle
+    compute time, none over its free memory; None when the group's memory cannot hold them."""
+    L, k = spec.num_layers, len(free)
+    cap = []
+    for j in range(k):
+        ends = j in (0, k - 1)
+        n = 0
+        while n < L and split_memory_bytes(spec, n + 1, tokens, ends, dtype) <= free[j]:
+            n += 1
+        cap.append(n)
+    if sum(cap) < L or cap[0] == 0 or cap[-1] == 0:
+        return None
+    total = sum(idle) or 1.0
+    want = [L * t / total for t in idle]
+    got = [min(cap[j], int(want[j])) for j in range(k)]
+    got[0], got[-1] = max(got[0], 1), max(got[-1], 1)  # the ends hold the embeddings and the head
+    while sum(got) < L:  # the largest shortfall first, where memory allows
+        j = max((j for j in range(k) if got[j] < cap[j]), key=lambda j: want[j] - got[j])
+        got[j] += 1
+    while sum(got) > L:
+        j = max((j for j in range(k) if got[j] > (1 if j in (0, k - 1) else 0)), key=lambda j: got[j] - want[j])
+        got[j] -= 1
+    return got
+
+
+class _FreeList:
+    """A GPU's free compute intervals (its gaps minus what prefill took), sorted and disjoint."""
+
+    def __init__(self, gaps: list[tuple[float, float]]):
+        self.iv = [list(g) for g in gaps]
+
+    def place(self, ready: float, dur: float) -> float | None:
+        """The earliest start >= ready of a `dur`-long unit inside one free interval; taken."""
+        for i, (s, e) in enumerate(self.iv):
+            start = max(s, ready)
+            if e - start >= dur - 1e-12:
+                rest = [x for x in ([s, start], [start + dur, e]) if x[1] - x[0] > 1e-12]
+                self.iv[i:i + 1] = rest
+                return start
+        return None
+
+
+class _Group:
+    """A pipeline's stages in one datacenter holding ONE copy of the inference model between them
+    (stage j its `layers[j]` consecutive layers, module docstring): a request's chunk runs layer by
+    layer across the GPUs, unit (c, l) after unit (c, l-1) (plus the hidden state's hop to the next
+    GPU) and after unit (c-1, l) (that layer's KV cache); each unit at its GPU's earliest free time."""
+
+    def __init__(self, pipeline: int, stages: list[int], layers: list[int], gaps: list[list[tuple[float, float]]],
+                 units: list[UnitTimes], fits: set[int], hop_s):
+        self.pipeline, self.stages, self.layers, self.units, self.fits = pipeline, stages, layers, units, fits
+        self.free = [_FreeList(g) for g in gaps]
+        self.owner = [i for i, n in enumerate(layers) for _ in range(n)]
+        self.hop_s = hop_s  # hop_s(tokens): the hidden state of a chunk to the next GPU of the group
+        self.at = min(g[0][0] for g in gaps if g)
+        self.done_at: list[float] = []
+        self.exhausted = False
+
+    def seek(self, t: float) -> bool:
+        self.at = max(self.at, t)
+        return not self.exhausted
+
+    def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> None:
+        start = max(self.at, arrival, self.done_at[-SPLIT_INFLIGHT] if len(self.done_at) >= SPLIT_INFLIGHT else 0.0)
+        L = len(self.owner)
+        prev_layer = [start] * L  # end of unit (c-1, l)
+        pieces: dict[int, list] = {}
+        first_end = None
+        lo, end = 0, start
+        while lo < n:
+            c = min(SPLIT_CHUNK, n - lo)
+            ready = start if lo == 0 else prev_layer[0]
+            for layer in range(L):
+                i = self.owner[layer]
+                if layer > 0 and self.owner[layer - 1] != i:
+                    ready += self.hop_s(c)
+                took = self.units[i].unit_s(lo, c)
+                at = self.free[i].place(max(ready, prev_layer[layer]), took)
+                if at is None:  # no room left in this iteration: the request stays unfinished
+                    self.exhausted = True
+                    self._flush(idx, n, arrival, pieces, out, False)
+                    return
+                ready = prev_layer[layer] = at + took
+                run = pieces.setdefault(i, [])
+                if run and abs(run[-1][1] - at) < 1e-12:
+                    run[-1][1] = ready
+                    run[-1][2] += 1
+                else:
+                    run.append([at, ready, 1])
+            end = ready
+            if first_end is None:
+                first_end = prev_layer[0]
+            lo += c
+        self.at = first_end  # the next request enters once this one's first chunk left the first GPU
+        self.done_at.append(end)
+        self._flush(idx, n, arrival, pieces, out, True, end)
+
+    def _flush(self, idx, n, arrival, pieces, out, done, end=None) -> None:
+        for i, runs in pieces.items():
+            for s, e, k in runs:
+                out.append(PrefillPlacement(idx, n, self.pipeline, self.stages[i], arrival, s, e,
+                                            done and e == end, k))
+
+
 def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
                        workload: InferenceWorkload, spec: ModelSpec, dtype: str = "bf16",
                        seed: int = 0) -> PrefillResult:
-    """Prefill `workload`'s requests, chunked, in `sim`'s idle compute (one iteration)."""
+    """Prefill `workload`'s requests, chunked, in `sim`'s idle compute (one iteration). Where a
+    stage cannot hold the whole inference model, also simulated with split groups (each run of a
+    pipeline's stages inside one datacenter that has such a stage shares one copy, `_Group`); the
+    variant serving more prompt tokens is kept, the other named in the note."""
+    whole = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=False)
+    if set(whole.eligible_stages) == set(range(sim.job.num_stages)):
+        return whole
+    split = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=True)
+    if not split.split_groups:
+        return whole
+    a, b = whole.prefill_tokens_per_s(), split.prefill_tokens_per_s()
+    keep, other, how = (split, a, "whole copies only") if b > a else (whole, b, "with split groups")
+    keep.note = (keep.note + "; " if keep.note else "") + f"{how}: {other:.4g} prefill tokens/s (not kept)"
+    return keep
+
+
+def _same_dc_runs(sim: SimResult) -> list[list[int]]:
+    """Maximal runs of consecutive stages joined by dedicated (intra-datacenter) hops."""
+    kind = {c.name: c.sharing for c in sim.job.channels}
+    runs = [[0]]
+    for j, hop in enumerate(sim.job.hops):
+        if kind[hop] == "dedicated":
+            runs[-1].append(j + 1)
+        else:
+            runs.append([j + 1])
+    return runs
+
+
+def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
+              workload: InferenceWorkload, spec: ModelSpec, dtype: str, seed: int, split: bool) -> PrefillResult:
     T = sim.iteration_s
     lengths = sorted({t for t, _ in workload.prompt_tokens})
     need = {n: prefill_memory_bytes(spec, n, dtype) for n in lengths}
     fits = {j: {n for n in lengths if need[n] <= free} for j, free in enumerate(stage_free_bytes)}
     fits = {j: f for j, f in fits.items() if f}
-    units = {g: UnitTimes(spec, g, dtype) for g in {stage_gpu_types[j] for j in fits}}
-    gpus = []
+    units = {g: UnitTimes(spec, g, dtype) for g in set(stage_gpu_types)}
+    groups: list[tuple[list[int], list[int], set[int]]] = []  # (stages, layers per stage, prompt lengths)
+    if split:
+        chan = {c.name: c for c in sim.job.channels}
+        for run in _same_dc_runs(sim):
+            if len(run) < 2 or all(j in fits for j in run):
+                continue
+            idle = [sum(e - s for s, e in compute_idle_gaps(sim, 0, j)) for j in run]
+            ok = {n: split_layers(spec, [stage_free_bytes[j] for j in run], idle, n, dtype) for n in lengths}
+            ok = {n: l for n, l in ok.items() if l is not None}
+            if ok:  # the layer split for the longest prompt it holds (it holds every shorter one)
+                groups.append((run, ok[max(ok)], set(ok)))
+        if groups:
+            fits = {j: f for j, f in fits.items() if not any(j in g[0] for g in groups)}
+    gpus: list = []
     for r in range(sim.job.num_pipelines):
         for j in sorted(fits):
             gaps = compute_idle_gaps(sim, r, j)
             if gaps:
                 gpus.append(_Gpu((r, j), gaps, units[stage_gpu_types[j]], fits[j]))
-    res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(fits)), backlog=workload.backlog)
-    res.fillable_s = sum(e - s for g in gpus for s, e in g.gaps)
-    servable = set().union(*fits.values()) if fits else set()
+        for run, layers, ns in groups:
+            hops = [chan[sim.job.hops[j]] for j in run[:-1]]
+            lat, gbps = max(c.latency_s for c in hops), min(c.per_transfer_gbps for c in hops)
+            act = spec.hidden * DTYPE_BYTES[dtype] * 8  # bits of one token's hidden state
+            gaps = [compute_idle_gaps(sim, r, j) for j in run]
+            if all(gaps[i] for i, n in enumerate(layers) if n):
+                gpus.append(_Group(r, run, layers, gaps, [units[stage_gpu_types[j]] for j in run], ns,
+                                   lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9)))
+    eligible = set(fits) | {j for g in groups for j in g[0]}
+    res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(eligible)), backlog=workload.backlog)
+    res.split_groups = [{"stages": run, "layers": layers} for run, layers, _ in groups]
+    res.fillable_s = sum(e - s for r in range(sim.job.num_pipelines) for j in eligible
+                         for s, e in compute_idle_gaps(sim, r, j))
+    servable = set().union(*fits.values(), *(g[2] for g in groups))
     if not servable or not gpus:
         res.note = (f"no stage has {min(need.values()) / 2**30:.1f} GiB free for {spec.name} prefill"
                     if not servable else "no eligible GPU has idle compute")
