@@ -67,13 +67,14 @@ from torch.utils.checkpoint import checkpoint
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime, StepResult, UnitState, host_float
-from planner.core.plan import PipelineSpec
+from planner.core.plan import PIPELINE_SCHEDULES, PipelineSpec
 from planner.core.specs import ModelSpec
+from planner.core.stage_memory import schedule_in_flight, schedule_order
 from planner.core.units import runtime_units
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def stage_unit_indices(spec: ModelSpec, pipeline: PipelineSpec, stage: int) -> list[int]:
@@ -88,27 +89,15 @@ def stage_unit_indices(spec: ModelSpec, pipeline: PipelineSpec, stage: int) -> l
 
 
 def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The (op, micro-batch) order of one stage: op "F" or "B" (module docstring)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {schedule!r}")
-    M = num_microbatches
-    if schedule == "gpipe":
-        return [("F", k) for k in range(M)] + [("B", k) for k in range(M)]
-    warm = min(num_stages - 1 - stage, M)
-    ops = [("F", k) for k in range(warm)]
-    for k in range(M - warm):
-        ops += [("F", warm + k), ("B", k)]
-    ops += [("B", k) for k in range(M - warm, M)]
-    return ops
+    """The (op, micro-batch) order of one stage: op "F" or "B" (module docstring). One definition,
+    pure Python, shared with the memory model, the cost model and the simulator
+    (planner/core/stage_memory.schedule_order)."""
+    return schedule_order(schedule, num_stages, stage, num_microbatches)
 
 
 def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
-    """Most micro-batches whose activations stage `stage` holds at once (from `schedule_ops`)."""
-    live, peak = 0, 0
-    for op, _ in schedule_ops(schedule, num_stages, stage, num_microbatches):
-        live += 1 if op == "F" else -1
-        peak = max(peak, live)
-    return peak
+    """Most micro-batches whose activations stage `stage` holds at once (planner/core/stage_memory)."""
+    return schedule_in_flight(schedule, num_stages, stage, num_microbatches)
 
 
 def row_offsets(rows: Sequence[int]) -> list[int]:

@@ -11,10 +11,10 @@ import pytest
 
 from executor.launch import launch_run
 from executor.store import read_metrics
-from models.pipeline import in_flight
 from planner.core.paths import ENV_DATA_DIR
 from planner.core.specs import get_model, with_max_seq
-from planner.core.stage_memory import estimate_plan_stage_memory, estimate_stage_memory, schedule_in_flight
+from planner.core.stage_memory import (estimate_plan_stage_memory, estimate_stage_memory, schedule_in_flight,
+                                       schedule_order)
 from tests.test_pipeline_runtime import DP1_THEN_2, DP2_THEN_1, OPTIM, plan_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,12 +57,17 @@ def test_gpipe_holds_more_than_1f1b_on_the_first_stage(measured):
     assert gp[0]["peak_memory_bytes"] > one[0]["peak_memory_bytes"] * 1.2
 
 
-def test_in_flight_counts_match_the_runtime_schedule():
+def test_in_flight_counts_match_the_schedule_the_runtime_runs():
+    """The closed form (1F1B min(S-s, M), GPipe M) against a walk over the ops of the order."""
     for schedule in ("1f1b", "gpipe"):
         for S in (1, 2, 3, 5):
             for M in (1, 2, 4, 7):
                 for s in range(S):
-                    assert schedule_in_flight(schedule, S, s, M) == in_flight(schedule, S, s, M), (schedule, S, s, M)
+                    live = peak = 0
+                    for op, _ in schedule_order(schedule, S, s, M):
+                        live += 1 if op == "F" else -1
+                        peak = max(peak, live)
+                    assert live == 0 and schedule_in_flight(schedule, S, s, M) == peak, (schedule, S, s, M)
     assert [schedule_in_flight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [schedule_in_flight("gpipe", 4, s, 8) for s in range(4)] == [8] * 4
     with pytest.raises(ValueError, match="schedule"):

@@ -31,7 +31,7 @@ forward's input on a stage other than the first, a backward's incoming gradient 
 last, 4·N·h each; the previous backward's input gradient (4·N·h), still being sent until the next
 backward's own send (a stage other than the first).
 
-Moments: the model walks the stage's order of ops (`schedule_order`, written apart from the runtime's)
+Moments: the model walks the stage's order of ops (`schedule_order`, the one definition the runtime runs)
 and takes, for every op, each of its moments with the micro-batches then in flight and the buffers
 then alive; a phase's figure is its largest over the ops, the peak the largest phase:
   forward_end     a forward ends: the micro-batches in flight (its own included)
@@ -64,7 +64,8 @@ from planner.core.units import runtime_units
 def schedule_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
     """The (op "F" | "B", micro-batch) order stage `stage` runs: GPipe every forward then every backward;
     1F1B min(S-1-s, M) forwards, then one forward and one backward alternately, then the remaining
-    backwards (written here apart from models/pipeline.schedule_ops: the model is checked against it)."""
+    backwards. The one definition of the schedule: models/pipeline.py runs it, the cost model and the
+    simulator price it (pure Python here, so the planner needs no torch)."""
     schedule_in_flight(schedule, num_stages, stage, num_microbatches)  # validates
     M = num_microbatches
     if schedule == "gpipe":

@@ -38,14 +38,16 @@ from functools import lru_cache
 from planner.core.catalog import device_dtype, get_gpu_type
 from planner.core.cluster import split_profile_key
 from planner.core.constants import FP32_BYTES, MEMORY_HEADROOM
+from planner.core.plan import PIPELINE_SCHEDULES
 from planner.core.specs import ModelSpec
+from planner.core.stage_memory import schedule_in_flight
 from planner.core.units import runtime_units
 from planner.costmodel.collectives import Link, all_reduce_s, sharded_step_comm_s
 from planner.costmodel.training import compute_dtype_bytes
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = PIPELINE_SCHEDULES
 # bytes per element of an activation or gradient between stages: the runtime sends fp32
 WIRE_BYTES = FP32_BYTES
 
@@ -95,12 +97,9 @@ def unit_flops(spec: ModelSpec, seq: int, recompute: str) -> dict[str, UnitFlops
 
 
 def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations stage `stage` of `num_stages` holds at once."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule == "gpipe":
-        return num_microbatches
-    return min(num_stages - stage, num_microbatches)  # 1F1B (Narayanan et al. 2021)
+    """Micro-batches whose activations stage `stage` of `num_stages` holds at once: the runtime's
+    schedule (planner/core/stage_memory.schedule_in_flight; 1F1B min(S-s, M), GPipe M)."""
+    return schedule_in_flight(schedule, num_stages, stage, num_microbatches)
 
 
 def base_type(kind: str) -> str:
