@@ -199,3 +199,19 @@ def test_bad_scenarios_give_one_clear_line_and_no_file(tmp_path, bad, words):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_the_readme_example_of_two_cpu_datacenters_plans_a_pipeline(tmp_path):
+    """examples/emulated/cpu_two_dc.json (the README's `--emulate-wan` example), run from the repository
+    root as the README does: its model path resolves and the plan file has a stage per datacenter."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "planner", "geo", "--scenario", "examples/emulated/cpu_two_dc.json",
+                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "GPUMIX_DATA_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(str(out))
+    assert plan.pipeline is not None and [st.datacenter for st in plan.pipeline.stages] in (["dc-a", "dc-b"],
+                                                                                            ["dc-b", "dc-a"])
+    assert plan.pipeline.num_layers == get_model(os.path.join(root, "examples/emulated/geo-8x256")).num_layers
+    assert plan.wan and plan.wan[0].gbps == 0.1
