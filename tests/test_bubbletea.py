@@ -1,9 +1,12 @@
 """BubbleTea: chunked prefill fills idle compute only, never moves training, respects memory."""
+import re
+
 import pytest
 
-from planner.geo.bubbletea import (COMPUTE_KINDS, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
+from planner.geo.bubbletea import (COMPUTE_KINDS, _split_windows, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
                                   SPLIT_CHUNK, prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
-                                  split_layers, split_memory_bytes, split_reservations, steady_state_gaps, training_unchanged)
+                                  split_inflight, split_layers, split_memory_bytes, split_reservations, steady_state_gaps,
+                                  training_unchanged)
 from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
@@ -148,6 +151,64 @@ def test_a_split_group_shares_one_copy_of_the_model():
     assert pre.gpu_utilization_with_prefill() > sim.gpu_utilization()
     # one GPU's share alone cannot hold the model: without the split nothing would run
     assert split_layers(big, [free[0]], [1.0], n, "bf16") is None
+
+
+def lan_job(d=2, m=6):
+    """4 stages in one datacenter (every hop a LAN hop)."""
+    return PipelineJob(tuple(Stage(0.05, 0.1, 0.01) for _ in range(4)), ("lan", "lan", "lan"),
+                       (Channel("lan", 1e-5, 100, 100),), d, m, 12.5e6)
+
+
+def test_a_minimal_group_takes_only_the_stages_it_needs():
+    # stage 0 cannot hold the model; with stage 1 it can; stages 2 and 3 hold whole copies
+    runs, whole, free = [[0, 1, 2, 3]], {2, 3}, [1, 5, 9, 9]
+    assert _split_windows(runs, whole, free, lambda w: len(w) >= 2, "minimal") == [[0, 1]]
+    assert _split_windows(runs, whole, free, lambda w: len(w) >= 2, "run") == [[0, 1, 2, 3]]
+    # it grows toward more free memory, and past a neighbour that does not suffice
+    assert _split_windows([[0, 1, 2, 3]], {0}, [9, 2, 1, 5], lambda w: 2 in w and 3 in w, "minimal") == [[1, 2, 3]]
+    assert _split_windows([[0, 1], [2, 3]], {1, 3}, [1, 5, 1, 5], lambda w: len(w) >= 2, "minimal") == [[0, 1], [2, 3]]
+    assert _split_windows(runs, {1, 2, 3}, free, lambda w: False, "minimal") == []  # nothing holds it
+
+
+def test_the_variant_serving_most_is_kept_and_the_others_named():
+    sim = simulate_pipeline(lan_job())
+    big, n = get_model("llama3-8b"), 512
+    need = prefill_memory_bytes(big, n)
+    free = [int(0.5 * need), int(0.9 * need), 2 * need, 2 * need]
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((n,)), big)
+    assert pre.split_groups
+    others = re.findall(r"(whole copies only|split groups \((?:run|minimal)\)): ([0-9.e+]+) prefill tokens/s", pre.note)
+    assert {k for k, _ in others} == {"whole copies only", "split groups (run)", "split groups (minimal)"} - (
+        {"split groups (run)"} if pre.split_groups == [{"stages": [0, 1, 2, 3], "layers": pre.split_groups[0]["layers"]}]
+        else {"split groups (minimal)"})
+    assert all(float(v) <= pre.prefill_tokens_per_s() * (1 + 1e-4) for _, v in others)
+    assert training_unchanged(sim, pre)
+
+
+def test_a_group_holds_as_many_requests_as_its_memory_holds_caches_for():
+    # no stage holds a copy: one group over all four, whose last stage idles only at the ends of
+    # the iteration (1F1B), so requests wait there holding their caches and the bound binds
+    sim = simulate_pipeline(lan_job(m=12))
+    big, n = get_model("llama3-8b"), 512
+    free = [int(0.31 * prefill_memory_bytes(big, n))] * 4
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((n,)), big)
+    assert [g["stages"] for g in pre.split_groups] == [[0, 1, 2, 3]]
+    layers = pre.split_groups[0]["layers"]
+    k = split_inflight(big, layers, free, n)
+    assert k >= 16
+    for j, c in enumerate(layers):  # k caches fit beside each GPU's layers, k + 1 do not on one of them
+        assert split_memory_bytes(big, c, n, j in (0, 3), inflight=k) <= free[j]
+    assert any(split_memory_bytes(big, c, n, j in (0, 3), inflight=k + 1) > free[j] for j, c in enumerate(layers))
+    for r in range(sim.job.num_pipelines):
+        spans: dict[int, tuple[float, float]] = {}
+        for p in pre.placements:
+            if p.pipeline == r:
+                s, e = spans.get(p.request, (p.start_s, p.end_s))
+                spans[p.request] = (min(s, p.start_s), max(e, p.end_s))
+        assert len(spans) > k
+        holding = [sum(1 for s, e in spans.values() if s <= t < e) for t, _ in spans.values()]
+        assert max(holding) == k  # reached, never passed
+    assert training_unchanged(sim, pre)
 
 
 def test_rate_mode_serves_at_most_what_arrives_with_causal_ttft():

@@ -37,11 +37,14 @@ Prefill memory (per GPU, documented formula): the 16-bit weights, the KV cache o
 `2 · L · n · kv_heads · head_dim` elements (held between chunks and gaps), and one layer's transient
 work space `n · (4·h + 2·ffn)` elements (the largest chunk is the whole prompt), plus one position's
 fp32 logits. A stage holding that serves requests alone. Split groups (the inference model spread over
-a pipeline's GPUs, as BubbleTea does): where a stage cannot hold the whole model, each run of the
-pipeline's consecutive stages inside ONE datacenter (dedicated hops) that has such a stage may share
-one copy, stage j taking `layers[j]` consecutive layers (`split_layers`: in proportion to its idle
-compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
+a pipeline's GPUs, as BubbleTea does): where a stage cannot hold the whole model, consecutive stages
+inside ONE datacenter (dedicated hops) may share one copy (`_split_windows`: the whole run of such
+stages, or a minimal window grown from the stage that holds no copy, the run's other stages keeping
+whole copies), stage j taking `layers[j]` consecutive layers (`split_layers`: in proportion to its
+idle compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
 SPLIT_INFLIGHT requests at once, one chunk's work space, and at both ends the embeddings and head).
+A group then holds as many requests at once as every GPU's memory holds their caches for
+(`split_inflight`, at least SPLIT_INFLIGHT).
 A chunk (SPLIT_CHUNK tokens: its units cross GPUs whose gaps differ, so it is not sized to one gap)
 runs layer by layer across the group, unit (c, l) after (c, l-1) plus the hidden state's hop
 (latency + c·h·2 bytes at the hop channel's rate; not reserved on the link: an intra-DC transfer
@@ -49,7 +52,8 @@ is assumed not to delay training's, which the simulator cannot check) and after 
 at its GPU's earliest free time (a free list per GPU, so later requests fill earlier holes). Groups
 never cross a WAN hop: the hidden states would share the links whose time training's transfers
 share (temporal sharing), so prefill traffic would move training transfers. `simulate_bubbletea`
-simulates with and without the groups and keeps the one serving more prompt tokens.
+simulates whole copies only and each kind of group (SPLIT_MODES) and keeps the one serving the most
+prompt tokens, naming the others in its note.
 
 Requests: with `requests_per_s`, a seeded Poisson process with lengths in the distribution's
 proportions, served first come first served (the oldest waiting request whose memory fits the
@@ -59,6 +63,7 @@ iteration's end counts its work as busy time but is not counted served (nor its 
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
 import statistics
@@ -278,22 +283,35 @@ class _Gpu:
 
 
 SPLIT_CHUNK = 512  # tokens per chunk in a split group (its units cross GPUs whose gaps differ)
-SPLIT_INFLIGHT = 16  # requests a split group runs at once (each stage holds their KV caches)
+SPLIT_INFLIGHT = 16  # requests a split group can hold at once at least (each stage holds their KV caches)
 
 
-def split_memory_bytes(spec: ModelSpec, layers: int, tokens: int, ends: bool, dtype: str = "bf16") -> int:
+def split_memory_bytes(spec: ModelSpec, layers: int, tokens: int, ends: bool, dtype: str = "bf16",
+                       inflight: int = SPLIT_INFLIGHT) -> int:
     """One GPU of a split group: its `layers` decoder layers' 16-bit weights, their KV cache for
-    SPLIT_INFLIGHT requests of `tokens`, one layer's work space, and (`ends`: the first or last
+    `inflight` requests of `tokens`, one layer's work space, and (`ends`: the first or last
     layer's owner) the embeddings and LM head with one position's fp32 logits (charged whole to both
     ends, an upper bound)."""
     w = DTYPE_BYTES[dtype]
     per_layer = spec.block_params()
-    kv = SPLIT_INFLIGHT * 2 * layers * tokens * spec.num_kv_heads * spec.head_dim
+    kv = inflight * 2 * layers * tokens * spec.num_kv_heads * spec.head_dim
     work = min(tokens, SPLIT_CHUNK) * (4 * spec.hidden + 2 * spec.ffn_hidden)
     out = (layers * per_layer + kv + work) * w
     if ends:
         out += (spec.embedding_params() + spec.final_norm_params()) * w + 4 * spec.vocab_size
     return int(out)
+
+
+def split_inflight(spec: ModelSpec, layers: list[int], free: list[int], tokens: int, dtype: str = "bf16") -> int:
+    """How many requests of `tokens` a group with this layer split holds at once: the most whose KV
+    caches every GPU's free memory holds beside its layers (split_memory_bytes), at least
+    SPLIT_INFLIGHT (split_layers placed the layers for that many)."""
+    last, caps = len(layers) - 1, []
+    for j, n in enumerate(layers):
+        if n:
+            base = split_memory_bytes(spec, n, tokens, j in (0, last), dtype, inflight=0)
+            caps.append((free[j] - base) // (split_memory_bytes(spec, n, tokens, j in (0, last), dtype, 1) - base))
+    return max(SPLIT_INFLIGHT, int(min(caps)))
 
 
 def split_layers(spec: ModelSpec, free: list[int], idle: list[float], tokens: int, dtype: str) -> list[int] | None:
@@ -346,8 +364,9 @@ class _Group:
     GPU) and after unit (c-1, l) (that layer's KV cache); each unit at its GPU's earliest free time."""
 
     def __init__(self, pipeline: int, stages: list[int], layers: list[int], gaps: list[list[tuple[float, float]]],
-                 units: list[UnitTimes], fits: set[int], hop_s):
+                 units: list[UnitTimes], fits: set[int], hop_s, inflight: int):
         self.pipeline, self.stages, self.layers, self.units, self.fits = pipeline, stages, layers, units, fits
+        self.inflight = inflight  # requests whose KV caches the group holds at once (split_inflight)
         self.free = [_FreeList(g) for g in gaps]
         self.owner = [i for i, n in enumerate(layers) for _ in range(n)]
         self.hop_s = hop_s  # hop_s(tokens): the hidden state of a chunk to the next GPU of the group
@@ -360,7 +379,9 @@ class _Group:
         return not self.exhausted
 
     def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> None:
-        start = max(self.at, arrival, self.done_at[-SPLIT_INFLIGHT] if len(self.done_at) >= SPLIT_INFLIGHT else 0.0)
+        # starts never decrease, so at most `inflight` requests hold caches once the inflight-th latest end is past
+        k = self.inflight
+        start = max(self.at, arrival, self.done_at[-k] if len(self.done_at) >= k else 0.0)
         L = len(self.owner)
         prev_layer = [start] * L  # end of unit (c-1, l)
         pieces: dict[int, list] = {}
@@ -391,7 +412,7 @@ class _Group:
                 first_end = prev_layer[0]
             lo += c
         self.at = first_end  # the next request enters once this one's first chunk left the first GPU
-        self.done_at.append(end)
+        bisect.insort(self.done_at, end)
         self._flush(idx, n, arrival, pieces, out, True, end)
 
     def _flush(self, idx, n, arrival, pieces, out, done, end=None) -> None:
@@ -408,15 +429,19 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
     stage cannot hold the whole inference model, also simulated with split groups (each run of a
     pipeline's stages inside one datacenter that has such a stage shares one copy, `_Group`); the
     variant serving more prompt tokens is kept, the other named in the note."""
-    whole = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=False)
+    whole = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=None)
     if set(whole.eligible_stages) == set(range(sim.job.num_stages)):
         return whole
-    split = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=True)
-    if not split.split_groups:
-        return whole
-    a, b = whole.prefill_tokens_per_s(), split.prefill_tokens_per_s()
-    keep, other, how = (split, a, "whole copies only") if b > a else (whole, b, "with split groups")
-    keep.note = (keep.note + "; " if keep.note else "") + f"{how}: {other:.4g} prefill tokens/s (not kept)"
+    variants = [(whole, "whole copies only")]
+    for how in SPLIT_MODES:
+        res = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=how)
+        if res.split_groups and res.split_groups not in [v.split_groups for v, _ in variants]:
+            variants.append((res, f"split groups ({how})"))
+    keep, _ = max(variants, key=lambda v: v[0].prefill_tokens_per_s())  # the first of equals: whole copies
+    others = "; ".join(f"{how}: {v.prefill_tokens_per_s():.4g} prefill tokens/s (not kept)"
+                       for v, how in variants if v is not keep)
+    if others:
+        keep.note = (keep.note + "; " if keep.note else "") + others
     return keep
 
 
@@ -432,8 +457,43 @@ def _same_dc_runs(sim: SimResult) -> list[list[int]]:
     return runs
 
 
+SPLIT_MODES = ("run", "minimal")
+
+
+def _split_windows(runs: list[list[int]], whole: set[int], free: list[int], holds, mode: str) -> list[list[int]]:
+    """The stages that share one copy of the inference model, in groups of consecutive stages inside
+    one datacenter (`runs`) that have a stage unable to hold a whole copy (not in `whole`). `run`:
+    each such run is one group. `minimal`: from each such stage, the group grows by one neighbour at
+    a time (one that holds no whole copy first, then the one with more free memory, then the next
+    stage) until `holds(window)` finds a layer split, so the run's other stages keep their whole
+    copies."""
+    if mode == "run":
+        return [run for run in runs if len(run) >= 2 and not set(run) <= whole and holds(run)]
+    out, used = [], set()
+    for run in runs:
+        for j in run:
+            if j in whole or j in used:
+                continue
+            lo = hi = run.index(j)
+            while True:
+                window = run[lo:hi + 1]
+                if len(window) >= 2 and holds(window):
+                    out.append(window)
+                    used.update(window)
+                    break
+                grow = [(run[hi + 1] not in whole, free[run[hi + 1]], 1, "hi")] \
+                    if hi + 1 < len(run) and run[hi + 1] not in used else []
+                grow += [(run[lo - 1] not in whole, free[run[lo - 1]], 0, "lo")] \
+                    if lo > 0 and run[lo - 1] not in used else []
+                if not grow:
+                    break
+                side = max(grow)[3]
+                lo, hi = (lo - 1, hi) if side == "lo" else (lo, hi + 1)
+    return out
+
+
 def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
-              workload: InferenceWorkload, spec: ModelSpec, dtype: str, seed: int, split: bool) -> PrefillResult:
+              workload: InferenceWorkload, spec: ModelSpec, dtype: str, seed: int, split: str | None) -> PrefillResult:
     T = sim.iteration_s
     lengths = sorted({t for t, _ in workload.prompt_tokens})
     need = {n: prefill_memory_bytes(spec, n, dtype) for n in lengths}
@@ -443,14 +503,16 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
     groups: list[tuple[list[int], list[int], set[int]]] = []  # (stages, layers per stage, prompt lengths)
     if split:
         chan = {c.name: c for c in sim.job.channels}
-        for run in _same_dc_runs(sim):
-            if len(run) < 2 or all(j in fits for j in run):
-                continue
-            idle = [sum(e - s for s, e in compute_idle_gaps(sim, 0, j)) for j in run]
-            ok = {n: split_layers(spec, [stage_free_bytes[j] for j in run], idle, n, dtype) for n in lengths}
-            ok = {n: l for n, l in ok.items() if l is not None}
-            if ok:  # the layer split for the longest prompt it holds (it holds every shorter one)
-                groups.append((run, ok[max(ok)], set(ok)))
+        idle = [sum(e - s for s, e in compute_idle_gaps(sim, 0, j)) for j in range(sim.job.num_stages)]
+
+        def holds(window: list[int]) -> dict[int, list[int]]:
+            ok = {n: split_layers(spec, [stage_free_bytes[j] for j in window], [idle[j] for j in window], n, dtype)
+                  for n in lengths}
+            return {n: l for n, l in ok.items() if l is not None}
+
+        for window in _split_windows(_same_dc_runs(sim), set(fits), stage_free_bytes, holds, split):
+            ok = holds(window)  # the layer split for the longest prompt it holds (it holds every shorter one)
+            groups.append((window, ok[max(ok)], set(ok)))
         if groups:
             fits = {j: f for j, f in fits.items() if not any(j in g[0] for g in groups)}
     gpus: list = []
@@ -466,7 +528,8 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
             gaps = [compute_idle_gaps(sim, r, j) for j in run]
             if all(gaps[i] for i, n in enumerate(layers) if n):
                 gpus.append(_Group(r, run, layers, gaps, [units[stage_gpu_types[j]] for j in run], ns,
-                                   lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9)))
+                                   lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9),
+                                   split_inflight(spec, layers, [stage_free_bytes[j] for j in run], max(ns), dtype)))
     eligible = set(fits) | {j for g in groups for j in g[0]}
     res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(eligible)), backlog=workload.backlog)
     res.split_groups = [{"stages": run, "layers": layers} for run, layers, _ in groups]
