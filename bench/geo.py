@@ -22,7 +22,9 @@ layer x chunk unit fits, or no request waiting at the scenario's arrival rate). 
 across gaps as executor/prefill.py runs it and also fills the gradient collectives' time (`sync`,
 shown beside: the GPU's compute idles there). `util_bound` = 1 - optimizer - ineligible: what
 prefill could reach with a unit for every idle instant. `offered`, `served`, `served_share`: the
-requests arriving in the iteration (rate mode), those completed in it, and the share; `prefill_limit`
+requests arriving in the iteration (rate mode), those completed in it, and the share;
+`util_saturated`: utilization with prefill under a standing backlog of the same prompt lengths (what
+the bubbles can take, the scenario's figure where it has a backlog; printed, not the check); `prefill_limit`
 says what limits prefill: `arrivals` when every offered request was started and idle compute stayed
 (the workload offers too little: a limit of the scenario's arrival rate, not of the planner),
 `backlog` when requests always wait (the plan's memory and the units' granularity limit it). Every figure is simulated from the cost
@@ -34,6 +36,7 @@ Run: python bench/geo.py [--scenario examples/geo/X.json ...] [--json]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import itertools
 import json
@@ -48,7 +51,7 @@ os.environ.setdefault("GPUMIX_DATA_DIR", tempfile.mkdtemp(prefix="gpumix-bench-g
 
 from planner.geo.bubbletea import COMPUTE_KINDS, compute_idle_gaps  # noqa: E402
 from planner.geo.costs import GeoCosts  # noqa: E402
-from planner.geo.evaluate import GeoReport, simulate_dp_baseline, simulate_geo, solve_each_dc  # noqa: E402
+from planner.geo.evaluate import GeoReport, run_prefill, simulate_dp_baseline, simulate_geo, solve_each_dc  # noqa: E402
 from planner.geo.scenario import GeoScenario  # noqa: E402
 
 PAPER_LIKE = "paper_like"
@@ -56,7 +59,7 @@ TARGET_SPEEDUP_VS_DP = 10.0
 TARGET_UTIL_WITH_PREFILL = 0.90
 BUBBLE_EPS = 1e-6  # training-only utilization below 1 - this: the plan has bubbles
 UTIL_COLUMNS = ["scenario", "plan_stages", "plan_dp", "bubbles", "gpu_util_training", "gpu_util_prefill",
-                "util_bound", "offered", "served", "served_share", "prefill_limit",
+                "util_saturated", "util_bound", "offered", "served", "served_share", "prefill_limit",
                 "time_training", "time_optimizer", "time_prefill", "time_idle_ineligible", "time_idle_unfilled",
                 "time_sync"]
 SPEEDUPS = ("speedup_vs_single_dc", "speedup_vs_dp", "speedup_vs_dp_best_subset", "speedup_vs_pp_fair",
@@ -100,6 +103,19 @@ def idle_breakdown(report: GeoReport) -> dict:
         out["prefill"] = pre.prefill_busy_s / total
         out["idle_unfilled"] -= out["prefill"]
     return out
+
+
+def saturated_utilization(scenario: GeoScenario, report: GeoReport) -> float | None:
+    """Utilization with prefill under a standing backlog of the workload's prompt lengths: what the
+    plan's bubbles can take whatever the arrival rate (the scenario's own figure where it has a backlog)."""
+    inf = scenario.inference
+    if inf is None or report.prefill is None:
+        return None
+    if inf.backlog:
+        return report.prefill.gpu_utilization_with_prefill()
+    backlog = dataclasses.replace(scenario, inference=dataclasses.replace(inf, requests_per_s=None, backlog=True))
+    pre, _ = run_prefill(backlog, report.plan, report.sim)
+    return pre.gpu_utilization_with_prefill()
 
 
 def bench(path: str) -> dict:
@@ -149,6 +165,7 @@ def bench(path: str) -> dict:
     row["served_share"] = pre.get("prefill_offered_share_served")
     # what limits prefill: the workload's arrivals (every offered request started, idle time left),
     # or the plan (memory, the units' granularity)
+    row["util_saturated"] = saturated_utilization(scenario, report)
     row["prefill_limit"] = ("arrivals" if pre.get("prefill_arrival_limited") else
                             "backlog" if out["prefill"] and row["offered"] is None else
                             "-" if not out["prefill"] else "gpu_time")
