@@ -49,10 +49,14 @@ def _alt():
     return alt
 
 
-def _frame(rows: list[dict[str, Any]], columns: Sequence[str]):
-    import pandas as pd
+def _frame(rows: list[dict[str, Any]], columns: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """Inline Vega-Lite data, `columns` of each row as plain Python values (a NumPy scalar as its
+    `.item()`): no DataFrame to build and convert on every draw."""
+    return {"values": [{c: _plain(r.get(c)) for c in columns} for r in rows]}
 
-    return pd.DataFrame(rows, columns=list(columns))
+
+def _plain(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v
 
 
 def _finite(v: Any) -> float | None:
@@ -351,15 +355,26 @@ def gantt_chart(
 # ---- rendering -----------------------------------------------------------------------------------------
 
 
+def vega_lite_spec(chart: Any) -> dict[str, Any]:
+    """A builder's chart as the Vega-Lite spec the browser draws, its data inline. Not validated
+    against the schema here (that is half of Altair's cost per chart, paid again on every draw;
+    tests/test_ui_charts.py validates every builder's output), and without Altair's default theme
+    (its 300 px view size: the dashboard sets its own), as `st.altair_chart` draws it."""
+    spec = chart.to_dict(validate=False)
+    spec.pop("config", None)  # the theme's only entry: no builder configures a chart
+    return spec
+
+
 def show_chart(chart: Any, key: str | None = None) -> None:
-    """Draw a chart full width. A key puts it in a keyed container, whose CSS class
-    `st-key-<key>` the browser tests and bench/dashboard_latency.py look for (`st.altair_chart`
-    itself uses its key only for a chart with selections)."""
+    """Draw a chart (a builder's Altair chart, or its `vega_lite_spec`, e.g. cached by a page) full
+    width. A key puts it in a keyed container, whose CSS class `st-key-<key>` the browser tests
+    and bench/dashboard_latency.py look for."""
+    spec = chart if isinstance(chart, dict) else vega_lite_spec(chart)
     if key is None:
-        st.altair_chart(chart, width="stretch")
+        st.vega_lite_chart(spec, width="stretch")
         return
     with st.container(key=key):
-        st.altair_chart(chart, width="stretch")
+        st.vega_lite_chart(spec, width="stretch")
 
 
 # ---- reading a chart back (tests, benchmarks) ----------------------------------------------------------
