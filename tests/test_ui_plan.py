@@ -54,7 +54,7 @@ def test_first_open_computes_a_default_plan_for_this_machine():
     plan = at.session_state["plan"]
     assert isinstance(plan, Plan)
     assert plan.model == "tiny" and sum(a.batch for a in plan.assignments) == plan.global_batch
-    table = at.dataframe[0].value
+    table = at.table[0].value  # a static table: a few rows (ui/common.show_table)
     assert len(table) == plan.cluster.num_devices
     assert any("predicted" in c for c in table.columns)
     # the memory chart: each device's predicted peak as a bar, its capacity as a marker over it
@@ -96,7 +96,7 @@ def test_infeasible_inputs_show_the_solver_reason_not_a_traceback():
     settle(at.button(key="plan_compute").click().run())
     assert any("no feasible plan" in e.value for e in at.error)
     # the failed plan clears the previous one: no plan, no table, no download, no launch link
-    assert "plan" not in at.session_state and not at.dataframe and not at.get("download_button")
+    assert "plan" not in at.session_state and not at.table and not at.get("download_button")
     at.run()  # a rerun keeps saying why there is no plan
     assert any("no feasible plan" in e.value for e in at.error) and "plan" not in at.session_state
 

@@ -22,10 +22,10 @@ from planner.core.specs import PRESETS
 from planner.core.specs import get_model as get_model_spec
 from planner.core.specs import with_max_seq
 from ui import background
-from ui.charts import bar_chart, capacity_chart
+from ui.charts import bar_chart, capacity_chart, vega_lite_spec
 from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
                        metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
-                       show_errors, show_figure)
+                       show_errors, show_figure, show_table)
 from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
 from planner.core.constants import GIB
 
@@ -158,6 +158,14 @@ def throughput_figure(plan: Plan):
                      "Predicted samples/s vs baselines", labels={labelled("throughput", PREDICTED): text})
 
 
+@st.cache_data(show_spinner=False, max_entries=32)
+def figure_specs(plan_json: str) -> tuple[dict, dict]:
+    """The memory and throughput charts' Vega-Lite specs of a plan (its plan file's JSON: every
+    figure they draw is in it), built once for every session that shows that plan."""
+    plan = Plan.from_dict(json.loads(plan_json))
+    return vega_lite_spec(memory_figure(plan)), vega_lite_spec(throughput_figure(plan))
+
+
 def same_as_baselines(plan: Plan) -> bool:
     """Every baseline that fits predicts the plan's own throughput (within 0.5 %)."""
     rates = [plan.global_batch / b.predicted_iteration_s for b in plan.baselines.values()
@@ -249,13 +257,14 @@ def render(plan: Plan) -> None:
     render_estimated(plan)
     for note in plan.notes:
         st.caption(f":material/info: {note}")
-    st.dataframe(device_rows(plan), key="plan_table", hide_index=True)
+    show_table(device_rows(plan), key="plan_table")
     show_emulated_note(plan.cluster.emulated)
+    memory_spec, throughput_spec = figure_specs(plan.to_json())
     left, right = st.columns(2)
     with left:
-        show_figure(memory_figure(plan), key="plan_memory_chart")
+        show_figure(memory_spec, key="plan_memory_chart")
     with right:
-        show_figure(throughput_figure(plan), key="plan_baselines_chart")
+        show_figure(throughput_spec, key="plan_baselines_chart")
         if same_as_baselines(plan):
             st.caption("The plan and its baselines predict the same throughput: this cluster's devices are "
                        "identical, so an even split is already the fastest. Add a slower or smaller device "
