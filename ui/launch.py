@@ -9,6 +9,7 @@ sit beside the plan's predictions; emulated devices are marked.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from typing import Any
@@ -81,7 +82,7 @@ def render_launch(plan: Plan | None) -> None:
 
     st.caption(f"Plan: **{plan.model}**, global batch {plan.global_batch}, seq {plan.seq}, {plan.dtype}, "
                f"{len(plan.used)} ranks on {plan.cluster.name}")
-    st.dataframe(plan_frame(plan), hide_index=True, key="launch_plan_table")
+    common.show_table(plan_frame(plan), key="launch_plan_table")
     c1, c2 = st.columns(2)
     with c1:
         common.metric("Iteration time", common.fmt_seconds(plan.predicted_iteration_s), common.PREDICTED)
@@ -571,25 +572,37 @@ def render_numbers(m: dict[str, Any]) -> None:
                       help=f"global batch {m['global_batch']} / median step time")
 
 
+@st.cache_data(show_spinner=False, max_entries=64)
+def figure_specs(metrics_json: str) -> tuple[dict, dict, dict, dict]:
+    """The loss, throughput, memory and wait charts' Vega-Lite specs of a run's metrics (read_metrics'
+    dict as JSON: one string to hash, not a nest of dicts), built once per change: the live panel
+    redraws every second, and every session watching the run shares them."""
+    from ui.charts import vega_lite_spec
+
+    m = json.loads(metrics_json)
+    return tuple(vega_lite_spec(f(m)) for f in (loss_figure, throughput_figure, memory_figure, wait_figure))
+
+
 def render_charts(m: dict[str, Any]) -> None:
     if not m["steps"]:
         return
+    loss, speed, memory, wait = figure_specs(json.dumps(m))
     c1, c2 = st.columns(2)
     with c1:
-        common.show_figure(loss_figure(m), key="launch_loss_chart")
+        common.show_figure(loss, key="launch_loss_chart")
         note = validation_note(m)
         if note:
             st.caption(note)
     with c2:
-        common.show_figure(throughput_figure(m), key="launch_speed_chart")
+        common.show_figure(speed, key="launch_speed_chart")
     c3, c4 = st.columns(2)
     with c3:
-        common.show_figure(memory_figure(m), key="launch_memory_chart")
+        common.show_figure(memory, key="launch_memory_chart")
     with c4:
-        common.show_figure(wait_figure(m), key="launch_wait_chart")
+        common.show_figure(wait, key="launch_wait_chart")
     st.caption(f"Per rank: {common.source_badge(common.MEASURED)} beside the plan's "
                f"{common.source_badge(common.PREDICTED)} figures")
-    st.dataframe(ranks_frame(m), hide_index=True, key="launch_ranks_table")
+    common.show_table(ranks_frame(m), key="launch_ranks_table")
 
 
 def render_monitor(run_dir: str) -> None:
