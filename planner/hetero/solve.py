@@ -23,7 +23,9 @@ F[g,c] = x·f the shards row becomes Σ F = 1 with F[g,c] ≤ cap[g,c](T)·x[g,c
 than T − comm simply drop out. Feasibility only grows with T, so the least T is found by bisection:
 first over the breakpoints compute + comm (where the choice set changes), then continuously. Each
 feasible probe's configuration is priced exactly (its optimal shares by water-filling), which moves
-the upper end of the interval at once to a real plan's time.
+the upper end of the interval at once to a real plan's time. The search starts from the best baseline plan
+(planner/hetero/baselines.py) as its incumbent: it bounds the tables, prunes scopes and world sizes, and is
+the answer when nothing beats it.
 
 ZeRO stages: the cost model of one stage (planner/costmodel/training.py) fixes the memory of every (m, n), the
 compute (layer-wise accumulation recomputes at zero ≥ 2, n > 1) and comm(k); `solve_plan` with
@@ -48,7 +50,7 @@ from planner.core.cluster import ClusterSpec
 from planner.costmodel.training import AccumBand, Choice, ClassTable, CostModel, ScopeTable, validate_zero
 from planner.core.plan import Assignment, Plan, ZeroCandidate
 from planner.core.units import ZERO_STAGES
-from planner.hetero.baselines import estimate_baselines, estimate_memory_aware
+from planner.hetero.baselines import baseline_plans, estimate_baselines, estimate_memory_aware
 from planner.core.specs import get_model, with_max_seq
 from planner.core.constants import DTYPES, RECOMPUTE
 
@@ -333,6 +335,8 @@ class _Bisection:
                  deadline: float, comm_k: int | None = None):
         self.table, self.global_batch, self.world, self.deadline = table, global_batch, world, deadline
         self.comm_s = table.comm_s(world[1] if comm_k is None else comm_k)
+        # how much more the range's largest world size pays for its collectives than comm_s
+        self.spread_s = max(table.comm_s(world[1]) - self.comm_s, 0.0)
         self.lo, self.hi = lo_s, hi_s
         self.best: tuple[float, Config] | None = None
         self.proven_lo = True  # every rise of lo was a proof (an infeasible probe)
@@ -360,6 +364,17 @@ class _Bisection:
     def closed(self, tol: float) -> bool:
         return self.hi - self.lo <= tol * self.hi
 
+    def improves(self, target_s: float) -> bool:
+        """Whether the best configuration, priced at its own world size, ends before target_s."""
+        config = self.best[1]
+        priced = price_config(self.table, config, self.table.comm_s(sum(x for _, _, x in config)))
+        return priced is not None and priced[0] < target_s
+
+    def settled(self, tol: float) -> bool:
+        """Closed, or narrower than the collectives' spread over the range: a range priced at its
+        least world size cannot tell its plans apart more finely, so the caller splits it instead."""
+        return self.closed(tol) or self.hi - self.lo <= self.spread_s
+
     def proven(self, tol: float) -> bool:
         return self.closed(tol) and self.proven_lo
 
@@ -368,13 +383,13 @@ class _Bisection:
 
 
 def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
-                 deadline: float, tol: float, hint_s: float = math.inf,
-                 comm_k: int | None = None) -> tuple[float, Config, bool] | None:
+                 deadline: float, tol: float, comm_k: int | None = None) -> tuple[float, Config, bool] | None:
     """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent),
-    the collectives priced at `comm_k` devices (default: world's top); `hint_s`, a known plan's
-    time, is tried first (a probe near the optimum has fewer choices to weigh than one at the
-    slowest choice). Returns (time, configuration, proven within tol) or None if nothing beats
-    upper_s."""
+    the collectives priced at `comm_k` devices (default: world's top). Returns (bound, the best
+    configuration, proven) or None if nothing beats upper_s: bound is the least time within tol
+    when the interval closed, else the proven lower end of a range the caller must split (its
+    collectives' spread, comm(top) − comm_s, is wider than what the bisection could still resolve,
+    or its best plan does not beat upper_s at its own world size)."""
     comm_k = world[1] if comm_k is None else comm_k
     top_s = upper_s
     if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
@@ -385,21 +400,25 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
     try:
         # the top of the interval: is there any plan at all below the incumbent?
         if math.isinf(upper_s):
-            if not (lower_s < hint_s < top_s and search.try_at(hint_s)) and not search.try_at(top_s):
+            if not search.try_at(top_s):
                 return None
         elif not search.try_at(upper_s * (1 - tol)):
             return None
+        elif world[0] < world[1] and not search.improves(upper_s * (1 - tol)):
+            # the relaxation admits a plan the real collectives do not: bisecting it would only
+            # sharpen a bound the range's halves beat anyway, so the caller splits the range at once
+            return search.lo, search.best[1], search.proven_lo
         # a large batch per device leaves little to round: the optimum lies just above the fluid
         # bound, so gallop up from it (each infeasible probe is a proof that raises lo) before bisecting
         if global_batch >= GALLOP_SAMPLES_PER_DEVICE * table.num_devices and search.lo > 0:
             step = GALLOP_FIRST
-            while step <= GALLOP_LAST and search.time_left():
+            while step <= GALLOP_LAST and search.time_left() and not search.settled(tol):
                 t = search.lo * (1 + step)
                 if not search.lo < t < search.hi or search.try_at(t):
                     break
                 step *= GALLOP_FACTOR
         points = _breakpoints(table, search.comm_s, search.lo, search.hi)
-        while points and search.time_left():
+        while points and search.time_left() and not search.settled(tol):
             mid = points[len(points) // 2]
             ok = search.try_at(mid)
             points = [t for t in points if search.lo < t < search.hi and (t < mid if ok else t > mid)]
@@ -409,7 +428,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
         # midpoint only halves it); after a feasible one (hi moved down) the next probe is the midpoint,
         # so a run of improvements still closes the interval geometrically
         near_hi = True
-        while not search.closed(tol) and search.time_left():
+        while not search.settled(tol) and search.time_left():
             gap = search.hi - search.lo
             t = search.hi - max(tol * search.hi, NEAR_HI_STEP * gap) if near_hi else search.lo + 0.5 * gap
             if not search.lo < t < search.hi:  # rounding at the tolerance's edge: a midpoint always moves
@@ -421,11 +440,13 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             raise
         return search.best[0], search.best[1], False
     assert search.best is not None
+    if not search.closed(tol):  # settled by the collectives' spread: the caller splits the range
+        return search.lo, search.best[1], search.proven_lo
     return search.best[0], search.best[1], search.proven(tol)
 
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
-                upper_s: float = math.inf, hint_s: float = math.inf) -> ScopeSolution | None:
+                upper_s: float = math.inf) -> ScopeSolution | None:
     """The best plan of one scope over every world size k, or None if none beats upper_s.
 
     Branch and bound over ranges [lo, hi] of k, starting with all of them: a range is solved with
@@ -453,8 +474,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
             proven = False
             break
         try:
-            found = solve_bucket(table, global_batch, (lo, hi), lower_s, incumbent, deadline, tol,
-                                 hint_s if best is None else math.inf, comm_k=lo)
+            found = solve_bucket(table, global_batch, (lo, hi), lower_s, incumbent, deadline, tol, comm_k=lo)
         except ProbeTimeout:  # this range stays undecided: whatever is returned is not proven optimal
             proven = False
             continue
@@ -464,9 +484,10 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         proven = proven and ok
         k = sum(x for _, _, x in config)
         priced = price_config(table, config, table.comm_s(k))
-        if priced is not None and (best is None or priced[0] < best[0]):
+        if priced is not None and priced[0] < incumbent:
             best = (priced[0], config, k)
-        if lo == hi or (best is not None and bound_s >= best[0] * (1 - tol)):
+            incumbent = priced[0]
+        if lo == hi or bound_s >= incumbent * (1 - tol):
             continue
         mid = (lo + hi) // 2
         halves = [(lo, mid, bound_s), (mid + 1, hi, bound_s)]
@@ -548,9 +569,10 @@ def _most_samples(table: ScopeTable) -> int:
 
 
 def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
-    """No plan of the scope is faster than its devices' fluid bound plus one device's collectives
-    (none: comm(1) = 0)."""
-    return _lower_bound_s(table, global_batch) + table.comm_s(1)
+    """No plan of the scope is faster than the least bound of its world-size ranges (`world_segments`,
+    `_range_bound_s`), each at least the fluid bound of all its devices."""
+    fluid_s = _lower_bound_s(table, global_batch)
+    return min(max(fluid_s, _range_bound_s(table, global_batch, lo, hi)) for lo, hi in world_segments(table.num_devices))
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:
@@ -597,21 +619,34 @@ def _max_batch(cost: CostModel, device, global_batch: int) -> int:
     return max(batches, default=0)
 
 
+# a plan known before the search (a baseline's): its iteration time and per-device (m, n, share)
+KnownPlan = tuple[float, Sequence[tuple[int, int, float]]]
+
+
+def known_scope(cost: CostModel, per_device: Sequence[tuple[int, int, float]]) -> str:
+    """The scope a known plan runs in: the one node all its used devices share, else all nodes."""
+    nodes = {node.name for (node, _), (m, n, f) in zip(cost.cluster.devices(), per_device) if m * n > 0 or f > 0}
+    return f"node {nodes.pop()}" if len(nodes) == 1 else "all nodes"
+
+
 def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: float = 10.0, gap: float = 0.0,
-                          micro_batches: Sequence[int] | None = None, upper_bound_s: float = math.inf,
+                          micro_batches: Sequence[int] | None = None, known: KnownPlan | None = None,
                           beat_s: float = math.inf) -> tuple[ScopeSolution, str] | None:
-    """The best plan over every scope: (solution, scope name). `upper_bound_s` (a known plan's time)
-    drops every choice slower than it from the tables. `beat_s` (another stage's plan): only a plan
-    faster than it by more than the tolerance counts; None when there is none. Raises ValueError
-    when nothing fits."""
+    """The best plan over every scope: (solution, scope name). `known` (a plan found before the
+    search, a baseline's) is the first incumbent: every choice slower than it drops out of the
+    tables, every scope and world size whose bound cannot beat it is skipped, and it is the answer
+    when nothing beats it. `beat_s` (another stage's plan): only a plan faster than it by more than
+    the tolerance counts; None when there is none. Raises ValueError when nothing fits."""
     deadline = time.monotonic() + time_limit_s
-    upper_bound_s = min(upper_bound_s, beat_s)
     tol = gap if gap > 0 else BISECTION_TOL
+    best: tuple[ScopeSolution, str, float] | None = None
+    if known is not None and known[0] < beat_s * (1 - tol):
+        best = (ScopeSolution("optimal", known[0], dict(enumerate(known[1]))), known_scope(cost, known[1]), known[0])
+    upper_bound_s = best[2] if best else beat_s
     tables = [cost.scope_table(name, multi, [i for _, ix in members for i in ix], global_batch, micro_batches,
                                upper_bound_s)
               for name, multi, members in cost.scopes()]
     bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
-    best: tuple[ScopeSolution, str, float] | None = None
     proven = True
     for table in sorted(tables, key=lambda t: bounds[t.name]):
         incumbent = best[2] if best else beat_s
@@ -620,7 +655,7 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         if time.monotonic() >= deadline:
             proven = False
             break
-        sol = solve_scope(table, global_batch, deadline, tol, incumbent, upper_bound_s)
+        sol = solve_scope(table, global_batch, deadline, tol, incumbent)
         if sol is None:
             continue
         proven = proven and sol.status == "optimal"
@@ -634,8 +669,6 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         if time.monotonic() >= deadline:
             raise ValueError(f"the solver's time limit of {time_limit_s:g} s ran out before it found a plan; "
                              "allow more time (planner plan --time-limit S)")
-        if upper_bound_s < math.inf:  # pruning by a known plan's time cannot cut every plan; stay safe
-            return solve_with_cost_model(cost, global_batch, time_limit_s, gap, micro_batches)
         raise ValueError(f"no feasible plan: {explain_infeasible(cost, global_batch)}")
     sol = best[0]
     if not proven:
@@ -701,11 +734,13 @@ def _solve_stage(cluster: ClusterSpec, spec, seq: int, dtype: str, recompute: st
     Raises ValueError when nothing fits at this stage."""
     cost = CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=zero,
                            profile_cache=profile_cache)
-    baselines = estimate_baselines(cost, global_batch)
-    bounds = [b.predicted_iteration_s for b in (*baselines.values(), estimate_memory_aware(cost, global_batch))]
-    upper = min((b for b in bounds if b is not None), default=math.inf)
+    plans = baseline_plans(cost, global_batch)
+    baselines = {name: r for name, (r, _) in plans.items()}
+    known = min(((r.predicted_iteration_s, per_device)
+                 for r, per_device in (*plans.values(), estimate_memory_aware(cost, global_batch))
+                 if per_device is not None), key=lambda k: k[0], default=None)
     found = solve_with_cost_model(cost, global_batch, max(deadline - time.monotonic(), 0.01), gap, micro_batches,
-                                  upper, beat_s)
+                                  known, beat_s)
     if found is None:
         return None
     sol, scope = found
