@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from planner.geo.bubbletea import (COMPUTE_KINDS, _split_windows, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
+from planner.geo.bubbletea import (COMPUTE_KINDS, _replica_windows, _simulate, _split_windows, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
                                   SPLIT_CHUNK, prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
                                   split_inflight, split_layers, split_memory_bytes, split_reservations, steady_state_gaps,
                                   training_unchanged)
@@ -183,6 +183,42 @@ def test_the_variant_serving_most_is_kept_and_the_others_named():
         else {"split groups (minimal)"})
     assert all(float(v) <= pre.prefill_tokens_per_s() * (1 + 1e-4) for _, v in others)
     assert training_unchanged(sim, pre)
+
+
+def test_replica_windows_cut_just_large_enough_and_rich_ends():
+    members = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    holds_three = lambda w: len(w) >= 3  # noqa: E731
+    assert _replica_windows(members, holds_three, None) == [[(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]]  # leftovers join
+    assert _replica_windows(members[:4], lambda w: len(w) >= 2, None) == [[(0, 0), (1, 0)], [(0, 1), (1, 1)]]
+    # the two GPUs with the most free memory (stage 2's, then the first of stage 1's) take the ends
+    free = [1, 5, 9]
+    assert _replica_windows(members, lambda w: len(w) >= 5, free) == [[(0, 1), (0, 0), (1, 0), (1, 1), (0, 2)]]
+    assert _replica_windows(members[:1], holds_three, None) == []
+
+
+def test_a_group_across_pipeline_replicas_holds_what_no_pipeline_alone_can():
+    # stages 0 and 1 of one pipeline cannot hold the model between them; of both pipelines they can
+    sim = simulate_pipeline(lan_job())
+    big, n = get_model("llama3-8b"), 512
+    need = prefill_memory_bytes(big, n)
+    free = [int(0.4 * need), int(0.4 * need), 0, 0]
+    assert _simulate(sim, ["A100-80GB"] * 4, free, backlog((n,)), big, "bf16", 0, "minimal").split_groups == []
+    pre = _simulate(sim, ["A100-80GB"] * 4, free, backlog((n,)), big, "bf16", 0, "replicas")
+    [group] = pre.split_groups
+    assert set(group["pipelines"]) == {0, 1} and set(group["stages"]) == {0, 1}
+    assert sum(group["layers"]) == big.num_layers
+    last = len(group["layers"]) - 1
+    for i, (j, k) in enumerate(zip(group["stages"], group["layers"])):
+        assert split_memory_bytes(big, k, n, i in (0, last)) <= free[j]
+    assert {(p.pipeline, p.stage) for p in pre.placements} == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    units: dict[int, int] = {}
+    for p in pre.placements:
+        units[p.request] = units.get(p.request, 0) + p.units
+    done = [p for p in pre.placements if p.done]
+    assert done and all(units[p.request] == big.num_layers * -(-n // SPLIT_CHUNK) for p in done)
+    assert training_unchanged(sim, pre)
+    kept = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((n,)), big)
+    assert kept.prefill_tokens_per_s() >= pre.prefill_tokens_per_s() > 0
 
 
 def test_a_group_holds_as_many_requests_as_its_memory_holds_caches_for():

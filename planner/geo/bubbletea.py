@@ -44,7 +44,10 @@ whole copies), stage j taking `layers[j]` consecutive layers (`split_layers`: in
 idle compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
 SPLIT_INFLIGHT requests at once, one chunk's work space, and at both ends the embeddings and head).
 A group then holds as many requests at once as every GPU's memory holds their caches for
-(`split_inflight`, at least SPLIT_INFLIGHT).
+(`split_inflight`, at least SPLIT_INFLIGHT). Where a datacenter holds several of the pipeline's
+replicas (data parallel), a group may also span them (`_replica_windows`: the same stage of each
+replica runs the same schedule, so stages that cannot hold a copy within one pipeline can across
+replicas, the stages that can keeping their whole copies).
 A chunk (SPLIT_CHUNK tokens: its units cross GPUs whose gaps differ, so it is not sized to one gap)
 runs layer by layer across the group, unit (c, l) after (c, l-1) plus the hidden state's hop
 (latency + c·h·2 bytes at the hop channel's rate; not reserved on the link: an intra-DC transfer
@@ -363,9 +366,9 @@ class _Group:
     layer across the GPUs, unit (c, l) after unit (c, l-1) (plus the hidden state's hop to the next
     GPU) and after unit (c-1, l) (that layer's KV cache); each unit at its GPU's earliest free time."""
 
-    def __init__(self, pipeline: int, stages: list[int], layers: list[int], gaps: list[list[tuple[float, float]]],
+    def __init__(self, members: list[tuple[int, int]], layers: list[int], gaps: list[list[tuple[float, float]]],
                  units: list[UnitTimes], fits: set[int], hop_s, inflight: int):
-        self.pipeline, self.stages, self.layers, self.units, self.fits = pipeline, stages, layers, units, fits
+        self.members, self.layers, self.units, self.fits = members, layers, units, fits
         self.inflight = inflight  # requests whose KV caches the group holds at once (split_inflight)
         self.free = [_FreeList(g) for g in gaps]
         self.owner = [i for i, n in enumerate(layers) for _ in range(n)]
@@ -418,7 +421,7 @@ class _Group:
     def _flush(self, idx, n, arrival, pieces, out, done, end=None) -> None:
         for i, runs in pieces.items():
             for s, e, k in runs:
-                out.append(PrefillPlacement(idx, n, self.pipeline, self.stages[i], arrival, s, e,
+                out.append(PrefillPlacement(idx, n, *self.members[i], arrival, s, e,
                                             done and e == end, k))
 
 
@@ -457,7 +460,29 @@ def _same_dc_runs(sim: SimResult) -> list[list[int]]:
     return runs
 
 
-SPLIT_MODES = ("run", "minimal")
+SPLIT_MODES = ("run", "minimal", "replicas", "replicas_rich_ends")
+
+
+def _replica_windows(members: list[tuple[int, int]], holds, free: list[int] | None) -> list[list[tuple[int, int]]]:
+    """Groups across a datacenter's pipeline replicas: the (pipeline, stage) GPUs that hold no whole
+    copy, in stage order, cut into consecutive windows each just large enough that `holds` finds a
+    layer split; GPUs left over join the last window. With `free` (stage free bytes), in each window
+    the two GPUs with the most free memory take the ends (the embeddings and the head), so the
+    others hold more layers (more work where the idle time is, more hops between GPUs)."""
+    out, window = [], []
+    for m in members:
+        window.append(m)
+        if len(window) >= 2 and holds(window):
+            out.append(window)
+            window = []
+    if window and out:
+        out[-1] += window
+    for i, w in enumerate(out if free is not None else []):
+        a, b = sorted(sorted(w, key=lambda m: -free[m[1]])[:2])
+        ends = [a] + [m for m in w if m not in (a, b)] + [b]
+        if holds(ends):
+            out[i] = ends
+    return out
 
 
 def _split_windows(runs: list[list[int]], whole: set[int], free: list[int], holds, mode: str) -> list[list[int]]:
@@ -500,39 +525,56 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
     fits = {j: {n for n in lengths if need[n] <= free} for j, free in enumerate(stage_free_bytes)}
     fits = {j: f for j, f in fits.items() if f}
     units = {g: UnitTimes(spec, g, dtype) for g in set(stage_gpu_types)}
-    groups: list[tuple[list[int], list[int], set[int]]] = []  # (stages, layers per stage, prompt lengths)
+    # (members (pipeline, stage) in layer order, layers per member, prompt lengths, hop channel)
+    groups: list[tuple[list[tuple[int, int]], list[int], set[int], object]] = []
+    P = sim.job.num_pipelines
     if split:
         chan = {c.name: c for c in sim.job.channels}
-        idle = [sum(e - s for s, e in compute_idle_gaps(sim, 0, j)) for j in range(sim.job.num_stages)]
+        idle = {(r, j): sum(e - s for s, e in compute_idle_gaps(sim, r, j)) for r in range(P)
+                for j in range(sim.job.num_stages)}
 
-        def holds(window: list[int]) -> dict[int, list[int]]:
-            ok = {n: split_layers(spec, [stage_free_bytes[j] for j in window], [idle[j] for j in window], n, dtype)
+        def holds(members: list[tuple[int, int]]) -> dict[int, list[int]]:
+            ok = {n: split_layers(spec, [stage_free_bytes[j] for _, j in members], [idle[m] for m in members], n, dtype)
                   for n in lengths}
             return {n: l for n, l in ok.items() if l is not None}
 
-        for window in _split_windows(_same_dc_runs(sim), set(fits), stage_free_bytes, holds, split):
-            ok = holds(window)  # the layer split for the longest prompt it holds (it holds every shorter one)
-            groups.append((window, ok[max(ok)], set(ok)))
+        dedicated = [c for c in sim.job.channels if c.sharing == "dedicated"]
+        for run in _same_dc_runs(sim):
+            hops = [chan[sim.job.hops[j]] for j in run[:-1]] or dedicated  # one datacenter's links
+            if split.startswith("replicas"):
+                some = [j for j in run if j not in fits  # a GPU that can hold a layer of the model
+                        and split_memory_bytes(spec, 1, min(lengths), False, dtype) <= stage_free_bytes[j]]
+                windows = _replica_windows([(r, j) for j in some for r in range(P)], holds,
+                                           stage_free_bytes if split == "replicas_rich_ends" else None) \
+                    if P > 1 and hops else []
+            else:
+                windows = [[(r, j) for j in w] for w in _split_windows(
+                    [run], set(fits), stage_free_bytes, lambda w: holds([(0, j) for j in w]), split)
+                    for r in range(P)]
+            for members in windows:
+                ok = holds(members)  # the layer split for the longest prompt it holds (it holds every shorter one)
+                groups.append((members, ok[max(ok)], set(ok), hops))
         if groups:
-            fits = {j: f for j, f in fits.items() if not any(j in g[0] for g in groups)}
+            fits = {j: f for j, f in fits.items() if not any(j == m[1] for g in groups for m in g[0])}
     gpus: list = []
-    for r in range(sim.job.num_pipelines):
+    for r in range(P):
         for j in sorted(fits):
             gaps = compute_idle_gaps(sim, r, j)
             if gaps:
                 gpus.append(_Gpu((r, j), gaps, units[stage_gpu_types[j]], fits[j]))
-        for run, layers, ns in groups:
-            hops = [chan[sim.job.hops[j]] for j in run[:-1]]
-            lat, gbps = max(c.latency_s for c in hops), min(c.per_transfer_gbps for c in hops)
-            act = spec.hidden * DTYPE_BYTES[dtype] * 8  # bits of one token's hidden state
-            gaps = [compute_idle_gaps(sim, r, j) for j in run]
-            if all(gaps[i] for i, n in enumerate(layers) if n):
-                gpus.append(_Group(r, run, layers, gaps, [units[stage_gpu_types[j]] for j in run], ns,
-                                   lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9),
-                                   split_inflight(spec, layers, [stage_free_bytes[j] for j in run], max(ns), dtype)))
-    eligible = set(fits) | {j for g in groups for j in g[0]}
+    for members, layers, ns, hops in groups:
+        lat, gbps = max(c.latency_s for c in hops), min(c.per_transfer_gbps for c in hops)
+        act = spec.hidden * DTYPE_BYTES[dtype] * 8  # bits of one token's hidden state
+        gaps = [compute_idle_gaps(sim, r, j) for r, j in members]
+        if all(gaps[i] for i, n in enumerate(layers) if n):
+            gpus.append(_Group(members, layers, gaps, [units[stage_gpu_types[j]] for _, j in members], ns,
+                               lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9),
+                               split_inflight(spec, layers, [stage_free_bytes[j] for _, j in members], max(ns), dtype)))
+    eligible = set(fits) | {j for g in groups for _, j in g[0]}
     res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(eligible)), backlog=workload.backlog)
-    res.split_groups = [{"stages": run, "layers": layers} for run, layers, _ in groups]
+    res.split_groups = [{"stages": [j for _, j in members], "layers": layers}
+                        | ({"pipelines": [r for r, _ in members]} if split.startswith("replicas") else {})
+                        for members, layers, _, _ in groups if split.startswith("replicas") or members[0][0] == 0]
     res.fillable_s = sum(e - s for r in range(sim.job.num_pipelines) for j in eligible
                          for s, e in compute_idle_gaps(sim, r, j))
     servable = set().union(*fits.values(), *(g[2] for g in groups))
