@@ -468,6 +468,8 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         lo, hi, parent_s = stack.pop()
         incumbent = best[0] if best else upper_s
         lower_s = max(parent_s, fluid_s, _range_bound_s(table, global_batch, lo, hi))
+        if lower_s < incumbent * (1 - tol):
+            lower_s = _capacity_bound_s(table, global_batch, lo, hi, lower_s, incumbent, tol)
         if lower_s >= incumbent * (1 - tol):
             continue
         if time.monotonic() >= deadline:
@@ -513,6 +515,44 @@ def world_segments(num_devices: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi + 1
     return out
+
+
+def _samples_within(cls: ClassTable, compute_s: float) -> float:
+    """The most samples one device of the class computes in compute_s on any of its choices or
+    bands (a band's count capped at its top: its micro-batch may not fit for longer)."""
+    most = max((ch.batch for ch in cls.choices if ch.compute_s <= compute_s), default=0)
+    for b in cls.bands:
+        n = min(b.hi, compute_s / b.step_s) if b.step_s > 0 else b.hi
+        if n >= b.lo:
+            most = max(most, b.micro_batch * n)
+    return most
+
+
+def _capacity_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int, lower_s: float, upper_s: float,
+                      tol: float) -> float:
+    """A lower bound, at least lower_s, on every plan with lo ≤ k ≤ hi devices: each device computes
+    its samples within T − comm(lo), so the hi devices that compute the most in that time
+    (`_samples_within`) must take the batch. Tighter than the fluid bound where a device's fastest
+    micro-batch fits only short accumulations. The least such T to tol by bisection in
+    [lower_s, upper_s], upper_s itself when even that does not suffice (the range is closed)."""
+    comm_s = table.comm_s(lo)
+
+    def enough(t_s: float) -> bool:
+        per_class = sorted(((_samples_within(cls, t_s - comm_s), cls.count) for cls in table.classes), reverse=True)
+        left, total = hi, 0.0
+        for samples, count in per_class:
+            take = min(count, left)
+            total, left = total + take * samples, left - take
+            if left == 0:
+                break
+        return total >= global_batch
+
+    if not enough(upper_s):
+        return upper_s
+    while upper_s - lower_s > tol * upper_s:
+        mid = 0.5 * (lower_s + upper_s)
+        lower_s, upper_s = (lower_s, mid) if enough(mid) else (mid, upper_s)
+    return lower_s
 
 
 def _range_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int) -> float:
