@@ -5,7 +5,7 @@ import pytest
 
 from planner.geo.bubbletea import (COMPUTE_KINDS, _replica_windows, _simulate, _split_windows, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
                                   SPLIT_CHUNK, prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
-                                  split_inflight, split_layers, split_memory_bytes, split_reservations, steady_state_gaps,
+                                  split_kv_tokens, split_layers, split_memory_bytes, split_reservations, steady_state_gaps,
                                   training_unchanged)
 from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
@@ -225,25 +225,25 @@ def test_a_group_holds_as_many_requests_as_its_memory_holds_caches_for():
     # no stage holds a copy: one group over all four, whose last stage idles only at the ends of
     # the iteration (1F1B), so requests wait there holding their caches and the bound binds
     sim = simulate_pipeline(lan_job(m=12))
-    big, n = get_model("llama3-8b"), 512
-    free = [int(0.31 * prefill_memory_bytes(big, n))] * 4
-    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((n,)), big)
+    big = get_model("llama3-8b")
+    free = [int(0.31 * prefill_memory_bytes(big, 512))] * 4
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((256, 512)), big)
     assert [g["stages"] for g in pre.split_groups] == [[0, 1, 2, 3]]
     layers = pre.split_groups[0]["layers"]
-    k = split_inflight(big, layers, free, n)
-    assert k >= 16
-    for j, c in enumerate(layers):  # k caches fit beside each GPU's layers, k + 1 do not on one of them
-        assert split_memory_bytes(big, c, n, j in (0, 3), inflight=k) <= free[j]
-    assert any(split_memory_bytes(big, c, n, j in (0, 3), inflight=k + 1) > free[j] for j, c in enumerate(layers))
+    cap = split_kv_tokens(big, layers, free, 512)
+    assert cap >= 16 * 512
+    kv = lambda j, c, tokens: split_memory_bytes(big, c, 512, j in (0, 3), inflight=0) + \
+        2 * c * tokens * big.num_kv_heads * big.head_dim * 2  # noqa: E731  (bf16)
+    assert all(kv(j, c, cap) <= free[j] for j, c in enumerate(layers))  # cap tokens fit beside the layers
+    assert any(kv(j, c, cap + 1) > free[j] for j, c in enumerate(layers))  # one more does not
     for r in range(sim.job.num_pipelines):
-        spans: dict[int, tuple[float, float]] = {}
+        spans: dict[int, tuple[float, float, int]] = {}
         for p in pre.placements:
             if p.pipeline == r:
-                s, e = spans.get(p.request, (p.start_s, p.end_s))
-                spans[p.request] = (min(s, p.start_s), max(e, p.end_s))
-        assert len(spans) > k
-        holding = [sum(1 for s, e in spans.values() if s <= t < e) for t, _ in spans.values()]
-        assert max(holding) == k  # reached, never passed
+                s, e, _ = spans.get(p.request, (p.start_s, p.end_s, p.tokens))
+                spans[p.request] = (min(s, p.start_s), max(e, p.end_s), p.tokens)
+        held = [sum(n for s, e, n in spans.values() if s <= t < e) for t, _, _ in spans.values()]
+        assert max(held) <= cap and max(held) > cap - 512 * 2  # the bound binds, never passed
     assert training_unchanged(sim, pre)
 
 

@@ -43,8 +43,8 @@ stages, or a minimal window grown from the stage that holds no copy, the run's o
 whole copies), stage j taking `layers[j]` consecutive layers (`split_layers`: in proportion to its
 idle compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
 SPLIT_INFLIGHT requests at once, one chunk's work space, and at both ends the embeddings and head).
-A group then holds as many requests at once as every GPU's memory holds their caches for
-(`split_inflight`, at least SPLIT_INFLIGHT). Where a datacenter holds several of the pipeline's
+A group then holds as many requests at once as every GPU's memory holds their caches for, counted
+in tokens (`split_kv_tokens`, at least SPLIT_INFLIGHT requests of the longest prompt). Where a datacenter holds several of the pipeline's
 replicas (data parallel), a group may also span them (`_replica_windows`: the same stage of each
 replica runs the same schedule, so stages that cannot hold a copy within one pipeline can across
 replicas, the stages that can keeping their whole copies).
@@ -305,16 +305,17 @@ def split_memory_bytes(spec: ModelSpec, layers: int, tokens: int, ends: bool, dt
     return int(out)
 
 
-def split_inflight(spec: ModelSpec, layers: list[int], free: list[int], tokens: int, dtype: str = "bf16") -> int:
-    """How many requests of `tokens` a group with this layer split holds at once: the most whose KV
-    caches every GPU's free memory holds beside its layers (split_memory_bytes), at least
-    SPLIT_INFLIGHT (split_layers placed the layers for that many)."""
+def split_kv_tokens(spec: ModelSpec, layers: list[int], free: list[int], tokens: int, dtype: str = "bf16") -> int:
+    """How many prompt tokens of KV cache a group with this layer split holds at once, summed over
+    the requests in flight: the most every GPU's free memory holds beside its layers and one chunk's
+    work space for prompts up to `tokens` (split_memory_bytes), at least SPLIT_INFLIGHT requests of
+    `tokens` (split_layers placed the layers for that many)."""
     last, caps = len(layers) - 1, []
     for j, n in enumerate(layers):
         if n:
             base = split_memory_bytes(spec, n, tokens, j in (0, last), dtype, inflight=0)
-            caps.append((free[j] - base) // (split_memory_bytes(spec, n, tokens, j in (0, last), dtype, 1) - base))
-    return max(SPLIT_INFLIGHT, int(min(caps)))
+            caps.append((free[j] - base) // (2 * n * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]))
+    return max(SPLIT_INFLIGHT * tokens, int(min(caps)))
 
 
 def split_layers(spec: ModelSpec, free: list[int], idle: list[float], tokens: int, dtype: str) -> list[int] | None:
@@ -367,14 +368,14 @@ class _Group:
     GPU) and after unit (c-1, l) (that layer's KV cache); each unit at its GPU's earliest free time."""
 
     def __init__(self, members: list[tuple[int, int]], layers: list[int], gaps: list[list[tuple[float, float]]],
-                 units: list[UnitTimes], fits: set[int], hop_s, inflight: int):
+                 units: list[UnitTimes], fits: set[int], hop_s, kv_tokens: int):
         self.members, self.layers, self.units, self.fits = members, layers, units, fits
-        self.inflight = inflight  # requests whose KV caches the group holds at once (split_inflight)
+        self.kv_tokens = kv_tokens  # prompt tokens whose KV caches the group holds at once (split_kv_tokens)
+        self.holding: list[tuple[float, int]] = []  # (end, tokens) of the requests admitted, by end
         self.free = [_FreeList(g) for g in gaps]
         self.owner = [i for i, n in enumerate(layers) for _ in range(n)]
         self.hop_s = hop_s  # hop_s(tokens): the hidden state of a chunk to the next GPU of the group
         self.at = min(g[0][0] for g in gaps if g)
-        self.done_at: list[float] = []
         self.exhausted = False
 
     def seek(self, t: float) -> bool:
@@ -382,9 +383,13 @@ class _Group:
         return not self.exhausted
 
     def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> None:
-        # starts never decrease, so at most `inflight` requests hold caches once the inflight-th latest end is past
-        k = self.inflight
-        start = max(self.at, arrival, self.done_at[-k] if len(self.done_at) >= k else 0.0)
+        # starts never decrease: wait until the requests still holding caches leave room for n tokens
+        start = max(self.at, arrival)
+        self.holding = [(e, m) for e, m in self.holding if e > start]
+        held = sum(m for _, m in self.holding)
+        while held + n > self.kv_tokens:
+            e, m = self.holding.pop(0)
+            start, held = max(start, e), held - m
         L = len(self.owner)
         prev_layer = [start] * L  # end of unit (c-1, l)
         pieces: dict[int, list] = {}
@@ -415,7 +420,7 @@ class _Group:
                 first_end = prev_layer[0]
             lo += c
         self.at = first_end  # the next request enters once this one's first chunk left the first GPU
-        bisect.insort(self.done_at, end)
+        bisect.insort(self.holding, (end, n))
         self._flush(idx, n, arrival, pieces, out, True, end)
 
     def _flush(self, idx, n, arrival, pieces, out, done, end=None) -> None:
@@ -569,7 +574,8 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
         if all(gaps[i] for i, n in enumerate(layers) if n):
             gpus.append(_Group(members, layers, gaps, [units[stage_gpu_types[j]] for _, j in members], ns,
                                lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9),
-                               split_inflight(spec, layers, [stage_free_bytes[j] for _, j in members], max(ns), dtype)))
+                               split_kv_tokens(spec, layers, [stage_free_bytes[j] for _, j in members], max(ns),
+                                               dtype)))
     eligible = set(fits) | {j for g in groups for _, j in g[0]}
     res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(eligible)), backlog=workload.backlog)
     res.split_groups = [{"stages": [j for _, j in members], "layers": layers}
