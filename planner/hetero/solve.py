@@ -377,9 +377,6 @@ class _Bisection:
         least world size cannot tell its plans apart more finely, so the caller splits it instead."""
         return self.closed(tol) or self.hi - self.lo <= self.spread_s
 
-    def proven(self, tol: float) -> bool:
-        return self.closed(tol) and self.proven_lo
-
     def time_left(self) -> bool:
         return time.monotonic() < self.deadline and not self.stalled
 
@@ -442,9 +439,11 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             raise
         return search.best[0], search.best[1], False
     assert search.best is not None
-    if not search.closed(tol):  # settled by the collectives' spread: the caller splits the range
-        return search.lo, search.best[1], search.proven_lo
-    return search.best[0], search.best[1], search.proven(tol)
+    if search.closed(tol):
+        return search.best[0], search.best[1], search.proven_lo
+    # settled by the collectives' spread (the caller splits the range), or stopped short of it (the
+    # time limit, or a stall at CBC's tolerance: not proven)
+    return search.lo, search.best[1], search.proven_lo and search.settled(tol)
 
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
