@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from planner.geo.bubbletea import (COMPUTE_KINDS, _replica_windows, _simulate, _split_windows, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
+from planner.geo.bubbletea import (COMPUTE_KINDS, _peak_tokens, _replica_windows, _simulate, _split_windows, _steady, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
                                   SPLIT_CHUNK, prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
                                   split_kv_tokens, split_layers, split_memory_bytes, split_reservations, steady_state_gaps,
                                   training_unchanged)
@@ -177,10 +177,10 @@ def test_the_variant_serving_most_is_kept_and_the_others_named():
     free = [int(0.5 * need), int(0.9 * need), 2 * need, 2 * need]
     pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((n,)), big)
     assert pre.split_groups
-    others = re.findall(r"(whole copies only|split groups \((?:run|minimal)\)): ([0-9.e+]+) prefill tokens/s", pre.note)
-    assert {k for k, _ in others} == {"whole copies only", "split groups (run)", "split groups (minimal)"} - (
-        {"split groups (run)"} if pre.split_groups == [{"stages": [0, 1, 2, 3], "layers": pre.split_groups[0]["layers"]}]
-        else {"split groups (minimal)"})
+    others = re.findall(r"(whole copies only|split groups \((?:run|minimal|replicas|replicas_rich_ends)\)): "
+                        r"([0-9.e+]+) prefill tokens/s \(not kept\)", pre.note)
+    assert "whole copies only" in {k for k, _ in others} and len(others) >= 2
+    assert len({k for k, _ in others}) == len(others)  # each variant named once
     assert all(float(v) <= pre.prefill_tokens_per_s() * (1 + 1e-4) for _, v in others)
     assert training_unchanged(sim, pre)
 
@@ -222,12 +222,13 @@ def test_a_group_across_pipeline_replicas_holds_what_no_pipeline_alone_can():
 
 
 def test_a_group_holds_as_many_requests_as_its_memory_holds_caches_for():
-    # no stage holds a copy: one group over all four, whose last stage idles only at the ends of
-    # the iteration (1F1B), so requests wait there holding their caches and the bound binds
+    # no stage holds a copy: one group over each pipeline's four stages, whose last stage idles only
+    # at the ends of the iteration (1F1B), so requests wait there holding their caches: the bound
+    # binds, also over the iteration boundary (requests running into the next iteration's start)
     sim = simulate_pipeline(lan_job(m=12))
-    big = get_model("llama3-8b")
+    T, big = sim.iteration_s, get_model("llama3-8b")
     free = [int(0.31 * prefill_memory_bytes(big, 512))] * 4
-    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, free, backlog((256, 512)), big)
+    pre = _steady(sim, ["A100-80GB"] * 4, free, backlog((256, 512)), big, "bf16", 0, "run")
     assert [g["stages"] for g in pre.split_groups] == [[0, 1, 2, 3]]
     layers = pre.split_groups[0]["layers"]
     cap = split_kv_tokens(big, layers, free, 512)
@@ -236,15 +237,29 @@ def test_a_group_holds_as_many_requests_as_its_memory_holds_caches_for():
         2 * c * tokens * big.num_kv_heads * big.head_dim * 2  # noqa: E731  (bf16)
     assert all(kv(j, c, cap) <= free[j] for j, c in enumerate(layers))  # cap tokens fit beside the layers
     assert any(kv(j, c, cap + 1) > free[j] for j, c in enumerate(layers))  # one more does not
-    for r in range(sim.job.num_pipelines):
-        spans: dict[int, tuple[float, float, int]] = {}
+    assert len(pre.group_logs) == sim.job.num_pipelines
+    for log, bound in pre.group_logs.values():
+        assert bound == cap
+        assert any(e > T for _, e, _ in log)  # some requests run into the next iteration
+        assert cap - 2 * 512 < _peak_tokens(log, T) <= cap  # the bound binds, never passed
+    for r in range(sim.job.num_pipelines):  # the log is the placements': each request's first to last unit
+        spans: dict[int, tuple[float, float]] = {}
         for p in pre.placements:
             if p.pipeline == r:
-                s, e, _ = spans.get(p.request, (p.start_s, p.end_s, p.tokens))
-                spans[p.request] = (min(s, p.start_s), max(e, p.end_s), p.tokens)
-        held = [sum(n for s, e, n in spans.values() if s <= t < e) for t, _, _ in spans.values()]
-        assert max(held) <= cap and max(held) > cap - 512 * 2  # the bound binds, never passed
-    assert training_unchanged(sim, pre)
+                s, e = spans.get(p.request, (p.start_s, p.end_s))
+                spans[p.request] = (min(s, p.start_s), max(e, p.end_s))
+        [(log, _)] = [v for k, v in pre.group_logs.items() if k[0][0] == r]
+        assert all(s >= ls - 1e-12 and e <= le + 1e-12 for (s, e), (ls, le, _) in zip(sorted(spans.values()), log))
+    assert training_unchanged(sim, pre)  # the parts past the end, mapped onto the start, move nothing
+
+
+def test_peak_tokens_counts_the_part_past_the_end_at_the_start():
+    log = [(0.0, 5.0, 100), (4.0, 12.0, 50)]  # the second runs 2 s into the next iteration
+    assert _peak_tokens(log, 10.0) == 150  # [0, 2) and [4, 5)
+    assert _peak_tokens(log + [(1.0, 3.0, 10)], 10.0) == 160
+    assert _peak_tokens([(0.0, 5.0, 100), (5.0, 9.0, 100)], 10.0) == 100  # an end frees before the next start
+    # unfinished: held to the end, and its like from the iteration before never let go
+    assert _peak_tokens([(2.0, float("inf"), 7)], 10.0) == 14
 
 
 def test_rate_mode_serves_at_most_what_arrives_with_causal_ttft():

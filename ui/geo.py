@@ -28,6 +28,7 @@ import streamlit as st
 
 from planner.core.catalog import CATALOG
 from planner.core.plan import Plan
+from planner.geo.bubbletea import reservations
 from planner.geo.evaluate import GeoReport, simulate_geo
 from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES, GeoScenario
 from planner.core.paths import PROJECT_ROOT
@@ -209,8 +210,9 @@ def gantt(report: GeoReport):
 
     ops = [(o.kind, o.pipeline, o.stage, o.start_s, o.end_s)
            for o in [*report.sim.ops, *report.sim.step_ops]]  # step_ops: the optimizer step after the collectives
-    ops += [("P", p.pipeline, p.stage, p.start_s, p.end_s)
-            for p in (report.prefill.placements if report.prefill is not None else [])]
+    # prefill past the iteration's end runs at the start of the next, the same time of every iteration
+    ops += [("P", r, j, s, e) for (r, j), ivs in (reservations(report.prefill).items() if report.prefill else [])
+            for s, e in ivs]
     rows = [{"row": row(pipeline, stage), "start": start, "end": end, "color": NAMES[kind]}
             for kind, pipeline, stage, start, end in ops if pipeline < d]
     order = [row(r, j) for r in range(d) for j in range(len(stages))]

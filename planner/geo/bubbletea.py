@@ -62,7 +62,10 @@ Requests: with `requests_per_s`, a seeded Poisson process with lengths in the di
 proportions, served first come first served (the oldest waiting request whose memory fits the
 GPU); the time to first token is arrival -> the last unit's end. With a backlog, requests of every
 listed length always wait, in the distribution's proportions. A request still running at the
-iteration's end counts its work as busy time but is not counted served (nor its tokens).
+iteration's end counts its work as busy time but is not counted served (nor its tokens), except in
+a split group, whose requests may run on into the next iteration's start (steady state: iterations
+repeat back to back, so that is the same free time; `_steady` checks that the caches they still
+hold there, beside the next iteration's requests, stay within the group's bound).
 """
 from __future__ import annotations
 
@@ -113,6 +116,8 @@ class PrefillResult:
     fillable_s: float = 0.0  # compute-idle GPU time on the eligible GPUs (what prefill may take)
     split_groups: list = field(default_factory=list)  # [{"stages", "layers"}]: one model copy split per group
     queue_ran_dry: bool = False  # rate mode: every servable request offered was started
+    # per split group (its members): ([(start, end, tokens)] of the requests it admitted, its token bound)
+    group_logs: dict = field(default_factory=dict, repr=False)
 
     @property
     def prefill_busy_s(self) -> float:
@@ -345,19 +350,27 @@ def split_layers(spec: ModelSpec, free: list[int], idle: list[float], tokens: in
 
 
 class _FreeList:
-    """A GPU's free compute intervals (its gaps minus what prefill took), sorted and disjoint."""
+    """A GPU's free compute intervals (its gaps minus what prefill took), sorted and disjoint. With
+    `period` (the iteration, repeated back to back) a unit that finds no room before the iteration's
+    end may take room at the start of the next one, which is the same free time of every iteration
+    (steady state): it is returned as an absolute time past the end, at most one iteration later."""
 
-    def __init__(self, gaps: list[tuple[float, float]]):
+    def __init__(self, gaps: list[tuple[float, float]], period: float | None = None):
         self.iv = [list(g) for g in gaps]
+        self.period = period
 
     def place(self, ready: float, dur: float) -> float | None:
         """The earliest start >= ready of a `dur`-long unit inside one free interval; taken."""
-        for i, (s, e) in enumerate(self.iv):
-            start = max(s, ready)
-            if e - start >= dur - 1e-12:
-                rest = [x for x in ([s, start], [start + dur, e]) if x[1] - x[0] > 1e-12]
-                self.iv[i:i + 1] = rest
-                return start
+        tries = [(ready, 0.0)]
+        if self.period is not None and ready < 2 * self.period:
+            tries.append((max(0.0, ready - self.period), self.period))
+        for base, shift in tries:
+            for i, (s, e) in enumerate(self.iv):
+                start = max(s, base)
+                if e - start >= dur - 1e-12:
+                    rest = [x for x in ([s, start], [start + dur, e]) if x[1] - x[0] > 1e-12]
+                    self.iv[i:i + 1] = rest
+                    return start + shift
         return None
 
 
@@ -368,11 +381,16 @@ class _Group:
     GPU) and after unit (c-1, l) (that layer's KV cache); each unit at its GPU's earliest free time."""
 
     def __init__(self, members: list[tuple[int, int]], layers: list[int], gaps: list[list[tuple[float, float]]],
-                 units: list[UnitTimes], fits: set[int], hop_s, kv_tokens: int):
+                 units: list[UnitTimes], fits: set[int], hop_s, kv_tokens: int, period: float | None = None,
+                 tails: list[tuple[float, int]] = ()):
         self.members, self.layers, self.units, self.fits = members, layers, units, fits
         self.kv_tokens = kv_tokens  # prompt tokens whose KV caches the group holds at once (split_kv_tokens)
-        self.holding: list[tuple[float, int]] = []  # (end, tokens) of the requests admitted, by end
-        self.free = [_FreeList(g) for g in gaps]
+        # (end, tokens) of the requests holding caches, by end; `tails`: the previous iteration's
+        # requests that run into this one (steady state), ends in this iteration's time
+        self.holding: list[tuple[float, int]] = sorted(tails)
+        self.log: list[tuple[float, float, int]] = []  # (start, end, tokens) of every request admitted
+        self.free = [_FreeList(g, period) for g in gaps]
+        self.period = period
         self.owner = [i for i, n in enumerate(layers) for _ in range(n)]
         self.hop_s = hop_s  # hop_s(tokens): the hidden state of a chunk to the next GPU of the group
         self.at = min(g[0][0] for g in gaps if g)
@@ -382,7 +400,9 @@ class _Group:
         self.at = max(self.at, t)
         return not self.exhausted
 
-    def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> None:
+    def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> bool:
+        """Prefill request idx (n tokens) chunk by chunk across the group; False when it would start
+        past the iteration (with a period), so this iteration starts no more requests here."""
         # starts never decrease: wait until the requests still holding caches leave room for n tokens
         start = max(self.at, arrival)
         self.holding = [(e, m) for e, m in self.holding if e > start]
@@ -390,6 +410,9 @@ class _Group:
         while held + n > self.kv_tokens:
             e, m = self.holding.pop(0)
             start, held = max(start, e), held - m
+        if self.period is not None and start >= self.period:  # the next iteration's request, not this one's
+            self.exhausted = True
+            return False
         L = len(self.owner)
         prev_layer = [start] * L  # end of unit (c-1, l)
         pieces: dict[int, list] = {}
@@ -406,8 +429,9 @@ class _Group:
                 at = self.free[i].place(max(ready, prev_layer[layer]), took)
                 if at is None:  # no room left in this iteration: the request stays unfinished
                     self.exhausted = True
+                    self.log.append((start, float("inf"), n))
                     self._flush(idx, n, arrival, pieces, out, False)
-                    return
+                    return True
                 ready = prev_layer[layer] = at + took
                 run = pieces.setdefault(i, [])
                 if run and abs(run[-1][1] - at) < 1e-12:
@@ -421,7 +445,9 @@ class _Group:
             lo += c
         self.at = first_end  # the next request enters once this one's first chunk left the first GPU
         bisect.insort(self.holding, (end, n))
+        self.log.append((start, end, n))
         self._flush(idx, n, arrival, pieces, out, True, end)
+        return True
 
     def _flush(self, idx, n, arrival, pieces, out, done, end=None) -> None:
         for i, runs in pieces.items():
@@ -442,7 +468,7 @@ def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_by
         return whole
     variants = [(whole, "whole copies only")]
     for how in SPLIT_MODES:
-        res = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=how)
+        res = _steady(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, how)
         if res.split_groups and res.split_groups not in [v.split_groups for v, _ in variants]:
             variants.append((res, f"split groups ({how})"))
     keep, _ = max(variants, key=lambda v: v[0].prefill_tokens_per_s())  # the first of equals: whole copies
@@ -523,7 +549,8 @@ def _split_windows(runs: list[list[int]], whole: set[int], free: list[int], hold
 
 
 def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
-              workload: InferenceWorkload, spec: ModelSpec, dtype: str, seed: int, split: str | None) -> PrefillResult:
+              workload: InferenceWorkload, spec: ModelSpec, dtype: str, seed: int, split: str | None,
+              period: float | None = None, tails: dict | None = None) -> PrefillResult:
     T = sim.iteration_s
     lengths = sorted({t for t, _ in workload.prompt_tokens})
     need = {n: prefill_memory_bytes(spec, n, dtype) for n in lengths}
@@ -575,7 +602,7 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
             gpus.append(_Group(members, layers, gaps, [units[stage_gpu_types[j]] for _, j in members], ns,
                                lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9),
                                split_kv_tokens(spec, layers, [stage_free_bytes[j] for _, j in members], max(ns),
-                                               dtype)))
+                                               dtype), period, (tails or {}).get(tuple(members), ())))
     eligible = set(fits) | {j for g in groups for _, j in g[0]}
     res = PrefillResult(T, sim.job.num_gpus, sim.compute_busy_s(), tuple(sorted(eligible)), backlog=workload.backlog)
     res.split_groups = [{"stages": [j for _, j in members], "layers": layers}
@@ -639,11 +666,48 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
                 f"stopped at {MAX_PREFILL_REQUESTS} started requests (the simulator's limit): a lower bound"
             break
         arrival, idx, n = queue.pop(pick)
+        if g.run(idx, n, arrival, res.placements) is False:  # it starts no request this iteration any more
+            queue.insert(pick, (arrival, idx, n))
+            continue
         started += 1
-        g.run(idx, n, arrival, res.placements)
         if g.seek(g.at):
             heapq.heappush(heap, (g.at, i))
+    res.group_logs = {tuple(g.members): (g.log, g.kv_tokens) for g in gpus if isinstance(g, _Group)}
     return res
+
+
+WRAP_PASSES = 3  # simulations that look for a steady state of split groups running past the iteration's end
+
+
+def _steady(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int], workload: InferenceWorkload,
+            spec: ModelSpec, dtype: str, seed: int, split: str) -> PrefillResult:
+    """`_simulate` with split groups whose requests may run past the iteration's end into the start of
+    the next (iterations repeat back to back: the same free time, `_FreeList`). Those requests hold
+    their caches at the next iteration's start too, so each pass admits requests beside the previous
+    pass's tails, and a pass is kept once its own schedule, repeated, never holds more cache tokens
+    than a group's bound (`_peak_tokens`); after WRAP_PASSES without, no group runs past the end."""
+    T, tails = sim.iteration_s, {}
+    for _ in range(WRAP_PASSES):
+        res = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split, T, tails)
+        if all(_peak_tokens(log, T) <= cap for log, cap in res.group_logs.values()):
+            return res
+        tails = {k: [(e - T, n) for _, e, n in log if e > T] for k, (log, _) in res.group_logs.items()}
+    return _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split)
+
+
+def _peak_tokens(log: list[tuple[float, float, int]], period: float) -> int:
+    """The most prompt tokens whose caches a group holds at once when the iteration repeats: each
+    request over [start, end) of its iteration, the part past the end over the next one's start."""
+    events = []
+    for s, e, n in log:
+        events += [(s, n), (min(e, period), -n)]
+        if e > period:
+            events += [(0.0, n), (min(e - period, period), -n)]
+    peak = held = 0
+    for _, d in sorted(events):  # at one instant the ends (negative) before the starts
+        held += d
+        peak = max(peak, held)
+    return peak
 
 
 def steady_state_gaps(gaps: list[tuple[float, float]], iteration_s: float) -> list[tuple[float, float]]:
