@@ -218,8 +218,13 @@ def main() -> int:
     print_table("Geo plans vs baselines — iteration times and utilizations simulated; wall_s measured", rows, cols)
     print_table("Utilization training only and with prefill, and where each iteration's GPU time goes (shares of "
                 "GPUs × iteration, simulated)", rows, UTIL_COLUMNS)
+    short = [r for r in rows if r["bubbles"] > BUBBLE_EPS and r["gpu_util_prefill"] < TARGET_UTIL_WITH_PREFILL]
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
+        if name == "util_with_prefill_ge_90pct_where_bubbles" and short:
+            print("      short: " + "; ".join(
+                f"{r['scenario']} {r['gpu_util_prefill']:.3f} (limited by {r['prefill_limit']}, saturated "
+                f"{fmt(r['util_saturated'])})" for r in short))
     return 0 if all(checks.values()) else 1
 
 
