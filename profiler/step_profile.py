@@ -6,7 +6,8 @@ rank owning the whole state): its model's forward and backward with the runtime'
 (`models.runtime.micro_batch_loss`) into the parameters' gradients, and its optimizer phase
 (`ShardedRuntime.train_step` of no samples: the gradient reduction, the global norm, clipping
 and AdamW over every slice); on a CPU with one torch thread, as each executor rank has. Sizes are timed in
-interleaved rounds (every size once per round), so a burst of load from other
+interleaved rounds (every size once per round, each timed call right after an untimed one of its
+size, as a rank repeats its micro-batch), so a burst of load from other
 processes hits all sizes alike, and each size's median is fitted. On a CPU the clock
 is the compute thread's CPU time (`step_clock`): the work of one dedicated core, not
 what the neighbours on a shared machine ran meanwhile.
@@ -75,6 +76,11 @@ DEFAULT_MICRO_BATCHES = PROFILE_MICRO_BATCHES
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_FIT_POINTS = 4
+# profile_together: a device done with its rounds times more, at most this many × repeats, while
+# the others finish theirs; the control folder's files and the children's round counts
+MAX_ROUNDS_FACTOR = 20
+STOP_FILE, DONE_FILE, ROUNDS_SUFFIX = "stop", "done", ".rounds"
+TOGETHER_POLL_S = 0.2
 
 _aten = torch.ops.aten
 
@@ -178,17 +184,26 @@ def _companion(spec: ModelSpec, seq: int, micro_batches: Sequence[int], recomput
     if cgroup is not None:
         cgroups.join(cgroup)
     torch.set_num_threads(1)
-    rt = one_rank_runtime(spec, recompute, torch.device("cpu"))
+    compute_until(one_rank_runtime(spec, recompute, torch.device("cpu")), spec, seq, micro_batches, dtype,
+                  stop.is_set, ready.set)
+
+
+def compute_until(rt: ShardedRuntime, spec: ModelSpec, seq: int, micro_batches: Sequence[int], dtype: str,
+                  stop: Callable[[], bool], after_round: Callable[[], None] = lambda: None) -> None:
+    """A companion's work, until `stop()`: rounds of forward+backward of every micro-batch size (each
+    twice in a row: a rank repeats its size), then the optimizer step (an executor rank's loop),
+    `after_round()` after each."""
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, spec.vocab_size, (m, seq), generator=gen),
                 torch.randint(0, spec.vocab_size, (m, seq), generator=gen)) for m in micro_batches]
-    while not stop.is_set():
+    while not stop():
         for tokens, targets in batches:
-            micro_batch_loss(rt.model, tokens, targets, tokens.numel(), AUTOCAST[dtype]).backward()
-            if stop.is_set():
-                break
+            for _ in range(2):
+                micro_batch_loss(rt.model, tokens, targets, tokens.numel(), AUTOCAST[dtype]).backward()
+                if stop():
+                    return
         rt.train_step([], 1, lr=1e-4)
-        ready.set()
+        after_round()
 
 
 def one_rank_runtime(spec: ModelSpec, recompute: str, device: torch.device) -> ShardedRuntime:
@@ -256,9 +271,11 @@ def local_device_type(device: torch.device) -> tuple[str, str]:
 def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
                     micro_batches: Sequence[int], repeats: int, warmup: int, device: torch.device,
                     autocast: torch.dtype | None, progress: Progress, span: tuple[float, float],
-                    workers: int = 1, limited: bool = False) -> dict[int, list[float]]:
+                    workers: int = 1, limited: bool = False,
+                    more: Callable[[int], bool] | None = None) -> dict[int, list[float]]:
     """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
-    `warmup` untimed ones. Gradients accumulate in the parameters' .grad, as in a real step."""
+    `warmup` untimed ones, then more rounds while `more(rounds timed)` says so (at most
+    MAX_ROUNDS_FACTOR × repeats). Gradients accumulate in the parameters' .grad, as in a real step."""
     clock = step_clock(device, workers, limited)
     gen = torch.Generator().manual_seed(0)
     batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
@@ -266,18 +283,27 @@ def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
     times: dict[int, list[float]] = {m: [] for m in micro_batches}
     rounds = warmup + repeats
     lo, hi = span
-    for r in range(rounds):
+    r = -1
+    while True:
+        r += 1
+        if r >= rounds and (more is None or r - warmup >= MAX_ROUNDS_FACTOR * repeats or not more(r - warmup)):
+            break
         # rotate the order each round: no size always runs first after a zero_grad
         order = list(micro_batches)[r % len(micro_batches):] + list(micro_batches)[:r % len(micro_batches)]
         for m in order:
             tokens, targets = batches[m]
+            # a run repeats its micro-batch size (accumulation steps, steps), so its allocator has settled
+            # on that size's buffers; the first call after another size faults them in again (tiny at seq
+            # 128, m=16: 3,760 minor page faults and 56 ms of CPU, 192 and 48 ms settled, 47 ms in a run's
+            # loop): one untimed call of the size first
+            micro_batch_loss(model, tokens, targets, m * seq, autocast).backward()
             _sync(device)
             t0 = clock()
             micro_batch_loss(model, tokens, targets, m * seq, autocast).backward()
             _sync(device)
             if r >= warmup:
                 times[m].append(clock() - t0)
-        progress(lo + (hi - lo) * (r + 1) / rounds,
+        progress(lo + (hi - lo) * min(1.0, (r + 1) / rounds),
                  f"{'warm-up' if r < warmup else 'timing'} round {r + 1}/{rounds}")
     return times
 
@@ -300,16 +326,17 @@ def time_optimizer_step(rt: ShardedRuntime, repeats: int, device: torch.device, 
 
 def _measure(run_spec: ModelSpec, seq: int, sizes: Sequence[int], recompute: str, dtype: str, repeats: int,
              warmup: int, dev: torch.device, progress: Progress, workers: int = 1,
-             limited: bool = False) -> tuple[dict[int, list[float]], float]:
-    """(seconds of forward+backward per size, seconds of the optimizer step) of a one-rank runtime."""
+             limited: bool = False, more: Callable[[int], bool] | None = None,
+             ) -> tuple[dict[int, list[float]], float, ShardedRuntime]:
+    """(seconds of forward+backward per size, seconds of the optimizer step, the one-rank runtime timed)."""
     rt = one_rank_runtime(run_spec, recompute, dev)
     net = rt.model
     times = time_step_sizes(net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype], progress, (0.1, 0.9),
-                            workers, limited)
+                            workers, limited, more)
     progress(0.9, "timing the optimizer step")
     for p in net.parameters():  # the timed forward/backward left their gradients here
         p.grad = None
-    return times, time_optimizer_step(rt, repeats, dev, workers, limited)
+    return times, time_optimizer_step(rt, repeats, dev, workers, limited), rt
 
 
 def _measure_limited(limits: cgroups.Limits, kind: str, run_spec: ModelSpec, seq: int, sizes: Sequence[int],
@@ -328,12 +355,7 @@ def _measure_limited(limits: cgroups.Limits, kind: str, run_spec: ModelSpec, seq
                               cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            if cgroups.oom_kills(cg):
-                raise ValueError(f"profiling {kind} ran out of memory: the kernel's OOM killer ended it under "
-                                 f"{limits.describe()} (micro-batch {max(sizes)} at seq {seq} does not fit; "
-                                 "profile smaller micro-batches)")
-            last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-            raise RuntimeError(f"profiling {kind} under its cgroup limits failed: {last}")
+            _child_failed(proc.stderr, proc.returncode, cg, limits, kind, sizes, seq)
         with open(out, encoding="utf-8") as fh:
             res = json.load(fh)
     return {int(m): t for m, t in res["times"].items()}, float(res["optimizer_s"])
@@ -347,11 +369,42 @@ def _limited_child(job_path: str) -> int:
     cgroups.start_rank(0)
     torch.set_num_threads(1)
     spec = ModelSpec.from_dict(job["spec"])
-    times, opt_s = _measure(spec, job["seq"], job["sizes"], job["recompute"], job["dtype"], job["repeats"],
-                            job["warmup"], torch.device("cpu"), _noop, limited=True)
-    with open(job["out"], "w", encoding="utf-8") as fh:
-        json.dump({"times": {str(m): t for m, t in times.items()}, "optimizer_s": opt_s}, fh)
+    control = job.get("control")  # profiled together with other devices (profile_together)
+    more = None
+    if control is not None:
+        parent = os.getppid()
+
+        def gone() -> bool:  # the parent said so, or died
+            return os.path.exists(os.path.join(control, DONE_FILE)) or os.getppid() != parent
+
+        def more(timed: int) -> bool:
+            _write_atomic(job["out"] + ROUNDS_SUFFIX, str(timed))
+            return not (os.path.exists(os.path.join(control, STOP_FILE)) or gone())
+
+    times, opt_s, rt = _measure(spec, job["seq"], job["sizes"], job["recompute"], job["dtype"], job["repeats"],
+                                job["warmup"], torch.device("cpu"), _noop, limited=True, more=more)
+    _write_atomic(job["out"], json.dumps({"times": {str(m): t for m, t in times.items()}, "optimizer_s": opt_s}))
+    if control is not None:  # the others may still be timing: go on loading the machine as a rank would
+        compute_until(rt, spec, job["seq"], job["sizes"], job["dtype"], gone)
     return 0
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _checked_sizes(micro_batches: Sequence[int], dtype: str, repeats: int, warmup: int) -> list[int]:
+    """The distinct micro-batch sizes, sorted; ValueError for inputs no profile can be timed with."""
+    sizes = sorted({int(m) for m in micro_batches})
+    if len(sizes) < MIN_FIT_POINTS or sizes[0] < 1:
+        raise ValueError(f"need at least {MIN_FIT_POINTS} distinct positive micro-batch sizes, got {list(micro_batches)}")
+    if dtype not in AUTOCAST:
+        raise ValueError(f"dtype must be one of {sorted(AUTOCAST)}, got {dtype!r}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    return sizes
 
 
 # a fit whose time per sample is not positive is noise, not a profile: time again with twice the
@@ -374,13 +427,7 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     `progress(fraction, message)` is called as the work advances (fraction in [0, 1])."""
     spec = get_model(model) if isinstance(model, str) else model
     progress = progress or _noop
-    sizes = sorted({int(m) for m in micro_batches})
-    if len(sizes) < MIN_FIT_POINTS or sizes[0] < 1:
-        raise ValueError(f"need at least {MIN_FIT_POINTS} distinct positive micro-batch sizes, got {list(micro_batches)}")
-    if dtype not in AUTOCAST:
-        raise ValueError(f"dtype must be one of {sorted(AUTOCAST)}, got {dtype!r}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    sizes = _checked_sizes(micro_batches, dtype, repeats, warmup)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     run_spec = _model_for(spec, seq)
@@ -403,11 +450,9 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                     times, opt_s = _measure_limited(limits, kind, run_spec, seq, sizes, recompute, dtype, repeats,
                                                     warmup)
                 else:
-                    times, opt_s = _measure(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress,
-                                            workers)
-                medians = [statistics.median(times[m]) for m in sizes]
-                # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
-                alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
+                    times, opt_s, _ = _measure(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev,
+                                               progress, workers)
+                medians, alpha, beta, r2 = _fit(times, sizes)
                 if beta > 0:
                     break
                 log.warning("profile %s on %s: per-sample time %.3g s is not positive (R²=%.3f), timing again",
@@ -418,18 +463,35 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                     f"profiling {spec.name} on {kind} failed: after {1 + NOISY_RETRIES} tries the time per sample "
                     f"is still not positive (medians {[f'{t * 1e3:.2f} ms' for t in medians]} at m={sizes}); "
                     "the timings are dominated by noise: profile larger micro-batches or on a quieter machine")
+    under = f" under cgroup limits ({limits.describe()})" if limits.any else ""
+    companions = f", companions at {companion_cpu_share:g} of a core" if companion_cpu_share and workers > 1 else ""
+    how = f"{clock_name(dev, workers, limits.cpu_share is not None)}{companions}, medians of {repeats}"
+    return _build_profile(kind, spec, run_spec, seq, dtype, recompute, sizes, medians, alpha, beta, r2, opt_s,
+                          flops_per_sample, dev, device_type, device_name, under, how, store_dir, save, progress)
+
+
+def _fit(times: dict[int, list[float]], sizes: Sequence[int]) -> tuple[list[float], float, float, float]:
+    """(each size's median, α, β, R²) of `α + β·m` through the medians."""
+    medians = [statistics.median(times[m]) for m in sizes]
+    # α ≥ 0: a cache-bound CPU can look slightly superlinear in m, which would give α < 0
+    alpha, beta, r2 = fit_line([float(m) for m in sizes], medians, nonnegative_intercept=True)
+    return medians, alpha, beta, r2
+
+
+def _build_profile(kind: str, spec: ModelSpec, run_spec: ModelSpec, seq: int, dtype: str, recompute: str,
+                   sizes: Sequence[int], medians: Sequence[float], alpha: float, beta: float, r2: float, opt_s: float,
+                   flops_per_sample: float, dev: torch.device, device_type: str, device_name: str, under: str,
+                   how: str, store_dir: str | None, save: bool, progress: Progress) -> StepProfile:
+    """The measured StepProfile (`under`, `how`: its source's words for the limits and the clock), saved
+    to the store unless `save` is False."""
     peak = peak_tflops(device_type, dtype, store_dir)  # the type's: a quota kind reaches a fraction of it
     efficiency = flops_per_sample / beta / 1e12 / peak if beta > 0 else None
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     host = socket.gethostname()
     threads = "1 torch thread" if dev.type == "cpu" else str(dev)
-    under = f" under cgroup limits ({limits.describe()})" if limits.any else ""
-    companions = f", companions at {companion_cpu_share:g} of a core" if companion_cpu_share and workers > 1 else ""
     profile = StepProfile(
         kind, spec.name, seq, dtype, recompute, alpha, beta, opt_s / run_spec.num_params, r2, True,
-        f"measured on {host} ({device_name}, {threads}){under} at {now}: "
-        f"{clock_name(dev, workers, limits.cpu_share is not None)}{companions}, medians of {repeats} at "
-        f"m={sizes}, R²={r2:.3f}",
+        f"measured on {host} ({device_name}, {threads}){under} at {now}: {how} at m={list(sizes)}, R²={r2:.3f}",
         flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,
         now, num_matmul_params=spec.matmul_params())
     log.info("profile %s on %s: alpha=%.4g s beta=%.4g s R2=%.4f", spec.name, kind, alpha, beta, r2)
@@ -437,6 +499,133 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
         save_step_profile(profile, store_dir)
     progress(1.0, f"done: α={alpha * 1e3:.2f} ms, β={beta * 1e3:.2f} ms/sample, R²={r2:.3f}")
     return profile
+
+
+def profile_together(model: str | ModelSpec, seq: int, dtype: str = "fp32",
+                     devices: Sequence[tuple[float, float | None]] = (),
+                     micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, recompute: str = "none",
+                     repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, progress: Progress | None = None,
+                     store_dir: str | None = None, save: bool = True) -> list[StepProfile]:
+    """Profile the emulated CPU devices of one run together, as they will train: one timed child per
+    device (`devices`: (cpu_share, memory_gb) per rank), each inside its own cgroups, all at once. So
+    each device is timed beside the others' real loops under their own limits (its companions are the
+    run's other ranks, not stand-ins), at the same moment and under the same load from the rest of
+    the machine: profiled one after the other, a load that came or went in between (another job, the
+    dashboard drawing) skewed one kind against the other, and the plan balances on that ratio. A
+    device done with its `repeats` rounds times more until every device has, so each median covers
+    the same window of time; then it times its optimizer step and keeps computing until all are
+    done. Wall time (the quota stretches it). One profile per distinct kind, in the order of
+    `devices` (devices of one kind pool their rounds), saved under the kind."""
+    spec = get_model(model) if isinstance(model, str) else model
+    progress = progress or _noop
+    sizes = _checked_sizes(micro_batches, dtype, repeats, warmup)
+    dev = torch.device("cpu")
+    if len(devices) < 2:
+        raise ValueError(f"profile_together needs the run's devices (two or more), got {list(devices)}")
+    limits = [_limits(dev, share, memory_gb, None) for share, memory_gb in devices]
+    if any(lim.cpu_share is None for lim in limits):
+        raise ValueError("profile_together times CPU-quota devices (each its cpu_share); profile others with "
+                         "profile_local")
+    run_spec = _model_for(spec, seq)
+    device_type, device_name = local_device_type(dev)
+    kinds = [profile_key(device_type, share) for share, _ in devices]
+    progress(0.0, f"counting FLOPs of {spec.name}")
+    flops_per_sample = count_flops(spec, seq, 1, recompute, dtype)
+    for _ in range(1 + NOISY_RETRIES):
+        progress(0.05, f"timing {len(devices)} devices at once, each in a child process under its cgroup limits")
+        results = _measure_together(limits, kinds, run_spec, seq, sizes, recompute, dtype, repeats, warmup, progress)
+        fits = {}
+        for kind in dict.fromkeys(kinds):
+            mine = [r for k, r in zip(kinds, results) if k == kind]
+            times = {m: [t for r in mine for t in r[0][m]] for m in sizes}
+            fits[kind] = (times, statistics.median(r[1] for r in mine), _fit(times, sizes))
+        noisy = [k for k, (_, _, (medians, _, beta, _)) in fits.items() if beta <= 0]
+        if not noisy:
+            break
+        log.warning("profile %s on %s: per-sample time not positive, timing again", spec.name, ", ".join(noisy))
+        repeats *= 2
+    else:
+        raise RuntimeError(f"profiling {spec.name} on {', '.join(noisy)} failed: after {1 + NOISY_RETRIES} tries the "
+                           "time per sample is still not positive; the timings are dominated by noise: profile "
+                           "larger micro-batches or on a quieter machine")
+    profiles = []
+    together = " + ".join(f"{k}" for k in kinds)
+    for kind, (times, opt_s, (medians, alpha, beta, r2)) in fits.items():
+        lim = limits[kinds.index(kind)]
+        rounds = min(len(times[m]) for m in sizes)
+        how = f"wall time, profiled together with the run's devices ({together}, each under its limits), medians of {rounds}"
+        profiles.append(_build_profile(kind, spec, run_spec, seq, dtype, recompute, sizes, medians, alpha, beta, r2,
+                                       opt_s, flops_per_sample, dev, device_type, device_name,
+                                       f" under cgroup limits ({lim.describe()})", how, store_dir, save, _noop))
+    progress(1.0, "done: " + "; ".join(f"{p.device_type} α={p.alpha_s * 1e3:.2f} ms, β={p.beta_s * 1e3:.2f} ms/sample"
+                                        for p in profiles))
+    return profiles
+
+
+def _measure_together(limits: Sequence[cgroups.Limits], kinds: Sequence[str], run_spec: ModelSpec, seq: int,
+                      sizes: Sequence[int], recompute: str, dtype: str, repeats: int, warmup: int,
+                      progress: Progress) -> list[tuple[dict[int, list[float]], float]]:
+    """Each device's (seconds of forward+backward per size, seconds of the optimizer step), timed by
+    children started at once inside their cgroups (profile_together)."""
+    with tempfile.TemporaryDirectory(prefix="gpumix-profile-") as tmp, contextlib.ExitStack() as stack:
+        control = os.path.join(tmp, "control")
+        os.mkdir(control)
+        procs, outs, groups = [], [], []
+        try:
+            for i, lim in enumerate(limits):
+                cg = stack.enter_context(cgroups.created(f"{cgroups.PREFIX}profile-{os.getpid()}-d{i}", lim))
+                table, job, out = (os.path.join(tmp, f"{n}{i}.json") for n in ("cgroups", "job", "out"))
+                cgroups.save_table(table, "cgroup", f"profile of {kinds[i]} (device {i})", {0: cg})
+                with open(job, "w", encoding="utf-8") as fh:
+                    json.dump({"spec": run_spec.to_dict(), "seq": seq, "sizes": list(sizes), "recompute": recompute,
+                               "dtype": dtype, "repeats": repeats, "warmup": warmup, "out": out, "control": control},
+                              fh)
+                env = dict(os.environ, RANK="0", OMP_NUM_THREADS="1", **{cgroups.ENV_CGROUPS: table},
+                           PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+                with open(out + ".err", "w", encoding="utf-8") as err:  # a file: a pipe nobody reads can fill
+                    procs.append(subprocess.Popen(
+                        [sys.executable, *cgroups.exec_command(["-m", "profiler.step_profile", job])], cwd=PROJECT_ROOT,
+                        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err))
+                outs.append(out)
+                groups.append(cg)
+            said = None
+            while not all(os.path.exists(o) for o in outs):
+                for i, p in enumerate(procs):
+                    if p.poll() is not None and not os.path.exists(outs[i]):
+                        with open(outs[i] + ".err", encoding="utf-8", errors="replace") as fh:
+                            _child_failed(fh.read(), p.returncode, groups[i], limits[i], kinds[i], sizes, seq)
+                ready = [os.path.exists(o + ROUNDS_SUFFIX) for o in outs]
+                if all(ready) and not os.path.exists(os.path.join(control, STOP_FILE)):
+                    _write_atomic(os.path.join(control, STOP_FILE), "")
+                if said != sum(ready):
+                    said = sum(ready)
+                    progress(0.1 + 0.8 * said / len(ready), f"{said} of {len(ready)} devices timed")
+                time.sleep(TOGETHER_POLL_S)
+        finally:
+            _write_atomic(os.path.join(control, DONE_FILE), "")
+            for p in procs:
+                try:
+                    p.wait(timeout=30.0)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        results = []
+        for out in outs:
+            with open(out, encoding="utf-8") as fh:
+                res = json.load(fh)
+            results.append(({int(m): t for m, t in res["times"].items()}, float(res["optimizer_s"])))
+    return results
+
+
+def _child_failed(stderr: str, returncode: int, cg: cgroups.Cgroup, limits: cgroups.Limits, kind: str,
+                  sizes: Sequence[int], seq: int) -> None:
+    """Raise why a timed child ended without its result: the kernel's OOM killer (by name), or its last line."""
+    if cgroups.oom_kills(cg):
+        raise ValueError(f"profiling {kind} ran out of memory: the kernel's OOM killer ended it under "
+                         f"{limits.describe()} (micro-batch {max(sizes)} at seq {seq} does not fit; "
+                         "profile smaller micro-batches)")
+    last = (stderr.strip().splitlines() or [f"exit code {returncode}"])[-1]
+    raise RuntimeError(f"profiling {kind} under its cgroup limits failed: {last}")
 
 
 def _limits(dev: torch.device, cpu_share: float | None, memory_gb: float | None,

@@ -96,7 +96,7 @@ def test_a_noise_dominated_fit_is_timed_again_then_refused(data_dir, monkeypatch
     def fake(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress, workers=1):
         calls.append(repeats)
         slope = 1e-3 if len(calls) == 2 else -1e-4  # noise first, then a real slope
-        return {m: [0.01 + slope * m] * repeats for m in sizes}, 0.001
+        return {m: [0.01 + slope * m] * repeats for m in sizes}, 0.001, None
 
     monkeypatch.setattr(sp, "_measure", fake)
     p = profile_local("tiny", 32, micro_batches=(1, 2, 3, 4), repeats=2, save=False)
@@ -105,7 +105,7 @@ def test_a_noise_dominated_fit_is_timed_again_then_refused(data_dir, monkeypatch
 
     def always_noise(run_spec, seq, sizes, *rest, **kw):
         calls.append(1)
-        return {m: [0.02 - 1e-4 * m] for m in sizes}, 0.0
+        return {m: [0.02 - 1e-4 * m] for m in sizes}, 0.0, None
 
     monkeypatch.setattr(sp, "_measure", always_noise)
     with pytest.raises(RuntimeError, match="not positive.*noise"):
