@@ -223,14 +223,21 @@ def render_estimated(plan: Plan) -> None:
 
 
 def profile_kinds(plan: Plan, kinds: list[str], progress) -> None:
-    """Measure each device kind as the run will use it: a plain type with the machine's
-    micro-benchmarks (profile_machine), an emulated CPU share under its cgroup limits beside
-    companions at the other devices' share (profile_local), as many workers as the plan runs."""
+    """Measure each device kind as the run will use it. A run whose devices are all emulated CPU
+    shares: all of them at once, each under its cgroup limits beside the others (profile_together:
+    every kind of the run measured in one window of time, under one load). Otherwise kind by kind:
+    a plain type with the machine's micro-benchmarks (profile_machine), an emulated CPU share under
+    its cgroup limits beside companions at the other devices' share (profile_local), as many
+    workers as the plan runs."""
     from profiler.microbench import profile_machine  # torch: only when asked
-    from profiler.step_profile import profile_local
+    from profiler.step_profile import profile_local, profile_together
 
     devices = plan.cluster.devices()
     used = [devices[a.device_index][1] for a in plan.assignments if a.used]
+    if len(used) > 1 and all(d.cpu_share is not None for d in used):
+        profile_together(plan.model, plan.seq, plan.dtype, [(d.cpu_share, d.memory_gb) for d in used],
+                         progress=progress)
+        return
     for i, kind in enumerate(kinds):
         def part(f: float, m: str, i: int = i) -> None:
             progress((i + f) / len(kinds), f"{kind}: {m}")
