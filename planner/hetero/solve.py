@@ -47,7 +47,8 @@ import pulp
 
 from planner.core.catalog import GIB, get_gpu_type
 from planner.core.cluster import ClusterSpec
-from planner.costmodel.training import AccumBand, Choice, ClassTable, CostModel, ScopeTable, validate_zero
+from planner.costmodel.training import (DENSE_ACCUM_STEPS, AccumBand, Choice, ClassTable, CostModel, ScopeTable,
+                                       validate_zero)
 from planner.core.plan import Assignment, Plan, ZeroCandidate
 from planner.core.units import ZERO_STAGES
 from planner.hetero.baselines import baseline_plans, estimate_baselines, estimate_memory_aware
@@ -586,19 +587,31 @@ def _best_rate(cls: ClassTable) -> float:
     return max(rates, default=0.0)
 
 
+# per class of a scope: (its best rate in samples/s, its device count, its optimizer_s)
+Rates = list[tuple[float, int, float]]
+
+
+def _table_rates(table: ScopeTable) -> tuple[Rates, bool]:
+    """Each class's (best rate, count, optimizer_s), and whether a state-only device may hold state."""
+    state_only = any(any(ch.batch == 0 and ch.max_share > 0 for ch in cls.choices) for cls in table.classes)
+    return [(_best_rate(cls), cls.count, cls.coeffs.optimizer_s) for cls in table.classes], state_only
+
+
 def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
+    return _fluid_bound_s(*_table_rates(table), global_batch, max_devices)
+
+
+def _fluid_bound_s(per_class: Rates, state_only: bool, global_batch: int, max_devices: int | None = None) -> float:
     """Fluid bound of the `max_devices` fastest devices (no collectives): a device i that takes b_i
-    samples and holds f_i of the state needs T ≥ b_i / r_i + f_i·opt_i at its best rate r_i, so
-    Σ r_i·T ≥ B + Σ r_i·f_i·opt_i ≥ B + min_i r_i·opt_i (Σ f_i = 1); with Σ r_i at most the
-    fastest devices' sum R, T ≥ (B + min_i r_i·opt_i) / R."""
-    per_class = [(_best_rate(cls), cls) for cls in table.classes]
-    rates = sorted((r for r, cls in per_class for _ in range(cls.count) if r > 0), reverse=True)
+    samples and holds f_i of the state needs T ≥ b_i / r_i + f_i·opt_i at its best rate r_i (or any
+    rate above it), so Σ r_i·T ≥ B + Σ r_i·f_i·opt_i ≥ B + min_i r_i·opt_i (Σ f_i = 1); with Σ r_i
+    at most the fastest devices' sum R, T ≥ (B + min_i r_i·opt_i) / R."""
+    rates = sorted((r for r, count, _ in per_class for _ in range(count) if r > 0), reverse=True)
     rate = sum(rates[:max_devices] if max_devices is not None else rates)
     if rate <= 0:
         return math.inf
     # state-only devices (rate 0) may hold the whole state: then no optimizer time is forced on the workers
-    state_only = any(any(ch.batch == 0 and ch.max_share > 0 for ch in cls.choices) for cls in table.classes)
-    opt_term = 0.0 if state_only else min(r * cls.coeffs.optimizer_s for r, cls in per_class if r > 0)
+    opt_term = 0.0 if state_only else min(r * opt_s for r, _, opt_s in per_class if r > 0)
     return (global_batch + opt_term) / rate
 
 
@@ -610,10 +623,64 @@ def _most_samples(table: ScopeTable) -> int:
 
 
 def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
-    """No plan of the scope is faster than the least bound of its world-size ranges (`world_segments`,
+    return _segments_bound_s(*_table_rates(table), table.comm_s, global_batch, table.num_devices)
+
+
+def _segments_bound_s(per_class: Rates, state_only: bool, comm_s, global_batch: int, num_devices: int) -> float:
+    """No plan of a scope is faster than the least bound of its world-size ranges (`world_segments`,
     `_range_bound_s`), each at least the fluid bound of all its devices."""
-    fluid_s = _lower_bound_s(table, global_batch)
-    return min(max(fluid_s, _range_bound_s(table, global_batch, lo, hi)) for lo, hi in world_segments(table.num_devices))
+    fluid_s = _fluid_bound_s(per_class, state_only, global_batch)
+    return min(max(fluid_s, _fluid_bound_s(per_class, state_only, global_batch, hi) + comm_s(lo))
+               for lo, hi in world_segments(num_devices))
+
+
+def _rate_above(cost: CostModel, device, global_batch: int, micro_batches: Sequence[int] | None,
+                max_compute_s: float) -> float | None:
+    """A rate no choice or band of `device`'s table (CostModel.choices, .bands) beats, from a few
+    memory checks instead of the whole table: a micro-batch's rate m/(α + β·m) grows with m, so it
+    is that of the largest m whose n = 1 (choices) or n = 2 (bands, the least memory of any count)
+    fits at f = 0 within the compute bound. None where a negative α or β breaks the monotony."""
+    c = cost.coeffs[device]
+    if min(c.alpha_s, c.beta_s, c.recompute_alpha_s or 0.0, c.recompute_beta_s or 0.0) < 0:
+        return None
+    rate = 0.0
+    ms = cost.micro_batch_candidates(global_batch, micro_batches)
+    for m in reversed(ms):  # choices: n = 1
+        one_s = c.compute_s(m, 1)
+        if rate * one_s >= m:
+            break  # no smaller m beats the rate found
+        if one_s <= max_compute_s and cost.max_share(device, m, 1) >= 0:
+            rate = max(rate, m / one_s) if one_s > 0 else rate
+            break
+    for m in reversed(ms):  # bands: n ≥ 2, priced per micro-batch at compute(m, 2) / 2
+        step_s = c.compute_s(m, 2) / 2
+        if step_s <= 0 or rate * step_s >= m:
+            break
+        top = min(global_batch // m, int(max_compute_s / step_s) if math.isfinite(max_compute_s) else global_batch)
+        if top >= DENSE_ACCUM_STEPS + 1 and c.fits(m, DENSE_ACCUM_STEPS + 1, 0.0):
+            rate = m / step_s
+            break
+    return rate
+
+
+def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequence[int], global_batch: int,
+                              micro_batches: Sequence[int] | None, max_compute_s: float) -> float:
+    """A lower bound on the scope's plans no greater than `_scope_lower_bound_s` of its table, from
+    `_rate_above` per kind of device: a scope it closes needs no table (issue 17: at large batches
+    the tables of ZeRO 2 and 3, built only to be skipped, were most of a solve). 0 where unknown."""
+    devices = cost.cluster.devices()
+    counts: dict = {}
+    for i in members:
+        counts[devices[i][1]] = counts.get(devices[i][1], 0) + 1
+    per_class = []
+    for d, count in counts.items():
+        rate = _rate_above(cost, d, global_batch, micro_batches, max_compute_s)
+        if rate is None:
+            return 0.0
+        per_class.append((rate, count, cost.coeffs[d].optimizer_s))
+    state_only = any(cost.max_share(d, 0, 0) > 0 for d in counts)
+    comm = cost.comm_model(counts, multi_node)
+    return _segments_bound_s(per_class, state_only, comm.comm_s, global_batch, len(members))
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:
@@ -684,9 +751,12 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
     if known is not None and known[0] < beat_s * (1 - tol):
         best = (ScopeSolution("optimal", known[0], dict(enumerate(known[1]))), known_scope(cost, known[1]), known[0])
     upper_bound_s = best[2] if best else beat_s
-    tables = [cost.scope_table(name, multi, [i for _, ix in members for i in ix], global_batch, micro_batches,
-                               upper_bound_s)
-              for name, multi, members in cost.scopes()]
+    tables = []
+    for name, multi, members in cost.scopes():
+        members = [i for _, ix in members for i in ix]
+        if _scope_bound_before_table(cost, multi, members, global_batch, micro_batches,
+                                     upper_bound_s) < upper_bound_s * (1 - tol):
+            tables.append(cost.scope_table(name, multi, members, global_batch, micro_batches, upper_bound_s))
     bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
     proven = True
     for table in sorted(tables, key=lambda t: bounds[t.name]):
