@@ -34,6 +34,7 @@ bisection's tolerance (so ties keep the lower stage), and records what each stag
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import pulp
 
 from planner.core.catalog import GIB, get_gpu_type
@@ -203,17 +205,31 @@ def band_rows(band: AccumBand, opt_s: float, slack_s: float, n_top: int) -> list
     return rows
 
 
-def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
-          time_limit_s: float, threads: int | None = None) -> Config | None:
-    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s (up to
-    the bands' 2·AFFINE_TOL of room: the caller prices it exactly), or None, which proves that no
-    plan of the scope's world sizes ends by t_s."""
-    if time_limit_s <= 0:
-        raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
-    prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
-    prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
-    entries = []  # (g, choice, x, F)
-    band_entries = []  # (g, band, x, N)
+@dataclass(frozen=True)
+class _ChoiceVar:
+    """A choice the probe offers class g at t_s: its room for the state per device, and how many may take it."""
+    g: int
+    c: int
+    choice: Choice
+    cap: float
+    ub: int
+
+
+@dataclass(frozen=True)
+class _BandVar:
+    """A band the probe offers class g at t_s: counts lo..n_top, the rows bounding its state (band_rows)."""
+    g: int
+    b: int
+    band: AccumBand
+    n_top: int
+    ub: int
+    rows: list[tuple[float, float]]
+
+
+def probe_entries(table: ScopeTable, global_batch: int, comm_s: float, t_s: float) -> list[_ChoiceVar | _BandVar]:
+    """What the probe at t_s may give each class: the choices fast enough (per batch the roomiest)
+    and the bands' counts that end by t_s."""
+    out: list[_ChoiceVar | _BandVar] = []
     for g, cls in enumerate(table.classes):
         # at a fixed t_s two choices of one batch differ only in their share room: keep the roomiest
         best_of_batch: dict[int, tuple[float, int]] = {}
@@ -227,20 +243,11 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
             if best is None or cap > best[0] * (1 + CAP_TIE_REL) or (
                     cap >= best[0] * (1 - CAP_TIE_REL) and ch.micro_batch > cls.choices[best[1]].micro_batch):
                 best_of_batch[ch.batch] = (cap, c)
-        xs = []
         for batch, (cap, c) in sorted(best_of_batch.items()):
             ch = cls.choices[c]
             ub = cls.count if ch.batch == 0 else min(cls.count, global_batch // ch.batch)
-            if ub < 1:
-                continue
-            # x[g,c]: how many devices of class g take choice c
-            x = pulp.LpVariable(f"x_{g}_{c}", lowBound=0, upBound=ub, cat="Integer")
-            # F[g,c]: the state share those devices hold together (F = x·f, f their equal per-device share)
-            F = pulp.LpVariable(f"F_{g}_{c}", lowBound=0)
-            # memory and time at t_s: each device's f ≤ cap(t_s), so F ≤ cap·x
-            prob += F <= cap * x, f"cap_{g}_{c}"
-            xs.append(x)
-            entries.append((g, ch, x, F))
+            if ub >= 1:
+                out.append(_ChoiceVar(g, c, ch, cap, ub))
         for b, band in enumerate(cls.bands):
             slack_s = t_s - comm_s  # what one device of the band has for compute + optimizer
             # the most steps one device may take by t_s (a device at n needs n·step ≤ t − comm)
@@ -248,29 +255,153 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
             if n_top < band.lo:
                 continue
             ub = min(cls.count, global_batch // (band.micro_batch * band.lo))
-            if ub < 1:
-                continue
-            # x[g,b]: devices of class g with a count in band b; N[g,b]: their accumulation steps in total
-            x = pulp.LpVariable(f"xb_{g}_{b}", lowBound=0, upBound=ub, cat="Integer")
-            N = pulp.LpVariable(f"N_{g}_{b}", lowBound=0, cat="Integer")
-            F = pulp.LpVariable(f"Fb_{g}_{b}", lowBound=0)
-            # counts: lo ≤ each n_i ≤ n_top, so lo·x ≤ N ≤ n_top·x (split evenly: n_i ∈ {⌊N/x⌋, ⌈N/x⌉})
-            prob += N >= band.lo * x, f"band_lo_{g}_{b}"
-            prob += N <= n_top * x, f"band_hi_{g}_{b}"
-            # the most state the x devices hold: F ≤ a·x + s·N for each row (band_rows)
-            for r, (a, sl) in enumerate(band_rows(band, cls.coeffs.optimizer_s, slack_s, n_top)):
-                prob += F <= a * x + sl * N, f"band_room_{g}_{b}_{r}"
-            xs.append(x)
-            entries.append((g, None, x, F))
-            band_entries.append((g, band, x, N))
-        if xs:
-            # devices: a class lends at most its count
-            prob += pulp.lpSum(xs) <= cls.count, f"devices_{g}"
-    if not entries:
+            if ub >= 1:
+                out.append(_BandVar(g, b, band, n_top, ub, band_rows(band, cls.coeffs.optimizer_s, slack_s, n_top)))
+    return out
+
+
+# the relaxation proves a probe infeasible only when the most state it can hold falls this far short
+# of the whole (CBC's own feasibility tolerance is ~1e-7: nearer than this, CBC decides)
+RELAXATION_MARGIN = 1e-6
+
+
+def _rays(entry: _ChoiceVar | _BandVar) -> list[tuple[float, float]]:
+    """(batch, state share) per device at the vertices of what an entry offers with x and N real:
+    a choice's own; a band's at the counts n where its room ℓ(n) = min over rows (a + s·n) kinks,
+    ends or reaches 0 (ℓ is concave: every (x, N, F) of the band is a sum of these)."""
+    if isinstance(entry, _ChoiceVar):
+        return [(float(entry.choice.batch), entry.cap)]
+    lo, hi, rows = entry.band.lo, entry.n_top, entry.rows
+    points = {float(lo), float(hi)}
+    for i, (a1, s1) in enumerate(rows):
+        if s1 != 0:
+            points.add(-a1 / s1)
+        for a2, s2 in rows[i + 1:]:
+            if s1 != s2:
+                points.add((a2 - a1) / (s1 - s2))
+    out = []
+    for n in points:
+        room = min(a + s * n for a, s in rows)
+        if lo <= n <= hi and room >= -1e-12:
+            out.append((entry.band.micro_batch * n, max(room, 0.0)))
+    return out
+
+
+def _greedy_batch(by_class: dict[int, list[tuple[float, float]]], counts: Sequence[int], k: int, pick) -> float:
+    """The largest (pick=max) or least (pick=min) batch k devices take, each on its class's largest
+    or least ray, the classes taken in that order."""
+    per_class = sorted(((pick(b for b, _ in rays), counts[g]) for g, rays in by_class.items()),
+                       reverse=pick is max)
+    total, left = 0.0, k
+    for b, count in per_class:
+        take = min(count, left)
+        total, left = total + take * b, left - take
+    return total
+
+
+def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequence[int], global_batch: int,
+                          world: tuple[int, int]) -> bool:
+    """Whether the probe's LP relaxation (integrality and the per-entry bounds dropped) proves that
+    no configuration holds the whole state, without starting CBC. With y_j ≥ 0 devices on ray j
+    (batch b_j, share c_j, class g_j), the relaxation is max Σ c·y subject to Σ_{j∈g} y_j ≤ count_g,
+    Σ b·y = B, lo ≤ Σ y ≤ hi; for any prices λ (batch) and μ (world size) its optimum is at most
+        D(λ, μ) = λ·B + hi·μ⁺ − lo·μ⁻ + Σ_g count_g · max(0, max_{j∈g} (c_j − λ·b_j − μ))
+    (weak duality), so D < 1 is a proof. D is convex and piecewise linear; its least value lies at a
+    vertex: λ where two rays tie (c_j − c_k)/(b_j − b_k) or one reaches 0 (c_j/b_j), μ at 0 or a
+    class's best reduced value. Those λ are searched as a convex sequence (bisection on its slope)."""
+    lo_k, hi_k = world
+    by_class: dict[int, list[tuple[float, float]]] = {}
+    for e in entries:
+        by_class.setdefault(e.g, []).extend(_rays(e))
+    by_class = {g: rays for g, rays in by_class.items() if rays}
+    if sum(counts[g] for g in by_class) < lo_k:
+        return True  # too few devices can take part at all
+    # no y at all meets the batch and world rows (the dual is unbounded): the batch exceeds what the
+    # hi devices of the largest batches take, or falls short of what the lo of the smallest must
+    if (global_batch > _greedy_batch(by_class, counts, hi_k, max) * (1 + 1e-9)
+            or global_batch < _greedy_batch(by_class, counts, lo_k, min) * (1 - 1e-9)):
+        return True
+    classes = [(counts[g], np.array([b for b, _ in rays]), np.array([c for _, c in rays]))
+               for g, rays in by_class.items()]
+    weights = np.array([count for count, _, _ in classes], dtype=float)
+    b_all = np.concatenate([b for _, b, _ in classes])
+    c_all = np.concatenate([c for _, _, c in classes])
+
+    b_top = float(b_all.max())
+
+    def dual(lam: float) -> float:
+        """min over μ of D(λ, μ), less a bound on its float error (so that D < 1 stays a proof)."""
+        v = np.array([float(np.max(c - lam * b)) for _, b, c in classes])
+        mus = np.append(v, 0.0)
+        vals = (lam * global_batch + hi_k * np.maximum(mus, 0.0) - lo_k * np.maximum(-mus, 0.0)
+                + np.maximum(v[None, :] - mus[:, None], 0.0) @ weights)
+        scale = abs(lam) * (global_batch + b_top * weights.sum()) + (hi_k + weights.sum()) * (1.0 + np.abs(mus).max())
+        return float(vals.min()) + 1e-12 * scale
+
+    db, dc = b_all[:, None] - b_all[None, :], c_all[:, None] - c_all[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # rays of (nearly) one batch tie nowhere a proof could use: their λ would only be float noise
+        lams = np.concatenate([(dc / db)[db > 1e-9 * b_top], (c_all / b_all)[b_all > 0], [0.0]])
+    lams = np.unique(lams[np.isfinite(lams)])
+    lo_i, hi_i = 0, len(lams) - 1
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        d_mid, d_next = dual(lams[mid]), dual(lams[mid + 1])
+        if d_mid < 1 - RELAXATION_MARGIN or d_next < 1 - RELAXATION_MARGIN:
+            return True
+        if d_mid == d_next:
+            break  # a flat piece of a convex function is its least value
+        lo_i, hi_i = (lo_i, mid) if d_mid < d_next else (mid + 1, hi_i)
+    return dual(lams[lo_i]) < 1 - RELAXATION_MARGIN
+
+
+def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
+          time_limit_s: float, threads: int | None = None) -> Config | None:
+    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s (up to
+    the bands' 2·AFFINE_TOL of room: the caller prices it exactly), or None, which proves that no
+    plan of the scope's world sizes ends by t_s (by the LP relaxation where it suffices, else CBC)."""
+    if time_limit_s <= 0:
+        raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
+    offered = probe_entries(table, global_batch, comm_s, t_s)
+    if not offered:
         return None
-    if len(entries) > MAX_PROBE_VARIABLES:
-        raise SolverLimit(f"the plan's integer program would have {len(entries)} device variables "
+    if len(offered) > MAX_PROBE_VARIABLES:
+        raise SolverLimit(f"the plan's integer program would have {len(offered)} device variables "
                           f"(more than {MAX_PROBE_VARIABLES}): use fewer micro-batch candidates")
+    if relaxation_infeasible(offered, [cls.count for cls in table.classes], global_batch, world):
+        return None
+    prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
+    prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
+    entries = []  # (g, choice, x, F)
+    band_entries = []  # (g, band, x, N)
+    for g, group in itertools.groupby(offered, key=lambda e: e.g):
+        xs = []
+        for e in group:
+            if isinstance(e, _ChoiceVar):
+                # x[g,c]: how many devices of class g take choice c
+                x = pulp.LpVariable(f"x_{g}_{e.c}", lowBound=0, upBound=e.ub, cat="Integer")
+                # F[g,c]: the state share those devices hold together (F = x·f, f their equal per-device share)
+                F = pulp.LpVariable(f"F_{g}_{e.c}", lowBound=0)
+                # memory and time at t_s: each device's f ≤ cap(t_s), so F ≤ cap·x
+                prob += F <= e.cap * x, f"cap_{g}_{e.c}"
+                entries.append((g, e.choice, x, F))
+            else:
+                b, band = e.b, e.band
+                # x[g,b]: devices of class g with a count in band b; N[g,b]: their accumulation steps in total
+                x = pulp.LpVariable(f"xb_{g}_{b}", lowBound=0, upBound=e.ub, cat="Integer")
+                N = pulp.LpVariable(f"N_{g}_{b}", lowBound=0, cat="Integer")
+                F = pulp.LpVariable(f"Fb_{g}_{b}", lowBound=0)
+                # counts: lo ≤ each n_i ≤ n_top, so lo·x ≤ N ≤ n_top·x (split evenly: n_i ∈ {⌊N/x⌋, ⌈N/x⌉})
+                prob += N >= band.lo * x, f"band_lo_{g}_{b}"
+                prob += N <= e.n_top * x, f"band_hi_{g}_{b}"
+                # the most state the x devices hold: F ≤ a·x + s·N for each row (band_rows)
+                for r, (a, sl) in enumerate(e.rows):
+                    prob += F <= a * x + sl * N, f"band_room_{g}_{b}_{r}"
+                entries.append((g, None, x, F))
+                band_entries.append((g, band, x, N))
+            xs.append(x)
+        # devices: a class lends at most its count
+        prob += pulp.lpSum(xs) <= table.classes[g].count, f"devices_{g}"
     # batch: Σ m·n·x (+ Σ m·N over the bands) = the global batch
     prob += (pulp.lpSum(ch.batch * x for _, ch, x, _ in entries if ch is not None)
              + pulp.lpSum(band.micro_batch * N for _, band, _, N in band_entries)) == global_batch, "batch"
