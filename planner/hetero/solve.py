@@ -50,7 +50,7 @@ import pulp
 from planner.core.catalog import GIB, get_gpu_type
 from planner.core.cluster import ClusterSpec
 from planner.costmodel.training import (DENSE_ACCUM_STEPS, AccumBand, Choice, ClassTable, CostModel, ScopeTable,
-                                       validate_zero)
+                                       last_fitting, validate_zero)
 from planner.core.plan import Assignment, Plan, ZeroCandidate
 from planner.core.units import ZERO_STAGES
 from planner.hetero.baselines import baseline_plans, estimate_baselines, estimate_memory_aware
@@ -794,6 +794,34 @@ def _rate_above(cost: CostModel, device, global_batch: int, micro_batches: Seque
     return rate
 
 
+def _most_samples_before_table(cost: CostModel, members: Sequence[int], global_batch: int,
+                               micro_batches: Sequence[int] | None, max_compute_s: float) -> int:
+    """`_most_samples` of the scope's table, no less, without building it: per kind the largest
+    micro-batch that fits at n = 1 and, per micro-batch, m times the most counts that fit at f = 0
+    within the compute bound (the top of CostModel.bands, whose bands all end there). At ZeRO ≥ 2,
+    where memory grows with the counts, a large batch often exceeds it: the stage needs no table."""
+    devices = cost.cluster.devices()
+    most_of: dict = {}
+    total = 0
+    for i in members:
+        d = devices[i][1]
+        if d not in most_of:
+            c, most = cost.coeffs[d], 0
+            for m in cost.micro_batch_candidates(global_batch, micro_batches):
+                if c.compute_s(m, 1) <= max_compute_s and cost.max_share(d, m, 1) >= 0:
+                    most = max(most, m)
+                step_s = c.compute_s(m, 2) / 2
+                top = global_batch // m
+                if step_s > 0 and math.isfinite(max_compute_s):
+                    top = min(top, int(max_compute_s / step_s))
+                lo = DENSE_ACCUM_STEPS + 1
+                if top >= lo and c.fits(m, lo, 0.0):
+                    most = max(most, m * last_fitting(c, m, 0.0, lo, top))
+            most_of[d] = most
+        total += most_of[d]
+    return total
+
+
 def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequence[int], global_batch: int,
                               micro_batches: Sequence[int] | None, max_compute_s: float) -> float:
     """A lower bound on the scope's plans no greater than `_scope_lower_bound_s` of its table, from
@@ -885,8 +913,10 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
     tables = []
     for name, multi, members in cost.scopes():
         members = [i for _, ix in members for i in ix]
-        if _scope_bound_before_table(cost, multi, members, global_batch, micro_batches,
-                                     upper_bound_s) < upper_bound_s * (1 - tol):
+        if (_scope_bound_before_table(cost, multi, members, global_batch, micro_batches,
+                                      upper_bound_s) < upper_bound_s * (1 - tol)
+                and _most_samples_before_table(cost, members, global_batch, micro_batches,
+                                               upper_bound_s) >= global_batch):
             tables.append(cost.scope_table(name, multi, members, global_batch, micro_batches, upper_bound_s))
     bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
     proven = True
