@@ -25,7 +25,8 @@ first over the breakpoints compute + comm (where the choice set changes), then c
 feasible probe's configuration is priced exactly (its optimal shares by water-filling), which moves
 the upper end of the interval at once to a real plan's time. The search starts from the best baseline plan
 (planner/hetero/baselines.py) as its incumbent: it bounds the tables, prunes scopes and world sizes, and is
-the answer when nothing beats it.
+the answer when nothing beats it. A probe asks its LP relaxation first (`relaxation_infeasible`): CBC
+starts only where the relaxation does not prove the probe infeasible.
 
 ZeRO stages: the cost model of one stage (planner/costmodel/training.py) fixes the memory of every (m, n), the
 compute (layer-wise accumulation recomputes at zero ≥ 2, n > 1) and comm(k); `solve_plan` with
