@@ -288,6 +288,20 @@ def _rays(entry: _ChoiceVar | _BandVar) -> list[tuple[float, float]]:
     return out
 
 
+def _upper_hull(rays: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The rays (batch, share) on the upper concave hull, by batch: max_j (c_j − λ·b_j) is attained
+    on it for every λ, and so are the least and largest batch."""
+    hull: list[tuple[float, float]] = []
+    for b, c in sorted(rays, key=lambda r: (r[0], -r[1])):
+        if hull and hull[-1][0] == b:
+            continue  # the same batch with no more share
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (c - hull[-2][1])
+                                  >= (hull[-1][1] - hull[-2][1]) * (b - hull[-2][0])):
+            hull.pop()  # the last point lies on or below the chord from the one before to (b, c)
+        hull.append((b, c))
+    return hull
+
+
 def _greedy_batch(by_class: dict[int, list[tuple[float, float]]], counts: Sequence[int], k: int, pick) -> float:
     """The largest (pick=max) or least (pick=min) batch k devices take, each on its class's largest
     or least ray, the classes taken in that order."""
@@ -314,7 +328,7 @@ def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequ
     by_class: dict[int, list[tuple[float, float]]] = {}
     for e in entries:
         by_class.setdefault(e.g, []).extend(_rays(e))
-    by_class = {g: rays for g, rays in by_class.items() if rays}
+    by_class = {g: _upper_hull(rays) for g, rays in by_class.items() if rays}
     if sum(counts[g] for g in by_class) < lo_k:
         return True  # too few devices can take part at all
     # no y at all meets the batch and world rows (the dual is unbounded): the batch exceeds what the
