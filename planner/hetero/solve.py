@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-import numpy as np
 import pulp
 
 from planner.core.catalog import GIB, get_gpu_type
@@ -336,28 +335,26 @@ def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequ
     if (global_batch > _greedy_batch(by_class, counts, hi_k, max) * (1 + 1e-9)
             or global_batch < _greedy_batch(by_class, counts, lo_k, min) * (1 - 1e-9)):
         return True
-    classes = [(counts[g], np.array([b for b, _ in rays]), np.array([c for _, c in rays]))
-               for g, rays in by_class.items()]
-    weights = np.array([count for count, _, _ in classes], dtype=float)
-    b_all = np.concatenate([b for _, b, _ in classes])
-    c_all = np.concatenate([c for _, _, c in classes])
-
-    b_top = float(b_all.max())
+    classes = [(counts[g], rays) for g, rays in by_class.items()]
+    num = sum(count for count, _ in classes)
+    rays_all = [r for _, rays in classes for r in rays]
+    b_top = max(b for b, _ in rays_all)
 
     def dual(lam: float) -> float:
-        """min over μ of D(λ, μ), less a bound on its float error (so that D < 1 stays a proof)."""
-        v = np.array([float(np.max(c - lam * b)) for _, b, c in classes])
-        mus = np.append(v, 0.0)
-        vals = (lam * global_batch + hi_k * np.maximum(mus, 0.0) - lo_k * np.maximum(-mus, 0.0)
-                + np.maximum(v[None, :] - mus[:, None], 0.0) @ weights)
-        scale = abs(lam) * (global_batch + b_top * weights.sum()) + (hi_k + weights.sum()) * (1.0 + np.abs(mus).max())
-        return float(vals.min()) + 1e-12 * scale
+        """min over μ of D(λ, μ), plus a bound on its float error (so that D < 1 stays a proof)."""
+        v = [max(c - lam * b for b, c in rays) for _, rays in classes]
+        best = math.inf
+        for mu in (*v, 0.0):
+            d = lam * global_batch + hi_k * max(mu, 0.0) - lo_k * max(-mu, 0.0)
+            d += sum(count * max(vg - mu, 0.0) for (count, _), vg in zip(classes, v))
+            best = min(best, d + 1e-12 * (abs(lam) * (global_batch + b_top * num) + (hi_k + num) * (1.0 + abs(mu))))
+        return best
 
-    db, dc = b_all[:, None] - b_all[None, :], c_all[:, None] - c_all[None, :]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        # rays of (nearly) one batch tie nowhere a proof could use: their λ would only be float noise
-        lams = np.concatenate([(dc / db)[db > 1e-9 * b_top], (c_all / b_all)[b_all > 0], [0.0]])
-    lams = np.unique(lams[np.isfinite(lams)])
+    # rays of (nearly) one batch tie nowhere a proof could use: their λ would only be float noise
+    lams = {(c1 - c2) / (b1 - b2) for i, (b1, c1) in enumerate(rays_all) for b2, c2 in rays_all[i + 1:]
+            if abs(b1 - b2) > 1e-9 * b_top}
+    lams.update(c / b for b, c in rays_all if b > 0)
+    lams = sorted(lams | {0.0})
     lo_i, hi_i = 0, len(lams) - 1
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
