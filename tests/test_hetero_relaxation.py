@@ -32,6 +32,8 @@ def test_hand_solved_instances():
 
 
 def test_every_certificate_is_confirmed_by_cbc(monkeypatch):
+    """Every t the relaxation rejects in a solve, inside a probe or in the bisection's
+    relaxation-only gallop (relaxation_rejects), CBC finds infeasible too."""
     real = hetero_solve.relaxation_infeasible
     certified = []
 
@@ -41,21 +43,29 @@ def test_every_certificate_is_confirmed_by_cbc(monkeypatch):
             certified.append(world)
         return ok
 
-    calls = []
-    real_probe = hetero_solve.probe
+    calls = []  # (table, batch, world, comm_s, t_s) of each certificate
+    real_probe, real_rejects = hetero_solve.probe, hetero_solve.relaxation_rejects
 
     def probe(*args, **kwargs):
         before = len(certified)
         out = real_probe(*args, **kwargs)
+        if len(certified) > before:
+            calls.append(args[:5])
+        return out
+
+    def rejects(*args):
+        before = len(certified)
+        out = real_rejects(*args)
         if len(certified) > before:
             calls.append(args)
         return out
 
     monkeypatch.setattr(hetero_solve, "relaxation_infeasible", recording)
     monkeypatch.setattr(hetero_solve, "probe", probe)
+    monkeypatch.setattr(hetero_solve, "relaxation_rejects", rejects)
     spec = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
     hetero_solve.solve_plan(spec, "gpt2-xl", 1_000, dtype="bf16", recompute="full", time_limit_s=60.0)
     assert len(calls) >= 5
     monkeypatch.setattr(hetero_solve, "relaxation_infeasible", lambda *a: False)
     for args in calls:
-        assert real_probe(*args) is None, args[2:5]
+        assert real_probe(*args, 60.0) is None, args[2:5]

@@ -76,10 +76,11 @@ WATER_FILL_STEPS = 60
 # closing a bisection's interval, a probe at hi − NEAR_HI_STEP·(hi − lo): the incumbent is usually
 # optimal already, so probes near hi are infeasible and each cuts the interval to a tenth
 NEAR_HI_STEP = 0.1
-# galloping up from the fluid bound (solve_bucket) where the batch per device is large: probes at
-# lo·(1 + g) for g = GALLOP_FIRST, ×GALLOP_FACTOR, ... up to GALLOP_LAST
-GALLOP_SAMPLES_PER_DEVICE = 32
-GALLOP_FIRST, GALLOP_FACTOR, GALLOP_LAST = 1e-3, 4.0, 0.07
+# galloping up from a bucket's lower bound (solve_bucket), first by the LP relaxation, then by CBC:
+# probes at lo·(1 + tol·RELAX_GALLOP^i)
+RELAX_GALLOP = 16.0
+# the relaxation's bisection stops within RELAX_WITHIN·tol of the least t it admits, where CBC starts
+RELAX_WITHIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -367,21 +368,31 @@ def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequ
     return dual(lams[lo_i]) < 1 - RELAXATION_MARGIN
 
 
+def relaxation_rejects(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float,
+                       t_s: float) -> bool:
+    """Whether the probe at t_s is infeasible by its LP relaxation alone (no CBC): a proof."""
+    return _rejects(table, probe_entries(table, global_batch, comm_s, t_s), global_batch, world)
+
+
+def _rejects(table: ScopeTable, offered: Sequence[_ChoiceVar | _BandVar], global_batch: int,
+             world: tuple[int, int]) -> bool:
+    return not offered or relaxation_infeasible(offered, [cls.count for cls in table.classes], global_batch, world)
+
+
 def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
-          time_limit_s: float, threads: int | None = None) -> Config | None:
+          time_limit_s: float, threads: int | None = None, relaxed: bool = False) -> Config | None:
     """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s (up to
     the bands' 2·AFFINE_TOL of room: the caller prices it exactly), or None, which proves that no
-    plan of the scope's world sizes ends by t_s (by the LP relaxation where it suffices, else CBC)."""
+    plan of the scope's world sizes ends by t_s (by the LP relaxation where it suffices, else CBC).
+    relaxed: the caller has found that the relaxation does not reject t_s, so CBC decides at once."""
     if time_limit_s <= 0:
         raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
     offered = probe_entries(table, global_batch, comm_s, t_s)
-    if not offered:
+    if not relaxed and _rejects(table, offered, global_batch, world):
         return None
     if len(offered) > MAX_PROBE_VARIABLES:
         raise SolverLimit(f"the plan's integer program would have {len(offered)} device variables "
                           f"(more than {MAX_PROBE_VARIABLES}): use fewer micro-batch candidates")
-    if relaxation_infeasible(offered, [cls.count for cls in table.classes], global_batch, world):
-        return None
     prob = pulp.LpProblem("gpumix_hetero_probe", pulp.LpMinimize)
     prob += pulp.lpSum([])  # feasibility: any configuration that fits is as good as another
     entries = []  # (g, choice, x, F)
@@ -488,11 +499,13 @@ class _Bisection:
         self.proven_lo = True  # every rise of lo was a proof (an infeasible probe)
         self.stalled = False  # a probe moved neither end (CBC's tolerance): stop bisecting
 
-    def try_at(self, t_s: float) -> bool:
+    def try_at(self, t_s: float, relaxed: bool = False) -> bool:
         """Probe t_s: a feasible configuration lowers hi to its exact time, infeasibility raises lo.
         ProbeTimeout (undecided) moves neither. A configuration the probe accepted within the bands'
-        tolerance that cannot hold the state when priced exactly raises lo all the same, unproven."""
-        config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic())
+        tolerance that cannot hold the state when priced exactly raises lo all the same, unproven.
+        relaxed: as probe's (the relaxation admits t_s)."""
+        config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic(),
+                       relaxed=relaxed)
         priced = price_config(self.table, config, self.comm_s) if config else None
         if priced is None:
             if config:
@@ -506,6 +519,30 @@ class _Bisection:
             # no better than hi: the interval cannot shrink from here (closed() decides "optimal")
             self.stalled = True
         return True
+
+    def relaxation_floor(self, cap_s: float, tol: float) -> float | None:
+        """Raise lo by the LP relaxation alone (each t it rejects is a proof, at no CBC run): gallop
+        up from lo by lo·tol·RELAX_GALLOP^i, then bisect to within tol/2 of the first t it admits.
+        Returns that t (≤ cap_s), or None if it rejects cap_s."""
+        def rejects(t_s: float) -> bool:
+            return relaxation_rejects(self.table, self.global_batch, self.world, self.comm_s, t_s)
+
+        if rejects(cap_s):
+            self.lo = max(self.lo, cap_s)
+            return None
+        step, t = tol, cap_s
+        while self.lo > 0 and self.lo * (1 + step) < cap_s:
+            t = self.lo * (1 + step)
+            if not rejects(t):
+                break
+            self.lo, t, step = t, cap_s, step * RELAX_GALLOP
+        while t - self.lo > RELAX_WITHIN * tol * t:
+            mid = 0.5 * (self.lo + t)
+            if rejects(mid):
+                self.lo = mid
+            else:
+                t = mid
+        return t
 
     def closed(self, tol: float) -> bool:
         return self.hi - self.lo <= tol * self.hi
@@ -526,13 +563,14 @@ class _Bisection:
 
 
 def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
-                 deadline: float, tol: float, comm_k: int | None = None) -> tuple[float, Config, bool] | None:
+                 deadline: float, tol: float, comm_k: int | None = None) -> tuple[float, Config | None, bool] | None:
     """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent),
     the collectives priced at `comm_k` devices (default: world's top). Returns (bound, the best
     configuration, proven) or None if nothing beats upper_s: bound is the least time within tol
     when the interval closed, else the proven lower end of a range the caller must split (its
     collectives' spread, comm(top) − comm_s, is wider than what the bisection could still resolve,
-    or its best plan does not beat upper_s at its own world size)."""
+    or its best plan does not beat upper_s at its own world size). The configuration is None where
+    the relaxation's bound alone leaves less than that spread below upper_s (no CBC run)."""
     comm_k = world[1] if comm_k is None else comm_k
     top_s = upper_s
     if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
@@ -540,26 +578,28 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
                     + [b.hi * b.step_s + cls.coeffs.optimizer_s for cls in table.classes for b in cls.bands])
         top_s += table.comm_s(comm_k)
     search = _Bisection(table, global_batch, world, lower_s, top_s, deadline, comm_k)
+    cap_s = top_s if math.isinf(upper_s) else upper_s * (1 - tol)  # is there any plan at all below it?
     try:
-        # the top of the interval: is there any plan at all below the incumbent?
-        if math.isinf(upper_s):
-            if not search.try_at(top_s):
+        # the relaxation's free proofs lift lo to just below the least t it admits; CBC starts
+        # there (the optimum usually lies within a few tol of it) and climbs geometrically from lo
+        # until a configuration appears, each infeasible answer a proof
+        t = search.relaxation_floor(cap_s, tol)
+        if t is not None and world[0] < world[1] and cap_s - search.lo <= search.spread_s:
+            # what is left below the incumbent is narrower than the collectives' spread: CBC could
+            # not settle the range either, so the caller splits it on the relaxation's bound alone
+            return search.lo, None, search.proven_lo
+        step = tol
+        while t is not None and not search.try_at(t, relaxed=True):
+            if t >= cap_s:
                 return None
-        elif not search.try_at(upper_s * (1 - tol)):
+            t = min(cap_s, search.lo * (1 + step)) if search.lo > 0 else cap_s
+            step *= RELAX_GALLOP
+        if t is None:
             return None
-        elif world[0] < world[1] and not search.improves(upper_s * (1 - tol)):
+        if world[0] < world[1] and not search.improves(upper_s * (1 - tol)):
             # the relaxation admits a plan the real collectives do not: bisecting it would only
             # sharpen a bound the range's halves beat anyway, so the caller splits the range at once
             return search.lo, search.best[1], search.proven_lo
-        # a large batch per device leaves little to round: the optimum lies just above the fluid
-        # bound, so gallop up from it (each infeasible probe is a proof that raises lo) before bisecting
-        if global_batch >= GALLOP_SAMPLES_PER_DEVICE * table.num_devices and search.lo > 0:
-            step = GALLOP_FIRST
-            while step <= GALLOP_LAST and search.time_left() and not search.settled(tol):
-                t = search.lo * (1 + step)
-                if not search.lo < t < search.hi or search.try_at(t):
-                    break
-                step *= GALLOP_FACTOR
         points = _breakpoints(table, search.comm_s, search.lo, search.hi)
         while points and search.time_left() and not search.settled(tol):
             mid = points[len(points) // 2]
@@ -629,11 +669,13 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
             continue
         bound_s, config, ok = found
         proven = proven and ok
-        k = sum(x for _, _, x in config)
-        priced = price_config(table, config, table.comm_s(k))
-        if priced is not None and priced[0] < incumbent:
-            best = (priced[0], config, k)
-            incumbent = priced[0]
+        k = hi  # no configuration (the relaxation's bound alone): the upper half first
+        if config is not None:
+            k = sum(x for _, _, x in config)
+            priced = price_config(table, config, table.comm_s(k))
+            if priced is not None and priced[0] < incumbent:
+                best = (priced[0], config, k)
+                incumbent = priced[0]
         if lo == hi or bound_s >= incumbent * (1 - tol):
             continue
         mid = (lo + hi) // 2
