@@ -934,9 +934,15 @@ def explain_infeasible(cost: CostModel, global_batch: int) -> str:
 
 
 def _max_batch(cost: CostModel, device, global_batch: int) -> int:
-    """The most samples one device can take in a step that fits its memory (any candidate)."""
+    """The most samples one device can take in a step that fits its memory (any candidate): its
+    largest choice, or per micro-batch m·(the top count of CostModel.bands, the largest n that fits
+    at f = 0, found as bands finds it but without cutting the bands into affine pieces)."""
+    c = cost.coeffs[device]
     batches = [ch.batch for ch in cost.choices(device, global_batch)]
-    batches += [b.micro_batch * b.hi for b in cost.bands(device, global_batch)]
+    lo = DENSE_ACCUM_STEPS + 1
+    for m in cost.micro_batch_candidates(global_batch, None):
+        if global_batch // m >= lo and c.fits(m, lo, 0.0):
+            batches.append(m * last_fitting(c, m, 0.0, lo, global_batch // m))
     return max(batches, default=0)
 
 
