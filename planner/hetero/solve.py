@@ -848,12 +848,13 @@ def _rate_above(cost: CostModel, device, global_batch: int, micro_batches: Seque
     return rate
 
 
-def _most_samples_before_table(cost: CostModel, members: Sequence[int], global_batch: int,
-                               micro_batches: Sequence[int] | None, max_compute_s: float) -> int:
-    """`_most_samples` of the scope's table, no less, without building it: per kind the largest
-    micro-batch that fits at n = 1 and, per micro-batch, m times the most counts that fit at f = 0
-    within the compute bound (the top of CostModel.bands, whose bands all end there). At ZeRO ≥ 2,
-    where memory grows with the counts, a large batch often exceeds it: the stage needs no table."""
+def _takes_batch_before_table(cost: CostModel, members: Sequence[int], global_batch: int,
+                              micro_batches: Sequence[int] | None, max_compute_s: float) -> bool:
+    """Whether the scope's table may take the batch (its `_most_samples` ≥ the batch), without
+    building it: a bound no less than that, per kind the largest micro-batch that fits at n = 1 and,
+    per micro-batch, m times the most counts that fit at f = 0 within the compute bound (the top of
+    CostModel.bands, whose bands all end there), summed over the devices until they take the batch.
+    At ZeRO ≥ 2, where memory grows with the counts, a large batch often exceeds it: no table."""
     devices = cost.cluster.devices()
     most_of: dict = {}
     total = 0
@@ -862,6 +863,8 @@ def _most_samples_before_table(cost: CostModel, members: Sequence[int], global_b
         if d not in most_of:
             c, most = cost.coeffs[d], 0
             for m in cost.micro_batch_candidates(global_batch, micro_batches):
+                if total + most >= global_batch:
+                    break  # this device completes the batch: the other micro-batches need no check
                 if c.compute_s(m, 1) <= max_compute_s and cost.max_share(d, m, 1) >= 0:
                     most = max(most, m)
                 step_s = c.compute_s(m, 2) / 2
@@ -873,7 +876,9 @@ def _most_samples_before_table(cost: CostModel, members: Sequence[int], global_b
                     most = max(most, m * last_fitting(c, m, 0.0, lo, top))
             most_of[d] = most
         total += most_of[d]
-    return total
+        if total >= global_batch:
+            return True
+    return False
 
 
 def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequence[int], global_batch: int,
@@ -975,8 +980,7 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         members = [i for _, ix in members for i in ix]
         if (_scope_bound_before_table(cost, multi, members, global_batch, micro_batches,
                                       upper_bound_s) < upper_bound_s * (1 - tol)
-                and _most_samples_before_table(cost, members, global_batch, micro_batches,
-                                               upper_bound_s) >= global_batch):
+                and _takes_batch_before_table(cost, members, global_batch, micro_batches, upper_bound_s)):
             tables.append(cost.scope_table(name, multi, members, global_batch, micro_batches, upper_bound_s))
     bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
     proven = True
