@@ -3,10 +3,11 @@ import re
 
 import pytest
 
-from planner.geo.bubbletea import (COMPUTE_KINDS, _peak_tokens, _replica_windows, _simulate, _split_windows, _steady, PrefillPlacement, PrefillResult, UnitTimes, compute_idle_gaps,
-                                  SPLIT_CHUNK, prefill_memory_bytes, prefill_time_s, reservations, simulate_bubbletea,
-                                  split_kv_tokens, split_layers, split_memory_bytes, split_reservations, steady_state_gaps,
-                                  training_unchanged)
+from planner.geo.bubbletea import (COMPUTE_KINDS, PrefillPlacement, PrefillResult, SPLIT_CHUNK, UnitTimes,
+                                  _peak_tokens, _replica_windows, _simulate, _split_windows, _steady,
+                                  compute_idle_gaps, prefill_memory_bytes, prefill_time_s, reservations,
+                                  simulate_bubbletea, split_kv_tokens, split_layers, split_memory_bytes,
+                                  split_reservations, steady_state_gaps, training_unchanged)
 from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline

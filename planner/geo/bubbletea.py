@@ -44,10 +44,10 @@ whole copies), stage j taking `layers[j]` consecutive layers (`split_layers`: in
 idle compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
 SPLIT_INFLIGHT requests at once, one chunk's work space, and at both ends the embeddings and head).
 A group then holds as many requests at once as every GPU's memory holds their caches for, counted
-in tokens (`split_kv_tokens`, at least SPLIT_INFLIGHT requests of the longest prompt). Where a datacenter holds several of the pipeline's
-replicas (data parallel), a group may also span them (`_replica_windows`: the same stage of each
-replica runs the same schedule, so stages that cannot hold a copy within one pipeline can across
-replicas, the stages that can keeping their whole copies).
+in tokens (`split_kv_tokens`, at least SPLIT_INFLIGHT requests of the longest prompt). Where a
+datacenter holds several of the pipeline's replicas (data parallel), a group may also span them
+(`_replica_windows`: the same stage of each replica runs the same schedule, so stages that cannot
+hold a copy within one pipeline can across replicas, the stages that can keeping their whole copies).
 A chunk (SPLIT_CHUNK tokens: its units cross GPUs whose gaps differ, so it is not sized to one gap)
 runs layer by layer across the group, unit (c, l) after (c, l-1) plus the hidden state's hop
 (latency + c·h·2 bytes at the hop channel's rate; not reserved on the link: an intra-DC transfer
