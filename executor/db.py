@@ -256,12 +256,17 @@ class Part:
 
 def stored_version(db: Database, part: Part) -> int | None:
     """The part's schema version in `db`: None when none of its tables exist (a fresh store),
-    0 when they exist without a version row (written before versions were kept)."""
+    0 when they exist without a version row (written before versions were kept).
+
+    The part's tables are read before the version row: another process may commit a fresh
+    schema (tables and version row at once) between the two reads, and read in this order that
+    race can only ever find the version, never tables without one (a false "version 0")."""
+    tables = any(db.has_table(t) for t in part.tables)
     if db.has_table("gpumix_schema"):
         row = db.one("SELECT version FROM gpumix_schema WHERE part = ?", (part.name,))
         if row is not None:
             return int(row[0])
-    return 0 if any(db.has_table(t) for t in part.tables) else None
+    return 0 if tables else None
 
 
 def _create(db: Database, part: Part) -> None:

@@ -233,6 +233,30 @@ except ValueError as e:
 """
 
 
+def test_a_schema_committed_between_the_version_reads_is_never_read_as_version_0(tmp_path):
+    """CI once saw a racer refuse a fresh ledger as "schema version 0": it read "no version
+    table", then another process committed the schema, then it read "the tables exist". Here
+    that commit is made to land between the reads, deterministically."""
+    url = db.StoreURL("sqlite", str(tmp_path / "bookings.sqlite"), False)
+    reader, writer = db.Database(url, "booking ledger"), db.Database(url, "booking ledger")
+    real, calls = reader.has_table, []
+
+    def has_table(name):
+        found = real(name)
+        if not calls:  # right after the first read, the other process commits the fresh schema
+            db.init(writer, booking.BOOKINGS)
+        calls.append(name)
+        return found
+
+    reader.has_table = has_table
+    try:
+        assert db.stored_version(reader, booking.BOOKINGS) == db.SCHEMA_VERSION
+        assert len(calls) >= 2  # the commit did land between two reads
+    finally:
+        reader.close()
+        writer.close()
+
+
 @pytest.mark.parametrize("kind", ["book", "start-job"])
 def test_racing_processes_never_both_win_a_device_or_a_job(store_backend, kind, tmp_path):
     import time
