@@ -94,6 +94,32 @@ def test_every_phase_is_affine_in_shard_fraction_and_micro_batch(name, dtype, re
     assert estimate_memory(spec, cfg).peak_bytes == max(estimate_peak_phases(spec, cfg).values())
 
 
+@pytest.mark.parametrize("name,dtype,recompute", [("llama2-7b", "bf16", "full"), ("gpt2", "fp32", "none"),
+                                                  ("tiny-llama", "bf16", "none"), ("gpt2-xl", "bf16", "full")])
+def test_every_phase_is_affine_in_accumulation_steps_from_two_on(name, dtype, recompute):
+    """The planner's moments at n > 3 are extrapolated from n = 2 and 3 (training.runtime_memory_fns):
+    at every stage and shard, each moment of the model at n equals that line exactly, and the
+    extrapolated moments are the model's own."""
+    from planner.costmodel.training import runtime_memory_fns
+
+    spec = PRESETS[name]
+    for zero in (1, 2, 3):
+        memory_fn, phases_fn = runtime_memory_fns(spec, 128, dtype, recompute, 4, zero, "A100-80GB")
+        for m in (1, 3):
+            for f in (0.0, 0.37, 1.0):
+                def direct(n: int) -> tuple[float, ...]:
+                    phases = estimate_peak_phases(spec, MemoryConfig(
+                        micro_batch=m, accum_steps=n, seq=128, dtype=dtype, recompute=recompute, dp=4, zero=zero,
+                        shard_fraction=max(f, 1e-12), device_type="A100-80GB"))
+                    return tuple(float(phases[k]) for k in sorted(phases))
+
+                two, three = direct(2), direct(3)
+                for n in (4, 9, 57, 1000, 123_457):
+                    line = tuple(a + (n - 2) * (b - a) for a, b in zip(two, three))
+                    assert direct(n) == line == phases_fn(m, n, f), (zero, m, f, n)
+                    assert memory_fn(m, n, f) == max(direct(n)), (zero, m, f, n)
+
+
 def test_recompute_and_bf16_reduce_activations():
     spec = PRESETS["gpt2-medium"]
     base = estimate_memory(spec, MemoryConfig(micro_batch=8, seq=1024))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from planner.core.catalog import CPU_TYPE, get_gpu_type
 from planner.core.constants import DTYPES
@@ -134,6 +135,7 @@ def _rocm_efficient_ok(dtype: str, head_dim: int) -> bool:
     return head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
 
 
+@lru_cache(maxsize=1024)  # pure: the catalog is fixed at import, and a solve asks thousands of times
 def select_kernel(device_type: str, dtype: str, num_heads: int, num_kv_heads: int,
                   head_dim: int) -> AttentionKernel:
     """The kernel torch 2.13 runs for the decoder's causal SDPA on a catalog device type

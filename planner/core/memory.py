@@ -166,10 +166,34 @@ class _Shape:
     tied: bool
 
 
+# what depends on a spec alone (its sizes per tp and pp, its units' sizes), per spec object: a solve
+# evaluates the memory model thousands of times on one spec, and hashing a spec's ~30 fields on
+# every look-up would cost as much as the formulas. Found by identity: each entry holds its spec,
+# so the id cannot be reused by another object while the entry exists.
+_SPEC_MEMO: dict[int, tuple[ModelSpec, dict]] = {}
+_SPEC_MEMO_SIZE = 64
+
+
+def _memo(spec: ModelSpec) -> dict:
+    entry = _SPEC_MEMO.get(id(spec))
+    if entry is None or entry[0] is not spec:
+        if len(_SPEC_MEMO) >= _SPEC_MEMO_SIZE:
+            _SPEC_MEMO.clear()
+        entry = _SPEC_MEMO[id(spec)] = (spec, {})
+    return entry[1]
+
+
 def _shape(spec: ModelSpec, cfg: MemoryConfig) -> _Shape:
-    tp = cfg.tp
+    memo = _memo(spec)
+    key = ("shape", cfg.tp, cfg.pp)
+    if key not in memo:
+        memo[key] = _shape_of(spec, cfg.tp, cfg.pp)
+    return memo[key]
+
+
+def _shape_of(spec: ModelSpec, tp: int, pp: int) -> _Shape:
     return _Shape(
-        layers=math.ceil(spec.num_layers / cfg.pp), h=spec.hidden, hq=spec.q_width // tp,
+        layers=math.ceil(spec.num_layers / pp), h=spec.hidden, hq=spec.q_width // tp,
         kv=spec.num_kv_heads * spec.head_dim // tp, f=math.ceil(spec.ffn_hidden / tp),
         heads=spec.num_heads // tp, vocab=math.ceil(spec.vocab_size / tp), head_dim=spec.head_dim,
         gpt2=spec.family == "gpt2", tied=spec.tied_embeddings,
@@ -230,8 +254,9 @@ def _block_matmul_params(spec: ModelSpec, s: _Shape) -> int:
     return s.h * (s.hq + 2 * s.kv) + s.hq * s.h + (2 if s.gpt2 else 3) * s.h * s.f
 
 
-def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int, int]]:
-    """(activation bytes, other bytes) on top of the model states at each candidate peak moment."""
+def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None = None) -> dict[str, tuple[int, int]]:
+    """(activation bytes, other bytes) on top of the model states at each candidate peak moment;
+    `recompute` in place of cfg's (the sharded runtime's boundary mode checkpoints every block)."""
     s = _shape(spec, cfg)
     autocast = cfg.dtype != "fp32"
     w = HALF_BYTES if autocast else FP32_BYTES
@@ -251,7 +276,7 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> dict[str, tuple[int
     head_copy = w * V * h if autocast else 0
     head_grad_pending = FP32_BYTES * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
     dy = FP32_BYTES * h * tokens  # gradient of the residual stream
-    recompute = cfg.recompute == "full"
+    recompute = (recompute or cfg.recompute) == "full"
     kept = (FP32_BYTES * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's fp32 input
     kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
 
@@ -307,7 +332,29 @@ def _in_block_backward(spec: ModelSpec, s: _Shape, w: int, tokens: int) -> int:
 def _shard_numels(spec: ModelSpec, f: float) -> list[int]:
     """This GPU's slice of every runtime unit: round-half-up of f·numel (models/runtime.shard_bounds
     for the first position; a later position's slice differs by at most one element)."""
-    return [int(math.floor(u.numel * f + 0.5)) for u in runtime_units(spec)]
+    out: list[int] = []
+    for numel, count in _unit_runs(spec):
+        out += [int(math.floor(numel * f + 0.5))] * count
+    return out
+
+
+def _unit_runs(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """runtime_units' sizes in order as (numel, how many in a row): every block has one size, so
+    a slice is rounded once per run, not once per unit."""
+    memo = _memo(spec)
+    if "runs" not in memo:
+        memo["runs"] = _runs_of(spec)
+    return memo["runs"]
+
+
+def _runs_of(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    runs: list[list[int]] = []
+    for u in runtime_units(spec):
+        if runs and runs[-1][0] == u.numel:
+            runs[-1][1] += 1
+        else:
+            runs.append([u.numel, 1])
+    return tuple((numel, count) for numel, count in runs)
 
 
 def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
@@ -334,7 +381,10 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     f = cfg.fraction
     shards = _shard_numels(spec, f)
     owned = sum(shards)
-    units = runtime_units(spec)
+    memo = _memo(spec)
+    if "units" not in memo:
+        memo["units"] = runtime_units(spec)
+    units = memo["units"]
     P = spec.num_params
     resident = {"params_bytes": FP32_BYTES * (owned if cfg.zero >= 3 else P),
                 # zero 1: the full gradients, alive from the first micro-batch to their reduce
@@ -357,7 +407,7 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
             phases["join"] = (0, FP32_BYTES * largest * (3 if cfg.zero == 3 else 1) + slice_grads + inputs_all)
         return resident, phases
     keep = n == 1 and cfg.recompute == "none"
-    one = _phases(spec, cfg if keep else replace(cfg, recompute="full"), seq)
+    one = _phases(spec, cfg, seq, None if keep else "full")
     s = _shape(spec, cfg)
     h, V, L = spec.hidden, spec.vocab_size, spec.num_layers
     autocast = cfg.dtype != "fp32"
@@ -445,7 +495,7 @@ def estimate_startup_bytes(spec: ModelSpec, cfg: MemoryConfig) -> int:
 
 def estimate_memory(spec: ModelSpec, cfg: MemoryConfig) -> MemoryBreakdown:
     """Predicted per-GPU peak bytes of one training step of `spec` under `cfg` (see module doc)."""
-    return _estimate(spec, cfg)[0]
+    return estimate_with_phases(spec, cfg)[0]
 
 
 def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
@@ -453,10 +503,11 @@ def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
     "tied_embedding", "step"; those that apply). Each is affine in micro_batch and in
     shard_fraction; estimate_memory's peak_bytes is their maximum. A coefficient table built
     from a few points should interpolate each phase and take the max, not interpolate the max."""
-    return _estimate(spec, cfg)[1]
+    return estimate_with_phases(spec, cfg)[1]
 
 
-def _estimate(spec: ModelSpec, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
+def estimate_with_phases(spec: ModelSpec, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
+    """estimate_memory and estimate_peak_phases from one evaluation."""
     seq = validate_for(spec, cfg)
     if cfg.tp == 1 and cfg.pp == 1:
         resident, phases = _runtime_phases(spec, cfg, seq)

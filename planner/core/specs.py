@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 from planner.core.jsonio import load_json_file
@@ -156,7 +157,7 @@ class ModelSpec:
     def final_norm_params(self) -> int:
         return 2 * self.hidden if self.norm == "layernorm" else self.hidden
 
-    @property
+    @cached_property  # a frozen spec's count never changes; the memory model asks it thousands of times a solve
     def num_params(self) -> int:
         return self.num_layers * self.block_params() + self.embedding_params() + self.final_norm_params()
 

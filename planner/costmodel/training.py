@@ -359,33 +359,34 @@ def make_choice(c: DeviceCoeffs, micro_batch: int, accum_steps: int, max_share: 
                   c.memory_bytes(micro_batch, accum_steps, 1.0) - fixed, max_share)
 
 
-def runtime_memory_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
-                      zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> MemoryFn:
+def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
+                       zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> tuple[MemoryFn, PhasesFn]:
     """The memory model of planner/core/memory.py for the sharded runtime at ZeRO stage `zero`, asked at
-    the choice's own micro-batch, accumulation steps and shard fraction."""
-    from planner.core.memory import MemoryConfig, estimate_memory
-
-    def memory_at(m: int, n: int, f: float) -> float:
-        cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
-                           dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
-        return estimate_memory(spec, cfg).peak_bytes
-
-    return cached_memory_fn(memory_at)
-
-
-def runtime_phases_fn(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
-                      zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> PhasesFn:
-    """runtime_memory_fn's moments (planner.core.memory.estimate_peak_phases), in a fixed order, cached."""
-    from planner.core.memory import MemoryConfig, estimate_peak_phases
+    the choice's own micro-batch, accumulation steps and shard fraction: (peak bytes, its moments
+    (estimate_peak_phases) in a fixed order). One cached evaluation serves both: the searches ask
+    the peak and the moments of the same points."""
+    from planner.core.memory import MemoryConfig, estimate_with_phases
 
     @lru_cache(maxsize=None)
-    def phases_at(m: int, n: int, f: float) -> tuple[float, ...]:
-        cfg = MemoryConfig(micro_batch=m, accum_steps=max(n, 1), seq=seq, dtype=dtype, recompute=recompute,
-                           dp=max(world_size, 1), zero=zero, shard_fraction=max(f, NO_SHARE), device_type=device_type)
-        phases = estimate_peak_phases(spec, cfg)
-        return tuple(float(phases[k]) for k in sorted(phases))
+    def at(m: int, n: int, f: float) -> tuple[float, tuple[float, ...]]:
+        cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
+                           dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
+        breakdown, phases = estimate_with_phases(spec, cfg)
+        return float(breakdown.peak_bytes), tuple(float(phases[k]) for k in sorted(phases))
 
-    return phases_at
+    def phases_at(m: int, n: int, f: float) -> tuple[float, ...]:
+        n, f = max(n, 1), max(f, NO_SHARE)
+        if m > 0 and n > 3:
+            # from n = 2 on every moment is affine in n, at every stage (the inputs of all the
+            # micro-batches, and at zero 2 and 3 their unit boundaries, grow by the same bytes per
+            # micro-batch): the moments at 2 and 3 give all the others, in integer arithmetic where
+            # it is exact (tests/test_memory.py checks it against the model). The searches use the
+            # moments only to find a candidate answer, which they check with the model itself.
+            two, three = at(m, 2, f)[1], at(m, 3, f)[1]
+            return tuple(a + (n - 2) * (b - a) for a, b in zip(two, three))
+        return at(m, n, f)[1]
+
+    return cached_memory_fn(lambda m, n, f: at(m, n, f)[0]), phases_at
 
 
 def validate_zero(zero: int) -> int:
@@ -421,14 +422,14 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
     prof = profile(recompute)
     layerwise = zero >= 2
     full = profile("full") if layerwise else None
+    memory_fn, phases_fn = runtime_memory_fns(spec, seq, dt, recompute, world_size, zero, device.type)
     return DeviceCoeffs(
         device=device, dtype=dt,
         alpha_s=prof.alpha_s * device.slowdown,
         beta_s=prof.beta_s * device.slowdown,
         optimizer_s=prof.optimizer_s_per_param * spec.num_params * device.slowdown,
         capacity_bytes=device.memory_bytes * headroom,
-        memory_fn=runtime_memory_fn(spec, seq, dt, recompute, world_size, zero, device.type),
-        phases_fn=runtime_phases_fn(spec, seq, dt, recompute, world_size, zero, device.type),
+        memory_fn=memory_fn, phases_fn=phases_fn,
         measured=bool(prof.measured and (full is None or full.measured)), source=prof.source,
         layerwise=layerwise,
         recompute_alpha_s=full.alpha_s * device.slowdown if full else None,

@@ -848,44 +848,47 @@ def _rate_above(cost: CostModel, device, global_batch: int, micro_batches: Seque
     return rate
 
 
-def _takes_batch_before_table(cost: CostModel, members: Sequence[int], global_batch: int,
-                              micro_batches: Sequence[int] | None, max_compute_s: float) -> bool:
-    """Whether the scope's table may take the batch (its `_most_samples` ≥ the batch), without
-    building it: a bound no less than that, per kind the largest micro-batch that fits at n = 1 and,
-    per micro-batch, m times the most counts that fit at f = 0 within the compute bound (the top of
-    CostModel.bands, whose bands all end there), summed over the devices until they take the batch.
-    At ZeRO ≥ 2, where memory grows with the counts, a large batch often exceeds it: no table."""
-    devices = cost.cluster.devices()
-    most_of: dict = {}
-    total = 0
-    for i in members:
-        d = devices[i][1]
-        if d not in most_of:
-            c, most = cost.coeffs[d], 0
-            for m in cost.micro_batch_candidates(global_batch, micro_batches):
-                if total + most >= global_batch:
-                    break  # this device completes the batch: the other micro-batches need no check
-                if c.compute_s(m, 1) <= max_compute_s and cost.max_share(d, m, 1) >= 0:
-                    most = max(most, m)
-                step_s = c.compute_s(m, 2) / 2
-                top = global_batch // m
-                if step_s > 0 and math.isfinite(max_compute_s):
-                    top = min(top, int(max_compute_s / step_s))
-                lo = DENSE_ACCUM_STEPS + 1
-                if top >= lo and c.fits(m, lo, 0.0):
-                    most = max(most, m * last_fitting(c, m, 0.0, lo, top))
-            most_of[d] = most
-        total += most_of[d]
-        if total >= global_batch:
-            return True
-    return False
+def _most_before_table(cost: CostModel, device, global_batch: int, micro_batches: Sequence[int] | None,
+                       max_compute_s: float) -> int:
+    """The most samples one device of this kind takes in a step, as its table (CostModel.choices,
+    .bands) would offer them, without building it: the largest micro-batch whose n = 1 fits at f = 0
+    within the compute bound, or per micro-batch m times the most counts that fit at f = 0 within it
+    (the top of CostModel.bands, whose bands all end there). The micro-batches are tried in order of
+    their most conceivable samples, m·min(B/m, the compute bound's count), and the search stops where
+    that cannot beat what was found: the answer is exact, not a sample of it."""
+    c = cost.coeffs[device]
+    ms = cost.micro_batch_candidates(global_batch, micro_batches)
+    most = 0
+    for m in reversed(ms):  # n = 1: the first fitting m from the top is the largest
+        if c.compute_s(m, 1) <= max_compute_s and c.fits(m, 1, 0.0):
+            most = m
+            break
+    lo = DENSE_ACCUM_STEPS + 1
+    tops = []
+    for m in ms:
+        step_s = c.compute_s(m, 2) / 2
+        top = global_batch // m
+        if step_s > 0 and math.isfinite(max_compute_s):
+            top = min(top, int(max_compute_s / step_s))
+        if top >= lo:
+            tops.append((m * top, m, top))
+    for conceivable, m, top in sorted(tops, reverse=True):
+        if conceivable <= most:
+            break
+        if c.fits(m, lo, 0.0):
+            most = max(most, m * last_fitting(c, m, 0.0, lo, top))
+    return most
 
 
 def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequence[int], global_batch: int,
-                              micro_batches: Sequence[int] | None, max_compute_s: float) -> float:
-    """A lower bound on the scope's plans no greater than `_scope_lower_bound_s` of its table, from
-    `_rate_above` per kind of device: a scope it closes needs no table (issue 17: at large batches
-    the tables of ZeRO 2 and 3, built only to be skipped, were most of a solve). 0 where unknown."""
+                              micro_batches: Sequence[int] | None, max_compute_s: float, tol: float,
+                              most_of: dict) -> float:
+    """A lower bound on the scope's plans no greater than `_scope_lower_bound_s` of its table, from a
+    few memory checks per kind of device instead of the table (issue 17: at large batches the
+    tables of ZeRO 2 and 3, built only to be skipped, were most of a solve): the fluid bound by
+    world-size range from `_rate_above` per kind, and inf where its devices cannot take the batch
+    at all (`_most_before_table`, cached per kind in `most_of`: the same for every scope of one
+    solve). 0 where the rates are unknown (a profile with a negative α or β)."""
     devices = cost.cluster.devices()
     counts: dict = {}
     for i in members:
@@ -894,11 +897,20 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
     for d, count in counts.items():
         rate = _rate_above(cost, d, global_batch, micro_batches, max_compute_s)
         if rate is None:
-            return 0.0
+            per_class = None
+            break
         per_class.append((rate, count, cost.coeffs[d].optimizer_s))
-    state_only = any(cost.max_share(d, 0, 0) > 0 for d in counts)
-    comm = cost.comm_model(counts, multi_node)
-    return _segments_bound_s(per_class, state_only, comm.comm_s, global_batch, len(members))
+    bound_s = 0.0
+    if per_class is not None:
+        state_only = any(cost.max_share(d, 0, 0) > 0 for d in counts)
+        comm = cost.comm_model(counts, multi_node)
+        bound_s = _segments_bound_s(per_class, state_only, comm.comm_s, global_batch, len(members))
+        if bound_s >= max_compute_s * (1 - tol):
+            return bound_s
+    for d in counts:
+        if d not in most_of:
+            most_of[d] = _most_before_table(cost, d, global_batch, micro_batches, max_compute_s)
+    return bound_s if sum(most_of[d] * count for d, count in counts.items()) >= global_batch else math.inf
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:
@@ -976,11 +988,11 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         best = (ScopeSolution("optimal", known[0], dict(enumerate(known[1]))), known_scope(cost, known[1]), known[0])
     upper_bound_s = best[2] if best else beat_s
     tables = []
+    most_of: dict = {}
     for name, multi, members in cost.scopes():
         members = [i for _, ix in members for i in ix]
-        if (_scope_bound_before_table(cost, multi, members, global_batch, micro_batches,
-                                      upper_bound_s) < upper_bound_s * (1 - tol)
-                and _takes_batch_before_table(cost, members, global_batch, micro_batches, upper_bound_s)):
+        if _scope_bound_before_table(cost, multi, members, global_batch, micro_batches, upper_bound_s, tol,
+                                     most_of) < upper_bound_s * (1 - tol):
             tables.append(cost.scope_table(name, multi, members, global_batch, micro_batches, upper_bound_s))
     bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
     proven = True
