@@ -7,9 +7,9 @@ baselines and every ILP included, every ZeRO stage `--zero auto` tries), then th
 `--zero auto` and each stage forced.
 
 Then (issue 17) solve time and peak memory against the global batch, 8 to 1e8, on
-examples/clusters/mixed-16.json and mixed-1024.json: each solve in a fresh child process, whose
-peak RSS (ru_maxrss of the child and its CBC children) is the memory figure; max/min per device
-count is printed against the 2× target.
+examples/clusters/mixed-16.json and mixed-1024.json: the median of --repeats solves, each in a
+fresh child process, whose peak RSS (ru_maxrss of the child and its CBC children) is the memory
+figure; max/min per device count is printed against the 2× target.
 
     python bench/planner_scaling.py [--repeats 3] [--model gpt2-xl] [--json] [--batch-only]
 """
@@ -54,7 +54,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--batch-only", action="store_true", help="only the global-batch sweep (issue 17)")
     args = ap.parse_args()
-    sweep = batch_sweep(args.model)
+    sweep = batch_sweep(args.model, args.repeats)
     print_sweep(sweep, args.json)
     if args.batch_only:
         return 0
@@ -154,12 +154,22 @@ def solve_child(cluster_path: str, model: str, batch: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def batch_sweep(model: str) -> list[dict]:
+def batch_sweep(model: str, repeats: int) -> list[dict]:
+    """Per (cluster, batch) the median solve time over `repeats` fresh children (the rounds
+    interleaved, so that a burst of load on this shared machine falls on every batch alike), and
+    the largest peak RSS."""
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(max(repeats, 1)):
+        for name in SWEEP_CLUSTERS:
+            path = os.path.join(ROOT, "examples", "clusters", f"{name}.json")
+            for b in BATCHES:
+                runs.setdefault((name, b), []).append(solve_child(path, model, b))
     rows = []
-    for name in SWEEP_CLUSTERS:
-        path = os.path.join(ROOT, "examples", "clusters", f"{name}.json")
-        for b in BATCHES:
-            rows.append({"cluster": name, "global_batch": b, **solve_child(path, model, b)})
+    for (name, b), results in runs.items():
+        times = [r["solve_s"] for r in results if r["solve_s"] is not None]
+        rss = [r["peak_rss_bytes"] for r in results if r["peak_rss_bytes"]]
+        rows.append({"cluster": name, "global_batch": b, "solve_s": statistics.median(times) if times else None,
+                     "solve_s_all": times, "status": results[-1]["status"], "peak_rss_bytes": max(rss, default=None)})
     return rows
 
 
