@@ -1,6 +1,7 @@
 """The probe's LP relaxation (planner/hetero/solve.py: relaxation_infeasible) proves infeasibility
 only where CBC finds none: hand-solved instances, and every certificate of an issue-17 solve
 checked against CBC itself."""
+import math
 import os
 
 from planner.core.cluster import ClusterSpec
@@ -33,18 +34,19 @@ def test_hand_solved_instances():
 
 def test_every_certificate_is_confirmed_by_cbc(monkeypatch):
     """Every t the relaxation rejects in a solve, inside a probe or in the bisection's
-    relaxation-only gallop (relaxation_rejects), CBC finds infeasible too."""
-    real = hetero_solve.relaxation_infeasible
+    relaxation-only floor (relaxation_bound_at), CBC finds infeasible too."""
+    real = hetero_solve.relaxation_value
+    limit = 1 - hetero_solve.RELAXATION_MARGIN
     certified = []
 
-    def recording(offered, counts, batch, world):
-        ok = real(offered, counts, batch, world)
-        if ok:
+    def recording(offered, counts, batch, world, stop_below=-math.inf):
+        value = real(offered, counts, batch, world, stop_below)
+        if value < limit:
             certified.append(world)
-        return ok
+        return value
 
     calls = []  # (table, batch, world, comm_s, t_s) of each certificate
-    real_probe, real_rejects = hetero_solve.probe, hetero_solve.relaxation_rejects
+    real_probe, real_bound = hetero_solve.probe, hetero_solve.relaxation_bound_at
 
     def probe(*args, **kwargs):
         before = len(certified)
@@ -53,19 +55,20 @@ def test_every_certificate_is_confirmed_by_cbc(monkeypatch):
             calls.append(args[:5])
         return out
 
-    def rejects(*args):
+    def bound(*args):
         before = len(certified)
-        out = real_rejects(*args)
+        out = real_bound(*args)
         if len(certified) > before:
             calls.append(args)
         return out
 
-    monkeypatch.setattr(hetero_solve, "relaxation_infeasible", recording)
+    monkeypatch.setattr(hetero_solve, "relaxation_value", recording)
     monkeypatch.setattr(hetero_solve, "probe", probe)
-    monkeypatch.setattr(hetero_solve, "relaxation_rejects", rejects)
+    monkeypatch.setattr(hetero_solve, "relaxation_bound_at", bound)
     spec = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
-    hetero_solve.solve_plan(spec, "gpt2-xl", 1_000, dtype="bf16", recompute="full", time_limit_s=60.0)
+    for batch in (8, 1_000):
+        hetero_solve.solve_plan(spec, "gpt2-xl", batch, dtype="bf16", recompute="full", time_limit_s=60.0)
     assert len(calls) >= 5
-    monkeypatch.setattr(hetero_solve, "relaxation_infeasible", lambda *a: False)
+    monkeypatch.setattr(hetero_solve, "relaxation_value", lambda *a, **k: math.inf)
     for args in calls:
         assert real_probe(*args, 60.0) is None, args[2:5]

@@ -63,3 +63,27 @@ def test_plans_are_near_exact_and_take_few_probes(cluster, batch, monkeypatch):
     for b in plan.baselines.values():
         if b.predicted_iteration_s is not None:
             assert plan.predicted_iteration_s <= b.predicted_iteration_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("batch", [8, 1_000, 100_000])
+def test_what_a_kind_can_compute_is_found_alike_before_and_in_the_table(batch):
+    """The pre-table bound's reach per kind (planner/hetero/solve.py: _reach_before_table, and
+    _most_before_table, which prunes) equals what the table offers (_samples_within, the most
+    samples of any choice or band): at every compute time, so skipping a table on it skips only
+    what the table's own bound would."""
+    from planner.costmodel.training import CostModel
+    from planner.core.specs import get_model, with_max_seq
+
+    cluster = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
+    spec = with_max_seq(get_model("gpt2-xl"), 1024)
+    for zero in (1, 2, 3):
+        cost = CostModel.build(cluster, spec, 1024, "bf16", "full", 0.9, zero=zero)
+        bound_s = 40.0 if batch <= 1_000 else 5e4  # a compute bound, as an incumbent gives one
+        name, multi, members = cost.scopes()[0]
+        table = cost.scope_table(name, multi, [i for _, ix in members for i in ix], batch, None, bound_s)
+        for cls in table.classes:
+            reach = hetero_solve._reach_before_table(cost, cls.device, batch, None, bound_s)
+            most = max([ch.batch for ch in cls.choices] + [b.micro_batch * b.hi for b in cls.bands], default=0)
+            assert reach.most() == most == hetero_solve._most_before_table(cost, cls.device, batch, None, bound_s)
+            for t in (0.01, 0.3, 1.0, 3.7, 12.0, bound_s):
+                assert reach.within(t) == hetero_solve._samples_within(cls, t), (zero, cls.device.label, t)

@@ -367,26 +367,37 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
     the peak and the moments of the same points."""
     from planner.core.memory import MemoryConfig, estimate_with_phases
 
-    @lru_cache(maxsize=None)
+    known: dict[tuple[int, int, float], tuple[float, tuple[float, ...]]] = {}
+
     def at(m: int, n: int, f: float) -> tuple[float, tuple[float, ...]]:
-        cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
-                           dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
-        breakdown, phases = estimate_with_phases(spec, cfg)
-        return float(breakdown.peak_bytes), tuple(float(phases[k]) for k in sorted(phases))
+        key = (m, n, f)
+        if key not in known:
+            cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
+                               dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
+            breakdown, phases = estimate_with_phases(spec, cfg)
+            known[key] = float(breakdown.peak_bytes), tuple(float(phases[k]) for k in sorted(phases))
+        return known[key]
+
+    def line(m: int, n: int, f: float) -> tuple[float, ...]:
+        """The moments at n > 3 from those at n = 2 and 3: from n = 2 on every moment is affine in
+        n, at every stage (the inputs of all the micro-batches, and at zero 2 and 3 their unit
+        boundaries, grow by the same bytes per micro-batch); the arithmetic is on whole bytes, exact
+        below 2^53. tests/test_memory.py checks the line against the model itself."""
+        two, three = at(m, 2, f)[1], at(m, 3, f)[1]
+        return tuple(a + (n - 2) * (b - a) for a, b in zip(two, three))
 
     def phases_at(m: int, n: int, f: float) -> tuple[float, ...]:
         n, f = max(n, 1), max(f, NO_SHARE)
-        if m > 0 and n > 3:
-            # from n = 2 on every moment is affine in n, at every stage (the inputs of all the
-            # micro-batches, and at zero 2 and 3 their unit boundaries, grow by the same bytes per
-            # micro-batch): the moments at 2 and 3 give all the others, in integer arithmetic where
-            # it is exact (tests/test_memory.py checks it against the model). The searches use the
-            # moments only to find a candidate answer, which they check with the model itself.
-            two, three = at(m, 2, f)[1], at(m, 3, f)[1]
-            return tuple(a + (n - 2) * (b - a) for a, b in zip(two, three))
-        return at(m, n, f)[1]
+        return line(m, n, f) if m > 0 and n > 3 else at(m, n, f)[1]
 
-    return cached_memory_fn(lambda m, n, f: at(m, n, f)[0]), phases_at
+    def peak_at(m: int, n: int, f: float) -> float:
+        # the peak is the largest moment: on the line too, where the points at 2 and 3 are known
+        # already (the searches ask f = 0 and 1 at many counts; a new f costs one evaluation either way)
+        if m > 0 and n > 3 and (m, 2, f) in known and (m, 3, f) in known:
+            return max(line(m, n, f))
+        return at(m, n, f)[0]
+
+    return cached_memory_fn(peak_at), phases_at
 
 
 def validate_zero(zero: int) -> int:

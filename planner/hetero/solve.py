@@ -35,6 +35,7 @@ bisection's tolerance (so ties keep the lower stage), and records what each stag
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -43,7 +44,7 @@ import shlex
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pulp
 
@@ -316,8 +317,18 @@ def _greedy_batch(by_class: dict[int, list[tuple[float, float]]], counts: Sequen
 
 def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequence[int], global_batch: int,
                           world: tuple[int, int]) -> bool:
-    """Whether the probe's LP relaxation (integrality and the per-entry bounds dropped) proves that
-    no configuration holds the whole state, without starting CBC. With y_j ≥ 0 devices on ray j
+    """Whether the probe's LP relaxation proves that no configuration holds the whole state, without
+    starting CBC (`relaxation_value` below 1 − RELAXATION_MARGIN)."""
+    limit = 1 - RELAXATION_MARGIN
+    return relaxation_value(entries, counts, global_batch, world, stop_below=limit) < limit
+
+
+def relaxation_value(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequence[int], global_batch: int,
+                     world: tuple[int, int], stop_below: float = -math.inf) -> float:
+    """An upper bound on the state the probe's configurations can hold (1 is all of it), from its LP
+    relaxation (integrality and the per-entry bounds dropped); −inf where no configuration meets the
+    batch and world rows at all. `stop_below`: return the first bound found below it (a proof is
+    enough), else the least one. With y_j ≥ 0 devices on ray j
     (batch b_j, share c_j, class g_j), the relaxation is max Σ c·y subject to Σ_{j∈g} y_j ≤ count_g,
     Σ b·y = B, lo ≤ Σ y ≤ hi; for any prices λ (batch) and μ (world size) its optimum is at most
         D(λ, μ) = λ·B + hi·μ⁺ − lo·μ⁻ + Σ_g count_g · max(0, max_{j∈g} (c_j − λ·b_j − μ))
@@ -330,12 +341,12 @@ def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequ
         by_class.setdefault(e.g, []).extend(_rays(e))
     by_class = {g: _upper_hull(rays) for g, rays in by_class.items() if rays}
     if sum(counts[g] for g in by_class) < lo_k:
-        return True  # too few devices can take part at all
+        return -math.inf  # too few devices can take part at all
     # no y at all meets the batch and world rows (the dual is unbounded): the batch exceeds what the
     # hi devices of the largest batches take, or falls short of what the lo of the smallest must
     if (global_batch > _greedy_batch(by_class, counts, hi_k, max) * (1 + 1e-9)
             or global_batch < _greedy_batch(by_class, counts, lo_k, min) * (1 - 1e-9)):
-        return True
+        return -math.inf
     classes = [(counts[g], rays) for g, rays in by_class.items()]
     num = sum(count for count, _ in classes)
     rays_all = [r for _, rays in classes for r in rays]
@@ -357,21 +368,26 @@ def relaxation_infeasible(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequ
     lams.update(c / b for b, c in rays_all if b > 0)
     lams = sorted(lams | {0.0})
     lo_i, hi_i = 0, len(lams) - 1
+    least = math.inf
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
         d_mid, d_next = dual(lams[mid]), dual(lams[mid + 1])
-        if d_mid < 1 - RELAXATION_MARGIN or d_next < 1 - RELAXATION_MARGIN:
-            return True
+        least = min(least, d_mid, d_next)
+        if least < stop_below:
+            return least
         if d_mid == d_next:
             break  # a flat piece of a convex function is its least value
         lo_i, hi_i = (lo_i, mid) if d_mid < d_next else (mid + 1, hi_i)
-    return dual(lams[lo_i]) < 1 - RELAXATION_MARGIN
+    return min(least, dual(lams[lo_i]))
 
 
-def relaxation_rejects(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float,
-                       t_s: float) -> bool:
-    """Whether the probe at t_s is infeasible by its LP relaxation alone (no CBC): a proof."""
-    return _rejects(table, probe_entries(table, global_batch, comm_s, t_s), global_batch, world)
+def relaxation_bound_at(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float,
+                        t_s: float) -> float:
+    """`relaxation_value` of the probe at t_s (−inf where it offers nothing): below
+    1 − RELAXATION_MARGIN it proves the probe infeasible, no CBC run."""
+    offered = probe_entries(table, global_batch, comm_s, t_s)
+    return relaxation_value(offered, [cls.count for cls in table.classes], global_batch, world) if offered \
+        else -math.inf
 
 
 def _rejects(table: ScopeTable, offered: Sequence[_ChoiceVar | _BandVar], global_batch: int,
@@ -522,27 +538,48 @@ class _Bisection:
 
     def relaxation_floor(self, cap_s: float, tol: float) -> float | None:
         """Raise lo by the LP relaxation alone (each t it rejects is a proof, at no CBC run): gallop
-        up from lo by lo·tol·RELAX_GALLOP^i, then bisect to within tol/2 of the first t it admits.
-        Returns that t (≤ cap_s), or None if it rejects cap_s."""
-        def rejects(t_s: float) -> bool:
-            return relaxation_rejects(self.table, self.global_batch, self.world, self.comm_s, t_s)
+        up from lo by lo·tol·RELAX_GALLOP^i, then bisect to within RELAX_WITHIN·tol of the least t it
+        admits. Where the gallop's last two rejections have finite bounds (the relaxation's state
+        held, below 1), the line through them, which grows with t about linearly (each device's room
+        for the state does), aims first: a narrow bracket around its crossing of 1 is tried, each of
+        its two ends a proof or an admitted t, and the bisection goes on from whatever it leaves.
+        Returns the least admitted t found (≤ cap_s), or None if it rejects cap_s."""
+        limit = 1 - RELAXATION_MARGIN
 
-        if rejects(cap_s):
+        def value(t_s: float) -> float:
+            return relaxation_bound_at(self.table, self.global_batch, self.world, self.comm_s, t_s)
+
+        hi_t = cap_s
+        if value(cap_s) < limit:
             self.lo = max(self.lo, cap_s)
             return None
-        step, t = tol, cap_s
-        while self.lo > 0 and self.lo * (1 + step) < cap_s:
+        rejected: list[tuple[float, float]] = []  # (t, bound) of the gallop's rejections, in order
+        step = tol
+        while self.lo > 0 and self.lo * (1 + step) < hi_t:
             t = self.lo * (1 + step)
-            if not rejects(t):
+            v = value(t)
+            if v >= limit:
+                hi_t = t
                 break
-            self.lo, t, step = t, cap_s, step * RELAX_GALLOP
-        while t - self.lo > RELAX_WITHIN * tol * t:
-            mid = 0.5 * (self.lo + t)
-            if rejects(mid):
-                self.lo = mid
+            self.lo, step = t, step * RELAX_GALLOP
+            rejected.append((t, v))
+        width = RELAX_WITHIN * tol * hi_t
+        probes: list[float] = []
+        if len(rejected) >= 2 and all(math.isfinite(v) for _, v in rejected[-2:]) and rejected[-1][1] > rejected[-2][1]:
+            (t1, v1), (t2, v2) = rejected[-2:]
+            cross = t2 + (limit - v2) * (t2 - t1) / (v2 - v1)
+            if self.lo < cross < hi_t:
+                spread = max(0.5 * width, 0.01 * (cross - self.lo))
+                probes = [cross - spread, cross + spread]
+        while hi_t - self.lo > RELAX_WITHIN * tol * hi_t:
+            t = probes.pop(0) if probes else 0.5 * (self.lo + hi_t)
+            if not self.lo < t < hi_t:
+                continue
+            if value(t) >= limit:
+                hi_t = t
             else:
-                t = mid
-        return t
+                self.lo = t
+        return hi_t
 
     def closed(self, tol: float) -> bool:
         return self.hi - self.lo <= tol * self.hi
@@ -641,6 +678,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
     closed; a single k is exact; any other range is split in two. So no world size is skipped and
     "optimal" means the plan is within the tolerance of the best over all k."""
     fluid_s = _lower_bound_s(table, global_batch)
+    reach = _table_reach(table)
     best: tuple[float, Config, int] | None = None
     proven = True
     # (lo, hi, a lower bound of the range's plans): first the ranges between powers of two, where
@@ -654,7 +692,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         incumbent = best[0] if best else upper_s
         lower_s = max(parent_s, fluid_s, _range_bound_s(table, global_batch, lo, hi))
         if lower_s < incumbent * (1 - tol):
-            lower_s = _capacity_bound_s(table, global_batch, lo, hi, lower_s, incumbent, tol)
+            lower_s = _capacity_bound_s(reach, table.comm_s(lo), global_batch, hi, lower_s, incumbent, tol)
         if lower_s >= incumbent * (1 - tol):
             continue
         if time.monotonic() >= deadline:
@@ -706,26 +744,33 @@ def world_segments(num_devices: int) -> list[tuple[int, int]]:
 
 def _samples_within(cls: ClassTable, compute_s: float) -> float:
     """The most samples one device of the class computes in compute_s on any of its choices or
-    bands (a band's count capped at its top: its micro-batch may not fit for longer)."""
+    bands: a band's count is a whole number of steps that end in time (within float round-off),
+    capped at the band's top (its micro-batch may not fit for longer)."""
     most = max((ch.batch for ch in cls.choices if ch.compute_s <= compute_s), default=0)
     for b in cls.bands:
-        n = min(b.hi, compute_s / b.step_s) if b.step_s > 0 else b.hi
+        n = _steps_within(compute_s, b.step_s, b.hi)
         if n >= b.lo:
             most = max(most, b.micro_batch * n)
     return most
 
 
-def _capacity_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int, lower_s: float, upper_s: float,
-                      tol: float) -> float:
-    """A lower bound, at least lower_s, on every plan with lo ≤ k ≤ hi devices: each device computes
-    its samples within T − comm(lo), so the hi devices that compute the most in that time
-    (`_samples_within`) must take the batch. Tighter than the fluid bound where a device's fastest
+def _steps_within(compute_s: float, step_s: float, top: int) -> int:
+    """Whole accumulation steps of step_s that end within compute_s (float round-off forgiven), ≤ top."""
+    if step_s <= 0 or math.isinf(compute_s):
+        return top
+    return min(top, math.floor(compute_s / step_s * (1 + 1e-12)))
+
+
+def _capacity_bound_s(reach: Sequence[tuple[Callable[[float], float], int]], comm_s: float, global_batch: int,
+                      hi: int, lower_s: float, upper_s: float, tol: float) -> float:
+    """A lower bound, at least lower_s, on every plan of at most hi devices whose collectives take
+    at least comm_s: each device computes its samples within T − comm_s, so the hi devices that
+    compute the most in that time (`reach`: per class, its samples within a compute time, and its
+    device count) must take the batch. Tighter than the fluid bound where a device's fastest
     micro-batch fits only short accumulations. The least such T to tol by bisection in
     [lower_s, upper_s], upper_s itself when even that does not suffice (the range is closed)."""
-    comm_s = table.comm_s(lo)
-
     def enough(t_s: float) -> bool:
-        per_class = sorted(((_samples_within(cls, t_s - comm_s), cls.count) for cls in table.classes), reverse=True)
+        per_class = sorted(((within(t_s - comm_s), count) for within, count in reach), reverse=True)
         left, total = hi, 0.0
         for samples, count in per_class:
             take = min(count, left)
@@ -740,6 +785,10 @@ def _capacity_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int, lo
         mid = 0.5 * (lower_s + upper_s)
         lower_s, upper_s = (lower_s, mid) if enough(mid) else (mid, upper_s)
     return lower_s
+
+
+def _table_reach(table: ScopeTable) -> list[tuple[Callable[[float], float], int]]:
+    return [(functools.partial(_samples_within, cls), cls.count) for cls in table.classes]
 
 
 def _range_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int) -> float:
@@ -848,14 +897,60 @@ def _rate_above(cost: CostModel, device, global_batch: int, micro_batches: Seque
     return rate
 
 
+@dataclass(frozen=True)
+class _Reach:
+    """What one device of a kind can compute in a step, found as its table (CostModel.choices,
+    .bands) would find it but without building the table: each micro-batch whose n = 1 fits at
+    f = 0 within the compute bound (`ones`: (m, compute s)), and each micro-batch's run of counts
+    from DENSE_ACCUM_STEPS + 1 to the most that fit at f = 0 within it (`runs`: (m, step s, top),
+    the top of its bands)."""
+    ones: tuple[tuple[int, float], ...]
+    runs: tuple[tuple[int, float, int], ...]
+
+    def most(self) -> int:
+        """The most samples in one step, however long it takes."""
+        return max([m for m, _ in self.ones] + [m * top for m, _, top in self.runs], default=0)
+
+    def within(self, compute_s: float) -> float:
+        """The most samples computed within compute_s (as `_samples_within` over the table)."""
+        most = max((m for m, one_s in self.ones if one_s <= compute_s), default=0)
+        for m, step_s, top in self.runs:
+            n = _steps_within(compute_s, step_s, top)
+            if n > DENSE_ACCUM_STEPS:
+                most = max(most, m * n)
+        return most
+
+
+def _count_cap(c, m: int, global_batch: int, max_compute_s: float) -> int:
+    """The most counts of micro-batch m the batch and the compute bound allow (CostModel.bands' top
+    before memory)."""
+    step_s = c.compute_s(m, 2) / 2
+    top = global_batch // m
+    if step_s > 0 and math.isfinite(max_compute_s):
+        top = min(top, int(max_compute_s / step_s))
+    return top
+
+
+def _reach_before_table(cost: CostModel, device, global_batch: int, micro_batches: Sequence[int] | None,
+                        max_compute_s: float) -> _Reach:
+    c = cost.coeffs[device]
+    ones, runs = [], []
+    lo = DENSE_ACCUM_STEPS + 1
+    for m in cost.micro_batch_candidates(global_batch, micro_batches):
+        one_s = c.compute_s(m, 1)
+        if one_s <= max_compute_s and c.fits(m, 1, 0.0):
+            ones.append((m, one_s))
+        top = _count_cap(c, m, global_batch, max_compute_s)
+        if top >= lo and c.fits(m, lo, 0.0):
+            runs.append((m, c.compute_s(m, 2) / 2, last_fitting(c, m, 0.0, lo, top)))
+    return _Reach(tuple(ones), tuple(runs))
+
+
 def _most_before_table(cost: CostModel, device, global_batch: int, micro_batches: Sequence[int] | None,
                        max_compute_s: float) -> int:
-    """The most samples one device of this kind takes in a step, as its table (CostModel.choices,
-    .bands) would offer them, without building it: the largest micro-batch whose n = 1 fits at f = 0
-    within the compute bound, or per micro-batch m times the most counts that fit at f = 0 within it
-    (the top of CostModel.bands, whose bands all end there). The micro-batches are tried in order of
-    their most conceivable samples, m·min(B/m, the compute bound's count), and the search stops where
-    that cannot beat what was found: the answer is exact, not a sample of it."""
+    """`_reach_before_table(...).most()` in fewer memory checks: the micro-batches are tried in order
+    of their most conceivable samples, m·`_count_cap`, and the search stops where that cannot beat
+    what was found (at large batches, where the answer alone often closes a stage, most of them)."""
     c = cost.coeffs[device]
     ms = cost.micro_batch_candidates(global_batch, micro_batches)
     most = 0
@@ -864,15 +959,9 @@ def _most_before_table(cost: CostModel, device, global_batch: int, micro_batches
             most = m
             break
     lo = DENSE_ACCUM_STEPS + 1
-    tops = []
-    for m in ms:
-        step_s = c.compute_s(m, 2) / 2
-        top = global_batch // m
-        if step_s > 0 and math.isfinite(max_compute_s):
-            top = min(top, int(max_compute_s / step_s))
-        if top >= lo:
-            tops.append((m * top, m, top))
-    for conceivable, m, top in sorted(tops, reverse=True):
+    tops = sorted(((m * top, m, top) for m in ms if (top := _count_cap(c, m, global_batch, max_compute_s)) >= lo),
+                  reverse=True)
+    for conceivable, m, top in tops:
         if conceivable <= most:
             break
         if c.fits(m, lo, 0.0):
@@ -882,13 +971,14 @@ def _most_before_table(cost: CostModel, device, global_batch: int, micro_batches
 
 def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequence[int], global_batch: int,
                               micro_batches: Sequence[int] | None, max_compute_s: float, tol: float,
-                              most_of: dict) -> float:
-    """A lower bound on the scope's plans no greater than `_scope_lower_bound_s` of its table, from a
-    few memory checks per kind of device instead of the table (issue 17: at large batches the
-    tables of ZeRO 2 and 3, built only to be skipped, were most of a solve): the fluid bound by
-    world-size range from `_rate_above` per kind, and inf where its devices cannot take the batch
-    at all (`_most_before_table`, cached per kind in `most_of`: the same for every scope of one
-    solve). 0 where the rates are unknown (a profile with a negative α or β)."""
+                              reach_of: dict) -> float:
+    """A lower bound on the scope's plans, from a few memory checks per kind of device instead of
+    its table (issue 17: at large batches the tables of ZeRO 2 and 3, built only to be skipped, were
+    most of a solve): the fluid bound by world-size range from `_rate_above` per kind; inf where the
+    devices cannot take the batch at all; else per world-size range the larger of that bound and
+    the capacity bound (`_capacity_bound_s`) over each kind's `_reach_before_table`. Both are
+    cached per kind in `reach_of` (the same for every scope of one solve). 0 where the rates are
+    unknown (a profile with a negative α or β)."""
     devices = cost.cluster.devices()
     counts: dict = {}
     for i in members:
@@ -900,17 +990,30 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
             per_class = None
             break
         per_class.append((rate, count, cost.coeffs[d].optimizer_s))
-    bound_s = 0.0
+    comm = cost.comm_model(counts, multi_node)
     if per_class is not None:
         state_only = any(cost.max_share(d, 0, 0) > 0 for d in counts)
-        comm = cost.comm_model(counts, multi_node)
-        bound_s = _segments_bound_s(per_class, state_only, comm.comm_s, global_batch, len(members))
-        if bound_s >= max_compute_s * (1 - tol):
-            return bound_s
+        if _segments_bound_s(per_class, state_only, comm.comm_s, global_batch,
+                             len(members)) >= max_compute_s * (1 - tol):
+            return max_compute_s
     for d in counts:
-        if d not in most_of:
-            most_of[d] = _most_before_table(cost, d, global_batch, micro_batches, max_compute_s)
-    return bound_s if sum(most_of[d] * count for d, count in counts.items()) >= global_batch else math.inf
+        if ("most", d) not in reach_of:
+            reach_of["most", d] = _most_before_table(cost, d, global_batch, micro_batches, max_compute_s)
+    if sum(count * reach_of["most", d] for d, count in counts.items()) < global_batch:
+        return math.inf
+    if per_class is None:
+        return 0.0
+    for d in counts:
+        if d not in reach_of:
+            reach_of[d] = _reach_before_table(cost, d, global_batch, micro_batches, max_compute_s)
+    reach = [(reach_of[d].within, count) for d, count in counts.items()]
+    fluid_s = _fluid_bound_s(per_class, state_only, global_batch)
+    best = max_compute_s
+    for lo, hi in world_segments(len(members)):
+        lower_s = max(fluid_s, _fluid_bound_s(per_class, state_only, global_batch, hi) + comm.comm_s(lo))
+        if lower_s < best * (1 - tol):
+            best = min(best, _capacity_bound_s(reach, comm.comm_s(lo), global_batch, hi, lower_s, best, tol))
+    return best
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:
@@ -988,11 +1091,11 @@ def solve_with_cost_model(cost: CostModel, global_batch: int, time_limit_s: floa
         best = (ScopeSolution("optimal", known[0], dict(enumerate(known[1]))), known_scope(cost, known[1]), known[0])
     upper_bound_s = best[2] if best else beat_s
     tables = []
-    most_of: dict = {}
+    reach_of: dict = {}
     for name, multi, members in cost.scopes():
         members = [i for _, ix in members for i in ix]
         if _scope_bound_before_table(cost, multi, members, global_batch, micro_batches, upper_bound_s, tol,
-                                     most_of) < upper_bound_s * (1 - tol):
+                                     reach_of) < upper_bound_s * (1 - tol):
             tables.append(cost.scope_table(name, multi, members, global_batch, micro_batches, upper_bound_s))
     bounds = {t.name: _scope_lower_bound_s(t, global_batch) for t in tables}
     proven = True
