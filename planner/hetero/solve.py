@@ -26,7 +26,10 @@ feasible probe's configuration is priced exactly (its optimal shares by water-fi
 the upper end of the interval at once to a real plan's time. The search starts from the best baseline plan
 (planner/hetero/baselines.py) as its incumbent: it bounds the tables, prunes scopes and world sizes, and is
 the answer when nothing beats it. A probe asks its LP relaxation first (`relaxation_infeasible`): CBC
-starts only where the relaxation does not prove the probe infeasible.
+starts only where the relaxation does not prove the probe infeasible. Each range's bisection first
+lifts its lower end by the relaxation alone, then prices a greedy configuration there
+(`greedy_config`): where that plan lies within the tolerance of the proven lower end, the range is
+settled without CBC (most ranges: bench/planner_scaling.py).
 
 ZeRO stages: the cost model of one stage (planner/costmodel/training.py) fixes the memory of every (m, n), the
 compute (layer-wise accumulation recomputes at zero ≥ 2, n > 1) and comm(k); `solve_plan` with
@@ -474,6 +477,54 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
     raise ProbeTimeout(f"CBC stopped ({pulp.LpStatus[prob.status]}) before deciding t = {t_s:.6g} s")
 
 
+def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float,
+                  t_s: float) -> Config | None:
+    """A configuration for the probe at t_s found without CBC, or None: each device on the largest
+    batch it computes by t_s (a choice, or a band's most whole steps), the devices with the largest
+    batches taken until they reach the batch (within the world range), then the surplus trimmed in
+    whole steps, first where a trimmed sample frees the most optimizer time per share of state
+    (step / (m · opt)). The caller prices it exactly (price_config): a plan like any other, which
+    proves nothing about the probe; CBC decides where it is not good enough."""
+    slack_s = t_s - comm_s
+    devices = []  # (batch, g, m, n, least n it may be trimmed to, step s)
+    for g, cls in enumerate(table.classes):
+        best = None
+        for ch in cls.choices:
+            if ch.batch > 0 and share_cap(cls, ch, t_s, comm_s) >= 0 and (best is None or ch.batch > best[0]):
+                best = (ch.batch, ch.micro_batch, ch.accum_steps, ch.accum_steps, 0.0)
+        for b in cls.bands:
+            n = _steps_within(slack_s, b.step_s, b.hi)
+            if n >= b.lo and (best is None or b.micro_batch * n > best[0]):
+                best = (b.micro_batch * n, b.micro_batch, n, b.lo, b.step_s)
+        if best is not None:
+            devices += [(best[0], g, *best[1:])] * cls.count
+    devices.sort(key=lambda d: -d[0])
+    taken, total = [], 0
+    for d in devices:
+        if total >= global_batch and len(taken) >= world[0]:
+            break
+        if len(taken) == world[1]:
+            return None
+        taken.append(list(d))
+        total += d[0]
+    surplus = total - global_batch
+    if surplus < 0 or len(taken) < world[0]:
+        return None
+    opt = [table.classes[d[1]].coeffs.optimizer_s for d in taken]
+    order = sorted(range(len(taken)), key=lambda i: -(taken[i][5] / (taken[i][2] * opt[i]) if opt[i] > 0 else 0.0))
+    for i in order:
+        _, g, m, n, least, _ = taken[i]
+        cut = min(surplus // m, n - least)
+        taken[i][3] -= cut
+        surplus -= cut * m
+    if surplus:
+        return None
+    counts: dict[tuple[int, int, int], int] = {}
+    for _, g, m, n, _, _ in taken:
+        counts[g, m, n] = counts.get((g, m, n), 0) + 1
+    return [(g, table.classes[g].choice(m, n), x) for (g, m, n), x in sorted(counts.items())]
+
+
 def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[float, list[float]] | None:
     """The least iteration time of a configuration and each entry's per-device share: water-filling,
     the least t with Σ x·cap(t) ≥ 1 (cap grows with t), by bisection. None if the state cannot fit."""
@@ -534,6 +585,15 @@ class _Bisection:
             # CBC accepted t_s within its own feasibility tolerance, the exact price is above t_s and
             # no better than hi: the interval cannot shrink from here (closed() decides "optimal")
             self.stalled = True
+        return True
+
+    def offer(self, config: Config | None) -> bool:
+        """Price a configuration found elsewhere (greedy_config): it lowers hi if it ends sooner.
+        Whether it did."""
+        priced = price_config(self.table, config, self.comm_s) if config else None
+        if priced is None or priced[0] >= self.hi:
+            return False
+        self.best, self.hi = (priced[0], config), priced[0]
         return True
 
     def relaxation_floor(self, cap_s: float, tol: float) -> float | None:
@@ -625,6 +685,10 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             # what is left below the incumbent is narrower than the collectives' spread: CBC could
             # not settle the range either, so the caller splits it on the relaxation's bound alone
             return search.lo, None, search.proven_lo
+        if t is not None and search.offer(greedy_config(table, global_batch, world, search.comm_s, t)) \
+                and search.closed(tol):
+            # a plan within tol of the relaxation's proven floor, found without CBC
+            return search.best[0], search.best[1], search.proven_lo
         step = tol
         while t is not None and not search.try_at(t, relaxed=True):
             if t >= cap_s:
