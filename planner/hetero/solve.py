@@ -85,6 +85,9 @@ NEAR_HI_STEP = 0.1
 RELAX_GALLOP = 16.0
 # the relaxation's bisection stops within RELAX_WITHIN·tol of the least t it admits, where CBC starts
 RELAX_WITHIN = 0.5
+# world-size ranges a scope's bound before its table may look at (its ranges split while they could
+# still beat the incumbent): a few dozen cost no memory evaluation, the table thousands
+PRE_TABLE_RANGES = 16
 
 
 @dataclass(frozen=True)
@@ -1040,20 +1043,21 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
     its table (issue 17: at large batches the tables of ZeRO 2 and 3, built only to be skipped, were
     most of a solve): the fluid bound by world-size range from `_rate_above` per kind; inf where the
     devices cannot take the batch at all; else per world-size range the larger of that bound and
-    the capacity bound (`_capacity_bound_s`) over each kind's `_reach_before_table`. Both are
-    cached per kind in `reach_of` (the same for every scope of one solve). 0 where the rates are
-    unknown (a profile with a negative α or β)."""
+    the capacity bound (`_capacity_bound_s`) over each kind's `_reach_before_table`. Rates, most
+    samples and reach are cached per kind in `reach_of` (the same for every scope of one solve). 0
+    where the rates are unknown (a profile with a negative α or β)."""
     devices = cost.cluster.devices()
     counts: dict = {}
     for i in members:
         counts[devices[i][1]] = counts.get(devices[i][1], 0) + 1
     per_class = []
     for d, count in counts.items():
-        rate = _rate_above(cost, d, global_batch, micro_batches, max_compute_s)
-        if rate is None:
+        if ("rate", d) not in reach_of:
+            reach_of["rate", d] = _rate_above(cost, d, global_batch, micro_batches, max_compute_s)
+        if reach_of["rate", d] is None:
             per_class = None
             break
-        per_class.append((rate, count, cost.coeffs[d].optimizer_s))
+        per_class.append((reach_of["rate", d], count, cost.coeffs[d].optimizer_s))
     comm = cost.comm_model(counts, multi_node)
     if per_class is not None:
         state_only = any(cost.max_share(d, 0, 0) > 0 for d in counts)
@@ -1072,12 +1076,24 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
             reach_of[d] = _reach_before_table(cost, d, global_batch, micro_batches, max_compute_s)
     reach = [(reach_of[d].within, count) for d, count in counts.items()]
     fluid_s = _fluid_bound_s(per_class, state_only, global_batch)
-    best = max_compute_s
-    for lo, hi in world_segments(len(members)):
-        lower_s = max(fluid_s, _fluid_bound_s(per_class, state_only, global_batch, hi) + comm.comm_s(lo))
-        if lower_s < best * (1 - tol):
-            best = min(best, _capacity_bound_s(reach, comm.comm_s(lo), global_batch, hi, lower_s, best, tol))
-    return best
+    # the least bound over world-size ranges, each range split in two (as solve_scope splits them)
+    # while its bound does not reach the incumbent, up to PRE_TABLE_RANGES ranges in all
+    best, looked = math.inf, 0
+    stack = [(lo, hi, 0.0) for lo, hi in world_segments(len(members))]
+    while stack:
+        lo, hi, parent_s = stack.pop()
+        looked += 1
+        lower_s = max(parent_s, fluid_s, _fluid_bound_s(per_class, state_only, global_batch, hi) + comm.comm_s(lo))
+        if lower_s < max_compute_s * (1 - tol):
+            lower_s = _capacity_bound_s(reach, comm.comm_s(lo), global_batch, hi, lower_s, max_compute_s, tol)
+        if lower_s >= max_compute_s * (1 - tol):
+            continue  # no plan of this range beats the incumbent
+        if lo == hi or looked + len(stack) >= PRE_TABLE_RANGES:
+            best = min(best, lower_s)
+            continue
+        mid = (lo + hi) // 2
+        stack += [(lo, mid, lower_s), (mid + 1, hi, lower_s)]
+    return min(best, max_compute_s)
 
 
 def explain_infeasible(cost: CostModel, global_batch: int) -> str:
