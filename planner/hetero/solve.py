@@ -1043,7 +1043,8 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
     its table (issue 17: at large batches the tables of ZeRO 2 and 3, built only to be skipped, were
     most of a solve): the fluid bound by world-size range from `_rate_above` per kind; inf where the
     devices cannot take the batch at all; else per world-size range the larger of that bound and
-    the capacity bound (`_capacity_bound_s`) over each kind's `_reach_before_table`. Rates, most
+    the capacity bound (`_capacity_bound_s`) over each kind's `_reach_before_table`, a range that
+    could still beat the incumbent split in two as solve_scope splits it. Rates, most
     samples and reach are cached per kind in `reach_of` (the same for every scope of one solve). 0
     where the rates are unknown (a profile with a negative α or β)."""
     devices = cost.cluster.devices()
