@@ -10,6 +10,7 @@ the gathered output of an all-gather (planner.core.profiles.CollectiveFit).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from executor import cgroups
 from planner.core.profiles import CollectiveFit, CollectiveProfile, fit_line
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.
 
 def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], sizes: Sequence[int],
             repeats: int, warmup: int, out_path: str) -> None:
+    cgroups.start_rank(rank)  # inside its cgroups where the caller gave limits (checked), else nothing
     torch.set_num_threads(1)  # as every executor rank
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -122,18 +125,24 @@ def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], 
         dist.destroy_process_group()
 
 
-def _run_ranks(config: dict, tmp: str, timeout_s: float) -> dict:
-    """Run one `python -m profiler.collectives` per rank; the timings rank 0 wrote."""
+def _run_ranks(config: dict, tmp: str, timeout_s: float, cgroup_table: str | None = None) -> dict:
+    """Run one `python -m profiler.collectives` per rank (each inside its cgroups from
+    `cgroup_table`, when given); the timings rank 0 wrote."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env.pop(cgroups.ENV_CGROUPS, None)
+    if cgroup_table:
+        env[cgroups.ENV_CGROUPS] = cgroup_table
     procs, logs = [], []
     try:
         for rank in range(config["world"]):
             log_path = os.path.join(tmp, f"rank{rank}.log")
             logs.append(log_path)
+            argv = ["-m", "profiler.collectives", json.dumps({**config, "rank": rank})]
             with open(log_path, "w", encoding="utf-8") as fh:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "profiler.collectives", json.dumps({**config, "rank": rank})],
-                    cwd=PROJECT_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT))
+                    [sys.executable, *(cgroups.exec_command(argv) if cgroup_table else argv)],
+                    cwd=PROJECT_ROOT, env={**env, "RANK": str(rank), "OMP_NUM_THREADS": "1"},
+                    stdout=fh, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout_s
         timed_out = False
         while any(p.poll() is None for p in procs):
@@ -174,8 +183,15 @@ def fit_collective(op: str, sizes_bytes: Sequence[int], times_s: Sequence[float]
 
 def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
                           ops: Sequence[str] = OPS, repeats: int = 5, warmup: int = 1, backend: str | None = None,
-                          device_type: str = "cpu", timeout_s: float = 300.0) -> CollectiveProfile:
-    """Start `world_size` local ranks, time `ops` at `sizes_bytes`, fit each op."""
+                          device_type: str = "cpu", timeout_s: float = 300.0,
+                          limits: Sequence[cgroups.Limits] | None = None) -> CollectiveProfile:
+    """Start `world_size` local ranks, time `ops` at `sizes_bytes`, fit each op. `limits` (one per
+    rank: an emulated device's CPU quota and memory): each rank runs inside its own cgroups, as the
+    run's ranks will, so a throttled rank's part of every collective is timed throttled."""
+    if limits is not None and len(limits) != world_size:
+        raise ValueError(f"limits: one per rank, {world_size} ranks, got {len(limits)}")
+    if limits is not None and (why := cgroups.unavailable_reason()) is not None:
+        raise ValueError(f"collectives under CPU quotas need cgroups: {why}")
     if world_size < 2:
         raise ValueError(f"a collective benchmark needs at least 2 ranks, got {world_size}")
     unknown = set(ops) - set(OPS)
@@ -188,9 +204,15 @@ def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFA
         raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
     config = {"world": world_size, "port": free_port(), "backend": backend, "ops": list(ops),
               "sizes": [int(x) for x in sizes_bytes], "repeats": repeats, "warmup": warmup}
-    with tempfile.TemporaryDirectory(prefix="gpumix-coll-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gpumix-coll-") as tmp, contextlib.ExitStack() as stack:
         config["out_path"] = os.path.join(tmp, "result.json")
-        raw = _run_ranks(config, tmp, timeout_s)
+        table = None
+        if limits is not None:
+            table = os.path.join(tmp, "cgroups.json")
+            groups = {r: stack.enter_context(cgroups.created(f"{cgroups.PREFIX}coll-{os.getpid()}-r{r}", lim))
+                      for r, lim in enumerate(limits)}
+            cgroups.save_table(table, "cgroup", f"collective benchmark of {device_type}", groups)
+        raw = _run_ranks(config, tmp, timeout_s, table)
     fits = []
     for op in ops:
         sizes = sorted(int(s) for s in raw[op])

@@ -170,3 +170,26 @@ def test_no_cgroups_no_emulated_profile(monkeypatch):
     monkeypatch.setattr(cgroups, "unavailable_reason", lambda: "not root (cgroup v1 limits need root)")
     with pytest.raises(ValueError, match="not root .* measured, not derived"):
         profile_local("tiny", SEQ, micro_batches=(1, 2, 3, 4), cpu_share=0.5, save=False)
+
+
+def test_collectives_between_quota_devices_run_each_rank_in_its_cgroups_and_are_stored_for_the_plan(data_dir):
+    """profiler.collectives under limits: each rank inside its own cgroups (the worker checks it is a
+    member, `cgroups.start_rank`, and would fail otherwise); the fits are saved under the device
+    set's key, where the planner's comm model reads them; none of the cgroups is left behind."""
+    from planner.core.catalog import GIB
+    from planner.core.profiles import collective_set_key, get_collective_profile, save_collective_profile
+    from profiler.collectives import benchmark_collectives
+
+    kinds = collective_set_key(["cpu@share1", "cpu@share0.333"])
+    sizes = (1024, 16 * 1024, 256 * 1024)
+    with pytest.raises(ValueError, match="one per rank"):
+        benchmark_collectives(2, sizes, limits=[cgroups.Limits(1.0, None)])
+    prof = benchmark_collectives(2, sizes, ops=("all_reduce", "all_gather"), device_type=kinds,
+                                 limits=[cgroups.Limits(1.0, None), cgroups.Limits(0.333, 2 * GIB)])
+    assert prof.device_type == kinds == "cpu@share0.333+cpu@share1" and prof.world_size == 2
+    assert [f.op for f in prof.fits] == ["all_reduce", "all_gather"]
+    assert all(f.bandwidth_bytes_per_s > 0 and len(f.times_s) == len(sizes) for f in prof.fits)
+    save_collective_profile(prof)
+    assert get_collective_profile(kinds) == prof
+    assert get_collective_profile("cpu") is None  # the plain kind is another measurement
+    assert cgroups.find(f"{cgroups.PREFIX}coll-") == []

@@ -337,3 +337,33 @@ def test_gap_reasons_name_many_micro_batches_on_a_profile_without_a_fixed_cost(d
     assert [r for r in gap_reasons(m) if "micro-batches per step" in r] == [
         "rank 0 runs 35 micro-batches per step and its profile fitted no fixed cost per micro-batch (α = 0): what "
         "the runtime does per micro-batch (its data windows, the gradient accumulation) is not priced"]
+
+
+def test_collectives_measured_between_the_quota_devices_are_no_reason_and_price_the_plan(data_dir):
+    """After "Profile now" timed the collectives between the run's emulated devices (each under its
+    quota), the plan prices them from that measurement, and the page says what that pricing leaves out."""
+    from planner.core.profiles import CollectiveFit, CollectiveProfile, collective_set_key, save_collective_profile
+    from planner.costmodel.training import CostModel
+    from planner.core.specs import get_model, with_max_seq
+    from ui.launch import gap_reasons
+
+    run_dir = os.path.join(data_dir, "runs", "mixed")
+    os.makedirs(run_dir)
+    plan = mixed_plan()
+    plan.save(os.path.join(run_dir, "plan.json"))
+    m = {"model": "tiny", "seq": 64, "dtype": "fp32", "run_dir": run_dir,
+         "ranks": [{"rank": i, "type": "cpu", "slowdown": 1.0, "micro_batch": 8, "accum_steps": 3, "median_wait_s": w}
+                   for i, w in enumerate((0.01, 0.04))]}
+    assert any("collectives' pricing (unthrottled)" in r for r in gap_reasons(m))
+    kinds = collective_set_key({d.profile_key for _, d in plan.cluster.devices()})
+    fits = (CollectiveFit("all_reduce", 1e-3, 4e8, 0.99), CollectiveFit("all_gather", 8e-4, 6e8, 0.99))
+    save_collective_profile(CollectiveProfile(kinds, "gloo", 2, fits))
+    assert [r for r in gap_reasons(m) if "collective" in r] == [
+        "rank 1 runs under a CPU quota of 0.333 of a core: its part of each collective is throttled too, the plan "
+        "priced them as measured back to back under the quotas (\"Profile now\"), but a collective the rank reaches "
+        "with its quota spent waits for the next period (its median wait in collectives: 40.0 ms per step)"]
+    spec = with_max_seq(get_model("tiny"), 64)
+    cost = CostModel.build(plan.cluster, spec, 64, "fp32", "none", 0.9, zero=1)
+    comm = cost.comm_model([d for _, d in plan.cluster.devices()], False)
+    assert comm.source == f"measured gloo collectives, 2 ranks of {kinds}, each under its CPU quota"
+    assert comm.comm_s(2) > 8 * 8e-4  # every call pays the measured latency, not the cluster file's

@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from planner.core.cluster import PROFILE_KEY_SHARE
 from planner.core.plan import Plan
 from ui import common, state
 
@@ -297,18 +298,24 @@ def _profile_reasons(m: dict[str, Any], kinds: dict[int, str]) -> list[str]:
 
 def _collective_reasons(m: dict[str, Any], devices: dict[int, Any]) -> list[str]:
     """Collectives priced from the cluster file; a CPU-quota rank's throttled part of them."""
-    from planner.core.profiles import get_collective_profile
+    from planner.core.profiles import collective_set_key, get_collective_profile
 
+    kinds = collective_set_key({d.profile_key for d in devices.values()})
+    under_quota = len(devices) > 1 and PROFILE_KEY_SHARE in kinds and get_collective_profile(kinds) is not None
     reasons = []
     cpu_ranks = [r for r in m["ranks"] if r["type"] == "cpu"]
-    if len(cpu_ranks) > 1 and len(cpu_ranks) == len(m["ranks"]) and get_collective_profile("cpu") is None:
+    if (len(cpu_ranks) > 1 and len(cpu_ranks) == len(m["ranks"]) and not under_quota
+            and get_collective_profile("cpu") is None):
         reasons.append("the collectives between this machine's CPU workers were not measured (`python -m profiler "
                        "bench`): the plan priced them from the cluster file's intra-node bandwidth")
+    pricing = ("the plan priced them as measured back to back under the quotas (\"Profile now\"), but a collective "
+               "the rank reaches with its quota spent waits for the next period" if under_quota else
+               "which the collectives' pricing (unthrottled) does not see")
     for r in m["ranks"] if len(devices) > 1 else ():
         share = devices[r["rank"]].cpu_share if r["rank"] in devices else None
         if share is not None and share < 1 and r.get("median_wait_s"):
             reasons.append(f"rank {r['rank']} runs under a CPU quota of {share:g} of a core: its part of each "
-                           "collective is throttled too, which the collectives' pricing (unthrottled) does not see "
+                           f"collective is throttled too, {pricing} "
                            f"(its median wait in collectives: {common.fmt_seconds(r['median_wait_s'])} per step)")
     return reasons
 

@@ -26,7 +26,7 @@ import os
 import re
 import statistics
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from planner.core import paths
 from planner.core.catalog import CPU_TYPE, GB, get_gpu_type
@@ -164,6 +164,19 @@ class CollectiveProfile:
             raise ValueError(f"collective {op!r} was not benchmarked on {self.device_type}")
         return f.time_s(size_bytes)
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CollectiveProfile":
+        fits = tuple(
+            CollectiveFit(f["op"], float(f["latency_s"]), float(f["bandwidth_bytes_per_s"]), float(f["r2"]),
+                          tuple(int(x) for x in f.get("sizes_bytes", ())),
+                          tuple(float(x) for x in f.get("times_s", ())))
+            for f in d["fits"])
+        return cls(d["device_type"], d["backend"], int(d["world_size"]), fits, bool(d.get("measured", True)),
+                   d.get("host", ""))
+
 
 @dataclass(frozen=True)
 class MatmulResult:
@@ -196,13 +209,7 @@ class DeviceBench:
     def from_dict(cls, d: dict[str, Any]) -> "DeviceBench":
         coll = d.get("collectives")
         if coll:
-            fits = tuple(
-                CollectiveFit(f["op"], float(f["latency_s"]), float(f["bandwidth_bytes_per_s"]), float(f["r2"]),
-                              tuple(int(x) for x in f.get("sizes_bytes", ())),
-                              tuple(float(x) for x in f.get("times_s", ())))
-                for f in coll["fits"])
-            coll = CollectiveProfile(coll["device_type"], coll["backend"], int(coll["world_size"]), fits,
-                                     bool(coll.get("measured", True)), coll.get("host", ""))
+            coll = CollectiveProfile.from_dict(coll)
         return cls(d["device_type"], d.get("device_name", ""), int(d.get("num_threads", 1)),
                    tuple(MatmulResult(m["dtype"], int(m["size"]), float(m["tflops"])) for m in d.get("matmul", ())),
                    float(d.get("memory_gbps", 0.0)), coll or None, d.get("host", ""), d.get("created", ""))
@@ -292,9 +299,33 @@ def get_device_bench(device_type: str, store_dir: str | None = None) -> DeviceBe
         return None
 
 
+def collective_set_key(kinds: Iterable[str]) -> str:
+    """The store key of collectives measured between local ranks of these device kinds (profile
+    keys: a CPU-quota kind is `cpu@<share>`), one rank per device of the run: "cpu@0.333+cpu@1"."""
+    return "+".join(sorted(kinds))
+
+
+def collectives_path(key: str, store_dir: str | None = None) -> str:
+    return os.path.join(store_root(store_dir), "collectives", _safe(key) + ".json")
+
+
+def save_collective_profile(profile: CollectiveProfile, store_dir: str | None = None) -> str:
+    """Save collectives measured between a set of device kinds, under `profile.device_type`
+    (collective_set_key of the kinds)."""
+    return _write_json(collectives_path(profile.device_type, store_dir), profile.to_dict())
+
+
 def get_collective_profile(device_type: str, store_dir: str | None = None) -> CollectiveProfile | None:
     """Measured latency and bandwidth of all-reduce / all-gather / broadcast between local
-    ranks of `device_type`, or None when `profiler bench` has not measured them."""
+    ranks: of the device set `device_type` names (collective_set_key: its ranks each under their
+    own CPU quota, as `profiler.collectives` measured them for a run's emulated devices), else of
+    plain `device_type` ranks as `profiler bench` measured them; None when neither was measured."""
+    d = _read_json(collectives_path(device_type, store_dir))
+    if d is not None:
+        try:
+            return CollectiveProfile.from_dict(d)
+        except (TypeError, ValueError, KeyError) as e:
+            log.warning("skipping malformed collectives of %s: %s", device_type, e)
     bench = get_device_bench(device_type, store_dir)
     return bench.collectives if bench else None
 

@@ -52,7 +52,7 @@ from functools import lru_cache
 from typing import Callable, Iterable, Sequence
 
 from planner.core.catalog import CPU_TYPE, device_dtype
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from planner.core.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.specs import ModelSpec
 from planner.core.units import ZERO_STAGES, runtime_units, step_collectives
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
@@ -461,9 +461,13 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
     calls = collectives.num_calls
     types = {d.type for d in devices}
     if not multi_node and types == {CPU_TYPE}:
-        from planner.core.profiles import get_collective_profile
+        from planner.core.profiles import collective_set_key, get_collective_profile
 
-        prof = get_collective_profile(CPU_TYPE, profiles_dir)
+        # measured between these very kinds (emulated CPU shares, each rank under its quota, as the
+        # Plan page's "Profile now" measures them), else between plain CPU ranks (`profiler bench`)
+        kinds = collective_set_key(d.profile_key for d in devices)
+        prof = (get_collective_profile(kinds, profiles_dir) if kinds != CPU_TYPE else None) or \
+            get_collective_profile(CPU_TYPE, profiles_dir)
         gather = prof.fit("all_gather") if prof else None
         reduce = prof.fit("all_reduce") if prof else None
         if (gather is not None and reduce is not None and gather.bandwidth_bytes_per_s > 0
@@ -475,8 +479,9 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
             gather_bus = gather.bandwidth_bytes_per_s * (w - 1) / w
             reduce_bus = reduce.bandwidth_bytes_per_s * 2 * (w - 1) / w
             latency = max(gather.latency_s, 0.0)
+            how = f"{w} ranks" + (f" of {prof.device_type}, each under its CPU quota" if PROFILE_KEY_SHARE in prof.device_type else "")
             return CommModel(gather_bus, 0.0, gather_bytes, reduce_bytes, calls,
-                             f"measured {prof.backend} collectives, {w} ranks", reduce_bus, latency)
+                             f"measured {prof.backend} collectives, {how}", reduce_bus, latency)
     net = cluster.network
     gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
     hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S
