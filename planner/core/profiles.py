@@ -301,8 +301,9 @@ def get_device_bench(device_type: str, store_dir: str | None = None) -> DeviceBe
 
 def collective_set_key(kinds: Iterable[str]) -> str:
     """The store key of collectives measured between local ranks of these device kinds (profile
-    keys: a CPU-quota kind is `cpu@<share>`), one rank per device of the run: "cpu@0.333+cpu@1"."""
-    return "+".join(sorted(kinds))
+    keys: a CPU-quota kind is `cpu@share<s>`), each kind once however many devices share it (the
+    profile's world_size says how many ranks took part): "cpu@share0.333+cpu@share1"."""
+    return "+".join(sorted(set(kinds)))
 
 
 def collectives_path(key: str, store_dir: str | None = None) -> str:
