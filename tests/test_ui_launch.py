@@ -339,7 +339,7 @@ def test_gap_reasons_name_many_micro_batches_on_a_profile_without_a_fixed_cost(d
         "the runtime does per micro-batch (its data windows, the gradient accumulation) is not priced"]
 
 
-def test_collectives_measured_between_the_quota_devices_are_no_reason_and_price_the_plan(data_dir):
+def test_collectives_measured_between_the_quota_devices_price_the_plan_and_the_page_names_what_is_left(data_dir):
     """After "Profile now" timed the collectives between the run's emulated devices (each under its
     quota), the plan prices them from that measurement, and the page says what that pricing leaves out."""
     from planner.core.profiles import CollectiveFit, CollectiveProfile, collective_set_key, save_collective_profile
