@@ -164,6 +164,7 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
             phases[name] = parts
 
     order = schedule_order(pipeline.schedule, S, stage, M)
+    in_block = block_backward_transient_bytes(spec, cfg, N) if L else 0  # the same in every backward
     live = backs = 0
     for i, (op, _) in enumerate(order):
         nxt = order[i + 1][0] if i + 1 < len(order) else None
@@ -181,8 +182,7 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
             # log_softmax's saved output is gone; the grad of the logits takes its place (both 4·N·V)
             moment("head", (act, ahead + pending, FP32_BYTES * (N * h + V * h)))
         if L:  # + the incoming gradient: the receive buffer (the head's input gradient on the last stage)
-            moment("last_block", (act - head + rebuilt, ahead + pending + piece,
-                                  block_backward_transient_bytes(spec, cfg, N)))
+            moment("last_block", (act - head + rebuilt, ahead + pending + piece, in_block))
         if first:
             # the embedding's backward: its dense (V, h) gradient (and the positions' (T, h)), the input gradient
             moment("embed_backward", (act - per_mb, ahead, dense + piece))
