@@ -83,7 +83,12 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
     best: Plan | None = None
     tried, errors = [], []
     for b in MICRO_BATCHES:
-        if global_batch % b or global_batch // b > MAX_MICROBATCHES:
+        if global_batch % b:
+            tried.append(f"micro-batch {b}: does not divide the global batch")
+            continue
+        if global_batch // b > MAX_MICROBATCHES:
+            tried.append(f"micro-batch {b}: {global_batch // b} micro-batches per iteration, more than the "
+                         f"simulated schedule takes ({MAX_MICROBATCHES})")
             continue
         try:
             scenario = cluster_scenario(cluster, model, global_batch, seq, dtype, b)
@@ -102,8 +107,7 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
     log.info("pipeline candidates on %s (%s, %d layers): %s", cluster.name, model, spec.num_layers,
              "; ".join(tried + errors))
     if best is None:
-        return PipelineOption(None, "; ".join(tried + errors) or "no micro-batch divides the global batch",
-                              solve_s)
+        return PipelineOption(None, "; ".join(tried + errors), solve_s)
     return PipelineOption(best, "; ".join(tried), solve_s)
 
 
