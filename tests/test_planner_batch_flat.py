@@ -89,9 +89,9 @@ def test_plans_are_near_exact_and_take_few_probes(cluster, batch, monkeypatch):
 @pytest.mark.parametrize("batch", [8, 1_000, 100_000])
 def test_what_a_kind_can_compute_is_found_alike_before_and_in_the_table(batch):
     """The pre-table bound's reach per kind (planner/hetero/solve.py: _reach_before_table, and
-    _most_before_table, which prunes) equals what the table offers (_samples_within, the most
-    samples of any choice or band): at every compute time, so skipping a table on it skips only
-    what the table's own bound would."""
+    _most_before_table, which prunes) equals what the table offers (class_reach: the most samples
+    of any choice or band): at every compute time, so skipping a table on it skips only what the
+    table's own bound would."""
     from planner.costmodel.training import CostModel
     from planner.core.specs import get_model, with_max_seq
 
@@ -107,4 +107,4 @@ def test_what_a_kind_can_compute_is_found_alike_before_and_in_the_table(batch):
             most = max([ch.batch for ch in cls.choices] + [b.micro_batch * b.hi for b in cls.bands], default=0)
             assert reach.most() == most == hetero_solve._most_before_table(cost, cls.device, batch, None, bound_s)
             for t in (0.01, 0.3, 1.0, 3.7, 12.0, bound_s):
-                assert reach.within(t) == hetero_solve._samples_within(cls, t), (zero, cls.device.label, t)
+                assert reach.within(t) == hetero_solve.class_reach(cls).within(t), (zero, cls.device.label, t)

@@ -38,7 +38,6 @@ bisection's tolerance (so ties keep the lower stage), and records what each stag
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -809,18 +808,6 @@ def world_segments(num_devices: int) -> list[tuple[int, int]]:
     return out
 
 
-def _samples_within(cls: ClassTable, compute_s: float) -> float:
-    """The most samples one device of the class computes in compute_s on any of its choices or
-    bands: a band's count is a whole number of steps that end in time (within float round-off),
-    capped at the band's top (its micro-batch may not fit for longer)."""
-    most = max((ch.batch for ch in cls.choices if ch.compute_s <= compute_s), default=0)
-    for b in cls.bands:
-        n = _steps_within(compute_s, b.step_s, b.hi)
-        if n >= b.lo:
-            most = max(most, b.micro_batch * n)
-    return most
-
-
 def _steps_within(compute_s: float, step_s: float, top: int) -> int:
     """Whole accumulation steps of step_s that end within compute_s (float round-off forgiven), ≤ top."""
     if step_s <= 0 or math.isinf(compute_s):
@@ -854,8 +841,19 @@ def _capacity_bound_s(reach: Sequence[tuple[Callable[[float], float], int]], com
     return lower_s
 
 
+def class_reach(cls: ClassTable) -> "_Reach":
+    """What one device of the class computes, from its table: its n = 1 choices (a state-only choice
+    computes nothing) and per micro-batch the top of its bands (a micro-batch's bands run without a
+    gap from DENSE_ACCUM_STEPS + 1 to the most counts that fit: CostModel.bands)."""
+    tops: dict[int, tuple[float, int]] = {}
+    for b in cls.bands:
+        tops[b.micro_batch] = (b.step_s, max(b.hi, tops.get(b.micro_batch, (0.0, 0))[1]))
+    return _Reach(tuple((ch.batch, ch.compute_s) for ch in cls.choices if ch.batch),
+                  tuple((m, step_s, top) for m, (step_s, top) in tops.items()))
+
+
 def _table_reach(table: ScopeTable) -> list[tuple[Callable[[float], float], int]]:
-    return [(functools.partial(_samples_within, cls), cls.count) for cls in table.classes]
+    return [(class_reach(cls).within, cls.count) for cls in table.classes]
 
 
 def _range_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int) -> float:
@@ -968,9 +966,9 @@ def _rate_above(cost: CostModel, device, global_batch: int, micro_batches: Seque
 class _Reach:
     """What one device of a kind can compute in a step, found as its table (CostModel.choices,
     .bands) would find it but without building the table: each micro-batch whose n = 1 fits at
-    f = 0 within the compute bound (`ones`: (m, compute s)), and each micro-batch's run of counts
+    f = 0 within the compute bound (`ones`: (batch, compute s)), and each micro-batch's run of counts
     from DENSE_ACCUM_STEPS + 1 to the most that fit at f = 0 within it (`runs`: (m, step s, top),
-    the top of its bands)."""
+    the top of its bands). `class_reach` builds the same from a table."""
     ones: tuple[tuple[int, float], ...]
     runs: tuple[tuple[int, float, int], ...]
 
@@ -979,7 +977,8 @@ class _Reach:
         return max([m for m, _ in self.ones] + [m * top for m, _, top in self.runs], default=0)
 
     def within(self, compute_s: float) -> float:
-        """The most samples computed within compute_s (as `_samples_within` over the table)."""
+        """The most samples computed within compute_s: a choice that ends in time, or a run's whole
+        steps that end in time (within float round-off), capped at its top."""
         most = max((m for m, one_s in self.ones if one_s <= compute_s), default=0)
         for m, step_s, top in self.runs:
             n = _steps_within(compute_s, step_s, top)
