@@ -46,6 +46,11 @@ SMALL_TRANSFER_BYTES = 256 * KIB
 # as the executor issues them, that skew is paid once per sample, not once per op.
 SMALL_OPS_PER_SAMPLE = 16
 MEDIUM_OPS_PER_SAMPLE = 4
+# Under CPU quotas (an emulated device) each sample is one op issued as a run issues its collectives:
+# after the ranks computed for three CFS periods, so a throttled rank has spent its quota and the op
+# waits for the next period. Timed back to back, the ops shared the quota left over and came out
+# about 7x faster per call than the waits a run on those quotas measures.
+BUSY_BEFORE_OP_S = 3 * cgroups.CFS_PERIOD_US / 1e6
 
 
 def ops_per_sample(size_bytes: int) -> int:
@@ -73,7 +78,15 @@ def _run_op(op: str, buf: torch.Tensor, out: torch.Tensor | None) -> None:
         dist.broadcast(buf, src=0)
 
 
-def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.device, world: int) -> list[float]:
+def _spin(seconds: float) -> None:
+    """Busy for `seconds` of wall time, as a rank computing its micro-batches is."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.device, world: int,
+             busy_s: float = 0.0) -> list[float]:
     numel = max(world, size_bytes // FLOAT_BYTES)
     numel -= numel % world  # all-gather: the output splits evenly between ranks
     if op == "all_gather":
@@ -81,10 +94,12 @@ def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.
         out = torch.empty(numel, device=device)
     else:
         buf, out = torch.ones(numel, device=device), None
-    per_sample = ops_per_sample(size_bytes)
+    per_sample = 1 if busy_s > 0 else ops_per_sample(size_bytes)
     samples = []
     for i in range(warmup + repeats):
         dist.barrier()
+        if busy_s > 0:
+            _spin(busy_s)  # the ranks compute first: one under a CPU quota has spent it when the op starts
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -101,7 +116,7 @@ def _time_op(op: str, size_bytes: int, repeats: int, warmup: int, device: torch.
 
 
 def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], sizes: Sequence[int],
-            repeats: int, warmup: int, out_path: str) -> None:
+            repeats: int, warmup: int, out_path: str, busy_s: float = 0.0) -> None:
     cgroups.start_rank(rank)  # inside its cgroups where the caller gave limits (checked), else nothing
     torch.set_num_threads(1)  # as every executor rank
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -117,7 +132,7 @@ def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], 
             for size in sizes:
                 n = (max(2, repeats // 3) if size >= LARGE_TRANSFER_BYTES else
                      3 * repeats if size <= SMALL_TRANSFER_BYTES else repeats)
-                result[op][str(size)] = statistics.median(_time_op(op, size, n, warmup, device, world))
+                result[op][str(size)] = statistics.median(_time_op(op, size, n, warmup, device, world, busy_s))
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as fh:
                 json.dump(result, fh)
@@ -187,7 +202,8 @@ def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFA
                           limits: Sequence[cgroups.Limits] | None = None) -> CollectiveProfile:
     """Start `world_size` local ranks, time `ops` at `sizes_bytes`, fit each op. `limits` (one per
     rank: an emulated device's CPU quota and memory): each rank runs inside its own cgroups, as the
-    run's ranks will, so a throttled rank's part of every collective is timed throttled."""
+    run's ranks will, and each op is timed right after BUSY_BEFORE_OP_S of computing, so a throttled
+    rank's part of every collective is timed as a run meets it."""
     if limits is not None and len(limits) != world_size:
         raise ValueError(f"limits: one per rank, {world_size} ranks, got {len(limits)}")
     if limits is not None and (why := cgroups.unavailable_reason()) is not None:
@@ -203,7 +219,8 @@ def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFA
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"NCCL needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
     config = {"world": world_size, "port": free_port(), "backend": backend, "ops": list(ops),
-              "sizes": [int(x) for x in sizes_bytes], "repeats": repeats, "warmup": warmup}
+              "sizes": [int(x) for x in sizes_bytes], "repeats": repeats, "warmup": warmup,
+              "busy_s": BUSY_BEFORE_OP_S if limits is not None else 0.0}
     with tempfile.TemporaryDirectory(prefix="gpumix-coll-") as tmp, contextlib.ExitStack() as stack:
         config["out_path"] = os.path.join(tmp, "result.json")
         table = None
@@ -223,4 +240,4 @@ def benchmark_collectives(world_size: int = 2, sizes_bytes: Sequence[int] = DEFA
 if __name__ == "__main__":  # one rank, started by _run_ranks
     cfg = json.loads(sys.argv[1])
     _worker(cfg["rank"], cfg["world"], cfg["port"], cfg["backend"], cfg["ops"], cfg["sizes"], cfg["repeats"],
-            cfg["warmup"], cfg["out_path"])
+            cfg["warmup"], cfg["out_path"], cfg["busy_s"])

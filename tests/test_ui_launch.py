@@ -360,8 +360,9 @@ def test_collectives_measured_between_the_quota_devices_price_the_plan_and_the_p
     save_collective_profile(CollectiveProfile(kinds, "gloo", 2, fits))
     assert [r for r in gap_reasons(m) if "collective" in r] == [
         "rank 1 runs under a CPU quota of 0.333 of a core: its part of each collective is throttled too, the plan "
-        "priced them as measured back to back under the quotas (\"Profile now\"), but a collective the rank reaches "
-        "with its quota spent waits for the next period (its median wait in collectives: 40.0 ms per step)"]
+        "priced them as measured under the quotas (\"Profile now\"), each call timed right after computing, its "
+        "quota spent: calls that follow one another in a run may wait less (its median wait in collectives: 40.0 ms "
+        "per step)"]
     spec = with_max_seq(get_model("tiny"), 64)
     cost = CostModel.build(plan.cluster, spec, 64, "fp32", "none", 0.9, zero=1)
     comm = cost.comm_model([d for _, d in plan.cluster.devices()], False)

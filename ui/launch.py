@@ -308,8 +308,8 @@ def _collective_reasons(m: dict[str, Any], devices: dict[int, Any]) -> list[str]
             and get_collective_profile("cpu") is None):
         reasons.append("the collectives between this machine's CPU workers were not measured (`python -m profiler "
                        "bench`): the plan priced them from the cluster file's intra-node bandwidth")
-    pricing = ("the plan priced them as measured back to back under the quotas (\"Profile now\"), but a collective "
-               "the rank reaches with its quota spent waits for the next period" if under_quota else
+    pricing = ("the plan priced them as measured under the quotas (\"Profile now\"), each call timed right after "
+               "computing, its quota spent: calls that follow one another in a run may wait less" if under_quota else
                "which the collectives' pricing (unthrottled) does not see")
     for r in m["ranks"] if len(devices) > 1 else ():
         share = devices[r["rank"]].cpu_share if r["rank"] in devices else None
