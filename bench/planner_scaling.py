@@ -9,7 +9,10 @@ baselines and every ILP included, every ZeRO stage `--zero auto` tries), then th
 Then (issue 17) solve time and peak memory against the global batch, 8 to 1e8, on
 examples/clusters/mixed-16.json and mixed-1024.json: the median of --repeats solves, each in a
 fresh child process, whose peak RSS (ru_maxrss of the child and its CBC children) is the memory
-figure; max/min per device count is printed against the 2× target.
+figure; max/min per device count is printed against the 2× target. The same sweep then times the
+whole CLI a user runs, `python -m planner plan --cluster C --model M --global-batch B --dtype bf16
+--recompute full` (interpreter start, the ILP, and on mixed-16's nodes the pipeline candidates priced
+beside it, planner/geo/cluster_plan.py), wall time and peak RSS of its process tree, max/min printed.
 
     python bench/planner_scaling.py [--repeats 3] [--model gpt2-xl] [--json] [--batch-only]
 """
@@ -56,6 +59,7 @@ def main() -> int:
     args = ap.parse_args()
     sweep = batch_sweep(args.model, args.repeats)
     print_sweep(sweep, args.json)
+    print_sweep(batch_sweep(args.model, args.repeats, cli=True), args.json, "CLI wall s")
     if args.batch_only:
         return 0
     rows = []
@@ -144,17 +148,32 @@ print(json.dumps({"solve_s": time.perf_counter() - t0, "status": status, "peak_r
 """
 
 
-def solve_child(cluster_path: str, model: str, batch: int) -> dict:
+CLI_CHILD = """
+import json, resource, subprocess, sys, time
+t0 = time.perf_counter()
+proc = subprocess.run([sys.executable, "-m", "planner", "plan", "--cluster", sys.argv[1], "--model", sys.argv[2],
+                       "--global-batch", sys.argv[3], "--dtype", "bf16", "--recompute", "full"],
+                      capture_output=True, text=True)
+wall = time.perf_counter() - t0
+last = (proc.stdout.strip().splitlines() or [""])[0] if proc.returncode == 0 else proc.stderr.strip()[-80:]
+status = ("ok: " if proc.returncode == 0 else f"exit {proc.returncode}: ") + last[:80]
+print(json.dumps({"solve_s": wall, "status": status,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+def solve_child(cluster_path: str, model: str, batch: int, cli: bool = False) -> dict:
     """One solve in a fresh interpreter: its wall time and peak RSS (the larger of its own and its
-    largest CBC child's, as the child reports them)."""
-    proc = subprocess.run([sys.executable, "-c", CHILD, cluster_path, model, str(batch)], capture_output=True,
-                          text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    largest CBC child's, as the child reports them). `cli`: the whole `python -m planner plan` run,
+    timed and measured (its process tree's largest RSS) by a parent of its own."""
+    proc = subprocess.run([sys.executable, "-c", CLI_CHILD if cli else CHILD, cluster_path, model, str(batch)],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     if proc.returncode != 0:
         return {"solve_s": None, "status": "crashed: " + proc.stderr[-200:], "peak_rss_bytes": None}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def batch_sweep(model: str, repeats: int) -> list[dict]:
+def batch_sweep(model: str, repeats: int, cli: bool = False) -> list[dict]:
     """Per (cluster, batch) the median solve time over `repeats` fresh children (the rounds
     interleaved, so that a burst of load on this shared machine falls on every batch alike), and
     the largest peak RSS."""
@@ -163,7 +182,7 @@ def batch_sweep(model: str, repeats: int) -> list[dict]:
         for name in SWEEP_CLUSTERS:
             path = os.path.join(ROOT, "examples", "clusters", f"{name}.json")
             for b in BATCHES:
-                runs.setdefault((name, b), []).append(solve_child(path, model, b))
+                runs.setdefault((name, b), []).append(solve_child(path, model, b, cli))
     rows = []
     for (name, b), results in runs.items():
         times = [r["solve_s"] for r in results if r["solve_s"] is not None]
@@ -173,25 +192,35 @@ def batch_sweep(model: str, repeats: int) -> list[dict]:
     return rows
 
 
-def print_sweep(rows: list[dict], as_json: bool) -> None:
+def print_sweep(rows: list[dict], as_json: bool, what: str = "solve s") -> None:
+    """The sweep's rows and, per cluster, max/min of time and memory over every batch; for the CLI also
+    over the batches it planned (a refusal is not a plan) and the largest against the smallest batch's
+    (how much planning grows with the batch: the CLI skips pipeline candidates where each would have
+    more micro-batches than the simulated schedule takes, which makes those batches faster)."""
     summary = {}
     for name in SWEEP_CLUSTERS:
-        times = [r["solve_s"] for r in rows if r["cluster"] == name and r["solve_s"] is not None]
-        rss = [r["peak_rss_bytes"] for r in rows if r["cluster"] == name and r["peak_rss_bytes"]]
+        mine = [r for r in rows if r["cluster"] == name and r["solve_s"] is not None]
+        times = [r["solve_s"] for r in mine]
+        rss = [r["peak_rss_bytes"] for r in mine if r["peak_rss_bytes"]]
+        planned = [r["solve_s"] for r in mine if not str(r["status"]).startswith(("exit", "refused", "crashed"))]
         summary[name] = {"time_ratio": max(times) / min(times) if times else None,
-                         "rss_ratio": max(rss) / min(rss) if rss else None}
+                         "rss_ratio": max(rss) / min(rss) if rss else None,
+                         "planned_time_ratio": max(planned) / min(planned) if planned else None,
+                         "growth_over_smallest_batch": max(times) / times[0] if times else None}
     if as_json:
-        print(json.dumps({"batch_sweep": rows, "ratios": summary, "target_ratio": TARGET_RATIO}, indent=2))
+        print(json.dumps({"batch_sweep": rows, "measured": what, "ratios": summary, "target_ratio": TARGET_RATIO},
+                         indent=2))
         return
-    print(f"{'cluster':>10} {'batch':>10} {'solve s':>8} {'peak RSS MiB':>12}  status")
+    print(f"\n{'cluster':>10} {'batch':>10} {what:>10} {'peak RSS MiB':>12}  status")
     for r in rows:
         t = "-" if r["solve_s"] is None else f"{r['solve_s']:.2f}"
         m = "-" if not r["peak_rss_bytes"] else f"{r['peak_rss_bytes'] / 2**20:.0f}"
-        print(f"{r['cluster']:>10} {r['global_batch']:>10} {t:>8} {m:>12}  {r['status']}")
+        print(f"{r['cluster']:>10} {r['global_batch']:>10} {t:>10} {m:>12}  {r['status']}")
+    fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for name, s in summary.items():
-        fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
-        print(f"{name}: solve time max/min {fmt(s['time_ratio'])}, peak memory max/min {fmt(s['rss_ratio'])} "
-              f"(target <= {TARGET_RATIO:g}x)")
+        print(f"{name}: {what} max/min {fmt(s['time_ratio'])} (planned batches only {fmt(s['planned_time_ratio'])}; "
+              f"largest against the smallest batch's {fmt(s['growth_over_smallest_batch'])}), peak memory max/min "
+              f"{fmt(s['rss_ratio'])} (target <= {TARGET_RATIO:g}x)")
 
 
 if __name__ == "__main__":

@@ -125,8 +125,9 @@ def test_absurd_numbers_and_wrong_types_are_refused(tmp_path, path, value, match
 
 
 def test_the_pipeline_simulator_refuses_a_job_past_its_operation_limit():
-    from planner.geo.pipeline_sim import MAX_SIMULATED_OPS, Channel, PipelineJob, Stage
+    from planner.geo.pipeline_sim import MAX_SIMULATED_OPS, Channel, PipelineJob, Stage, simulate_pipeline
 
+    job = PipelineJob((Stage(1.0, 2.0), Stage(1.0, 2.0)), ("lan",), (Channel("lan", 0.0, 100.0, 100.0),), 1,
+                      MAX_SIMULATED_OPS, 1e6, "gpipe")
     with pytest.raises(ValueError, match="over the limit"):
-        PipelineJob((Stage(1.0, 2.0), Stage(1.0, 2.0)), ("lan",), (Channel("lan", 0.0, 100.0, 100.0),), 1,
-                    MAX_SIMULATED_OPS, 1e6)
+        simulate_pipeline(job)

@@ -31,8 +31,8 @@ forward's input on a stage other than the first, a backward's incoming gradient 
 last, 4·N·h each; the previous backward's input gradient (4·N·h), still being sent until the next
 backward's own send (a stage other than the first).
 
-Moments: the model walks the stage's order of ops (`schedule_order`, the one definition the runtime runs)
-and takes, for every op, each of its moments with the micro-batches then in flight and the buffers
+Moments: the model walks the stage's order of ops (`schedule_order`, the one definition the runtime runs;
+for 1F1B `walk_order`'s first cycles, which hold every distinct moment of the whole order) and takes, for every op, each of its moments with the micro-batches then in flight and the buffers
 then alive; a phase's figure is its largest over the ops, the peak the largest phase:
   forward_end     a forward ends: the micro-batches in flight (its own included)
   loss            last stage: the loss's backward starts: + grad of nll and grad of the logits, 4·N·V each
@@ -84,6 +84,19 @@ def schedule_in_flight(schedule: str, num_stages: int, stage: int, num_microbatc
     if not 0 <= stage < num_stages or num_microbatches < 1:
         raise ValueError(f"stage {stage} of {num_stages} with {num_microbatches} micro-batches is no pipeline stage")
     return num_microbatches if schedule == "gpipe" else min(num_stages - stage, num_microbatches)
+
+
+def walk_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The ops whose moments the memory walk takes. An op's moments depend only on its kind, the next op's
+    kind, whether a backward ran before it and the micro-batches then in flight; 1F1B's steady cycles
+    repeat those exactly, so the order of min(M, warm-up + 3) micro-batches (warm-up forwards, a first
+    cycle, a later one, the last before the cool-down, the cool-down) holds every combination the whole
+    order holds: the walk costs O(stages), not O(micro-batches). GPipe keeps its whole order (its
+    in-flight micro-batches, and so its moments, grow with M)."""
+    if schedule == "1f1b":
+        warm = min(num_stages - 1 - stage, num_microbatches)
+        num_microbatches = min(num_microbatches, warm + 3)
+    return schedule_order(schedule, num_stages, stage, num_microbatches)
 
 
 @dataclass(frozen=True)
@@ -163,7 +176,7 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
         if name not in phases or sum(parts) > sum(phases[name]):
             phases[name] = parts
 
-    order = schedule_order(pipeline.schedule, S, stage, M)
+    order = walk_order(pipeline.schedule, S, stage, M)
     in_block = block_backward_transient_bytes(spec, cfg, N) if L else 0  # the same in every backward
     live = backs = 0
     for i, (op, _) in enumerate(order):

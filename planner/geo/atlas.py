@@ -18,19 +18,22 @@ them uses `num_pipelines · k` of its GPUs. The search chooses
 The search (planner/geo/search.py) enumerates every structure and finds each one's
 exactly best layer split for a closed-form 1F1B estimate; the best few (the best of
 each DC subset first) and the plans given to compare with (the baselines') are run
-through the discrete-event simulator (`pipeline_sim`), and the simulated iteration
-time decides. The baselines (planner/geo/evaluate.py) use the same search and simulator.
+through the discrete-event simulator (`pipeline_sim.iteration_times`: bounded simulations where the
+schedule's cycles are proved to recur, so the ranking does not grow with the micro-batches), and the
+simulated iteration time decides; the winner's whole simulation (`AtlasResult.sim`, its Gantt) is run
+only when asked for. The baselines (planner/geo/evaluate.py) use the same search and simulator.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from planner.geo.costs import GeoCosts
 from planner.geo.scenario import INTRA_DC_LATENCY_S, GeoScenario
-from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
+from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, iteration_times, simulate_pipeline
 from planner.geo.search import KEEP_PER_SUBSET, NETWORKS, Candidate, Search
 
 log = logging.getLogger(__name__)
@@ -168,11 +171,20 @@ def prefill_capable_gpus(plan: GeoPlan, prefill_bytes: int | None) -> int:
 @dataclass(frozen=True)
 class AtlasResult:
     plan: GeoPlan
-    sim: SimResult
+    job: PipelineJob  # the plan as the simulator's job
+    iteration_s: float  # its simulated iteration
     num_candidates: int
     solve_time_s: float
     exact: bool = False  # every structure was enumerated: the shortlist holds the exact minimum of the estimate
     best_estimate_s: float | None = None  # that minimum (planner/geo/search.py's E)
+    _sim: list = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def sim(self) -> SimResult:
+        """The plan's whole simulation (every operation: the Gantt), run on first use."""
+        if not self._sim:
+            self._sim.append(simulate_pipeline(self.job))
+        return self._sim[0]
 
 
 def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: str = "1f1b",
@@ -209,17 +221,19 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
     top = cands[0][0].estimate_s
     shortlist = [plan for _, plan in firsts + rest][:simulate_top]
     best: tuple[float, int, int] | None = None
-    best_plan, best_sim = None, None
+    best_plan, best_job = None, None
     for plan in shortlist + list(compare_with):
-        sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
-        key = (sim.iteration_s, -prefill_capable_gpus(plan, prefill_bytes), plan.num_gpus)
+        job = build_job(scenario, costs, plan, schedule)
+        it = iteration_times(job).iteration_s
+        key = (it, -prefill_capable_gpus(plan, prefill_bytes), plan.num_gpus)
         if _better(key, best):
-            best, best_plan, best_sim = key, plan, sim
+            best, best_plan, best_job = key, plan, job
     if network == "atlas" and best_plan.num_pipelines > 1 and len(best_plan.chain) > 1:
         plan = replace(best_plan, link_order="pipeline")  # the other turn-taking rule on the WAN
-        sim = simulate_pipeline(build_job(scenario, costs, plan, schedule))
-        if _better((sim.iteration_s, *best[1:]), best) and sim.iteration_s < best[0]:
-            best, best_plan, best_sim = (sim.iteration_s, *best[1:]), plan, sim
+        job = build_job(scenario, costs, plan, schedule)
+        it = iteration_times(job).iteration_s
+        if _better((it, *best[1:]), best) and it < best[0]:
+            best, best_plan, best_job = (it, *best[1:]), plan, job
     log.info("geo %s: %d configurations, simulated %d (+%d compared), best %.3f s", network, considered,
              len(shortlist), len(compare_with), best[0])
-    return AtlasResult(best_plan, best_sim, considered, time.perf_counter() - t0, exact, top)
+    return AtlasResult(best_plan, best_job, best[0], considered, time.perf_counter() - t0, exact, top)

@@ -7,8 +7,9 @@ the planner also prices pipeline plans: the nodes become the datacenters of a ge
 (`cluster_scenario`: a node's devices by type, its `intra_node_gbps` inside it, every pair of
 nodes joined by `inter_node_gbps`), Atlas's search (planner/geo/atlas.py) finds the best pipeline
 at each per-pipeline micro-batch tried (`MICRO_BATCHES`), each is written onto the cluster's own
-devices (planner/geo/plan_file.py) and predicted as the runtime runs it (planner/geo/emulated.py),
-and `choose_plan` keeps the faster of that and the ILP's plan, saying both predicted times in the
+devices (planner/geo/plan_file.py) and predicted as the runtime runs it (planner/geo/emulated.py;
+each candidate's iteration from bounded simulations, planner/geo/pipeline_sim.iteration_times, and
+only the fastest simulated whole for its plan file's timeline), and `choose_plan` keeps the faster of that and the ILP's plan, saying both predicted times in the
 plan's baselines and notes.
 
 Where the geo search cannot price the cluster (one node, more nodes than its search enumerates,
@@ -26,7 +27,7 @@ from planner.core.plan import BaselineResult, Plan
 from planner.core.specs import get_model, with_max_seq
 from planner.costmodel.collectives import INTER_NODE_HOP_LATENCY_S
 from planner.geo.atlas import solve_atlas
-from planner.geo.plan_file import geo_plan_to_plan
+from planner.geo.plan_file import geo_plan_to_plan, predict_geo_plan_s
 from planner.geo.scenario import MAX_DATACENTERS, MAX_MICROBATCHES, Datacenter, GeoScenario, WanLink
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
     if reason:
         return PipelineOption(None, reason, 0.0)
     spec = with_max_seq(get_model(model), seq)
-    best: Plan | None = None
+    best: tuple[float, GeoScenario, object] | None = None
     tried, errors = [], []
     for b in MICRO_BATCHES:
         if global_batch % b:
@@ -96,13 +97,15 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
             if geo.num_stages < 2:
                 tried.append(f"micro-batch {b}: one stage (data parallel)")
                 continue
-            plan = geo_plan_to_plan(scenario, geo, cluster=cluster, wan=(), profiles_dir=profiles_dir)
+            it = predict_geo_plan_s(scenario, geo, cluster=cluster, wan=(), profiles_dir=profiles_dir)
         except ValueError as e:
             errors.append(f"micro-batch {b}: {e}")
             continue
-        tried.append(f"micro-batch {b}: {plan.predicted_iteration_s:.4g} s")
-        if best is None or plan.predicted_iteration_s < best.predicted_iteration_s:
-            best = plan
+        tried.append(f"micro-batch {b}: {it:.4g} s")
+        if best is None or it < best[0]:
+            best = (it, scenario, geo)
+    if best is not None:  # only the fastest is written out whole, with its simulated timeline
+        best = geo_plan_to_plan(best[1], best[2], cluster=cluster, wan=(), profiles_dir=profiles_dir)
     solve_s = time.perf_counter() - t0
     log.info("pipeline candidates on %s (%s, %d layers): %s", cluster.name, model, spec.num_layers,
              "; ".join(tried + errors))

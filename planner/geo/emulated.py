@@ -63,7 +63,7 @@ from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, Link, all_r
 from planner.core.stage_memory import estimate_plan_stage_memory
 from planner.costmodel.pipeline import PipelineCostModel, base_type, tied_sync_s
 from planner.costmodel.training import CostModel, build_comm_model
-from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, simulate_pipeline
+from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, iteration_times, simulate_pipeline
 from planner.geo.scenario import WanLink as ScenarioWanLink
 
 log = logging.getLogger(__name__)
@@ -258,6 +258,13 @@ def simulate_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True)
         ends[(o.stage, o.pipeline)] = max(ends.get((o.stage, o.pipeline), 0.0), o.end_s)
     step = {dev: ends[(j, r)] for j, st in enumerate(p.stages) for r, dev in enumerate(st.devices)}
     return PlanSimulation(sim.iteration_s, timeline_rows(sim), step, memory, sim)
+
+
+def predict_plan_iteration_s(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> float:
+    """`simulate_plan`'s iteration seconds without its timeline, at a cost bounded by the plan's stages rather
+    than its micro-batches (pipeline_sim.iteration_times)."""
+    job, _ = build_plan_job(plan, profiles_dir, rtt)
+    return iteration_times(job).iteration_s
 
 
 def predict_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[float, tuple[dict, ...]]:

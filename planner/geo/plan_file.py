@@ -31,7 +31,7 @@ from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
 from planner.core.constants import MEMORY_HEADROOM
 from planner.core.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
 from planner.geo.atlas import GeoPlan
-from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, simulate_plan
+from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, predict_plan_iteration_s, simulate_plan
 from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, GeoScenario
 
 log = logging.getLogger(__name__)
@@ -123,14 +123,10 @@ def _assignments(cluster: ClusterSpec, per_device: dict[int, tuple[int, int, flo
     return tuple(out)
 
 
-def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f1b",
-                     cluster: ClusterSpec | None = None, wan: tuple[WanLink, ...] | None = None,
-                     baselines: dict[str, BaselineResult] | None = None, notes: tuple[str, ...] = (),
-                     search_iteration_s: float | None = None, solve_s: float = 0.0,
-                     profiles_dir: str | None = None, rtt: bool = True) -> Plan:
-    """The plan file of `geo` (module docstring), predicted by planner/geo/emulated.py and checked
-    by `check_runnable`. `cluster`/`wan`: the cluster and links to place it on (default: the
-    scenario's datacenters used, and their links)."""
+def _draft(scenario: GeoScenario, geo: GeoPlan, schedule: str, cluster: ClusterSpec | None,
+           wan: tuple[WanLink, ...] | None, baselines: dict[str, BaselineResult] | None, notes: tuple[str, ...],
+           search_iteration_s: float | None, solve_s: float) -> tuple[Plan, dict, tuple[str, ...], dict]:
+    """The plan file of `geo` before it is priced: (draft, per_device, notes, common fields)."""
     cluster = cluster or scenario_cluster(scenario, geo)
     wan = scenario_wan(scenario, geo.chain) if wan is None else wan
     conns = plan_connections(geo)
@@ -151,26 +147,54 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
     common = dict(model=scenario.model, global_batch=scenario.global_batch, seq=scenario.seq, dtype=scenario.dtype,
                   recompute=geo.recompute, baselines=dict(baselines or {}), solve_s=solve_s, zero=1,
                   wan=wan, connections=conns)
-    if geo.num_stages == 1:
-        draft = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, {}, {}),
-                     predicted_iteration_s=0.0, predicted_samples_per_s=0.0, **common)
+    pipe = None
+    if geo.num_stages > 1:
+        stages = tuple(PipelineStage(s.first_layer, s.num_layers, devs, (b,) * d, s.dc)
+                       for s, devs in zip(geo.stages, taken))
+        pipe = PipelineSpec(schedule, d * b, m, stages)
+    draft = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, {}, {}), predicted_iteration_s=0.0,
+                 predicted_samples_per_s=0.0, pipeline=pipe, **common)
+    return draft, per_device, (*notes, *extra), common
+
+
+def predict_geo_plan_s(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f1b",
+                       cluster: ClusterSpec | None = None, wan: tuple[WanLink, ...] | None = None,
+                       profiles_dir: str | None = None, rtt: bool = True) -> float:
+    """The predicted_iteration_s `geo_plan_to_plan` writes for a pipeline `geo`, at a cost bounded by its
+    stages, not its micro-batches (pipeline_sim.iteration_times: no timeline is built)."""
+    if geo.num_stages < 2:
+        raise ValueError("predict_geo_plan_s prices pipelines; a one-stage plan is data parallel")
+    draft, *_ = _draft(scenario, geo, schedule, cluster, wan, None, (), None, 0.0)
+    check_runnable(draft)
+    return predict_plan_iteration_s(draft, profiles_dir, rtt)
+
+
+def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f1b",
+                     cluster: ClusterSpec | None = None, wan: tuple[WanLink, ...] | None = None,
+                     baselines: dict[str, BaselineResult] | None = None, notes: tuple[str, ...] = (),
+                     search_iteration_s: float | None = None, solve_s: float = 0.0,
+                     profiles_dir: str | None = None, rtt: bool = True) -> Plan:
+    """The plan file of `geo` (module docstring), predicted by planner/geo/emulated.py and checked
+    by `check_runnable`. `cluster`/`wan`: the cluster and links to place it on (default: the
+    scenario's datacenters used, and their links)."""
+    draft, per_device, notes, common = _draft(scenario, geo, schedule, cluster, wan, baselines, notes,
+                                              search_iteration_s, solve_s)
+    cluster = draft.cluster
+    if draft.pipeline is None:
         it, steps = predict_dp_plan(draft, profiles_dir, rtt)
         memory = dp_memory_bytes(draft, profiles_dir)
         plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, memory, steps),
                     predicted_iteration_s=it, predicted_samples_per_s=scenario.global_batch / it,
-                    notes=(*notes, *extra, "one stage: written as a data-parallel plan (no pipeline)"), **common)
+                    notes=(*notes, "one stage: written as a data-parallel plan (no pipeline)"), **common)
         check_runnable(plan)
         return plan
-    stages = tuple(PipelineStage(s.first_layer, s.num_layers, devs, (b,) * d, s.dc)
-                   for s, devs in zip(geo.stages, taken))
-    pipe = PipelineSpec(schedule, d * b, m, stages)
-    draft = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, {}, {}), predicted_iteration_s=0.0,
-                 predicted_samples_per_s=0.0, pipeline=pipe, **common)
     check_runnable(draft)  # a stage without layers is refused before it is priced
     sim = simulate_plan(draft, profiles_dir, rtt)
+    pipe = draft.pipeline
     plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, sim.memory_bytes, sim.step_s),
                 predicted_iteration_s=sim.iteration_s, predicted_samples_per_s=scenario.global_batch / sim.iteration_s,
-                pipeline=PipelineSpec(schedule, d * b, m, stages, sim.ops), notes=(*notes, *extra), **common)
+                pipeline=PipelineSpec(schedule, pipe.micro_batch, pipe.num_microbatches, pipe.stages, sim.ops),
+                notes=notes, **common)
     check_runnable(plan)
     return plan
 

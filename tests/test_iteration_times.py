@@ -1,0 +1,130 @@
+"""Issue 17: pricing a pipeline costs O(stages), not O(micro-batches), and changes no figure.
+
+`pipeline_sim.iteration_times` extrapolates a 1F1B iteration from bounded simulations once it has
+proved that the simulation's whole state recurs; `stage_memory.walk_order` walks 1F1B's first cycles
+only. Each is checked against the whole computation it replaces.
+"""
+import dataclasses
+import os
+import random
+
+import pytest
+
+import planner.core.stage_memory as stage_memory
+from planner.core.cluster import ClusterSpec
+from planner.core.plan import PipelineSpec, PipelineStage
+from planner.core.specs import get_model
+from planner.geo.pipeline_sim import (LINK_ORDERS, SHARING, Channel, PipelineJob, Stage, iteration_times,
+                                      simulate_pipeline)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def random_job(rng: random.Random, num_microbatches: int) -> PipelineJob:
+    """Stages, links (every sharing, two channels reused by several hops), replicas, the runtime step."""
+    S, d = rng.randint(2, 5), rng.randint(1, 3)
+    stages = tuple(Stage(rng.uniform(0.5, 2), rng.uniform(1, 4), rng.choice([0, rng.uniform(0, 3)]), "",
+                         rng.choice([0, rng.uniform(0, 1)])) for _ in range(S))
+    channels, hops = {}, []
+    for j in range(S - 1):
+        name = f"c{j % 2}"
+        channels.setdefault(name, Channel(name, rng.uniform(0, 0.2), rng.uniform(0.5, 5), rng.uniform(1, 8),
+                                          rng.choice(SHARING)))
+        hops.append(name)
+    runtime = rng.random() < 0.5
+    return PipelineJob(stages, tuple(hops), tuple(channels.values()), d, num_microbatches, rng.uniform(1e8, 2e9),
+                       "1f1b", rng.choice(LINK_ORDERS), rng.choice([0, 0.5]), runtime,
+                       rng.choice([0, 0.3]) if runtime else 0)
+
+
+def worker_ends(sim):
+    ends = {}
+    for o in sim.ops + sim.step_ops:
+        ends[(o.pipeline, o.stage)] = max(ends.get((o.pipeline, o.stage), 0.0), o.end_s)
+    return ends
+
+
+def test_extrapolated_iterations_equal_whole_simulations():
+    rng = random.Random(7)
+    extrapolated = 0
+    for _ in range(40):
+        job = random_job(rng, rng.randint(150, 400))
+        whole = simulate_pipeline(job)
+        got = iteration_times(job)
+        assert got.iteration_s == pytest.approx(whole.iteration_s, rel=1e-9), job
+        ends = worker_ends(whole)
+        assert got.worker_end_s.keys() == ends.keys()
+        for w, e in ends.items():
+            assert got.worker_end_s[w] == pytest.approx(e, rel=1e-9)
+        if got.extrapolated:
+            extrapolated += 1
+            assert max(got.simulated_microbatches) < job.num_microbatches
+    assert extrapolated >= 20  # most of them: the check is not vacuous
+
+
+def test_the_simulated_micro_batches_do_not_grow_with_the_job():
+    stages = (Stage(1.0, 2.0, 0.5, "", 0.2), Stage(1.5, 2.5, 0.4, "", 0.2), Stage(0.8, 1.9, 0.3, "", 0.1))
+    link = Channel("wan", 0.02, 2.0, 2.0, "temporal")
+    base = PipelineJob(stages, ("wan", "wan"), (link,), 2, 100, 2e8, "1f1b", "fifo", 0.5, True, 0.1)
+    seen = []
+    for m in (1_000, 10_000, 1_000_000):
+        got = iteration_times(dataclasses.replace(base, num_microbatches=m))
+        assert got.extrapolated
+        seen.append(max(got.simulated_microbatches))
+    assert max(seen) <= 100
+    small = dataclasses.replace(base, num_microbatches=1_000)
+    assert iteration_times(small).iteration_s == pytest.approx(simulate_pipeline(small).iteration_s, rel=1e-9)
+
+
+def test_gpipe_and_short_jobs_are_simulated_whole():
+    stages = (Stage(1.0, 2.0), Stage(1.0, 2.0))
+    free = Channel("free", 0.0, 1e9, 1e9)
+    for schedule, m in (("gpipe", 1_000), ("1f1b", 20)):
+        job = PipelineJob(stages, ("free",), (free,), 1, m, 0.0, schedule)
+        got = iteration_times(job)
+        assert not got.extrapolated and got.simulated_microbatches == (m,)
+        assert got.iteration_s == simulate_pipeline(job).iteration_s
+
+
+def test_the_memory_walk_of_the_first_cycles_equals_the_whole_walk(monkeypatch):
+    cases = 0
+    for model in ("tiny", "gpt2", "tinyllama-1.1b"):
+        for S in (1, 2, 3, 5):
+            spec = dataclasses.replace(get_model(model), num_layers=2 * S)
+            for M in (1, 2, 3, 4, 5, 7, 12, 40):
+                for schedule in ("1f1b", "gpipe"):
+                    pipe = PipelineSpec(schedule, 2, M, tuple(PipelineStage(2 * j, 2, (j,), (2,)) for j in range(S)))
+                    for stage in range(S):
+                        for recompute in ("none", "full"):
+                            args = (spec, pipe, stage, 0, 1.0, 64, "fp32", recompute)
+                            short = stage_memory.estimate_stage_memory(*args)
+                            with monkeypatch.context() as m:
+                                m.setattr(stage_memory, "walk_order", stage_memory.schedule_order)
+                                whole = stage_memory.estimate_stage_memory(*args)
+                            assert short == whole, (model, S, M, schedule, stage, recompute)
+                            cases += 1
+    assert cases == 3 * (1 + 2 + 3 + 5) * 8 * 2 * 2
+
+
+def test_the_cli_pipeline_option_is_the_one_whole_simulations_choose(monkeypatch):
+    """planner plan on mixed-16 at a batch whose candidates have up to 1,000 micro-batches: the same
+    pipeline, at the same predicted time, as when every candidate is simulated whole."""
+    import planner.geo.atlas as atlas
+    import planner.geo.emulated as emulated
+    from planner.geo.cluster_plan import solve_cluster_pipeline
+    from planner.geo.pipeline_sim import IterationTimes
+
+    cluster = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
+    fast = solve_cluster_pipeline(cluster, "gpt2-xl", 1000, 1024, "bf16")
+
+    def whole(job):
+        sim = simulate_pipeline(job)
+        return IterationTimes(sim.iteration_s, worker_ends(sim), (job.num_microbatches,), None)
+
+    monkeypatch.setattr(atlas, "iteration_times", whole)
+    monkeypatch.setattr(emulated, "iteration_times", whole)
+    slow = solve_cluster_pipeline(cluster, "gpt2-xl", 1000, 1024, "bf16")
+    assert fast.plan is not None and slow.plan is not None
+    assert fast.plan.pipeline.stages == slow.plan.pipeline.stages
+    assert fast.plan.predicted_iteration_s == pytest.approx(slow.plan.predicted_iteration_s, rel=1e-9)
+    assert fast.reason == slow.reason  # every candidate's time, as the log and the note say them
