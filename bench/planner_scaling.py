@@ -193,10 +193,8 @@ def batch_sweep(model: str, repeats: int, cli: bool = False) -> list[dict]:
 
 
 def print_sweep(rows: list[dict], as_json: bool, what: str = "solve s") -> None:
-    """The sweep's rows and, per cluster, max/min of time and memory over every batch; for the CLI also
-    over the batches it planned (a refusal is not a plan) and the largest against the smallest batch's
-    (how much planning grows with the batch: the CLI skips pipeline candidates where each would have
-    more micro-batches than the simulated schedule takes, which makes those batches faster)."""
+    """The sweep's rows and, per cluster, max/min of time and memory over every batch, over the batches
+    planned only (a refusal answers before any search) and the largest against the smallest batch's."""
     summary = {}
     for name in SWEEP_CLUSTERS:
         mine = [r for r in rows if r["cluster"] == name and r["solve_s"] is not None]

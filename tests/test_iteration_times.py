@@ -117,7 +117,7 @@ def test_the_cli_pipeline_option_is_the_one_whole_simulations_choose(monkeypatch
     cluster = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
     fast = solve_cluster_pipeline(cluster, "gpt2-xl", 1000, 1024, "bf16")
 
-    def whole(job):
+    def whole(job, whole_limit=None):
         sim = simulate_pipeline(job)
         return IterationTimes(sim.iteration_s, worker_ends(sim), (job.num_microbatches,), None)
 
@@ -128,3 +128,36 @@ def test_the_cli_pipeline_option_is_the_one_whole_simulations_choose(monkeypatch
     assert fast.plan.pipeline.stages == slow.plan.pipeline.stages
     assert fast.plan.predicted_iteration_s == pytest.approx(slow.plan.predicted_iteration_s, rel=1e-9)
     assert fast.reason == slow.reason  # every candidate's time, as the log and the note say them
+
+
+def test_a_batch_past_the_simulated_timeline_still_gets_a_priced_pipeline():
+    """planner plan at a global batch of 1e5 on mixed-16: its pipeline candidates have 6,250 to 50,000
+    micro-batches. The chosen one is priced from bounded simulations, carries no timeline and says why,
+    and its predicted iteration and per-device step ends are those of a whole simulation."""
+    from planner.geo.cluster_plan import solve_cluster_pipeline
+    from planner.geo.emulated import build_plan_job
+    from planner.geo.scenario import MAX_MICROBATCHES
+
+    cluster = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
+    option = solve_cluster_pipeline(cluster, "gpt2-xl", 100_000, 1024, "bf16")
+    plan = option.plan
+    assert plan is not None, option.reason
+    assert plan.pipeline.num_microbatches > MAX_MICROBATCHES
+    assert plan.pipeline.simulated_ops == ()
+    assert any("no simulated timeline" in n for n in plan.notes)
+    job, _ = build_plan_job(plan)
+    whole = simulate_pipeline(job)
+    assert plan.predicted_iteration_s == pytest.approx(whole.iteration_s, rel=1e-9)
+    ends = worker_ends(whole)
+    for j, st in enumerate(plan.pipeline.stages):
+        for r, dev in enumerate(st.devices):
+            step = next(a.predicted_step_s for a in plan.assignments if a.device_index == dev)
+            assert step == pytest.approx(ends[(r, j)], rel=1e-9)
+
+
+def test_a_long_job_whose_cycles_are_not_proved_is_refused_not_guessed():
+    stages = (Stage(1.0, 2.0), Stage(1.0, 2.0))
+    free = Channel("free", 0.0, 1e9, 1e9)
+    job = PipelineJob(stages, ("free",), (free,), 1, 5_000, 0.0, "gpipe")
+    with pytest.raises(ValueError, match="5000 micro-batches per iteration: a GPipe schedule"):
+        iteration_times(job, whole_limit=2048)

@@ -26,13 +26,13 @@ only when asked for. The baselines (planner/geo/evaluate.py) use the same search
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Any
 
 from planner.geo.costs import GeoCosts
-from planner.geo.scenario import INTRA_DC_LATENCY_S, GeoScenario
+from planner.geo.scenario import INTRA_DC_LATENCY_S, MAX_MICROBATCHES, GeoScenario
 from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, iteration_times, simulate_pipeline
 from planner.geo.search import KEEP_PER_SUBSET, NETWORKS, Candidate, Search
 
@@ -221,19 +221,31 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
     top = cands[0][0].estimate_s
     shortlist = [plan for _, plan in firsts + rest][:simulate_top]
     best: tuple[float, int, int] | None = None
-    best_plan, best_job = None, None
+    best_plan, best_job, unpriced = None, None, []
     for plan in shortlist + list(compare_with):
         job = build_job(scenario, costs, plan, schedule)
-        it = iteration_times(job).iteration_s
+        try:
+            it = iteration_times(job, MAX_MICROBATCHES).iteration_s
+        except ValueError as e:  # too long to simulate whole and not proved to recur: not priced
+            unpriced.append(str(e))
+            continue
         key = (it, -prefill_capable_gpus(plan, prefill_bytes), plan.num_gpus)
         if _better(key, best):
             best, best_plan, best_job = key, plan, job
+    if best_plan is None:
+        raise ValueError(f"no candidate plan could be priced: {unpriced[0]}")
     if network == "atlas" and best_plan.num_pipelines > 1 and len(best_plan.chain) > 1:
         plan = replace(best_plan, link_order="pipeline")  # the other turn-taking rule on the WAN
         job = build_job(scenario, costs, plan, schedule)
-        it = iteration_times(job).iteration_s
+        try:
+            it = iteration_times(job, MAX_MICROBATCHES).iteration_s
+        except ValueError as e:
+            unpriced.append(str(e))
+            it = math.inf
         if _better((it, *best[1:]), best) and it < best[0]:
             best, best_plan, best_job = (it, *best[1:]), plan, job
+    if unpriced:
+        log.info("geo %s: %d candidates not priced (%s)", network, len(unpriced), unpriced[0])
     log.info("geo %s: %d configurations, simulated %d (+%d compared), best %.3f s", network, considered,
              len(shortlist), len(compare_with), best[0])
     return AtlasResult(best_plan, best_job, best[0], considered, time.perf_counter() - t0, exact, top)

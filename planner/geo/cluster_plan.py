@@ -7,10 +7,15 @@ the planner also prices pipeline plans: the nodes become the datacenters of a ge
 (`cluster_scenario`: a node's devices by type, its `intra_node_gbps` inside it, every pair of
 nodes joined by `inter_node_gbps`), Atlas's search (planner/geo/atlas.py) finds the best pipeline
 at each per-pipeline micro-batch tried (`MICRO_BATCHES`), each is written onto the cluster's own
-devices (planner/geo/plan_file.py) and predicted as the runtime runs it (planner/geo/emulated.py;
-each candidate's iteration from bounded simulations, planner/geo/pipeline_sim.iteration_times, and
-only the fastest simulated whole for its plan file's timeline), and `choose_plan` keeps the faster of that and the ILP's plan, saying both predicted times in the
+devices (planner/geo/plan_file.py) and predicted as the runtime runs it (planner/geo/emulated.py),
+and `choose_plan` keeps the faster of that and the ILP's plan, saying both predicted times in the
 plan's baselines and notes.
+
+The cost does not grow with the global batch: every iteration is priced by
+planner/geo/pipeline_sim.iteration_times (bounded simulations whose recurrence it proves), only the
+fastest candidate is written out whole, and its timeline is simulated only up to MAX_MICROBATCHES
+micro-batches (past that the plan file has none and says why). A candidate whose cycles are not
+proved to recur and that is too long to simulate whole is not priced, and the note says so.
 
 Where the geo search cannot price the cluster (one node, more nodes than its search enumerates,
 emulated devices whose slowdown or CPU quota the scenario format cannot carry) the ILP's plan is
@@ -28,7 +33,7 @@ from planner.core.specs import get_model, with_max_seq
 from planner.costmodel.collectives import INTER_NODE_HOP_LATENCY_S
 from planner.geo.atlas import solve_atlas
 from planner.geo.plan_file import geo_plan_to_plan, predict_geo_plan_s
-from planner.geo.scenario import MAX_DATACENTERS, MAX_MICROBATCHES, Datacenter, GeoScenario, WanLink
+from planner.geo.scenario import MAX_DATACENTERS, Datacenter, GeoScenario, WanLink
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,14 @@ MICRO_BATCHES = (1, 2, 4, 8)
 NODE_RTT_MS = 2 * INTER_NODE_HOP_LATENCY_S * 1e3
 # a pipeline must beat the ILP's plan by more than this (relative) to be chosen: ties keep DP
 CHOICE_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class ClusterScenario(GeoScenario):
+    """A cluster's nodes as a geo scenario, with no limit on the micro-batches per iteration: what is
+    priced of it is iteration times (pipeline_sim.iteration_times), which do not simulate every one."""
+
+    microbatch_limit = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,7 @@ def cluster_scenario(cluster: ClusterSpec, model: str, global_batch: int, seq: i
     names = [n.name for n in cluster.nodes]
     wan = tuple(WanLink(a, b, cluster.network.inter_node_gbps, NODE_RTT_MS)
                 for i, a in enumerate(names) for b in names[i + 1:])
-    return GeoScenario(tuple(dcs), wan, model, global_batch, micro_batch, seq, dtype, None, cluster.name)
+    return ClusterScenario(tuple(dcs), wan, model, global_batch, micro_batch, seq, dtype, None, cluster.name)
 
 
 def why_not(cluster: ClusterSpec) -> str | None:
@@ -86,10 +99,6 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
     for b in MICRO_BATCHES:
         if global_batch % b:
             tried.append(f"micro-batch {b}: does not divide the global batch")
-            continue
-        if global_batch // b > MAX_MICROBATCHES:
-            tried.append(f"micro-batch {b}: {global_batch // b} micro-batches per iteration, more than the "
-                         f"simulated schedule takes ({MAX_MICROBATCHES})")
             continue
         try:
             scenario = cluster_scenario(cluster, model, global_batch, seq, dtype, b)

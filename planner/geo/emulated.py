@@ -64,7 +64,7 @@ from planner.core.stage_memory import estimate_plan_stage_memory
 from planner.costmodel.pipeline import PipelineCostModel, base_type, tied_sync_s
 from planner.costmodel.training import CostModel, build_comm_model
 from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, iteration_times, simulate_pipeline
-from planner.geo.scenario import WanLink as ScenarioWanLink
+from planner.geo.scenario import MAX_MICROBATCHES, WanLink as ScenarioWanLink
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class PlanSimulation:
     ops: tuple[dict[str, Any], ...]  # {"stage", "replica", "op", "mb", "start_s", "end_s"}
     step_s: dict[int, float]  # device_index -> when its last operation (its optimizer step) ends
     memory_bytes: dict[int, int]  # device_index -> predicted peak
-    sim: SimResult
+    sim: SimResult | None  # None where the timeline was not simulated (simulate_plan)
 
 
 def model_spec(plan: Plan) -> ModelSpec:
@@ -249,22 +249,30 @@ def timeline_rows(sim: SimResult) -> tuple[dict[str, Any], ...]:
 
 
 def simulate_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> PlanSimulation:
-    """The pipeline plan simulated as the runtime runs it (module docstring)."""
+    """The pipeline plan simulated as the runtime runs it (module docstring). Past MAX_MICROBATCHES
+    micro-batches the timeline is not built: the iteration and each device's step end come from
+    pipeline_sim.iteration_times (bounded simulations whose recurrence it proves; refused otherwise),
+    `ops` is empty and `sim` None."""
     job, memory = build_plan_job(plan, profiles_dir, rtt)
-    sim = simulate_pipeline(job)
     p = plan.pipeline
-    ends: dict[tuple[int, int], float] = {}
-    for o in sim.ops + sim.step_ops:
-        ends[(o.stage, o.pipeline)] = max(ends.get((o.stage, o.pipeline), 0.0), o.end_s)
-    step = {dev: ends[(j, r)] for j, st in enumerate(p.stages) for r, dev in enumerate(st.devices)}
-    return PlanSimulation(sim.iteration_s, timeline_rows(sim), step, memory, sim)
+    if p.num_microbatches > MAX_MICROBATCHES:
+        times = iteration_times(job, MAX_MICROBATCHES)
+        ends, sim, rows = times.worker_end_s, None, ()
+        iteration = times.iteration_s
+    else:
+        sim = simulate_pipeline(job)
+        ends, rows, iteration = {}, timeline_rows(sim), sim.iteration_s
+        for o in sim.ops + sim.step_ops:
+            ends[(o.pipeline, o.stage)] = max(ends.get((o.pipeline, o.stage), 0.0), o.end_s)
+    step = {dev: ends[(r, j)] for j, st in enumerate(p.stages) for r, dev in enumerate(st.devices)}
+    return PlanSimulation(iteration, rows, step, memory, sim)
 
 
 def predict_plan_iteration_s(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> float:
     """`simulate_plan`'s iteration seconds without its timeline, at a cost bounded by the plan's stages rather
     than its micro-batches (pipeline_sim.iteration_times)."""
     job, _ = build_plan_job(plan, profiles_dir, rtt)
-    return iteration_times(job).iteration_s
+    return iteration_times(job, MAX_MICROBATCHES).iteration_s
 
 
 def predict_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[float, tuple[dict, ...]]:

@@ -543,14 +543,16 @@ def _worker_ends(sim: SimResult) -> dict[tuple[int, int], float]:
     return ends
 
 
-def _items(sim: SimResult) -> list[tuple[int, tuple, tuple[float, ...], bool]]:
-    """Every forward, backward and transfer as (micro-batch, series key, timestamps, on a fair link)."""
+def _items(sim: SimResult) -> list[tuple[int, tuple, tuple[float, ...], tuple[float, float] | None]]:
+    """Every forward, backward and transfer as (micro-batch, series key, timestamps, its time on the
+    wire where that is on a fairly shared link, else None)."""
     fair = {c.name for c in sim.job.channels if c.sharing == "fair"}
-    out = [(o.microbatch, ("op", o.pipeline, o.stage, o.kind), (o.start_s, o.end_s), False)
+    out = [(o.microbatch, ("op", o.pipeline, o.stage, o.kind), (o.start_s, o.end_s), None)
            for o in sim.ops if o.kind in ("F", "B")]
     for t in sim.transfers:
         stamps = (t.ready_s, t.start_s, t.end_s) + (() if t.posted_s is None else (t.posted_s,))
-        out.append((t.microbatch, ("T", t.pipeline, t.hop, t.direction), stamps, sim.job.hops[t.hop] in fair))
+        wire = (t.start_s, t.end_s) if sim.job.hops[t.hop] in fair else None
+        out.append((t.microbatch, ("T", t.pipeline, t.hop, t.direction), stamps, wire))
     return out
 
 
@@ -565,7 +567,7 @@ def _recurrence(sim: SimResult, tol: float) -> tuple[int, float] | None:
     for mb, key, ts, _ in items:
         if mb < b:
             series.setdefault(key, {})[mb] = ts
-    fair_spans = sorted((min(ts), max(ts)) for _, _, ts, f in items if f)
+    fair_spans = sorted(w for _, _, _, w in items if w is not None)
     last_by_mb, first_by_mb = [0.0] * (m + 1), [math.inf] * (m + 1)
     for mb, _, ts, _ in items:
         last_by_mb[mb] = max(last_by_mb[mb], max(ts))
@@ -608,8 +610,8 @@ def _moved(xs: dict[int, tuple[float, ...]], k: int, c: int, delta: float, tol: 
 
 
 def _quiet_time(lower: float, upper: float, delta: float, fair_spans: list[tuple[float, float]]) -> float | None:
-    """A t1 in (lower, upper) with neither t1 nor t1 + delta inside a fair transfer's span (`fair_spans`
-    sorted by start)."""
+    """A t1 in (lower, upper) with neither t1 nor t1 + delta inside a fair transfer's time on the wire
+    (`fair_spans`, sorted by start)."""
     if upper <= lower:
         return None
     starts = [s for s, _ in fair_spans]
@@ -650,12 +652,17 @@ def _extrapolated(job: PipelineJob) -> IterationTimes | None:
     return None
 
 
-def iteration_times(job: PipelineJob) -> IterationTimes:
+def iteration_times(job: PipelineJob, whole_limit: int | None = None) -> IterationTimes:
     """The iteration of `job` (nothing reserved): from bounded simulations where its 1F1B cycles are
-    proved to recur (the block comment above), else from simulating it whole."""
+    proved to recur (the block comment above), else from simulating it whole, which past `whole_limit`
+    micro-batches (None: MAX_SIMULATED_OPS alone) is refused with a ValueError saying so."""
     if job.schedule == "1f1b":
         found = _extrapolated(job)
         if found is not None:
             return found
+    if whole_limit is not None and job.num_microbatches > whole_limit:
+        why = "a GPipe schedule" if job.schedule != "1f1b" else "its cycles were not seen to recur within the probes"
+        raise ValueError(f"{job.num_microbatches} micro-batches per iteration: {why}, and more than "
+                         f"{whole_limit} are not simulated whole")
     sim = simulate_pipeline(job)
     return IterationTimes(sim.iteration_s, _worker_ends(sim), (job.num_microbatches,), None)

@@ -32,7 +32,7 @@ from planner.core.constants import MEMORY_HEADROOM
 from planner.core.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
 from planner.geo.atlas import GeoPlan
 from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, predict_plan_iteration_s, simulate_plan
-from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, GeoScenario
+from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, MAX_MICROBATCHES, GeoScenario
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,10 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
     check_runnable(draft)  # a stage without layers is refused before it is priced
     sim = simulate_plan(draft, profiles_dir, rtt)
     pipe = draft.pipeline
+    if not sim.ops:
+        notes = (*notes, f"no simulated timeline: {pipe.num_microbatches} micro-batches per iteration, more than "
+                         f"the {MAX_MICROBATCHES} the timeline is simulated for; predicted_iteration_s comes from "
+                         "bounded simulations whose cycles were proved to recur (planner/geo/pipeline_sim.py)")
     plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, sim.memory_bytes, sim.step_s),
                 predicted_iteration_s=sim.iteration_s, predicted_samples_per_s=scenario.global_batch / sim.iteration_s,
                 pipeline=PipelineSpec(schedule, pipe.micro_batch, pipe.num_microbatches, pipe.stages, sim.ops),

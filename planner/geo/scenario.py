@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from planner.core.catalog import get_gpu_type
 from planner.core.jsonio import load_json_file
@@ -246,6 +246,10 @@ class GeoScenario:
     dtype: str = "bf16"
     inference: InferenceWorkload | None = None
     name: str = "scenario"
+    # micro-batches per iteration past which the scenario is refused (None: no limit), because the geo
+    # report, its baselines and BubbleTea simulate every one; planner/geo/cluster_plan.py's scenarios
+    # price only iteration times (pipeline_sim.iteration_times) and lift it
+    microbatch_limit: ClassVar[int | None] = MAX_MICROBATCHES
 
     def __post_init__(self) -> None:
         names = [dc.name for dc in self.datacenters]
@@ -282,10 +286,11 @@ class GeoScenario:
                 f"scenario: global_batch {self.global_batch} is not a multiple of micro_batch {self.micro_batch}"
             )
         num_mb = self.global_batch // self.micro_batch
-        if num_mb > MAX_MICROBATCHES:
+        limit = self.microbatch_limit
+        if limit is not None and num_mb > limit:
             raise ValueError(
                 f"scenario: global_batch / micro_batch = {num_mb} micro-batches per iteration, over the simulator's "
-                f"limit of {MAX_MICROBATCHES} (raise micro_batch to at least {-(-self.global_batch // MAX_MICROBATCHES)})"
+                f"limit of {limit} (raise micro_batch to at least {-(-self.global_batch // limit)})"
             )
         if self.seq > MAX_SEQ:
             raise ValueError(f"scenario: seq {self.seq} is over the limit of {MAX_SEQ}")
