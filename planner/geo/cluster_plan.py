@@ -94,7 +94,7 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
     if reason:
         return PipelineOption(None, reason, 0.0)
     spec = with_max_seq(get_model(model), seq)
-    best: tuple[float, GeoScenario, object] | None = None
+    fastest: tuple[float, GeoScenario, object] | None = None  # (predicted s, scenario, geo plan)
     tried, errors = [], []
     for b in MICRO_BATCHES:
         if global_batch % b:
@@ -111,10 +111,14 @@ def solve_cluster_pipeline(cluster: ClusterSpec, model: str, global_batch: int, 
             errors.append(f"micro-batch {b}: {e}")
             continue
         tried.append(f"micro-batch {b}: {it:.4g} s")
-        if best is None or it < best[0]:
-            best = (it, scenario, geo)
-    if best is not None:  # only the fastest is written out whole, with its simulated timeline
-        best = geo_plan_to_plan(best[1], best[2], cluster=cluster, wan=(), profiles_dir=profiles_dir)
+        if fastest is None or it < fastest[0]:
+            fastest = (it, scenario, geo)
+    best: Plan | None = None  # only the fastest is written out whole, with its simulated timeline
+    if fastest is not None:
+        try:
+            best = geo_plan_to_plan(fastest[1], fastest[2], cluster=cluster, wan=(), profiles_dir=profiles_dir)
+        except ValueError as e:  # priced above from the same job, so not expected; said, never hidden
+            errors.append(f"micro-batch {fastest[1].micro_batch}: its plan file: {e}")
     solve_s = time.perf_counter() - t0
     log.info("pipeline candidates on %s (%s, %d layers): %s", cluster.name, model, spec.num_layers,
              "; ".join(tried + errors))
