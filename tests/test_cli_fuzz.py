@@ -48,6 +48,10 @@ def files(tmp_path_factory):
 
     write("cluster.json", json.dumps({"name": "lab", "nodes": [{"name": "n0", "gpus": {"A100-80GB": 2, "T4": 2}}],
                                       "network": {"intra_node_gbps": 300, "inter_node_gbps": 100}}))
+    # two nodes: `planner plan` prices pipeline candidates beside the ILP (planner/geo/cluster_plan.py)
+    write("cluster2.json", json.dumps({"name": "lab2", "nodes": [{"name": "n0", "gpus": {"A100-80GB": 2}},
+                                                                 {"name": "n1", "gpus": {"T4": 2}}],
+                                       "network": {"intra_node_gbps": 300, "inter_node_gbps": 10}}))
     write("malformed.json", '{"name": "x", "nodes": [')
     write("wrong_types.json", json.dumps({"name": 5, "nodes": "n0", "global_batch": "many", "datacenters": 3}))
     write("nan.json", '{"name": "x", "nodes": [{"name": "n", "gpus": {"T4": NaN}}], "global_batch": NaN}')
@@ -165,6 +169,10 @@ def _cases():
         ["--step", "--max-shard-gb"]))
     add("executor", "db", 6, lambda i: [rng.choice(["init", "upgrade", "status", "drop", ""]), "--run-dir",
                                         rng.choice(["{missing.json}", "{dir}/none", "{malformed.json}", "{dir}"])])
+    for i in range(10):  # the pipeline search at any size: its micro-batches grow with the global batch
+        out.append((f"planner-plan-two-nodes-{i}", "planner", ["plan", *_mutate(
+            rng, ["--cluster", "{cluster2.json}", "--model", rng.choice(["tiny", "gpt2"]), "--global-batch",
+                  rng.choice(NUMBERS_BIG + NUMBERS_OK + ["10000", "4096"]), "--json"], ["--seq", "--time-limit"])]))
     return out
 
 
