@@ -11,30 +11,13 @@ import random
 import pytest
 
 import planner.core.stage_memory as stage_memory
+from bench.iteration_times import random_job
 from planner.core.cluster import ClusterSpec
 from planner.core.plan import PipelineSpec, PipelineStage
 from planner.core.specs import get_model
-from planner.geo.pipeline_sim import (LINK_ORDERS, SHARING, Channel, PipelineJob, Stage, iteration_times,
-                                      simulate_pipeline)
+from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, iteration_times, simulate_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def random_job(rng: random.Random, num_microbatches: int) -> PipelineJob:
-    """Stages, links (every sharing, two channels reused by several hops), replicas, the runtime step."""
-    S, d = rng.randint(2, 5), rng.randint(1, 3)
-    stages = tuple(Stage(rng.uniform(0.5, 2), rng.uniform(1, 4), rng.choice([0, rng.uniform(0, 3)]), "",
-                         rng.choice([0, rng.uniform(0, 1)])) for _ in range(S))
-    channels, hops = {}, []
-    for j in range(S - 1):
-        name = f"c{j % 2}"
-        channels.setdefault(name, Channel(name, rng.uniform(0, 0.2), rng.uniform(0.5, 5), rng.uniform(1, 8),
-                                          rng.choice(SHARING)))
-        hops.append(name)
-    runtime = rng.random() < 0.5
-    return PipelineJob(stages, tuple(hops), tuple(channels.values()), d, num_microbatches, rng.uniform(1e8, 2e9),
-                       "1f1b", rng.choice(LINK_ORDERS), rng.choice([0, 0.5]), runtime,
-                       rng.choice([0, 0.3]) if runtime else 0)
 
 
 def worker_ends(sim):
