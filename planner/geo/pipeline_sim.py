@@ -531,7 +531,7 @@ def simulate_pipeline(job: PipelineJob,
 # random jobs differed, by up to 7 %). Two such times can still fall either side of a grid line:
 # bench/iteration_times.py, seeds 1-4, 1,200 jobs: one differs, by 0.10 %, a transfer that no longer
 # waits for its link after 2,730 s of a temporal link that pipeline 0 takes first.
-PROBE_STAGES, PROBE_EXTRA, PROBE_FACTOR, PROBES = 4, 16, 3, 2
+PROBE_STAGES, PROBE_EXTRA, PROBE_FACTOR, PROBES = 4, 16, 2, 2
 PROBE_ALIGN = 12  # M - probe is a multiple of 12: of every cycle of 1, 2, 3, 4, 6 or 12 micro-batches
 CYCLE_STAGES = 4
 SHIFT_TOLERANCE = 1e-12  # relative to the probe's iteration
