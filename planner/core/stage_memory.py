@@ -32,8 +32,9 @@ last, 4·N·h each; the previous backward's input gradient (4·N·h), still bein
 backward's own send (a stage other than the first).
 
 Moments: the model walks the stage's order of ops (`schedule_order`, the one definition the runtime runs;
-for 1F1B `walk_order`'s first cycles, which hold every distinct moment of the whole order) and takes, for every op, each of its moments with the micro-batches then in flight and the buffers
-then alive; a phase's figure is its largest over the ops, the peak the largest phase:
+for 1F1B `walk_order`'s first cycles, which hold every distinct moment of the whole order) and takes, for
+every op, each of its moments with the micro-batches then in flight and the buffers then alive; a phase's
+figure is its largest over the ops, the peak the largest phase:
   forward_end     a forward ends: the micro-batches in flight (its own included)
   loss            last stage: the loss's backward starts: + grad of nll and grad of the logits, 4·N·V each
   head            last stage: the head's weight gradient (V, h) fp32 before it is accumulated and the grad
