@@ -215,3 +215,27 @@ def test_the_readme_example_of_two_cpu_datacenters_plans_a_pipeline(tmp_path):
                                                                                             ["dc-b", "dc-a"])
     assert plan.pipeline.num_layers == get_model(os.path.join(root, "examples/emulated/geo-8x256")).num_layers
     assert plan.wan and plan.wan[0].gbps == 0.1
+
+
+def test_planner_evaluate_re_predicts_a_pipeline_plan_as_it_was_written(tmp_path):
+    """`planner evaluate` on a pipeline plan file: the emulated model's figures, the same as the file's
+    (it used to sum every stage's batches and refuse: "batches sum to 16, not the global batch 8")."""
+    proc, out = run_geo(tmp_path, CPU_SCENARIO, env={"GPUMIX_DATA_DIR": str(tmp_path / "data")})
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.load(str(out))
+    assert plan.pipeline is not None and len(plan.pipeline.stages) == 2
+    ev = subprocess.run([sys.executable, "-m", "planner", "evaluate", "--plan", str(out), "--json"],
+                        capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "GPUMIX_DATA_DIR": str(tmp_path / "data")})
+    assert ev.returncode == 0, ev.stderr
+    again = Plan.from_dict(json.loads(ev.stdout))
+    assert again.predicted_iteration_s == pytest.approx(plan.predicted_iteration_s, rel=1e-12)
+    assert again.pipeline.simulated_ops == plan.pipeline.simulated_ops
+    for a, b in zip(plan.assignments, again.assignments):
+        assert (b.predicted_memory_bytes, b.predicted_step_s) == (a.predicted_memory_bytes, pytest.approx(a.predicted_step_s))
+    # a smaller memory share makes the same plan's devices over it: said, and the figures kept
+    tight = subprocess.run([sys.executable, "-m", "planner", "evaluate", "--plan", str(out), "--headroom", "0.0001"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "GPUMIX_DATA_DIR": str(tmp_path / "data")})
+    assert tight.returncode == 0, tight.stderr
+    assert "over its memory × headroom 0.0001" in tight.stdout

@@ -25,6 +25,7 @@ such a plan is never written.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
@@ -123,6 +124,16 @@ def _assignments(cluster: ClusterSpec, per_device: dict[int, tuple[int, int, flo
     return tuple(out)
 
 
+NO_TIMELINE = "no simulated timeline"
+
+
+def no_timeline_note(num_microbatches: int) -> str:
+    """What a pipeline plan past MAX_MICROBATCHES says in place of its simulated timeline."""
+    return (f"{NO_TIMELINE}: {num_microbatches} micro-batches per iteration, more than the {MAX_MICROBATCHES} the "
+            "timeline is simulated for; predicted_iteration_s comes from bounded simulations whose cycles were "
+            "proved to recur (planner/geo/pipeline_sim.py)")
+
+
 def _draft(scenario: GeoScenario, geo: GeoPlan, schedule: str, cluster: ClusterSpec | None,
            wan: tuple[WanLink, ...] | None, baselines: dict[str, BaselineResult] | None, notes: tuple[str, ...],
            search_iteration_s: float | None, solve_s: float) -> tuple[Plan, dict, tuple[str, ...], dict]:
@@ -192,15 +203,43 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
     sim = simulate_plan(draft, profiles_dir, rtt)
     pipe = draft.pipeline
     if not sim.ops:
-        notes = (*notes, f"no simulated timeline: {pipe.num_microbatches} micro-batches per iteration, more than "
-                         f"the {MAX_MICROBATCHES} the timeline is simulated for; predicted_iteration_s comes from "
-                         "bounded simulations whose cycles were proved to recur (planner/geo/pipeline_sim.py)")
+        notes = (*notes, no_timeline_note(pipe.num_microbatches))
     plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, sim.memory_bytes, sim.step_s),
                 predicted_iteration_s=sim.iteration_s, predicted_samples_per_s=scenario.global_batch / sim.iteration_s,
                 pipeline=PipelineSpec(schedule, pipe.micro_batch, pipe.num_microbatches, pipe.stages, sim.ops),
                 notes=notes, **common)
     check_runnable(plan)
     return plan
+
+
+def evaluate_pipeline_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profiles_dir: str | None = None,
+                           rtt: bool = True) -> Plan:
+    """A pipeline plan file with its predictions (each device's memory and step end, the iteration, the
+    simulated timeline) recomputed by planner/geo/emulated.py as `geo_plan_to_plan` wrote them; a note for
+    each device predicted over its memory × `headroom`. Its baselines are kept as they were."""
+    if plan.pipeline is None:
+        raise ValueError("plan: not a pipeline plan (no 'pipeline' section)")
+    check_runnable(plan, headroom=float("inf"))  # the stages and links; memory is said below, not refused
+    sim = simulate_plan(plan, profiles_dir, rtt)
+    devices = plan.cluster.devices()
+    notes = [n for n in plan.notes if not n.startswith((NO_TIMELINE, "re-evaluated:"))]
+    assignments = []
+    for a in plan.assignments:
+        if a.device_index in sim.memory_bytes:
+            a = replace(a, predicted_memory_bytes=int(sim.memory_bytes[a.device_index]),
+                        predicted_step_s=float(sim.step_s[a.device_index]))
+            cap = devices[a.device_index][1].memory_bytes * headroom
+            if a.predicted_memory_bytes > cap:
+                notes.append(f"re-evaluated: device {a.device_index} ({a.type} on {a.node}) is predicted at "
+                             f"{a.predicted_memory_bytes / 2**30:.2f} GiB, over its memory × headroom "
+                             f"{headroom:g} ({cap / 2**30:.2f} GiB)")
+        assignments.append(a)
+    p = plan.pipeline
+    if not sim.ops:
+        notes.append(no_timeline_note(p.num_microbatches))
+    return replace(plan, assignments=tuple(assignments), predicted_iteration_s=sim.iteration_s,
+                   predicted_samples_per_s=plan.global_batch / sim.iteration_s, notes=tuple(notes),
+                   pipeline=replace(p, simulated_ops=sim.ops))
 
 
 def report_baselines(baselines: dict[str, Any]) -> dict[str, BaselineResult]:

@@ -20,7 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.headroom <= 1:
         raise ValueError(f"headroom must be in (0, 1], got {args.headroom}")
-    plan = evaluate_plan(Plan.load(args.plan), headroom=args.headroom)
+    plan = Plan.load(args.plan)
+    if plan.pipeline is not None:  # a pipeline plan: re-predicted as the runtime runs it (planner/geo/emulated.py)
+        from planner.geo.plan_file import evaluate_pipeline_plan
+
+        plan = evaluate_pipeline_plan(plan, headroom=args.headroom)
+    else:
+        plan = evaluate_plan(plan, headroom=args.headroom)
     if args.json:
         print_json(plan.to_dict())
     else:
