@@ -1,4 +1,5 @@
-"""`python -m planner evaluate`: recompute a plan file's predictions with the current cost model."""
+"""`python -m planner evaluate`: recompute a plan file's predictions with the current cost model (a pipeline
+plan's with planner/geo/emulated.py, as `planner geo --out` and `planner plan` wrote them; its baselines kept)."""
 from __future__ import annotations
 
 import argparse
