@@ -58,9 +58,7 @@ def main() -> int:
         whole_s.append(t1 - t0)
         fast_s.append(t2 - t1)
         extrapolated += got.extrapolated
-        ends = {}
-        for o in whole.ops + whole.step_ops:
-            ends[(o.pipeline, o.stage)] = max(ends.get((o.pipeline, o.stage), 0.0), o.end_s)
+        ends = whole.worker_end_s()
         err = max([abs(got.iteration_s - whole.iteration_s)] +
                   [abs(got.worker_end_s[w] - e) for w, e in ends.items()]) / whole.iteration_s
         if err > 1e-8:

@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from planner.geo.costs import GeoCosts
@@ -177,14 +178,11 @@ class AtlasResult:
     solve_time_s: float
     exact: bool = False  # every structure was enumerated: the shortlist holds the exact minimum of the estimate
     best_estimate_s: float | None = None  # that minimum (planner/geo/search.py's E)
-    _sim: list = field(default_factory=list, repr=False, compare=False)
 
-    @property
+    @cached_property
     def sim(self) -> SimResult:
         """The plan's whole simulation (every operation: the Gantt), run on first use."""
-        if not self._sim:
-            self._sim.append(simulate_pipeline(self.job))
-        return self._sim[0]
+        return simulate_pipeline(self.job)
 
 
 def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: str = "1f1b",

@@ -261,9 +261,7 @@ def simulate_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True)
         iteration = times.iteration_s
     else:
         sim = simulate_pipeline(job)
-        ends, rows, iteration = {}, timeline_rows(sim), sim.iteration_s
-        for o in sim.ops + sim.step_ops:
-            ends[(o.pipeline, o.stage)] = max(ends.get((o.pipeline, o.stage), 0.0), o.end_s)
+        ends, rows, iteration = sim.worker_end_s(), timeline_rows(sim), sim.iteration_s
     step = {dev: ends[(r, j)] for j, st in enumerate(p.stages) for r, dev in enumerate(st.devices)}
     return PlanSimulation(iteration, rows, step, memory, sim)
 

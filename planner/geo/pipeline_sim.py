@@ -33,6 +33,7 @@ is how tests check that prefill never moves training.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -154,6 +155,14 @@ class SimResult:
 
     def training_ops(self) -> dict[tuple[int, int, str, int], tuple[float, float]]:
         return {(o.pipeline, o.stage, o.kind, o.microbatch): (o.start_s, o.end_s) for o in self.ops + self.step_ops}
+
+    def worker_end_s(self) -> dict[tuple[int, int], float]:
+        """(pipeline, stage) -> when that GPU's last operation (its optimizer step included) ends."""
+        ends: dict[tuple[int, int], float] = {}
+        for o in self.ops + self.step_ops:
+            w = (o.pipeline, o.stage)
+            ends[w] = max(ends.get(w, 0.0), o.end_s)
+        return ends
 
     def compute_busy_s(self) -> float:
         return sum(o.end_s - o.start_s for o in self.ops if o.kind in ("F", "B"))
@@ -551,14 +560,6 @@ class IterationTimes:
         return self.cycle is not None
 
 
-def _worker_ends(sim: SimResult) -> dict[tuple[int, int], float]:
-    ends: dict[tuple[int, int], float] = {}
-    for o in sim.ops + sim.step_ops:
-        w = (o.pipeline, o.stage)
-        ends[w] = max(ends.get(w, 0.0), o.end_s)
-    return ends
-
-
 def _items(sim: SimResult) -> list[tuple[int, tuple, tuple[float, ...], tuple[float, float] | None]]:
     """Every forward, backward and transfer as (micro-batch, series key, timestamps, its time on the
     wire where that is on a fairly shared link, else None)."""
@@ -605,11 +606,11 @@ def _recurrence(sim: SimResult, tol: float) -> tuple[int, float] | None:
                 break
         if delta is None or delta <= tol:
             continue
+        if not all(_moved(xs, top, c, delta, tol) for xs in series.values()):
+            continue
         a = top
         while a - 1 >= 0 and all(_moved(xs, a - 1, c, delta, tol) for xs in series.values()):
             a -= 1
-        if not all(_moved(xs, top, c, delta, tol) for xs in series.values()):
-            continue
         lower = max(ended_below(a), ended_below(a + c) - delta)
         upper = min(starts_from[b - c], starts_from[b] - delta, t_div - delta)
         if _quiet_time(lower, upper, delta, fair_spans) is not None:
@@ -656,22 +657,24 @@ def _extrapolated(job: PipelineJob) -> IterationTimes | None:
         tol = SHIFT_TOLERANCE * max(1.0, sim.iteration_s)
         found = _recurrence(sim, tol)
         if found is None:
-            probe = PROBE_FACTOR * base + (m - PROBE_FACTOR * base) % PROBE_ALIGN
             base *= PROBE_FACTOR
+            probe = base + (m - base) % PROBE_ALIGN
             continue
         c, delta = found
         m1 = probe + (m - probe) % c
         copy = sim if m1 == probe else simulate_pipeline(replace(job, num_microbatches=m1))
         n = (m - m1) // c
-        ends = {w: e + n * delta for w, e in _worker_ends(copy).items()}
+        ends = {w: e + n * delta for w, e in copy.worker_end_s().items()}
         return IterationTimes(copy.iteration_s + n * delta, ends, tuple(sorted({probe, m1})), c)
     return None
 
 
+@functools.lru_cache(maxsize=256)
 def iteration_times(job: PipelineJob, whole_limit: int | None = None) -> IterationTimes:
     """The iteration of `job` (nothing reserved): from bounded simulations where its 1F1B cycles are
     proved to recur (the block comment above), else from simulating it whole, which past `whole_limit`
-    micro-batches (None: MAX_SIMULATED_OPS alone) is refused with a ValueError saying so."""
+    micro-batches (None: MAX_SIMULATED_OPS alone) is refused with a ValueError saying so. Cached per job
+    (a pure function of it): the CLI prices its chosen pipeline once for the ranking, once for the file."""
     if job.schedule == "1f1b":
         found = _extrapolated(job)
         if found is not None:
@@ -681,4 +684,4 @@ def iteration_times(job: PipelineJob, whole_limit: int | None = None) -> Iterati
         raise ValueError(f"{job.num_microbatches} micro-batches per iteration: {why}, and more than "
                          f"{whole_limit} are not simulated whole")
     sim = simulate_pipeline(job)
-    return IterationTimes(sim.iteration_s, _worker_ends(sim), (job.num_microbatches,), None)
+    return IterationTimes(sim.iteration_s, sim.worker_end_s(), (job.num_microbatches,), None)
