@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from executor.store import MetricsStore  # noqa: E402
-from planner.core.paths import ENV_DATA_DIR  # noqa: E402
+from contracts.paths import ENV_DATA_DIR  # noqa: E402
 from tests.conftest import RENDERED_JS, fabricate_run, launch_browser, streamlit_server, write_step  # noqa: E402
 
 TARGET_S = 2.0

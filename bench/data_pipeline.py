@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from executor.corpus import Corpus, GlobalSampler, batch_slices, build_corpus, default_corpus_dir, windows  # noqa: E402
-from planner.core.catalog import get_gpu_type  # noqa: E402
-from planner.core.specs import get_model  # noqa: E402
+from contracts.catalog import get_gpu_type  # noqa: E402
+from contracts.specs import get_model  # noqa: E402
 
 MIB = 2**20
 

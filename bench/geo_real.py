@@ -126,7 +126,7 @@ def dp_plan(geo, rtt: bool):
     """Data parallelism over the geo plan's devices and links: the global batch split evenly
     (micro-batches of MICRO_BATCH), ZeRO-1 with even shards, predicted by predict_dp_plan."""
     from planner.core.memory import MemoryConfig, estimate_memory
-    from planner.core.plan import Assignment, Plan
+    from contracts.plan import Assignment, Plan
     from planner.geo.emulated import model_spec, predict_dp_plan
 
     devices = geo.cluster.devices()
@@ -233,7 +233,7 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int) -> dict:
     env = {**os.environ, "GPUMIX_DATA_DIR": data, "PYTHONPATH": ROOT}
     os.environ["GPUMIX_DATA_DIR"] = data  # the in-process predictions read the same profile store
     from executor.wan import probe_netem
-    from planner.core.plan import Plan
+    from contracts.plan import Plan
     from planner.geo.emulated import simulate_plan
 
     load_before = os.getloadavg()[0]

@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from models.collectives import LocalCollectives  # noqa: E402
 from models.sharded import ShardedRuntime  # noqa: E402
-from planner.core.attention import select_kernel  # noqa: E402
-from planner.core.catalog import CATALOG  # noqa: E402
+from contracts.attention import select_kernel  # noqa: E402
+from contracts.catalog import CATALOG  # noqa: E402
 from planner.core.memory import MemoryConfig, estimate_memory  # noqa: E402
-from planner.core.specs import get_model, with_max_seq  # noqa: E402
+from contracts.specs import get_model, with_max_seq  # noqa: E402
 
 TOL_PCT = 3.0
 
@@ -40,7 +40,7 @@ def catalog_type() -> str:
     for key in sorted(CATALOG, key=len, reverse=True):
         if key != "cpu" and key.upper() in name:
             return key
-    raise SystemExit(f"GPU {name!r} is not in planner/core/catalog.py")
+    raise SystemExit(f"GPU {name!r} is not in contracts/catalog.py")
 
 
 def check_stage(spec, gpu: str, zero: int, micro_batch: int, seq: int, steps: int) -> dict:

@@ -3,7 +3,7 @@
     python bench/hetero_speedup.py [--steps 20] [--rounds 5] [--global-batch 192] [--seq 128]
                                    [--shares 1,0.333] [--no-ddp] [--json]    (defaults shown)
 
-1. Two emulated CPU devices of this machine, each a real cgroup v1 CPU quota (executor/cgroups.py):
+1. Two emulated CPU devices of this machine, each a real cgroup v1 CPU quota (profiler/cgroups.py):
    `{"type": "cpu", "cpu_share": 1}` and `{"type": "cpu", "cpu_share": 0.333}`. Nothing
    sleeps and nothing is multiplied: the slow rank is slow because the kernel throttles it.
 2. Before each round the profiler profiles each device *under its own limits* (`python -m
@@ -27,7 +27,7 @@
    torch.optim.AdamW on the same model, micro-batches and samples, alternately. Check: ours /
    DDP >= 0.9. (Its prediction, printed, prices share-1 ranks from the profile taken beside a
    1/3 companion.)
-5. Memory: every rank's measured peak (executor.memtrack, live tensor bytes over the first
+5. Memory: every rank's measured peak (profiler.memtrack, live tensor bytes over the first
    step) against planner.core.memory's prediction in the plan. Check: within 10 %.
 
 The prediction check is the median over rounds of each planned run against its own round's
@@ -35,7 +35,7 @@ plan; the per-round errors are printed, the baselines' and the homogeneous runs'
 Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory tracker,
 step 2 allocator warm-up), pooled over rounds; ratios are of runs taken alternately. The machine
 is shared (2 cores, other engineers' jobs): each emulated device's cgroup carries a raised CPU
-weight (executor.cgroups.CPU_SHARES) so it gets its share even when the machine is busy, and
+weight (profiler.cgroups.CPU_SHARES) so it gets its share even when the machine is busy, and
 its quota caps it there. The model (`tiny` at seq 128) and global batch 192 make a step of
 about half a second: many quota periods (10 ms), with α, the optimizer and the collectives a
 small part of it (a throttled rank is also slow at its part of the collectives, which the gloo
@@ -83,7 +83,7 @@ HOMOGENEOUS_SHARE = 1.0
 
 
 def hetero_cluster(shares: tuple[float, ...]) -> Any:
-    from planner.core.cluster import ClusterSpec
+    from contracts.cluster import ClusterSpec
 
     return ClusterSpec.from_dict({"name": "bench-cgroups-" + "-".join(f"{s:g}" for s in shares), "nodes": [
         {"name": "localhost", "gpus": [{"type": "cpu", "cpu_share": s} for s in shares]}]})
@@ -91,7 +91,7 @@ def hetero_cluster(shares: tuple[float, ...]) -> Any:
 
 def homogeneous_cluster() -> Any:
     """Two devices of one whole core each: this runtime's ranks and DDP's get the same cgroups."""
-    from planner.core.cluster import ClusterSpec
+    from contracts.cluster import ClusterSpec
 
     return ClusterSpec.from_dict({"name": "bench-homogeneous", "nodes": [{"name": "localhost", "gpus": [
         {"type": "cpu", "cpu_share": HOMOGENEOUS_SHARE}] * 2}]})
@@ -148,7 +148,7 @@ def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
 def ddp_launch(global_batch: int, seq: int, micro_batch: int, steps: int, root: str, name: str) -> dict[str, Any]:
     """This file under torchrun as the DDP baseline (2 ranks, gloo, 1 thread each), each rank in a
     cgroup of one whole core, as this runtime's homogeneous ranks (HOMOGENEOUS_SHARE)."""
-    from executor import cgroups
+    from profiler import cgroups
     from executor.launch import free_port, local_torchrun_command
 
     out = os.path.join(root, f"{name}.json")
@@ -177,7 +177,7 @@ def ddp_worker(args: argparse.Namespace) -> int:
     from executor.corpus import Corpus, GlobalSampler, batch_slices, build_corpus, windows
     from models.decoder import build_model
     from models.runtime import micro_batch_loss
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -331,7 +331,7 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
 def profile_rows(cluster: Any, seq: int) -> list[dict[str, Any]]:
     """The profile the planner used for each device kind (measured under its limits, or not)."""
     from planner.core.profiles import get_step_profile
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
 
     spec = with_max_seq(get_model(MODEL), seq)
     rows = []
@@ -400,7 +400,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 def _shares(text: str) -> tuple[float, ...]:
-    from planner.core.cluster import DeviceSpec
+    from contracts.cluster import DeviceSpec
 
     try:
         shares = tuple(float(x) for x in text.split(","))
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.ddp_worker:
         return ddp_worker(args)
-    from executor.cgroups import unavailable_reason
+    from profiler.cgroups import unavailable_reason
 
     why = unavailable_reason()
     if why is not None:

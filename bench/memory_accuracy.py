@@ -20,8 +20,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planner.core.memory import MemoryConfig, estimate_memory  # noqa: E402
-from planner.core.specs import PRESETS  # noqa: E402
-from planner.core.constants import GIB
+from contracts.specs import PRESETS  # noqa: E402
+from contracts.constants import GIB
 
 MEDIAN_TARGET_PCT = 3.0
 MAX_TARGET_PCT = 3.0

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.core.cluster import ClusterSpec  # noqa: E402
+from contracts.cluster import ClusterSpec  # noqa: E402
 from planner.hetero.solve import solve_plan  # noqa: E402
 
 TYPES = ("H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A6000", "V100-32GB", "L4", "T4")
@@ -133,7 +133,7 @@ SWEEP_CLUSTERS = ("mixed-16", "mixed-1024")
 TARGET_RATIO = 2.0
 CHILD = """
 import json, sys, time
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.hetero.solve import solve_plan
 t0 = time.perf_counter()
 try:

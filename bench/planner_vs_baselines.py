@@ -17,7 +17,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.core.cluster import ClusterSpec  # noqa: E402
+from contracts.cluster import ClusterSpec  # noqa: E402
 from planner.hetero.solve import solve_plan  # noqa: E402
 
 CASES = (

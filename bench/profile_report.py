@@ -26,9 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.cli import print_table  # noqa: E402
+from contracts.cli import print_table  # noqa: E402
 from planner.core.profiles import get_step_profile, save_device_bench, save_step_profile  # noqa: E402
-from planner.core.specs import PRESETS  # noqa: E402
+from contracts.specs import PRESETS  # noqa: E402
 from profiler.collectives import DEFAULT_SIZES_BYTES, KIB, MIB  # noqa: E402
 from profiler.microbench import run_bench  # noqa: E402
 from profiler.step_profile import profile_local  # noqa: E402

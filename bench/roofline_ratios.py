@@ -24,9 +24,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from planner.cli import print_table  # noqa: E402
-from planner.core.catalog import get_gpu_type  # noqa: E402
-from planner.core.paths import ENV_DATA_DIR  # noqa: E402
+from contracts.cli import print_table  # noqa: E402
+from contracts.catalog import get_gpu_type  # noqa: E402
+from contracts.paths import ENV_DATA_DIR  # noqa: E402
 from tests.test_roofline import (DTYPE, LAMBDA_BERT_LARGE, MODEL, PAIRS, TOLERANCE, estimated_ratio,  # noqa: E402
                                  estimated_samples_per_s, published_ratio)
 

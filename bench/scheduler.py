@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.core.jsonio import dumps  # noqa: E402
+from contracts.jsonio import dumps  # noqa: E402
 from planner.schedule.options import clear_caches  # noqa: E402
 from planner.schedule.simulate import BASELINES, ERROR_SIGMA, simulate_schedule  # noqa: E402
 from planner.schedule.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster  # noqa: E402

@@ -21,7 +21,7 @@ Each step runs both systems, in the order AB on even steps and BA on odd ones, s
 - step time: wall (perf_counter) around the whole step, optimizer included; a step's time is the
   slowest rank's; the median over the timed steps (the warm-up steps are not timed);
 - throughput: samples of the global batch (2 ranks x micro-batch) / median step time;
-- peak memory: executor.memtrack.LiveTensorBytes over the last warm-up step, starting from what the
+- peak memory: profiler.memtrack.LiveTensorBytes over the last warm-up step, starting from what the
   system keeps between steps (ours: `resident_tensors()`; FSDP2: the local shards of its parameters,
   gradients and AdamW state), DTensor outputs counted by their local tensors;
 - losses: the global loss of every step (warm-up included), and after the run the largest absolute
@@ -63,8 +63,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from executor.launch import free_port  # noqa: E402
-from executor.memtrack import LiveTensorBytes  # noqa: E402
-from planner.core.specs import ModelSpec, get_model  # noqa: E402
+from profiler.memtrack import LiveTensorBytes  # noqa: E402
+from contracts.specs import ModelSpec, get_model  # noqa: E402
 
 WORLD = 2
 MIB = 2**20

@@ -10,5 +10,5 @@ store reader stays cheap for the dashboard):
 - executor.worker: the rank process (`python -m torch.distributed.run ... -m executor.worker`).
 - executor.corpus: the training corpus (byte-level or a tokenizer.json) and the plan-independent global sampler.
 - executor.checkpoint: torch.distributed.checkpoint save/resume.
-- executor.memtrack: measured peak memory (CUDA allocator / CPU live tensor bytes).
+- profiler.memtrack: measured peak memory (CUDA allocator / CPU live tensor bytes).
 """

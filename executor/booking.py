@@ -1,6 +1,6 @@
 """The booking ledger: which run holds which device, one table for every launcher: in the store
 (executor.db) — by default one SQLite file of this machine (`bookings.sqlite` under
-planner.core.paths.data_dir()), with GPUMIX_DB the store every machine shares.
+contracts.paths.data_dir()), with GPUMIX_DB the store every machine shares.
 
 Every launch books its devices before a rank starts: the dashboard (executor.launch.start_run),
 the CLI (executor.launch.launch_run) and the local orchestrator (which also skips what others
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from executor import db
-from planner.core.cluster import ClusterSpec
-from planner.core.paths import data_dir
-from planner.core.plan import Plan
+from contracts.cluster import ClusterSpec
+from contracts.paths import data_dir
+from contracts.plan import Plan
 
 log = logging.getLogger(__name__)
 

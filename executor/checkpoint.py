@@ -1,7 +1,7 @@
 """Logical, reshardable checkpoints: `<run_dir>/checkpoints/step_NNNNNN/`.
 
 What a checkpoint holds is the *logical* training state, not one plan's layout: for every
-model unit (planner/core/units.py: "embed", "block.0" .. "head") the whole flat fp32 master
+model unit (contracts/units.py: "embed", "block.0" .. "head") the whole flat fp32 master
 parameter and its AdamW moments, stored as the slices the saving ranks happened to own.
 Loading fills each rank's *new* slice [start, end) from whichever old slices overlap it, so
 `--resume` works on a plan with other devices, other shard fractions or another ZeRO stage
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from planner.core.plan import Plan
-from planner.core.specs import get_model
-from planner.core.units import runtime_units
+from contracts.plan import Plan
+from contracts.specs import get_model
+from contracts.units import runtime_units
 
 log = logging.getLogger(__name__)
 

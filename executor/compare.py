@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from planner.core.cluster import ClusterSpec
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec
+from contracts.plan import Assignment, Plan
 
 SKIP_STEPS = 2  # warm-up + the memory-tracked first step; then the allocator settles
 MIN_COMPARED_STEPS = 5  # a median of fewer steps after the warm-up is not a measurement to compare
@@ -42,7 +42,7 @@ def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int
     micro-batch), even state shards, on each device the largest power-of-two micro-batch dividing
     its batch that fits, priced by the planner's cost model at `zero`. Raises ValueError when the
     batch does not divide into units or a device cannot hold its part."""
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
     from planner.costmodel.training import CostModel
     from planner.hetero.baselines import fastest_fitting_split, split_by_weights
     from planner.hetero.solve import evaluate_plan

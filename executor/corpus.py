@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from executor.tokenizing import COPY_TOKENS, Progress, TokenizerInfo, load_tokenizer, plan_units, write_text_corpus
-from planner.core.paths import sub_dir
+from contracts.paths import sub_dir
 
 log = logging.getLogger(__name__)
 

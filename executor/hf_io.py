@@ -37,7 +37,7 @@ import torch
 
 from executor.launch import TOKENIZER_FILES, copy_tokenizer
 from models.decoder import decoder_state_dict_to_hf, hf_source
-from planner.core.specs import ModelSpec, get_model, spec_from_hf_dict, with_max_seq
+from contracts.specs import ModelSpec, get_model, spec_from_hf_dict, with_max_seq
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def hf_config(spec: ModelSpec, base: dict[str, Any] | None = None) -> dict[str, 
     """A `config.json` from which transformers builds the decoder of `spec`. With `base` (the config
     of the folder the run started from) that config is kept, with the dtype and position table set
     to what was trained; otherwise one is written for the family (GPT-2; Llama, Qwen2 or Mistral,
-    _llama_config). Read back by planner/core/specs.py it must give `spec` again, or ValueError."""
+    _llama_config). Read back by contracts/specs.py it must give `spec` again, or ValueError."""
     if base is not None:
         cfg = dict(base)
         if spec.positional == "learned":  # with_max_seq may have grown the GPT-2 position table
@@ -326,7 +326,7 @@ def run_state_dict(run_dir: str, step: int | None = None) -> tuple[ModelSpec, di
     from executor import checkpoint as ckpt
     from models.collectives import LocalCollectives
     from models.sharded import ShardedRuntime
-    from planner.core.plan import Plan
+    from contracts.plan import Plan
 
     plan_path = os.path.join(run_dir, "plan.json")
     if not os.path.isfile(plan_path):
@@ -368,7 +368,7 @@ def export_run(run_dir: str, out_dir: str, step: int | None = None, tokenizer: s
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads: weights (fp32 safetensors, sharded with
     an index above `max_shard_bytes`), config.json, generation_config.json when the model folder
     had one, and the tokenizer files. Returns out_dir (absolute). ValueError on bad input."""
-    from planner.core.plan import Plan
+    from contracts.plan import Plan
 
     run_dir = os.path.abspath(run_dir)
     spec, sd, loaded = run_state_dict(run_dir, step)

@@ -14,10 +14,10 @@ runs, and every worker leaves on its own when torchrun goes (executor.worker). A
 end the launcher kills torchrun's group and every rank's session that is still alive,
 then records the status with the reason and the failed rank.
 
-Emulated devices (executor/cgroups.py): before torchrun starts, the launcher creates one
+Emulated devices (profiler/cgroups.py): before torchrun starts, the launcher creates one
 cgroup per rank whose device has a `cpu_share` (its CPU quota, and its `memory_gb` as a memory
 limit; `gpumix-<run id>-r<rank>`), and
-torchrun starts each rank through `python -m executor.cgroups exec`, which joins them before
+torchrun starts each rank through `python -m profiler.cgroups exec`, which joins them before
 the interpreter loads anything; the rank sets its memory limit from its baseline. The cgroups
 are removed when the run ends, however it ends (and by `stop_run` when the launcher was killed).
 A rank the kernel's OOM killer ended in its memory cgroup is the run's failure reason. Without
@@ -65,14 +65,14 @@ from dataclasses import dataclass, replace
 from typing import Sequence, TYPE_CHECKING
 
 from executor import booking
-from executor import cgroups
+from profiler import cgroups
 from executor import checkpoint as ckpt
 from executor import wan
 from executor.corpus import build_corpus
 from executor.store import MetricsStore, _pid_alive, has_run, read_metrics
-from planner.core.catalog import GIB
-from planner.core.paths import PROJECT_ROOT, runs_dir
-from planner.core.plan import Plan
+from contracts.catalog import GIB
+from contracts.paths import PROJECT_ROOT, runs_dir
+from contracts.plan import Plan
 
 if TYPE_CHECKING:  # models.optim imports torch; the dashboard imports this module
     from models.optim import OptimConfig
@@ -212,7 +212,7 @@ def emulation_limits(plan: Plan) -> dict[int, cgroups.Limits]:
     come in node order and whose rendezvous ranks the agents in node order, executor/wan.py).
     `cpu_share` is what asks for physical emulation; a device with only `slowdown` / `memory_gb`
     keeps the arithmetic one (sleep, measured-peak check), which the cost model it confirms was
-    built for (planner.core.cluster)."""
+    built for (contracts.cluster)."""
     devices = plan.cluster.devices()
     out = {}
     for rank, a in enumerate(plan.used):
@@ -519,7 +519,7 @@ def check_init_from(plan: Plan, init_from: str | None) -> str | None:
     plan's model: the weights must fill exactly the model the plan was made for."""
     if init_from is None:
         return None
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
 
     folder = os.path.abspath(init_from)
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -575,7 +575,7 @@ def _launch_booked(plan: Plan, steps: int, run_dir: str, seed: int, resume: bool
                    corpus_dir: str | None, optim: OptimConfig | None, tokenizer: str | None,
                    init_from: str | None, emulate_wan: bool, prefill: dict | None) -> str:
     meta = ckpt.check_resumable(run_dir, plan) if resume else None
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
 
     tokens = build_corpus(corpus_dir, tokenizer, vocab_size=get_model(plan.model).vocab_size)
     copy_tokenizer(tokenizer, run_dir)
@@ -801,7 +801,7 @@ def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: in
               prefill: dict | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
-    folder under planner.core.paths.runs_dir(). `emulate_wan`, `prefill`: as launch_run (the
+    folder under contracts.paths.runs_dir(). `emulate_wan`, `prefill`: as launch_run (the
     prefill object travels as the run folder's prefill.json)."""
     plan = _load(plan)
     _check_args(plan, steps, checkpoint_every, seed, emulate_wan, prefill)

@@ -30,10 +30,10 @@ from typing import Callable, Iterator
 
 from executor import booking
 from executor.queue import JobQueue, QueuedJob
-from planner.core.cluster import ClusterSpec, NodeSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec, NodeSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import ResourceOption
-from planner.core.paths import runs_dir
+from contracts.paths import runs_dir
 from planner.schedule.frenzy import FrenzyPolicy
 from planner.schedule.state import ClusterState, Running
 

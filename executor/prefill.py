@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from models.decoder import build_model, rotate_half
 from planner.geo.scenario import InferenceWorkload
-from planner.core.specs import get_model
+from contracts.specs import get_model
 
 log = logging.getLogger(__name__)
 

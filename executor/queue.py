@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
 from executor import db
-from planner.core.jobs import JobSpec
-from planner.core.paths import queue_db_path
-from planner.core.specs import get_model
+from contracts.jobs import JobSpec
+from contracts.paths import queue_db_path
+from contracts.specs import get_model
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_STATES = ("queued", "running")
@@ -118,7 +118,7 @@ def job_spec_of(model: str, global_batch: int, steps: int, seq: int | None = Non
 
 class JobQueue:
     """The queue in `path` (a SQLite file or a store URL; default: GPUMIX_DB, else
-    planner.core.paths.queue_db_path()); safe to open many times, from many machines."""
+    contracts.paths.queue_db_path()); safe to open many times, from many machines."""
 
     def __init__(self, path: str | None = None) -> None:
         self.url = db.resolve(path, queue_db_path)

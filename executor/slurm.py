@@ -39,8 +39,8 @@ from executor.slurm_job import (JOB_FILE, Component, JobState, SlurmSettings, ba
                                 node_requests, rdzv_port, read_job_file, run_id_of, sbatch_command,
                                 slurm_device_keys)
 from executor.store import MetricsStore
-from planner.core.paths import PROJECT_ROOT
-from planner.core.plan import Plan
+from contracts.paths import PROJECT_ROOT
+from contracts.plan import Plan
 from profiler.slurm_inventory import SlurmNode, check_name, read_nodes
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def launch_slurm(plan: Plan | str, steps: int, run_dir: str, settings: SlurmSett
     """Submit `plan` as one SLURM job and follow it until it ends; "done" | "failed" | "stopped"."""
     from executor import checkpoint as ckpt
     from executor.corpus import build_corpus
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
 
     settings = settings or SlurmSettings()
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
@@ -266,7 +266,7 @@ def start_slurm_run(plan: Plan | str, steps: int, run_dir: str | None = None, se
                     init_from: str | None = None) -> RunHandle:
     """Start `python -m executor launch --backend slurm ...` in a new session and return at once
     (the launcher outlives its caller: a dashboard reload, an orchestrator restart). `run_dir`
-    defaults to a new folder under planner.core.paths.runs_dir(), as executor.launch.start_run."""
+    defaults to a new folder under contracts.paths.runs_dir(), as executor.launch.start_run."""
     settings = settings or SlurmSettings()
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     check_numbers(steps, checkpoint_every, seed)

@@ -22,8 +22,8 @@ import sys
 
 from executor.launch import plan_nodes
 from executor.store import MetricsStore
-from planner.core.paths import PROJECT_ROOT
-from planner.core.plan import Plan
+from contracts.paths import PROJECT_ROOT
+from contracts.plan import Plan
 
 def interface_of(addr: str) -> str | None:
     """The network interface holding `addr` here (gloo binds to it), or None."""

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from executor import booking
 from executor.launch import DEFAULT_RDZV_PORT, plan_nodes
-from planner.core.paths import PROJECT_ROOT
-from planner.core.plan import Plan
+from contracts.paths import PROJECT_ROOT
+from contracts.plan import Plan
 from profiler.slurm_inventory import (SlurmNode, catalog_type, check_name, default_gres_name, parse_fields,
                                       slurm_client)
 

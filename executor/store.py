@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from executor import db
-from planner.core.paths import runs_dir
-from planner.core.plan import Plan
+from contracts.paths import runs_dir
+from contracts.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -529,7 +529,7 @@ def _list_shared_runs(url: db.StoreURL, root: str | None) -> list[dict[str, Any]
 
 
 def list_runs(root: str | None = None) -> list[dict[str, Any]]:
-    """Every run under `root` (default: planner.core.paths.runs_dir(); with a shared store
+    """Every run under `root` (default: contracts.paths.runs_dir(); with a shared store
     GPUMIX_DB, default: every run the store holds, from any machine), newest first:
     `[{"run_dir", "name", "status", "reason", "started_s", "ended_s", "steps_recorded",
     "steps_target", "model", "world_size", "emulated"}]`. Unreadable per-folder stores are skipped."""

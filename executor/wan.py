@@ -29,7 +29,7 @@ Why this shape:
   10.77.X); the namespaces have no route anywhere else, so two runs on one subnet cannot meet,
   and a name lookup (c10d does reverse lookups) fails at once instead of timing out.
 - Processes enter with `nsenter --net=/var/run/netns/<ns>`, an argument list like everything
-  here, not `ip netns exec`: that one remounts /sys, where executor.cgroups then finds no cgroup
+  here, not `ip netns exec`: that one remounts /sys, where profiler.cgroups then finds no cgroup
   hierarchy (a `cpu_share` device inside an emulated datacenter needs both).
 
 Shaping (tc tbf, on the egress of both ends, so each direction has the link's rate):
@@ -83,8 +83,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from planner.core.constants import BITS_PER_BYTE, GBIT
-from planner.core.plan import Plan, link_key
+from contracts.constants import BITS_PER_BYTE, GBIT
+from contracts.plan import Plan, link_key
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,14 @@ so either resumes the other; --init-from reads each stage's slices. A prefill wo
 the rank's device, so a measured step's peak includes them.
 
 Emulation: a device with `cpu_share` / `memory_gb` runs inside cgroups the launcher made for this
-rank (executor/cgroups.py: a real CPU quota and memory limit; `start_rank` sets the limit from the
+rank (profiler/cgroups.py: a real CPU quota and memory limit; `start_rank` sets the limit from the
 baseline at start, and the kernel, not a check, ends a rank over it). The sleep fallback, and the
 cluster file's `slowdown`: `slowdown` s sleeps (s-1) x the measured compute of the rank's micro-batches (one
 sleep after them, before the collectives that wait for every rank's gradients); on CPU
 "compute" is the thread's CPU time, so other processes' share of a busy machine is not
 multiplied (see ShardedRuntime's work clock);
 `memory_gb` fails the rank with an out-of-memory message when the measured peak
-(executor.memtrack) exceeds it.
+(profiler.memtrack) exceeds it.
 """
 from __future__ import annotations
 
@@ -54,19 +54,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from executor import cgroups
+from profiler import cgroups
 from executor import checkpoint as ckpt
 from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
-from executor.memtrack import PeakMemory
+from profiler.memtrack import PeakMemory
 from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
 from models.pipeline import PipelineRuntime
 from models.sharded import ShardedRuntime
-from planner.core.attention import select_kernel
-from planner.core.catalog import GIB
-from planner.core.plan import Assignment, Plan
-from planner.core.specs import get_model, with_max_seq
+from contracts.attention import select_kernel
+from contracts.catalog import GIB
+from contracts.plan import Assignment, Plan
+from contracts.specs import get_model, with_max_seq
 
 log = logging.getLogger("executor.worker")
 

@@ -1,1 +1,1 @@
-"""GPUMix models: the torch decoders built from a planner.core.specs.ModelSpec."""
+"""GPUMix models: the torch decoders built from a contracts.specs.ModelSpec."""

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from planner.core.specs import ModelSpec
-from planner.core.constants import RECOMPUTE
+from contracts.specs import ModelSpec
+from contracts.constants import RECOMPUTE
 
 INIT_STD = 0.02  # GPT-2 / Llama initializer_range
 
@@ -53,7 +53,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     """Causal self-attention through SDPA. With GQA (num_kv_heads < num_heads) the call passes
-    enable_gqa, which only the flash kernels take (planner/core/attention.py); expand_kv=True repeats
+    enable_gqa, which only the flash kernels take (contracts/attention.py); expand_kv=True repeats
     K and V to num_heads first so that the memory-efficient kernel (fp32 on CUDA, sm < 80) runs
     instead of math: k and v are then saved at num_heads, with the same result."""
 
@@ -227,7 +227,7 @@ def _init_weights(m: nn.Module) -> None:
 def build_model(spec: ModelSpec, recompute: str = "none", expand_kv: bool = False) -> nn.Module:
     """The decoder for `spec`; deterministic given torch.manual_seed. Build under
     `torch.device("meta")` or FakeTensorMode to get shapes without memory. expand_kv: repeat
-    K/V to num_heads before SDPA (planner.core.attention.select_kernel says where that pays)."""
+    K/V to num_heads before SDPA (contracts.attention.select_kernel says where that pays)."""
     return Decoder(spec, recompute, expand_kv)
 
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
-from planner.core.constants import STEP_CHUNK_NUMEL
+from contracts.constants import STEP_CHUNK_NUMEL
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ heterogeneous plan has stages with DIFFERENT data-parallel degrees (2 ranks in s
 whose activations must be split and merged by rows between stages; that layout cannot be expressed.
 So the schedule is written here with `dist.isend` / `dist.irecv` (gloo and NCCL alike).
 
-Layout. The model is cut into the units of planner/core/units.py; stage s holds "embed" (first stage),
+Layout. The model is cut into the units of contracts/units.py; stage s holds "embed" (first stage),
 "block.l" for its layers, "head" (last stage), each built and initialized exactly as
 models/sharded.py does (this class IS a ShardedRuntime restricted to the stage's units: the same
 flat buffers, the same per-unit generator seed*SEED_STRIDE+u with u the unit's global index), so a
@@ -67,10 +67,10 @@ from torch.utils.checkpoint import checkpoint
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime, StepResult, UnitState, host_float
-from planner.core.plan import PIPELINE_SCHEDULES, PipelineSpec
-from planner.core.specs import ModelSpec
-from planner.core.stage_memory import schedule_in_flight, schedule_order
-from planner.core.units import runtime_units
+from contracts.plan import PIPELINE_SCHEDULES, PipelineSpec
+from contracts.specs import ModelSpec
+from contracts.pipeline_order import schedule_in_flight, schedule_order
+from contracts.units import runtime_units
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ SCHEDULES = PIPELINE_SCHEDULES
 
 
 def stage_unit_indices(spec: ModelSpec, pipeline: PipelineSpec, stage: int) -> list[int]:
-    """Global unit indices (planner/core/units.py order) stage `stage` holds, the tied replica included."""
+    """Global unit indices (contracts/units.py order) stage `stage` holds, the tied replica included."""
     S, L = len(pipeline.stages), spec.num_layers
     st = pipeline.stages[stage]
     out = [0] if stage == 0 or (stage == S - 1 and spec.tied_embeddings) else []
@@ -91,7 +91,7 @@ def stage_unit_indices(spec: ModelSpec, pipeline: PipelineSpec, stage: int) -> l
 def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
     """The (op, micro-batch) order of one stage: op "F" or "B" (module docstring). One definition,
     pure Python, shared with the memory model, the cost model and the simulator
-    (planner/core/stage_memory.schedule_order)."""
+    (contracts/pipeline_order.schedule_order)."""
     return schedule_order(schedule, num_stages, stage, num_microbatches)
 
 

@@ -1,6 +1,6 @@
 """The sharded training runtime: ZeRO stages 1, 2 and 3 with UNEVEN shards (Cephalo's real mode).
 
-The model is cut into units (planner/core/units.py: the embedding, each block, the head), each one flat
+The model is cut into units (contracts/units.py: the embedding, each block, the head), each one flat
 fp32 parameter. Plan position p owns the slice `shard_bounds(numel, fractions)[p]` of every unit:
 its fp32 master parameters, the gradient of that slice and its AdamW moments (models/optim.py).
 What else a rank holds depends on the stage:
@@ -29,7 +29,7 @@ r-th micro-batch, so uneven splits would pay Σ_r max instead of max Σ). The tr
     tensor per unit and micro-batch, and each unit's forward is recomputed in its backward: one
     extra forward of compute and (L+1)·n·m·s·h boundary elements of memory, against n× fewer
     collectives than reducing after every micro-batch. No full gradient of more than one unit
-    exists at zero 2/3. The planner prices exactly this (planner/core/units.py, planner/core/memory.py).
+    exists at zero 2/3. The planner prices exactly this (contracts/units.py, planner/core/memory.py).
 Zero 1 runs the whole model per micro-batch (its graph kept, or checkpointed per block with
 recompute "full"), accumulating into the full gradients, then reduces once.
 
@@ -59,8 +59,8 @@ from models.decoder import Decoder, build_model
 from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coefficient, decay_ranges,
                           global_grad_norm_sq)
 from models.runtime import shard_bounds
-from planner.core.specs import ModelSpec
-from planner.core.units import ZERO_STAGES, Unit, runtime_units
+from contracts.specs import ModelSpec
+from contracts.units import ZERO_STAGES, Unit, runtime_units
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class ShardedRuntime:
         return [embed, *[[b] for b in m.blocks], head]
 
     def _unit_indices(self) -> list[int]:
-        """Global indices (planner/core/units.py order) of the units this rank holds: all of them here
+        """Global indices (contracts/units.py order) of the units this rank holds: all of them here
         (models/pipeline.py: its stage's)."""
         return list(range(len(runtime_units(self.spec))))
 
@@ -169,7 +169,7 @@ class ShardedRuntime:
             shapes.append(tuple(getattr(sub, name).shape))
             off += math.prod(shapes[-1])
         if off != lu.numel:
-            raise AssertionError(f"unit {lu.name}: modules hold {off} parameters, planner/core/units.py says {lu.numel}")
+            raise AssertionError(f"unit {lu.name}: modules hold {off} parameters, contracts/units.py says {lu.numel}")
         bounds = shard_bounds(lu.numel, self.fractions)
         s, e = bounds[self.position]
         full = torch.empty(lu.numel, dtype=torch.float32, device=self.device)

@@ -1,6 +1,6 @@
 import sys
 
-from planner.cli import main
+from contracts.cli import main
 
 COMMANDS = {
     "memory": "planner.core.memory_command",

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from executor import cgroups
+from profiler import cgroups
 from planner.core.profiles import CollectiveFit, CollectiveProfile, fit_line
 
 log = logging.getLogger(__name__)

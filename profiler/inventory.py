@@ -1,7 +1,7 @@
 """The local inventory: which devices this machine has, as a cluster file the planner takes.
 
 With CUDA: one device per GPU, its type mapped to the catalog by the name the
-driver reports (`planner.core.catalog.match_gpu_type`). Without CUDA: one `cpu`
+driver reports (`contracts.catalog.match_gpu_type`). Without CUDA: one `cpu`
 worker per usable core, but at least 2, so a 2-rank data-parallel run is
 always possible (each executor rank uses one torch thread).
 """
@@ -15,8 +15,8 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from planner.core.catalog import CATALOG, CPU_TYPE, match_gpu_type
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.catalog import CATALOG, CPU_TYPE, match_gpu_type
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 
 log = logging.getLogger(__name__)
 

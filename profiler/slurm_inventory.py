@@ -20,8 +20,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from planner.core.catalog import CATALOG, GIB, match_gpu_type
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.catalog import CATALOG, GIB, match_gpu_type
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 
 DEFAULT_GRES_NAME = "gpu"
 ENV_GRES_NAME = "GPUMIX_SLURM_GRES"  # the site's GRES name for accelerators

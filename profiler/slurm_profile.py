@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Sequence
 
-from planner.core.paths import PROJECT_ROOT
+from contracts.paths import PROJECT_ROOT
 from planner.core.profiles import StepProfile, save_step_profile, step_profile_path
 from profiler.slurm_inventory import SlurmNode, catalog_type, check_name, read_nodes
 

@@ -20,11 +20,11 @@ rank's step takes when N ranks compute at once: contention for cores, caches and
 bandwidth included), the clock executor.worker reports its compute in.
 
 An emulated device (`cpu_share`, `memory_gb`: the cluster file's real emulation) is profiled
-under its own limits, as its rank will run (executor/cgroups.py): the timed loop runs in a
+under its own limits, as its rank will run (profiler/cgroups.py): the timed loop runs in a
 child process started inside the device's cgroups (a CPU quota, a memory limit over the
 child's baseline), timed by wall time (a quota stretches wall time, not CPU time); a step the
 memory limit cannot hold is ended by the kernel's OOM killer and refused by name. The profile
-is saved under the device's kind (`cpu@share0.333`, planner.core.cluster.profile_key), so the
+is saved under the device's kind (`cpu@share0.333`, contracts.cluster.profile_key), so the
 planner prices the device from what it measurably did, never from its share. The companion
 workers run outside it, each under `companion_cpu_share` when given (the run's other ranks).
 
@@ -51,17 +51,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from executor import cgroups
+from profiler import cgroups
 from models.collectives import LocalCollectives
 from models.decoder import build_model
 from models.runtime import micro_batch_loss
 from models.sharded import ShardedRuntime
-from planner.core.catalog import GIB
-from planner.core.cluster import profile_key
-from planner.core.constants import PROFILE_MICRO_BATCHES
-from planner.core.paths import PROJECT_ROOT
+from contracts.catalog import GIB
+from contracts.cluster import profile_key
+from contracts.constants import PROFILE_MICRO_BATCHES
+from contracts.paths import PROJECT_ROOT
 from planner.core.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
-from planner.core.specs import ModelSpec, get_model, with_max_seq
+from contracts.specs import ModelSpec, get_model, with_max_seq
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ def _measure_limited(limits: cgroups.Limits, kind: str, run_spec: ModelSpec, seq
 
 
 def _limited_child(job_path: str) -> int:
-    """`python -m executor.cgroups exec -- -m profiler.step_profile JOB`: the timed loop inside
+    """`python -m profiler.cgroups exec -- -m profiler.step_profile JOB`: the timed loop inside
     the device's cgroups; the memory limit is set from this process's baseline first."""
     with open(job_path, encoding="utf-8") as fh:
         job = json.load(fh)
@@ -631,7 +631,7 @@ def _child_failed(stderr: str, returncode: int, cg: cgroups.Cgroup, limits: cgro
 def _limits(dev: torch.device, cpu_share: float | None, memory_gb: float | None,
             companion_cpu_share: float | None) -> cgroups.Limits:
     """The emulated device's limits, checked: a CPU device, valid numbers, cgroups available."""
-    from planner.core.cluster import DeviceSpec
+    from contracts.cluster import DeviceSpec
 
     d = {"type": "cpu"} | ({} if cpu_share is None else {"cpu_share": cpu_share}) | (
         {} if memory_gb is None else {"memory_gb": memory_gb})

@@ -8,14 +8,14 @@ the whole step: forward, backward, gradient reduction, clipping and AdamW. The c
 torch exactly what the real gloo/NCCL methods allocate (nothing beyond their arguments), so the
 trace sees the gathered units, gradient buffers and temporaries a real rank holds.
 
-The counter is executor.memtrack.LiveTensorBytes: every storage an op creates, counted until it
+The counter is profiler.memtrack.LiveTensorBytes: every storage an op creates, counted until it
 dies, and storages resized in place (the runtime frees and re-gathers a unit's parameters that
 way). Under `fake=True` the step runs in FakeTensorMode (shapes only), so 7B models trace on a
 laptop. Two moments are traced: start-up (building the runtime: the model on the meta device, each
 unit materialized and cut to the rank's slice) and one step after it.
 
 This is the measurement planner/core/memory.py's prediction is checked against: the two share no
-code beyond the config dataclass and the unit layout (planner/core/units.py).
+code beyond the config dataclass and the unit layout (contracts/units.py).
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from executor.memtrack import LiveTensorBytes
+from profiler.memtrack import LiveTensorBytes
 from models.collectives import LocalCollectives
 from models.sharded import ShardedRuntime
 from planner.core.memory import MemoryConfig, validate_for
-from planner.core.specs import ModelSpec
+from contracts.specs import ModelSpec
 
 log = logging.getLogger(__name__)
 

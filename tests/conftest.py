@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from planner.core.paths import ENV_DATA_DIR
+from contracts.paths import ENV_DATA_DIR
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture(autouse=True)
 def data_dir(tmp_path, monkeypatch) -> str:
-    """A fresh GPUMIX_DATA_DIR for every test (planner/core/paths.py reads it on each call)."""
+    """A fresh GPUMIX_DATA_DIR for every test (contracts/paths.py reads it on each call)."""
     path = str(tmp_path / "gpumix-data")
     os.makedirs(path, exist_ok=True)
     monkeypatch.setenv(ENV_DATA_DIR, path)
@@ -61,8 +61,8 @@ STEP_S = 0.25
 
 def two_cpu_plan(slowdown: float = 1.0) -> Any:
     """A 2-rank plan of the tiny model on this machine; rank 1 emulated slower if slowdown != 1."""
-    from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-    from planner.core.plan import Assignment, Plan
+    from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+    from contracts.plan import Assignment, Plan
 
     dev = DeviceSpec("cpu", slowdown=slowdown)
     cluster = ClusterSpec("local", (NodeSpec("localhost", "local", (DeviceSpec("cpu"), dev)),))
@@ -89,7 +89,7 @@ def fabricate_run(name: str, n_steps: int, status: str | None, slowdown: float =
     """A run folder as the executor writes it: plan.json + metrics.sqlite through MetricsStore.
     status None leaves it running (its 'launcher' is this process, which is alive)."""
     from executor.store import MetricsStore
-    from planner.core.paths import runs_dir
+    from contracts.paths import runs_dir
 
     run_dir = os.path.join(root or runs_dir(), name)
     os.makedirs(run_dir)

@@ -126,7 +126,7 @@ def test_formatting_and_chart_defaults():
 
 
 def test_profiles_version_changes_when_a_profile_is_written(data_dir):
-    from planner.core import paths
+    from contracts import paths
     from ui import common
 
     before = common.profiles_version()

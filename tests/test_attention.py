@@ -1,4 +1,4 @@
-"""planner/core/attention.py against torch itself: the kernel table, the expand_kv runtime path, and
+"""contracts/attention.py against torch itself: the kernel table, the expand_kv runtime path, and
 the saved bytes of one real attention call (saved_tensors_hooks on CPU; torch's meta kernels
 for the CUDA-only backends)."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from models.decoder import build_model
-from planner.core.attention import attention_saved_bytes, kernel_by_name, select_kernel
-from planner.core.catalog import CATALOG
-from planner.core.specs import PRESETS
+from contracts.attention import attention_saved_bytes, kernel_by_name, select_kernel
+from contracts.catalog import CATALOG
+from contracts.specs import PRESETS
 
 TABLE = [
     # device, dtype, heads, kv_heads, head_dim -> kernel, expand_kv

@@ -17,7 +17,7 @@ import pytest
 from executor import booking
 from executor.launch import launch_run, start_run, stop_run
 from executor.store import read_metrics
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from tests.conftest import processes_with_data_dir, two_cpu_plan
 from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 from tests.test_executor_run import _wait

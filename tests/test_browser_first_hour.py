@@ -12,7 +12,7 @@ independent paths, and the profiles are taken in this test, under the load the r
 
 Screenshots: artifacts/screenshots/2*-first-hour-*.png. Global batch 192 (bench/hetero_speedup.py's): a planned step of about half a second, many CPU
 quota periods (10 ms), with the collectives a small part of it. Every process the test started
-is gone at the end. Skipped only where cgroups are unavailable (executor.cgroups).
+is gone at the end. Skipped only where cgroups are unavailable (profiler.cgroups).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from executor import cgroups
+from profiler import cgroups
 # its helpers, and its skips where playwright or Debian's chromium is missing
 from tests.test_browser_e2e import assert_no_exception, click_key, fill_number, open_page, shot
 from tests.conftest import (WAIT_MS, kill_processes_with_data_dir, launch_browser, processes_with_data_dir,

@@ -11,7 +11,7 @@ from planner.geo.bubbletea import (COMPUTE_KINDS, PrefillPlacement, PrefillResul
 from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
-from planner.core.specs import get_model
+from contracts.specs import get_model
 from tests.test_geo import small_dict
 
 GPT2 = get_model("gpt2")

@@ -1,4 +1,4 @@
-"""Real emulation of slower and smaller devices (executor/cgroups.py): a process under a 1/3-core
+"""Real emulation of slower and smaller devices (profiler/cgroups.py): a process under a 1/3-core
 quota is 2-5x slower than an unlimited one (medians, alternated); a rank over its memory cgroup is
 killed by the kernel's OOM killer and the run names it; no cgroup is left after a run, a failed
 run, or a profile; the profiler saves a quota kind's profile under its own key, where the planner
@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from executor import cgroups
+from profiler import cgroups
 from executor.launch import EMULATION_FILE, launch_run, run_id_of, sleep_fallback_plan
 from executor.store import read_metrics
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.paths import PROJECT_ROOT
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.paths import PROJECT_ROOT
+from contracts.plan import Assignment, Plan
 from tests.conftest import processes_with_data_dir
 
 pytestmark = pytest.mark.skipif(cgroups.unavailable_reason() is not None,
@@ -37,7 +37,7 @@ def plan_for(devices: list[DeviceSpec], pieces: list[tuple[int, int, float]]) ->
 
 
 def timed_in(cg: cgroups.Cgroup | None, tmp_path) -> float:
-    """Wall seconds of WORKLOAD in a process started the way ranks start (`executor.cgroups exec`)."""
+    """Wall seconds of WORKLOAD in a process started the way ranks start (`profiler.cgroups exec`)."""
     env = dict(os.environ, RANK="0", PYTHONPATH=PROJECT_ROOT)
     env.pop(cgroups.ENV_CGROUPS, None)
     if cg is not None:
@@ -141,7 +141,7 @@ def test_without_cgroups_the_run_sleeps_and_says_so(tmp_path, monkeypatch):
 
 def test_the_profiler_measures_a_quota_kind_under_its_limits_for_the_planner(data_dir):
     from planner.core.profiles import get_step_profile
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
     from profiler.step_profile import profile_local
 
     p = profile_local("tiny", SEQ, micro_batches=(2, 4, 6, 8), repeats=2, warmup=1, cpu_share=0.5, memory_gb=1.0)
@@ -176,7 +176,7 @@ def test_collectives_between_quota_devices_run_each_rank_in_its_cgroups_and_are_
     """profiler.collectives under limits: each rank inside its own cgroups (the worker checks it is a
     member, `cgroups.start_rank`, and would fail otherwise); the fits are saved under the device
     set's key, where the planner's comm model reads them; none of the cgroups is left behind."""
-    from planner.core.catalog import GIB
+    from contracts.catalog import GIB
     from planner.core.profiles import collective_set_key, get_collective_profile, save_collective_profile
     from profiler.collectives import benchmark_collectives
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from planner.core.catalog import CATALOG, get_gpu_type
-from planner.core.cluster import ClusterSpec, homogeneous_cluster
+from contracts.catalog import CATALOG, get_gpu_type
+from contracts.cluster import ClusterSpec, homogeneous_cluster
 
 GOOD = {"name": "lab",
         "nodes": [{"name": "n0", "datacenter": "dc-a", "gpus": {"A100-80GB": 4}},
@@ -98,7 +98,7 @@ def test_cluster_file_round_trips_through_disk(tmp_path):
 
 
 def test_editing_helpers_validate_and_keep_emulation():
-    from planner.core.cluster import DeviceSpec
+    from contracts.cluster import DeviceSpec
 
     c = homogeneous_cluster("T4", 2)
     c = c.with_devices("n0", "dc0", DeviceSpec("cpu", slowdown=3.0), 1)
@@ -135,7 +135,7 @@ def test_editing_helpers_validate_and_keep_emulation():
     ("NVIDIA B200", 180, None),
 ])
 def test_driver_names_map_to_catalog_types(name, memory_gib, expected):
-    from planner.core.catalog import match_gpu_type
+    from contracts.catalog import match_gpu_type
 
     assert match_gpu_type(name, memory_gib * 2**30 if memory_gib else None) == expected
 
@@ -152,7 +152,7 @@ def test_catalog_units_and_dtype_fallbacks():
 
 
 def test_cpu_share_devices_are_their_own_profile_kind_and_round_trip():
-    from planner.core.cluster import DeviceSpec, profile_key, split_profile_key
+    from contracts.cluster import DeviceSpec, profile_key, split_profile_key
 
     c = ClusterSpec.from_dict({"nodes": [{"name": "local", "gpus": [
         {"type": "cpu", "cpu_share": 1.0}, {"type": "cpu", "cpu_share": 0.333, "memory_gb": 2}, {"type": "cpu"}]}]})
@@ -182,7 +182,7 @@ def test_bad_cpu_shares_name_the_problem(device, needle):
 
 
 def test_malformed_profile_keys_are_refused():
-    from planner.core.cluster import split_profile_key
+    from contracts.cluster import split_profile_key
 
     for key in ("cpu@sharex", "cpu@share2", "cpu@share0"):
         with pytest.raises(ValueError, match="profile key"):
@@ -192,7 +192,7 @@ def test_malformed_profile_keys_are_refused():
 def test_a_huge_cluster_file_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch):
     import builtins
 
-    from planner.core.jsonio import MAX_INPUT_FILE_BYTES
+    from contracts.jsonio import MAX_INPUT_FILE_BYTES
 
     path = tmp_path / "huge.json"
     with open(path, "wb") as fh:

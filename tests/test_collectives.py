@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from executor.launch import free_port
-from executor.memtrack import LiveTensorBytes
+from profiler.memtrack import LiveTensorBytes
 from models.collectives import LocalCollectives, ProcessGroupCollectives, validate_bounds
 
 WORLD = 3

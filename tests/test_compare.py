@@ -15,7 +15,7 @@ from executor.compare import (
     prediction_gap,
     step_median,
 )
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 
 
 def mixed_cluster() -> ClusterSpec:

@@ -3,12 +3,12 @@ import math
 
 import pytest
 
-from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
 from planner.costmodel.collectives import bytes_per_s as link_bandwidth_bytes_per_s
-from planner.core.constants import BITS_PER_BYTE
+from contracts.constants import BITS_PER_BYTE
 from planner.costmodel.training import (CommModel, CostModel, DeviceCoeffs, build_comm_model, build_device_coeffs,
                           cached_memory_fn, max_share_fitting)
-from planner.core.specs import get_model
+from contracts.specs import get_model
 
 GB = 1e9
 
@@ -30,7 +30,7 @@ def test_ring_all_gather_and_reduce_scatter_by_hand():
 
 
 def test_collective_bytes_follow_the_runtime_units():
-    from planner.core.units import step_collectives
+    from contracts.units import step_collectives
 
     spec = get_model("gpt2")
     cluster = ClusterSpec("c", (NodeSpec("a", "dc", (DeviceSpec("L4"),) * 2),), NetworkSpec(8.0, 8.0))
@@ -179,7 +179,7 @@ def test_iteration_time_is_the_slowest_device_plus_collectives():
 
 def test_local_cpu_workers_use_the_measured_collectives(data_dir):
     from planner.core.profiles import CollectiveFit, CollectiveProfile, DeviceBench, save_device_bench
-    from planner.core.units import step_collectives
+    from contracts.units import step_collectives
 
     fits = (CollectiveFit("all_reduce", 2e-4, 1e9, 0.99), CollectiveFit("all_gather", 1e-4, 2e9, 0.99))
     save_device_bench(DeviceBench("cpu", "test cpu", 1, (), 5.0, CollectiveProfile("cpu", "gloo", 2, fits)))

@@ -5,8 +5,8 @@ import pytest
 
 from planner.core.memory import MemoryConfig, estimate_memory
 from planner.core.profiles import get_step_profile
-from planner.core.specs import get_model, with_max_seq
-from planner.core.units import runtime_units
+from contracts.specs import get_model, with_max_seq
+from contracts.units import runtime_units
 from planner.costmodel.collectives import Link, bytes_per_s, sharded_step_comm_s
 from planner.costmodel.pipeline import PipelineCostModel, in_flight
 

@@ -19,8 +19,8 @@ import torch
 
 from executor import checkpoint as ckpt
 from executor.checkpoint import CKPT_DIR, LATEST, check_resumable, checkpoint_meta, latest, load, save
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Assignment, Plan
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -4,8 +4,8 @@ import shlex
 import subprocess
 import sys
 
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Assignment, Plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,6 @@
 import torch
 
-from executor.memtrack import PeakMemory
+from profiler.memtrack import PeakMemory
 
 
 def test_live_tensor_bytes_count_resident_state_activations_and_frees():

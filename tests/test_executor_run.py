@@ -17,11 +17,11 @@ from executor.store import read_metrics
 from models.collectives import LocalCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.memory import MemoryConfig, estimate_memory
-from planner.core.paths import ENV_DATA_DIR
-from planner.core.plan import Assignment, Plan
-from planner.core.specs import get_model, with_max_seq
+from contracts.paths import ENV_DATA_DIR
+from contracts.plan import Assignment, Plan
+from contracts.specs import get_model, with_max_seq
 from tests.conftest import processes_with_data_dir
 
 pytestmark = pytest.mark.slow

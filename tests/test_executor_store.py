@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from executor.store import MetricsStore, RankStep, StepReader, list_runs, read_metrics
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Assignment, Plan
 from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 
 

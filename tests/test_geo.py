@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from planner.core.catalog import device_dtype, get_gpu_type
+from contracts.catalog import device_dtype, get_gpu_type
 from planner.geo.atlas import build_job, solve_atlas
 from planner.geo.search import split_for_estimate, split_layers
-from planner.core.constants import MEMORY_HEADROOM
+from contracts.constants import MEMORY_HEADROOM
 from planner.geo.costs import GeoCosts
 from planner.geo.evaluate import simulate_geo
 from planner.geo.scenario import GeoScenario
@@ -160,7 +160,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, content, match):
 
 def test_stage_memory_is_the_runtimes_stage_model(report):
     """Each stage's memory is planner/core/stage_memory's exact per-rank model at its position."""
-    from planner.core.plan import PipelineSpec, PipelineStage
+    from contracts.plan import PipelineSpec, PipelineStage
     from planner.core.stage_memory import estimate_stage_memory
 
     sc = GeoScenario.from_dict(small_dict())

@@ -16,9 +16,9 @@ from dataclasses import replace
 
 import pytest
 
-from planner.core.plan import Plan, link_key
+from contracts.plan import Plan, link_key
 from planner.core.profiles import StepProfile, save_step_profile
-from planner.core.specs import get_model
+from contracts.specs import get_model
 from planner.geo.atlas import solve_atlas
 from planner.geo.emulated import build_plan_job, predict_dp_plan, predict_plan
 from planner.geo.plan_file import check_runnable, geo_plan_to_plan

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
 from planner.costmodel.training import CommModel, CostModel, DeviceCoeffs, make_choice
 from planner.hetero.solve import solve_plan, solve_with_cost_model
 

@@ -4,7 +4,7 @@ checked against CBC itself."""
 import math
 import os
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.costmodel.training import Choice
 from planner.hetero import solve as hetero_solve
 from planner.hetero.solve import _ChoiceVar, relaxation_infeasible

@@ -21,10 +21,10 @@ from executor.hf_io import HFWeights, export_run, hf_config
 from models.collectives import LocalCollectives
 from models.decoder import decoder_state_dict_to_hf
 from models.sharded import ShardedRuntime
-from planner.cli import main as cli_main
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Assignment, Plan
-from planner.core.specs import ModelSpec, get_model
+from contracts.cli import main as cli_main
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Assignment, Plan
+from contracts.specs import ModelSpec, get_model
 
 transformers = pytest.importorskip("transformers")
 

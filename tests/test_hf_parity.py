@@ -1,7 +1,7 @@
 """GPUMix's decoder against `transformers` itself, family by family.
 
 Numerics: a SMALL random model built locally with transformers (fp32, eval, eager attention),
-its config read by planner/core/specs.py (from `config.to_dict()` and from the folder that
+its config read by contracts/specs.py (from `config.to_dict()` and from the folder that
 `save_pretrained` writes), its weights copied in by models/decoder.py's mapping: the logits agree
 within 1e-5 and the shifted cross-entropy equals transformers' `labels=` loss. The mapping's
 inverse gives back transformers' state dict exactly.
@@ -21,7 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHe
                           LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from models.decoder import build_model, decoder_state_dict_to_hf, hf_state_dict_to_decoder
-from planner.core.specs import get_model, spec_from_hf_dict
+from contracts.specs import get_model, spec_from_hf_dict
 
 VOCAB, SEQ = 101, 24
 _L = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=2, vocab_size=VOCAB,

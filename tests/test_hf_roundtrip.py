@@ -12,8 +12,8 @@ import torch
 
 from executor.launch import launch_run
 from executor.store import read_metrics
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Assignment, Plan
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def test_fine_tune_a_transformers_model_and_export_it(tmp_path, data_dir):
     from models.collectives import LocalCollectives
     from models.sharded import ShardedRuntime
     from executor import checkpoint as ckpt
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
 
     texts = _texts()
     hf_dir, out_dir, run = str(tmp_path / "hf"), str(tmp_path / "export"), str(tmp_path / "run")

@@ -19,7 +19,7 @@ import random
 import numpy as np
 import pytest
 
-from planner.core.cluster import DeviceSpec
+from contracts.cluster import DeviceSpec
 from planner.costmodel.training import DeviceCoeffs
 from planner.hetero.solve import BISECTION_TOL, solve_with_cost_model
 from tests.test_hetero import GB, affine_memory, every_choice, make_cost, plan_time

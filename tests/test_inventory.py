@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from profiler import inventory, slurm_inventory
 from profiler.inventory import LocalDevice, build_local_cluster, detect_devices
 

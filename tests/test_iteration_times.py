@@ -12,9 +12,10 @@ import pytest
 
 import planner.core.stage_memory as stage_memory
 from bench.iteration_times import random_job
-from planner.core.cluster import ClusterSpec
-from planner.core.plan import PipelineSpec, PipelineStage
-from planner.core.specs import get_model
+from contracts.pipeline_order import schedule_order
+from contracts.cluster import ClusterSpec
+from contracts.plan import PipelineSpec, PipelineStage
+from contracts.specs import get_model
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, iteration_times, simulate_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +83,7 @@ def test_the_memory_walk_of_the_first_cycles_equals_the_whole_walk(monkeypatch):
                             args = (spec, pipe, stage, 0, 1.0, 64, "fp32", recompute)
                             short = stage_memory.estimate_stage_memory(*args)
                             with monkeypatch.context() as m:
-                                m.setattr(stage_memory, "walk_order", stage_memory.schedule_order)
+                                m.setattr(stage_memory, "walk_order", schedule_order)
                                 whole = stage_memory.estimate_stage_memory(*args)
                             assert short == whole, (model, S, M, schedule, stage, recompute)
                             cases += 1

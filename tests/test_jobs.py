@@ -1,6 +1,6 @@
 import pytest
 
-from planner.core.jobs import JobSpec
+from contracts.jobs import JobSpec
 
 
 def test_round_trip_and_derived_fields():

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from planner.core.memory import MemoryConfig, estimate_memory, estimate_peak_phases
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 
 TINY = PRESETS["tiny"]
 P = 124_672  # tiny: 2·block(49_984) + wte 256·64 + wpe 128·64 + ln_f 128

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from models.decoder import build_model, num_parameters
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama", "gpt2", "qwen2-0.5b", "llama3-8b", "mistral-7b"])

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import MEMORY_HEADROOM, cluster_pools, estimate_option, estimate_options
 
 CLUSTER = ClusterSpec.from_dict({"name": "t", "nodes": [

@@ -15,11 +15,11 @@ import pytest
 
 from executor.launch import launch_run
 from executor.store import read_metrics
-from planner.core.catalog import CATALOG, CPU_TYPE
-from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.core.jobs import JobSpec
+from contracts.catalog import CATALOG, CPU_TYPE
+from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from contracts.jobs import JobSpec
 from planner.core.memory import MemoryConfig, estimate_memory
-from planner.core.specs import get_model, with_max_seq
+from contracts.specs import get_model, with_max_seq
 from planner.hetero.solve import solve_plan
 from planner.schedule.options import cluster_pools, estimate_options, option_plan, pool_cluster
 

@@ -5,7 +5,7 @@ import pytest
 
 from executor.orchestrator import Orchestrator, sub_cluster
 from executor.queue import JobQueue
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 
 TWO_CPUS = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "localhost", "gpus": {"cpu": 2}}]})
 

@@ -18,10 +18,10 @@ from models.collectives import LocalCollectives
 from models.optim import OptimConfig
 from models.pipeline import in_flight, row_pieces, schedule_ops
 from models.sharded import ShardedRuntime
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.paths import ENV_DATA_DIR
-from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan
-from planner.core.specs import get_model, with_max_seq
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.paths import ENV_DATA_DIR
+from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan
+from contracts.specs import get_model, with_max_seq
 
 SEQ = 64
 SEED = 3

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
-from planner.core.plan import Plan
+from contracts.cluster import ClusterSpec
+from contracts.plan import Plan
 from planner.geo.cluster_plan import choose_plan, cluster_scenario, solve_cluster_pipeline, why_not
 from planner.geo.emulated import predict_plan
 from planner.hetero.solve import solve_plan

@@ -1,10 +1,10 @@
-"""The plan file's pipeline section (planner/core/plan.py): what it accepts and what it refuses."""
+"""The plan file's pipeline section (contracts/plan.py): what it accepts and what it refuses."""
 from __future__ import annotations
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
-from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
+from contracts.cluster import ClusterSpec
+from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
 
 
 def _cluster() -> ClusterSpec:

@@ -12,15 +12,15 @@ import time
 import pytest
 
 from planner.__main__ import COMMANDS
-from planner.cli import main
-from planner.core.catalog import device_dtype
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.cli import main
+from contracts.catalog import device_dtype
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.costmodel.training import CommModel, CostModel, DeviceCoeffs, build_device_coeffs
 from planner.hetero.solve import solve_plan, solve_with_cost_model
 from planner.core.memory import MemoryConfig, estimate_memory
-from planner.core.plan import Plan
+from contracts.plan import Plan
 from planner.core.profiles import get_step_profile
-from planner.core.specs import get_model, with_max_seq
+from contracts.specs import get_model, with_max_seq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.hetero import solve as hetero_solve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,7 +93,7 @@ def test_what_a_kind_can_compute_is_found_alike_before_and_in_the_table(batch):
     of any choice or band): at every compute time, so skipping a table on it skips only what the
     table's own bound would."""
     from planner.costmodel.training import CostModel
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
 
     cluster = ClusterSpec.load(os.path.join(ROOT, "examples", "clusters", "mixed-16.json"))
     spec = with_max_seq(get_model("gpt2-xl"), 1024)

@@ -14,7 +14,7 @@ import psutil
 import pulp
 import pytest
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.costmodel.training import CostModel
 from planner.hetero.solve import BoundedCBC, ProbeTimeout, solve_plan
 
@@ -26,7 +26,7 @@ CHILD_CPU_S = 240
 
 CHILD = """
 import json, sys
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.hetero.solve import solve_plan
 cluster, model, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
@@ -77,7 +77,7 @@ def test_local_batch_of_1e5_is_planned_exactly_and_never_over_memory(data_dir):
 
 
 def test_candidate_tables_do_not_grow_with_the_batch(data_dir):
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
     spec = with_max_seq(get_model("tiny"), 128)
     cost = CostModel.build(ClusterSpec.load(LOCAL), spec, 128, "fp32", "none", 0.9, zero=1)
     dev = cost.cluster.devices()[0][1]

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from planner.__main__ import COMMANDS
-from planner.cli import main
-from planner.core.plan import Plan
+from contracts.cli import main
+from contracts.plan import Plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")
@@ -93,7 +93,7 @@ def test_module_entry_point_exit_code():
 
 
 def test_tables_show_a_dash_for_what_is_not_there(capsys):
-    from planner.cli import print_table
+    from contracts.cli import print_table
 
     print_table([{"step": 1, "val_loss": None, "x": float("nan")}, {"step": 2, "val_loss": 4.5, "x": 1.0}])
     out = capsys.readouterr().out

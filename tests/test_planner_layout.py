@@ -1,7 +1,7 @@
 """The planner's layout is its architecture: subpackages by subsystem, imports in one direction.
 
 core <- costmodel <- hetero <- schedule, and costmodel <- geo <- hetero (`planner plan` prices
-pipeline stages with the geo search beside the ILP: planner/geo/cluster_plan.py). `planner.cli` (argument parsing and
+pipeline stages with the geo search beside the ILP: planner/geo/cluster_plan.py). `contracts.cli` (argument parsing and
 printing shared by every CLI) is imported only by the `*command` modules. Every import counts,
 also those inside functions, and no module cycle exists anywhere in `planner` (read from the
 source with `ast`, so a lazy import cannot hide one).
@@ -21,7 +21,7 @@ ALLOWED = {
     "schedule": {"core", "costmodel", "hetero", "geo"},
     "geo": {"core", "costmodel"},
 }
-TOP_LEVEL = {"__init__", "__main__", "cli"}
+TOP_LEVEL = {"__init__", "__main__"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -69,13 +69,13 @@ def _violations(name: str, targets: set[str]) -> list[str]:
     bad = []
     for target in targets:
         tsub = _subsystem(target)
-        if target == "planner.cli":
+        if target == "contracts.cli":
             if not (name.endswith("command") or name == "planner.__main__"):
-                bad.append(f"{name} -> planner.cli (only command modules parse arguments)")
+                bad.append(f"{name} -> contracts.cli (only command modules parse arguments)")
             continue
         if sub in ALLOWED and tsub != sub and tsub not in ALLOWED[sub] and target != "planner":
             bad.append(f"{name} -> {target}")
-        if name == "planner.cli" and tsub not in ("core", ""):
+        if name == "contracts.cli" and tsub not in ("core", ""):
             bad.append(f"{name} -> {target}")
     return bad
 
@@ -121,4 +121,4 @@ def test_the_layout_check_catches_a_wrong_way_import(tmp_path):
     assert targets == {"planner.schedule.options"}
     assert _violations("planner.core.memory", targets) == ["planner.core.memory -> planner.schedule.options"]
     assert _violations("planner.schedule.simulate", targets) == []
-    assert _violations("planner.core.memory", {"planner.cli"})
+    assert _violations("planner.core.memory", {"contracts.cli"})

@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 
 from planner.core.memory import MemoryConfig, estimate_memory, estimate_startup_bytes
-from planner.core.specs import PRESETS
-from planner.core.units import runtime_units
+from contracts.specs import PRESETS
+from contracts.units import runtime_units
 from profiler.tracing import trace_memory
 
 TOL_PCT = 3.0
@@ -69,7 +69,7 @@ def test_fake_trace_of_7b_shaped_blocks_every_stage(zero, n, dtype, recompute):
 @pytest.mark.parametrize("zero,dtype", [(1, "bf16"), (3, "fp32")])
 def test_an_explicit_head_dim_is_predicted_exactly(zero, dtype):
     # Mistral-Nemo style: head_dim 48 with hidden 128 and 4 heads (q is 192 wide, not 128)
-    from planner.core.specs import spec_from_hf_dict
+    from contracts.specs import spec_from_hf_dict
 
     spec = spec_from_hf_dict({"model_type": "mistral", "hidden_size": 128, "num_attention_heads": 4,
                               "num_key_value_heads": 2, "head_dim": 48, "intermediate_size": 256,

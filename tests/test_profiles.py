@@ -7,11 +7,11 @@ import sys
 import pytest
 
 from planner.core import profiles, roofline
-from planner.core.catalog import get_gpu_type
+from contracts.catalog import get_gpu_type
 from planner.core.profiles import (CollectiveFit, CollectiveProfile, DeviceBench, MatmulResult, StepProfile,
                               analytic_flops_per_sample, fit_line, get_collective_profile, get_step_profile,
                               load_step_profiles, save_device_bench, save_step_profile)
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY, SMALL, GPT2 = PRESETS["tiny"], PRESETS["small"], PRESETS["gpt2"]

@@ -4,7 +4,7 @@ import sqlite3
 import pytest
 
 from executor.queue import JobQueue
-from planner.core.paths import queue_db_path
+from contracts.paths import queue_db_path
 from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 
 
@@ -68,7 +68,7 @@ def test_unknown_job_and_state(store_backend):
 
 def test_cli_submit_and_queue(store_backend, capsys):
     from executor.__main__ import COMMANDS
-    from planner.cli import main
+    from contracts.cli import main
 
     assert main("python -m executor", COMMANDS, ["submit", "--model", "tiny", "--global-batch", "8", "--steps",
                                                   "3"]) == 0

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from planner.core import roofline
-from planner.core.catalog import get_gpu_type, match_gpu_type
+from contracts.catalog import get_gpu_type, match_gpu_type
 from planner.core.profiles import StepProfile, get_step_profile, save_step_profile
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 
 # Published: Lambda Labs PyTorch GPU benchmarks (lambdalabs.com/gpu-benchmarks; the data file is
 # github.com/lambdal/deeplearning-benchmark, pytorch/pytorch-train-throughput-fp16.csv at 0551cb7):

@@ -12,7 +12,7 @@ from models.decoder import build_model
 from models.optim import OptimConfig, lr_at
 from models.runtime import micro_batch_loss, shard_bounds
 from models.sharded import ShardedRuntime
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 
 CPU = torch.device("cpu")
 OPTIM = OptimConfig(lr=2e-3, warmup_steps=1, max_grad_norm=0.3)

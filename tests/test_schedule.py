@@ -1,10 +1,10 @@
 import pytest
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.simulate import POLICIES, ClusterState, simulate_schedule
 from planner.schedule.state import checkpoint_save_s
-from planner.core.specs import get_model
+from contracts.specs import get_model
 from planner.schedule.trace import generate_trace
 
 CLUSTER = ClusterSpec.from_dict({"name": "mix", "nodes": [
@@ -148,7 +148,7 @@ def test_cli_schedule_bad_trace(tmp_path, capsys):
 
 def _main(argv):
     from planner.__main__ import COMMANDS
-    from planner.cli import main
+    from contracts.cli import main
 
     return main("python -m planner", COMMANDS, argv)
 

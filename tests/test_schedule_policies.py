@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule import simulate as sim
 from planner.schedule.gpumix import GpumixPolicy
 from planner.schedule.simulate import BASELINES, POLICIES, error_factor, simulate_schedule

@@ -19,8 +19,8 @@ from executor.slurm_job import (Component, SlurmSettings, batch_script, node_req
                                 sbatch_command)
 from executor.store import read_metrics
 from models.optim import OptimConfig
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Assignment, Plan
 from profiler.slurm_inventory import SlurmNode
 from tests.test_executor_run import _wait
 from tests.slurm_fixture import GRES_NAME, slurm_cluster  # noqa: F401  (the session fixture)
@@ -286,7 +286,7 @@ def _orchestrator(cluster_file: str, log_path: str) -> subprocess.Popen:
 def test_a_killed_orchestrator_restarted_loses_no_job_and_double_books_no_device(slurm_cluster, settings,
                                                                                  tmp_path):
     from executor.queue import JobQueue
-    from planner.core.paths import runs_dir
+    from contracts.paths import runs_dir
 
     cluster_file = str(tmp_path / "cluster.json")
     subprocess.run([sys.executable, "-m", "profiler", "inventory", "--slurm", "--gres-name", GRES_NAME, "--out",

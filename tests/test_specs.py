@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from planner.core.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
+from contracts.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
 
 # Published parameter counts (HF model cards / papers).
 PUBLISHED = {
@@ -79,7 +79,7 @@ def test_flops_per_token_is_6n_plus_attention():
 
 
 def test_importing_planner_pulls_in_no_torch():
-    code = ("import sys, planner, planner.core.specs, planner.core.cluster, planner.core.plan, planner.core.catalog, planner.cli\n"
+    code = ("import sys, planner, contracts.specs, contracts.cluster, contracts.plan, contracts.catalog, contracts.cli\n"
             "import pkgutil, importlib\n"
             "for m in pkgutil.walk_packages(planner.__path__, 'planner.'):\n"
             "    if m.name != 'planner.__main__': importlib.import_module(m.name)\n"

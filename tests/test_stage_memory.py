@@ -11,10 +11,10 @@ import pytest
 
 from executor.launch import launch_run
 from executor.store import read_metrics
-from planner.core.paths import ENV_DATA_DIR
-from planner.core.specs import get_model, with_max_seq
-from planner.core.stage_memory import (estimate_plan_stage_memory, estimate_stage_memory, schedule_in_flight,
-                                       schedule_order)
+from contracts.paths import ENV_DATA_DIR
+from contracts.specs import get_model, with_max_seq
+from contracts.pipeline_order import schedule_in_flight, schedule_order
+from planner.core.stage_memory import estimate_plan_stage_memory, estimate_stage_memory
 from tests.test_pipeline_runtime import DP1_THEN_2, DP2_THEN_1, OPTIM, plan_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@ import torch
 from models.decoder import build_model
 from models.runtime import micro_batch_loss
 from planner.core.profiles import analytic_flops_per_sample, get_step_profile
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 from profiler.step_profile import count_flops, executor_threads, profile_local
 
 

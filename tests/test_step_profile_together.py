@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from executor import cgroups
+from profiler import cgroups
 
 _WHY = cgroups.unavailable_reason()
 if _WHY is not None:
@@ -17,7 +17,7 @@ def test_the_run_s_devices_are_timed_together_in_one_window_and_saved_per_kind(d
     import psutil
 
     from planner.core.profiles import get_step_profile
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
     from profiler.step_profile import profile_together
 
     messages = []

@@ -15,7 +15,7 @@ import pytest
 from executor import booking, db
 from executor.queue import QUEUE, JobQueue
 from executor.store import RUNS, MetricsStore, list_runs, read_metrics
-from planner.core.paths import queue_db_path
+from contracts.paths import queue_db_path
 from tests.pg_fixture import init_store, postgres_server, store_backend  # noqa: F401 (fixtures)
 from tests.test_executor_store import small_plan
 
@@ -80,7 +80,7 @@ def _legacy_run(run_dir: str) -> None:
 
 
 def test_old_sqlite_files_are_refused_naming_the_upgrade_then_upgraded_with_every_row(tmp_path, data_dir):
-    from planner.core.paths import runs_dir
+    from contracts.paths import runs_dir
 
     old = os.path.join(runs_dir(), "old")
     _legacy_run(old)

@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.schedule.options import cluster_pools, estimate_option
-from planner.core.specs import get_model
+from contracts.specs import get_model
 from planner.schedule.trace import COLUMNS, generate_trace, load_trace, parse_trace_csv, save_trace, write_trace_csv
 
 CLUSTER = ClusterSpec.from_dict({"name": "mix", "nodes": [

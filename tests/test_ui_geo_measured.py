@@ -21,9 +21,9 @@ from streamlit.testing.v1 import AppTest
 
 from executor.prefill import PrefillWorker
 from executor.store import MetricsStore
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.paths import runs_dir
-from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.paths import runs_dir
+from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink
 from ui.charts import element_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

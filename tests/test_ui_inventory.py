@@ -5,7 +5,7 @@ import os
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "inventory.py")
 
@@ -44,7 +44,7 @@ def test_profile_now_measures_and_shows_labelled_figures():
     labels = [m.label for m in at.metric]
     assert labels and all("measured" in label for label in labels)
     from planner.core.profiles import get_step_profile
-    from planner.core.specs import PRESETS
+    from contracts.specs import PRESETS
 
     assert get_step_profile("cpu", PRESETS["tiny"], 64, "fp32").measured
 
@@ -134,7 +134,7 @@ def test_number_fields_show_defaults_and_refuse_out_of_range_values():
 
 
 def test_one_click_emulated_mixed_cluster_is_kernel_limited_and_labelled():
-    from executor import cgroups
+    from profiler import cgroups
 
     at = _app()
     button = at.button(key="inv_emulated_mixed")

@@ -246,7 +246,7 @@ def test_the_page_does_not_import_plotly():
 
 
 def mixed_plan():
-    from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+    from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
     from planner.hetero.solve import solve_plan
 
     fast, slow = DeviceSpec("cpu", cpu_share=1.0), DeviceSpec("cpu", cpu_share=0.333, memory_gb=2.0)
@@ -344,7 +344,7 @@ def test_collectives_measured_between_the_quota_devices_price_the_plan_and_the_p
     quota), the plan prices them from that measurement, and the page says what that pricing leaves out."""
     from planner.core.profiles import CollectiveFit, CollectiveProfile, collective_set_key, save_collective_profile
     from planner.costmodel.training import CostModel
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
     from ui.launch import gap_reasons
 
     run_dir = os.path.join(data_dir, "runs", "mixed")

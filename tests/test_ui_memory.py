@@ -7,9 +7,9 @@ import os
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from planner.core.catalog import CATALOG
+from contracts.catalog import CATALOG
 from planner.core.memory import MemoryConfig, estimate_memory
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 from ui.charts import element_layers
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "memory.py")

@@ -8,7 +8,7 @@ import os
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from planner.core.plan import Plan
+from contracts.plan import Plan
 from ui.charts import element_layers
 from tests.test_ui_background import settle as settle_until
 
@@ -133,7 +133,7 @@ def test_first_plan_on_an_unprofiled_machine_says_estimated_and_offers_the_profi
 @pytest.mark.slow
 def test_one_click_profiles_this_machine_and_plans_again_on_measured_figures():
     from planner.core.profiles import get_step_profile
-    from planner.core.specs import PRESETS
+    from contracts.specs import PRESETS
 
     at = _page()
     assert not get_step_profile("cpu", PRESETS["tiny"], 128, "fp32").measured
@@ -148,11 +148,11 @@ def test_one_click_profiles_this_machine_and_plans_again_on_measured_figures():
 
 @pytest.mark.slow
 def test_emulated_mixed_cluster_is_profiled_under_its_cgroups_and_split_unevenly():
-    from executor import cgroups
+    from profiler import cgroups
 
     if cgroups.unavailable_reason() is not None:
         pytest.skip(f"no cgroups here: {cgroups.unavailable_reason()}")
-    from planner.core.cluster import ClusterSpec
+    from contracts.cluster import ClusterSpec
 
     mixed = ClusterSpec.from_dict({"name": "emulated-mixed", "nodes": [{"name": "localhost", "datacenter": "local", "gpus": [
         {"type": "cpu", "cpu_share": 1.0}, {"type": "cpu", "cpu_share": 0.333, "memory_gb": 2.0}]}]})

@@ -12,7 +12,7 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-from planner.core.paths import runs_dir
+from contracts.paths import runs_dir
 from tests.conftest import GLOBAL_BATCH, STEP_S, fabricate_run, losses
 from ui.charts import element_layers
 

@@ -16,8 +16,8 @@ import pytest
 from executor import wan
 from executor.launch import launch_run, start_run, stop_run
 from executor.store import _pid_alive, read_metrics
-from planner.core.cluster import ClusterSpec
-from planner.core.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
+from contracts.cluster import ClusterSpec
+from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
 from tests.conftest import processes_with_data_dir
 
 needs_wan = pytest.mark.skipif(wan.unavailable_reason() is not None,

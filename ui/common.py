@@ -330,7 +330,7 @@ def sqlite_connection(path: str) -> sqlite3.Connection:
 def profiles_version() -> int:
     """Changes whenever the profile store changes (newest file time, ns): add it to the
     arguments of an `st.cache_data` planner call so that "Profile now" invalidates it."""
-    from planner.core import paths
+    from contracts import paths
 
     newest = 0
     for folder, _, files in os.walk(paths.profiles_dir()):

@@ -26,18 +26,18 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from planner.core.catalog import CATALOG
-from planner.core.plan import Plan
+from contracts.catalog import CATALOG
+from contracts.plan import Plan
 from planner.geo.bubbletea import reservations
 from planner.geo.evaluate import GeoReport, simulate_geo
 from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES, GeoScenario
-from planner.core.paths import PROJECT_ROOT
-from planner.core.specs import PRESETS
+from contracts.paths import PROJECT_ROOT
+from contracts.specs import PRESETS
 from ui import background
 from ui.charts import bar_chart, gantt_chart
 from ui.common import (MEASURED, SIMULATED, error_message, fmt_cell, fmt_percent, fmt_rate, fmt_seconds, metric,
                        number_field, page_header, show_errors, show_figure, show_table)
-from planner.core.constants import GIB
+from contracts.constants import GIB
 
 MIB = 2**20
 

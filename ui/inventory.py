@@ -14,11 +14,11 @@ import re
 import pandas as pd
 import streamlit as st
 
-from planner.core import paths
-from planner.core.catalog import CATALOG, CPU_TYPE, GIB
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts import paths
+from contracts.catalog import CATALOG, CPU_TYPE, GIB
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.profiles import get_device_bench, load_step_profiles
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 from profiler.inventory import LOCAL_DATACENTER, LOCAL_NODE, build_local_cluster, detect_devices
 from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, fmt_cell, metric, number_field,
                        page_header, page_link, show_emulated_note, show_errors, show_table, source_badge)
@@ -123,7 +123,7 @@ def cpu_memory_note(cluster: ClusterSpec) -> str | None:
     planned = sum(d.memory_bytes for d in workers)
     nominal = CATALOG[CPU_TYPE].memory_bytes
     text = (f"Memory: each cpu worker is planned with the catalog's nominal {fmt_bytes(nominal)} per rank "
-            f"(planner/core/catalog.py) unless it has an emulated limit; the {len(workers)} workers share this "
+            f"(contracts/catalog.py) unless it has an emulated limit; the {len(workers)} workers share this "
             f"machine's {fmt_bytes(ram)} of RAM (the table above), {fmt_bytes(planned)} planned in all")
     if planned > ram:
         return text + ": more than the machine has, so plan memory-heavy runs with emulated limits that add up."
@@ -207,14 +207,14 @@ def _render_cluster_files(cluster: ClusterSpec) -> None:
 
 def emulated_mixed_cluster() -> ClusterSpec:
     """A mixed cluster on any machine: one CPU worker with a full core, one with a third of a
-    core and less memory, each held to it by the kernel (cgroups: executor/cgroups.py)."""
+    core and less memory, each held to it by the kernel (cgroups: profiler/cgroups.py)."""
     fast = DeviceSpec(CPU_TYPE, cpu_share=MIXED_FAST_SHARE)
     slow = DeviceSpec(CPU_TYPE, cpu_share=MIXED_SLOW_SHARE, memory_gb=MIXED_SLOW_MEMORY_GB)
     return ClusterSpec("emulated-mixed", (NodeSpec(LOCAL_NODE, LOCAL_DATACENTER, (fast, slow)),))
 
 
 def _render_emulated_mixed(where) -> None:
-    from executor import cgroups  # torch-free
+    from profiler import cgroups  # torch-free
 
     reason = cgroups.unavailable_reason()
     if where.button(f"Emulated mixed cluster: 1 core + {MIXED_SLOW_SHARE:g} core ({MIXED_SLOW_MEMORY_GB:g} GiB)",

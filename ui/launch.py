@@ -17,8 +17,8 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from planner.core.cluster import PROFILE_KEY_SHARE
-from planner.core.plan import Plan
+from contracts.cluster import PROFILE_KEY_SHARE
+from contracts.plan import Plan
 from ui import common, state
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def _rank_devices(plan: Plan | None) -> dict[int, Any]:
 def _profile_reasons(m: dict[str, Any], kinds: dict[int, str]) -> list[str]:
     """Device kinds priced on estimates; micro-batches outside the sizes a measured profile timed."""
     from planner.core.profiles import get_step_profile
-    from planner.core.specs import get_model, with_max_seq
+    from contracts.specs import get_model, with_max_seq
 
     reasons = []
     with contextlib.suppress(ValueError, OSError, TypeError):  # TypeError: a run that recorded no seq

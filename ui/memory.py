@@ -11,15 +11,15 @@ import os
 
 import streamlit as st
 
-from planner.core.catalog import CATALOG
+from contracts.catalog import CATALOG
 from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
-from planner.core.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
+from contracts.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
 from ui.charts import RULE_COLOR, bar_chart
 from ui.common import (MEASURED, PREDICTED, fmt_bytes, fmt_percent, labelled, metric, number_field, page_header, show_errors,
                        show_figure)
 from ui.state import get_model as get_session_model
 from ui.state import get_training_inputs, set_model, set_training_inputs
-from planner.core.constants import GIB
+from contracts.constants import GIB
 
 UPLOAD = "Upload a config.json…"
 FOLDER = "A Hugging Face model folder…"

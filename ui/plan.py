@@ -13,21 +13,21 @@ import os
 
 import streamlit as st
 
-from planner.core.cluster import ClusterSpec
+from contracts.cluster import ClusterSpec
 from planner.hetero.solve import DEFAULT_MAX_SEQ, DTYPES, solve_plan
-from planner.core.paths import PROJECT_ROOT
-from planner.core.plan import Plan
+from contracts.paths import PROJECT_ROOT
+from contracts.plan import Plan
 from planner.core.profiles import split_profile_key
-from planner.core.specs import PRESETS
-from planner.core.specs import get_model as get_model_spec
-from planner.core.specs import with_max_seq
+from contracts.specs import PRESETS
+from contracts.specs import get_model as get_model_spec
+from contracts.specs import with_max_seq
 from ui import background
 from ui.charts import bar_chart, capacity_chart, vega_lite_spec
 from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
                        metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
                        show_errors, show_figure, show_table)
 from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
-from planner.core.constants import GIB
+from contracts.constants import GIB
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +231,8 @@ def profile_collectives_together(used: list, progress) -> None:
     CPU quota and memory limit as the run's ranks will be (a throttled rank slows every collective it
     takes part in): what the plan prices its all-reduces and all-gathers by, instead of the cluster
     file's bandwidth (planner/costmodel/training.py: build_comm_model)."""
-    from executor import cgroups
-    from planner.core.catalog import GIB
+    from profiler import cgroups
+    from contracts.catalog import GIB
     from planner.core.profiles import collective_set_key, save_collective_profile
     from profiler.collectives import benchmark_collectives
 

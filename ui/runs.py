@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from planner.core.paths import runs_dir
+from contracts.paths import runs_dir
 from ui import common
 
 log = logging.getLogger(__name__)

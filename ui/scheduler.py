@@ -12,7 +12,7 @@ import time
 import streamlit as st
 
 from executor.queue import JobQueue
-from planner.core.specs import PRESETS
+from contracts.specs import PRESETS
 from planner.schedule.trace import DEMO_CLUSTERS
 from ui import background
 from ui.charts import gantt_chart

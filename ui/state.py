@@ -11,8 +11,8 @@ import os
 
 import streamlit as st
 
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.plan import Plan
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import Plan
 
 DEFAULT_MODEL = "tiny"
 # the first plan a new user gets: small enough that the tiny model's step takes well under

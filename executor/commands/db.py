@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _stores(run_dirs: list[str], existing_only: bool) -> list[tuple[db.StoreURL, db.Part, str]]:
     """(store, part, what) for every store the command acts on."""
     from executor import booking, queue, store
-    from planner.core.paths import queue_db_path, runs_dir
+    from contracts.paths import queue_db_path, runs_dir
 
     shared = db.configured()
     if shared is not None:

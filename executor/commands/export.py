@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     from executor import checkpoint as ckpt
     from executor.hf_io import DEFAULT_MAX_SHARD_BYTES, export_run
-    from planner.cli import print_json
+    from contracts.cli import print_json
 
     if args.max_shard_gb is not None and args.max_shard_gb <= 0:
         raise ValueError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")

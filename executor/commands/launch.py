@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     """--backend and the SLURM settings (also taken by `executor orchestrate`)."""
-    from planner.cli import int_arg
+    from contracts.cli import int_arg
 
     p.add_argument("--backend", choices=("local", "slurm"), default="local",
                    help="local: torchrun on this machine (default); slurm: one SLURM job (sbatch/srun)")
@@ -83,7 +83,7 @@ def tokenize_with_progress(data: str | None, tokenizer: str | None, model: str) 
     import sys
 
     from executor.corpus import build_corpus
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
 
     def bar(fraction: float, message: str) -> None:
         done = int(30 * min(max(fraction, 0.0), 1.0))
@@ -134,8 +134,8 @@ def read_prefill(path: str | None) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.cli import print_json
-    from planner.core.plan import Plan
+    from contracts.cli import print_json
+    from contracts.plan import Plan
 
     from executor.launch import check_numbers, launch_run, multinode_commands, runs_here
 
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace, status: str) -> int:
     from executor.store import read_metrics
-    from planner.cli import print_json
+    from contracts.cli import print_json
 
     m = read_metrics(args.run_dir)
     if args.json:

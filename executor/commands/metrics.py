@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from executor.store import read_metrics
-    from planner.cli import print_json, print_table
+    from contracts.cli import print_json, print_table
 
     if args.last < 1:
         raise ValueError(f"--last must be >= 1, got {args.last}")

@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from executor.orchestrator import Orchestrator, SlurmOrchestrator
-    from planner.cli import print_json
-    from planner.core.cluster import ClusterSpec
+    from contracts.cli import print_json
+    from contracts.cluster import ClusterSpec
 
     if not 0 < args.poll_s < float("inf"):
         raise ValueError(f"--poll-s must be positive, got {args.poll_s}")

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from executor.queue import JobQueue
-    from planner.cli import print_json, print_table
+    from contracts.cli import print_json, print_table
 
     jobs = JobQueue().list(args.state)
     if args.json:

@@ -2,7 +2,7 @@
 
 Pure Python, no torch: a plan or a schedule calls this thousands of times (~0.1 ms each).
 
-What is modelled is models/sharded.py (ZeRO 1/2/3, uneven shards, units of planner/core/units.py)
+What is modelled is models/sharded.py (ZeRO 1/2/3, uneven shards, units of contracts/units.py)
 running models/decoder.py; the reference is profiler/tracing.py, which traces one whole step of
 the same runtime (live tensor bytes, real or fake tensors): tests/test_profiler_memory.py and
 bench/memory_accuracy.py measure the error (within 3 % at every stage).
@@ -15,7 +15,7 @@ bench/memory_accuracy.py measure the error (within 3 % at every stage).
 * Activations: the tensors autograd saves in forward, per layer and token, counted from the
   decoder's code (each term names the tensor); Korthikanti et al. 2022 give the generic form
   s·b·h·(34 + 5as/h) bytes. Attention is counted per call for the SDPA kernel that runs on the
-  device type and dtype (planner/core/attention.py: fused kernels keep a log-sum-exp per head and token
+  device type and dtype (contracts/attention.py: fused kernels keep a log-sum-exp per head and token
   instead of the a·s² scores; configurations where the math kernel would run are refused).
   With recompute="full" each block keeps only its fp32 input and the block is rebuilt in backward.
   At zero 2/3 with several micro-batches (layer-wise accumulation) only unit boundaries are kept,
@@ -49,10 +49,10 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from planner.core.attention import AttentionKernel, attention_saved_bytes, select_kernel
-from planner.core.specs import ModelSpec
-from planner.core.units import runtime_units
-from planner.core.constants import DTYPES, RECOMPUTE, STEP_CHUNK_NUMEL
+from contracts.attention import AttentionKernel, attention_saved_bytes, select_kernel
+from contracts.specs import ModelSpec
+from contracts.units import runtime_units
+from contracts.constants import DTYPES, RECOMPUTE, STEP_CHUNK_NUMEL
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -70,7 +70,7 @@ class MemoryConfig:
     micro_batch: int = 1
     seq: int | None = None
     # micro-batches this GPU runs per optimizer step; at zero >= 2 the runtime keeps every
-    # micro-batch's unit-boundary activations (layer-wise accumulation, planner/core/units.py)
+    # micro-batch's unit-boundary activations (layer-wise accumulation, contracts/units.py)
     accum_steps: int = 1
     dtype: str = "fp32"  # fp32, or bf16/fp16 autocast with fp32 master weights
     recompute: str = "none"  # "full": torch.utils.checkpoint around every block
@@ -227,7 +227,7 @@ def _layer_saved_bytes_per_token(s: _Shape, w: int) -> int:
     else:
         norm_outputs = (3 + (1 if s.gpt2 else 2)) * w * s.h
     # attention (q, k, v, the SDPA output and the kernel's statistics) is added per call by
-    # `_attention_bytes`: what it keeps depends on the kernel that runs (planner/core/attention.py)
+    # `_attention_bytes`: what it keeps depends on the kernel that runs (contracts/attention.py)
     mlp = (2 if s.gpt2 else 4) * w * s.f  # GELU: up, gelu(up); SwiGLU: gate, silu(gate), up, product
     return residual + norms + norm_outputs + mlp
 
@@ -245,7 +245,7 @@ def attention_kernel(spec: ModelSpec, cfg: MemoryConfig) -> AttentionKernel:
 
 
 def _attention_bytes(spec: ModelSpec, cfg: MemoryConfig, s: _Shape, batch: int, seq: int, w: int) -> int:
-    """Bytes one block's attention keeps for backward for `batch` samples (planner/core/attention.py)."""
+    """Bytes one block's attention keeps for backward for `batch` samples (contracts/attention.py)."""
     return attention_saved_bytes(attention_kernel(spec, cfg), batch, seq, s.heads, s.kv // s.head_dim,
                                  s.head_dim, w)
 
@@ -366,7 +366,7 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     add the full fp32 parameters (the master slice is a view of them), zero 1 the full fp32
     gradients, zero 3 the master slice (4 B per owned parameter).
     Zero 1 runs the whole model per micro-batch: the phases of `_phases`. Zero 2 and 3 go unit by
-    unit over all micro-batches (planner/core/units.py):
+    unit over all micro-batches (contracts/units.py):
       * keep mode (one micro-batch, recompute "none"): `_phases`' moments, where a block's output is
         held by its graph until its backward is done (+1 boundary) and a tied head's gradient has
         already been reduced (no pending (V, h) gradient);

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from planner.cli import float_arg, int_arg, print_json, print_table
+from contracts.cli import float_arg, int_arg, print_json, print_table
 from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory, estimate_startup_bytes
-from planner.core.specs import ModelSpec, get_model
-from planner.core.constants import GIB
+from contracts.specs import ModelSpec, get_model
+from contracts.constants import GIB
 
 HELP = "predict the per-GPU peak memory of one training step (params, grads, AdamW, activations)"
 # Bounds at the door (not the model's limits, which config_from_args checks with the spec):
@@ -42,7 +42,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-add_arguments = add_memory_arguments  # planner/cli.py's sub-command interface
+add_arguments = add_memory_arguments  # contracts/cli.py's sub-command interface
 
 
 def config_from_args(args: argparse.Namespace, spec: ModelSpec | None = None) -> MemoryConfig:

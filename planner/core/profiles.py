@@ -9,12 +9,12 @@ corrected by whatever was measured; on the CPU from FLOPs ÷ (peak × calibrated
 efficiency) (section "Estimates" below). Every
 `StepProfile` says which it is (`measured`, `source`).
 
-Store layout (JSON, one file per profile, under `planner.core.paths.profiles_dir()`,
+Store layout (JSON, one file per profile, under `contracts.paths.profiles_dir()`,
 i.e. `$GPUMIX_DATA_DIR/profiles`, or a `store_dir` argument):
     steps/<device>__<model>__s<seq>__<dtype>__<recompute>.json   StepProfile
     bench/<device>.json                                          DeviceBench
 Profiles describe a real device type, or a CPU-quota kind (`cpu@share0.333`, keyed by
-planner.core.cluster.profile_key) measured under its own quota; an *emulated* device's
+contracts.cluster.profile_key) measured under its own quota; an *emulated* device's
 `slowdown` (cluster file) multiplies them in the planner's cost model, never here. Pure Python (no torch): the
 planner imports this.
 """
@@ -28,12 +28,12 @@ import statistics
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Iterable, Sequence
 
-from planner.core import paths
-from planner.core.catalog import CPU_TYPE, GB, get_gpu_type
-from planner.core.cluster import split_profile_key
-from planner.core.specs import ModelSpec
+from contracts import paths
+from contracts.catalog import CPU_TYPE, GB, get_gpu_type
+from contracts.cluster import split_profile_key
+from contracts.specs import ModelSpec
 from planner.core import roofline
-from planner.core.constants import RECOMPUTE
+from contracts.constants import RECOMPUTE
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ TFLOPS = 1e12
 # table 1; Korthikanti et al. 2022, table 5). Take the low end: small micro-batches do worse.
 DEFAULT_GPU_EFFICIENCY = 0.40
 # A CPU core running fp32 GEMMs through oneDNN/MKL reaches about half of the catalog's
-# placeholder peak (planner/core/catalog.py), which `profiler bench` replaces with a measurement.
+# placeholder peak (contracts/catalog.py), which `profiler bench` replaces with a measurement.
 DEFAULT_CPU_EFFICIENCY = 0.5
 # α, the fixed cost of a micro-batch, is kernel-launch and Python overhead: about 25 kernels per
 # layer forward+backward at ~10 µs each on a GPU (PyTorch eager); ~0.1 ms per layer on a CPU core.
@@ -371,7 +371,7 @@ def calibration(device_type: str, dtype: str, store_dir: str | None = None,
     types in the ratio of their peaks. α per layer and the optimizer time per parameter
     come from the same device type only; elsewhere from the defaults above."""
     profiles = load_step_profiles(store_dir) if profiles is None else profiles
-    # a CPU-quota kind (planner.core.cluster.profile_key) is a throttled core, not its type's speed
+    # a CPU-quota kind (contracts.cluster.profile_key) is a throttled core, not its type's speed
     measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.flops_per_sample > 0
                 and split_profile_key(p.device_type)[1] is None]
     same_type = [p for p in measured if p.device_type == device_type]

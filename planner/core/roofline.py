@@ -6,7 +6,7 @@ launch order (eager PyTorch runs them one after another). The kernels are groupe
 
 * matmul: every nn.Linear and the LM head (forward, then dgrad + wgrad: 2x the FLOPs), at the
   sustained matmul rate of the compute dtype;
-* attention: the SDPA kernel planner/core/attention.py says torch picks. Fused kernels (flash,
+* attention: the SDPA kernel contracts/attention.py says torch picks. Fused kernels (flash,
   memory-efficient) skip the masked half of the causal square and keep S x S in on-chip memory;
   math materializes fp32 scores (bandwidth) and multiplies in fp32;
 * elementwise: norms, activations, residual adds, autocast's casts, RoPE, the fp32 cross-entropy:
@@ -16,7 +16,7 @@ launch order (eager PyTorch runs them one after another). The kernels are groupe
 * optimizer: models/optim.py's AdamW over the shard, kernel by kernel: pure bandwidth.
 
 Rates are sustained, not datasheet boost: a measured matmul rate where one is published
-(planner/core/catalog.py MEASURED_MATMUL_TFLOPS), else the peak times the median measured
+(contracts/catalog.py MEASURED_MATMUL_TFLOPS), else the peak times the median measured
 efficiency of the parts that have one. Backward elementwise traffic is counted as twice the
 forward (each backward reads the output gradient and the saved input, writes the input gradient).
 
@@ -31,10 +31,10 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Mapping
 
-from planner.core.attention import select_kernel
-from planner.core.catalog import CPU_TYPE, MEASURED_MATMUL_TFLOPS, device_dtype, get_gpu_type
-from planner.core.constants import DTYPE_BYTES, FP32_BYTES, RECOMPUTE
-from planner.core.specs import ModelSpec
+from contracts.attention import select_kernel
+from contracts.catalog import CPU_TYPE, MEASURED_MATMUL_TFLOPS, device_dtype, get_gpu_type
+from contracts.constants import DTYPE_BYTES, FP32_BYTES, RECOMPUTE
+from contracts.specs import ModelSpec
 
 TFLOPS = 1e12
 

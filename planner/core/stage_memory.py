@@ -1,6 +1,6 @@
 """Peak memory of one rank of a pipeline stage, as models/pipeline.py runs it (pure Python, no torch).
 
-The runtime: stage s of S holds its units (planner/core/units.py; "embed" on the first stage, its blocks,
+The runtime: stage s of S holds its units (contracts/units.py; "embed" on the first stage, its blocks,
 "head" on the last, and on the last stage of a tied model a replica of "embed"), ZeRO-1 inside the stage
 (full fp32 parameters and gradients, AdamW moments of the owned slice), and runs the schedule's order of
 forwards and backwards of its `rows` of each micro-batch (models/pipeline.schedule_ops). Every term below
@@ -54,37 +54,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from planner.core.constants import RECOMPUTE, STEP_CHUNK_NUMEL
+from contracts.constants import RECOMPUTE, STEP_CHUNK_NUMEL
 from planner.core.memory import (FP32_BYTES, INT64_BYTES, MemoryConfig, block_backward_transient_bytes,
                                  block_saved_bytes, block_weight_copy_bytes, head_saved_bytes_per_token)
-from planner.core.plan import PIPELINE_SCHEDULES, PipelineSpec, Plan
-from planner.core.specs import ModelSpec, get_model, with_max_seq
-from planner.core.units import runtime_units
-
-
-def schedule_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The (op "F" | "B", micro-batch) order stage `stage` runs: GPipe every forward then every backward;
-    1F1B min(S-1-s, M) forwards, then one forward and one backward alternately, then the remaining
-    backwards. The one definition of the schedule: models/pipeline.py runs it, the cost model and the
-    simulator price it (pure Python here, so the planner needs no torch)."""
-    schedule_in_flight(schedule, num_stages, stage, num_microbatches)  # validates
-    M = num_microbatches
-    if schedule == "gpipe":
-        return [("F", k) for k in range(M)] + [("B", k) for k in range(M)]
-    warm = min(num_stages - 1 - stage, M)
-    order = [("F", k) for k in range(warm)]
-    for k in range(M - warm):
-        order += [("F", warm + k), ("B", k)]
-    return order + [("B", k) for k in range(M - warm, M)]
-
-
-def schedule_in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once: 1F1B min(S-s, M), GPipe M."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"pipeline schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
-    if not 0 <= stage < num_stages or num_microbatches < 1:
-        raise ValueError(f"stage {stage} of {num_stages} with {num_microbatches} micro-batches is no pipeline stage")
-    return num_microbatches if schedule == "gpipe" else min(num_stages - stage, num_microbatches)
+from contracts.plan import PIPELINE_SCHEDULES, PipelineSpec, Plan
+from contracts.specs import ModelSpec, get_model, with_max_seq
+from contracts.pipeline_order import schedule_in_flight, schedule_order
+from contracts.units import runtime_units
 
 
 def walk_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
@@ -222,4 +198,4 @@ def estimate_plan_stage_memory(plan: Plan, device_index: int, device_type: str =
                                  device_type)
 
 
-__all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory", "schedule_in_flight", "schedule_order"]
+__all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from planner.core.constants import BITS_PER_BYTE, GBIT
+from contracts.constants import BITS_PER_BYTE, GBIT
 
 # Per-hop latency of one collective step when nothing was measured: NCCL's ring step costs a few
 # microseconds over NVLink/PCIe and tens over a datacenter network (NCCL tests, 8-byte all-reduce).
@@ -76,7 +76,7 @@ def sharded_step_comm_s(gather_bytes: float, reduce_bytes: float, num_calls: int
                         gather_link: Link, reduce_link: Link | None = None) -> float:
     """What the sharded runtime's collectives of one optimizer step cost on `world_size` ranks:
     all-gathers of `gather_bytes` in total and reduce-scatters of `reduce_bytes`
-    (planner.core.units.step_collectives), `num_calls` calls each paying the latency, none of it
+    (contracts.units.step_collectives), `num_calls` calls each paying the latency, none of it
     overlapped with compute (the runtime synchronizes per unit). Non-decreasing in k."""
     if world_size <= 1:
         return 0.0

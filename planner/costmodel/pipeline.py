@@ -1,9 +1,9 @@
 """What one pipeline stage costs: a range of layers on one device type, for one micro-batch.
 
-A pipeline cuts the runtime's units (planner/core/units.py: "embed", "block.0" .. "block.L-1",
+A pipeline cuts the runtime's units (contracts/units.py: "embed", "block.0" .. "block.L-1",
 "head") into contiguous stages; the first stage holds the embedding, the last the final norm and
 the LM head (and the loss). The d GPUs that hold one stage (one per data-parallel pipeline) train
-it in data parallel with ZeRO-1 (planner/core/units.py: a reduce-scatter of the fp32 gradients and
+it in data parallel with ZeRO-1 (contracts/units.py: a reduce-scatter of the fp32 gradients and
 an all-gather of the updated parameters in the compute dtype, once per optimizer step), then run
 AdamW over their 1/d of the stage's state.
 
@@ -35,13 +35,13 @@ import logging
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from planner.core.catalog import device_dtype, get_gpu_type
-from planner.core.cluster import split_profile_key
-from planner.core.constants import FP32_BYTES, MEMORY_HEADROOM
-from planner.core.plan import PIPELINE_SCHEDULES
-from planner.core.specs import ModelSpec
-from planner.core.stage_memory import schedule_in_flight
-from planner.core.units import runtime_units
+from contracts.catalog import device_dtype, get_gpu_type
+from contracts.cluster import split_profile_key
+from contracts.constants import FP32_BYTES, MEMORY_HEADROOM
+from contracts.plan import PIPELINE_SCHEDULES
+from contracts.specs import ModelSpec
+from contracts.pipeline_order import schedule_in_flight
+from contracts.units import runtime_units
 from planner.costmodel.collectives import Link, all_reduce_s, sharded_step_comm_s
 from planner.costmodel.training import compute_dtype_bytes
 
@@ -98,13 +98,13 @@ def unit_flops(spec: ModelSpec, seq: int, recompute: str) -> dict[str, UnitFlops
 
 def in_flight(schedule: str, stage: int, num_stages: int, num_microbatches: int) -> int:
     """Micro-batches whose activations stage `stage` of `num_stages` holds at once: the runtime's
-    schedule (planner/core/stage_memory.schedule_in_flight; 1F1B min(S-s, M), GPipe M)."""
+    schedule (contracts/pipeline_order.schedule_in_flight; 1F1B min(S-s, M), GPipe M)."""
     return schedule_in_flight(schedule, num_stages, stage, num_microbatches)
 
 
 def base_type(kind: str) -> str:
     """The catalog type of a device kind: a type, or a profile key with a CPU quota ("cpu@share0.5",
-    planner.core.cluster.profile_key), whose step profile is measured under its quota but whose
+    contracts.cluster.profile_key), whose step profile is measured under its quota but whose
     memory and dtype are the type's."""
     return split_profile_key(kind)[0]
 
@@ -197,7 +197,7 @@ class PipelineCostModel:
 
     def runtime_state(self, num_layers: int, stage: int, num_stages: int) -> tuple[int, int, int, int]:
         """(reduce-scattered params, reduce-scatter calls, all-gathered = AdamW params, all-gather calls)
-        of stage `stage` as models/pipeline.py runs it: its units (planner/core/units.py), and with a
+        of stage `stage` as models/pipeline.py runs it: its units (contracts/units.py), and with a
         tied embedding and 2+ stages the last stage's whole replica of "embed" too, whose gradient (and
         the first stage's) is all-reduced over both stages instead of reduce-scattered
         (`tied_sync_s`), then sharded, updated and all-gathered like any unit."""
@@ -350,7 +350,7 @@ def position_pipeline(num_layers: int, micro_batch: int, dp: int, stage: int, nu
     """A pipeline in which stage `stage` of `num_stages` has `num_layers` blocks on dp ranks of
     `micro_batch` rows each and every other stage one block on one rank: what stage_memory needs to
     price that stage (nothing of the others enters its memory). Its model has num_layers + p − 1 blocks."""
-    from planner.core.plan import PipelineSpec, PipelineStage
+    from contracts.plan import PipelineSpec, PipelineStage
 
     stages, first, nxt = [], 0, dp
     for j in range(num_stages):

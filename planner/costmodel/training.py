@@ -4,12 +4,12 @@ What one optimizer step costs on the executor's sharded runtime (models/sharded.
 - compute: `n` micro-batches of `m` samples, each `α + β·m` seconds (the StepProfile of the
   device's kind, planner/core/profiles.py: its type, or its type under a CPU quota, measured
   under that quota), times the device's emulated `slowdown` (the sleep fallback). At z ≥ 2 with n > 1
-  the runtime accumulates layer by layer (planner/core/units.py): it keeps only each micro-batch's unit
+  the runtime accumulates layer by layer (contracts/units.py): it keeps only each micro-batch's unit
   boundaries and recomputes every unit's forward in its backward, so such a choice is priced with
   the type's recompute="full" profile; n = 1, and every choice at z = 1, with the plan's recompute;
 - optimizer: AdamW over the device's slice of the flat state, `optimizer_s_per_param · N · f`
   (shard fraction `f`), times `slowdown`;
-- collectives exactly as `planner.core.units.step_collectives(spec, z)` lists them: the all-gathers in
+- collectives exactly as `contracts.units.step_collectives(spec, z)` lists them: the all-gathers in
   the compute dtype (2 bytes for bf16/fp16, 4 for fp32 and on the CPU), the reduce-scatters in
   fp32, each a ring costing (k−1)/k · bytes / bandwidth per rank, plus a latency per call
   (⌈log2 k⌉ hops). NO overlap with compute is assumed: the runtime synchronizes per unit (its
@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Iterable, Sequence
 
-from planner.core.catalog import CPU_TYPE, device_dtype
-from planner.core.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.specs import ModelSpec
-from planner.core.units import ZERO_STAGES, runtime_units, step_collectives
+from contracts.catalog import CPU_TYPE, device_dtype
+from contracts.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSpec
+from contracts.specs import ModelSpec
+from contracts.units import ZERO_STAGES, runtime_units, step_collectives
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
                                           sharded_step_comm_s)
-from planner.core.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH
+from contracts.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class DeviceCoeffs:
 @dataclass(frozen=True)
 class CommModel:
     """Collective costs of one optimizer step for the devices of one scope (one node, or several):
-    what planner.core.units.step_collectives says the runtime all-gathers and reduce-scatters."""
+    what contracts.units.step_collectives says the runtime all-gathers and reduce-scatters."""
 
     bandwidth_bytes_per_s: float  # ring bus bandwidth per rank (all-gathers; reduce-scatters too unless below)
     hop_latency_s: float
@@ -450,7 +450,7 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
 
 def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: ClusterSpec, spec: ModelSpec,
                      zero: int, dtype: str, profiles_dir: str | None = None) -> CommModel:
-    """Link figures for a scope and the bytes the runtime moves at `zero` (planner.core.units): measured
+    """Link figures for a scope and the bytes the runtime moves at `zero` (contracts.units): measured
     gloo/NCCL fits for local CPU workers on one node when `profiler bench` has them, else the
     cluster file's bandwidth (slowest link among the devices)."""
     devices = list(devices)

@@ -77,8 +77,8 @@ from dataclasses import dataclass, field
 
 from planner.geo.scenario import InferenceWorkload
 from planner.geo.pipeline_sim import SimResult, simulate_pipeline
-from planner.core.specs import ModelSpec, with_max_seq
-from planner.core.constants import DTYPE_BYTES
+from contracts.specs import ModelSpec, with_max_seq
+from contracts.constants import DTYPE_BYTES
 
 LOOKAHEAD = 32  # how far down the queue a free GPU looks for a request whose memory fits it
 # Requests simulated in one iteration (offered in rate mode, started with a backlog): each is a

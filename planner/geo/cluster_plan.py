@@ -27,9 +27,9 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from planner.core.cluster import ClusterSpec
-from planner.core.plan import BaselineResult, Plan
-from planner.core.specs import get_model, with_max_seq
+from contracts.cluster import ClusterSpec
+from contracts.plan import BaselineResult, Plan
+from contracts.specs import get_model, with_max_seq
 from planner.costmodel.collectives import INTER_NODE_HOP_LATENCY_S
 from planner.geo.atlas import solve_atlas
 from planner.geo.plan_file import geo_plan_to_plan, predict_geo_plan_s

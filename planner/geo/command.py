@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import print_json, print_table
+from contracts.cli import print_json, print_table
 from planner.geo.evaluate import simulate_geo
 from planner.geo.plan_file import geo_plan_to_plan, report_baselines
 from planner.geo.scenario import GeoScenario

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from planner.core.constants import DTYPE_BYTES
-from planner.core.specs import ModelSpec, get_model, with_max_seq
+from contracts.constants import DTYPE_BYTES
+from contracts.specs import ModelSpec, get_model, with_max_seq
 from planner.costmodel.collectives import Link, all_reduce_s, bytes_per_s
 from planner.costmodel.pipeline import PipelineCostModel, in_flight, tied_sync_s
 from planner.geo.scenario import INTRA_DC_LATENCY_S, GeoScenario

@@ -54,10 +54,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from planner.core.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from planner.core.constants import BITS_PER_BYTE, GBIT
-from planner.core.plan import Plan, WanLink as PlanWanLink, link_key
-from planner.core.specs import ModelSpec, get_model, with_max_seq
+from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.constants import BITS_PER_BYTE, GBIT
+from contracts.plan import Plan, WanLink as PlanWanLink, link_key
+from contracts.specs import ModelSpec, get_model, with_max_seq
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, Link, all_reduce_s, bytes_per_s,
                                           sharded_step_comm_s)
 from planner.core.stage_memory import estimate_plan_stage_memory

@@ -34,7 +34,7 @@ from planner.geo.costs import GeoCosts
 from planner.costmodel.collectives import Link, bytes_per_s
 from planner.geo.scenario import GeoScenario
 from planner.geo.pipeline_sim import SimResult, simulate_pipeline
-from planner.core.specs import get_model
+from contracts.specs import get_model
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from planner.core.constants import BITS_PER_BYTE, GBIT
-from planner.core.stage_memory import schedule_order
+from contracts.constants import BITS_PER_BYTE, GBIT
+from contracts.pipeline_order import schedule_order
 from planner.costmodel.pipeline import SCHEDULES
 
 SHARING = ("dedicated", "temporal", "fair")
@@ -196,7 +196,7 @@ class SimResult:
 
 def stage_order(schedule: str, stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
     """The order in which one stage runs its micro-batches' forwards and backwards (1F1B: Narayanan
-    et al. 2021, PipeDream-Flush; planner/core/stage_memory.schedule_order)."""
+    et al. 2021, PipeDream-Flush; contracts/pipeline_order.schedule_order)."""
     return schedule_order(schedule, num_stages, stage, m)
 
 

@@ -1,4 +1,4 @@
-"""A geo plan as a plan file (planner/core/plan.py) that `python -m executor launch` runs.
+"""A geo plan as a plan file (contracts/plan.py) that `python -m executor launch` runs.
 
 `geo_plan_to_plan` turns Atlas's choice (a chain of stages, each on one datacenter's GPUs of one
 type, replicated `d` times) into a `Plan` with a `pipeline` section:
@@ -28,9 +28,9 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.core.constants import MEMORY_HEADROOM
-from planner.core.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
+from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from contracts.constants import MEMORY_HEADROOM
+from contracts.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
 from planner.geo.atlas import GeoPlan
 from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, predict_plan_iteration_s, simulate_plan
 from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, MAX_MICROBATCHES, GeoScenario

@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from planner.core.catalog import get_gpu_type
-from planner.core.jsonio import load_json_file
-from planner.core.specs import get_model
-from planner.core.constants import BITS_PER_BYTE, GBIT
+from contracts.catalog import get_gpu_type
+from contracts.jsonio import load_json_file
+from contracts.specs import get_model
+from contracts.constants import BITS_PER_BYTE, GBIT
 
 # Linux's default maximum TCP receive window (net.ipv4.tcp_rmem max = 6 MiB):
 # what one untuned connection can keep in flight.

@@ -38,7 +38,7 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from planner.core.catalog import get_gpu_type
+from contracts.catalog import get_gpu_type
 from planner.costmodel.collectives import bytes_per_s
 from planner.geo.costs import GeoCosts
 from planner.geo.scenario import INTRA_DC_LATENCY_S, GeoScenario

@@ -16,9 +16,9 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from planner.core.cluster import DeviceSpec
+from contracts.cluster import DeviceSpec
 from planner.costmodel.training import MAX_MICRO_BATCH, CostModel
-from planner.core.plan import BaselineResult, Plan
+from contracts.plan import BaselineResult, Plan
 
 log = logging.getLogger(__name__)
 

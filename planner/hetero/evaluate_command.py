@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from planner.hetero.solve import evaluate_plan
-from planner.cli import print_json
+from contracts.cli import print_json
 from planner.hetero.plan_command import print_plan
-from planner.core.plan import Plan
+from contracts.plan import Plan
 
 HELP = "recompute a plan file's predicted memory, step and iteration times and baselines"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import print_json, print_table
-from planner.core.cluster import ClusterSpec
+from contracts.cli import print_json, print_table
+from contracts.cluster import ClusterSpec
 from planner.hetero.solve import DTYPES, RECOMPUTE, ZERO_AUTO, ZERO_CHOICES, solve_plan
-from planner.core.plan import Plan
-from planner.core.constants import DTYPES, GIB, RECOMPUTE
+from contracts.plan import Plan
+from contracts.constants import DTYPES, GIB, RECOMPUTE
 from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"

@@ -50,15 +50,15 @@ from typing import Callable, Sequence
 
 import pulp
 
-from planner.core.catalog import GIB, get_gpu_type
-from planner.core.cluster import ClusterSpec
+from contracts.catalog import GIB, get_gpu_type
+from contracts.cluster import ClusterSpec
 from planner.costmodel.training import (DENSE_ACCUM_STEPS, AccumBand, Choice, ClassTable, CostModel, ScopeTable,
                                        last_fitting, validate_zero)
-from planner.core.plan import Assignment, Plan, ZeroCandidate
-from planner.core.units import ZERO_STAGES
+from contracts.plan import Assignment, Plan, ZeroCandidate
+from contracts.units import ZERO_STAGES
 from planner.hetero.baselines import baseline_plans, estimate_baselines, estimate_memory_aware
-from planner.core.specs import get_model, with_max_seq
-from planner.core.constants import DTYPES, RECOMPUTE
+from contracts.specs import get_model, with_max_seq
+from contracts.constants import DTYPES, RECOMPUTE
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import Pool
 from planner.schedule.sizing import Reservation, Sizing
 from planner.schedule.state import Decision, Running

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import float_arg, int_arg, print_json, print_table
-from planner.core.cluster import ClusterSpec
+from contracts.cli import float_arg, int_arg, print_json, print_table
+from contracts.cluster import ClusterSpec
 from planner.schedule.simulate import ERROR_SIGMA, MAX_ERROR_SIGMA, POLICIES, simulate_schedule
-from planner.core.jsonio import check_file_size
+from contracts.jsonio import check_file_size
 from planner.schedule.trace import MAX_TRACE_JOBS, generate_trace, load_trace, save_trace
 
 HELP = "simulate a job trace (CSV, or --generate) on a cluster under a scheduling policy (gpumix, frenzy, baselines)"

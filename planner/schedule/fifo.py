@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption, candidate_counts, cluster_pools, estimate_option
 from planner.schedule.state import Decision, Running
 

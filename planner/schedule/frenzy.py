@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.backfill import easy_pass
 from planner.schedule.sizing import Sizing

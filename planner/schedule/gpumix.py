@@ -39,8 +39,8 @@ import math
 from dataclasses import replace
 from typing import Sequence
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import Reservation, Sizing
 from planner.schedule.state import ERROR_SIGMA, Decision, Running, checkpoint_save_s, restart_s

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
-from planner.core.catalog import device_dtype
-from planner.core.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
-from planner.core.constants import MEMORY_HEADROOM, RECOMPUTE, ZERO_STAGES
-from planner.core.jobs import JobSpec
-from planner.core.specs import get_model, with_max_seq
+from contracts.catalog import device_dtype
+from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
+from contracts.constants import MEMORY_HEADROOM, RECOMPUTE, ZERO_STAGES
+from contracts.jobs import JobSpec
+from contracts.specs import get_model, with_max_seq
 from planner.costmodel.training import CostModel
 
 log = logging.getLogger(__name__)

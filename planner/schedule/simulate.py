@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.backfill import BackfillPolicy
 from planner.schedule.fifo import FifoPolicy
 from planner.schedule.frenzy import FrenzyPolicy

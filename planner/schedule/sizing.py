@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from planner.core.catalog import device_dtype, get_gpu_type
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.catalog import device_dtype, get_gpu_type
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.fifo import FifoPolicy
 from planner.schedule.options import Pool, ResourceOption, cluster_pools, estimate_option, options_on_pools
 from planner.schedule.state import Running

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import Pool, ResourceOption, cluster_pools
 
 

@@ -21,12 +21,12 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from planner.core.catalog import CATALOG, get_gpu_type
-from planner.core.jsonio import read_text_file
-from planner.core.cluster import ClusterSpec
-from planner.core.jobs import JobSpec
+from contracts.catalog import CATALOG, get_gpu_type
+from contracts.jsonio import read_text_file
+from contracts.cluster import ClusterSpec
+from contracts.jobs import JobSpec
 from planner.schedule.options import Pool, candidate_counts, cluster_pools, estimate_option
-from planner.core.specs import get_model
+from contracts.specs import get_model
 
 COLUMNS = ("job_id", "submit_s", "model", "global_batch", "seq", "steps", "requested_type", "requested_gpus")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 
 from planner.core.memory import MemoryConfig, estimate_memory
-from planner.core.specs import ModelSpec
+from contracts.specs import ModelSpec
 
 GIB = 2**30
 # the predicted peak may use at most this share of the memory available now
@@ -14,7 +14,7 @@ MEMORY_HEADROOM = 0.8
 
 
 def require_device(device: str | None) -> None:
-    """ValueError when `device` (already a well-formed name, planner.cli.device_arg) is absent here."""
+    """ValueError when `device` (already a well-formed name, contracts.cli.device_arg) is absent here."""
     if device is None or device.startswith("cpu"):
         return
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import device_arg, int_arg, print_json, print_table
+from contracts.cli import device_arg, int_arg, print_json, print_table
 from profiler.collectives import DEFAULT_SIZES_BYTES, KIB, MIB
 
 HELP = "measure matmul TFLOP/s, memory bandwidth and collective bandwidth on this machine"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import print_json, print_table
+from contracts.cli import print_json, print_table
 from planner.core.profiles import get_device_bench
 from profiler.inventory import build_local_cluster, detect_devices
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from planner.cli import int_arg, print_json
+from contracts.cli import int_arg, print_json
 from planner.core.memory_command import add_memory_arguments, breakdown_dict, config_from_args, print_breakdown
-from planner.core.specs import get_model
+from contracts.specs import get_model
 from profiler.commands._checks import require_fits_in_memory
 
 HELP = "trace the per-GPU peak memory of one training step of the project's model code (MemTracker)"

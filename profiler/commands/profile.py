@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from planner.cli import device_arg, float_arg, int_arg, print_json, print_table
-from planner.core.constants import PROFILE_MICRO_BATCHES
+from contracts.cli import device_arg, float_arg, int_arg, print_json, print_table
+from contracts.constants import PROFILE_MICRO_BATCHES
 from planner.core.memory_command import MAX_SEQ
 
 HELP = "measure forward+backward time vs micro-batch (alpha + beta*m) on a local device"
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     """Before torch: the model, its positions, distinct sizes, and memory for the largest size."""
     from planner.core.memory import MemoryConfig
-    from planner.core.specs import get_model
+    from contracts.specs import get_model
     from profiler.commands._checks import require_fits_in_memory
 
     spec = get_model(args.model)

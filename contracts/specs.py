@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
-from planner.core.jsonio import load_json_file
+from contracts.jsonio import load_json_file
 
 log = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from planner.core.catalog import CPU_TYPE, get_gpu_type
-from planner.core.constants import DTYPES
+from contracts.catalog import CPU_TYPE, get_gpu_type
+from contracts.constants import DTYPES
 
 FP32_BYTES = 4
 KERNELS = ("cpu_flash", "flash", "efficient", "math")
@@ -139,7 +139,7 @@ def _rocm_efficient_ok(dtype: str, head_dim: int) -> bool:
 def select_kernel(device_type: str, dtype: str, num_heads: int, num_kv_heads: int,
                   head_dim: int) -> AttentionKernel:
     """The kernel torch 2.13 runs for the decoder's causal SDPA on a catalog device type
-    (planner/core/catalog.py) in the compute dtype, with K/V expanded where that keeps a fused
+    (contracts/catalog.py) in the compute dtype, with K/V expanded where that keeps a fused
     kernel (expand_kv=True). Raises ValueError on unknown input."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")

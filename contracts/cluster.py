@@ -7,7 +7,7 @@ as such. Two ways to emulate a slower or smaller device on one machine:
 
 - `cpu_share` (a `cpu` device only; a fraction of one core in (0, 1]; 1 = a whole core) asks
   for physical emulation: the launcher runs the rank under a cgroup v1 CPU quota, and its
-  `memory_gb` as a memory limit over the process's baseline (executor/cgroups.py), so its
+  `memory_gb` as a memory limit over the process's baseline (profiler/cgroups.py), so its
   slowness and its out-of-memory are the kernel's, not computed. Such a device is its
   own *kind* for profiles (`profile_key`, e.g. `cpu@share0.333`): `python -m profiler profile
   --cpu-share 0.333` measures it under its own quota, and the planner prices it from that
@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.core.catalog import CATALOG, CPU_TYPE, GIB, get_gpu_type
-from planner.core.jsonio import dumps, read_text_file, save_json_file
+from contracts.catalog import CATALOG, CPU_TYPE, GIB, get_gpu_type
+from contracts.jsonio import dumps, read_text_file, save_json_file
 
 
 def _positive_number(value: Any, what: str) -> float:

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from planner.core.specs import ModelSpec, get_model
+from contracts.specs import ModelSpec, get_model
 
 
 def _positive_int(value: Any, what: str) -> int:

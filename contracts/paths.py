@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_DATA_DIR = "GPUMIX_DATA_DIR"
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from planner.core.cluster import ClusterSpec
-from planner.core.jsonio import dumps, load_json_file, save_json_file
-from planner.core.constants import ZERO_STAGES
+from contracts.cluster import ClusterSpec
+from contracts.jsonio import dumps, load_json_file, save_json_file
+from contracts.constants import ZERO_STAGES
 
 PLAN_VERSION = 1
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -189,7 +189,7 @@ class Plan:
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     solve_s: float = 0.0
     notes: tuple[str, ...] = ()
-    # the ZeRO stage the sharded runtime runs (planner/core/units.py): 1 AdamW state sharded by
+    # the ZeRO stage the sharded runtime runs (contracts/units.py): 1 AdamW state sharded by
     # shard_fraction, 2 + gradients, 3 + parameters; a one-device plan says 1
     zero: int = 1
     # the stages the planner tried and their predicted iteration times (zero -> candidate)

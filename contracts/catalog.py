@@ -7,12 +7,12 @@ are the vendors' datasheets, cited per entry. A part without native bf16
 
 `compute_capability` is the CUDA SM version (major, minor) from NVIDIA's table
 (https://developer.nvidia.com/cuda-gpus, "CUDA GPU Compute Capability"); it decides
-which SDPA kernel torch runs (planner/core/attention.py). AMD parts and the CPU have none.
+which SDPA kernel torch runs (contracts/attention.py). AMD parts and the CPU have none.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from planner.core.constants import GB, GIB
+from contracts.constants import GB, GIB
 
 
 

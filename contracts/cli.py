@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any, Callable, Sequence
 
-from planner.core.jsonio import dumps
+from contracts.jsonio import dumps
 
 EXIT_BAD_INPUT = 2
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from planner.core.specs import ModelSpec
-from planner.core.constants import ZERO_STAGES
+from contracts.specs import ModelSpec
+from contracts.constants import ZERO_STAGES
 
 FP32_BYTES = 4
 

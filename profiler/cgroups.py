@@ -10,7 +10,7 @@ limited by the kernel, not by arithmetic:
   (CPU_SHARES) so that on a busy machine the device still gets its share: a device is not
   shared with the neighbours' processes. The quota caps what that weight can take.
 - `memory_gb` g (of a device with a `cpu_share`: that field asks for physical emulation,
-  planner.core.cluster): a memory cgroup (`/sys/fs/cgroup/memory/<parent>/<name>/`) whose
+  contracts.cluster): a memory cgroup (`/sys/fs/cgroup/memory/<parent>/<name>/`) whose
   `memory.limit_in_bytes` is the process's own baseline plus g GiB. The process is inside
   its cgroups from its first instruction (`exec_in`: a bare interpreter joins them and then
   execs the real command), so everything it touches is charged there; the baseline is the
@@ -321,24 +321,24 @@ def start_rank(rank: int) -> tuple[Cgroup | None, int | None]:
         return None, None
     if not is_member(cg):
         raise RuntimeError(f"rank {rank} is not in its cgroup {cg.name} (the launcher starts it through "
-                           "`python -m executor.cgroups exec`)")
+                           "`python -m profiler.cgroups exec`)")
     return cg, apply_memory_limit(cg)
 
 
-# ---- exec inside: `python -m executor.cgroups exec -- ARGV` -------------------------------------
+# ---- exec inside: `python -m profiler.cgroups exec -- ARGV` -------------------------------------
 
 
 def exec_command(argv: Sequence[str]) -> list[str]:
     """The argument list that runs `argv` (python arguments: `-m module ...`) inside this rank's
     cgroups: torchrun starts it as its worker script, with RANK in the environment."""
-    return ["-m", "executor.cgroups", "exec", "--", *argv]
+    return ["-m", "profiler.cgroups", "exec", "--", *argv]
 
 
 def _exec_main(args: list[str]) -> int:
     """Join the cgroups of $RANK (from $GPUMIX_CGROUPS), then exec the python command in `args`:
     nothing heavy is imported before the join, so the command's memory is charged inside."""
     if args[:1] != ["exec"] or "--" not in args:
-        print("usage: python -m executor.cgroups exec -- PYTHON_ARGS...", file=sys.stderr)
+        print("usage: python -m profiler.cgroups exec -- PYTHON_ARGS...", file=sys.stderr)
         return 2
     rest = args[args.index("--") + 1:]
     cg = rank_cgroup(int(os.environ.get("RANK", "0")))
