@@ -3,7 +3,7 @@ measured training throughput, beside the estimate it replaced (datasheet peak x 
 the ratio of peaks: the baseline a practitioner reaches for first).
 
 Published figures: Lambda Labs' PyTorch GPU benchmarks, BERT-large SQuAD, fp16, 1 GPU (the table and
-its source are in tests/test_roofline.py, which checks the fixed pairs within 25 %). Every pair of
+its source are in tests/unit/test_roofline.py, which checks the fixed pairs within 25 %). Every pair of
 the types that table covers is printed, the checked ones marked; then the issue's examples the
 table does not cover (T4, L4), with the estimate only: no published measurement of those pairs was
 found to compare with (issue 12 quotes about 2.7x for A6000 vs L4 without a source; shown as such).
@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 from contracts.cli import print_table  # noqa: E402
 from contracts.catalog import get_gpu_type  # noqa: E402
 from contracts.paths import ENV_DATA_DIR  # noqa: E402
-from tests.test_roofline import (DTYPE, LAMBDA_BERT_LARGE, MODEL, PAIRS, TOLERANCE, estimated_ratio,  # noqa: E402
+from tests.unit.test_roofline import (DTYPE, LAMBDA_BERT_LARGE, MODEL, PAIRS, TOLERANCE, estimated_ratio,  # noqa: E402
                                  estimated_samples_per_s, published_ratio)
 
 SOURCE = "Lambda PyTorch bench, BERT-large SQuAD fp16"

@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from executor import db  # noqa: E402
 from executor.store import MetricsStore, RankStep, StepReader  # noqa: E402
-from tests.test_executor_store import small_plan  # noqa: E402
+from tests.e2e.test_executor_store import small_plan  # noqa: E402
 
 POLL_S = 0.0005  # the reader's poll period: what a live page could afford at best
 READER_TIMEOUT_S = 120.0

@@ -11,7 +11,7 @@ different tensors. Facts below are torch 2.13.0 (git cf30153c), read from its ow
   kernel `_scaled_dot_product_flash_attention_for_cpu` for fp64/fp32/bf16/fp16, any head_dim,
   GQA native (`check_batch_size_and_num_heads_dense<supports_gqa=true>`). Checked here:
   `torch._fused_sdp_choice` answers FLASH_ATTENTION for all of them and the grad_fn is
-  ScaledDotProductFlashAttentionForCpuBackward0 (tests/test_attention.py).
+  ScaledDotProductFlashAttentionForCpuBackward0 (tests/unit/test_attention.py).
 * CUDA flash (sdp_utils.cpp `can_use_flash_attention`): sm80..sm121
   (`check_flash_attention_hardware_support`), fp16/bf16 only (`check_dtypes_flash_attention`),
   head_dim <= 256 (`check_head_dim_size_flash`), not 192 < head_dim <= 224 when training on

@@ -9,7 +9,7 @@ trains and the profiler traces, so planner/core/memory.py models exactly the ten
 backward: change a line here and the memory model (and its accuracy test) must follow.
 
 Given the same weights it computes what `transformers` computes for the same config
-(tests/test_hf_parity.py: logits within 1e-5 in fp32); `hf_state_dict_to_decoder` and
+(tests/unit/test_hf_parity.py: logits within 1e-5 in fp32); `hf_state_dict_to_decoder` and
 `decoder_state_dict_to_hf` translate the weights' names and layouts both ways. Dropout is not
 implemented (the decoder trains without it; transformers' eval mode is what it equals).
 """

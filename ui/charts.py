@@ -358,7 +358,7 @@ def gantt_chart(
 def vega_lite_spec(chart: Any) -> dict[str, Any]:
     """A builder's chart as the Vega-Lite spec the browser draws, its data inline. Not validated
     against the schema here (that is half of Altair's cost per chart, paid again on every draw;
-    tests/test_ui_charts.py validates every builder's output), and without Altair's default theme
+    tests/unit/test_ui_charts.py validates every builder's output), and without Altair's default theme
     (its 300 px view size: the dashboard sets its own), as `st.altair_chart` draws it."""
     spec = chart.to_dict(validate=False)
     spec.pop("config", None)  # the theme's only entry: no builder configures a chart

@@ -4,7 +4,7 @@ Pure Python, no torch: a plan or a schedule calls this thousands of times (~0.1 
 
 What is modelled is models/sharded.py (ZeRO 1/2/3, uneven shards, units of contracts/units.py)
 running models/decoder.py; the reference is profiler/tracing.py, which traces one whole step of
-the same runtime (live tensor bytes, real or fake tensors): tests/test_profiler_memory.py and
+the same runtime (live tensor bytes, real or fake tensors): tests/e2e/test_profiler_memory.py and
 bench/memory_accuracy.py measure the error (within 3 % at every stage).
 
 * State between steps (`_runtime_phases`): AdamW moments of the owned slices, 8 B per owned

@@ -20,7 +20,7 @@ Rates are sustained, not datasheet boost: a measured matmul rate where one is pu
 efficiency of the parts that have one. Backward elementwise traffic is counted as twice the
 forward (each backward reads the output gradient and the saved input, writes the input gradient).
 
-Checked against published training throughput in tests/test_roofline.py (ratios between types);
+Checked against published training throughput in tests/unit/test_roofline.py (ratios between types);
 printed by bench/roofline_ratios.py. Pure Python, no torch.
 """
 from __future__ import annotations

@@ -47,7 +47,7 @@ figure is its largest over the ops, the peak the largest phase:
                   the global norm's fp64 chunk (models/optim.py); no receive is pending any more
 Not counted: gloo/NCCL buffers (outside the torch allocator), tensors of a few bytes (losses, scalars).
 Autocast (bf16/fp16) adds memory.block_weight_copy_bytes per block per micro-batch in flight; the
-measured check (tests/test_stage_memory.py) runs fp32 on CPU.
+measured check (tests/e2e/test_stage_memory.py) runs fp32 on CPU.
 """
 from __future__ import annotations
 

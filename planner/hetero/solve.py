@@ -1289,7 +1289,7 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     iteration that fits; a later stage must beat the earlier ones by more than the solver's
     tolerance, so ties go to the lower stage. An int forces that stage. `gap`: "optimal" means within
     this relative distance of the proven lower bound (0: BISECTION_TOL; tighter costs more ranges of
-    world sizes, tests/test_ilp_exact.py asks 5e-7); `time_limit_s` bounds the whole search, every
+    world sizes, tests/unit/test_ilp_exact.py asks 5e-7); `time_limit_s` bounds the whole search, every
     stage together.
     `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
     ValueError on bad input and when no plan fits at any stage tried, naming why."""
