@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from contracts.constants import FP32_BYTES  # noqa: E402
 from executor.launch import free_port  # noqa: E402
 
 MIB = 2**20
-FP32_BYTES = 4
 SPLITS = {2: ((0.5, 0.5), (0.7, 0.3)), 3: ((1 / 3, 1 / 3, 1 / 3), (0.6, 0.3, 0.1), (0.7, 0.3, 0.0))}
 
 

@@ -52,9 +52,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from contracts.catalog import CPU_TYPE, get_gpu_type
-from contracts.constants import DTYPES
+from contracts.constants import DTYPES, FP32_BYTES
 
-FP32_BYTES = 4
 KERNELS = ("cpu_flash", "flash", "efficient", "math")
 HALF_DTYPES = ("bf16", "fp16")
 

@@ -15,9 +15,20 @@ DTYPES = ("fp32", "bf16", "fp16")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4  # master weights, Adam's moments, reduce-scattered gradients
 HALF_BYTES = 2  # bf16 / fp16
+INT64_BYTES = 8  # token ids
 RECOMPUTE = ("none", "full")
 # What the sharded runtime (models/sharded.py) runs; a plan or an option at any other stage is refused.
 ZERO_STAGES = (1, 2, 3)
+# What the memory model estimates: the runtime's stages and plain data parallelism (0: every rank holds
+# the whole state), which `planner memory` and the Model & memory page show for comparison.
+MODELLED_ZERO_STAGES = (0, *ZERO_STAGES)
+
+
+def check_zero(zero: object, stages: tuple[int, ...] = ZERO_STAGES, what: str = "zero") -> int:
+    """`zero` if it is one of `stages` (an int, never a bool); else a ValueError naming `what`."""
+    if isinstance(zero, bool) or zero not in stages:
+        raise ValueError(f"{what} must be one of {', '.join(map(str, stages))}, got {zero!r}")
+    return zero  # type: ignore[return-value]
 
 # The largest micro-batch a planner tries: beyond it α is fully amortized and only memory grows.
 MAX_MICRO_BATCH = 64

@@ -22,7 +22,7 @@ from typing import Any
 
 from contracts.cluster import ClusterSpec
 from contracts.jsonio import dumps, load_json_file, save_json_file
-from contracts.constants import ZERO_STAGES
+from contracts.constants import check_zero
 
 PLAN_VERSION = 1
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -199,8 +199,7 @@ class Plan:
     connections: dict[str, int] = field(default_factory=dict)  # link_key(a, b) -> TCP connections per transfer
 
     def __post_init__(self) -> None:
-        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
-            raise ValueError(f"plan: zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {self.zero!r}")
+        check_zero(self.zero, what="plan: zero")
         nodes = {n.name for n in self.cluster.nodes}
         for w in self.wan:
             if w.a not in nodes or w.b not in nodes or w.a == w.b:

@@ -29,9 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from contracts.specs import ModelSpec
-from contracts.constants import ZERO_STAGES
-
-FP32_BYTES = 4
+from contracts.constants import FP32_BYTES, check_zero
 
 
 @dataclass(frozen=True)
@@ -73,8 +71,7 @@ class StepCollectives:
 
 def step_collectives(spec: ModelSpec, zero: int) -> StepCollectives:
     """What one optimizer step all-gathers and reduce-scatters (module docstring)."""
-    if zero not in ZERO_STAGES:
-        raise ValueError(f"the runtime runs zero stages {ZERO_STAGES}, got {zero!r}")
+    check_zero(zero)
     units = runtime_units(spec)
     n = sum(u.numel for u in units)
     if zero in (1, 2):

@@ -60,7 +60,8 @@ from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coef
                           global_grad_norm_sq)
 from models.runtime import shard_bounds
 from contracts.specs import ModelSpec
-from contracts.units import ZERO_STAGES, Unit, runtime_units
+from contracts.constants import check_zero
+from contracts.units import Unit, runtime_units
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,7 @@ class ShardedRuntime:
                  comm: Collectives, device: torch.device, recompute: str = "none",
                  autocast_dtype: torch.dtype | None = None, optim: OptimConfig | None = None,
                  seed: int = 0, loss_scaling: bool = False, materialize: bool = True, expand_kv: bool = False):
-        if zero not in ZERO_STAGES:
-            raise ValueError(f"zero must be one of {ZERO_STAGES}, got {zero!r}")
+        check_zero(zero)
         if not 0 <= position < len(fractions):
             raise ValueError(f"position {position} is not one of the {len(fractions)} shard fractions")
         self.spec, self.zero, self.position, self.comm = spec, zero, position, comm

@@ -12,7 +12,8 @@ import os
 import streamlit as st
 
 from contracts.catalog import CATALOG
-from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory
+from contracts.constants import DTYPES, MODELLED_ZERO_STAGES, RECOMPUTE
+from planner.core.memory import MemoryBreakdown, MemoryConfig, estimate_memory
 from contracts.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
 from ui.charts import RULE_COLOR, bar_chart
 from ui.common import (MEASURED, PREDICTED, fmt_bytes, fmt_percent, labelled, metric, number_field, page_header, show_errors,
@@ -122,7 +123,7 @@ def choose_config(spec: ModelSpec) -> tuple[MemoryConfig | None, str]:
     recompute = c4.selectbox("Recomputation", RECOMPUTE, key="mem_recompute",
                              help="full: keep only each block's input, recompute the block in backward")
     c5, c6, c7, c8 = st.columns(4)
-    zero = c5.selectbox("ZeRO stage", ZERO_STAGES, index=1, key="mem_zero",
+    zero = c5.selectbox("ZeRO stage", MODELLED_ZERO_STAGES, index=1, key="mem_zero",
                         help="1: AdamW state sharded; 2: + gradients; 3: + parameters (gathered unit by unit); "
                              "0: one GPU holds everything")
     dp = number_field("World size", unit="data-parallel GPUs", min_value=1, max_value=MAX_WORLD_SIZE, value=1,

@@ -52,13 +52,10 @@ from typing import Any
 from contracts.attention import AttentionKernel, attention_saved_bytes, select_kernel
 from contracts.specs import ModelSpec
 from contracts.units import runtime_units
-from contracts.constants import DTYPES, RECOMPUTE, STEP_CHUNK_NUMEL
+from contracts.constants import (DTYPES, FP32_BYTES, HALF_BYTES, INT64_BYTES, MODELLED_ZERO_STAGES, RECOMPUTE,
+                                 STEP_CHUNK_NUMEL, check_zero)
 
-ZERO_STAGES = (0, 1, 2, 3)
 
-FP32_BYTES = 4
-HALF_BYTES = 2  # bf16 / fp16 autocast compute copies
-INT64_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -100,8 +97,7 @@ class MemoryConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
-            raise ValueError(f"zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        check_zero(self.zero, MODELLED_ZERO_STAGES)
         f = self.shard_fraction
         if f is not None:
             # 0 is allowed here: a GPU that computes but owns no slice of the AdamW state

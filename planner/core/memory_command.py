@@ -9,7 +9,8 @@ import argparse
 from typing import Any
 
 from contracts.cli import float_arg, int_arg, print_json, print_table
-from planner.core.memory import DTYPES, RECOMPUTE, ZERO_STAGES, MemoryBreakdown, MemoryConfig, estimate_memory, estimate_startup_bytes
+from contracts.constants import DTYPES, MODELLED_ZERO_STAGES, RECOMPUTE
+from planner.core.memory import MemoryBreakdown, MemoryConfig, estimate_memory, estimate_startup_bytes
 from contracts.specs import ModelSpec, get_model
 from contracts.constants import GIB
 
@@ -35,7 +36,7 @@ def add_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int_arg(1, MAX_DEGREE), default=1, help="data-parallel degree (world size)")
     p.add_argument("--tp", type=int_arg(1, MAX_DEGREE), default=1, help="tensor-parallel degree (analytic)")
     p.add_argument("--pp", type=int_arg(1, MAX_DEGREE), default=1, help="pipeline-parallel degree (analytic)")
-    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None,
+    p.add_argument("--zero", type=int, choices=MODELLED_ZERO_STAGES, default=None,
                    help="ZeRO stage (default: 1 when dp > 1 or --shard-fraction is given, the runtime's; else 0)")
     p.add_argument("--shard-fraction", type=float_arg(0.0, 1.0, low_open=True), default=None,
                    help="share of the sharded state on this GPU, in (0, 1] (default 1/dp)")

@@ -54,10 +54,10 @@ from typing import Callable, Iterable, Sequence
 from contracts.catalog import CPU_TYPE, device_dtype
 from contracts.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSpec
 from contracts.specs import ModelSpec
-from contracts.units import ZERO_STAGES, runtime_units, step_collectives
+from contracts.units import runtime_units, step_collectives
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
                                           sharded_step_comm_s)
-from contracts.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH
+from contracts.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH, check_zero
 
 log = logging.getLogger(__name__)
 
@@ -401,9 +401,7 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
 
 
 def validate_zero(zero: int) -> int:
-    if isinstance(zero, bool) or zero not in ZERO_STAGES:
-        raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_STAGES))}, got {zero!r}")
-    return zero
+    return check_zero(zero)
 
 
 def compute_dtype_bytes(device_type: str, dtype: str) -> int:

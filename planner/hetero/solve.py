@@ -55,10 +55,9 @@ from contracts.cluster import ClusterSpec
 from planner.costmodel.training import (DENSE_ACCUM_STEPS, AccumBand, Choice, ClassTable, CostModel, ScopeTable,
                                        last_fitting, validate_zero)
 from contracts.plan import Assignment, Plan, ZeroCandidate
-from contracts.units import ZERO_STAGES
 from planner.hetero.baselines import baseline_plans, estimate_baselines, estimate_memory_aware
 from contracts.specs import get_model, with_max_seq
-from contracts.constants import DTYPES, RECOMPUTE
+from contracts.constants import DTYPES, MEMORY_HEADROOM, RECOMPUTE, ZERO_STAGES
 
 log = logging.getLogger(__name__)
 
@@ -1280,7 +1279,7 @@ def _solve_stage(cluster: ClusterSpec, spec, seq: int, dtype: str, recompute: st
 
 
 def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
-               recompute: str = "none", headroom: float = 0.9, time_limit_s: float = 10.0, gap: float = 0.0,
+               recompute: str = "none", headroom: float = MEMORY_HEADROOM, time_limit_s: float = 10.0, gap: float = 0.0,
                micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None,
                zero: int | str = ZERO_AUTO) -> HeteroResult:
     """The fastest plan of `model` on `cluster` at `global_batch` under the cost model (planner/costmodel/training.py).
@@ -1344,7 +1343,7 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     return HeteroResult(sol.status, sol.objective_s, plan, solve_s, reason)
 
 
-def evaluate_plan(plan: Plan, headroom: float = 0.9, profiles_dir: str | None = None) -> Plan:
+def evaluate_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profiles_dir: str | None = None) -> Plan:
     """The same plan with its predictions (memory, step and iteration time, baselines) recomputed
     by the current cost model at the plan's own ZeRO stage; a note for each device predicted over
     capacity × headroom. The other stages' figures from the solve are kept as they were."""

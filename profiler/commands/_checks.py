@@ -6,11 +6,12 @@ from __future__ import annotations
 import psutil
 
 from planner.core.memory import MemoryConfig, estimate_memory
+from contracts.constants import GIB
 from contracts.specs import ModelSpec
 
-GIB = 2**30
-# the predicted peak may use at most this share of the memory available now
-MEMORY_HEADROOM = 0.8
+# a profile's predicted peak may use at most this share of the memory available NOW (other processes
+# hold the rest; stricter than a plan's MEMORY_HEADROOM of a whole device)
+PROFILE_MEMORY_SHARE = 0.8
 
 
 def require_device(device: str | None) -> None:
@@ -35,6 +36,6 @@ def require_fits_in_memory(spec: ModelSpec, cfg: MemoryConfig, flags: str, hint:
     available on this machine (the planner's estimate: the same model the trace checks)."""
     peak = estimate_memory(spec, cfg).peak_bytes
     avail = psutil.virtual_memory().available
-    if peak > MEMORY_HEADROOM * avail:
+    if peak > PROFILE_MEMORY_SHARE * avail:
         raise ValueError(f"{flags}: one step of {spec.name} is predicted to peak at {peak / GIB:.1f} GiB, more than "
-                         f"{MEMORY_HEADROOM:.0%} of the {avail / GIB:.1f} GiB available here{hint}")
+                         f"{PROFILE_MEMORY_SHARE:.0%} of the {avail / GIB:.1f} GiB available here{hint}")
