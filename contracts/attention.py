@@ -1,49 +1,14 @@
 """Which SDPA kernel torch runs for the decoder's attention, and what it keeps for backward.
 
-Pure Python, no torch. models/decoder.py calls
-`F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=...)`; torch picks one
-backend per call (the first of its priority order whose checks pass) and each backend saves
-different tensors. Facts below are torch 2.13.0 (git cf30153c), read from its own files:
+Pure Python, no torch. models/decoder.py calls `F.scaled_dot_product_attention(..., is_causal=True)`;
+torch picks one backend per call (flash, memory-efficient, math, cuDNN; on CPU its flash kernel) by
+device, compute capability, dtype, head_dim and grouped-query attention, and each saves different
+tensors: fused kernels q, k, v, out and an fp32 log-sum-exp; math the fp32 B·heads·S² probabilities.
+`select_kernel` reproduces that choice and `attention_saved_bytes` the bytes, for the memory model
+(planner/core/memory.py) and the roofline (planner/core/roofline.py).
 
-* priority order: `torch._C._get_sdp_priority_order()` == [flash, efficient, math, cudnn, ...]
-  (ATen/native/transformers/cuda/sdp_utils.cpp `priority_order`, `select_sdp_backend`).
-* CPU (ATen/native/transformers/sdp_utils_cpp.cpp `use_flash_attention_cpp`): the CPU flash
-  kernel `_scaled_dot_product_flash_attention_for_cpu` for fp64/fp32/bf16/fp16, any head_dim,
-  GQA native (`check_batch_size_and_num_heads_dense<supports_gqa=true>`). Checked here:
-  `torch._fused_sdp_choice` answers FLASH_ATTENTION for all of them and the grad_fn is
-  ScaledDotProductFlashAttentionForCpuBackward0 (tests/unit/test_attention.py).
-* CUDA flash (sdp_utils.cpp `can_use_flash_attention`): sm80..sm121
-  (`check_flash_attention_hardware_support`), fp16/bf16 only (`check_dtypes_flash_attention`),
-  head_dim <= 256 (`check_head_dim_size_flash`), not 192 < head_dim <= 224 when training on
-  sm86/sm89/sm120/sm121 (`check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120`),
-  GQA native (`backend_supports_grouped_query_attention = true`). head_dim not a multiple of 8
-  is padded to one before the kernel (attention.cpp `scaled_dot_product_attention`, flash
-  case, `pad_last_dim<8>`): the saved q/k/v/out are the padded copies.
-* CUDA memory-efficient (`can_use_mem_efficient_attention`): sm50..sm121, fp16/fp32 (and bf16
-  on sm80+), head_dim a multiple of `minimum_gemm_alignment` (sm80+: 8 for 16-bit, 4 for fp32;
-  sm7x: 8 for 16-bit, 1 for fp32; older: 1). NO GQA in 2.13: the docstring of
-  torch.nn.functional.scaled_dot_product_attention says "GQA ... works only for
-  Flash_attention and math kernel on CUDA", the installed sdp_utils_cpp.h has the
-  two-parameter `check_batch_size_and_num_heads_dense<supports_gqa, requires_same_num_heads>`,
-  and torch/_meta_registrations.py `meta__scaled_dot_product_efficient_backward` gives grad_k
-  query's head count. (pytorch PR #191085, after 2.13, adds GQA to this kernel.) So GQA with
-  fp32, or on sm < 80, falls to math unless K/V are expanded to num_heads first.
-* cuDNN attention: after math in the default order; sdp_utils.cpp `check_prefer_cudnn_attention`
-  moves it first on sm90/sm100 with cuDNN > 9.15. It saves q, k, v, out and fp32 softmax stats
-  (B, H, S, 1) (`meta__scaled_dot_product_cudnn_attention`), GQA native: the same bytes as
-  flash, so it is not a separate entry here.
-* ROCm (AMD): flash and efficient come from AOTriton; flash fp16/bf16 head_dim <= 256 with GQA,
-  efficient without GQA (`supports_gqa = false` under USE_ROCM). Read from sdp_utils.cpp, not
-  run on AMD hardware.
-* math (attention.cpp `_scaled_dot_product_attention_math`, composite, the same code on every
-  device): upcasts fp16/bf16 q/k/v to fp32, repeats K/V for GQA, saves q·√scale, (k·√scale)ᵀ,
-  v (fp32, all num_heads) and the fp32 softmax probabilities (B, H, S, S): the B·heads·S² term.
-  Checked here on CPU with `sdpa_kernel(SDPBackend.MATH)`.
-
-What each fused kernel saves (tools/autograd/derivatives.yaml, the `*_backward` arguments):
-query, key, value, output, logsumexp (+ RNG seed/offset scalars, < 1 KiB a call, not counted).
-logsumexp is fp32 (B, H, S) for flash/cpu flash (`meta__scaled_dot_product_flash_attention`)
-and fp32 (B, H, ceil(S/32)·32) for efficient (`meta__scaled_dot_product_efficient_attention`).
+The rules per backend, read from torch 2.13.0's own sources, with where each comes from:
+docs/models/memory.md ("Attention kernels"); the CPU facts are checked in tests/unit/test_attention.py.
 """
 from __future__ import annotations
 

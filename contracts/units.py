@@ -1,27 +1,14 @@
 """How the sharded runtime (models/sharded.py) cuts a model into units, and what it sends per step.
 
 One definition, pure Python, read by the runtime (which builds its flat buffers from it), the
-memory model (gather buffers, reduce-scatter buffers) and the planner's time model (the bytes
-each ZeRO stage moves). Change the runtime's schedule and this module must follow.
+memory model (gather and reduce-scatter buffers) and the planner's time model (the bytes each
+ZeRO stage moves). Change the runtime's schedule and this module must follow.
 
-Units, in forward order (each one flat parameter, sharded unevenly by the plan's shard fractions):
-    "embed"     token embedding (V·h) and, for learned positions, the position table (max_seq·h)
-    "block.i"   transformer block i, i = 0 .. L-1
-    "head"      the final norm and, when the head is not tied to the embedding, the LM head (V·h)
-
-Collectives the runtime issues per optimizer step (Cephalo's layer-wise accumulation: every
-micro-batch of the rank goes through a unit before the next unit starts, so each unit is
-gathered and reduced once per step, however many accumulation steps a rank takes):
-    zero 1  full fp32 gradients accumulate over all micro-batches; then one reduce-scatter of
-            every unit's gradient (fp32) and, after the optimizer step, one all-gather of every
-            unit's updated parameters (compute dtype)
-    zero 2  the same bytes, but a unit's gradient is reduce-scattered as soon as its backward over
-            all micro-batches is done, so one unit's full gradient is in flight at a time
-    zero 3  parameters are gathered (compute dtype) before a unit's forward and again before its
-            backward and freed after each; gradients reduce-scattered as in zero 2. The embedding
-            is not gathered for backward (its gradient needs only the token ids); a tied
-            embedding is gathered again for the head and reduce-scattered twice (once after the
-            head's backward, once after the embedding's)
+Units, in forward order: "embed", "block.0" .. "block.L-1", "head"; each one flat parameter,
+sharded unevenly by the plan's shard fractions. `step_collectives(spec, zero)` lists the
+all-gathers and reduce-scatters one optimizer step issues at each ZeRO stage (every unit gathered
+and reduced once per step: layer-wise accumulation). The table of units and of each stage's
+collectives: docs/models/memory.md ("Units and the collectives of a step").
 """
 from __future__ import annotations
 

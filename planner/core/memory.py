@@ -1,47 +1,16 @@
-"""Per-GPU peak memory of one training step of THIS project's runtime (Frenzy's MARP, made exact).
+"""Per-GPU peak memory of one training step of this project's runtime (Frenzy's MARP, made exact).
 
-Pure Python, no torch: a plan or a schedule calls this thousands of times (~0.1 ms each).
+Pure Python, no torch: a plan or a schedule calls it thousands of times. What is modelled is
+models/sharded.py (ZeRO 1/2/3, uneven shards, the units of contracts/units.py) running
+models/decoder.py: the state between steps, the gradients within one, the activations autograd
+saves (per attention kernel, contracts/attention.py), the loss, autocast's copies and ZeRO 3's
+gathered units. The peak is the largest of a few moments of the step (`estimate_peak_phases`),
+each affine in the micro-batch and the shard fraction. Tensor parallelism and the `--pp` shortcut
+are analytic only; pipeline stages have their exact model in planner/core/stage_memory.py, built
+from the public pieces at the end of this module.
 
-What is modelled is models/sharded.py (ZeRO 1/2/3, uneven shards, units of contracts/units.py)
-running models/decoder.py; the reference is profiler/tracing.py, which traces one whole step of
-the same runtime (live tensor bytes, real or fake tensors): tests/e2e/test_profiler_memory.py and
-bench/memory_accuracy.py measure the error (within 3 % at every stage).
-
-* State between steps (`_runtime_phases`): AdamW moments of the owned slices, 8 B per owned
-  parameter; zero 1/2 the full fp32 parameters (the master slice is a view of them), zero 3 the
-  master slice only (4 B per owned parameter). Gradients live only within a step: zero 1 the full
-  fp32 gradients from the first micro-batch to their reduce, zero 2/3 one unit's full gradient at a
-  time, and each slice's gradient from its unit's first reduce to the update.
-* Activations: the tensors autograd saves in forward, per layer and token, counted from the
-  decoder's code (each term names the tensor); Korthikanti et al. 2022 give the generic form
-  s·b·h·(34 + 5as/h) bytes. Attention is counted per call for the SDPA kernel that runs on the
-  device type and dtype (contracts/attention.py: fused kernels keep a log-sum-exp per head and token
-  instead of the a·s² scores; configurations where the math kernel would run are refused).
-  With recompute="full" each block keeps only its fp32 input and the block is rebuilt in backward.
-  At zero 2/3 with several micro-batches (layer-wise accumulation) only unit boundaries are kept,
-  4·h bytes per token each, L+1 per micro-batch.
-* The loss: logits (B·T·V), log_softmax's saved output and two gradients of that size, all fp32.
-* bf16/fp16 (torch.autocast): a 2-byte copy of every matmul weight, saved for backward; each
-  Linear saves its own 2-byte copy of an fp32 input.
-* Zero 3: the gathered units in flight (the current one and the prefetched next; at the head the
-  head, a tied embedding and the prefetched last block).
-* The optimizer phase: the global norm's fp64 copy of one 2^24-element chunk (models/optim.py);
-  AdamW's single fp32 chunk buffer comes after it and is smaller.
-* Communication: models/collectives.py allocates nothing beyond its arguments (gloo/NCCL internal
-  buffers are outside the PyTorch allocator and not counted); the CUDA context, cuBLAS workspaces
-  and allocator fragmentation are not modelled: compare the peak against capacity × headroom.
-
-The peak is the largest of a few moments of the step (`estimate_peak_phases`): the loss, the
-head's backward, the last and the first block's backward, the flattening of a unit's gradient
-(one micro-batch), the embedding's backward, the optimizer phase. Each moment is affine in
-micro_batch and (up to rounding and the chunk cap) in shard_fraction; a coefficient table should
-interpolate each moment and take the max, not interpolate the max.
-
-Tensor parallelism (Megatron: blocks and activations ÷tp, except the layer-norm inputs and the
-residual stream) and the `--pp P` shortcut (each stage holds ceil(L/pp) layers and, in 1F1B, up
-to pp micro-batches of the first stage's activations) are analytic only (`_estimate_analytic`).
-The pipeline runtime's own stages (models/pipeline.py: uneven layers, rows, schedules) have their
-exact model in planner/core/stage_memory.py, built from the public pieces at the end of this module.
+Every term, the moments and how the model is checked against traces (bench/memory_accuracy.py):
+docs/models/memory.md.
 """
 from __future__ import annotations
 

@@ -1,53 +1,14 @@
 """Peak memory of one rank of a pipeline stage, as models/pipeline.py runs it (pure Python, no torch).
 
-The runtime: stage s of S holds its units (contracts/units.py; "embed" on the first stage, its blocks,
-"head" on the last, and on the last stage of a tied model a replica of "embed"), ZeRO-1 inside the stage
-(full fp32 parameters and gradients, AdamW moments of the owned slice), and runs the schedule's order of
-forwards and backwards of its `rows` of each micro-batch (models/pipeline.schedule_ops). Every term below
-names the tensor it counts; the per-layer pieces are planner/core/memory.py's (the same decoder code).
+Stage s of S holds its units (contracts/units.py; a replica of "embed" on the last stage of a tied
+model), ZeRO-1 inside the stage, and runs the schedule's order of forwards and backwards of its rows
+of each micro-batch. The model walks that order (`schedule_order`, the one the runtime runs; for
+1F1B `walk_order`'s first cycles) and takes, at every op, each moment (forward end, loss, head, last
+block, embedding backward, optimizer step) with the micro-batches then in flight and the receive and
+send buffers then alive; the peak is the largest. The per-layer pieces are planner/core/memory.py's.
 
-State (the whole step):
-  params      4 B x every element of the stage's units (the tied replica included)
-  grads       4 B x the same: full fp32 gradients from the step's start to their reduce
-  optimizer   8 B x the owned slice (exp_avg, exp_avg_sq), round-half-up of fraction x numel per unit
-Inputs the worker holds for the step: the tokens of every micro-batch (first stage) and the targets
-(last stage), (rows, T) int64 each.
-
-One micro-batch in flight (its forward done, its backward not yet), `in_flight` of them at most
-(1F1B: min(S-s, M), GPipe: M; models/pipeline.in_flight):
-  blocks      memory.block_saved_bytes for each of the stage's blocks (the block input, which is the
-              receive buffer on a later stage, is the first block's saved input); with recompute
-              "full" (torch.utils.checkpoint around every block, non-reentrant) only each block's fp32
-              input, 4·N·h, and in the backward of the stage's last block that block's saved tensors
-              are rebuilt (block_saved_bytes less its input) on top
-  output      a stage other than the last: the last block's output, 4·N·h, kept for its backward (it is
-              also the send buffer)
-  head/loss   the last stage: memory.head_saved_bytes_per_token·N and log_softmax's saved output 4·N·V
-  positions   GPT-2's position ids (T,) int64, saved by the position embedding (first stage)
-
-Buffers (outside the saved activations): the receive of the NEXT op of the order, posted when the
-current op starts (models/pipeline.py posts receives one op ahead, so a transfer overlaps compute): a
-forward's input on a stage other than the first, a backward's incoming gradient on one other than the
-last, 4·N·h each; the previous backward's input gradient (4·N·h), still being sent until the next
-backward's own send (a stage other than the first).
-
-Moments: the model walks the stage's order of ops (`schedule_order`, the one definition the runtime runs;
-for 1F1B `walk_order`'s first cycles, which hold every distinct moment of the whole order) and takes, for
-every op, each of its moments with the micro-batches then in flight and the buffers then alive; a phase's
-figure is its largest over the ops, the peak the largest phase:
-  forward_end     a forward ends: the micro-batches in flight (its own included)
-  loss            last stage: the loss's backward starts: + grad of nll and grad of the logits, 4·N·V each
-  head            last stage: the head's weight gradient (V, h) fp32 before it is accumulated and the grad
-                  of the head's input, with the grad of the logits (in place of log_softmax's saved output)
-  last_block      the stage's last block's backward: the incoming gradient (the receive buffer, 4·N·h; on
-                  the last stage the head's input gradient), memory.block_backward_transient_bytes
-  embed_backward  first stage: the embedding's dense gradient (V+T rows, h) fp32 before it is accumulated,
-                  with the first block's input gradient
-  step            after backward: the slice gradients (4 B x owned) appear as the full ones are reduced;
-                  the global norm's fp64 chunk (models/optim.py); no receive is pending any more
-Not counted: gloo/NCCL buffers (outside the torch allocator), tensors of a few bytes (losses, scalars).
-Autocast (bf16/fp16) adds memory.block_weight_copy_bytes per block per micro-batch in flight; the
-measured check (tests/e2e/test_stage_memory.py) runs fp32 on CPU.
+Every term and moment: docs/models/memory.md ("One rank of a pipeline stage"); the measured check is
+tests/e2e/test_stage_memory.py.
 """
 from __future__ import annotations
 
