@@ -8,36 +8,10 @@ ranks of the process group through `position_to_rank`, so the plan's order need 
     reduce_scatter(shard_out, full, bounds) shard_out = sum over ranks of their full[s_me:e_me]
     all_reduce(t, op)                      in place, "sum" or "max"
 
-Methods, chosen from `bench/uneven_collectives.py` (gloo, fp32, 2 cores shared, median per call,
-ratio to the even-split `all_gather_into_tensor` / `reduce_scatter_tensor` of the same size):
-
-- gloo all-gather: one async `broadcast` per non-empty owner, into the views of `full`. Fastest of
-  the candidates everywhere: 64 MiB 3 ranks 0.6/0.3/0.1 54 ms (0.32x) against padded
-  `all_gather_into_tensor` 871 ms (5.1x) and zero-then-`all_reduce` 163 ms (0.96x); 8 MiB 2 ranks
-  0.7/0.3 3.5 ms (0.53x) against 10.6 / 13.5 ms. gloo's own `all_gather_into_tensor` is no base
-  to pad onto: even, it is slower than the broadcasts (the ratios above) and allocates a flat copy
-  of its output (+64 MiB max RSS for 64 MiB); the list form refuses uneven sizes.
-- gloo reduce-scatter: one async `reduce` per non-empty owner into its view of `full` (clobbered),
-  then a copy into `shard_out`. 64 MiB 3 ranks 0.6/0.3/0.1 122 ms (0.74x) against the uneven-list
-  `reduce_scatter` 207 ms (1.25x, and gloo flattens the list: +64 MiB max RSS), padded
-  `reduce_scatter_tensor` 759 ms (4.6x), `all_reduce`-then-copy 137 ms (0.83x); 8 MiB 3 ranks
-  10.3 ms against 18.2 / 37.0 / 11.1 ms. `all_reduce` is within noise of it (it wins at 1 MiB with
-  3 ranks and 64 MiB with 2) and also allocates nothing; the reduces move less data as k grows.
-- NCCL (not run here: no GPU): an even split in rank order uses the native
-  `all_gather_into_tensor` / `reduce_scatter_tensor` (out of place into the caller's tensors,
-  nothing allocated); anything else the same broadcasts / reduces as gloo, which is what NCCL's
-  own uneven list forms do internally (coalesced broadcasts / reduces), minus the list plumbing.
-
-So no method allocates a torch tensor beyond its arguments: `scratch_bytes` is 0 for every call,
-and `LocalCollectives` (one process standing in for one rank, for the memory tracer) allocates
-nothing either, only the same copies. gloo's transport keeps its own small buffers (a few MiB of
-max RSS at 64 MiB, malloc'd inside gloo): no torch allocator sees them, on CPU or in a trace.
-
-Async: with `async_op=True` the gloo ops run on the process group's worker threads; the call
-returns once they are queued and `Work.wait()` waits for every one (then does the final copy).
-Until then neither `full` nor `shard`/`shard_out` may be touched. Whether the transfer overlaps
-compute depends on free cores: on this 2-core machine with 2 ranks the bench measured none
-(8 MiB gather 4.0 ms + compute 10.4 ms, async together 14.0 ms).
+gloo: one async broadcast (gather) or reduce (scatter) per non-empty owner into views of `full`;
+NCCL: the native tensor forms for an even split in rank order. No method allocates a torch tensor
+beyond its arguments (`scratch_bytes` is 0). With `async_op=True`, touch neither buffer before
+`Work.wait()`. Why these methods (bench/uneven_collectives.py): docs/models/cost.md.
 """
 from __future__ import annotations
 

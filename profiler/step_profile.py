@@ -1,35 +1,15 @@
 """Step-time profiles, as Cephalo builds them: time forward+backward of one micro-batch at
 several micro-batch sizes on a local device, fit `α + β·m`, time the optimizer step.
 
-It measures exactly what an executor rank runs: the sharded runtime (`models.sharded`, one
-rank owning the whole state): its model's forward and backward with the runtime's loss
-(`models.runtime.micro_batch_loss`) into the parameters' gradients, and its optimizer phase
-(`ShardedRuntime.train_step` of no samples: the gradient reduction, the global norm, clipping
-and AdamW over every slice); on a CPU with one torch thread, as each executor rank has. Sizes are timed in
-interleaved rounds (every size once per round, each timed call right after an untimed one of its
-size, as a rank repeats its micro-batch), so a burst of load from other
-processes hits all sizes alike, and each size's median is fitted. On a CPU the clock
-is the compute thread's CPU time (`step_clock`): the work of one dedicated core, not
-what the neighbours on a shared machine ran meanwhile.
+It measures exactly what an executor rank runs (the sharded runtime, one rank owning the whole
+state, one torch thread on a CPU), timing sizes in interleaved rounds and fitting each size's
+median. On a CPU the clock is the compute thread's CPU time (`step_clock`); with `workers=N`
+companion processes run the same loop beside it and the clock is wall time. An emulated device
+(`cpu_share`, `memory_gb`) is profiled in a child inside its own cgroups (profiler/cgroups.py)
+and saved under its kind (contracts.cluster.profile_key). FLOPs per sample are counted with
+FlopCounterMode under FakeTensorMode.
 
-Local CPU workers share this machine's cores with each other (and with torchrun and whatever
-else runs): with `workers=N` (N > 1) the measurement runs the way such a run executes, as
-Cephalo profiles in the real environment: N − 1 companion processes run the same
-forward+backward loop concurrently while this one times, and the clock is wall time (what a
-rank's step takes when N ranks compute at once: contention for cores, caches and memory
-bandwidth included), the clock executor.worker reports its compute in.
-
-An emulated device (`cpu_share`, `memory_gb`: the cluster file's real emulation) is profiled
-under its own limits, as its rank will run (profiler/cgroups.py): the timed loop runs in a
-child process started inside the device's cgroups (a CPU quota, a memory limit over the
-child's baseline), timed by wall time (a quota stretches wall time, not CPU time); a step the
-memory limit cannot hold is ended by the kernel's OOM killer and refused by name. The profile
-is saved under the device's kind (`cpu@share0.333`, contracts.cluster.profile_key), so the
-planner prices the device from what it measurably did, never from its share. The companion
-workers run outside it, each under `companion_cpu_share` when given (the run's other ranks).
-
-FLOPs per sample are counted with `torch.utils.flop_counter.FlopCounterMode` on the
-same code path under FakeTensorMode (no memory, so 7B-class models count in seconds).
+How the profile is used and stored: docs/models/cost.md ("Step profiles").
 """
 from __future__ import annotations
 

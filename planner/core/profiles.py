@@ -1,22 +1,14 @@
 """The profile store: measured step times and collective bandwidths, read by the planner.
 
-Cephalo's time model (DESIGN.md): on one device type, forward+backward of a
-micro-batch of `m` samples takes about `α + β·m`; `profiler profile` measures
-it at several `m` and fits α, β by least squares (`profiler/step_profile.py`).
-For a device type that was never measured, `get_step_profile` *estimates* α, β:
-on a GPU type from the roofline of its kernels (planner/core/roofline.py),
-corrected by whatever was measured; on the CPU from FLOPs ÷ (peak × calibrated
-efficiency) (section "Estimates" below). Every
-`StepProfile` says which it is (`measured`, `source`).
+Cephalo's time model: on one device kind, forward+backward of a micro-batch of `m` samples takes
+`α + β·m`, fitted by `profiler profile` (profiler/step_profile.py). For a kind never measured,
+`get_step_profile` *estimates* α, β (a GPU type from planner/core/roofline.py, the CPU from FLOPs ÷
+(peak × calibrated efficiency)), and every `StepProfile` says which it is (`measured`, `source`).
+Profiles are JSON files under `contracts.paths.profiles_dir()` (steps/ and bench/), keyed by device
+kind (a CPU-quota kind such as `cpu@share0.333` is measured under its own quota); an emulated
+device's `slowdown` is applied by the cost model, never here. Pure Python (no torch).
 
-Store layout (JSON, one file per profile, under `contracts.paths.profiles_dir()`,
-i.e. `$GPUMIX_DATA_DIR/profiles`, or a `store_dir` argument):
-    steps/<device>__<model>__s<seq>__<dtype>__<recompute>.json   StepProfile
-    bench/<device>.json                                          DeviceBench
-Profiles describe a real device type, or a CPU-quota kind (`cpu@share0.333`, keyed by
-contracts.cluster.profile_key) measured under its own quota; an *emulated* device's
-`slowdown` (cluster file) multiplies them in the planner's cost model, never here. Pure Python (no torch): the
-planner imports this.
+The store layout and the estimates' constants with their sources: docs/models/cost.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,13 @@
 """Roofline estimate of a training step on a GPU type nothing was measured on.
 
-Every kernel the runtime launches for one sample is priced by what bounds it (Williams et al. 2009,
-"Roofline"): time = max(FLOPs / sustained FLOP/s, bytes / sustained memory bandwidth), summed in
-launch order (eager PyTorch runs them one after another). The kernels are grouped by kind:
+Every kernel the runtime launches for one sample (matmuls, the attention kernel contracts/attention.py
+says torch picks, elementwise ops, per-micro-batch casts and accumulation, AdamW) is priced by what
+bounds it, max(FLOPs / sustained FLOP/s, bytes / sustained bandwidth), summed in launch order. Rates
+are sustained: a measured matmul rate where one is published (contracts/catalog.py), else the peak
+times the measured parts' median efficiency. Pure Python, no torch.
 
-* matmul: every nn.Linear and the LM head (forward, then dgrad + wgrad: 2x the FLOPs), at the
-  sustained matmul rate of the compute dtype;
-* attention: the SDPA kernel contracts/attention.py says torch picks. Fused kernels (flash,
-  memory-efficient) skip the masked half of the causal square and keep S x S in on-chip memory;
-  math materializes fp32 scores (bandwidth) and multiplies in fp32;
-* elementwise: norms, activations, residual adds, autocast's casts, RoPE, the fp32 cross-entropy:
-  bound by memory bandwidth;
-* per micro-batch (α): autocast's weight casts and the fp32 gradient accumulation, which read
-  every weight once per micro-batch whatever its size;
-* optimizer: models/optim.py's AdamW over the shard, kernel by kernel: pure bandwidth.
-
-Rates are sustained, not datasheet boost: a measured matmul rate where one is published
-(contracts/catalog.py MEASURED_MATMUL_TFLOPS), else the peak times the median measured
-efficiency of the parts that have one. Backward elementwise traffic is counted as twice the
-forward (each backward reads the output gradient and the saved input, writes the input gradient).
-
-Checked against published training throughput in tests/unit/test_roofline.py (ratios between types);
-printed by bench/roofline_ratios.py. Pure Python, no torch.
+The kernels by kind and the rates: docs/models/cost.md ("The roofline"); checked in
+tests/unit/test_roofline.py and printed by bench/roofline_ratios.py.
 """
 from __future__ import annotations
 

@@ -1,47 +1,15 @@
 """The planner's cost model: time and memory of one device, and the coefficient tables the ILP consumes.
 
 What one optimizer step costs on the executor's sharded runtime (models/sharded.py) at ZeRO stage z:
-- compute: `n` micro-batches of `m` samples, each `α + β·m` seconds (the StepProfile of the
-  device's kind, planner/core/profiles.py: its type, or its type under a CPU quota, measured
-  under that quota), times the device's emulated `slowdown` (the sleep fallback). At z ≥ 2 with n > 1
-  the runtime accumulates layer by layer (contracts/units.py): it keeps only each micro-batch's unit
-  boundaries and recomputes every unit's forward in its backward, so such a choice is priced with
-  the type's recompute="full" profile; n = 1, and every choice at z = 1, with the plan's recompute;
-- optimizer: AdamW over the device's slice of the flat state, `optimizer_s_per_param · N · f`
-  (shard fraction `f`), times `slowdown`;
-- collectives exactly as `contracts.units.step_collectives(spec, z)` lists them: the all-gathers in
-  the compute dtype (2 bytes for bf16/fp16, 4 for fp32 and on the CPU), the reduce-scatters in
-  fp32, each a ring costing (k−1)/k · bytes / bandwidth per rank, plus a latency per call
-  (⌈log2 k⌉ hops). NO overlap with compute is assumed: the runtime synchronizes per unit (its
-  prefetch hides at most one gather); measured overlap is a later issue. `k` is the number of
-  devices the plan uses; the bandwidth is the slowest link among them (the cluster's
-  `intra_node_gbps` on one node, `inter_node_gbps` across nodes), or what `profiler bench`
-  measured between local CPU workers.
-An iteration ends when the slowest device ends: `T = max_i (compute_i + optimizer_i) + comm(k)`.
+n micro-batches of `α + β·m` (the device kind's profile, planner/core/profiles.py, times its emulated
+`slowdown`; recompute="full" where layer-wise accumulation recomputes), AdamW over its shard, and the
+collectives `contracts.units.step_collectives` lists, priced by planner/costmodel/collectives.py
+with no overlap: `T = max_i (compute_i + optimizer_i) + comm(k)`. Memory is the memory model's for
+the actual (m, n, f); the tables hold each candidate's largest shard that fits (`Choice.max_share`).
+Candidates do not grow with the global batch: a `Choice` per micro-batch at n = 1 and exact
+`AccumBand`s over n, which planner/hetero/solve.py counts in total.
 
-Memory is the memory model's (planner/core/memory.py) for the actual (m, n, f) of a choice: increasing in
-the shard fraction, and at z ≥ 2 in the accumulation steps too (every micro-batch's unit-boundary
-activations are kept). The tables hold, for every candidate (m, n), the largest shard fraction that
-still fits (`Choice.max_share`), each found by a few evaluations of the memory model (secant steps:
-each of its moments is affine in f) and cached per (device, m, n).
-
-Candidates that do not grow with the global batch B (issue 17): every micro-batch m from
-`micro_batch_candidates` (powers of two up to MAX_MICRO_BATCH) is a `Choice` at n = 1 (exact memory
-and time; at zero ≥ 2 one micro-batch keeps its whole graph, unlike n ≥ 2) and an `AccumBand` for
-every n from 2 to min(B/m, the compute bound, the largest n that fits). The ILP (planner/hetero/solve.py)
-does not pick an n from a band: it counts the devices x on it and their accumulation steps in total,
-N, an integer, so Σ batch = B stays exactly solvable for any B. A band is exact, not an
-approximation: the compute of n ≥ 2 micro-batches is n·step (affine in n), and a band is cut where
-the room for the shard, max_share(m, n), stops being affine in n (it is concave: the memory model's
-peak is the largest of a few moments, each affine in n and f; a cut is found by testing the
-midpoint against the chord, AFFINE_TOL). With rows affine in n, the x devices of a band holding N
-steps in total can hold at most x·ℓ(N/x) of the state, ℓ the interpolation of min(room(n), time
-room(n)) at whole n, which three linear rows in (x, N, F) state exactly (planner/hetero/solve.py).
-So the number of variables grows with types × micro-batches × the kinks of the memory curve, not
-with B.
-
-Units: seconds and bytes everywhere inside; the cluster file's Gbit/s are converted once,
-in `planner.costmodel.collectives.bytes_per_s`.
+The formulas, the candidates and why a band is exact: docs/models/cost.md.
 """
 from __future__ import annotations
 
