@@ -1,40 +1,15 @@
 """Cephalo's heterogeneous plan as an ILP: per device a (micro-batch, accumulation steps), a share of
 the sharded training state, or nothing; no device over its memory; the shortest iteration.
 
-The cost model (planner/costmodel/training.py) builds the coefficient tables; this module only consumes them.
-The ILP counts devices per *class* (identical DeviceSpec within a scope), so its size grows with
-types × candidate choices, not with the device count. A *scope* fixes the link bandwidth (one
-node: intra-node; several: inter-node) and a range [lo, hi] of world sizes k is priced at comm(lo),
-a lower bound for all of them: branch and bound over such ranges (`solve_scope`) finds the best k
-without skipping any.
+The cost model (planner/costmodel/training.py) builds the coefficient tables; this module only
+consumes them. Devices are counted per class, so the ILP grows with types × choices, not devices.
+For a fixed iteration time T the problem is linear (each choice's share capped by its memory and by
+T), so the least T is found by bisection, each probe asking its LP relaxation (a weak-duality proof)
+before CBC and a greedy plan before either; world sizes are searched by branch and bound over
+ranges priced at their cheapest collectives; `solve_plan(zero="auto")` tries ZeRO 1, 2, 3 in order.
+The search starts from the best baseline (planner/hetero/baselines.py) as its incumbent.
 
-The problem of one scope and bucket (classes g, choices c = (m, n) of class g):
-    minimize    T
-    subject to  Σ_c x[g,c] ≤ count[g]                                   (devices)
-                Σ_{g,c} m·n·x[g,c] = B                                   (batch)
-                Σ_{g,c} x[g,c]·f[g,c] = 1                                (shards)
-                f[g,c] ≤ max_share[g,c]                                  (memory ≤ capacity × headroom)
-                T ≥ compute[g,c] + opt[g]·f[g,c] + comm   if x[g,c] ≥ 1  (time of each used device)
-                lo ≤ Σ x[g,c] ≤ hi                                       (world size in the range)
-(identical devices on the same choice hold equal shares f[g,c]: the split that minimizes their time).
-The products x·f and the time rows are nonlinear in (x, f, T). For a *fixed* T they are not: a device on
-choice c can hold at most cap[g,c](T) = min(max_share, (T − comm − compute)/opt) of the state, so with
-F[g,c] = x·f the shards row becomes Σ F = 1 with F[g,c] ≤ cap[g,c](T)·x[g,c], and choices slower
-than T − comm simply drop out. Feasibility only grows with T, so the least T is found by bisection:
-first over the breakpoints compute + comm (where the choice set changes), then continuously. Each
-feasible probe's configuration is priced exactly (its optimal shares by water-filling), which moves
-the upper end of the interval at once to a real plan's time. The search starts from the best baseline plan
-(planner/hetero/baselines.py) as its incumbent: it bounds the tables, prunes scopes and world sizes, and is
-the answer when nothing beats it. A probe asks its LP relaxation first (`relaxation_infeasible`): CBC
-starts only where the relaxation does not prove the probe infeasible. Each range's bisection first
-lifts its lower end by the relaxation alone, then prices a greedy configuration there
-(`greedy_config`): where that plan lies within the tolerance of the proven lower end, the range is
-settled without CBC (most ranges: bench/planner_scaling.py).
-
-ZeRO stages: the cost model of one stage (planner/costmodel/training.py) fixes the memory of every (m, n), the
-compute (layer-wise accumulation recomputes at zero ≥ 2, n > 1) and comm(k); `solve_plan` with
-zero="auto" solves stages 1, 2, 3 in order, each required to beat the best so far by more than the
-bisection's tolerance (so ties keep the lower stage), and records what each stage gave.
+The formulation, the band rows, the bounds and why each is valid: docs/models/ilp.md.
 """
 from __future__ import annotations
 
@@ -137,7 +112,7 @@ class SolverLimit(ValueError):
 # two share caps within this relative distance are a tie (float noise of equal step times)
 CAP_TIE_REL = 1e-9
 # Budgets of one CBC process: a wall limit enforced from outside (coreutils `timeout` kills it:
-# CBC's own -sec was not honoured on big models, issue 17) and an address-space limit (ulimit -v).
+# CBC's own -sec was not honoured on big models) and an address-space limit (ulimit -v).
 CBC_MEMORY_BYTES = 2 * GIB
 CBC_GRACE_S = 0.5  # beyond the probe's share of the time limit, for CBC to start and write its answer
 # Refused up front: a probe with more integer variables than this (the bands keep real ones in the
@@ -165,7 +140,7 @@ class BoundedCBC(pulp.PULP_CBC_CMD):
     def __init__(self, wall_s: float, memory_bytes: int = CBC_MEMORY_BYTES, threads: int | None = None):
         # presolve and CGL preprocessing off: on these small probes they cost more than they save (a
         # 256-variable probe at B = 1e7 took 0.36 s with presolve, 0.03 s without; preprocessing off
-        # takes the issue-17 sweep's probes from 5-15 to 4-10 ms of CPU each; the answers are the same)
+        # takes the global-batch sweep's probes from 5-15 to 4-10 ms of CPU each; the answers are the same)
         super().__init__(msg=False, timeLimit=max(wall_s, 0.01), threads=threads, presolve=False,
                          options=["preprocess off"])
         self.wall_s, self.memory_bytes = wall_s, memory_bytes
@@ -190,13 +165,9 @@ class BoundedCBC(pulp.PULP_CBC_CMD):
 
 def band_rows(band: AccumBand, opt_s: float, slack_s: float, n_top: int) -> list[tuple[float, float]]:
     """Rows (a, s) with F ≤ a·x + s·N that say exactly how much state x devices of a band can hold
-    with N accumulation steps in total by the time t (slack_s = t − comm for compute and optimizer).
-
-    A device on n steps holds at most ℓ(n) = min(room(n), (slack − n·step)/opt), room affine on the
-    band (AccumBand.room_line): ℓ is concave, so the even split (n_i ∈ {⌊N/x⌋, ⌈N/x⌉}) holds the
-    most, Σ ℓ(n_i) = x·ℓ̂(N/x) with ℓ̂ the interpolation of ℓ at whole n. ℓ̂ is the least of three
-    lines: the room, the time room, and the chord over the unit interval where those two cross; each
-    line L(n) = a + s·n gives the row F ≤ x·L(N/x) = a·x + s·N."""
+    with N accumulation steps in total by the time t (slack_s = t − comm for compute and optimizer):
+    one row per line of the concave ℓ̂ (the room, the time room, the chord where they cross). Why
+    these rows are exact: docs/models/ilp.md ("Accumulation bands")."""
     a1, s1 = band.room_line()
     rows = [(a1, s1)]
     if opt_s <= 0:  # no optimizer time: only memory bounds the share
@@ -332,13 +303,8 @@ def relaxation_value(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequence[
     """An upper bound on the state the probe's configurations can hold (1 is all of it), from its LP
     relaxation (integrality and the per-entry bounds dropped); −inf where no configuration meets the
     batch and world rows at all. `stop_below`: return the first bound found below it (a proof is
-    enough), else the least one. With y_j ≥ 0 devices on ray j
-    (batch b_j, share c_j, class g_j), the relaxation is max Σ c·y subject to Σ_{j∈g} y_j ≤ count_g,
-    Σ b·y = B, lo ≤ Σ y ≤ hi; for any prices λ (batch) and μ (world size) its optimum is at most
-        D(λ, μ) = λ·B + hi·μ⁺ − lo·μ⁻ + Σ_g count_g · max(0, max_{j∈g} (c_j − λ·b_j − μ))
-    (weak duality), so D < 1 is a proof. D is convex and piecewise linear; its least value lies at a
-    vertex: λ where two rays tie (c_j − c_k)/(b_j − b_k) or one reaches 0 (c_j/b_j), μ at 0 or a
-    class's best reduced value. Those λ are searched as a convex sequence (bisection on its slope)."""
+    enough), else the least one. The bound is the dual value D(λ, μ) at its least vertex (weak
+    duality, so D < 1 is a proof); the derivation: docs/models/ilp.md ("The LP relaxation as a proof")."""
     lo_k, hi_k = world
     by_class: dict[int, list[tuple[float, float]]] = {}
     for e in entries:
@@ -1038,8 +1004,8 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
                               micro_batches: Sequence[int] | None, max_compute_s: float, tol: float,
                               reach_of: dict) -> float:
     """A lower bound on the scope's plans, from a few memory checks per kind of device instead of
-    its table (issue 17: at large batches the tables of ZeRO 2 and 3, built only to be skipped, were
-    most of a solve): the fluid bound by world-size range from `_rate_above` per kind; inf where the
+    its table (at large batches the tables of ZeRO 2 and 3, built only to be skipped, were most of a
+    solve): the fluid bound by world-size range from `_rate_above` per kind; inf where the
     devices cannot take the batch at all; else per world-size range the larger of that bound and
     the capacity bound (`_capacity_bound_s`) over each kind's `_reach_before_table`, a range that
     could still beat the incumbent split in two as solve_scope splits it. Rates, most
