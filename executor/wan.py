@@ -2,70 +2,14 @@
 
 `executor launch --emulate-wan` runs a plan whose used devices sit on k >= 2 nodes (each node one
 datacenter) on this machine, each node's torchrun agent and ranks inside the node's own network
-namespace, so every byte between datacenters crosses a real, kernel-shaped link:
+namespace (one host address per node, a veth link per pair of nodes, nothing in the root
+namespace), so every byte between datacenters crosses a real link: tc tbf at the plan's rate,
+corrected from frames to TCP payload, plus netem's RTT where the kernel has it (else the RTT is
+recorded as modelled). gloo's connections per link follow `plan.connections`. `remove`,
+`remove_run`, a guard process and `remove_stale` tear every namespace and process of a run down,
+however it ends.
 
-    netns gpumix-wan.<run id>.<launcher pid>.<i>          (i: the node's place in plan order)
-        lo      up: the node's own ranks talk over it (inside a datacenter: not shaped)
-        gmx0    10.78.X.(100+i)/32, the node's one host address (gmx0p: its veth peer, same namespace)
-        wan<j>  veth to namespace j's wan<i>; route 10.78.X.(100+j)/32 dev wan<j> src 10.78.X.(100+i)
-                tc on both ends: tbf at the link's rate [+ netem delay rtt/2 where the kernel has it]
-
-Why this shape:
-- One host address per node, routed over the direct veth to each peer: torchrun and gloo advertise
-  one address per rank (gloo binds the address of GLOO_SOCKET_IFNAME's interface and publishes it),
-  so every peer must reach the node at that same address, each over its own link. A subnet per
-  link would give a node one address per peer.
-- gmx0 is a veth pair inside the namespace because this kernel has no `dummy` link type, and an
-  address on `lo` would not do: gloo binds the interface's first address, 127.0.0.1 on lo.
-- Both ends of every veth live in run namespaces, created there (`ip -n A link add wan<j> type veth
-  peer name wan<i> netns B`): nothing of a run exists in the root namespace, so deleting its
-  namespaces (once no process holds them) deletes its links and qdiscs with them, and interface
-  names never collide with the host's or another run's.
-- Addresses of three digits (100 + i, so at most MAX_NODES nodes) sort as strings in node order:
-  the c10d rendezvous ranks its agents by their --local-addr string, so node i's ranks follow
-  those of nodes 0..i-1, and rank r is the r-th used device of the plan as on a local run (the
-  cgroup table of executor.launch relies on it).
-- The subnet is the first 10.78.X.0/24 that no host interface uses (the SLURM test fixture takes
-  10.77.X); the namespaces have no route anywhere else, so two runs on one subnet cannot meet,
-  and a name lookup (c10d does reverse lookups) fails at once instead of timing out.
-- Processes enter with `nsenter --net=/var/run/netns/<ns>`, an argument list like everything
-  here, not `ip netns exec`: that one remounts /sys, where profiler.cgroups then finds no cgroup
-  hierarchy (a `cpu_share` device inside an emulated datacenter needs both).
-
-Shaping (tc tbf, on the egress of both ends, so each direction has the link's rate):
-- rate: the plan's `gbps` is what a transfer gets (the cost models price bytes of payload at it),
-  so tbf, which counts whole frames, is set to gbps × FRAME_BYTES / PAYLOAD_BYTES: at MTU 1500 a
-  full TCP segment carries 1448 bytes in a 1514-byte frame (14 Ethernet + 20 IP + 20 TCP + 12 of
-  the timestamp option). Measured here before the correction: 19.15 Mbit/s of payload through a
-  20 Mbit/s tbf, 191 through 200 (95.7 %, the ratio above); after it, asked 20 / 50 / 200 Mbit/s,
-  measured 20.06 / 50.06 / 200.4 (one TCP stream, 3 runs each), 20.1 and 199 with 3-4 streams.
-- burst: max(BURST_MIN_BYTES, BURST_S of traffic at the rate). The bucket must hold at least one
-  frame and more than the timer slack; 16 KiB is 6.5 ms at 20 Mbit/s, negligible against any
-  transfer worth emulating, and rate × 1 ms keeps the shaper's wake-ups bounded at 10 Gbit/s.
-- latency (the queue: rate × latency + burst bytes): QUEUE_S = 20 ms, a router's buffer. TCP over
-  these near-zero-RTT links keeps a queue that short full (5 ms measured the same rate), and a
-  transfer queued behind another waits at most that long in the queue.
-
-RTT: `probe_netem` tries a netem qdisc in a throw-away namespace. Where it works, each shaped end
-gets a netem child under its tbf delaying rtt_ms / 2 (the round trip is both directions; not
-exercised on this kernel, which has no netem). Where it does not ("Specified qdisc kind is
-unknown" here), no delay is added and the run's record
-says the RTT is modelled, not emulated. `WanSetup.rtt_mode` and the run's `emulation` events say which.
-
-Connections: gloo opens one full mesh per entry of GLOO_SOCKET_IFNAME, so the interface name is
-repeated `connections` times, the most that any used link asks in `plan.connections` (every rank
-of a gloo group must open the same number of meshes). Gloo gives each operation one mesh: a
-collective the next one round robin, a send or receive mesh `tag % n` (models/pipeline.py tags a
-transfer by its micro-batch), so n connections carry n operations at once; one operation is not
-striped over them.
-
-Tear-down (`remove`, `remove_run`): every process whose network namespace is one of the run's is
-SIGKILLed (ours by construction: nothing else enters them), then the namespaces are deleted. It
-runs at the end of every launch, however the launch ends; a guard process
-(`python -m executor.wan guard`, its own session) does it when the launcher itself is killed;
-`remove_stale` at each emulated launch removes the namespaces of this run id and of any launcher
-no longer alive (the pid is in the name; a reused pid keeps its namespaces until the next launch
-of that run or a stop_run).
+The layout and why, the shaping figures, RTT, connections and tear-down: docs/emulated_wan.md.
 """
 from __future__ import annotations
 

@@ -1,56 +1,16 @@
 """Pipeline-parallel training: one rank = (stage s, data-parallel index i) of a plan's PipelineSpec.
 
-Why not torch.distributed.pipelining: its PipelineStage maps stage k to ONE rank of the pipeline
-group (`stage_index_to_group_rank = {k: k % group_size}`, and a group larger than the number of
-stages is refused), so data parallelism means several identical pipeline groups side by side. A
-heterogeneous plan has stages with DIFFERENT data-parallel degrees (2 ranks in stage 0, 1 in stage 1)
-whose activations must be split and merged by rows between stages; that layout cannot be expressed.
-So the schedule is written here with `dist.isend` / `dist.irecv` (gloo and NCCL alike).
+Written with `dist.isend` / `dist.irecv` rather than torch.distributed.pipelining, which cannot give
+stages different data-parallel degrees. Stage s holds its units (contracts/units.py), built and
+seeded as models/sharded.py does (the last stage of a tied model keeps a replica of "embed"); each
+stage splits a micro-batch's rows over its ranks, which exchange the intersecting pieces with the
+neighbouring stages; inside a stage ZeRO-1 with the plan's uneven shards. Schedules "gpipe" and
+"1f1b" (contracts/pipeline_order.py); receives are posted one op ahead so a transfer overlaps
+compute, and a pending receive calls `idle()` (BubbleTea's prefill worker). `timeline=True` records
+every op's start and end.
 
-Layout. The model is cut into the units of contracts/units.py; stage s holds "embed" (first stage),
-"block.l" for its layers, "head" (last stage), each built and initialized exactly as
-models/sharded.py does (this class IS a ShardedRuntime restricted to the stage's units: the same
-flat buffers, the same per-unit generator seed*SEED_STRIDE+u with u the unit's global index), so a
-pipeline starts from the same weights as one rank. Tied embeddings: the last stage keeps a replica of
-the whole "embed" unit (the head reads its token table); after backward the full embedding gradient
-is all-reduced over the ranks of the first and the last stage (Megatron's embedding group), so both
-copies take the same AdamW update and stay bit-identical. The global norm counts the replica once
-(on the first stage only).
-
-Rows. Stage s splits each micro-batch's rows over its devices (`rows`, consecutive ranges in
-data-parallel order). Rank (s, i) receives its input rows from every rank of stage s-1 whose range
-intersects its own, straight into views of one (rows, T, h) buffer, and sends each intersecting piece
-of its output to the rank of stage s+1 that owns it; gradients travel the same pieces backward.
-
-Data parallel inside a stage: ZeRO-1 with the plan's uneven shard fractions (the STAGE's fractions):
-full fp32 gradients accumulate over all micro-batches, then one reduce-scatter per unit inside the
-stage's process group, AdamW on the owned slice, one all-gather of the updated parameters. The global
-gradient norm, the fp16 overflow flag and the step's loss travel in one all-reduce over the world.
-The loss is each row's summed cross-entropy over the GLOBAL token count (as models/sharded.py), so
-the last stage's ranks' losses sum to the single-rank loss.
-
-Schedules: "gpipe" runs every micro-batch forward, then every one backward; "1f1b" (Narayanan et al.
-2021, PipeDream-flush) runs min(S-1-s, M) forwards, then alternates one forward and one backward,
-then the remaining backwards: stage s holds at most min(S-s, M) micro-batches' activations.
-Receives are posted one op ahead: when op i of the schedule's order starts (before it waits for its
-own receive) the receive of op i+1 is posted (a forward's input, a backward's incoming gradient), the
-step's first op posting its own. gloo moves a send's data only once the receiver has posted (measured:
-an isend completes only then), so a receive posted at the op that needs it put every boundary transfer
-on the critical path; posted one op earlier, a transfer over a slow link overlaps the current op's
-compute. A receive buffer thus exists from the start of the op before the one that uses it, at every
-run whatever the timing (planner/core/stage_memory.py counts it); sends are asynchronous. A forward send of micro-batch k is waited for (it is done) when its gradient
-comes back, a gradient send before the next one is posted, all sends before the gradient sync: so
-what a rank holds is the same at every run, whatever the timing (planner/core/stage_memory.py).
-While a receive is pending the rank polls for its completion and calls `idle()` between polls (the
-prefill worker of BubbleTea): idle work is never started once the receive has completed. gloo's
-Work.is_completed() cannot be polled (it stays False until wait()): a helper thread waits instead
-(`_Transfer`).
-
-Timeline: with `timeline=True` a step records (time.time()) the start and end of every forward,
-backward, send_fwd, recv_fwd, send_bwd, recv_bwd, grad_sync (reduce-scatters, the tied all-reduce and
-the stats all-reduce), optimizer (AdamW and the parameter all-gather) and prefill (one row per idle
-call that did work; each starts before its receive completed, the last one may end after it: that
-overrun is the delay prefill imposes on training, one bounded piece at most). A send's end is when its wait returned in a helper thread (only started with the timeline).
+Why each choice, and how the planner predicts this runtime: docs/models/pipeline_simulation.md
+("The runtime being modelled"); its memory: docs/models/memory.md.
 """
 from __future__ import annotations
 

@@ -1,33 +1,13 @@
 """What one pipeline stage costs: a range of layers on one device type, for one micro-batch.
 
-A pipeline cuts the runtime's units (contracts/units.py: "embed", "block.0" .. "block.L-1",
-"head") into contiguous stages; the first stage holds the embedding, the last the final norm and
-the LM head (and the loss). The d GPUs that hold one stage (one per data-parallel pipeline) train
-it in data parallel with ZeRO-1 (contracts/units.py: a reduce-scatter of the fp32 gradients and
-an all-gather of the updated parameters in the compute dtype, once per optimizer step), then run
-AdamW over their 1/d of the stage's state.
+A pipeline cuts the runtime's units (contracts/units.py) into contiguous stages; the d GPUs of one
+stage train it with ZeRO-1 and run AdamW over their 1/d of its state. Priced here: compute (the
+device type's α + β·m divided among the units by their training FLOPs, `unit_flops`), the
+optimizer, the stage's collectives, the fp32 activation and gradient crossing each boundary
+(`boundary_bytes`), a tied embedding's all-reduce between the first and last stage (`tied_sync_s`),
+and the stage's memory (planner/core/stage_memory.py's exact model).
 
-Time (seconds, one micro-batch of `micro_batch` samples):
-- compute: the device type's step profile (planner.core.profiles.get_step_profile: measured, or
-  FLOPs ÷ (peak × calibrated efficiency)) of the whole model, `α + β·m`, divided among the units
-  in proportion to their training FLOPs per token (`unit_flops`). A block: 2·N_b matmul + 4·q·s
-  attention FLOPs forward, twice that backward, and with full recomputation its forward once more
-  in backward (models/decoder.py checkpoints blocks, not the head). The head: 2·V·h forward,
-  4·V·h backward. The embedding lookup has no matmul FLOPs (0).
-- optimizer: the profile's optimizer_s_per_param × the stage's parameters / d.
-- collectives: planner.costmodel.collectives.sharded_step_comm_s over the stage's units.
-- a boundary: the runtime (models/pipeline.py) sends each micro-batch's activation as fp32 rows
-  (rows, seq, hidden), and its gradient back the same way (`WIRE_BYTES` per element, whatever the
-  training dtype): `boundary_bytes`.
-- a tied embedding (the LM head is the embedding): the first and the last stage each hold it, and
-  their fp32 "embed" gradients are all-reduced once per step over both stages' ranks (`tied_sync_s`).
-
-Memory (bytes per GPU): `stage_memory_bytes` is planner/core/stage_memory.estimate_stage_memory,
-the exact per-rank model of models/pipeline.py (its units only, the tied replica on the last stage,
-ZeRO-1 over the stage's d ranks at an even 1/d shard, the schedule's micro-batches in flight, the
-step's token and target inputs): it is asked with a pipeline of the stage's position (stage j of p,
-m micro-batches) whose other stages hold one layer each, which changes nothing of stage j's own
-memory. Full recomputation (a checkpoint per block, as the runtime runs it) is part of that model.
+The terms and their sources: docs/models/pipeline_simulation.md ("What one stage costs").
 """
 from __future__ import annotations
 

@@ -1,51 +1,15 @@
 """The prediction of a GIVEN plan on given hardware: what `executor launch` will measure.
 
 `predict_plan(plan)` simulates exactly the plan's pipeline (its stages, rows, micro-batches,
-schedule, devices and links) with the discrete-event simulator (planner/geo/pipeline_sim) and the
-shared cost model (planner/costmodel/pipeline.py); `predict_dp_plan(plan)` prices a data-parallel
-plan across the same links. bench/geo_real.py compares both against measured runs on emulated
-datacenters, so every term follows the runtime (models/pipeline.py, models/sharded.py), not the
-geo search's idealisations:
+schedule, devices and links) with planner/geo/pipeline_sim and the stage cost model
+(planner/costmodel/pipeline.py); `predict_dp_plan(plan)` prices a data-parallel plan across the
+same links. Every term follows the runtime (models/pipeline.py, models/sharded.py): the profiled
+compute, fp32 boundary transfers posted one op ahead, fairly shared WAN links with their RTT (or
+without, where the emulation cannot add delay), the step's syncs, the optimizer and the exact stage
+memory. What the simulator cannot describe (uneven stages or rows, mixed kinds in a stage, a stage
+across nodes) is refused, never approximated. bench/geo_real.py measures runs against it.
 
-- compute: forward / backward of one micro-batch of the device's `rows` through the stage's units,
-  from the device kind's step profile (planner.core.profiles.get_step_profile: measured by
-  `profiler profile`, a CPU-quota kind under its own quota, or estimated and labelled so), split
-  by the units' FLOPs (PipelineCostModel.compute_s), times the device's emulated `slowdown`.
-- a boundary: the runtime sends each activation as fp32 rows (rows, seq, hidden) from a rank of
-  stage j to the rank of stage j+1 whose rows it covers, and the gradient back the same way:
-  `rows·seq·hidden·4` bytes per micro-batch and direction (costmodel.pipeline.WIRE_BYTES). It posts
-  each receive one op ahead (when op i of a rank's order starts, the receive of its op i+1), and
-  gloo / NCCL move a send's data only once the receiver is ready (gloo/transport/tcp/pair.cc, Pair::send: "Execute this send if there is a remote
-  pending receive", else it notifies the peer and waits; measured here: an isend of 32 KiB to 16 MiB
-  completes only when the receiver posts), so a transfer starts at max(send, receive posted + one-way latency)
-  (pipeline_sim's `runtime_step`) and overlaps the receiver's op before the one that needs it. Same node: a path of its own per pair at the node's collective
-  bandwidth (the measured gloo fit for CPU ranks, else `intra_node_gbps`). Different nodes: the
-  plan's WAN link (`plan.wan`), one direction shared FAIRLY by the transfers in flight (several TCP
-  streams through one `tc tbf` shaper share it; the runtime does not take turns as Atlas's temporal
-  sharing would), each transfer at most `min(gbps, k · per-connection rate)` (the link's
-  `per_connection_gbps`, else window / RTT) with `k = plan.connections` (planner/geo/scenario WanLink), plus the one-way latency RTT / 2; without a `wan` entry the
-  cluster's `inter_node_gbps`. `rtt=False` drops the RTT (latency and window cap) for an emulation
-  that cannot add delay (no netem: executor/wan.py says "rtt_mode": "modelled" in wan.json).
-- the step end, as models/pipeline.py runs it: a rank waits for its own sends, then
-  1. a tied embedding (GPT-2): the first and the last stage all-reduce the whole "embed" unit's
-     fp32 gradient over their 2d ranks (costmodel.pipeline.tied_sync_s: a ring over `ring_link`,
-     which crosses the link between the two stages' nodes), once both stages are done;
-  2. ZeRO-1 reduce-scatters of the stage's other units over its d ranks
-     (PipelineCostModel.runtime_sync_parts_s, the node's collective link);
-  3. one all-reduce over the world of the gradient norm, the overflow flag and the loss
-     (`STATS_BYTES`): every rank waits for the slowest stage here;
-  4. AdamW over the rank's shard (`shard_fraction` of the stage's state, the tied replica included)
-     at the profile's optimizer_s_per_param × `slowdown`, then the all-gathers of the updated
-     parameters; the iteration ends at the last rank's.
-- memory: planner/core/stage_memory.py's exact per-rank model (`device_memory_bytes`).
-
-Not modelled (a measured run pays them): the time between two of a rank's operations (Python
-dispatch, polling a pending transfer), the wait for the previous micro-batch's gradient send before
-the next backward's send, and any CPU the ranks of one machine take from each other.
-
-What the simulator cannot describe is refused (ValueError), never approximated: stages of
-different widths or uneven rows (the replicas of the simulator are identical pipelines), a stage
-of mixed device kinds, or one that spans nodes.
+Every term, and what is not modelled: docs/models/pipeline_simulation.md ("The prediction of a given plan").
 """
 from __future__ import annotations
 

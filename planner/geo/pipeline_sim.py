@@ -1,34 +1,15 @@
 """Discrete-event simulation of pipeline-parallel training (1F1B or GPipe).
 
-`num_pipelines` identical pipelines (the data-parallel replicas) each run
-`num_microbatches` micro-batches through `p` stages; stage `j` of pipeline `r`
-is one GPU. Per micro-batch an activation crosses each stage boundary forward
-and its gradient backward (`transfer_bytes` each way). A boundary crosses a
-`Channel`:
+`num_pipelines` identical pipelines (the data-parallel replicas) each run `num_microbatches`
+micro-batches through `p` stages, one GPU per stage; activations and gradients cross each boundary
+over a `Channel` ("dedicated", "temporal": Atlas's turn-taking WAN link, or "fair": TCP sharing).
+After the backwards come the stages' gradient syncs and optimizer steps; `runtime_step` follows
+models/pipeline.py's step (receives posted one op ahead, a world all-reduce before the optimizer).
+`reserved` intervals (BubbleTea's prefill) block a GPU, so tests can check prefill never moves
+training. `iteration_times` prices a long 1F1B iteration from bounded simulations whose recurrence
+it proves, else simulates it whole.
 
-- "dedicated": a path of its own per pipeline (NVLink/InfiniBand inside a DC);
-- "temporal": a WAN link direction used by one transfer at a time at the full
-  rate of its `k` connections, the others wait their turn (Atlas's temporal
-  sharing; `link_order` says whose turn it is);
-- "fair": a WAN link direction shared by every transfer in flight at once, each
-  getting `min(per-transfer rate, capacity / n)` (TCP fair sharing).
-
-After a stage's last backward on every replica its gradients are synchronized
-among the replicas (`Stage.allreduce_s`: the ZeRO-1 collectives), then each
-replica runs the optimizer step over its shard (`Stage.optimizer_s`, kind "OPT",
-kept in `SimResult.step_ops` beside the training `ops`); the iteration ends when
-the last operation or transfer ends. With `tied_sync_s`, the first and the last stage first sum
-their tied embedding's gradient (kind "TIED", both stages' replicas at once, once both are done).
-With `runtime_step` the simulator follows models/pipeline.py's step instead: receives are posted one
-operation ahead (when a worker's operation i starts, waiting or not, the receive of its operation i+1
-is posted; the first operation posts its own) and a transfer moves only once its receive is posted
-(gloo and NCCL send when the receiver is ready: it starts at max(send, post + one-way latency)), so a
-transfer overlaps the receiver's previous operation; a rank starts its syncs once
-its own sends have arrived; after every stage's syncs a world all-reduce (the gradient norm and the
-loss, `world_sync_s`, kind "SYNC") joins all ranks before their optimizer steps.
-`reserved` intervals (BubbleTea's prefill) block a
-GPU: a training operation that would overlap one starts after it instead, which
-is how tests check that prefill never moves training.
+The model, the channels and the recurrence proof: docs/models/pipeline_simulation.md.
 """
 from __future__ import annotations
 
@@ -510,36 +491,13 @@ def simulate_pipeline(job: PipelineJob,
 
 
 # --- iteration time without simulating every micro-batch -------------------------------------------
-# A 1F1B iteration of M micro-batches is a warm-up, M - (S-1) forward/backward cycles and a cool-down
-# with the step's syncs. The simulation is deterministic and does not depend on the clock's origin,
-# so if its whole state at a time t1 recurs at t1 + Δ with every micro-batch index moved by c, every
-# later cycle repeats that move until the cool-down, and M micro-batches end exactly as M - n·c
-# micro-batches end, n·Δ later. `iteration_times` proves that recurrence on a bounded probe
-# (PROBE_STAGES·S + PROBE_EXTRA micro-batches, then PROBE_FACTOR times that, each lengthened by up to
-# PROBE_ALIGN - 1 so that M - probe is a multiple of PROBE_ALIGN, and each only while the job is PROBE_FACTOR
-# times longer than the probe):
-# - the probe and the whole job run the same events until the probe's cool-down begins to differ
-#   (`T_div`: the first start of an operation of the last S + 1 micro-batches); only what ends before it
-#   is used;
-# - for the smallest c <= CYCLE_STAGES·S, every operation and transfer of micro-batch k + c (every
-#   timestamp: ready, posted, start, end) is that of k moved by one Δ > 0, for k in a window [a, b);
-# - a time t1 exists at which everything of micro-batches below a is over, and everything from b - c on
-#   has not begun (at t1 + Δ: below a + c over, from b not begun, t1 + Δ before T_div): the state at t1
-#   and at t1 + Δ is then only the window's operations and transfers, which are the same moved by Δ. A
-#   transfer on a fairly shared link carries how much it has sent, which the timestamps do not show:
-#   t1 and t1 + Δ are taken where no such transfer is in flight (if none is, no extrapolation).
-# Then M ends (M - M1)/c · Δ after a copy of M1 micro-batches (M1 ≡ M mod c, M1 >= the probe: the probe
-# itself when c divides PROBE_ALIGN), and so does each worker's last operation. Timestamps must match
-# to SHIFT_TOLERANCE of the probe's iteration, a few hundred rounding steps: a fairly shared link can
-# approach a periodic regime geometrically without reaching it (measured: moves that differed by
-# 1.4e-6 s per cycle, then a regime 19 % faster), which a looser tolerance took for a recurrence. A
-# job whose recurrence is not proved this way (or GPipe) is simulated whole. Events are ordered on a
-# time grid (`_snap`): ordered by their float times, two events at one instant (a transfer queued as its
-# link frees) went by rounding error, which changes as the clock crosses a power of two, and a whole
-# simulation could flip such a tie late in a long iteration where the recurrence kept it (3 of 900
-# random jobs differed, by up to 7 %). Two such times can still fall either side of a grid line:
-# bench/iteration_times.py, seeds 1-4, 1,200 jobs: one differs, by 0.10 %, a transfer that no longer
-# waits for its link after 2,730 s of a temporal link that pipeline 0 takes first.
+# A 1F1B iteration is a warm-up, repeated forward/backward cycles and a cool-down. If the simulation's
+# whole state at t1 recurs at t1 + Δ with every micro-batch index moved by c, M micro-batches end as
+# M - n·c do, n·Δ later. `iteration_times` proves that recurrence on bounded probes (sized by the
+# constants below; timestamps matched to SHIFT_TOLERANCE; events on a time grid, `_snap`) and
+# extrapolates; a job it cannot prove it for (and GPipe) is simulated whole. The proof, its conditions
+# and why the tolerance and the grid: docs/models/pipeline_simulation.md ("Long iterations from a short
+# simulation"); bench/iteration_times.py compares it with whole simulations.
 PROBE_STAGES, PROBE_EXTRA, PROBE_FACTOR, PROBES = 4, 16, 2, 2
 PROBE_ALIGN = 12  # M - probe is a multiple of 12: of every cycle of 1, 2, 3, 4, 6 or 12 micro-batches
 CYCLE_STAGES = 4
@@ -574,7 +532,7 @@ def _items(sim: SimResult) -> list[tuple[int, tuple, tuple[float, ...], tuple[fl
 
 
 def _recurrence(sim: SimResult, tol: float) -> tuple[int, float] | None:
-    """(c, Δ) of a recurrence of the probe's whole state (the block comment above), or None."""
+    """(c, Δ) of a recurrence of the probe's whole state (docs/models/pipeline_simulation.md), or None."""
     S, m = sim.job.num_stages, sim.job.num_microbatches
     items = _items(sim)
     t_div = min(o.start_s for o in sim.ops if o.kind in ("F", "B") and o.microbatch >= m - S - 1)
@@ -672,7 +630,7 @@ def _extrapolated(job: PipelineJob) -> IterationTimes | None:
 @functools.lru_cache(maxsize=256)
 def iteration_times(job: PipelineJob, whole_limit: int | None = None) -> IterationTimes:
     """The iteration of `job` (nothing reserved): from bounded simulations where its 1F1B cycles are
-    proved to recur (the block comment above), else from simulating it whole, which past `whole_limit`
+    proved to recur (docs/models/pipeline_simulation.md), else from simulating it whole, which past `whole_limit`
     micro-batches (None: MAX_SIMULATED_OPS alone) is refused with a ValueError saying so. Cached per job
     (a pure function of it): the CLI prices its chosen pipeline once for the ranking, once for the file."""
     if job.schedule == "1f1b":
