@@ -57,7 +57,7 @@ class StepCollectives:
 
 
 def step_collectives(spec: ModelSpec, zero: int) -> StepCollectives:
-    """What one optimizer step all-gathers and reduce-scatters (module docstring)."""
+    """What one optimizer step all-gathers and reduce-scatters (docs/models/memory.md)."""
     check_zero(zero)
     units = runtime_units(spec)
     n = sum(u.numel for u in units)

@@ -1,37 +1,16 @@
 """BubbleTea for real: inference prefill run in a pipeline rank's idle time, in bounded chunks.
 
-A training rank of a pipeline plan waits for activations and gradients to cross the (emulated) WAN.
-While it waits, the worker calls `PrefillWorker.step()` over and over; each call does ONE bounded
-piece of real prefill work and returns, so a receive that completes mid-call delays the training
-operation behind it by at most one piece. The pieces are units of chunked prefill (Sarathi-style):
-a request's prompt is cut into token chunks, and one unit is one decoder layer over one chunk,
-attending to the chunk's own tokens and to the keys and values the layer cached for the earlier
-chunks (a KV cache per layer). The last unit of a request is the LM head on its last position: its
-argmax is the first generated token, and the time to first token (TTFT) is arrival -> that end.
+While a training rank of a pipeline plan waits for a receive, the worker calls `PrefillWorker.step()`
+over and over; each call does ONE bounded unit of chunked prefill (one decoder layer over one token
+chunk, with a KV cache per layer) and returns, so a receive that completes mid-call delays training
+by at most one unit. The chunk size follows the measured unit times, aiming at half the time box
+(`max_chunk_s`); every unit's duration is recorded. The inference model is a preset decoder with its
+own weights (drawn under `fork_rng`, so training is the same with and without prefill); requests
+come from the config (a geo scenario's `inference` keys: a Poisson rate or a backlog). Times are
+`time.perf_counter()`; `last_chunk` feeds the timeline's "prefill" ops.
 
-Why chunk by tokens and not only by layer: one layer over a whole prompt grows with the prompt
-(one gpt2 layer over 1,024 tokens is tens of ms on a CPU core), so a layer alone bounds nothing.
-The chunk size starts from a calibration at construction (a layer unit costs a + b·tokens, both
-measured) and then follows a controller on the measured unit times (`_chunk_tokens`), aiming at
-half the time box; every unit's duration (wall and the thread's CPU time) is recorded and the
-summary reports the longest and how many overran the box, measured, not assumed. A model whose
-one-token layer already exceeds the box is refused at construction.
-
-The model: models/decoder.py's decoder built from a preset (the inference model of the geo
-scenario, e.g. `tiny` or `small`), with weights of its own drawn under `torch.random.fork_rng`, so
-the training rank's random state, and hence its training, is the same with and without prefill.
-Prompts are random token ids (seeded): prefill's cost does not depend on which tokens they are.
-
-Requests, from the config (planner.geo.scenario.InferenceWorkload's keys, so a geo scenario's
-`inference` object is a valid config): prompt lengths with weights, and either a seeded Poisson
-arrival process (`requests_per_s`; the clock starts at the first `step()`, not at construction, so
-the rank's setup does not count as queueing) or a standing `backlog`. Extra keys: `max_chunk_s`
-(the time box, default 5 ms), `num_requests` (stop after this many arrivals), `stages` (which
-pipeline stages' ranks run prefill; the worker asks `runs_on_stage`), `dtype`.
-
-All times are `time.perf_counter()` (CLOCK_MONOTONIC on Linux: one clock for every process of the
-machine, like the training timeline's); `last_chunk` is the (start, end) of the latest unit, for the
-timeline's "prefill" ops.
+The chunking, the controller, the config keys and how the simulator predicts it:
+docs/models/bubbletea.md.
 """
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ class Link:
 
     @property
     def tbf_rate_bps(self) -> int:
-        """tbf's rate in bit/s: frames, so that TCP's payload gets `gbps` (module docstring)."""
+        """tbf's rate in bit/s: frames, so that TCP's payload gets `gbps` (docs/emulated_wan.md)."""
         assert self.gbps is not None
         return round(self.gbps * GBIT * FRAME_BYTES / PAYLOAD_BYTES)
 

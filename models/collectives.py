@@ -83,7 +83,7 @@ def _check_args(full: torch.Tensor, shard: torch.Tensor, bounds: Bounds, world: 
 
 
 class Collectives:
-    """Uneven collectives for the rank at plan `position` of `world` positions (module docstring)."""
+    """Uneven collectives for the rank at plan `position` of `world` positions (docs/models/cost.md)."""
 
     position: int
     world: int
@@ -111,7 +111,7 @@ class Collectives:
 
     def scratch_bytes(self, bounds: Bounds, element_size: int) -> int:
         """Torch-allocator bytes one all_gather / reduce_scatter allocates beyond its arguments: 0,
-        every method works in place on views of `full` (module docstring)."""
+        every method works in place on views of `full` (docs/models/cost.md)."""
         validate_bounds(bounds, self.world)
         if element_size <= 0:
             raise ValueError(f"element_size must be positive, got {element_size}")

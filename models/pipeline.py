@@ -49,7 +49,7 @@ def stage_unit_indices(spec: ModelSpec, pipeline: PipelineSpec, stage: int) -> l
 
 
 def schedule_ops(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The (op, micro-batch) order of one stage: op "F" or "B" (module docstring). One definition,
+    """The (op, micro-batch) order of one stage: op "F" or "B" (docs/models/pipeline_simulation.md). One definition,
     pure Python, shared with the memory model, the cost model and the simulator
     (contracts/pipeline_order.schedule_order)."""
     return schedule_order(schedule, num_stages, stage, num_microbatches)
@@ -144,7 +144,7 @@ class PipelineStepResult(StepResult):
 
 
 class PipelineRuntime(ShardedRuntime):
-    """One rank (stage, dp_index) of a pipeline plan (module docstring). `stage_ranks[s]` are the global
+    """One rank (stage, dp_index) of a pipeline plan (docs/models/pipeline_simulation.md). `stage_ranks[s]` are the global
     ranks of stage s in data-parallel order; every rank must construct it (it creates process groups)."""
 
     def __init__(self, spec: ModelSpec, pipeline: PipelineSpec, *, stage: int, dp_index: int,

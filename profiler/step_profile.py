@@ -321,7 +321,7 @@ def _measure(run_spec: ModelSpec, seq: int, sizes: Sequence[int], recompute: str
 
 def _measure_limited(limits: cgroups.Limits, kind: str, run_spec: ModelSpec, seq: int, sizes: Sequence[int],
                      recompute: str, dtype: str, repeats: int, warmup: int) -> tuple[dict[int, list[float]], float]:
-    """`_measure` in a child process inside the device's cgroups (module docstring)."""
+    """`_measure` in a child process inside the device's cgroups (docs/models/cost.md)."""
     with tempfile.TemporaryDirectory(prefix="gpumix-profile-") as tmp, \
             cgroups.created(f"{cgroups.PREFIX}profile-{os.getpid()}", limits) as cg:
         table, job, out = (os.path.join(tmp, n) for n in ("cgroups.json", "job.json", "out.json"))
@@ -401,9 +401,9 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     """Measure the step profile of `model` on a local device and (by default) save it to the store.
 
     `workers`: how many local CPU workers will train at once on this machine; > 1 times under
-    that many concurrent processes, by wall time (module docstring). Ignored on a GPU.
+    that many concurrent processes, by wall time (docs/models/cost.md). Ignored on a GPU.
     `cpu_share` / `memory_gb`: profile an emulated CPU device under those cgroup limits, saved
-    under its kind (module docstring); `companion_cpu_share`: the companions' CPU quota.
+    under its kind (docs/models/cost.md); `companion_cpu_share`: the companions' CPU quota.
     `progress(fraction, message)` is called as the work advances (fraction in [0, 1])."""
     spec = get_model(model) if isinstance(model, str) else model
     progress = progress or _noop

@@ -229,7 +229,7 @@ def training_kernels(spec: ModelSpec, seq: int, dtype: str, recompute: str, gpu_
 @lru_cache(maxsize=4096)  # pure in its arguments (ModelSpec is frozen); planners ask for the same keys often
 def estimate_step_roofline(gpu_type: str, spec: ModelSpec, seq: int, dtype: str,
                            recompute: str = "none") -> StepRoofline:
-    """The roofline step of `spec` at `seq` tokens per sample on `gpu_type` (see the module docstring)."""
+    """The roofline step of `spec` at `seq` tokens per sample on `gpu_type` (docs/models/cost.md)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:

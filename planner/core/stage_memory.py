@@ -66,7 +66,7 @@ def _owned(numel: int, fraction: float) -> int:
 def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, dp_index: int, shard_fraction: float,
                           seq: int, dtype: str = "fp32", recompute: str = "none",
                           device_type: str = "cpu") -> StageMemory:
-    """Peak bytes of rank (stage, dp_index) of `pipeline` training `spec` (module docstring)."""
+    """Peak bytes of rank (stage, dp_index) of `pipeline` training `spec` (docs/models/memory.md)."""
     S, M = len(pipeline.stages), pipeline.num_microbatches
     if not 0 <= stage < S or not 0 <= dp_index < len(pipeline.stages[stage].rows):
         raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in a pipeline of {S} stages")

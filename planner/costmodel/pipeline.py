@@ -66,7 +66,7 @@ class StageEstimate:
 
 
 def unit_flops(spec: ModelSpec, seq: int, recompute: str) -> dict[str, UnitFlops]:
-    """Per token: "embed", "block" (each one), "head" (module docstring)."""
+    """Per token: "embed", "block" (each one), "head" (docs/models/pipeline_simulation.md)."""
     h, V, L = spec.hidden, spec.vocab_size, spec.num_layers
     block_matmul = (spec.matmul_params() - V * h) / L
     attention = 4.0 * spec.q_width * seq  # QKᵀ and AV over the s×s square, forward
@@ -220,7 +220,7 @@ class PipelineCostModel:
 
     def stage_memory_bytes(self, gpu_type: str, num_layers: int, stage: int, num_stages: int, num_microbatches: int,
                            dp: int, recompute: str) -> int:
-        """Peak bytes per GPU of stage `stage` of `num_stages` with `num_layers` blocks (module docstring)."""
+        """Peak bytes per GPU of stage `stage` of `num_stages` with `num_layers` blocks (docs/models/pipeline_simulation.md)."""
         return _runtime_stage_memory(self.spec, self.micro_batch, self.seq, self.dtype_of(gpu_type), dp,
                                      base_type(gpu_type), num_layers, stage, num_stages, num_microbatches,
                                      self.schedule, recompute)

@@ -1,71 +1,16 @@
 """BubbleTea: run inference prefill requests in the idle compute of a training pipeline.
 
 Given one simulated training iteration, prefill requests fill the GPU time training's compute does
-not use, on the GPUs whose stage leaves enough memory free for the inference model (or, in a split
-group, for its share of the model's layers), so no training
-operation moves (the caller re-simulates with the prefill as reserved intervals to prove it).
+not use (bubbles and collective waits), on the GPUs whose stage leaves enough memory free for the
+inference model, or, in a split group, for its share of the layers; no training operation moves (the
+caller re-simulates with the prefill as reserved intervals to prove it). Prefill is chunked as
+executor/prefill.py runs it: one unit is one decoder layer over one token chunk, sized to the gap,
+priced from the profile store's forward time. Requests arrive as a seeded Poisson process or a
+backlog. `simulate_bubbletea` tries whole copies and each kind of split group and keeps the one
+serving the most prompt tokens.
 
-Chunked prefill across gaps, as executor/prefill.py runs it: a request's prompt is cut into token
-chunks, and the unit of work is one decoder layer over one chunk, its keys and values kept in a KV
-cache per layer between units (and between gaps: a request started on a GPU finishes there, its
-cache held through the training operations in between). A unit starts only where the whole unit
-fits the rest of the gap; the chunk size is chosen when a chunk starts: the largest of the
-request's remaining tokens and CHUNK_LADDER whose one-layer unit fits the gap's rest (big chunks
-where the gap allows, small ones in short gaps); a layer that no longer fits waits for the GPU's
-next gap. What no unit fits stays idle (the granularity's cost, counted, not assumed away). The
-real worker bounds a unit by a time box because it cannot know when a receive completes; the
-simulator knows each gap's end, so it sizes units to the gap instead.
-
-Which time is fillable: every interval in which the GPU runs no forward, backward or optimizer step,
-including the gradient collectives (AR, TIED, SYNC: data moved over NVLink/IB/TCP while the GPU's
-compute waits), as BubbleTea fills any idle compute training does not need. Assumption, stated: a
-prefill unit overlapping a collective does not slow it (true of the gloo/TCP collectives the
-executor runs over the WAN; NCCL kernels would share SMs and memory bandwidth with it, not priced).
-Such time cannot be passed to the simulator as reserved (a reservation blocks the GPU, the
-collective would move), so `split_reservations` keeps it apart and the caller checks that it
-overlaps no compute operation of the re-simulated timeline. executor/worker.py calls the real
-worker's step() only while waiting for a pipeline receive, not during the gradient sync.
-
-Unit time on a GPU type, from the profile store's forward time P(n) of one n-token sequence (a
-third of `get_step_profile(...).step_time_s(1)`; it counts the LM head over every position, a
-slight over-estimate): a layer over chunk [lo, lo + c) costs max(P(c), P(lo + c) - P(lo)) / L. A
-chunk pays at least a fresh c-token pass (each chunk re-reads the layer's weights), and at least the
-marginal work of extending the prompt from lo to lo + c tokens (attention to the cached keys). One
-chunk of the whole prompt is exactly P(n), the unchunked time.
-
-Prefill memory (per GPU, documented formula): the 16-bit weights, the KV cache of the whole prompt
-`2 · L · n · kv_heads · head_dim` elements (held between chunks and gaps), and one layer's transient
-work space `n · (4·h + 2·ffn)` elements (the largest chunk is the whole prompt), plus one position's
-fp32 logits. A stage holding that serves requests alone. Split groups (the inference model spread over
-a pipeline's GPUs, as BubbleTea does): where a stage cannot hold the whole model, consecutive stages
-inside ONE datacenter (dedicated hops) may share one copy (`_split_windows`: the whole run of such
-stages, or a minimal window grown from the stage that holds no copy, the run's other stages keeping
-whole copies), stage j taking `layers[j]` consecutive layers (`split_layers`: in proportion to its
-idle compute, none past its memory, `split_memory_bytes`: its layers' weights, their KV cache for
-SPLIT_INFLIGHT requests at once, one chunk's work space, and at both ends the embeddings and head).
-A group then holds as many requests at once as every GPU's memory holds their caches for, counted
-in tokens (`split_kv_tokens`, at least SPLIT_INFLIGHT requests of the longest prompt). Where a
-datacenter holds several of the pipeline's replicas (data parallel), a group may also span them
-(`_replica_windows`: the same stage of each replica runs the same schedule, so stages that cannot
-hold a copy within one pipeline can across replicas, the stages that can keeping their whole copies).
-A chunk (SPLIT_CHUNK tokens: its units cross GPUs whose gaps differ, so it is not sized to one gap)
-runs layer by layer across the group, unit (c, l) after (c, l-1) plus the hidden state's hop
-(latency + c·h·2 bytes at the hop channel's rate; not reserved on the link: an intra-DC transfer
-is assumed not to delay training's, which the simulator cannot check) and after (c-1, l); each unit
-at its GPU's earliest free time (a free list per GPU, so later requests fill earlier holes). Groups
-never cross a WAN hop: the hidden states would share the links whose time training's transfers
-share (temporal sharing), so prefill traffic would move training transfers. `simulate_bubbletea`
-simulates whole copies only and each kind of group (SPLIT_MODES) and keeps the one serving the most
-prompt tokens, naming the others in its note.
-
-Requests: with `requests_per_s`, a seeded Poisson process with lengths in the distribution's
-proportions, served first come first served (the oldest waiting request whose memory fits the
-GPU); the time to first token is arrival -> the last unit's end. With a backlog, requests of every
-listed length always wait, in the distribution's proportions. A request still running at the
-iteration's end counts its work as busy time but is not counted served (nor its tokens), except in
-a split group, whose requests may run on into the next iteration's start (steady state: iterations
-repeat back to back, so that is the same free time; `_steady` checks that the caches they still
-hold there, beside the next iteration's requests, stay within the group's bound).
+The fillable time, the unit-time and memory formulas, split groups and the request model:
+docs/models/bubbletea.md.
 """
 from __future__ import annotations
 
@@ -182,7 +127,7 @@ def prefill_time_s(spec: ModelSpec, tokens: int, gpu_type: str, dtype: str = "bf
 
 
 class UnitTimes:
-    """One-layer unit times of chunked prefill on one GPU type (module docstring's formula), with
+    """One-layer unit times of chunked prefill on one GPU type (docs/models/bubbletea.md's formula), with
     the forward times P(n) cached per token count."""
 
     def __init__(self, spec: ModelSpec, gpu_type: str, dtype: str):
@@ -376,7 +321,7 @@ class _FreeList:
 
 class _Group:
     """A pipeline's stages in one datacenter holding ONE copy of the inference model between them
-    (stage j its `layers[j]` consecutive layers, module docstring): a request's chunk runs layer by
+    (stage j its `layers[j]` consecutive layers, docs/models/bubbletea.md): a request's chunk runs layer by
     layer across the GPUs, unit (c, l) after unit (c, l-1) (plus the hidden state's hop to the next
     GPU) and after unit (c-1, l) (that layer's KV cache); each unit at its GPU's earliest free time."""
 

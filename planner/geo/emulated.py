@@ -88,7 +88,7 @@ def node_channel(plan: Plan, a: str, b: str, rtt: bool) -> Channel:
 
 def _stage_layout(plan: Plan) -> tuple[int, int, list[tuple[NodeSpec, DeviceSpec]]]:
     """(replicas d, rows per replica, each stage's node and device kind); ValueError for a plan the
-    simulator cannot describe exactly (module docstring)."""
+    simulator cannot describe exactly (docs/models/pipeline_simulation.md)."""
     p = plan.pipeline
     assert p is not None
     devices = plan.cluster.devices()
@@ -143,7 +143,7 @@ def device_memory_bytes(plan: Plan, device_index: int, kind: str) -> int:
 
 
 def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[PipelineJob, dict]:
-    """The simulator's job of a pipeline plan (module docstring), and each device's predicted memory."""
+    """The simulator's job of a pipeline plan (docs/models/pipeline_simulation.md), and each device's predicted memory."""
     p = plan.pipeline
     if p is None:
         raise ValueError("plan: not a pipeline plan (no 'pipeline' section); use predict_dp_plan")
@@ -213,7 +213,7 @@ def timeline_rows(sim: SimResult) -> tuple[dict[str, Any], ...]:
 
 
 def simulate_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> PlanSimulation:
-    """The pipeline plan simulated as the runtime runs it (module docstring). Past MAX_MICROBATCHES
+    """The pipeline plan simulated as the runtime runs it (docs/models/pipeline_simulation.md). Past MAX_MICROBATCHES
     micro-batches the timeline is not built: the iteration and each device's step end come from
     pipeline_sim.iteration_times (bounded simulations whose recurrence it proves; refused otherwise),
     `ops` is empty and `sim` None."""

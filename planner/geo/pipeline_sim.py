@@ -71,7 +71,7 @@ class PipelineJob:
     # a tied embedding's gradient summed between the first and the last stage (each replica with its
     # counterpart), once both have run their last backward and before either's own sync; 0: none
     tied_sync_s: float = 0.0
-    # models/pipeline.py's own step (module docstring, "runtime step"): rendezvous transfers, a rank
+    # models/pipeline.py's own step (docs/models/pipeline_simulation.md, "runtime step"): rendezvous transfers, a rank
     # syncs once its sends are done, a world all-reduce of `world_sync_s` between the syncs and the
     # optimizer steps (then `Stage.allreduce_s` is the reduce-scatters, `optimizer_s` AdamW + all-gathers)
     runtime_step: bool = False
