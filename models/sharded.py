@@ -1,45 +1,16 @@
 """The sharded training runtime: ZeRO stages 1, 2 and 3 with UNEVEN shards (Cephalo's real mode).
 
 The model is cut into units (contracts/units.py: the embedding, each block, the head), each one flat
-fp32 parameter. Plan position p owns the slice `shard_bounds(numel, fractions)[p]` of every unit:
-its fp32 master parameters, the gradient of that slice and its AdamW moments (models/optim.py).
-What else a rank holds depends on the stage:
+fp32 parameter; plan position p owns the slice `shard_bounds(numel, fractions)[p]` of every unit (its
+master parameters, their gradient and AdamW moments, models/optim.py). ZeRO 1/2 keep every unit's
+full parameters, ZeRO 3 gathers a unit only while it computes (the next one prefetched). At ZeRO 2/3
+a step accumulates LAYER BY LAYER: every micro-batch passes through a unit before the next starts,
+so each unit is gathered and reduce-scattered once per step and uneven ranks issue the same
+collectives in the same order. Then the global norm, clipping, an fp16 loss scale, AdamW on the
+slices. Start-up builds the decoder on the meta device and materializes one unit at a time.
 
-    zero 1  every unit's full parameters; full fp32 gradients from the first micro-batch to their reduce
-    zero 2  every unit's full parameters; a unit's full gradient only while it is being reduced
-    zero 3  a unit's full parameters only while it computes (gathered before forward, freed after,
-            gathered again for backward), plus the next unit's, prefetched while this one computes
-
-No gradient outlives its step (as FSDP2): a slice's gradient exists from its unit's first reduce to
-the update. With one micro-batch (keep mode) autograd makes each parameter's gradient on its own
-and they are copied into one flat buffer only for the reduce, so no buffer waits through backward.
-Full parameters are gathered in fp32 on every device; bf16/fp16 plans compute under autocast,
-which casts each unit's weights for its matmuls (the cache is dropped after every unit). Where the
-master slice lies inside a replicated full buffer (zero 1 and 2) it is a view of it, not a copy.
-
-A step with zero 2 or 3 accumulates LAYER BY LAYER (Cephalo, benson-guo/cephalo trainfsdp.py): all
-of the rank's micro-batches pass through a unit before the next unit starts, so every unit is
-gathered and its gradient reduce-scattered ONCE per step, whatever the rank's accumulation count,
-and ranks with different (micro-batch, accumulation) pairs issue the same collectives in the same
-order (a per-micro-batch schedule would make the collectives of round r wait for the slowest rank's
-r-th micro-batch, so uneven splits would pay Σ_r max instead of max Σ). The trade:
-  * with one micro-batch and recompute "none" the autograd graph of every unit is kept from forward
-    to backward (no recomputation), as FSDP does;
-  * with several micro-batches (or recompute "full") only the unit BOUNDARIES are kept, one (B, T, h)
-    tensor per unit and micro-batch, and each unit's forward is recomputed in its backward: one
-    extra forward of compute and (L+1)·n·m·s·h boundary elements of memory, against n× fewer
-    collectives than reducing after every micro-batch. No full gradient of more than one unit
-    exists at zero 2/3. The planner prices exactly this (contracts/units.py, planner/core/memory.py).
-Zero 1 runs the whole model per micro-batch (its graph kept, or checkpointed per block with
-recompute "full"), accumulating into the full gradients, then reduces once.
-
-After the gradients: the global gradient norm (one all-reduce of every rank's sum of squares),
-clipping, and with fp16 a dynamic loss scale whose overflow skips the step on every rank; then
-AdamW on the master slices; at zero 1/2 every unit's updated slices are all-gathered back.
-
-Start-up never holds the model: the decoder is built on the meta device and each unit is
-materialized, initialized (one generator per unit, seeded from the run's seed, so every plan
-starts from the same weights) and cut to the rank's slice before the next one exists.
+What a rank holds at each stage, and the trade layer-wise accumulation makes:
+docs/models/memory.md ("The runtime being modelled"), which planner/core/memory.py prices exactly.
 """
 from __future__ import annotations
 
@@ -113,7 +84,7 @@ class StepResult:
 
 
 class ShardedRuntime:
-    """One rank of a (possibly uneven) sharded data-parallel run of a ModelSpec (module docstring)."""
+    """One rank of a (possibly uneven) sharded data-parallel run of a ModelSpec (docs/models/memory.md)."""
 
     def __repr__(self) -> str:
         return (f"ShardedRuntime({self.spec.name!r}, zero={self.zero}, position={self.position} of "
@@ -343,7 +314,7 @@ class ShardedRuntime:
         return total
 
     def _step_layerwise(self, batches, normalizer: int, scale: float) -> float:
-        """Zero 2/3: unit by unit over all micro-batches (module docstring)."""
+        """Zero 2/3: unit by unit over all micro-batches (docs/models/memory.md)."""
         n = len(batches)
         keep = n == 1 and self.recompute == "none"  # keep every unit's graph: no recomputation
         units = self.units
