@@ -1,11 +1,12 @@
-"""A planned run against the even split of the same devices: the baseline plan, and the measured comparison.
+"""A planned run against the even split of the same devices: the measured comparison.
 
 Does the heterogeneous plan pay off? Only a measurement says so: the same devices, model, global
 batch, sequence, dtype and ZeRO stage, the batch split evenly (and the state sharded evenly) as a
 practitioner would run it, launched as a normal run, and the two runs' median step times side
-by side. This module builds that even plan (`baseline_plan`, `even_plan`) and compares two runs
-as executor.store.read_metrics returns them (`step_median`, `compare_runs`). The dashboard's
-Launch page and bench/hetero_speedup.py both use it. Nothing here imports torch.
+by side. The planner builds that even plan (planner.entry.even_plan); this module names the even
+runs of a planned run and compares two runs as executor.store.read_metrics returns them
+(`step_median`, `compare_runs`). The dashboard's Launch page and bench/hetero_speedup.py both use
+it. Nothing here imports torch.
 
 Medians are over steps SKIP_STEPS + 1 onwards: step 1 carries the warm-up and the memory
 tracker, step 2 the allocator's warm-up; what remains is what a long run repeats.
@@ -18,60 +19,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from contracts.cluster import ClusterSpec
-from contracts.plan import Assignment, Plan
+from contracts.plan import Plan
 
 SKIP_STEPS = 2  # warm-up + the memory-tracked first step; then the allocator settles
 MIN_COMPARED_STEPS = 5  # a median of fewer steps after the warm-up is not a measurement to compare
-EVEN = "even"
-PROPORTIONAL = "proportional"
-DEFAULT_HEADROOM = 0.9  # the planner's default (planner.hetero.solve.solve_plan)
 EVEN_RUN_SUFFIX = "-even"  # <planned run folder>-even[-k]: the even-split measurements of that run
 _EVEN_RUN = re.compile(rf"^(?P<planned>.+){EVEN_RUN_SUFFIX}(?:-(?P<k>[0-9]+))?$")
 
 
-# ---- the baseline plans --------------------------------------------------------------------
-
-
-def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int, seq: int, dtype: str = "fp32",
-                  recompute: str = "none", zero: int = 1, unit: int = 1,
-                  headroom: float = DEFAULT_HEADROOM) -> Plan:
-    """The planner's `even` or `proportional` baseline as a launchable plan: the batch split its way
-    (planner.hetero.baselines: `even` equal parts, `proportional` in proportion to each device's
-    profiled speed), in multiples of `unit` samples (bench/hetero_speedup.py rounds to its smallest
-    micro-batch), even state shards, on each device the largest power-of-two micro-batch dividing
-    its batch that fits, priced by the planner's cost model at `zero`. Raises ValueError when the
-    batch does not divide into units or a device cannot hold its part."""
-    from contracts.specs import get_model, with_max_seq
-    from planner.costmodel.training import CostModel
-    from planner.hetero.baselines import fastest_fitting_split, split_by_weights
-    from planner.hetero.solve import evaluate_plan
-
-    if name not in (EVEN, PROPORTIONAL):
-        raise ValueError(f"baseline must be {EVEN!r} or {PROPORTIONAL!r}, got {name!r}")
-    if unit < 1 or global_batch % unit:
-        raise ValueError(f"global batch {global_batch} is not a multiple of {unit} samples")
-    cost = CostModel.build(cluster, with_max_seq(get_model(model), seq), seq, dtype, recompute, headroom, zero=zero)
-    devices = cluster.devices()
-    weights = ([1.0] * len(devices) if name == EVEN
-               else [cost.coeffs[d].speed_samples_per_s for _, d in devices])
-    shard = 1.0 / len(devices)
-    assignments = []
-    for i, ((node, dev), units) in enumerate(zip(devices, split_by_weights(global_batch // unit, weights))):
-        batch = unit * units
-        split = fastest_fitting_split(cost, dev, batch, shard)
-        if split is None:
-            raise ValueError(f"{name} split: {dev.label} cannot hold a batch of {batch} with {shard:.0%} of the state")
-        assignments.append(Assignment(i, node.name, dev.type, split[0], split[1], batch, shard, 0, 0.0,
-                                      dev.emulated, dev.slowdown, dev.memory_gb))
-    plan = Plan(cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), 0.0, 0.0, zero=zero)
-    return evaluate_plan(plan, headroom)
-
-
-def even_plan(plan: Plan, headroom: float = DEFAULT_HEADROOM) -> Plan:
-    """The even split of `plan`'s devices at its model, global batch, seq, dtype, recompute and ZeRO stage."""
-    return baseline_plan(plan.cluster, EVEN, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute,
-                         plan.zero, headroom=headroom)
+# ---- a plan against its even split ------------------------------------------------------------
 
 
 def split_of(plan: Plan) -> list[tuple[int, int, float]]:

@@ -9,10 +9,10 @@ One pass (`tick`):
    jobs — two jobs on one device raise at once;
 3. ask the same `frenzy` policy the simulator uses (planner.schedule.simulate.FrenzyPolicy over
    MARP's options on the local cluster) which queued jobs start on which devices;
-4. for each: the heterogeneous planner's plan on exactly those devices
-   (planner.hetero.solve.solve_plan on the sub-cluster) — or, when devices of other types
-   would otherwise idle this pass, a mixed-type plan over both if it is predicted
-   clearly faster — then executor.launch.start_run.
+4. for each: the planner's plan on exactly those devices, or on those and devices of other
+   types that would otherwise idle this pass when that is predicted clearly faster
+   (planner.entry.plan_on_devices: the same planning as `python -m planner plan`), then
+   executor.launch.start_run.
 A launch that fails marks the job failed with the reason and frees its devices.
 
 `run_forever(poll_s)` repeats `tick`. Only one pass runs at a time per queue (a file
@@ -28,22 +28,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from contracts.cluster import ClusterSpec
+from contracts.paths import runs_dir
 from executor import booking
 from executor.queue import JobQueue, QueuedJob
-from contracts.cluster import ClusterSpec, NodeSpec
-from contracts.jobs import JobSpec
-from planner.schedule.options import ResourceOption
-from contracts.paths import runs_dir
+from planner.entry import plan_on_devices
 from planner.schedule.frenzy import FrenzyPolicy
 from planner.schedule.state import ClusterState, Running
 
 log = logging.getLogger(__name__)
 
 LOCAL_DTYPE = "fp32"  # CPU workers train in fp32 (gloo); a GPU cluster file may ask for bf16
-PLAN_TIME_LIMIT_S = 10.0
-MIXED_GAIN = 0.9  # take idle devices of other types only for a predicted >= 10 % shorter iteration
 BOOKED_ELSEWHERE = "booked by another run"  # the ClusterState owner of devices the ledger gives to others
-MAX_ITERATION_S = 86_400.0  # a job whose every step takes over a day on the whole pool is refused at submit
 
 
 @dataclass
@@ -57,36 +53,6 @@ class TickReport:
     def to_dict(self) -> dict:
         return {"started": self.started, "finished": [{"id": i, "state": s} for i, s in self.finished],
                 "skipped": self.skipped}
-
-
-def sub_cluster(cluster: ClusterSpec, devices: tuple[int, ...], name: str) -> ClusterSpec:
-    """The devices `devices` of `cluster` as a cluster of their own (same nodes, same order)."""
-    chosen = set(devices)
-    nodes, i = [], 0
-    for node in cluster.nodes:
-        keep = tuple(d for k, d in enumerate(node.devices, start=i) if k in chosen)
-        i += len(node.devices)
-        if keep:
-            nodes.append(NodeSpec(node.name, node.datacenter, keep))
-    return ClusterSpec(name, tuple(nodes), cluster.network)
-
-
-def check_runnable(job: JobSpec, cluster: ClusterSpec, dtype: str = LOCAL_DTYPE) -> ResourceOption:
-    """The fastest option the scheduler would consider for `job` on `cluster` (the `frenzy` policy's
-    options over MARP's memory model); ValueError with the reason when no device set of the pool can
-    run it: it fits in memory nowhere, or even its fastest option takes more than MAX_ITERATION_S
-    per optimizer step (a batch no pool of this size trains: no step, no checkpoint for a day)."""
-    options = FrenzyPolicy(cluster, dtype).options(job)
-    if not options:
-        raise ValueError(f"{job.model} at global batch {job.global_batch}, seq {job.seq} fits in memory on no "
-                         f"device set of {cluster.name} ({cluster.num_devices} devices: "
-                         f"{', '.join(sorted({d.label for _, d in cluster.devices()}))}): nothing queued")
-    best = min(options, key=lambda o: o.iteration_s)
-    if best.iteration_s > MAX_ITERATION_S:
-        raise ValueError(f"{job.model} at global batch {job.global_batch}: one step takes {best.iteration_s:,.0f} s "
-                         f"(predicted) even on {best.num_gpus} {best.pool.label} device(s) of {cluster.name}, "
-                         f"over the {MAX_ITERATION_S:,.0f} s limit: use a smaller global batch; nothing queued")
-    return best
 
 
 def local_cluster() -> ClusterSpec:
@@ -234,32 +200,18 @@ class Orchestrator:
         """The ledger's names of the cluster's devices `devices` (all by default)."""
         return booking.cluster_device_keys(self.cluster, devices)
 
-    def _plan(self, job: QueuedJob, devices: tuple[int, ...]):
-        from planner.hetero.solve import solve_plan
-
-        sub = sub_cluster(self.cluster, devices, f"{self.cluster.name}-job{job.id}")
-        result = solve_plan(sub, job.model, job.global_batch, seq=job.seq, dtype=self.dtype,
-                            time_limit_s=PLAN_TIME_LIMIT_S)
-        if result.plan is None:
-            raise ValueError(f"no plan on devices {list(devices)}: {result.reason or result.status}")
-        return result.plan
-
     def _launch(self, job: QueuedJob, devices: tuple[int, ...], state: ClusterState) -> None:
-        """Plan on the policy's devices; if other kinds of devices sit idle this pass, also plan on
-        them together (the heterogeneous planner mixes types) and keep that when it is predicted
-        clearly faster. The job then holds only the devices its plan uses."""
-        plan = self._plan(job, devices)
+        """Plan on the policy's devices, with the idle devices of other kinds this pass offered to the
+        planner (it mixes types when that is clearly faster). The job then holds only the devices its
+        plan uses."""
         pools = {state.pool_of(i) for i in devices}
         idle = tuple(i for i, owner in enumerate(state.owner) if owner is None and state.pool_of(i) not in pools)
-        if idle:
-            both = tuple(sorted(devices + idle))
-            mixed = self._plan(job, both)
-            if mixed.predicted_iteration_s < MIXED_GAIN * plan.predicted_iteration_s:
-                state.release(str(job.id))
-                devices = tuple(both[a.device_index] for a in mixed.assignments if a.used)
-                state.assign(str(job.id), devices)
-                plan = self._plan(job, devices) if len(devices) < len(both) else mixed
-        self._start_job(job, plan, devices)
+        plan, used = plan_on_devices(self.cluster, devices, job.model, job.global_batch, seq=job.seq,
+                                     dtype=self.dtype, name=f"{self.cluster.name}-job{job.id}", idle=idle)
+        if used != devices:
+            state.release(str(job.id))
+            state.assign(str(job.id), used)
+        self._start_job(job, plan, used)
 
     def _start_job(self, job: QueuedJob, plan, devices: tuple[int, ...]) -> None:
         """Book the devices, start the run, mark the job running (stopping the run if the job was

@@ -21,10 +21,10 @@ from executor import db
 from contracts.jobs import JobSpec
 from contracts.paths import queue_db_path
 from contracts.specs import get_model
+from planner.entry import default_seq
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_STATES = ("queued", "running")
-DEFAULT_MAX_SEQ = 2048  # as the planner: a model's own context, capped (planner.hetero.solve)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -104,11 +104,11 @@ def _positive_int(v: Any, what: str) -> int:
 
 def job_spec_of(model: str, global_batch: int, steps: int, seq: int | None = None, priority: int = 0) -> JobSpec:
     """The job as the scheduler sees it, every field checked (ValueError naming the field); seq
-    defaults to the model's context, capped at DEFAULT_MAX_SEQ."""
+    defaults to the planner's (planner.entry.default_seq: the model's context, capped)."""
     spec = get_model(model)  # unknown model -> ValueError
     _positive_int(global_batch, "global batch")
     _positive_int(steps, "steps")
-    seq = min(spec.max_seq, DEFAULT_MAX_SEQ) if seq is None else _positive_int(seq, "seq")
+    seq = default_seq(model) if seq is None else _positive_int(seq, "seq")
     if seq > spec.max_seq:
         raise ValueError(f"seq {seq} > the model's max_seq {spec.max_seq}")
     if isinstance(priority, bool) or not isinstance(priority, int):

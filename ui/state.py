@@ -78,13 +78,9 @@ def clear_plan() -> None:
 
 @st.cache_data(show_spinner="Computing the default plan…", max_entries=16)
 def _solve_default_plan(cluster_json: str, model: str, global_batch: int, profiles_version: int) -> Plan:
-    from planner.hetero.solve import solve_plan
+    from planner.entry import plan_job
 
-    cluster = ClusterSpec.from_dict(json.loads(cluster_json))
-    result = solve_plan(cluster, model, global_batch)
-    if result.plan is None:
-        raise ValueError(f"no plan for {model} at global batch {global_batch}: {result.reason or result.status}")
-    return result.plan
+    return plan_job(ClusterSpec.from_dict(json.loads(cluster_json)), model, global_batch).plan
 
 
 def get_or_default_plan() -> Plan:

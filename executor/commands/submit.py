@@ -18,10 +18,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from executor.orchestrator import check_runnable, local_cluster
-    from executor.queue import JobQueue, job_spec_of
     from contracts.cli import print_json
     from contracts.cluster import ClusterSpec
+    from executor.orchestrator import local_cluster
+    from executor.queue import JobQueue, job_spec_of
+    from planner.schedule.frenzy import check_runnable
 
     job = job_spec_of(args.model, args.global_batch, args.steps, seq=args.seq, priority=args.priority)
     # planned against the pool before it is queued: what no device set can run is refused here

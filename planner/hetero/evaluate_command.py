@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from planner.hetero.solve import evaluate_plan
 from contracts.cli import print_json
-from planner.hetero.plan_command import print_plan
+from contracts.constants import MEMORY_HEADROOM
 from contracts.plan import Plan
+from planner.hetero.plan_command import print_plan
+from planner.hetero.solve import evaluate_plan
 
 HELP = "recompute a plan file's predicted memory, step and iteration times and baselines"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="plan file (python -m planner plan --out P)")
-    p.add_argument("--headroom", type=float, default=0.9, help="memory share the capacity check allows")
+    p.add_argument("--headroom", type=float, default=MEMORY_HEADROOM, help="memory share the capacity check allows")
     p.add_argument("--json", action="store_true", help="print the re-evaluated plan file as one JSON object")
 
 

@@ -1,9 +1,10 @@
-"""`python -m planner plan`: the fastest heterogeneous plan of a model on a cluster (issue 4).
+"""`python -m planner plan`: the fastest heterogeneous plan of a model on a cluster (planner/entry.py).
 
 The `--json` output is itself a plan file (Plan.to_dict()); `--out P` also writes it there.
 On a cluster of two or more nodes pipeline stages are priced beside the ILP's data-parallel plan
 (planner/geo/cluster_plan.py) and the faster is written; its notes and baselines say both times,
 and a chosen pipeline plan carries its `pipeline` section. `--no-pipeline` keeps data parallelism.
+Every other caller (dashboard, queue) plans through the same `planner.entry.plan_job`.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import argparse
 
 from contracts.cli import print_json, print_table
 from contracts.cluster import ClusterSpec
-from planner.hetero.solve import DTYPES, RECOMPUTE, ZERO_AUTO, ZERO_CHOICES, solve_plan
+from contracts.constants import DTYPES, GIB, MEMORY_HEADROOM, RECOMPUTE
 from contracts.plan import Plan
-from contracts.constants import DTYPES, GIB, RECOMPUTE
-from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
+from planner.entry import DEFAULT_TIME_LIMIT_S, plan_job
+from planner.hetero.solve import ZERO_AUTO, ZERO_CHOICES
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
 
@@ -29,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", choices=[str(z) for z in ZERO_CHOICES], default=ZERO_AUTO,
                    help="ZeRO stage the runtime runs: 1 optimizer state sharded, 2 + gradients, 3 + parameters; "
                         "auto (default): the fastest predicted stage that fits")
-    p.add_argument("--headroom", type=float, default=0.9, help="use at most this share of each device's memory")
-    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit (s)")
+    p.add_argument("--headroom", type=float, default=MEMORY_HEADROOM,
+                   help="use at most this share of each device's memory")
+    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit (s)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="do not price pipeline stages on a multi-node cluster (pure data parallelism)")
     p.add_argument("--json", action="store_true", help="print the plan file as one JSON object")
@@ -70,13 +72,10 @@ def print_plan(plan: Plan) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec.load(args.cluster)
-    result = solve_plan(cluster, args.model, args.global_batch, seq=args.seq, dtype=args.dtype,
-                        recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
-                        zero=args.zero if args.zero == ZERO_AUTO else int(args.zero))
+    result = plan_job(cluster, args.model, args.global_batch, seq=args.seq, dtype=args.dtype,
+                      recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
+                      zero=args.zero if args.zero == ZERO_AUTO else int(args.zero), pipeline=not args.no_pipeline)
     plan = result.plan
-    if not args.no_pipeline and len(cluster.nodes) > 1:
-        option = solve_cluster_pipeline(cluster, args.model, args.global_batch, plan.seq, args.dtype)
-        plan = choose_plan(plan, option)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -5,7 +5,8 @@ import argparse
 
 from contracts.cli import float_arg, int_arg, print_json, print_table
 from contracts.cluster import ClusterSpec
-from planner.schedule.simulate import ERROR_SIGMA, MAX_ERROR_SIGMA, POLICIES, simulate_schedule
+from contracts.constants import DTYPES
+from planner.schedule.simulate import ERROR_SIGMA, MAX_ERROR_SIGMA, POLICIES, POLICY_TABLE, simulate_schedule
 from contracts.jsonio import check_file_size
 from planner.schedule.trace import MAX_TRACE_JOBS, generate_trace, load_trace, save_trace
 
@@ -25,12 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --generate: requested GPU-seconds per device-second of the trace's span")
     p.add_argument("--save-trace", metavar="CSV", help="with --generate: also write the trace here")
     p.add_argument("--policy", choices=POLICIES, default="gpumix",
-                   help="gpumix: GPUMix's own; frenzy: the paper's; fifo, fifo-backfill, fifo-backfill-sized, sjf: baselines")
+                   help="; ".join(f"{name}: {what}" for name, (what, _) in POLICY_TABLE.items()))
     p.add_argument("--error-sigma", type=float_arg(0.0, MAX_ERROR_SIGMA), default=ERROR_SIGMA,
                    help="sigma of the lognormal error between predicted and simulated durations (0: exact predictions)")
     p.add_argument("--error-seed", type=int_arg(0, 2**63 - 1), default=0,
                    help="seed of the duration errors (the same seed gives every policy the same errors)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--json", action="store_true", help="one JSON object, per-job rows included")
 
 

@@ -18,6 +18,8 @@ from planner.schedule.backfill import easy_pass
 from planner.schedule.sizing import Sizing
 from planner.schedule.state import Decision, Running
 
+MAX_ITERATION_S = 86_400.0  # a job whose every step takes over a day on the whole pool is refused
+
 
 class FrenzyPolicy:
     name = "frenzy"
@@ -59,3 +61,21 @@ class FrenzyPolicy:
             head = None
         # the paper's reservation: from the running jobs only, for the oldest job only
         return easy_pass(sizing, now, todo, free, running, lambda job: job is head, count_started=False)[0]
+
+
+def check_runnable(job: JobSpec, cluster: ClusterSpec, dtype: str = "fp32") -> ResourceOption:
+    """The fastest option this policy would consider for `job` on `cluster` (MARP's options);
+    ValueError with the reason when no device set of the pool can run it: it fits in memory nowhere,
+    or even its fastest option takes more than MAX_ITERATION_S per optimizer step (a batch no pool of
+    this size trains: no step, no checkpoint for a day). How the job queue refuses a job at submit."""
+    options = FrenzyPolicy(cluster, dtype).options(job)
+    if not options:
+        raise ValueError(f"{job.model} at global batch {job.global_batch}, seq {job.seq} fits in memory on no "
+                         f"device set of {cluster.name} ({cluster.num_devices} devices: "
+                         f"{', '.join(sorted({d.label for _, d in cluster.devices()}))}): nothing queued")
+    best = min(options, key=lambda o: o.iteration_s)
+    if best.iteration_s > MAX_ITERATION_S:
+        raise ValueError(f"{job.model} at global batch {job.global_batch}: one step takes {best.iteration_s:,.0f} s "
+                         f"(predicted) even on {best.num_gpus} {best.pool.label} device(s) of {cluster.name}, "
+                         f"over the {MAX_ITERATION_S:,.0f} s limit: use a smaller global batch; nothing queued")
+    return best

@@ -40,8 +40,18 @@ from planner.schedule.state import ERROR_SIGMA, ClusterState, Policy, Running, c
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("gpumix", "frenzy", "fifo", "fifo-backfill", "fifo-backfill-sized", "sjf")
-BASELINES = ("frenzy", "fifo", "fifo-backfill", "fifo-backfill-sized", "sjf")
+# every policy by name, once: what it is (the CLI's help) and how it is built on a cluster at a dtype
+POLICY_TABLE = {
+    "gpumix": ("GPUMix's own", GpumixPolicy),
+    "frenzy": ("the paper's", FrenzyPolicy),
+    "fifo": ("baseline, strict first-come", FifoPolicy),
+    "fifo-backfill": ("baseline, EASY over the users' requests",
+                      lambda c, d: BackfillPolicy(c, d, order="arrival", user_requests=True)),
+    "fifo-backfill-sized": ("baseline, EASY sized by GPUMix", lambda c, d: BackfillPolicy(c, d, order="arrival")),
+    "sjf": ("baseline, shortest job first", lambda c, d: BackfillPolicy(c, d, order="sjf")),
+}
+POLICIES = tuple(POLICY_TABLE)
+BASELINES = POLICIES[1:]  # every policy but GPUMix's own
 
 MAX_ERROR_SIGMA = 2.0  # x/÷ 7.4 at one sigma: past this a "prediction" predicts nothing
 
@@ -54,19 +64,9 @@ def error_factor(seed: int, job_id: str, gpu_type: str, sigma: float = ERROR_SIG
 
 
 def build_policy(name: str, cluster: ClusterSpec, dtype: str = "bf16") -> Policy:
-    if name == "gpumix":
-        return GpumixPolicy(cluster, dtype)
-    if name == "frenzy":
-        return FrenzyPolicy(cluster, dtype)
-    if name == "fifo":
-        return FifoPolicy(cluster, dtype)
-    if name == "fifo-backfill":
-        return BackfillPolicy(cluster, dtype, order="arrival", user_requests=True)
-    if name == "fifo-backfill-sized":
-        return BackfillPolicy(cluster, dtype, order="arrival")
-    if name == "sjf":
-        return BackfillPolicy(cluster, dtype, order="sjf")
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if name not in POLICY_TABLE:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICY_TABLE[name][1](cluster, dtype)
 
 
 @dataclass(frozen=True)

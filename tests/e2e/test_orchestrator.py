@@ -3,9 +3,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from executor.orchestrator import Orchestrator, sub_cluster
-from executor.queue import JobQueue
 from contracts.cluster import ClusterSpec
+from executor.orchestrator import Orchestrator
+from executor.queue import JobQueue
+from planner.entry import sub_cluster
 
 TWO_CPUS = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "localhost", "gpus": {"cpu": 2}}]})
 

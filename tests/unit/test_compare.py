@@ -1,21 +1,13 @@
-"""executor/compare.py: the even split of a plan's devices, and two runs' measured step medians."""
+"""The even split of a plan's devices (planner/entry.py), and two runs' measured step medians (executor/compare.py)."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from executor.compare import (
-    MIN_COMPARED_STEPS,
-    SKIP_STEPS,
-    already_even,
-    baseline_plan,
-    compare_runs,
-    even_plan,
-    prediction_gap,
-    step_median,
-)
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from executor.compare import MIN_COMPARED_STEPS, SKIP_STEPS, already_even, compare_runs, prediction_gap, step_median
+from planner.entry import baseline_plan, even_plan
 
 
 def mixed_cluster() -> ClusterSpec:
@@ -24,9 +16,9 @@ def mixed_cluster() -> ClusterSpec:
 
 
 def solved(cluster: ClusterSpec, global_batch: int = 48):
-    from planner.hetero.solve import solve_plan
+    from planner.entry import plan_job
 
-    return solve_plan(cluster, "tiny", global_batch, seq=64).plan
+    return plan_job(cluster, "tiny", global_batch, seq=64).plan
 
 
 def run(step_s: list[float], predicted: float | None = 0.1, **over) -> dict:
@@ -98,7 +90,7 @@ def test_runs_of_different_work_or_too_short_do_not_compare():
 def test_compare_reads_what_the_store_recorded(data_dir):
     """Two fabricated runs through the store's own writer and reader: the medians are the recorded step times."""
     from executor.store import read_metrics
-    from tests.conftest import STEP_S, fabricate_run
+    from testkit.runs import STEP_S, fabricate_run
 
     a = read_metrics(fabricate_run("a", 10, "done"))
     b = read_metrics(fabricate_run("b", 10, "done", slowdown=3.0))

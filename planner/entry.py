@@ -1,0 +1,134 @@
+"""The planner's one entry: every plan that leaves the planner is made here.
+
+`plan_job` is what `python -m planner plan` does: the hetero ILP's data-parallel plan
+(planner/hetero/solve.py), then on a cluster of two or more nodes the best pipeline beside it and
+the faster of the two (planner/geo/cluster_plan.py). The Plan page, the dashboard's default plan,
+the queue's orchestrator and the CLI all call it, so the same inputs give the same plan everywhere.
+Beside it, what the executor asks of the planner: a job's plan on the devices the scheduler picked
+(`plan_on_devices`), and the even or proportional split of a plan's devices that a run is
+measured against (`baseline_plan`). Which devices a queued job gets is the scheduler's
+(planner/schedule/).
+
+Read docs/ARCHITECTURE.md for who calls what; the models behind each plan are in docs/.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from contracts.cluster import ClusterSpec, NodeSpec
+from contracts.constants import MEMORY_HEADROOM
+from contracts.plan import Assignment, Plan
+from contracts.specs import get_model, with_max_seq
+from planner.costmodel.training import CostModel
+from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
+from planner.hetero.baselines import fastest_fitting_split, split_by_weights
+from planner.hetero.solve import DEFAULT_MAX_SEQ, ZERO_AUTO, evaluate_plan, solve_plan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIME_LIMIT_S = 10.0  # the solver's time limit (`planner plan --time-limit`)
+MIXED_GAIN = 0.9  # take idle devices of other types only for a predicted >= 10 % shorter iteration
+EVEN = "even"
+PROPORTIONAL = "proportional"
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    status: str  # "optimal" | "feasible" (the ILP's time limit ran out before its search closed)
+    reason: str  # why not proven optimal ("" when it is)
+    plan: Plan
+    solve_s: float  # the whole planning: the ILP and the pipeline search
+
+
+def default_seq(model: str) -> int:
+    """The sequence length a plan uses when none is given: the model's own, at most DEFAULT_MAX_SEQ."""
+    return min(get_model(model).max_seq, DEFAULT_MAX_SEQ)
+
+
+def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | None = None, dtype: str = "fp32",
+             recompute: str = "none", zero: int | str = ZERO_AUTO, headroom: float = MEMORY_HEADROOM,
+             time_limit_s: float = DEFAULT_TIME_LIMIT_S, pipeline: bool = True,
+             profiles_dir: str | None = None) -> PlanResult:
+    """The fastest plan of `model` on `cluster` at `global_batch` (module docstring). `pipeline`:
+    price pipeline stages on a multi-node cluster (False: pure data parallelism). Raises ValueError
+    on bad input and when no plan fits, naming why."""
+    result = solve_plan(cluster, model, global_batch, seq=seq, dtype=dtype, recompute=recompute, headroom=headroom,
+                        time_limit_s=time_limit_s, profiles_dir=profiles_dir, zero=zero)
+    plan = result.plan
+    if pipeline and len(cluster.nodes) > 1:
+        option = solve_cluster_pipeline(cluster, model, global_batch, plan.seq, dtype, profiles_dir=profiles_dir)
+        plan = choose_plan(plan, option)
+    return PlanResult(result.status, result.reason, plan, plan.solve_s)
+
+
+# ---- the executor's questions ---------------------------------------------------------------
+
+
+def sub_cluster(cluster: ClusterSpec, devices: tuple[int, ...], name: str) -> ClusterSpec:
+    """The devices `devices` of `cluster` as a cluster of their own (same nodes, same order)."""
+    chosen = set(devices)
+    nodes, i = [], 0
+    for node in cluster.nodes:
+        keep = tuple(d for k, d in enumerate(node.devices, start=i) if k in chosen)
+        i += len(node.devices)
+        if keep:
+            nodes.append(NodeSpec(node.name, node.datacenter, keep))
+    return ClusterSpec(name, tuple(nodes), cluster.network)
+
+
+def plan_on_devices(cluster: ClusterSpec, devices: tuple[int, ...], model: str, global_batch: int, *, seq: int,
+                    dtype: str, name: str, idle: tuple[int, ...] = (),
+                    time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> tuple[Plan, tuple[int, ...]]:
+    """`plan_job` on the devices `devices` of `cluster` (as the cluster `name`); when devices of other
+    types would idle (`idle`), also on both together, kept when predicted MIXED_GAIN faster, then
+    re-planned on only the devices it uses. Returns the plan and the cluster's indices of its devices."""
+    def plan_on(chosen: tuple[int, ...]) -> Plan:
+        return plan_job(sub_cluster(cluster, chosen, name), model, global_batch, seq=seq, dtype=dtype,
+                        time_limit_s=time_limit_s).plan
+
+    plan = plan_on(devices)
+    if not idle:
+        return plan, devices
+    both = tuple(sorted(devices + idle))
+    mixed = plan_on(both)
+    if mixed.predicted_iteration_s >= MIXED_GAIN * plan.predicted_iteration_s:
+        return plan, devices
+    used = tuple(both[a.device_index] for a in mixed.assignments if a.used)
+    return (plan_on(used) if len(used) < len(both) else mixed), used
+
+
+def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int, seq: int, dtype: str = "fp32",
+                  recompute: str = "none", zero: int = 1, unit: int = 1,
+                  headroom: float = MEMORY_HEADROOM) -> Plan:
+    """The planner's `even` or `proportional` baseline as a launchable plan: the batch split its way
+    (planner.hetero.baselines: `even` equal parts, `proportional` in proportion to each device's
+    profiled speed), in multiples of `unit` samples (bench/hetero_speedup.py rounds to its smallest
+    micro-batch), even state shards, on each device the largest power-of-two micro-batch dividing
+    its batch that fits, priced by the planner's cost model at `zero`. Raises ValueError when the
+    batch does not divide into units or a device cannot hold its part."""
+    if name not in (EVEN, PROPORTIONAL):
+        raise ValueError(f"baseline must be {EVEN!r} or {PROPORTIONAL!r}, got {name!r}")
+    if unit < 1 or global_batch % unit:
+        raise ValueError(f"global batch {global_batch} is not a multiple of {unit} samples")
+    cost = CostModel.build(cluster, with_max_seq(get_model(model), seq), seq, dtype, recompute, headroom, zero=zero)
+    devices = cluster.devices()
+    weights = ([1.0] * len(devices) if name == EVEN
+               else [cost.coeffs[d].speed_samples_per_s for _, d in devices])
+    shard = 1.0 / len(devices)
+    assignments = []
+    for i, ((node, dev), units) in enumerate(zip(devices, split_by_weights(global_batch // unit, weights))):
+        batch = unit * units
+        split = fastest_fitting_split(cost, dev, batch, shard)
+        if split is None:
+            raise ValueError(f"{name} split: {dev.label} cannot hold a batch of {batch} with {shard:.0%} of the state")
+        assignments.append(Assignment(i, node.name, dev.type, split[0], split[1], batch, shard, 0, 0.0,
+                                      dev.emulated, dev.slowdown, dev.memory_gb))
+    plan = Plan(cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), 0.0, 0.0, zero=zero)
+    return evaluate_plan(plan, headroom)
+
+
+def even_plan(plan: Plan, headroom: float = MEMORY_HEADROOM) -> Plan:
+    """The even split of `plan`'s devices at its model, global batch, seq, dtype, recompute and ZeRO stage."""
+    return baseline_plan(plan.cluster, EVEN, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute,
+                         plan.zero, headroom=headroom)
