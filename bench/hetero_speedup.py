@@ -3,45 +3,15 @@
     python bench/hetero_speedup.py [--steps 20] [--rounds 5] [--global-batch 192] [--seq 128]
                                    [--shares 1,0.333] [--no-ddp] [--json]    (defaults shown)
 
-1. Two emulated CPU devices of this machine, each a real cgroup v1 CPU quota (profiler/cgroups.py):
-   `{"type": "cpu", "cpu_share": 1}` and `{"type": "cpu", "cpu_share": 0.333}`. Nothing
-   sleeps and nothing is multiplied: the slow rank is slow because the kernel throttles it.
-2. Before each round the profiler profiles each device *under its own limits* (`python -m
-   profiler profile --cpu-share S --workers 2 --companion-cpu-share S'`: timed inside a cgroup
-   of share S, by wall time, while a companion runs the same loop under the other device's
-   share, as the run's other rank will), into a private GPUMIX_DATA_DIR, saved under the
-   device's kind (`cpu@shareS`), with recompute none and full (the cost model prices the
-   layerwise ZeRO >= 2 runtime from the latter), plus the gloo collectives once. A check says
-   every profile the planner read was measured, none estimated. The planner prices each device
-   from its own measured profile; the share never enters the prediction.
-3. The planner's split (planner.hetero.solve.solve_plan) against the two baselines a practitioner
-   would run, built and priced by the planner's own baseline code (planner.hetero.baselines) at
-   the planned ZeRO stage: `even` (half the batch and half the state each) and `proportional`
-   (batch in proportion to each device's measured speed, even shards). Same global batch, the
-   three launched in a rotating order every round, through executor.launch (cgroups per rank).
-   Checks: planned / even samples/s >= 1.6; planned / proportional printed; the planned run's
-   measured iteration within 15 % of the plan's prediction (the prediction from the profiles,
-   the measurement from the run: independent paths).
-4. Unless --no-ddp: two CPU ranks of one whole core each (cgroups of share 1 for both sides),
-   even split: this runtime against torch.nn.parallel.DistributedDataParallel with
-   torch.optim.AdamW on the same model, micro-batches and samples, alternately. Check: ours /
-   DDP >= 0.9. (Its prediction, printed, prices share-1 ranks from the profile taken beside a
-   1/3 companion.)
-5. Memory: every rank's measured peak (profiler.memtrack, live tensor bytes over the first
-   step) against planner.core.memory's prediction in the plan. Check: within 10 %.
-
-The prediction check is the median over rounds of each planned run against its own round's
-plan; the per-round errors are printed, the baselines' and the homogeneous runs' beside them.
-Times are medians over steps 3.. of each run (step 1 carries warm-up and the memory tracker,
-step 2 allocator warm-up), pooled over rounds; ratios are of runs taken alternately. The machine
-is shared (2 cores, other engineers' jobs): each emulated device's cgroup carries a raised CPU
-weight (profiler.cgroups.CPU_SHARES) so it gets its share even when the machine is busy, and
-its quota caps it there. The model (`tiny` at seq 128) and global batch 192 make a step of
-about half a second: many quota periods (10 ms), with α, the optimizer and the collectives a
-small part of it (a throttled rank is also slow at its part of the collectives, which the gloo
-benchmark, taken unthrottled, does not see: the batch keeps that part small). Micro-batches
-from 4 up (MICRO_BATCHES). Refused (exit 2) where cgroups are unavailable: sleeping
-would only confirm the cost model that set the sleep.
+Two emulated CPU devices, each a real cgroup CPU quota (profiler/cgroups.py; refused, exit 2, where
+cgroups are unavailable), each profiled under its own limits before every round (a check says no
+profile was estimated). Then, launched in rotating order: the planner's split (solve_plan) against
+the `even` and `proportional` baselines (planner.hetero.baselines). Checks: planned / even
+samples/s >= 1.6; the planned run's measured iteration within 15 % of its prediction; unless
+--no-ddp, this runtime against DistributedDataParallel on two whole cores (ours / DDP >= 0.9); every
+rank's measured peak memory within 10 % of planner.core.memory's prediction. Times are medians over
+steps 3.. of each run, pooled over rounds; ratios are of runs taken alternately. The model (`tiny`,
+seq 128, batch 192) makes a step of about half a second: many 10 ms quota periods.
 """
 from __future__ import annotations
 
@@ -98,10 +68,10 @@ def homogeneous_cluster() -> Any:
 
 
 def baseline_plan(cluster: Any, name: str, global_batch: int, seq: int, zero: int) -> Any:
-    """The planner's `even` or `proportional` baseline as a launchable plan (executor.compare, the
+    """The planner's `even` or `proportional` baseline as a launchable plan (planner.entry, the
     Launch page's even split too), the batch in multiples of the smallest micro-batch as a
     practitioner would round it (an odd batch would force micro-batches of 1)."""
-    from executor.compare import baseline_plan as launchable_baseline
+    from planner.entry import baseline_plan as launchable_baseline
 
     return launchable_baseline(cluster, name, MODEL, global_batch, seq, "fp32", "none", zero, unit=MICRO_BATCHES[0])
 

@@ -3,48 +3,15 @@
     python bench/sharded_runtime.py [--model bench-gpt2] [--micro-batch 2] [--seq 128]
                                     [--warmup 3] [--steps 16] [--json]
 
-Two gloo CPU ranks (torch.multiprocessing, one thread each), one process group for both systems:
-
-- ours:  models.sharded.ShardedRuntime, zero 3, fractions [0.5, 0.5], one micro-batch per rank
-         (so it keeps each unit's autograd graph, no recomputation);
-- FSDP2: a plain models.decoder Decoder loaded with ours' initial weights (`full_state_dict()`),
-         `fully_shard` on each block, then on the root (torchtitan's recipe), reshard_after_forward
-         True, fp32; gradients SUMMED over ranks (divide factor 1, sum reductions) because the loss
-         is already divided by the GLOBAL token count, as ShardedRuntime._loss does;
-         torch.optim.AdamW(foreach=False) with a decay group (ndim >= 2) and a no-decay group,
-         OptimConfig's betas/eps/weight decay, models.optim.lr_at's LR per step and
-         torch.nn.utils.clip_grad_norm_ at OptimConfig.max_grad_norm.
-
-Both see the same token windows per rank and step (a generator seeded by (seed, step, rank)).
-Each step runs both systems, in the order AB on even steps and BA on odd ones, so machine noise
-(2 shared cores) hits both. Per system and rank:
-- step time: wall (perf_counter) around the whole step, optimizer included; a step's time is the
-  slowest rank's; the median over the timed steps (the warm-up steps are not timed);
-- throughput: samples of the global batch (2 ranks x micro-batch) / median step time;
-- peak memory: profiler.memtrack.LiveTensorBytes over the last warm-up step, starting from what the
-  system keeps between steps (ours: `resident_tensors()`; FSDP2: the local shards of its parameters,
-  gradients and AdamW state), DTensor outputs counted by their local tensors;
-- losses: the global loss of every step (warm-up included), and after the run the largest absolute
-  difference between the two systems' full parameters.
-
-Default model `bench-gpt2`: GPT-2 style, 6 layers, hidden 384, vocabulary 8192, seq 128 (13.8 M
-parameters, 55 MiB fp32): a fwd+bwd of 2 x 128 tokens is ~21 GFLOP, a few tenths of a second on
-one core, while one unit's gather (a block: 7 MiB; the tied embedding: 12.6 MiB) and the 27 MiB
-of AdamW state per rank are large enough that communication and memory show. The real `gpt2`
-(124 M) takes seconds per step here, too long to time 2 x 20 steps on 2 shared cores.
-
-Measured here (defaults, 2 shared cores, three runs): throughput ours/FSDP2 1.18-1.26, losses
-within 1.6e-7, final parameters within 5.4e-6; peak 197.6 MiB against 161.3 MiB (1.225, FAIL).
-Where the 36.3 MiB go (live bytes traced per unit, rank 0): both start a step from the same
-79.2 MiB (fp32 shard + AdamW moments) except that ours also keeps its fp32 gradient shards
-(26.4 MiB) between steps, where FSDP2's `zero_grad(set_to_none=True)` frees them and backward
-makes them again unit by unit; and ours peaks in the head's backward (log_softmax_backward) with
-the tied embedding's full gradient buffer (12.2 MiB) already allocated, where FSDP2 lets
-AccumulateGrad make the gradient after the logits' buffers are gone and copies it into its
-reduce-scatter input then. A scratch copy of models/sharded.py that (a) frees the gradient shards
-after the optimizer step and (b) flattens the autograd-made .grad into the unit's flat buffer
-just before its reduce-scatter measured 159.2 MiB (0.987, PASS; (a) alone 171.2, 1.061; (b)
-alone 185.6, 1.151), losses unchanged, throughput 1.34.
+Two gloo CPU ranks, one process group for both systems: ours (models.sharded.ShardedRuntime,
+zero 3, fractions [0.5, 0.5], one micro-batch per rank) and FSDP2 on a plain Decoder loaded with
+ours' initial weights (`fully_shard` per block then the root, fp32, gradients summed as ours are,
+the same AdamW groups, LR schedule and clipping). Both see the same token windows; steps alternate
+AB/BA so machine noise hits both. Prints per system the median step time (slowest rank), the
+throughput, the peak live tensor bytes (profiler.memtrack, from what each keeps between steps), and
+every step's loss with the final parameters' largest difference. The default `bench-gpt2` (6 layers,
+hidden 384, 13.8 M parameters) is small enough to time on a CPU core and large enough that
+communication and memory show.
 """
 from __future__ import annotations
 
