@@ -3,10 +3,10 @@ measured training throughput, beside the estimate it replaced (datasheet peak x 
 the ratio of peaks: the baseline a practitioner reaches for first).
 
 Published figures: Lambda Labs' PyTorch GPU benchmarks, BERT-large SQuAD, fp16, 1 GPU (the table and
-its source are in tests/unit/test_roofline.py, which checks the fixed pairs within 25 %). Every pair of
-the types that table covers is printed, the checked ones marked; then the issue's examples the
+its source are in testkit/roofline.py; tests/unit/test_roofline.py checks the fixed pairs within 25 %). Every pair of
+the types that table covers is printed, the checked ones marked; then the examples the
 table does not cover (T4, L4), with the estimate only: no published measurement of those pairs was
-found to compare with (issue 12 quotes about 2.7x for A6000 vs L4 without a source; shown as such).
+found to compare with (a figure of about 2.7x for A6000 vs L4 circulates without a source; shown as such).
 
 Estimates come from the planner's own path (`get_step_profile` on an empty, temporary store).
 
@@ -27,11 +27,11 @@ sys.path.insert(0, ROOT)
 from contracts.cli import print_table  # noqa: E402
 from contracts.catalog import get_gpu_type  # noqa: E402
 from contracts.paths import ENV_DATA_DIR  # noqa: E402
-from tests.unit.test_roofline import (DTYPE, LAMBDA_BERT_LARGE, MODEL, PAIRS, TOLERANCE, estimated_ratio,  # noqa: E402
-                                 estimated_samples_per_s, published_ratio)
+from testkit.roofline import (DTYPE, LAMBDA_BERT_LARGE, MODEL, PAIRS, TOLERANCE, estimated_ratio,  # noqa: E402
+                              estimated_samples_per_s, published_ratio)
 
 SOURCE = "Lambda PyTorch bench, BERT-large SQuAD fp16"
-UNSOURCED = [("A6000", "L4", 2.7), ("V100-16GB", "T4", None), ("A10", "T4", None)]  # issue 12's figure, no source
+UNSOURCED = [("A6000", "L4", 2.7), ("V100-16GB", "T4", None), ("A10", "T4", None)]  # a quoted figure, no source
 UNSOURCED_BATCH = 28  # the 24 GB parts' batch in Lambda's table; T4 (16 GB) takes the V100 16GB's 16
 T4_BATCH = 16
 
@@ -59,7 +59,7 @@ def rows() -> list[dict]:
                  for t in (a, b)}
         est = estimated_samples_per_s(a, batch[a]) / estimated_samples_per_s(b, batch[b])
         out.append({"pair": f"{a} / {b}", "checked": "", "published": figure if figure else "",
-                    "source": "issue 12 (no primary source found)" if figure else "none found",
+                    "source": "quoted, no primary source found" if figure else "none found",
                     "roofline": round(est, 3), "roofline err %": round(error_pct(est, figure), 1) if figure else "",
                     "flat (peaks)": round(flat_ratio(a, b), 3),
                     "flat err %": round(error_pct(flat_ratio(a, b), figure), 1) if figure else ""})

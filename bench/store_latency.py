@@ -11,7 +11,7 @@ shows. Latency = the time the reader first sees the step - the time rank 0 began
 (one machine, one clock), so it holds the whole write, its commit and the reader's poll.
 Afterwards the rows are counted: `--steps` step rows and `--steps` x `--ranks` rank rows, and
 every step seen by the reader, or the bench fails. Without --pg-url a PostgreSQL server is
-started for the run (tests/pg_fixture.py) with PostgreSQL's default durability (every commit
+started for the run (testkit/postgres.py) with PostgreSQL's default durability (every commit
 flushed); SQLite runs as the store runs it (WAL, synchronous=NORMAL).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 from executor import db  # noqa: E402
 from executor.store import MetricsStore, RankStep, StepReader  # noqa: E402
-from tests.e2e.test_executor_store import small_plan  # noqa: E402
+from testkit.runs import small_plan  # noqa: E402
 
 POLL_S = 0.0005  # the reader's poll period: what a live page could afford at best
 READER_TIMEOUT_S = 120.0
@@ -117,7 +117,7 @@ def main() -> int:
         results.append(run_backend("postgresql", args.pg_url, args.steps, args.ranks, interval_s))
         pg_note = "the given server"
     else:
-        from tests.pg_fixture import running_postgres, unavailable
+        from testkit.postgres import running_postgres, unavailable
 
         reason = unavailable()
         if reason is not None:

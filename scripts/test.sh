@@ -3,9 +3,18 @@
 # torch.distributed, AppTest and the real-browser end-to-end test) with its interpreter.
 # The venv's bin/ goes first on PATH: subprocesses that start `python` (torchrun agents
 # of the SLURM backend) get the same interpreter and packages.
+#
+#   bash scripts/test.sh [pytest args]          the whole suite (CI's command)
+#   bash scripts/test.sh --fast [pytest args]   tests/unit only: no process started
+# Markers select by kind (pytest.ini): e.g. bash scripts/test.sh -m "not browser and not slurm".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+paths=(tests)
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    paths=(tests/unit)
+fi
 bash scripts/install.sh
 VENV=$(realpath -m "${GPUMIX_VENV:-.venv}")
 export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
-exec "$VENV/bin/python" -m pytest tests "$@"
+exec "$VENV/bin/python" -m pytest "${paths[@]}" "$@"

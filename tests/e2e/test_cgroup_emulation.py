@@ -17,7 +17,7 @@ from executor.store import read_metrics
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Assignment, Plan
-from tests.conftest import processes_with_data_dir
+from testkit.processes import processes_with_data_dir
 
 pytestmark = pytest.mark.skipif(cgroups.unavailable_reason() is not None,
                                 reason=f"cgroups unavailable: {cgroups.unavailable_reason()}")

@@ -6,17 +6,7 @@ import sys
 import pytest
 
 from executor.store import MetricsStore, RankStep, StepReader, list_runs, read_metrics
-from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from contracts.plan import Assignment, Plan
-from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
-
-
-def small_plan(slowdowns=(1.0, 3.0)) -> Plan:
-    devs = tuple(DeviceSpec("cpu", slowdown=s) for s in slowdowns)
-    cluster = ClusterSpec("t", (NodeSpec("localhost", "local", devs),))
-    asg = tuple(Assignment(i, "localhost", "cpu", 2, 1, 2, 1 / len(devs), 1000 + i, 0.5, emulated=d.emulated,
-                           slowdown=d.slowdown) for i, d in enumerate(devs))
-    return Plan(cluster, "tiny", 2 * len(devs), 16, "fp32", "none", asg, 0.5, 8.0)
+from testkit.runs import small_plan
 
 
 def test_store_records_as_it_goes_and_reads_the_design_contract(store_backend, tmp_path):

@@ -80,7 +80,7 @@ def test_inventory_cli_json_and_cluster_file(tmp_path, data_dir):
     assert r.returncode == 2 and "cannot write" in r.stderr and "Traceback" not in r.stderr
 
 
-# ---- SLURM: parsers on outputs captured from the real test cluster (tests/slurm_fixture.py, SLURM 22.05.8) ----
+# ---- SLURM: parsers on outputs captured from the real test cluster (testkit/slurm.py, SLURM 22.05.8) ----
 
 SCONTROL_NODES_D = "\n".join((
     'NodeName=n1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=1 CPUEfctv=2 CPUTot=2 CPULoad=7.71 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpumix:cpu:2 GresDrain=N/A GresUsed=gpumix:cpu:1 NodeAddr=10.77.0.2 NodeHostName=n1 Version=22.05.8 OS=Linux 6.18.44-fc-v857 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=1000 AllocMem=0 FreeMem=20744 Sockets=2 Boards=1 State=MIXED ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=debug  BootTime=2026-12-01T08:22:00 SlurmdStartTime=2026-12-01T11:25:20 LastBusyTime=2026-12-01T11:25:20 CfgTRES=cpu=2,mem=1000M,billing=2 AllocTRES=cpu=1 CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s',

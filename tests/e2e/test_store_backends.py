@@ -1,5 +1,5 @@
 """One store behind GPUMIX_DB, on the real things: the embedded SQLite files and a PostgreSQL
-server started by tests/pg_fixture.py. Schema versions (refused, upgraded on request), several
+server started by testkit/postgres.py. Schema versions (refused, upgraded on request), several
 machines on one queue and one history, and check-then-write races between processes."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from executor import booking, db
 from executor.queue import QUEUE, JobQueue
 from executor.store import RUNS, MetricsStore, list_runs, read_metrics
 from contracts.paths import queue_db_path
-from tests.pg_fixture import init_store, postgres_server, store_backend  # noqa: F401 (fixtures)
-from tests.e2e.test_executor_store import small_plan
+from testkit.postgres import init_store
+from testkit.runs import small_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -175,7 +175,7 @@ SECOND_MACHINE = """
 import json, sys
 from executor.queue import QUEUE, JobQueue
 from executor.store import MetricsStore, list_runs
-from tests.e2e.test_executor_store import small_plan
+from testkit.runs import small_plan
 q = JobQueue()
 seen = [(j.model, j.state) for j in q.list()]
 job = q.submit("gpt2", 16, 4)
@@ -303,7 +303,7 @@ def test_a_launched_run_records_into_postgresql_and_stops_through_it(postgres_se
     """A real launch (2 CPU ranks) with GPUMIX_DB: the launcher, rank 0 and the readers meet in the
     shared store, no run-folder database; stop goes through it."""
     from executor.launch import launch_run, start_run, stop_run
-    from tests.conftest import two_cpu_plan
+    from testkit.runs import two_cpu_plan
     from tests.e2e.test_executor_run import _wait
 
     monkeypatch.setenv(db.ENV_DB, postgres_server.create_database())

@@ -1,6 +1,7 @@
-"""A real two-node SLURM cluster on this machine, for the tests (session scope).
+"""A real two-node SLURM cluster on this machine, for the tests (the `slurm_cluster` fixture of
+tests/conftest.py wraps `running_slurm_cluster()`, one per session).
 
-What `slurm_cluster` starts (it installs nothing: scripts/install.sh installs the Debian
+What it starts (it installs nothing: scripts/install.sh installs the Debian
 packages slurmctld, slurmd, slurm-client and munge):
 
     munged                      one key, its socket in the cluster's folder
@@ -14,7 +15,7 @@ nodes crosses a real network link. slurmd is started with `nsenter --net=...`, n
 count-only generic GRES with `Type=<catalog type>` (this Debian build does not register the
 `gpu` name without device files). No accounting daemon: state comes from scontrol/squeue.
 
-Torn down after the session: every job cancelled, every process in the nodes' namespaces and
+Torn down when the block ends: every job cancelled, every process in the nodes' namespaces and
 every daemon killed, the namespaces, veths and the bridge deleted (`leftovers()` checks).
 A platform that cannot run this (not root, no binaries, no network namespaces) skips with the
 reason.
@@ -30,10 +31,11 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from executor.wan import free_subnet
-
-import pytest
+from testkit.processes import free_port
+from testkit.wait import wait_until
 
 GRES_NAME = "gpumix"
 SUBNET_PREFIX = "10.77"  # each test cluster takes the first 10.77.X.0/24 no interface of this host uses
@@ -55,12 +57,6 @@ def _free_subnet() -> str:
 
 def _subnet(nodes: list) -> str:
     return nodes[0].addr.rsplit(".", 1)[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -134,29 +130,32 @@ class SlurmCluster:
 
     def wait_idle(self, names: list[str] | None = None, timeout_s: float = START_TIMEOUT_S) -> None:
         names = names or [n.name for n in self.nodes]
-        deadline = time.monotonic() + timeout_s
-        states: dict[str, str] = {}
-        while time.monotonic() < deadline:
-            with contextlib.suppress(subprocess.CalledProcessError, ValueError):
-                states = self.node_states()
-                if all(states.get(n) == "idle" for n in names):
-                    return
-                for n in names:  # a node that was down comes back once its slurmd answers
-                    if states.get(n, "").startswith("down"):
-                        self.cmd("scontrol", "update", f"nodename={n}", "state=resume", check=False)
+
+        def idle() -> dict[str, str] | None:
+            states = self.node_states()
+            if all(states.get(n) == "idle" for n in names):
+                return states
+            for n in names:  # a node that was down comes back once its slurmd answers
+                if states.get(n, "").startswith("down"):
+                    self.cmd("scontrol", "update", f"nodename={n}", "state=resume", check=False)
             if any(n.slurmd is not None and n.slurmd.poll() is not None for n in self.nodes if n.name in names):
-                break  # a slurmd that exited will not answer
-            time.sleep(0.5)
-        raise RuntimeError(f"SLURM nodes not idle after {timeout_s:.0f} s: {states}; see {self.root}")
+                raise RuntimeError(f"a slurmd exited (states {states}); see {self.root}")  # it will not answer
+            return None
+
+        try:
+            wait_until(idle, timeout_s, f"SLURM nodes {names} idle", interval_s=0.5,
+                       ignore=(subprocess.CalledProcessError, ValueError))
+        except TimeoutError as e:
+            raise RuntimeError(f"{e}; see {self.root}") from None
 
     def jobs(self) -> list[str]:
         return self.cmd("squeue", "-h", "-o", "%i").split()
 
     def wait_no_jobs(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.jobs() and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert not self.jobs(), f"SLURM jobs left: {self.cmd('squeue')}"
+        try:
+            wait_until(lambda: not self.jobs(), timeout_s, "no SLURM job left", interval_s=0.3)
+        except TimeoutError:
+            raise AssertionError(f"SLURM jobs left: {self.cmd('squeue')}") from None
 
     def leftovers(self) -> list[str]:
         """What of the cluster still exists (empty after teardown)."""
@@ -265,9 +264,7 @@ def _start(cluster: SlurmCluster) -> None:
         ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={root}/munge.socket",
          f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
         stdout=munge_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-    deadline = time.monotonic() + 10
-    while not os.path.exists(f"{root}/munge.socket") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: os.path.exists(f"{root}/munge.socket"), 10, "munged's socket", interval_s=0.1)
     _network_up(cluster)
     ctl_log = open(os.path.join(root, "slurmctld.out"), "ab")
     cluster.daemons.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", cluster.conf], stdout=ctl_log,
@@ -287,11 +284,13 @@ def _problem_text(root: str) -> str:
     return "\n".join(out)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
+@contextlib.contextmanager
+def running_slurm_cluster() -> Iterator[SlurmCluster]:
+    """The cluster for the block; raises RuntimeError where `platform_problem()` names one or it does
+    not start (with the daemons' last log lines), and asserts on leaving that nothing of it is left."""
     problem = platform_problem()
     if problem:
-        pytest.skip(problem)
+        raise RuntimeError(problem)
     root = tempfile.mkdtemp(prefix="gpumix-slurm-")
     os.chmod(root, 0o755)  # munged refuses a group/world-writable folder; slurmd's children read it
     tag = f"gmx{os.getpid() % 100000}"
@@ -299,7 +298,7 @@ def slurm_cluster():
     nodes = [SlurmNode(name, f"{tag}{name}", f"{tag}{name}v", f"{subnet}.{i + 2}", count)
              for i, (name, count) in enumerate(NODES)]
     cluster = SlurmCluster(root, nodes, f"{tag}br", {"SLURM_CONF": os.path.join(root, "slurm.conf")})
-    _slurm_conf(root, nodes, _free_port())
+    _slurm_conf(root, nodes, free_port())
     try:
         _start(cluster)
     except BaseException as e:

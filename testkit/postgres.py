@@ -1,16 +1,13 @@
-"""A real PostgreSQL server for the store tests, and the `store_backend` fixture that runs a
-test against the embedded SQLite default and against PostgreSQL.
+"""A PostgreSQL server of our own, for the store tests and bench/store_latency.py.
 
-`postgres_server` (session scope) starts Debian's own binaries (`/usr/lib/postgresql/<v>/bin`:
-initdb, pg_ctl) on a free localhost port in a temporary data directory and stops it at the
-end. initdb refuses root, so as root the server runs as the `postgres` system user (created
-if missing) through `runuser -u postgres --`, every command an argument list (no shell).
-Each test that asks for PostgreSQL gets a database of its own (CREATE DATABASE), with the
-GPUMix schema created by `executor.db` as `python -m executor db init` does.
-
-Import the fixtures in a test module: `from tests.pg_fixture import postgres_server, store_backend`.
-Skipped, with the reason, only where the platform cannot run PostgreSQL: no binaries (install
-them: `apt-get install -y postgresql`), or no psycopg.
+`running_postgres()` starts Debian's own binaries (`/usr/lib/postgresql/<v>/bin`: initdb, pg_ctl)
+on a free localhost port in a temporary data directory and stops it when the block ends. initdb
+refuses root, so as root the server runs as the `postgres` system user (created if missing)
+through `runuser -u postgres --`, every command an argument list (no shell). `create_database()`
+gives each test a database of its own; `init_store()` creates the GPUMix schema in the store
+GPUMIX_DB names, as `python -m executor db init` does. `unavailable()` says why this platform
+cannot run the server (no binaries: `apt-get install -y postgresql`; no psycopg), or None.
+The fixtures (`postgres_server`, `store_backend`) are in tests/conftest.py.
 """
 from __future__ import annotations
 
@@ -20,14 +17,13 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
-import pytest
+from testkit.processes import free_port
+from testkit.wait import wait_until
 
 PG_USER = "postgres"
 START_TIMEOUT_S = 60
@@ -56,12 +52,6 @@ class PostgresServer:
 def _bin_dir() -> str | None:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
     return os.path.dirname(found[-1]) if found else None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_server_user() -> list[str]:
@@ -104,7 +94,7 @@ def running_postgres(durable: bool = False) -> Iterator[PostgresServer]:
         uid = pwd.getpwnam(PG_USER)
         for path in (root, sock):
             os.chown(path, uid.pw_uid, uid.pw_gid)
-    port = _free_port()
+    port = free_port()
     log = os.path.join(root, "server.log")
     subprocess.run(prefix + [f"{bin_dir}/initdb", "-D", data, "-U", PG_USER, "-A", "trust", "--no-sync",
                              "-E", "UTF8", "--locale", "C"],
@@ -121,33 +111,10 @@ def running_postgres(durable: bool = False) -> Iterator[PostgresServer]:
     finally:
         subprocess.run(prefix + [f"{bin_dir}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=START_TIMEOUT_S)
-        deadline = time.monotonic() + 10
-        while os.path.exists(os.path.join(data, "postmaster.pid")) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):  # a server that outlives this is removed with its folder
+            wait_until(lambda: not os.path.exists(os.path.join(data, "postmaster.pid")), 10, "PostgreSQL to stop",
+                       interval_s=0.1)
         shutil.rmtree(root, ignore_errors=True)
-
-
-_shared: dict[str, object] = {"users": 0}  # one server for the session, however many modules import the fixture
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[PostgresServer]:
-    """The session's server. Each test module that imports this fixture gets its own session-scoped
-    copy of it; they share one server, started by the first and stopped after the last."""
-    reason = unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    if _shared["users"] == 0:
-        cm = running_postgres()
-        _shared.update(server=cm.__enter__(), cm=cm)
-    _shared["users"] += 1
-    try:
-        yield _shared["server"]
-    finally:
-        _shared["users"] -= 1
-        if _shared["users"] == 0:
-            _shared.pop("cm").__exit__(None, None, None)
-            _shared.pop("server")
 
 
 def init_store() -> None:
@@ -155,15 +122,3 @@ def init_store() -> None:
     from executor.commands.db import init_all
 
     init_all()
-
-
-@pytest.fixture(params=BACKENDS)
-def store_backend(request, monkeypatch) -> str:
-    """The test runs twice: on the embedded SQLite files (GPUMIX_DB unset) and on a fresh
-    PostgreSQL database (GPUMIX_DB set, schema initialised). Returns the backend's name."""
-    monkeypatch.delenv("GPUMIX_DB", raising=False)
-    if request.param == "postgresql":
-        server = request.getfixturevalue("postgres_server")
-        monkeypatch.setenv("GPUMIX_DB", server.create_database())
-        init_store()
-    return request.param
