@@ -10,10 +10,10 @@ whether the training timeline is unchanged by the prefill (re-simulated with the
 prefill as reserved GPU time). Also DP over the *best* subset of >= 2 datacenters,
 so the DP comparison does not hinge on using every datacenter.
 
-Targets: on the paper-like scenario (issue 8) the plan >= 10x faster than DP across the
-WAN and utilization with prefill >= 90 %; everywhere (issue 12) the plan no slower than any
-baseline (speedup >= 1 against each); wherever the plan leaves bubbles (issue 15) utilization
-with prefill >= 90 %, printed beside training-only utilization.
+Targets: on the paper-like scenario the plan >= 10x faster than DP across the WAN and
+utilization with prefill >= 90 %; everywhere the plan no slower than any baseline (speedup >= 1
+against each); wherever the plan leaves bubbles utilization with prefill >= 90 %, printed beside
+training-only utilization.
 
 Why prefill falls short, per scenario (`idle_breakdown`): each iteration's GPU compute time split
 into training, optimizer steps, prefill, and the compute-idle time left: on stages whose free memory
@@ -201,11 +201,11 @@ def main() -> int:
             "paper_like_speedup_vs_dp_ge_10": (paper["speedup_vs_dp"] or 0) >= TARGET_SPEEDUP_VS_DP,
             "paper_like_util_with_prefill_ge_90pct": paper["gpu_util_prefill"] >= TARGET_UTIL_WITH_PREFILL,
         }
-    # issue 15: where a plan leaves bubbles, prefill fills them to >= 90 % utilization
+    # where a plan leaves bubbles, prefill fills them to >= 90 % utilization
     checks["util_with_prefill_ge_90pct_where_bubbles"] = all(
         r["gpu_util_prefill"] >= TARGET_UTIL_WITH_PREFILL for r in rows if r["bubbles"] > BUBBLE_EPS)
     checks["training_unchanged_everywhere"] = all(r["training_unchanged"] in (True, None) for r in rows)
-    # issue 12: never slower than any baseline it evaluates (speedup >= 1 against each, to rounding)
+    # never slower than any baseline it evaluates (speedup >= 1 against each, to rounding)
     checks["plan_never_slower_than_a_baseline"] = all(
         (r[k] is None or r[k] >= 1 - 1e-9) for r in rows for k in SPEEDUPS)
     if args.json:

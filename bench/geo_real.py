@@ -1,4 +1,4 @@
-"""Geo plans run for real on emulated datacenters, measured beside their predictions (issue 15).
+"""Geo plans run for real on emulated datacenters, measured beside their predictions.
 
 One run of this script, on this machine (CPU ranks, gloo, root for the network namespaces):
 

@@ -1,4 +1,4 @@
-"""pipeline_sim.iteration_times against whole simulations, side by side in one run (issue 17).
+"""pipeline_sim.iteration_times against whole simulations, side by side in one run.
 
 Random 1F1B jobs (2-5 stages, 1-3 pipelines, dedicated / temporal / fair links, two channels shared
 by several hops, the runtime step or not, tied embeddings) of --min to --max micro-batches: each is

@@ -7,7 +7,7 @@ to 1, and for every sharded row ZeRO 1, 2 and 3 with 1 and 2 accumulation steps.
     python bench/memory_accuracy.py            # the whole matrix (about 20 min on 2 busy cores)
     python bench/memory_accuracy.py --quick    # the models below 1B only
 
-Target (issue 11): every |error| <= 3 %. Exit code 1 when missed.
+Target: every |error| <= 3 %. Exit code 1 when missed.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""Solve time of the heterogeneous planner against cluster size (issue 4: 1,024 GPUs in ≤ 2 s), and
-issue 11's case: llama2-13b, global batch 4096, seq 2048, bf16 on 1,024 GPUs of 8 types in ≤ 2 s.
+"""Solve time of the heterogeneous planner against cluster size (target: 1,024 GPUs in ≤ 2 s), and
+the large case: llama2-13b, global batch 4096, seq 2048, bf16 on 1,024 GPUs of 8 types in ≤ 2 s.
 
 Clusters of 16, 64, 256 and 1,024 GPUs over 8 types (one type per node, at most 8 GPUs a node);
 global batch 8 per GPU. Prints the median over repeats of `solve_plan`'s wall time (cost tables,
 baselines and every ILP included, every ZeRO stage `--zero auto` tries), then the 13B case with
 `--zero auto` and each stage forced.
 
-Then (issue 17) solve time and peak memory against the global batch, 8 to 1e8, on
+Then solve time and peak memory against the global batch, 8 to 1e8, on
 examples/clusters/mixed-16.json and mixed-1024.json: the median of --repeats solves, each in a
 fresh child process, whose peak RSS (ru_maxrss of the child and its CBC children) is the memory
 figure; max/min per device count is printed against the 2× target. The same sweep then times the
@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--recompute", choices=("none", "full"), default="full",
                     help="full: every type, 16 GB parts included, can hold a micro-batch")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--batch-only", action="store_true", help="only the global-batch sweep (issue 17)")
+    ap.add_argument("--batch-only", action="store_true", help="only the global-batch sweep")
     args = ap.parse_args()
     sweep = batch_sweep(args.model, args.repeats)
     print_sweep(sweep, args.json)

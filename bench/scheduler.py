@@ -1,4 +1,4 @@
-"""GPUMix's scheduling policy against every baseline on the same simulated traces (issue 12).
+"""GPUMix's scheduling policy against every baseline on the same simulated traces.
 
 Three traces (planner/schedule/trace.py, seeded: models 124M-13B, sweeps arriving in bursts,
 durations 5 minutes to a day on the user's own request, requests sized by hand), each on its

@@ -309,7 +309,7 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, path: str) -> "ClusterSpec":
-        # refused by its size before a byte is read (issue 17: a 10 GB "cluster file" is a mistake)
+        # refused by its size before a byte is read (a 10 GB "cluster file" is a mistake)
         return cls.from_json(read_text_file(path, "cluster file"), source=path)
 
 

@@ -49,9 +49,8 @@ Progress = Callable[[float, str], None]
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # From 1 up: the fixed cost of a micro-batch (α: Python, kernel launches, a CPU quota's period)
-# is what the smallest sizes resolve. Timed from 4 up it fitted to 0 (tiny at seq 128 under a third
-# of a core: α 0.00 ms from 4..32, 7.95 ms from 1..32, R² 0.996 and 0.999), and the planner then
-# priced 139 micro-batches of 1 like 4 of 35: a run 2× slower than predicted (issue 16).
+# is what the smallest sizes resolve: timed from 4 up, α can fit to 0, and the planner then prices
+# many micro-batches of 1 as cheaply as a few large ones (a run slower than predicted).
 DEFAULT_MICRO_BATCHES = PROFILE_MICRO_BATCHES
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2

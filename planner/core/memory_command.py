@@ -1,4 +1,4 @@
-"""`python -m planner memory`: the predicted per-GPU peak memory of a training step (issue 2).
+"""`python -m planner memory`: the predicted per-GPU peak memory of a training step.
 
 The same flags serve `python -m profiler memory` (the traced figure), so the two print
 comparable tables and JSON objects.

@@ -1,4 +1,4 @@
-"""`python -m profiler memory`: the traced per-GPU peak of one real training step (issue 2).
+"""`python -m profiler memory`: the traced per-GPU peak of one real training step.
 
 Same flags as `python -m planner memory` plus `--fake` (FakeTensorMode: shapes only, so
 7B-class models trace on a laptop); same keys, plus `measured: true`.
