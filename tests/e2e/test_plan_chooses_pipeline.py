@@ -18,6 +18,7 @@ from contracts.cluster import ClusterSpec
 from contracts.plan import Plan
 from planner.geo.cluster_plan import choose_plan, cluster_scenario, solve_cluster_pipeline, why_not
 from planner.geo.emulated import predict_plan
+from planner.entry import plan_job
 from planner.hetero.solve import solve_plan
 
 MODEL, BATCH, SEQ, DTYPE = "tinyllama-1.1b", 32, 2048, "bf16"
@@ -89,8 +90,9 @@ def test_the_choice_follows_the_link_rate():
         option = solve_cluster_pipeline(c, MODEL, BATCH, SEQ, DTYPE)
         assert option.plan is not None, option.reason
         gains.append(dp.predicted_iteration_s / option.plan.predicted_iteration_s)
-        chosen = choose_plan(dp, option)
+        chosen = plan_job(c, MODEL, BATCH, seq=SEQ, dtype=DTYPE).plan  # what every caller gets
         assert (chosen.pipeline is not None) == (gains[-1] > 1)
+        assert chosen.to_dict() | {"solve_s": 0} == choose_plan(dp, option).to_dict() | {"solve_s": 0}
     assert gains[0] > 1 and gains[1] > 1 > gains[2]
 
 
@@ -100,8 +102,7 @@ def test_clusters_the_geo_search_cannot_price_keep_dp_and_say_why():
     emu = ClusterSpec.from_dict({"name": "emu", "nodes": [{"name": "n0", "gpus": [{"type": "cpu", "slowdown": 2}]},
                                                           {"name": "n1", "gpus": {"cpu": 1}}]})
     assert "emulated" in why_not(emu)
-    dp = solve_plan(emu, "tiny", 4).plan
-    kept = choose_plan(dp, solve_cluster_pipeline(emu, "tiny", 4, dp.seq, "fp32"))
+    kept = plan_job(emu, "tiny", 4).plan
     assert kept.pipeline is None and any("emulated" in n for n in kept.notes)
     sc = cluster_scenario(ClusterSpec.from_dict(cluster(10, 2)), MODEL, BATCH, SEQ, DTYPE, 1)
     assert [dc.name for dc in sc.datacenters] == ["n0", "n1"] and sc.wan[0].gbps == 10
