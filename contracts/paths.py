@@ -1,7 +1,12 @@
-"""Where GPUMix keeps its data: profiles, runs, the job queue.
+"""Where GPUMix finds its files and keeps its data: profiles, runs, the job queue.
 
-Default: `data/` inside the project; override with the environment variable
-`GPUMIX_DATA_DIR` (tests point it at a temporary folder).
+`PROJECT_ROOT` is the folder that holds the packages: a source checkout, or the
+site-packages of an installed GPUMix (`pip install .`; workers are started with it on
+PYTHONPATH either way). Data goes to `$GPUMIX_DATA_DIR` when set (tests point it at a
+temporary folder); otherwise to `data/` of a source checkout, and for an installed
+package, which must never write into site-packages, to `$XDG_DATA_HOME/gpumix`
+(`~/.local/share/gpumix`). The example clusters and scenarios lie in the checkout's
+`examples/`, or in the package as `gpumix/examples` (pyproject.toml). See docs/DESIGN.md.
 """
 from __future__ import annotations
 
@@ -9,10 +14,21 @@ import os
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV_DATA_DIR = "GPUMIX_DATA_DIR"
+# A checkout has its pyproject.toml beside the packages; an installed package does not.
+SOURCE_CHECKOUT = os.path.isfile(os.path.join(PROJECT_ROOT, "pyproject.toml"))
+EXAMPLES_DIR = os.path.join(PROJECT_ROOT, *(("examples",) if SOURCE_CHECKOUT else ("gpumix", "examples")))
+
+
+def default_data_dir() -> str:
+    """The data folder when GPUMIX_DATA_DIR is not set (see the module docstring)."""
+    if SOURCE_CHECKOUT:
+        return os.path.join(PROJECT_ROOT, "data")
+    xdg = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(xdg, "gpumix")
 
 
 def data_dir() -> str:
-    path = os.environ.get(ENV_DATA_DIR) or os.path.join(PROJECT_ROOT, "data")
+    path = os.environ.get(ENV_DATA_DIR) or default_data_dir()
     os.makedirs(path, exist_ok=True)
     return path
 

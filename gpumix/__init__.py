@@ -1,0 +1,1 @@
+"""GPUMix as one command, `gpumix` (gpumix/cli.py), installed by `pip install .` (pyproject.toml)."""
