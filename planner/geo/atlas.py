@@ -1,27 +1,14 @@
 """Atlas: plan one training job across datacenters (arXiv 2411.14458).
 
-Pipeline parallelism across datacenters, data parallelism inside each: every one
-of `num_pipelines` pipelines runs the same chain of stages, a DC holding `k` of
-them uses `num_pipelines · k` of its GPUs. The search chooses
+Pipeline parallelism across datacenters, data parallelism inside each. The search chooses the
+datacenters and GPU types in pipeline order, the data-parallel degree, the stages per unit, the
+layer split under each stage's memory, recomputation, the TCP connections per WAN transfer and the
+pipelines' turn order on each link. planner/geo/search.py ranks every structure by a closed-form
+1F1B estimate; the best few and the baselines' plans (planner/geo/evaluate.py) are simulated
+(`pipeline_sim.iteration_times`), and the simulated time decides. The winner's whole simulation
+(`AtlasResult.sim`, its Gantt) runs only when asked for.
 
-- which datacenters and which of their GPU types ("units": a DC's GPUs of one
-  type), in which pipeline order (consecutive DCs need a WAN link);
-- the DP degree (`num_pipelines`, a divisor of the micro-batch count) and the
-  number of stages per unit, hence how many GPUs of each DC are used;
-- the layer split: minimize the slowest stage's time subject to each stage's
-  memory (`geo_costs`), with 1F1B's in-flight micro-batches per stage;
-- activation recomputation, when memory needs it;
-- `k` TCP connections per WAN transfer (the fewest that reach the link rate:
-  `min(link, k · window/RTT)`), and the order in which the pipelines take turns
-  on each WAN link (temporal sharing: "fifo" or "pipeline" priority).
-
-The search (planner/geo/search.py) enumerates every structure and finds each one's
-exactly best layer split for a closed-form 1F1B estimate; the best few (the best of
-each DC subset first) and the plans given to compare with (the baselines') are run
-through the discrete-event simulator (`pipeline_sim.iteration_times`: bounded simulations where the
-schedule's cycles are proved to recur, so the ranking does not grow with the micro-batches), and the
-simulated iteration time decides; the winner's whole simulation (`AtlasResult.sim`, its Gantt) is run
-only when asked for. The baselines (planner/geo/evaluate.py) use the same search and simulator.
+The search, the estimate and the baselines: docs/models/pipeline_simulation.md ("Atlas's search").
 """
 from __future__ import annotations
 

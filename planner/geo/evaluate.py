@@ -1,25 +1,14 @@
 """A geo scenario end to end: the Atlas plan, its baselines and BubbleTea, all simulated.
 
-Baselines (same cost tables, same simulator):
-- "dp_across_dcs": data parallelism across datacenters. Each DC trains a full
-  replica of the model (its best intra-DC plan from the same search, pipeline
-  inside the DC if memory needs it) on its share of the batch (in proportion to
-  its throughput), then the gradients are all-reduced over the WAN: a ring over
-  the DCs carries 2(D−1)/D of the gradient bytes over each direction of each
-  link of the widest spanning tree. Generous to DP: the DC-level all-reduce is
-  hierarchical with every GPU's shard on its own TCP connection, so it gets the
-  full link rate `min(link, gpus · per-connection)`.
-- "pp_single_connection_fair": pipeline across every datacenter, the same
-  search, but one TCP connection per transfer and all pipelines' transfers
-  sharing each link fairly at once.
-- "best_single_dc": the best plan confined to one datacenter (no WAN at all).
-- "even_layer_split": the chosen plan's stages (datacenters, GPU types, DP degree, network) with
-  the layers split evenly, as a practitioner would cut a pipeline without a cost model.
+Baselines, on the same cost tables and simulator: "dp_across_dcs" (a full replica per datacenter,
+gradients all-reduced over the WAN, priced generously), "pp_single_connection_fair" (one TCP
+connection per transfer, links shared fairly), "best_single_dc" and "even_layer_split" (the chosen
+stages, layers split evenly). The pipeline baselines are simulated beside the search's shortlist
+and the fastest kept, so the plan is never slower than any of them; a faster DP is named in the
+report's `slower_than`.
 
-The pipeline baselines are plans of the same form as the search's: `simulate_geo` simulates them
-beside the search's shortlist and keeps the fastest, so the plan is never slower than any of them.
-DP across datacenters is not a pipeline plan (each DC runs its own); it is compared, and a faster
-one is named in the report's `slower_than` (empty when the plan beats every baseline).
+Each baseline's model: docs/models/pipeline_simulation.md ("Atlas's search"); BubbleTea's:
+docs/models/bubbletea.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
 """A geo plan as a plan file (contracts/plan.py) that `python -m executor launch` runs.
 
 `geo_plan_to_plan` turns Atlas's choice (a chain of stages, each on one datacenter's GPUs of one
-type, replicated `d` times) into a `Plan` with a `pipeline` section:
+type, replicated `d` times) into a `Plan` with a `pipeline` section: a node per datacenter, stage j
+as d devices each taking the per-pipeline micro-batch's rows, even ZeRO-1 shards inside a stage, the
+scenario's WAN links and TCP connections. Its predicted figures come from planner/geo/emulated.py
+(the runtime's own behaviour), the search's idealised simulation kept in the notes. A one-stage plan
+is written as a plain data-parallel plan; `check_runnable` refuses what the runtime cannot run.
 
-- the cluster: the given one (`planner plan --cluster`: nodes are the datacenters), or, for a
-  scenario, one node per datacenter used (node name = datacenter name), holding the stages'
-  devices in stage order; its network says the smallest intra-DC and WAN rates;
-- stage j: d devices of its type on its node (the d data-parallel replicas), each with
-  rows = the per-pipeline micro-batch b, so the plan's micro_batch is d·b and every micro-batch
-  passes every stage once; num_microbatches = the per-pipeline count m (global batch = d·b·m);
-  shard fractions even inside a stage (1/d, ZeRO-1 over the stage group);
-- `wan`: the scenario's links between the datacenters used (gbps, rtt_ms); `connections`: the
-  plan's TCP connections per transfer on each WAN hop;
-- predicted figures from planner/geo/emulated.py, which simulates exactly this file's stages,
-  rows and links as the runtime runs them (fp32 rows on the wire, fair sharing of each link), so
-  `predicted_iteration_s` and `simulated_ops` are what a run of this file is compared with; the
-  geo search's own simulation (temporal WAN sharing, Atlas's ideal) is kept in the notes.
-
-A one-stage plan (one datacenter) is written as a plain data-parallel plan (no `pipeline`): it is
-the sharded runtime's ordinary run. `check_runnable` refuses a plan the runtime cannot run (a stage
-without layers, a device over its memory, stages on different nodes with no link between them):
-such a plan is never written.
+The mapping in full: docs/models/pipeline_simulation.md ("Atlas's search", the plan file).
 """
 from __future__ import annotations
 
@@ -185,7 +172,7 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
                      baselines: dict[str, BaselineResult] | None = None, notes: tuple[str, ...] = (),
                      search_iteration_s: float | None = None, solve_s: float = 0.0,
                      profiles_dir: str | None = None, rtt: bool = True) -> Plan:
-    """The plan file of `geo` (module docstring), predicted by planner/geo/emulated.py and checked
+    """The plan file of `geo` (docs/models/pipeline_simulation.md), predicted by planner/geo/emulated.py and checked
     by `check_runnable`. `cluster`/`wan`: the cluster and links to place it on (default: the
     scenario's datacenters used, and their links)."""
     draft, per_device, notes, common = _draft(scenario, geo, schedule, cluster, wan, baselines, notes,

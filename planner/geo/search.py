@@ -1,34 +1,13 @@
 """Atlas's search: every pipeline structure, each with its exactly best layer split.
 
-A structure is an ordered chain of units (a unit: one datacenter's GPUs of one type; consecutive
-units in one DC or joined by a WAN link, a DC's units next to each other), `k_u` stages per unit,
-the DP degree `d` (pipelines; a divisor of the micro-batch count, `d · k_u` GPUs of unit u) and
-the recompute mode. Every structure is enumerated (DC subsets and orders, stage counts, DP degrees,
-recompute) unless there are more than MAX_STRUCTURES, when each unit's stage counts are cut to
-STAGE_OPTIONS ∪ {all it has}, then {1, all}, then {all} (the result then says `exact=False`); past that
-the search is refused (bounded time and memory: every structure is held once, to be sorted by bound).
+A structure is an ordered chain of units (one datacenter's GPUs of one type), the stages per unit,
+the data-parallel degree and the recompute mode; all are enumerated (cut to fewer stage counts past
+MAX_STRUCTURES, then refused). Each is priced by a closed-form 1F1B estimate E (stage times, the
+first micro-batch's boundary crossings, the busiest WAN direction per period, stage 0's tail), and
+`split_for_estimate` finds the layer split minimizing E exactly. Structures are evaluated in order
+of a lower bound on E (branch and bound); the simulator (pipeline_sim) decides among the best.
 
-Each structure is priced by the closed-form 1F1B estimate (seconds)
-
-    E = Σ_j t_j + H + (m − 1) · max(max_j t_j, W) + tail_0
-
-  t_j     one micro-batch's forward+backward on stage j: n_j · τ_j (+ the head on the last stage),
-          τ_j = one layer on stage j's GPU type (planner/costmodel/pipeline.py via GeoCosts);
-  H       the first micro-batch's activation and gradient over every boundary (wire + latency);
-  W       the busiest WAN direction per period: d transfers in turn (temporal sharing), or the
-          link's capacity shared by d at once (fair);
-  tail_0  stage 0's collectives and optimizer step after its last backward (the last compute of
-          1F1B): affine in n_0;
-  m       micro-batches per pipeline; n_j ≤ the memory model's cap of stage j (its position sets
-          how many micro-batches it holds in flight).
-
-`split_for_estimate` minimizes E over the layer split exactly: at a bottleneck bound T the best
-split gives each stage one layer and the rest to the cheapest stages (per layer τ_j, plus stage 0's
-tail slope) up to min(cap_j, ⌊(T − head_j)/τ_j⌋); the optimal T is one of the finitely many stage
-times, scanned upwards until (m − 1)·T alone outweighs the best found. Structures are evaluated in
-order of a lower bound on E (branch and bound), so those that cannot beat the incumbents of their
-DC subset are skipped without being priced. The 1F1B in-flight limit over WAN latencies (a stage
-waits for its round trip) is not in E: the simulator (pipeline_sim) decides among the best.
+The estimate's terms and why the split is exact: docs/models/pipeline_simulation.md ("Atlas's search").
 """
 from __future__ import annotations
 
@@ -169,7 +148,7 @@ class Hop:
 
 @dataclass(frozen=True)
 class Candidate:
-    estimate_s: float  # R: what candidates are ranked by (module docstring)
+    estimate_s: float  # R: what candidates are ranked by (docs/models/pipeline_simulation.md)
     num_gpus: int
     where: tuple[Unit, ...]  # the unit of each stage, in pipeline order
     counts: tuple[int, ...]  # layers per stage
@@ -313,7 +292,7 @@ class Search:
         return tau, head, lan, H, W, min(a for a, _ in tails), min(b for _, b in tails), most, steps, trips
 
     def lower_bound(self, fixed: tuple, d: int, ks: tuple[int, ...]) -> float:
-        """No split of this structure has a smaller R (module docstring): Σ t_j >= L · min τ + head;
+        """No split of this structure has a smaller R (docs/models/pipeline_simulation.md): Σ t_j >= L · min τ + head;
         max_j [(m − 1) · max(t_j, W) + tail_j] >= (m − 1) · max(W, the least slowest stage that holds
         the layers within the stages' largest memory caps, one layer plus the head) and >= the
         largest tail, which is at least the average one; R's period is at least each unit boundary's
