@@ -1,4 +1,4 @@
-"""The planner's one entry: every plan that leaves the planner is made here.
+"""The planner's one entry: every caller that wants a plan of a job on a cluster asks here.
 
 `plan_job` is what `python -m planner plan` does: the hetero ILP's data-parallel plan
 (planner/hetero/solve.py), then on a cluster of two or more nodes the best pipeline beside it and
@@ -13,7 +13,6 @@ Read docs/ARCHITECTURE.md for who calls what; the models behind each plan are in
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from contracts.cluster import ClusterSpec, NodeSpec
@@ -24,8 +23,6 @@ from planner.costmodel.training import CostModel
 from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
 from planner.hetero.baselines import fastest_fitting_split, split_by_weights
 from planner.hetero.solve import DEFAULT_MAX_SEQ, ZERO_AUTO, evaluate_plan, solve_plan
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TIME_LIMIT_S = 10.0  # the solver's time limit (`planner plan --time-limit`)
 MIXED_GAIN = 0.9  # take idle devices of other types only for a predicted >= 10 % shorter iteration
