@@ -1,4 +1,5 @@
-"""The `slurm` launch backend: a plan as one SLURM job, watched until it ends.
+"""The `slurm` launch backend (SlurmBackend, executor/backend.py's interface): a plan as one SLURM
+job, watched until it ends.
 
     python -m executor launch --plan P --steps N --run-dir R --backend slurm [--gres-name gpu]
 
@@ -31,16 +32,17 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from contracts.plan import Plan
+from contracts.run import RunConfig
 from executor import booking
-from executor.launch import (RunHandle, _all_ranks_done, _check_not_running, _last_step, _start_launcher,
-                             _stop_on_signals, check_init_from, check_numbers, copy_tokenizer, failure_reason,
-                             new_run_dir, plan_nodes, worker_args)
+from executor.backend import prepare_data, prepare_folder, resume_step, run_config
+from executor.checks import check_run
+from executor.rank_commands import plan_nodes, project_pythonpath, worker_args
 from executor.slurm_job import (JOB_FILE, Component, JobState, SlurmSettings, batch_script, cancel_job, job_state,
                                 node_requests, rdzv_port, read_job_file, run_id_of, sbatch_command,
                                 slurm_device_keys)
 from executor.store import MetricsStore
-from contracts.paths import PROJECT_ROOT
-from contracts.plan import Plan
+from executor.supervise import RunHandle, failure_reason, record_launch, start_launcher, stop_on_signals
 from profiler.slurm_inventory import SlurmNode, check_name, read_nodes
 
 if TYPE_CHECKING:
@@ -53,53 +55,73 @@ NODE_CHECK_S = 2.0  # how often the launcher asks SLURM about the job's nodes
 AGENT_FAIL_GRACE_S = 10.0  # an agent failed but the job still runs (its batch host died): scancel
 COMPLETING_WAIT_S = 120.0  # after the end: wait for SLURM to clean the job's steps away
 
+
+class SlurmBackend:
+    """The plan as one SLURM job, submitted and followed from this machine (the submit host)."""
+
+    name = "slurm"
+
+    def __init__(self, settings: SlurmSettings | None = None) -> None:
+        self.settings = settings or SlurmSettings()
+
+    def check(self, plan: Plan, config: RunConfig) -> RunConfig:
+        if config.emulate_wan:
+            raise ValueError("--emulate-wan emulates the datacenters on this machine: use it with --backend local")
+        if config.prefill is not None:
+            raise ValueError("--prefill runs with --backend local")
+        return check_run(plan, config)
+
+    def launch(self, plan: Plan, config: RunConfig) -> str:
+        """Submit `plan` as one SLURM job and follow it until it ends; "done" | "failed" | "stopped"."""
+        config = self.check(plan, config)
+        nodes = {n.name: n for n in read_nodes(self.settings.gres_name, plan_nodes(plan))}
+        components = node_requests(plan, nodes, self.settings)
+        config = prepare_folder(config)
+        step = resume_step(plan, config)
+        ledger = booking.Ledger()
+        ledger.book(config.run_dir, slurm_device_keys(plan))
+        try:
+            plan_path = os.path.join(config.run_dir, "plan.json")
+            plan.save(plan_path)
+            tokens = prepare_data(plan, config)
+            store = MetricsStore(config.run_dir)
+            try:
+                record_launch(store, plan, config, step)
+                wargs = worker_args(plan_path, config, tokens_path=tokens)
+                return _follow(store, plan, config, self.settings, components, nodes, wargs)
+            finally:
+                store.close()
+        finally:
+            ledger.release(config.run_dir)
+
+    def start(self, plan: Plan, config: RunConfig) -> RunHandle:
+        """`python -m executor launch --backend slurm ...` in a new session; return at once (the
+        launcher outlives its caller: a dashboard reload, an orchestrator restart)."""
+        config = prepare_folder(self.check(plan, config))
+        proc = start_launcher(plan, config, self.settings.to_args())
+        return RunHandle(config.run_dir, proc.pid)
+
+    def leftovers(self, run_dir: str) -> bool:
+        job = read_job_file(run_dir)
+        return bool(job) and job_state(str(job["job_id"])).active
+
+    def remove_leftovers(self, run_dir: str) -> None:
+        try:
+            cancel_slurm_run(run_dir)
+        except ValueError as e:  # SLURM does not answer: say so, the rest of the stop goes on
+            log.error("run %s: cannot cancel its SLURM job: %s", run_dir, e)
+
+
 # ---- the launcher --------------------------------------------------------------------------
 
 
 def launch_slurm(plan: Plan | str, steps: int, run_dir: str, settings: SlurmSettings | None = None, seed: int = 0,
                  resume: bool = False, checkpoint_every: int = 0, corpus_dir: str | None = None,
                  optim: OptimConfig | None = None, tokenizer: str | None = None, init_from: str | None = None) -> str:
-    """Submit `plan` as one SLURM job and follow it until it ends; "done" | "failed" | "stopped"."""
-    from executor import checkpoint as ckpt
-    from executor.corpus import build_corpus
-    from contracts.specs import get_model
-
-    settings = settings or SlurmSettings()
-    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    check_numbers(steps, checkpoint_every, seed)
-    if not plan.used:
-        raise ValueError("plan uses no device")
-    init_from = check_init_from(plan, init_from)
-    run_dir = os.path.abspath(run_dir)
-    nodes = {n.name: n for n in read_nodes(settings.gres_name, plan_nodes(plan))}
-    components = node_requests(plan, nodes, settings)
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    _check_not_running(run_dir)
-    if resume:
-        ckpt.check_resumable(run_dir, plan)
-    ledger = booking.Ledger()
-    ledger.book(run_dir, slurm_device_keys(plan))
-    try:
-        plan_path = os.path.join(run_dir, "plan.json")
-        plan.save(plan_path)
-        tokens = build_corpus(corpus_dir, tokenizer, vocab_size=get_model(plan.model).vocab_size)
-        copy_tokenizer(tokenizer, run_dir)
-        store = MetricsStore(run_dir)
-        try:
-            store.init_run(plan, steps, seed, backend="gloo", resume=resume)
-            if resume:
-                meta = ckpt.check_resumable(run_dir, plan)
-                store.truncate_after(int(meta["step"]))
-                store.add_event("resume", f"resuming from the checkpoint of step {meta['step']}")
-            with open(os.path.join(run_dir, "launcher.pid"), "w") as fh:
-                fh.write(str(os.getpid()))
-            wargs = worker_args(plan_path, steps, run_dir, seed, resume, checkpoint_every, tokens_path=tokens,
-                                optim=optim, init_from=init_from)
-            return _follow(store, plan, steps, run_dir, settings, components, nodes, wargs)
-        finally:
-            store.close()
-    finally:
-        ledger.release(run_dir)
+    """SlurmBackend(settings).launch with the settings as keywords."""
+    config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
+                        corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from)
+    return SlurmBackend(settings).launch(plan if isinstance(plan, Plan) else Plan.load(plan), config)
 
 
 def _submit(run_dir: str, plan: Plan, settings: SlurmSettings, components: list[Component],
@@ -113,8 +135,7 @@ def _submit(run_dir: str, plan: Plan, settings: SlurmSettings, components: list[
     script = os.path.join(run_dir, "slurm.sbatch")
     with open(script, "w") as fh:
         fh.write(batch_script(components, agent))
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=project_pythonpath())
     cmd = sbatch_command(components, script, run_dir, settings)
     log.info("submitting %s", shlex.join(cmd))
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
@@ -159,8 +180,9 @@ def dead_nodes(store: MetricsStore, job_nodes: list[str], gres_name: str) -> lis
     return out
 
 
-def _follow(store: MetricsStore, plan: Plan, steps: int, run_dir: str, settings: SlurmSettings,
+def _follow(store: MetricsStore, plan: Plan, config: RunConfig, settings: SlurmSettings,
             components: list[Component], nodes: dict[str, SlurmNode], wargs: list[str]) -> str:
+    run_dir = config.run_dir
     stop = threading.Event()
     cancelled = False
     status, reason, failed_rank = "failed", None, None
@@ -168,7 +190,7 @@ def _follow(store: MetricsStore, plan: Plan, steps: int, run_dir: str, settings:
     state: JobState | None = None
     job_nodes = [n for c in components for n in c.nodes]
     try:
-        with _stop_on_signals(stop):
+        with stop_on_signals(stop):
             job_id = _submit(run_dir, plan, settings, components, nodes, wargs)
             with open(os.path.join(run_dir, JOB_FILE), "w") as fh:
                 json.dump({"job_id": job_id, "nodes": job_nodes, "gres_name": settings.gres_name,
@@ -200,7 +222,7 @@ def _follow(store: MetricsStore, plan: Plan, steps: int, run_dir: str, settings:
                         cancelled = True
                 time.sleep(JOB_POLL_S)
         state = _settle(state)
-        status, reason, failed_rank = _verdict(store, steps, run_dir, settings, state, job_nodes,
+        status, reason, failed_rank = _verdict(store, config, settings, state, job_nodes,
                                                stop.is_set() or store.stop_requested(), cancelled)
     except BaseException as e:
         reason = f"launcher error: {type(e).__name__}: {e}"
@@ -213,7 +235,7 @@ def _follow(store: MetricsStore, plan: Plan, steps: int, run_dir: str, settings:
     return status
 
 
-def _verdict(store: MetricsStore, steps: int, run_dir: str, settings: SlurmSettings, state: JobState,
+def _verdict(store: MetricsStore, config: RunConfig, settings: SlurmSettings, state: JobState,
              job_nodes: list[str], stopped: bool, cancelled: bool) -> tuple[str, str | None, int | None]:
     """(status, reason, failed rank) of the ended job; `cancelled`: the launcher scancelled it."""
     job_id = state.job_id
@@ -223,15 +245,15 @@ def _verdict(store: MetricsStore, steps: int, run_dir: str, settings: SlurmSetti
         return "stopped", f"stopped on request (scancel of SLURM job {job_id})", None
     if state.state == "CANCELLED" and not cancelled:
         return "stopped", f"SLURM job {job_id} was cancelled outside GPUMix (scancel)", None
-    if _last_step(store) == steps and (state.state in ("COMPLETED", "COMPLETING", "UNKNOWN")
-                                       or _all_ranks_done(store)):
+    if store.last_step() == config.steps and (state.state in ("COMPLETED", "COMPLETING", "UNKNOWN")
+                                              or store.all_ranks_done()):
         return "done", None, None
     dead = dead_nodes(store, job_nodes, settings.gres_name)
     if dead:
         node, why = dead[0]
         ranks = store.registered_ranks(node=node)
         return "failed", f"node {node} died: {why} ({what})", (ranks[0] if ranks else None)
-    logs = os.path.join(run_dir, "logs", f"slurm-{job_id}.out")
+    logs = os.path.join(config.run_dir, "logs", f"slurm-{job_id}.out")
     reason, rank = failure_reason(store, logs, None)
     return "failed", f"{reason} ({what})", rank
 
@@ -264,19 +286,11 @@ def start_slurm_run(plan: Plan | str, steps: int, run_dir: str | None = None, se
                     seed: int = 0, checkpoint_every: int = 0, corpus_dir: str | None = None,
                     optim: OptimConfig | None = None, tokenizer: str | None = None,
                     init_from: str | None = None) -> RunHandle:
-    """Start `python -m executor launch --backend slurm ...` in a new session and return at once
-    (the launcher outlives its caller: a dashboard reload, an orchestrator restart). `run_dir`
-    defaults to a new folder under contracts.paths.runs_dir(), as executor.launch.start_run."""
-    settings = settings or SlurmSettings()
-    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    check_numbers(steps, checkpoint_every, seed)
-    init_from = check_init_from(plan, init_from)
-    run_dir = os.path.abspath(run_dir or new_run_dir())
-    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    _check_not_running(run_dir)
-    proc = _start_launcher(plan, steps, run_dir, seed, False, checkpoint_every, corpus_dir, optim, tokenizer,
-                           init_from, settings.to_args())
-    return RunHandle(run_dir, proc.pid)
+    """SlurmBackend(settings).start with the settings as keywords; `run_dir` defaults to a new folder
+    under contracts.paths.runs_dir()."""
+    config = run_config(steps, run_dir, optim, seed=seed, checkpoint_every=checkpoint_every, corpus_dir=corpus_dir,
+                        tokenizer=tokenizer, init_from=init_from)
+    return SlurmBackend(settings).start(plan if isinstance(plan, Plan) else Plan.load(plan), config)
 
 
 def cancel_slurm_run(run_dir: str) -> bool:

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 
-from executor.launch import plan_nodes
+from executor.rank_commands import plan_nodes
 from executor.store import MetricsStore
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from executor import booking
-from executor.launch import DEFAULT_RDZV_PORT, plan_nodes
+from executor.rank_commands import DEFAULT_RDZV_PORT, plan_nodes
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan
 from profiler.slurm_inventory import (SlurmNode, catalog_type, check_name, default_gres_name, parse_fields,

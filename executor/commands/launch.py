@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 HELP = "run a plan for real with torchrun (uneven batches and shards); blocks until it ends"
 
@@ -101,7 +102,7 @@ def optim_from_args(args: argparse.Namespace):
              if getattr(args, k) is not None}
     if not given:
         return None
-    from executor.launch import default_optim
+    from executor.rank_commands import default_optim
     from models.optim import OptimConfig
 
     if "max_grad_norm" in given:
@@ -133,51 +134,41 @@ def read_prefill(path: str | None) -> dict | None:
     return d
 
 
+def run_config_of(args: argparse.Namespace):
+    """The RunConfig of the flags (ValueError naming a bad value), before the plan is read."""
+    from contracts.run import RunConfig
+
+    config = RunConfig(steps=args.steps, run_dir=args.run_dir, seed=args.seed, resume=args.resume,
+                       checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, tokenizer=args.tokenizer,
+                       init_from=args.init_from, emulate_wan=args.emulate_wan)  # the numbers first: optim uses steps
+    optim = optim_from_args(args)
+    return replace(config, optim=None if optim is None else optim.to_dict(), prefill=read_prefill(args.prefill))
+
+
 def run(args: argparse.Namespace) -> int:
     from contracts.cli import print_json
     from contracts.plan import Plan
+    from executor.launch import backend_for, node_command_lines, runs_here
 
-    from executor.launch import check_numbers, launch_run, multinode_commands, runs_here
-
-    check_numbers(args.steps, args.checkpoint_every, args.seed)  # on every path, multi-node included
+    config = run_config_of(args)  # on every path, multi-node included
     plan = Plan.load(args.plan)
-    optim = optim_from_args(args)
-    prefill = read_prefill(args.prefill)
-    if args.emulate_wan and args.backend != "local":
-        raise ValueError("--emulate-wan emulates the datacenters on this machine: use it with --backend local")
-    if prefill is not None and args.backend != "local":
-        raise ValueError("--prefill runs with --backend local")
-    if args.backend == "slurm":
-        from executor.slurm import launch_slurm
-
-        settings = slurm_settings(args)
-        if args.corpus or args.tokenizer:
-            tokenize_with_progress(args.corpus, args.tokenizer, plan.model)
-        status = launch_slurm(plan, args.steps, args.run_dir, settings, seed=args.seed, resume=args.resume,
-                              checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
-                              tokenizer=args.tokenizer, init_from=args.init_from)
-        return _report(args, status)
-    if not runs_here(plan) and not args.emulate_wan:
+    backend = backend_for(args.backend, slurm_settings(args) if args.backend == "slurm" else None)
+    if args.backend == "local" and not runs_here(plan) and not args.emulate_wan:
         run_dir = os.path.abspath(args.run_dir)
         os.makedirs(run_dir, exist_ok=True)
         plan_path = os.path.join(run_dir, "plan.json")
         plan.save(plan_path)
-        lines = multinode_commands(plan_path, plan, args.steps, run_dir, args.seed, args.resume,
-                                   args.checkpoint_every, args.corpus, optim=optim, tokenizer=args.tokenizer,
-                                   init_from=args.init_from)
+        lines = node_command_lines(plan_path, plan, replace(config, run_dir=run_dir))
         if args.json:
             print_json({"status": "not started", "multinode_commands": lines})
         else:
             print(f"# plan spans {len(lines)} nodes: run one line on each node (first node = rendezvous host)")
             print("\n".join(lines))
         return 0
+    backend.check(plan, config)  # before the tokenizing: a refused launch says so at once
     if args.corpus or args.tokenizer:
         tokenize_with_progress(args.corpus, args.tokenizer, plan.model)  # once; the launch then hits the cache
-    status = launch_run(plan, args.steps, args.run_dir, seed=args.seed, resume=args.resume,
-                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, optim=optim,
-                        tokenizer=args.tokenizer, init_from=args.init_from, emulate_wan=args.emulate_wan,
-                        prefill=prefill)
-    return _report(args, status)
+    return _report(args, backend.launch(plan, config))
 
 
 def _report(args: argparse.Namespace, status: str) -> int:

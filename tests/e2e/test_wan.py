@@ -15,10 +15,10 @@ import pytest
 
 from executor import wan
 from executor.launch import launch_run, start_run, stop_run
-from executor.store import _pid_alive, read_metrics
+from executor.store import pid_alive, read_metrics
 from contracts.cluster import ClusterSpec
 from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
-from tests.conftest import processes_with_data_dir
+from testkit.processes import processes_with_data_dir
 
 needs_wan = pytest.mark.skipif(wan.unavailable_reason() is not None,
                                reason=f"emulated datacenters unavailable: {wan.unavailable_reason()}")
@@ -88,7 +88,7 @@ def _assert_torn_down(seen: dict, data_dir: str, launcher_pid: int) -> None:
     """Nothing of the run is left once its launcher has exited (it records the end first): no
     namespace by name or mount, no process of the run (they all carry the test's data dir), none in
     the run's namespaces; so the kernel has freed the namespaces with their veths and qdiscs."""
-    _wait(lambda: not _pid_alive(launcher_pid), 30, "the launcher to exit")
+    _wait(lambda: not pid_alive(launcher_pid), 30, "the launcher to exit")
     setup = seen["setup"]
     assert seen["inodes"], "the namespaces were never seen"
     assert wan.leftovers(setup) == []
@@ -275,7 +275,7 @@ def test_without_root_or_tools_the_error_names_what_is_missing(tmp_path, monkeyp
 
 
 def test_a_networked_store_is_refused_a_unix_socket_is_not(tmp_path, monkeypatch):
-    from executor.launch import check_emulate_wan
+    from executor.checks import check_emulate_wan
 
     monkeypatch.setattr(wan, "unavailable_reason", lambda: None)
     monkeypatch.setenv("GPUMIX_DB", "postgresql://gpumix@127.0.0.1:5432/runs")

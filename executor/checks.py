@@ -1,0 +1,133 @@
+"""Checks before a run starts: a plan and its RunConfig against this machine.
+
+Every check raises a one-line ValueError saying what to change, before any rank starts and before
+anything is written to the run folder's store: the plan's devices exist here (`check_devices`),
+a plan on several nodes runs here only as emulated datacenters (`check_emulate_wan`), the
+`init_from` folder holds the plan's model (`check_init_from`), the run folder has no live run
+(`check_not_running`). The settings' own values (steps, seed, ...) are RunConfig's to check
+(contracts/run.py); `check_run` and `check_local` are what the backends call (executor/backend.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import replace
+
+from contracts.plan import Plan
+from contracts.run import RunConfig
+from executor import booking, wan
+from executor.rank_commands import plan_nodes
+from executor.store import has_run, read_metrics
+
+
+def runs_here(plan: Plan) -> bool:
+    """A plan on one node (whatever it is called), or on nodes all of which are this machine."""
+    nodes = plan_nodes(plan)
+    return len(nodes) <= 1 or all(booking.is_local_node(n) for n in nodes)
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible here; torch is imported only when a plan asks for a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_devices(plan: Plan) -> None:
+    """Before any rank starts: the plan's node is this machine and its GPUs exist. CPU workers may
+    outnumber the cores (oversubscribed ranks are slow, not wrong)."""
+    nodes = plan_nodes(plan)
+    if len(nodes) == 1 and not booking.is_local_node(nodes[0]):
+        raise ValueError(f"plan runs on node {nodes[0]!r}, this machine is {socket.gethostname()!r}: run the "
+                         "launch on that node (or plan for 'localhost')")
+    gpus = [a for a in plan.used if a.type != "cpu"]
+    if gpus:
+        have = cuda_device_count()
+        for local_rank, a in enumerate(gpus):
+            if local_rank >= have:
+                raise ValueError(f"plan device {a.device_index} ({a.type}) needs CUDA device {local_rank}, this "
+                                 f"machine has {have} CUDA device(s)")
+
+
+def check_emulate_wan(plan: Plan) -> None:
+    """An emulated-datacenter run (executor/wan.py) can run here (ValueError saying why not)."""
+    nodes = plan_nodes(plan)
+    if len(nodes) < 2:
+        raise ValueError(f"--emulate-wan: the plan's used devices sit on one node ({', '.join(nodes)}); emulated "
+                         "datacenters need devices on at least 2 nodes (each node is one datacenter)")
+    gpus = sorted({a.type for a in plan.used if a.type != "cpu"})
+    if gpus:
+        raise ValueError(f"--emulate-wan runs CPU ranks only (the plan uses {', '.join(gpus)}): NCCL between GPUs of "
+                         "one machine takes shared memory or NVLink, past the emulated links")
+    why = wan.unavailable_reason() or _store_unreachable_from_namespaces()
+    if why is not None:
+        raise ValueError(f"--emulate-wan: {why}")
+
+
+def _store_unreachable_from_namespaces() -> str | None:
+    """Why the ranks inside emulated datacenters could not write the run store, or None. Their
+    namespaces reach no network outside them; a file (SQLite) or a Unix socket is not networked."""
+    import urllib.parse
+
+    from executor import db
+
+    url = db.configured()
+    if url is None or url.dialect != "postgresql":
+        return None
+    u = urllib.parse.urlsplit(url.target)
+    host = (urllib.parse.parse_qs(u.query).get("host") or [u.hostname or ""])[0]
+    if not host or host.startswith("/"):
+        return None
+    return (f"the ranks inside the emulated datacenters reach no network outside them, so not the PostgreSQL "
+            f"store at {host} ({db.ENV_DB}); use the embedded store (unset {db.ENV_DB}) or a Unix-socket URL "
+            "(postgresql://user@/db?host=/var/run/postgresql)")
+
+
+def check_init_from(plan: Plan, init_from: str | None) -> str | None:
+    """The absolute Hugging Face folder to start from, refused (ValueError) when its config is not the
+    plan's model: the weights must fill exactly the model the plan was made for."""
+    if init_from is None:
+        return None
+    from contracts.specs import get_model
+
+    folder = os.path.abspath(init_from)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"--init-from {init_from}: no config.json in that folder (a Hugging Face model folder)")
+    want, got = get_model(plan.model), get_model(os.path.join(folder, "config.json"))
+    if replace(want, name="") != replace(got, name=""):
+        raise ValueError(f"--init-from {init_from}: its config describes another model than the plan's "
+                         f"{plan.model!r} ({got.num_params:,} vs {want.num_params:,} parameters); plan with "
+                         f"--model {os.path.join(folder, 'config.json')}")
+    return folder
+
+
+def check_run(plan: Plan, config: RunConfig) -> RunConfig:
+    """What every backend checks: the plan uses a device, `init_from` holds its model. Returns the
+    config with its paths absolute (the launcher's and the ranks' working folders differ)."""
+    if not plan.used:
+        raise ValueError("plan uses no device")
+    return replace(config, run_dir=os.path.abspath(config.run_dir), init_from=check_init_from(plan, config.init_from))
+
+
+def check_local(plan: Plan, config: RunConfig) -> None:
+    """A run on this machine: its devices are here, or its nodes are emulated datacenters here."""
+    if config.emulate_wan:
+        check_emulate_wan(plan)  # every node is emulated here, whatever it is called
+        return
+    if not runs_here(plan):
+        raise ValueError(f"plan spans nodes {', '.join(plan_nodes(plan))}: run `python -m executor launch` "
+                         "to print the per-node torchrun commands, or emulate them here with --emulate-wan")
+    check_devices(plan)
+
+
+def check_not_running(run_dir: str) -> None:
+    """ValueError when the run folder holds a run whose launcher (not ours, nor our parent) still runs."""
+    if has_run(run_dir):
+        with contextlib.suppress(ValueError):
+            m = read_metrics(run_dir)
+            # start_run (our parent) writes the row before we run: that one is ours
+            if m["status"] == "running" and m["launcher_pid"] not in (os.getpid(), os.getppid()):
+                raise ValueError(f"run folder {run_dir} has a running run (launcher pid {m['launcher_pid']})")

@@ -1,0 +1,324 @@
+"""The local backend: a plan run with torchrun on this machine, watched until it ends.
+
+Process tree (every arrow is an argument list, never a shell):
+
+    [start: the dashboard] --new session--> python -m executor launch   (the launcher)
+        --new session--> python -m torch.distributed.run ... -m executor.worker   (torchrun)
+            --own session each (torchrun's choice)--> python -m executor.worker   (rank r)
+
+The launcher builds the corpus cache, writes plan.json, run.json and the run row, starts torchrun
+and watches it (executor/supervise.py); at the end it kills what is left and records the status.
+Emulated devices: one cgroup per rank whose device has a `cpu_share` (profiler/cgroups.py), joined
+by the rank through `python -m profiler.cgroups exec`; without cgroups (or GPUMIX_EMULATION=sleep)
+the run sleeps instead (slowdown = 1 / cpu_share); emulation.json says which ran. Emulated
+datacenters (`emulate_wan`, executor/wan.py): one torchrun agent per plan node, each in its
+node's network namespace, torn down with a guard process if the launcher is killed.
+docs/ARCHITECTURE.md (the executor) has the whole story.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, replace
+
+from contracts.catalog import GIB
+from contracts.paths import PROJECT_ROOT
+from contracts.plan import Plan
+from contracts.run import RunConfig
+from executor import booking, wan
+from executor.backend import prepare_data, prepare_folder, resume_step
+from executor.checks import check_local, check_run
+from executor.rank_commands import (DEFAULT_RDZV_PORT, free_port, local_torchrun_command, node_torchrun_command,
+                                    plan_nodes, rank_env, run_id_of, worker_args)
+from executor.store import MetricsStore
+from executor.supervise import (RunHandle, exit_code, failure_reason, kill_everything, record_launch,
+                                start_launcher, stop_on_signals, watch)
+from profiler import cgroups
+
+log = logging.getLogger(__name__)
+
+ENV_EMULATION = "GPUMIX_EMULATION"  # "sleep" forces the sleep fallback (default: cgroups where available)
+EMULATION_FILE = "emulation.json"
+PREFILL_FILE = "prefill.json"  # start's prefill object, for the launcher's --prefill
+
+
+# ---- emulation: cgroups, or the sleep fallback -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Emulation:
+    mode: str  # "none" | "cgroup" | "sleep"
+    reason: str
+    ranks: dict[int, cgroups.Cgroup]  # rank -> its cgroups (mode "cgroup")
+
+
+def emulation_limits(plan: Plan) -> dict[int, cgroups.Limits]:
+    """rank -> the limits of its device, for the ranks whose device has a cpu_share (rank r trains
+    the r-th used device: on a local run, and on an emulated-datacenter run too, whose used devices
+    come in node order and whose rendezvous ranks the agents in node order, executor/wan.py).
+    `cpu_share` is what asks for physical emulation; a device with only `slowdown` / `memory_gb`
+    keeps the arithmetic one (sleep, measured-peak check), which the cost model it confirms was
+    built for (contracts.cluster)."""
+    devices = plan.cluster.devices()
+    out = {}
+    for rank, a in enumerate(plan.used):
+        dev = devices[a.device_index][1]
+        if dev.cpu_share is not None:
+            out[rank] = cgroups.Limits(dev.cpu_share, None if dev.memory_gb is None else int(dev.memory_gb * GIB))
+    return out
+
+
+def sleep_fallback_plan(plan: Plan) -> Plan:
+    """The plan a sleep-emulated run executes: each cpu_share device sleeps as a device 1/share slower."""
+    devices = plan.cluster.devices()
+    assignments = tuple(replace(a, slowdown=a.slowdown / devices[a.device_index][1].cpu_share)
+                        if a.used and devices[a.device_index][1].cpu_share is not None else a
+                        for a in plan.assignments)
+    return replace(plan, assignments=assignments)
+
+
+def setup_emulation(plan: Plan, run_dir: str) -> Emulation:
+    """Create the ranks' cgroups (mode "cgroup"), or say why the run sleeps instead; emulation.json."""
+    limits = emulation_limits(plan)
+    if not limits:
+        return Emulation("none", "no emulated device", {})
+    why = "GPUMIX_EMULATION=sleep" if os.environ.get(ENV_EMULATION) == "sleep" else cgroups.unavailable_reason()
+    if why is not None:
+        emu = Emulation("sleep", f"sleep fallback: {why}", {})
+    else:
+        prefix = cgroups.run_prefix(run_id_of(run_dir))
+        cgroups.remove_all(prefix)  # a resumed run whose launcher was killed
+        made: dict[int, cgroups.Cgroup] = {}
+        try:
+            for rank, lim in limits.items():
+                made[rank] = cgroups.create(f"{prefix}{rank}", lim)
+        except BaseException:
+            remove_emulation(Emulation("cgroup", "", made))
+            raise
+        emu = Emulation("cgroup", "cgroup v1 limits: " + "; ".join(
+            f"rank {r}: {c.limits.describe()}" for r, c in made.items()), made)
+    cgroups.save_table(os.path.join(run_dir, EMULATION_FILE), emu.mode, emu.reason, emu.ranks)
+    return emu
+
+
+def remove_emulation(emu: Emulation) -> None:
+    for cg in emu.ranks.values():
+        try:
+            cgroups.remove(cg)
+        except OSError as e:
+            log.error("%s", e)
+
+
+def oom_reason(emu: Emulation) -> tuple[str, int] | None:
+    """(reason, rank) when the kernel's OOM killer ended a rank in its memory cgroup."""
+    for rank, cg in sorted(emu.ranks.items()):
+        if cgroups.oom_kills(cg):
+            limit = cgroups.memory_limit_bytes(cg)
+            baseline = None if limit is None else limit - (cg.limits.memory_bytes or 0)
+            return (f"rank {rank} ran out of memory (emulated): the kernel's OOM killer ended it in its memory "
+                    f"cgroup {cg.name} (limit = baseline {baseline / 2**20:.0f} MiB + memory_gb "
+                    f"{(cg.limits.memory_bytes or 0) / GIB:g} GiB)"
+                    if baseline is not None else f"rank {rank} ran out of memory (emulated): the kernel's OOM "
+                    f"killer ended it in its memory cgroup {cg.name}"), rank
+    return None
+
+
+# ---- the torchrun agents: one here, or one per emulated datacenter ----------------------------
+
+
+def start_agent(cmd: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+    log.info("starting %s", shlex.join(cmd))
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _agent_log(run_dir: str, i: int) -> str:
+    return os.path.join(run_dir, "logs", f"torchrun-node{i}.log")
+
+
+def _start_wan_agents(setup: wan.WanSetup, plan: Plan, wargs: list[str], env: dict[str, str],
+                      run_dir: str) -> list[subprocess.Popen]:
+    """One torchrun agent per plan node, each inside its node's namespace: c10d rendezvous hosted by
+    node 0 at its namespace address, gloo bound to the node's host interface (repeated once per
+    TCP connection per transfer)."""
+    endpoint = f"{setup.addr(0)}:{DEFAULT_RDZV_PORT}"  # nothing else listens inside namespace 0
+    agents = []
+    for i, node in enumerate(setup.nodes):
+        cmd = setup.exec_prefix(i) + node_torchrun_command(
+            sys.executable, plan, setup.nodes, i, endpoint, setup.run_id, wargs,
+            extra=[f"--rdzv-conf=is_host={1 if i == 0 else 0}", f"--local-addr={setup.addr(i)}"])
+        agents.append(start_agent(cmd, dict(env, GPUMIX_NODE=node, GLOO_SOCKET_IFNAME=setup.gloo_ifname),
+                                  _agent_log(run_dir, i)))
+    return agents
+
+
+def _start_wan(plan: Plan, run_dir: str, store: MetricsStore) -> tuple[wan.WanSetup, subprocess.Popen]:
+    """The run's emulated datacenters and their guard (it removes them if this launcher is killed)."""
+    run_id = run_id_of(run_dir)
+    stale = wan.remove_stale(run_id)
+    if stale:
+        store.add_event("emulation", f"wan: removed stale namespaces {', '.join(stale)}")
+    nodes = plan_nodes(plan)
+    setup = wan.create(plan, nodes, run_id)
+    try:
+        setup.save(os.path.join(run_dir, wan.WAN_FILE))
+        with open(os.path.join(run_dir, "logs", "wan-guard.log"), "ab") as out:
+            guard = subprocess.Popen(wan.guard_command(setup, run_dir), cwd=PROJECT_ROOT,
+                                     env=dict(os.environ, PYTHONPATH=PROJECT_ROOT), stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        wan.remove(setup)
+        raise
+    for line in setup.describe() + wan.connections_of(plan, nodes)[1]:
+        store.add_event("emulation", line)
+    return setup, guard
+
+
+def _stop_wan(setup: wan.WanSetup, guard: subprocess.Popen | None) -> None:
+    """Remove the namespaces (every process left in them first), then end the guard."""
+    try:
+        wan.remove(setup)
+    except OSError as e:
+        log.error("%s", e)
+    if guard is not None:
+        guard.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard.wait(timeout=10)
+
+
+def _merge_agent_logs(run_dir: str, n: int, dest: str) -> None:
+    """logs/torchrun.log: every agent's log one after the other (failure_reason reads one file)."""
+    with open(dest, "ab") as out:
+        for i in range(n):
+            with contextlib.suppress(OSError), open(_agent_log(run_dir, i), "rb") as fh:
+                out.write(f"==== torchrun agent of node {i} ====\n".encode())
+                shutil.copyfileobj(fh, out)
+
+
+# ---- the launcher ------------------------------------------------------------------------
+
+
+def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int | None) -> str:
+    """Start the agents, watch them, end everything, record the status."""
+    run_dir = config.run_dir
+    if emu.mode == "sleep":
+        plan = sleep_fallback_plan(plan)
+    plan_path = os.path.join(run_dir, "plan.json")
+    plan.save(plan_path)
+    store = MetricsStore(run_dir)
+    record_launch(store, plan, config, step)
+    if emu.mode != "none":
+        store.add_event("emulation", f"{emu.mode}: {emu.reason}")
+    if plan.dtype != "fp32" and all(a.type == "cpu" for a in plan.used):
+        store.add_event("note", f"plan dtype {plan.dtype}: CPU ranks train in fp32 (autocast is for GPUs)")
+    wargs = worker_args(plan_path, config, tokens_path=tokens)
+    wargs = cgroups.exec_command(wargs) if emu.mode == "cgroup" else wargs
+    env = rank_env(os.path.join(run_dir, EMULATION_FILE) if emu.mode == "cgroup" else None)
+    torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
+    stop = threading.Event()
+    agents: list[subprocess.Popen] = []
+    setup: wan.WanSetup | None = None
+    guard: subprocess.Popen | None = None
+    status, reason, failed_rank = "failed", None, None
+    try:
+        with stop_on_signals(stop):
+            if config.emulate_wan:
+                setup, guard = _start_wan(plan, run_dir, store)
+                agents = _start_wan_agents(setup, plan, wargs, env, run_dir)
+            else:
+                agents = [start_agent(local_torchrun_command(len(plan.used), free_port(), wargs), env, torchrun_log)]
+            with open(os.path.join(run_dir, "torchrun.pid"), "w") as fh:
+                fh.write(str(agents[0].pid))  # the rendezvous host's agent
+            watch(agents, store, stop)
+        rc = exit_code(agents)
+        kill_everything(agents, store.worker_pids())
+        if setup is not None:
+            _merge_agent_logs(run_dir, len(agents), torchrun_log)
+        if stop.is_set() or store.stop_requested():
+            status, reason = "stopped", "stopped on request"
+        elif store.last_step() == config.steps and (rc == 0 or store.all_ranks_done()):
+            status = "done"  # all_ranks_done: this launch's ranks, not a resumed run's earlier ones
+            if rc != 0:  # every rank said it finished; one crashed on its way out
+                store.add_event("exit", f"torchrun exit code {rc} after every rank reported all steps done")
+        else:
+            reason, failed_rank = oom_reason(emu) or failure_reason(store, torchrun_log, rc)
+    except BaseException as e:
+        reason = f"launcher error: {type(e).__name__}: {e}"
+        kill_everything(agents, store.worker_pids())
+        raise
+    finally:
+        if setup is not None:  # torn down before the run's end is recorded: "done" means nothing is left
+            _stop_wan(setup, guard)
+        store.finish(status, reason, failed_rank)
+        store.close()
+        log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
+    return status
+
+
+def book_devices(plan: Plan, run_dir: str, pid: int | None = None) -> None:
+    """Book the plan's devices for `run_dir` in the ledger (ValueError naming the run holding one)."""
+    booking.Ledger().book(run_dir, booking.plan_device_keys(plan), pid)
+
+
+class LocalBackend:
+    """torchrun on this machine (emulated devices and datacenters included)."""
+
+    name = "local"
+
+    def check(self, plan: Plan, config: RunConfig) -> RunConfig:
+        config = check_run(plan, config)
+        check_local(plan, config)
+        return config
+
+    def launch(self, plan: Plan, config: RunConfig) -> str:
+        config = prepare_folder(self.check(plan, config))
+        book_devices(plan, config.run_dir)  # start booked already: the launcher takes the booking over
+        try:
+            step = resume_step(plan, config)
+            tokens = prepare_data(plan, config)
+            emu = setup_emulation(plan, config.run_dir)
+            try:
+                return _run(plan, config, tokens, emu, step)
+            finally:
+                remove_emulation(emu)
+        finally:
+            booking.Ledger().release(config.run_dir)
+
+    def start(self, plan: Plan, config: RunConfig) -> RunHandle:
+        """The launcher in a new session; the prefill object travels as the run folder's prefill.json."""
+        config = prepare_folder(self.check(plan, config))
+        resume_step(plan, config)
+        book_devices(plan, config.run_dir)  # held by this process until the launcher takes it over
+        extra: list[str] = []
+        if config.prefill is not None:
+            prefill_path = os.path.join(config.run_dir, PREFILL_FILE)
+            with open(prefill_path, "w", encoding="utf-8") as fh:
+                json.dump(config.prefill, fh)
+            extra += ["--prefill", prefill_path]
+        try:
+            proc = start_launcher(plan, config, extra)
+        except BaseException:
+            booking.Ledger().release(config.run_dir)
+            raise
+        booking.Ledger().book(config.run_dir, (), proc.pid)  # the launcher holds it now (and again from inside)
+        return RunHandle(config.run_dir, proc.pid)
+
+    def leftovers(self, run_dir: str) -> bool:
+        return bool(wan.find(wan.run_prefix(run_id_of(run_dir))))  # a killed launcher's datacenters
+
+    def remove_leftovers(self, run_dir: str) -> None:
+        """A killed launcher's emulated datacenters (if its guard has not removed them yet) and cgroups."""
+        run_id = run_id_of(run_dir)
+        for remove in (lambda: wan.remove_run(run_id), lambda: cgroups.remove_all(cgroups.run_prefix(run_id))):
+            try:
+                remove()
+            except OSError as e:
+                log.error("%s", e)
