@@ -1,30 +1,14 @@
 """Logical, reshardable checkpoints: `<run_dir>/checkpoints/step_NNNNNN/`.
 
-What a checkpoint holds is the *logical* training state, not one plan's layout: for every
-model unit (contracts/units.py: "embed", "block.0" .. "head") the whole flat fp32 master
-parameter and its AdamW moments, stored as the slices the saving ranks happened to own.
-Loading fills each rank's *new* slice [start, end) from whichever old slices overlap it, so
-`--resume` works on a plan with other devices, other shard fractions or another ZeRO stage
-(a GPU was added or died). Only what changes the trajectory's meaning is refused: another
-model (unit names or sizes), another sequence length or global batch (the data order, a
-function of (seed, step, global batch, seq), depends on them).
+A checkpoint holds the logical training state, not one plan's layout: for every unit
+(contracts/units.py) the flat fp32 master parameter and its AdamW moments, stored as the slices the
+saving ranks owned (`shard_<p>.bin`, raw fp32, and `meta_<p>.json`, written last). Loading fills
+each rank's new slice from whichever old slices overlap it, so `--resume` works on another plan
+(other devices, shard fractions or ZeRO stage); another model, sequence length or global batch is
+refused. `latest.json` names a step only once every position's files are whole. Slices are written
+and read in place (memory-mapped), never a whole file in memory.
 
-Files of one checkpoint, one pair per plan position p (the saving rank):
-    shard_<p>.bin    raw little-endian fp32: for each unit in order, master, exp_avg,
-                     exp_avg_sq of the slice, back to back (no pickle: a reader memory-maps
-                     the file and copies only the byte ranges it needs)
-    meta_<p>.json    the slice bounds and byte offsets per unit, the runtime's scalar state
-                     (optimizer step, loss scale, ...), the step; written after the .bin is
-                     complete and fsynced, so its presence means the shard is whole
-and, in `<run_dir>/checkpoints/`, `latest.json`, which position 0 replaces atomically only
-after every position's meta is in place (a barrier when torch.distributed is initialized).
-A run that dies mid-save leaves a step folder that latest.json never names.
-
-Memory: saving writes each slice straight from its tensor (a GPU tensor is copied to the host
-one at a time); loading memory-maps the old shards and copies the overlapping ranges into the
-runtime's tensors in place, so no rank ever holds another rank's file, nor its own twice.
-Scalar state is replicated across ranks (one optimizer step count, one loss scale), so a
-load takes old position 0's.
+The file format and the save/load protocol: docs/executor.md ("Checkpoints").
 """
 from __future__ import annotations
 

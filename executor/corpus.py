@@ -1,39 +1,15 @@
 """The training corpus: documents -> one packed token stream, cached; and the global sampler.
 
-`build_corpus(source, tokenizer, progress, vocab_size)` -> the path of a cached corpus
-manifest (`corpus.json`); `Corpus.load(path)` memory-maps its `.train` and `.val` streams.
+`build_corpus(source, tokenizer, progress, vocab_size)` -> the path of a cached corpus manifest
+(`corpus.json`); `Corpus.load(path)` memory-maps its `.train` and `.val` streams. Sources: the
+Python standard library's sources by default, a folder or file of text or JSON Lines, or
+pre-tokenized `.npy` / `.bin` token files (used as given, memory-mapped). Text is tokenized in
+parallel by executor.tokenizing, an end-of-document id after each document; the validation split
+is by whole documents. The cache under `<data_dir>/corpus/<key>/` is keyed by the inputs' content
+and built once under a lock, atomically. `GlobalSampler`: (seed, step) -> the global batch's window
+starts, the same for any plan, which a plan only cuts into rank / micro-batch pieces.
 
-Sources:
-- None: text this machine already has, the Python standard library's `.py` sources
-  (`sysconfig.get_paths()["stdlib"]`, without `site-packages`), the first
-  `DEFAULT_MAX_BYTES` of them in sorted order;
-- a folder of text files (`TEXT_SUFFIXES`; one document each, sorted relative-path order)
-  and/or JSON Lines files (`.jsonl`, one document per line's "text" field);
-- one text file (one document) or one `.jsonl` file;
-- pre-tokenized token files: `.npy` (uint8/uint16/uint32/int32), or raw `.bin` (uint16, the
-  nanoGPT convention; `*.u32.bin` / `*.uint32.bin` for uint32), a file or a folder of them.
-  Taken as given (they already hold their end-of-document ids), memory-mapped: one file is used
-  in place, several are concatenated into the cache piece by piece, never whole in RAM.
-
-Text is tokenized by executor.tokenizing (byte-level by default, or a local tokenizer.json) in
-parallel, an end-of-document id after each document, and written incrementally.
-
-Validation split, by documents (no document is in both, so no window leaks): every
-`VAL_EVERY`-th document (5 %) goes to `val`; if that gives fewer than
-min(`MIN_VAL_TOKENS`, 5 % of the tokens), whole documents from the end of train are moved
-to val, and a one-document corpus has its last 5 % cut off as val (logged). Pre-tokenized
-streams are split at the end-of-document id nearest before 95 % (at 95 % when none is known).
-
-Cache: `<data_dir>/corpus/<key>/` holding `corpus.json` (the manifest), `train.bin`,
-`val.bin` (raw ids), `train_docs.npy` / `val_docs.npy` (each document's end offset), or for
-token-file sources only the manifest (and `tokens.bin` when several files were joined).
-`key` hashes the format version, the tokenizer.json's content, the byte cap and each input's
-relative path, size, mtime_ns and content (whole up to 8 KiB, else its first and last 4 KiB).
-A build writes `<key>.tmp-<pid>/` and renames it, under a lock file, so concurrent ranks
-build once and never see half a cache; a second call returns at once.
-
-`GlobalSampler`: (seed, step) -> the global batch's window starts, the same for any plan; a
-plan only cuts that list into consecutive rank / micro-batch pieces (`batch_slices`).
+Sources, the split rule, the cache layout and its key: docs/executor.md ("The corpus").
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """Where GPUMix keeps its state: one store behind one URL, SQLite or PostgreSQL.
 
-`GPUMIX_DB` chooses it:
-- unset: the embedded default, as on one machine always: SQLite files — the job queue
-  (`queue.sqlite`), the booking ledger (`bookings.sqlite`) and one `metrics.sqlite` per run
-  folder. A fresh file gets its schema on first use.
-- `sqlite:///path`: one SQLite file for everything (queue, ledger, every run's history).
-- `postgresql://user@host:port/db`: one PostgreSQL database that several users on several
-  machines share: one queue, one ledger, one run history (psycopg 3).
+`GPUMIX_DB` chooses it: unset, SQLite files (the job queue `queue.sqlite`, the booking ledger
+`bookings.sqlite`, one `metrics.sqlite` per run folder); `sqlite:///path`, one SQLite file for
+everything; `postgresql://user@host:port/db`, one database that several users on several machines
+share (psycopg 3). Both dialects run the same SQL (`?` placeholders, `ON CONFLICT ... DO UPDATE`,
+`RETURNING`); only the DDL's column types differ.
 
-Both dialects run the same SQL: the modules write `?` placeholders (turned into psycopg's
-`%s`), `INSERT ... ON CONFLICT ... DO UPDATE` and `RETURNING`; only the column types of the
-DDL differ (`{int}`, `{real}`, `{serial}` below: PostgreSQL's REAL is 4 bytes, its INTEGER 4).
-
-Schemas are versioned, per part ("runs", "queue", "bookings"), in the `gpumix_schema` table,
-and changed only on request: a store of an older version is refused with the command that
-upgrades it (`python -m executor db upgrade`), a newer one is refused too, a shared store
-without a schema asks for `python -m executor db init`. Nothing here ALTERs a table on its
-own. Nothing here imports torch.
+Schemas are versioned per part ("runs", "queue", "bookings") in `gpumix_schema` and changed only on
+request: an older or newer store is refused with the command that fixes it (`python -m executor db
+upgrade` / `db init`); nothing here ALTERs a table on its own. Nothing here imports torch.
 """
 from __future__ import annotations
 

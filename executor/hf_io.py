@@ -1,25 +1,16 @@
 """Hugging Face weights in and out: `--init-from DIR` and `python -m executor export`.
 
-The decoder (models/decoder.py) names its parameters `embed.weight`, `blocks.3.attn.q_proj.weight`,
-...; a Hugging Face folder names them `model.layers.3.self_attn.q_proj.weight` (Llama, Mistral,
-Qwen2) or `transformer.h.3.attn.c_attn.weight` (GPT-2). GPT-2's Conv1D stores every Linear
-TRANSPOSED, (in, out), and fuses q, k and v into one c_attn of width 3h. So each decoder
-parameter lies in a range [lo, hi) along one axis of one HF tensor: its rows, or (Conv1D) its
-columns, decoder row r being HF column lo + r.
+Each decoder parameter (models/decoder.py's names) lies in a range of rows, or for GPT-2's
+transposed Conv1D of columns, of one Hugging Face tensor (GPT-2 fuses q, k and v into one c_attn).
 
 In: `HFWeights(folder, spec).read(name, a, b)` is what `ShardedRuntime.load_parameters` calls for
-the elements [a, b) of a decoder parameter that one rank owns. It asks safetensors for only the
-rows (or, transposed, the columns) those elements lie in, through `safe_open(...).get_slice`, so a
-rank holding 1/8 of a model reads about 1/8 of the file, never a whole tensor it does not need.
+the elements [a, b) a rank owns; it reads only those rows or columns through safetensors'
+`get_slice`, so a rank holding 1/8 of a model reads about 1/8 of the file.
 
-Out: `export_run(run_dir, out_dir)` reads a run's checkpoint into a one-position runtime, maps
-the full state to HF names and layout, writes `model.safetensors` (or shards with an index above
-`max_shard_bytes`), a `config.json` that `AutoModelForCausalLM.from_pretrained` builds the same
-architecture from (the HF folder's own config when the run started from one), and the run's
-tokenizer files (the launcher copies `--tokenizer` into `<run_dir>/tokenizer.json`).
-
-The name mapping itself (decoder name <-> HF tensor, transposed or a third of GPT-2's c_attn) is
-models/decoder.py's `hf_source` / `decoder_state_dict_to_hf`; this module turns it into slices.
+Out: `export_run(run_dir, out_dir)` loads a run's checkpoint into a one-position runtime and writes
+`model.safetensors` (sharded with an index above `max_shard_bytes`), a `config.json` that
+`AutoModelForCausalLM.from_pretrained` builds the same architecture from, and the run's tokenizer.
+The name mapping itself is models/decoder.py's `hf_source` / `decoder_state_dict_to_hf`.
 """
 from __future__ import annotations
 

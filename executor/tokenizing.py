@@ -1,21 +1,14 @@
 """Documents -> token arrays: the tokenizer and the parallel, order-preserving tokenization.
 
-Two tokenizers (`load_tokenizer`):
-- byte-level (no tokenizer given): a document's UTF-8 bytes are its tokens, vocabulary 256
-  (the `tiny`/`small` presets' vocabulary). The end-of-document token is byte 0 (NUL): the one
-  byte text files do not contain (git's own test for "binary"), so it needs no extra id and
-  the vocabulary stays 256. A text file that contains a NUL byte is therefore skipped as
-  binary, and NUL characters inside a JSON Lines text are dropped.
-- a local `tokenizer.json` through the `tokenizers` library (`Tokenizer.from_file`, never the
-  hub). Documents are encoded as the tokenizer encodes them (its post-processor included: a
-  Llama tokenizer puts `<s>` first); the end-of-document id is the `eos_token` of a
-  `tokenizer_config.json` beside it, else the first of `EOD_TOKENS` the vocabulary has.
+Two tokenizers (`load_tokenizer`): byte-level (a document's UTF-8 bytes, vocabulary 256, byte 0
+as end-of-document, so a text file containing NUL is skipped as binary), or a local
+`tokenizer.json` through the `tokenizers` library (never the hub), its end-of-document id from
+`tokenizer_config.json` or `EOD_TOKENS`. Documents are read in `Unit`s of about `UNIT_BYTES` and
+encoded by forked workers, results taken back in input order, so the stream is the same for any
+number of processes; each unit returns one flat array of ids and the documents' lengths, never a
+Python list of ints.
 
-Documents are read in `Unit`s of about `UNIT_BYTES` of input (a group of text files, or a
-line-aligned byte range of a JSON Lines file) and encoded by forked worker processes, results
-taken back in input order, so the token stream is the same for any number of processes. Each unit comes back as one flat array of token ids with an
-end-of-document id after each document, plus the documents' lengths: a large corpus is never
-a Python list of ints, only one unit's documents at a time inside a worker.
+The rules in full: docs/executor.md ("The corpus").
 """
 from __future__ import annotations
 

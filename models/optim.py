@@ -1,8 +1,7 @@
 """The optimizer of the sharded runtime: AdamW, the LR schedule, clipping and loss scaling on flat shards.
 
-The sharded runtime (models/sharded.py) keeps, per model unit, a 1-D fp32 master-parameter shard,
-its gradient shard and the AdamW moments of that shard; nothing here sees an nn.Module or a
-process group. What a rank does per optimizer step, in order:
+Per model unit the runtime (models/sharded.py) keeps a 1-D fp32 master shard, its gradient shard
+and their AdamW moments; nothing here sees an nn.Module or a process group. Per optimizer step:
 
     norm_sq = global_grad_norm_sq(grad_shards)          # local, fp64; the runtime all-reduces it
     found_inf = not isfinite(norm_sq)                     # an inf/nan anywhere makes the sum inf/nan
@@ -11,9 +10,9 @@ process group. What a rank does per optimizer step, in order:
     g *= clip_coefficient(total_norm, cfg.max_grad_norm) / scale_used   # unscale and clip in one pass
     adamw_step_(p, g, m, v, step, lr_at(step, total_steps, cfg), cfg, decay_ranges(...))
 
-(`scale_used` is the scale the backward ran with, read before `update`.) Training recipe defaults
-(betas 0.9/0.95, weight decay 0.1 on matrices only, clipping at 1.0, cosine to 10 % of the peak)
-are those of GPT-3 (Brown et al. 2020, appendix B.1) and Llama 2 (Touvron et al. 2023, §2.2).
+(`scale_used` is the scale the backward ran with.) Defaults (betas 0.9/0.95, weight decay 0.1 on
+matrices only, clipping at 1.0, cosine to 10 % of the peak) follow GPT-3 (Brown et al. 2020, B.1)
+and Llama 2 (Touvron et al. 2023, §2.2).
 """
 from __future__ import annotations
 

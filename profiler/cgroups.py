@@ -1,36 +1,14 @@
 """Physical emulation of a slower or smaller device on one machine: cgroup v1 limits.
 
-A cluster-file device `{"type": "cpu", "cpu_share": 0.333, "memory_gb": 2}` is a CPU worker
-limited by the kernel, not by arithmetic:
+A cluster-file device `{"type": "cpu", "cpu_share": 0.333, "memory_gb": 2}` is a CPU worker limited
+by the kernel, not by arithmetic: `cpu_share` is a CFS quota (a third of one core: its wall time
+stretches), `memory_gb` a memory limit over the process's own baseline (beyond it the OOM killer
+ends the process, as a full device would). A process joins its cgroups before its first instruction
+(`exec_in`). Cgroups live under the creator's own cgroup, named `gpumix-<run id>-r<rank>` or
+`gpumix-profile-<pid>`. Where cgroups are unavailable (`unavailable_reason`) a run emulates by
+sleeping and checking the measured peak, and records which it used; the profiler refuses.
 
-- `cpu_share` s: a CPU cgroup (`/sys/fs/cgroup/cpu/<parent>/<name>/`) whose CFS quota is
-  s x the period (`cpu.cfs_quota_us` / `cpu.cfs_period_us`). The rank runs one torch thread,
-  so a share of 1 is one core and 1/3 is a third of one: the scheduler throttles it, its wall
-  time stretches, its CPU time does not (time it by wall time). Its `cpu.shares` is raised
-  (CPU_SHARES) so that on a busy machine the device still gets its share: a device is not
-  shared with the neighbours' processes. The quota caps what that weight can take.
-- `memory_gb` g (of a device with a `cpu_share`: that field asks for physical emulation,
-  contracts.cluster): a memory cgroup (`/sys/fs/cgroup/memory/<parent>/<name>/`) whose
-  `memory.limit_in_bytes` is the process's own baseline plus g GiB. The process is inside
-  its cgroups from its first instruction (`exec_in`: a bare interpreter joins them and then
-  execs the real command), so everything it touches is charged there; the baseline is the
-  cgroup's `memory.usage_in_bytes` when the process has imported its libraries and built
-  nothing yet (`apply_memory_limit`, called at the start of executor.worker and of the
-  profiler's timed child). What it allocates beyond baseline + g is refused by the kernel's
-  OOM killer (SIGKILL), exactly as a full device would end the job; swap is limited alike
-  (`memory.memsw.limit_in_bytes`, where the kernel accounts swap).
-
-Cgroups are created under the creating process's own cgroup of each hierarchy (read from
-/proc/self/cgroup), so whatever limits the machine already puts on it still hold. Names:
-`gpumix-<run id>-r<rank>` for a run's ranks (executor.launch creates them before torchrun
-and removes them when the run ends, however it ends), `gpumix-profile-<pid>` for a profile.
-
-Fallback: where cgroups are unavailable (`unavailable_reason`: not root, no cgroup v1
-`cpu` / `memory` mount, not writable), a run emulates by sleeping (executor.worker's
-`slowdown`, with slowdown = 1 / cpu_share) and by checking the measured peak against
-`memory_gb`; the run records which one it used (an `emulation` event and emulation.json).
-The profiler refuses to profile a cpu_share device without cgroups: that profile would be
-derived, not measured.
+The limits, the baseline and the fallback in full: docs/executor.md ("Emulated devices").
 """
 from __future__ import annotations
 

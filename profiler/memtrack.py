@@ -1,29 +1,12 @@
 """Measured per-rank peak memory.
 
-CUDA: `torch.cuda.max_memory_allocated` — the caching allocator's own count of the bytes
-held by live tensors (not the reserved pool).
-
-CPU has no allocator statistics, and RSS deltas are dominated by glibc arenas and the
-torch libraries (hundreds of MiB of noise against a few MiB of training state). So on
-CPU we count live tensor bytes ourselves, the same quantity the CUDA counter reports:
-
-- at the start of the measured step, the storages already alive that the step uses
-  (parameters, gradients, the optimizer's state: passed in as `resident` tensors),
-  each storage counted once;
-- during the step, a `TorchDispatchMode` sees every op; each output whose storage is
-  new is added with its `nbytes`, and a weakref finalizer subtracts it when the last
-  tensor on that storage dies (autograd's saved activations included, since backward
-  runs inside the mode).
-
-- storages resized in place (`UntypedStorage.resize_`: how the sharded runtime and FSDP2
-  free and re-gather a unit's full parameters) are followed while the mode is active.
-
-Accuracy: exact for tensors allocated by torch ops; misses tensors created outside the
-dispatcher (`torch.from_numpy` inputs: a few KiB here) and allocator rounding/fragmentation
-(which CUDA's counter includes at 512-byte granularity). It is independent of the
+CUDA: `torch.cuda.max_memory_allocated` (bytes held by live tensors, not the reserved pool). CPU
+has no allocator statistics and RSS is noise at this scale, so `LiveTensorBytes` counts live
+tensor bytes itself: the resident storages the step uses, then, through a TorchDispatchMode, every
+new storage an op creates until it dies, and storages resized in place. It is independent of the
 planner's memory model: it counts what the code allocates, not what a formula says.
-The tracker slows the ops it watches, so the worker measures one step (the first) and
-not the others; shapes are the same every step, so the peak is too.
+
+What it counts and misses: docs/executor.md ("Measured peak memory").
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """Trace the memory of one real training step of this project's runtime (models/sharded.py).
 
-One rank of a run as the executor runs it: `ShardedRuntime` at the config's ZeRO stage (zero 0,
-one device holding everything, is stage 1 with shard fraction 1), holding the config's shard
-fraction of a `dp`-rank world, taking `accum_steps` micro-batches of `micro_batch` samples through
-the whole step: forward, backward, gradient reduction, clipping and AdamW. The collectives are
-`models.collectives.LocalCollectives`: one process standing in for its rank, allocating through
-torch exactly what the real gloo/NCCL methods allocate (nothing beyond their arguments), so the
-trace sees the gathered units, gradient buffers and temporaries a real rank holds.
+One rank as the executor runs it (`ShardedRuntime` at the config's ZeRO stage and shard fraction,
+`accum_steps` micro-batches through forward, backward, reduction, clipping and AdamW), with
+`models.collectives.LocalCollectives` standing in for the other ranks and allocating what the real
+collectives allocate. The counter is profiler.memtrack.LiveTensorBytes; `fake=True` runs in
+FakeTensorMode, so 7B models trace on a laptop. Two moments are traced: start-up and one step.
 
-The counter is profiler.memtrack.LiveTensorBytes: every storage an op creates, counted until it
-dies, and storages resized in place (the runtime frees and re-gathers a unit's parameters that
-way). Under `fake=True` the step runs in FakeTensorMode (shapes only), so 7B models trace on a
-laptop. Two moments are traced: start-up (building the runtime: the model on the meta device, each
-unit materialized and cut to the rank's slice) and one step after it.
-
-This is the measurement planner/core/memory.py's prediction is checked against: the two share no
-code beyond the config dataclass and the unit layout (contracts/units.py).
+This is the measurement planner/core/memory.py is checked against; the two share no code beyond
+the config dataclass and the unit layout (docs/models/memory.md).
 """
 from __future__ import annotations
 
