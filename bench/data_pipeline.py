@@ -2,34 +2,14 @@
 
     python bench/data_pipeline.py [--mib 8] [--repeats 3] [--procs N] [--json]
 
-Input: the first `--mib` MiB of the Python standard library's `.py` sources (real text, on every
-machine). Tokenizer: a GPT-2 style byte-level BPE (vocabulary 8192, `<|endoftext|>`) trained here
-with `tokenizers` on 1 MiB of the same sources (the hub is never used); byte-level as well.
-
-Measured (medians of `--repeats`, each a fresh cache folder, TOKENIZERS_PARALLELISM=false so
-"1 process" really is one core):
-- tokenization: executor.corpus.build_corpus end to end (read, encode, end-of-document ids,
-  validation split, write), tokens/s with 1 and N processes, and a cache hit's seconds;
-- the loader, as executor.worker reads a step: GlobalSampler.starts(step), then per micro-batch
-  `windows(train, starts[slice], seq)` and torch.from_numpy, the whole GLOBAL batch in one
-  process (a rank only reads its share: this is the worst case, a 1-rank plan).
-
-Demand, side by side (tokens/s a training step consumes):
-- `tiny` on this CPU: a measured fwd+bwd+AdamW step of the project's decoder;
-- `gpt2` (124 M) on one H100-SXM, predicted: peak bf16 x MFU / FLOPs per token, with FLOPs per
-  token = 6 N + 12 L h s (fwd+bwd, attention included; PaLM, Chowdhery et al. 2022, app. B);
-- the same for 8 GPUs served by one loader process (a node whose ranks would share one reader).
-Ratio = supply / demand: above 1 the pipeline is not what the GPU waits for. Tokenization runs
-once per corpus (then cached), so its ratio says how much training time one pass of tokenizing
-costs; the loader runs every step, so its ratio must stay well above 1.
-
-Measured here (2 vCPUs shared with other engineers, load average 3-5; --mib 8, 3 repeats):
-byte-level 1.7e8 tokens/s; BPE 8192 8.7e5 tokens/s on 1 process (3.1 s for 2.67 M tokens),
-6.3e5 on 2 (0.72x: cpu_s 4.4 for 4.2 s wall, so the second core was not really had, and each
-process ran slower); a cache hit 0.03-0.06 s. Loader 1.4e8 tokens/s at seq 1024 (1.4e5 windows/s):
-248x the predicted demand of gpt2 on one H100 (5.75e5 tokens/s), 31x eight of them from one
-process; 2.6e6 tokens/s at seq 128, 50x a measured `tiny` CPU step. Numbers move by tens of
-percent with the other engineers' load.
+Input: the first `--mib` MiB of the Python standard library's sources; tokenizers: byte-level and
+a GPT-2 style BPE (vocabulary 8192) trained here on 1 MiB of the same text. Measured (medians of
+`--repeats`, fresh cache folders): executor.corpus.build_corpus end to end in tokens/s on 1 and N
+processes and a cache hit's seconds; the loader as executor.worker reads a step (the whole global
+batch in one process: the worst case). Demand beside it: a measured `tiny` step on this CPU, and
+`gpt2` on one and on eight H100s, predicted as peak bf16 × MFU / (6N + 12Lhs FLOPs per token).
+Ratio = supply / demand: tokenizing runs once per corpus; the loader runs every step, so its ratio
+must stay well above 1.
 """
 from __future__ import annotations
 

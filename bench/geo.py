@@ -1,37 +1,18 @@
 """Geo-distributed training (Atlas) and prefill in the bubbles (BubbleTea), simulated.
 
-For each scenario in examples/geo (2-4 datacenters, 50 Mbit/s to 100 Gbit/s WAN links,
-30-200 ms RTT): the Atlas plan's iteration time, the baselines' (same cost tables, same
-discrete-event simulator: the best single datacenter; DP across every datacenter with a
-WAN gradient all-reduce; pipeline across every datacenter with one TCP connection per
-transfer and fair sharing; the plan's stages with an even layer split), the speedup
-against each, GPU utilization training only and with BubbleTea's prefill, and
-whether the training timeline is unchanged by the prefill (re-simulated with the
-prefill as reserved GPU time). Also DP over the *best* subset of >= 2 datacenters,
-so the DP comparison does not hinge on using every datacenter.
+    python bench/geo.py [--scenario examples/geo/X.json ...] [--json]
 
-Targets: on the paper-like scenario the plan >= 10x faster than DP across the WAN and
-utilization with prefill >= 90 %; everywhere the plan no slower than any baseline (speedup >= 1
-against each); wherever the plan leaves bubbles utilization with prefill >= 90 %, printed beside
-training-only utilization.
-
-Why prefill falls short, per scenario (`idle_breakdown`): each iteration's GPU compute time split
-into training, optimizer steps, prefill, and the compute-idle time left: on stages whose free memory
-cannot hold the prefill model, nor a share of it in a split group (`idle_ineligible`) and on eligible ones (`idle_unfilled`: gap ends no
-layer x chunk unit fits, or no request waiting at the scenario's arrival rate). Prefill is chunked
-across gaps as executor/prefill.py runs it and also fills the gradient collectives' time (`sync`,
-shown beside: the GPU's compute idles there). `util_bound` = 1 - optimizer - ineligible: what
-prefill could reach with a unit for every idle instant. `offered`, `served`, `served_share`: the
-requests arriving in the iteration (rate mode), those completed in it, and the share;
-`util_saturated`: utilization with prefill under a standing backlog of the same prompt lengths (what
-the bubbles can take, the scenario's figure where it has a backlog; printed, not the check); `prefill_limit`
-says what limits prefill: `arrivals` when every offered request was started and idle compute stayed
-(the workload offers too little: a limit of the scenario's arrival rate, not of the planner),
-`backlog` when requests always wait (the plan's memory and the units' granularity limit it). Every figure is simulated from the cost
-model (profiles: estimated FLOPs / (peak x efficiency) unless measured); the solve time
-is measured on this machine.
-
-Run: python bench/geo.py [--scenario examples/geo/X.json ...] [--json]
+For each scenario in examples/geo (2-4 datacenters, 50 Mbit/s to 100 Gbit/s links, 30-200 ms RTT):
+the Atlas plan's iteration time against each baseline of planner/geo/evaluate.py (and DP over the
+best subset of >= 2 datacenters), GPU utilization training only and with BubbleTea's prefill, and
+whether the training timeline is unchanged by the prefill. Targets: on the paper-like scenario the
+plan >= 10x faster than DP across the WAN and utilization with prefill >= 90 %; everywhere the plan
+no slower than any baseline; wherever the plan leaves bubbles, utilization with prefill >= 90 %.
+Per scenario, `idle_breakdown` says why prefill falls short (`idle_ineligible`: stages without
+memory for the model; `idle_unfilled`: gaps no unit fits, or no request waiting), `util_bound`
+what prefill could reach, and `prefill_limit` whether arrivals or the backlog limit it. Every
+figure is simulated from the cost model; the solve time is measured. The models:
+docs/models/pipeline_simulation.md and docs/models/bubbletea.md.
 """
 from __future__ import annotations
 

@@ -1,38 +1,16 @@
 """Geo plans run for real on emulated datacenters, measured beside their predictions.
 
-One run of this script, on this machine (CPU ranks, gloo, root for the network namespaces):
+    sudo python bench/geo_real.py [--dcs 2|3] [--gbps 0.1] [--steps 12] [--repeats 2] [--json] [--keep DIR]
 
-1. profile the training model on this machine's CPU (`python -m profiler profile`) into the bench's
-   own data folder, so the planner prices this hardware, measured: with one worker (the thread's
-   CPU time) when every rank has a core of its own, else with as many concurrent workers as ranks
-   (wall time, the contention included). One worker it is on 2 cores with 2 ranks: measured here,
-   the runs' forward and backward matched the CPU-time profile, while a 2-worker wall-time profile
-   taken at a load average of 4.7 (other users' processes) priced them 2-4x too slow;
-2. a scenario of 2 (or 3) datacenters with one CPU rank each, joined by 20-200 Mbit/s links,
-   `python -m planner geo --scenario S --out P`: Atlas's plan as a pipeline plan file;
-3. the prediction of that plan on the emulated hardware: planner/geo/emulated.py's simulation of the
-   plan file as the runtime runs it, with the RTT only where the emulation adds it (netem; this
-   kernel has none, so there the RTT is left out of both);
-4. the data-parallel plan over the same devices and links (the batch split evenly, ZeRO-1, its
-   gradient collectives across the WAN), predicted by planner/geo/emulated.predict_dp_plan;
-5. `python -m executor launch --plan P --emulate-wan` for the geo plan, the geo plan with
-   `--prefill` (executor/prefill.py: real prefill of the scenario's inference model in the ranks'
-   receive waits), and the DP plan; the geo runs without and with prefill alternate (ABAB) so a
-   drift of the machine's load falls on both.
-
-Measured iteration: the median `step_s` (rank 0's wall time of an optimizer step, from the run's
-store) after WARMUP_STEPS. Printed: measured vs predicted with the error (target: within 15 %), the
-geo plan's speedup over DP, both measured (target: > 1), the step time with prefill over without
-(target: <= 1.05), the prefill tokens/s over the run and TTFT (mean, p99) from each rank's
-prefill_rank<r>.json, beside BubbleTea's simulated figure for the same scenario.
-
-The whole run is sized for a 2-core machine: at most 3 ranks at once, a GPT-2 style model of 8
-layers of width 256 (MODEL_CONFIG: why not a preset), a global batch of 8 (12 with 3 datacenters)
-sequences of 64 tokens,
-short runs; about 3-5 minutes. The machine is shared: every figure is a median
-or a ratio of runs made side by side.
-
-Run: sudo python bench/geo_real.py [--dcs 2|3] [--gbps 0.1] [--steps 12] [--repeats 2] [--json] [--keep DIR]
+One run (CPU ranks, gloo, root for the network namespaces, docs/emulated_wan.md): profile the
+model on this machine; plan a 2- or 3-datacenter scenario with `python -m planner geo --out`;
+predict that plan file (planner/geo/emulated.py) and the data-parallel plan over the same links;
+then launch the geo plan, the geo plan with `--prefill` (alternating, ABAB) and the DP plan with
+`executor launch --emulate-wan`. Prints the measured median step against the prediction (target:
+within 15 %), the geo plan's measured speedup over DP (target: > 1), the step with prefill over
+without (target: <= 1.05), and prefill tokens/s and TTFT beside BubbleTea's simulated figure.
+Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs;
+about 3-5 minutes); every figure is a median or a ratio of runs made side by side.
 """
 from __future__ import annotations
 

@@ -1,20 +1,13 @@
 """Solve time of the heterogeneous planner against cluster size (target: 1,024 GPUs in ≤ 2 s), and
 the large case: llama2-13b, global batch 4096, seq 2048, bf16 on 1,024 GPUs of 8 types in ≤ 2 s.
 
-Clusters of 16, 64, 256 and 1,024 GPUs over 8 types (one type per node, at most 8 GPUs a node);
-global batch 8 per GPU. Prints the median over repeats of `solve_plan`'s wall time (cost tables,
-baselines and every ILP included, every ZeRO stage `--zero auto` tries), then the 13B case with
-`--zero auto` and each stage forced.
-
-Then solve time and peak memory against the global batch, 8 to 1e8, on
-examples/clusters/mixed-16.json and mixed-1024.json: the median of --repeats solves, each in a
-fresh child process, whose peak RSS (ru_maxrss of the child and its CBC children) is the memory
-figure; max/min per device count is printed against the 2× target. The same sweep then times the
-whole CLI a user runs, `python -m planner plan --cluster C --model M --global-batch B --dtype bf16
---recompute full` (interpreter start, the ILP, and on mixed-16's nodes the pipeline candidates priced
-beside it, planner/geo/cluster_plan.py), wall time and peak RSS of its process tree, max/min printed.
-
     python bench/planner_scaling.py [--repeats 3] [--model gpt2-xl] [--json] [--batch-only]
+
+Clusters of 16 to 1,024 GPUs over 8 types, global batch 8 per GPU: the median wall time of
+`solve_plan` (tables, baselines, every ILP of `--zero auto`), then the 13B case at each stage. Then
+solve time and peak RSS (each solve in a fresh child, CBC included) against the global batch, 8 to
+1e8, on examples/clusters/mixed-16.json and mixed-1024.json, max/min against the 2× target; the
+same sweep times the whole `python -m planner plan` CLI. The ILP: docs/models/ilp.md.
 """
 from __future__ import annotations
 
