@@ -1,23 +1,16 @@
 """The cluster file: which devices exist, on which nodes and datacenters.
 
-Format (DESIGN.md): `{"name", "nodes": [{"name", "datacenter", "gpus"}], "network"}`
-where `gpus` is either `{"TYPE": count}` or a list of device objects
-`{"type": "cpu", "cpu_share": 0.333, "memory_gb": 2}`. Emulated devices are always labelled
-as such. Two ways to emulate a slower or smaller device on one machine:
+Format (DESIGN.md): `{"name", "nodes": [{"name", "datacenter", "gpus"}], "network"}` where `gpus`
+is either `{"TYPE": count}` or a list of device objects `{"type": "cpu", "cpu_share": 0.333,
+"memory_gb": 2}`. Emulated devices are always labelled as such, in one of two ways:
 
-- `cpu_share` (a `cpu` device only; a fraction of one core in (0, 1]; 1 = a whole core) asks
-  for physical emulation: the launcher runs the rank under a cgroup v1 CPU quota, and its
-  `memory_gb` as a memory limit over the process's baseline (profiler/cgroups.py), so its
-  slowness and its out-of-memory are the kernel's, not computed. Such a device is its
-  own *kind* for profiles (`profile_key`, e.g. `cpu@share0.333`): `python -m profiler profile
-  --cpu-share 0.333` measures it under its own quota, and the planner prices it from that
-  measurement, never from the share. `memory_gb` is no part of the key: a memory limit does
-  not change how fast the steps that fit run.
-- `slowdown` (any type) and `memory_gb` without a `cpu_share`: arithmetic emulation. The
-  worker sleeps (slowdown - 1) x its measured compute (the planner multiplies the profile by
-  `slowdown`, so the run confirms the cost model that set the sleep) and fails a rank whose
-  measured peak exceeds `memory_gb`. It is also the labelled fallback of a `cpu_share` device
-  where cgroups are unavailable (slowdown = 1 / cpu_share).
+- `cpu_share` (a `cpu` device): physical emulation under a cgroup CPU quota and memory limit
+  (profiler/cgroups.py); such a device is its own profile kind (`profile_key`, e.g. `cpu@share0.333`),
+  priced from its own measurement, never from the share;
+- `slowdown` (any type) and `memory_gb` without a `cpu_share`: arithmetic emulation (the worker
+  sleeps; the labelled fallback of a `cpu_share` device where cgroups are unavailable).
+
+Both in full: docs/executor.md ("Emulated devices").
 """
 from __future__ import annotations
 

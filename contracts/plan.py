@@ -1,19 +1,15 @@
 """The plan file: the planner's output and the executor's input.
 
-One `Assignment` per device of the cluster, in the cluster's device order.
-A device the plan leaves out has `batch == 0` and `shard_fraction == 0`.
-The JSON written by `python -m planner plan --json` *is* a plan file.
+One `Assignment` per device of the cluster, in the cluster's device order; a device the plan leaves
+out has `batch == 0` and `shard_fraction == 0`. The JSON of `python -m planner plan --json` *is* a
+plan file.
 
-A pipeline plan (`"pipeline"`, written by `python -m planner geo --out` and by `planner plan` when
-stages beat data parallelism) cuts the model's layers into stages, in order. Every micro-batch of
-`pipeline.micro_batch` samples passes through every stage; stage s splits each micro-batch's rows
-over its devices (`rows`, data parallel inside the stage, the rows of device i following those of
-device i-1), so stages may have different numbers of devices. A device of stage s has
-`micro_batch = rows[i]`, `accum_steps = num_microbatches`, and its `shard_fraction` is its share of
-the STAGE's sharded state: batches and shard fractions sum per stage (to the global batch and 1).
-
-Any plan may carry `wan`: the links between its nodes (datacenters) that `executor launch
---emulate-wan` shapes, and `connections`: the TCP connections per transfer on each link.
+A pipeline plan (`"pipeline"`, from `planner geo --out`, or `planner plan` when stages beat data
+parallelism) cuts the layers into stages; every micro-batch passes every stage, and stage s splits
+its rows over its devices (`rows`), so stages may have different numbers of devices. A device of
+stage s has `micro_batch = rows[i]`, `accum_steps = num_microbatches`, and a `shard_fraction` of the
+STAGE's state: batches and shard fractions sum per stage. Any plan may carry `wan` (the links
+`executor launch --emulate-wan` shapes) and `connections` (TCP connections per transfer per link).
 """
 from __future__ import annotations
 

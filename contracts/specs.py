@@ -1,24 +1,14 @@
 """Model specifications: the architecture facts every cost model needs.
 
-A `ModelSpec` is a frozen description of a decoder-only transformer. The torch
-implementation in `models/decoder.py` is built from it, the memory and time models read
-it, and the parameter count below is exact for the real published checkpoints
-(tests check each preset against its published figure, and every supported Hugging Face
-family against `transformers`' own `num_parameters()`).
-
-Hugging Face configs (`spec_from_hf_dict`) are read strictly: a key whose value the decoder
-does not implement exactly is refused with one line naming it (a wrong model would be a wrong
-memory prediction). Supported: GPT-2 (`gpt2`), Llama 1/2/3.x (`llama`), Mistral (`mistral`),
-Qwen2/2.5 (`qwen2`), with an explicit `head_dim` (q and o are num_heads·head_dim wide). Refused:
-mixture of experts (Mixtral,
-Qwen2-MoE, DeepSeek: the memory model has no expert term), Gemma (GeGLU, (1 + w) norms,
-scaled embeddings: not implemented), other model types, activations other than GPT-2's tanh GELU and Llama's SiLU, RoPE types other
-than default / linear / llama3, partial rotary embeddings.
-
-Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is honoured by capping
-`max_seq` at the window: for sequences no longer than the window, sliding-window attention IS
-causal attention (token i sees j iff i - j < window), so the decoder is exact there and the
-planner refuses longer sequences (seq > max_seq) instead of mispredicting them.
+A `ModelSpec` is a frozen description of a decoder-only transformer: models/decoder.py is built
+from it, the memory and time models read it, and its parameter count is exact for the published
+checkpoints (tests check each preset, and each supported Hugging Face family against
+`transformers`' `num_parameters()`). Hugging Face configs (`spec_from_hf_dict`) are read strictly:
+a key whose value the decoder does not implement exactly is refused with one line naming it.
+Supported: GPT-2, Llama 1/2/3.x, Mistral, Qwen2/2.5; refused: mixture of experts, Gemma, other model
+types, other activations or RoPE types, partial rotary embeddings. Sliding-window attention is
+honoured by capping `max_seq` at the window (within it, it IS causal attention), so longer
+sequences are refused, not mispredicted. Adding a family: docs/EXTENDING.md.
 """
 from __future__ import annotations
 
