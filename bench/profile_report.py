@@ -1,18 +1,15 @@
 """This machine's measured figures and the quality of Cephalo's `α + β·m` time model on it.
 
-1. Micro-benchmarks (one torch thread on a CPU, as each executor rank): matmul TFLOP/s per
-   dtype and size, memory copy GB/s, and all-reduce / all-gather / broadcast between 2
-   local ranks at 1 KiB .. 64 MiB fitted to `latency + size / bandwidth` (R² per op).
-2. Step profiles of `tiny` (seq 128, m = 4..32) and `small` (seq 256, m = 2..16) on the
-   executor's code path: medians per micro-batch, the fit, R², counted FLOPs and the
-   achieved fraction of the measured matmul peak.
-3. The estimate path against a measurement: `small` *estimated* from the efficiency
-   calibrated on `tiny` alone (what the planner does for an unprofiled model), divided by
+    python bench/profile_report.py [--repeats 5] [--quick] [--save] [--json]
+
+1. Micro-benchmarks (one torch thread on a CPU): matmul TFLOP/s per dtype and size, memory copy
+   GB/s, and collectives between 2 local ranks fitted to `latency + size / bandwidth` (R² per op).
+2. Step profiles of `tiny` and `small` on the executor's code path: the fit, R², counted FLOPs and
+   the achieved fraction of the measured matmul peak.
+3. The estimate path: `small` estimated from the efficiency calibrated on `tiny` alone, divided by
    `small` measured in the same run.
 
-Nothing is written to the profile store unless `--save` (a temporary store is used).
-
-    python bench/profile_report.py [--repeats 5] [--quick] [--save] [--json]
+Nothing is written to the profile store unless `--save`. The model: docs/models/cost.md.
 """
 from __future__ import annotations
 

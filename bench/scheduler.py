@@ -1,25 +1,15 @@
 """GPUMix's scheduling policy against every baseline on the same simulated traces.
 
-Three traces (planner/schedule/trace.py, seeded: models 124M-13B, sweeps arriving in bursts,
-durations 5 minutes to a day on the user's own request, requests sized by hand), each on its
-own mixed cluster (3 to 5 GPU types, 8 GPUs a node) at its own load: 64 GPUs at 0.3, 256 at
-0.6, 1,024 at 0.9. Every policy replays the *same* jobs in the *same* simulator
-(planner/schedule/simulate.py) with the *same* perturbed durations: the decision sees the cost
-model's prediction, the simulated run lasts the prediction times a seeded lognormal error
-(sigma planner.schedule.simulate.ERROR_SIGMA), paired per (job, GPU type) across policies.
-
-Baselines: `fifo` (strict, users' requests), `fifo-backfill` (EASY, users' requests),
-`fifo-backfill-sized` (EASY, Frenzy's memory-aware sizing), `sjf` (shortest predicted job
-first, same sizing, EASY) and `frenzy` (the reproduction of the paper). The strongest baseline
-of a trace is the one with the lowest average JCT there. Targets, per trace: gpumix's average
-JCT >= 12 % below the strongest baseline's, its p99 JCT and makespan no more than 5 % above
-that baseline's; decision time <= 10 ms per job at 1,024 GPUs. Decision time is *measured*:
-CPU time of the policy's decisions (the cost model's option estimates included: caches cleared
-before each policy, as in a fresh process) divided by the number of jobs; CPU time, not wall
-time, so that other processes on a shared machine do not count. The target is checked on the
-median of `--repeats` replays of the largest trace. Every JCT figure is simulated.
-
     python bench/scheduler.py [--quick] [--check] [--json] [--error-seed 0] [--repeats 3]
+
+Three seeded traces (planner/schedule/trace.py: models 124M-13B, sweeps in bursts, durations 5
+minutes to a day), each on its own mixed cluster and load (64 GPUs at 0.3, 256 at 0.6, 1,024 at
+0.9). Every policy (`fifo`, `fifo-backfill`, `fifo-backfill-sized`, `sjf`, `frenzy`, `gpumix`)
+replays the same jobs in the same simulator (planner/schedule/simulate.py) with the same seeded
+lognormal errors on the predicted durations. Targets, per trace: gpumix's average JCT >= 12 % below
+the strongest baseline's (lowest average JCT), its p99 JCT and makespan within 5 % of that
+baseline's; decision time (CPU time of the policy's decisions per job, caches cleared first)
+<= 10 ms per job at 1,024 GPUs, on the median of `--repeats` replays. Every JCT is simulated.
 """
 from __future__ import annotations
 
