@@ -1,62 +1,43 @@
-"""Every dashboard chart, drawn with Vega-Lite through Altair.
+"""Every dashboard chart, as a Plotly figure (the design card's choice): hover, zoom, Gantt bars.
 
-Why Vega-Lite and not Plotly (issue 16, "Fast pages"): a page opened in a new browser tab must be
-fully drawn within 2 s. Streamlit loads Plotly's JavaScript lazily, and that chunk alone put any
-Plotly page over 2 s on the dashboard machine; moving the charts here drew Model & memory 0.9 s and
-Plan 0.7 s sooner in a new tab, measured side by side against the Plotly pages
-(bench/dashboard_latency.py measures the pages against a one-line app).
-
-The builders return Altair charts (`chart.to_dict()` is the Vega-Lite spec a test can read); pages
-render them with `show_chart` (or ui/common.show_figure, the same call). House rules they follow:
+The builders return the figure as a plain dict ({"data": [traces], "layout": {...}}), what
+`plotly.graph_objects.Figure(fig)` accepts and `st.plotly_chart` draws (ui/common.show_figure).
+A dict costs nothing to cache (st.cache_data pickles it) and nothing to build; Plotly's own
+validation of the same dicts runs in tests/unit/test_ui_charts.py, not on every draw. This module
+imports neither Streamlit nor Plotly. House rules the builders follow:
 - every axis title carries its unit ("step", "loss (nats/token)", "memory (GiB)");
 - a series' name says what kind of number it is (measured / predicted / simulated): the caller
-  names it;
+  names it, and the hover box shows it;
 - values are written as horizontal labels over bars, never as vertical text inside them;
-- a log axis is labelled at powers of ten only (no labelled minor ticks).
-
-The API is stable: other pages import these names; add, do not rename.
+- a log axis is labelled at powers of ten only.
+Read the new-tab cost of these charts with bench/dashboard_latency.py.
 """
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from typing import Any, Iterable, Sequence
-
-import streamlit as st
 
 CHART_HEIGHT_PX = 320
 MAX_MARKER_POINTS = 200  # line charts draw a marker per point up to this many points per series
 GANTT_ROW_PX = 22  # a Gantt chart grows with its rows, within [GANTT_MIN_PX, GANTT_MAX_PX]
 GANTT_MIN_PX, GANTT_MAX_PX = 260, 900
-FRAME_PX = 190  # what a chart's height holds besides its plot: title, legend, x axis and its title
+FRAME_PX = 150  # what a chart's height holds besides its plot: title, legend, x axis and its title
 WRAP_LABEL_CHARS = 14  # a category label longer than this is written on several lines
 RAW_OPACITY = 0.45  # the raw points under a rolling median
+LABEL_HEADROOM = 1.15  # a linear axis with labels over its bars reaches this × the tallest bar
+BAR_HALF_WIDTH = 0.4  # a lone bar's half width in category units (Plotly's default gap of 0.2)
+NUMBER_FORMAT = ",.4~g"  # d3 format of a number in a hover box
 
-# the fields of the long-form tables the builders make (one row per point/bar)
-X, Y, SERIES, LABEL, ORDER = "x", "y", "series", "label", "order"
-
-# one colour per series, in the order the caller names them (Vega's category10)
+# one colour per series, in the order the caller names them (category10)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf")
 RULE_COLOR = "crimson"
+LABEL_COLOR = "#333"
 
 
 # ---- shared pieces ---------------------------------------------------------------------------------
-
-
-def _alt():
-    import altair as alt  # a Streamlit dependency; imported when a page draws its first chart
-
-    return alt
-
-
-def _frame(rows: list[dict[str, Any]], columns: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-    """Inline Vega-Lite data, `columns` of each row as plain Python values (a NumPy scalar as its
-    `.item()`): no DataFrame to build and convert on every draw."""
-    return {"values": [{c: _plain(r.get(c)) for c in columns} for r in rows]}
-
-
-def _plain(v: Any) -> Any:
-    return v.item() if hasattr(v, "item") else v
 
 
 def _finite(v: Any) -> float | None:
@@ -67,17 +48,25 @@ def _finite(v: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def color_scale(names: Iterable[str], colors: dict[str, str] | None = None):
-    """One fixed colour per series name, legend in the order given (not alphabetical)."""
-    names = list(dict.fromkeys(names))
+def _plain(v: Any) -> Any:
+    """A NumPy scalar as its Python value (the figure is JSON)."""
+    return v.item() if hasattr(v, "item") else v
+
+
+def rolling_median(ys: Sequence[float | None], window: int) -> list[float | None]:
+    """The median of each point's trailing window (at most `window` points, None skipped): a
+    measured series smoothed without letting one slow step pull it, as a mean would."""
+    out: list[float | None] = []
+    for i in range(len(ys)):
+        vals = [y for y in ys[max(0, i - window + 1):i + 1] if y is not None]
+        out.append(statistics.median(vals) if vals else None)
+    return out
+
+
+def color_map(names: Iterable[str], colors: dict[str, str] | None = None) -> dict[str, str]:
+    """One fixed colour per series name: the caller's, else the palette's in the order given."""
     colors = colors or {}
-    rng = [colors.get(n, PALETTE[k % len(PALETTE)]) for k, n in enumerate(names)]
-    return _alt().Scale(domain=names, range=rng)
-
-
-def _legend(show: bool = True):
-    alt = _alt()
-    return alt.Legend(orient="top", title=None, labelLimit=400) if show else None
+    return {n: colors.get(n, PALETTE[k % len(PALETTE)]) for k, n in enumerate(dict.fromkeys(names))}
 
 
 def log_ticks(values: Iterable[float | None]) -> list[float]:
@@ -90,64 +79,73 @@ def log_ticks(values: Iterable[float | None]) -> list[float]:
 
 
 def y_axis(title: str, values: Iterable[float | None] = (), *, log: bool = False, zero: bool = True,
-           headroom: float = 1.0):
-    """The y encoding's scale and axis: a linear axis from zero (with `headroom` × the largest
-    value: room for labels over the bars), or a log axis labelled at powers of ten only."""
-    alt = _alt()
+           headroom: float = 1.0) -> dict[str, Any]:
+    """A y axis: linear from zero (with `headroom` × the largest value: room for labels over the
+    bars), or log labelled at powers of ten only."""
     vals = [v for v in values if v is not None]
+    axis: dict[str, Any] = {"title": {"text": title}, "automargin": True}
     if log:
         ticks = log_ticks(vals)
-        scale = alt.Scale(type="log", domain=[ticks[0], ticks[-1]], nice=False)
-        return scale, alt.Axis(title=title, values=ticks, format="~g", grid=True)
-    scale = alt.Scale(zero=zero)
+        return {**axis, "type": "log", "range": [math.log10(ticks[0]), math.log10(ticks[-1])],
+                "tickmode": "array", "tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
     if headroom > 1.0 and vals and max(vals) > 0:
-        scale = alt.Scale(zero=zero, domainMax=headroom * max(vals))
-    return scale, alt.Axis(title=title)
+        return {**axis, "range": [min(0.0, min(vals)), headroom * max(vals)]}
+    return {**axis, "rangemode": "tozero" if zero else "normal"}
 
 
-def category_axis(title: str | None, categories: Sequence[str]):
+def wrap_label(label: str) -> str:
+    """A category label as the axis writes it: one longer than WRAP_LABEL_CHARS broken at spaces."""
+    return label.replace(" ", "<br>") if len(label) > WRAP_LABEL_CHARS else label
+
+
+def category_axis(title: str | None, categories: Sequence[str]) -> dict[str, Any]:
     """A bar chart's x axis: the categories in the order given, labels horizontal, a long one
-    broken into lines at spaces ("best homogeneous"), so that long names are not dropped for
-    overlapping."""
-    alt = _alt()
-    return alt.X(f"{X}:N", title=title or None, sort=list(dict.fromkeys(categories)),
-                 axis=alt.Axis(labelAngle=0, labelLimit=240,
-                               labelExpr=f"length(datum.label) > {WRAP_LABEL_CHARS} ? split(datum.label, ' ') : datum.label"))
+    broken into lines ("best<br>homogeneous") so that long names are not dropped for overlapping."""
+    cats = list(dict.fromkeys(categories))
+    return {"title": {"text": title or ""}, "type": "category", "categoryorder": "array", "categoryarray": cats,
+            "tickangle": 0, "tickmode": "array", "tickvals": cats, "ticktext": [wrap_label(c) for c in cats],
+            "automargin": True}
 
 
-def bar_floor(scale: Any) -> dict[str, Any]:
-    """Where bars start: from zero on a linear axis (Vega-Lite's default); from the bottom of a log
-    axis (zero is not on it, and a bar from zero is not drawn at all)."""
-    if getattr(scale, "type", None) == "log":
-        return {"y2": _alt().datum(scale.domain[0])}
-    return {}
+def hover(x_title: str, y_title: str, *, x_format: str = "", extra: str = "") -> str:
+    """A hover box: the series' name (what kind of number), then x and y with their titles."""
+    return (f"<b>%{{fullData.name}}</b><br>{x_title or 'x'}: %{{x{x_format}}}<br>"
+            f"{y_title}: %{{y:{NUMBER_FORMAT}}}{extra}<extra></extra>")
 
 
-def finish(chart: Any, title: str | None = None, height: int = CHART_HEIGHT_PX) -> Any:
-    """The dashboard's chart settings: full width, a fixed height, the title at the top left."""
-    alt = _alt()
-    props: dict[str, Any] = {"height": height, "width": "container"}
+def figure(data: list[dict[str, Any]], title: str | None, x_axis: dict[str, Any], y_axis_: dict[str, Any], *,
+           height: int = CHART_HEIGHT_PX, legend: bool = True, **layout: Any) -> dict[str, Any]:
+    """The dashboard's figure: a fixed height (full width is the caller's), the title at the top
+    left, the legend in one row above the plot, hover on the nearest point, zoom by dragging."""
+    lay: dict[str, Any] = {
+        "height": height, "margin": {"l": 10, "r": 10, "t": 60 if title else 30, "b": 10},
+        "xaxis": x_axis, "yaxis": y_axis_, "showlegend": legend, "hovermode": "closest", "dragmode": "zoom",
+        "legend": {"orientation": "h", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom"},
+        **layout,
+    }
     if title:
-        props["title"] = alt.TitleParams(title, anchor="start", fontSize=14)
-    return chart.properties(**props)
+        lay["title"] = {"text": title, "x": 0, "xref": "paper", "xanchor": "left", "font": {"size": 14}}
+    return {"data": data, "layout": lay}
 
 
-def rules(values: dict[str, float]) -> Any | None:
-    """Dashed horizontal lines, one per named value ("predicted", "H100 capacity"), in the legend
-    with the chart's other series (the caller's colour scale must include their names)."""
-    alt = _alt()
-    rows = [{SERIES: name, Y: _finite(v)} for name, v in values.items() if _finite(v) is not None]
-    if not rows:
-        return None
-    return alt.Chart(_frame(rows, (SERIES, Y))).mark_rule(strokeDash=[6, 4], strokeWidth=2).encode(
-        y=alt.Y(f"{Y}:Q"), color=alt.Color(f"{SERIES}:N"),
-        tooltip=[alt.Tooltip(f"{SERIES}:N", title="line"), alt.Tooltip(f"{Y}:Q", title="value", format=",.4~g")])
+def rules(values: dict[str, float | None], colors: dict[str, str]) -> list[dict[str, Any]]:
+    """Dashed horizontal lines across the plot, one per named value ("predicted", "H100 capacity"),
+    each in the legend and labelled with its name and value at its right end."""
+    out = []
+    for name, v in values.items():
+        y = _finite(v)
+        if y is None:
+            continue
+        out.append({"type": "line", "xref": "x domain", "x0": 0, "x1": 1, "yref": "y", "y0": y, "y1": y,
+                    "line": {"color": colors[name], "dash": "dash", "width": 2}, "name": name, "showlegend": True,
+                    "label": {"text": f"{name}: {y:,.4g}", "textposition": "end", "yanchor": "bottom",
+                              "font": {"size": 11, "color": colors[name]}}})
+    return out
 
 
-def _layer(layers: list[Any]) -> Any:
-    alt = _alt()
-    layers = [layer for layer in layers if layer is not None]
-    return layers[0] if len(layers) == 1 else alt.layer(*layers)
+def _whole(xs: Iterable[Any]) -> bool:
+    xs = [x for x in xs if x is not None]
+    return bool(xs) and all(isinstance(x, int) or (isinstance(x, float) and x.is_integer()) for x in xs)
 
 
 # ---- line chart ------------------------------------------------------------------------------------
@@ -164,43 +162,44 @@ def line_chart(
     hlines: dict[str, float] | None = None,
     log_y: bool = False,
     colors: dict[str, str] | None = None,
-) -> Any:
+) -> dict[str, Any]:
     """Lines from `{name: (xs, ys)}`, one colour per name, markers up to MAX_MARKER_POINTS points.
 
     smooth=N: each series is drawn as faint raw points and its trailing rolling median of N points
-    (ui/common.rolling_median) as the line to read, named "median of N" (one series) or
-    "<name>, median of N". hlines: named dashed horizontal rules ("predicted": 41.5).
-    A None / NaN y is a gap, not a zero."""
-    from ui.common import rolling_median
-
-    alt = _alt()
+    as the line to read, named "median of N" (one series) or "<name>, median of N".
+    hlines: named dashed horizontal rules ("predicted": 41.5). A None / NaN y is a gap, not a zero."""
     raw, smoothed = [], []
     for name, (xs, ys) in series.items():
-        ys = [_finite(y) for y in ys]
-        raw += [{X: x, Y: y, SERIES: name} for x, y in zip(xs, ys)]
+        xs, ys = [_plain(x) for x in xs], [_finite(y) for y in ys]
+        raw.append((name, xs, ys))
         if smooth:
             med_name = f"median of {smooth}" if len(series) == 1 else f"{name}, median of {smooth}"
-            smoothed += [{X: x, Y: y, SERIES: med_name} for x, y in zip(xs, rolling_median(ys, smooth))]
-    names = list(series) + list(dict.fromkeys(r[SERIES] for r in smoothed)) + list(hlines or {})
-    scale, axis = y_axis(y_title, [r[Y] for r in raw] + list((hlines or {}).values()), log=log_y, zero=False)
-    color = alt.Color(f"{SERIES}:N", scale=color_scale(names, colors), legend=_legend(len(names) > 1))
-    # steps are whole numbers: no "0.5" tick between two of them
-    whole = all(isinstance(r[X], int) or (isinstance(r[X], float) and r[X].is_integer()) for r in raw)
-    x_axis = alt.Axis(title=x_title, tickMinStep=1, format="d") if whole and raw else alt.Axis(title=x_title)
-    enc = dict(x=alt.X(f"{X}:Q", title=x_title, axis=x_axis), y=alt.Y(f"{Y}:Q", scale=scale, axis=axis), color=color,
-               tooltip=[alt.Tooltip(f"{SERIES}:N", title="series"), alt.Tooltip(f"{X}:Q", title=x_title),
-                        alt.Tooltip(f"{Y}:Q", title=y_title, format=",.4~g")])
-    base = alt.Chart(_frame(raw, (X, Y, SERIES)))
-    longest = max((len(xs) for xs, _ in series.values()), default=0)
-    if smooth:
-        layers = [base.mark_point(filled=True, size=18, opacity=RAW_OPACITY).encode(**enc),
-                  alt.Chart(_frame(smoothed, (X, Y, SERIES))).mark_line(strokeWidth=3).encode(**enc)]
-    else:
-        # one SVG node per marker: past a few hundred points (a live run) the browser redraws too
-        # slowly for a 1 s refresh, and a line reads as well
-        layers = [base.mark_line(point=longest <= MAX_MARKER_POINTS).encode(**enc)]
-    layers.append(rules(hlines or {}))
-    return finish(_layer(layers), title, height)
+            smoothed.append((med_name, xs, rolling_median(ys, smooth)))
+    hlines = hlines or {}
+    palette = color_map([n for n, _, _ in raw + smoothed] + list(hlines), colors)
+    all_x = [x for _, xs, _ in raw for x in xs]
+    whole = _whole(all_x)
+    tip = hover(x_title, y_title, x_format="" if whole else f":{NUMBER_FORMAT}")
+    longest = max((len(xs) for _, xs, _ in raw), default=0)
+    data = []
+    for name, xs, ys in raw:
+        trace = {"type": "scatter", "name": name, "x": xs, "y": ys, "hovertemplate": tip,
+                 "line": {"color": palette[name], "width": 2}, "marker": {"color": palette[name], "size": 6}}
+        if smooth:
+            # one marker per point, faint: the median line is what a person reads
+            trace.update(mode="markers", marker={"color": palette[name], "size": 5, "opacity": RAW_OPACITY})
+        else:
+            # past a few hundred markers a live chart redraws too slowly for a 1 s refresh
+            trace["mode"] = "lines+markers" if longest <= MAX_MARKER_POINTS else "lines"
+        data.append(trace)
+    data += [{"type": "scatter", "mode": "lines", "name": name, "x": xs, "y": ys, "hovertemplate": tip,
+              "line": {"color": palette[name], "width": 3}} for name, xs, ys in smoothed]
+    x_axis: dict[str, Any] = {"title": {"text": x_title}, "automargin": True}
+    if whole and max(all_x) - min(all_x) <= 10:
+        x_axis.update(tick0=0, dtick=1)  # steps are whole numbers: no "0.5" tick between two of them
+    y_values = [y for _, _, ys in raw for y in ys] + list(hlines.values())
+    return figure(data, title, x_axis, y_axis(y_title, y_values, log=log_y, zero=False), height=height,
+                  legend=len(palette) > 1, shapes=rules(hlines, palette))
 
 
 # ---- bar charts --------------------------------------------------------------------------------------
@@ -219,45 +218,48 @@ def bar_chart(
     log_y: bool = False,
     colors: dict[str, str] | None = None,
     height: int = CHART_HEIGHT_PX,
-) -> Any:
-    """Bars per category, one colour per series: side by side (grouped), or stacked.
+) -> dict[str, Any]:
+    """Bars per category, one colour per series: side by side (grouped), or stacked (the first
+    series at the bottom).
 
     labels: `{series: [text per category]}` written horizontally over each bar (grouped bars only;
     the y axis gets room for them). hlines: named dashed horizontal rules (a capacity). A None
     value draws no bar. The category order is the order given."""
-    alt = _alt()
-    labels = labels or {}
-    rows = []
-    for k, (name, ys) in enumerate(series.items()):
-        texts = list(labels.get(name, [""] * len(categories)))
-        rows += [{X: c, Y: _finite(y), SERIES: name, LABEL: t, ORDER: k} for c, y, t in zip(categories, ys, texts)]
-    rows = [r for r in rows if r[Y] is not None]
-    names = list(series) + list(hlines or {})
-    values = [r[Y] for r in rows] + list((hlines or {}).values())
+    labels, hlines = labels or {}, hlines or {}
+    cats = list(categories)
+    palette = color_map(list(series) + list(hlines), colors)
+    tip = hover(x_title or "bar", y_title)
+    data, values = [], []
+    for name, ys in series.items():
+        ys = [_finite(y) for y in ys]
+        values += [y for y in ys if y is not None]
+        trace = {"type": "bar", "name": name, "x": cats, "y": ys, "marker": {"color": palette[name]},
+                 "hovertemplate": tip}
+        if name in labels and not stacked:
+            trace.update(text=[t if y is not None else "" for t, y in zip(labels[name], ys)], textposition="outside",
+                         textangle=0, cliponaxis=False, textfont={"size": 11, "color": LABEL_COLOR})
+        data.append(trace)
     if stacked:
-        totals: dict[str, float] = {}
-        for r in rows:
-            totals[r[X]] = totals.get(r[X], 0.0) + r[Y]
-        values = list(totals.values()) + list((hlines or {}).values())
-    scale, axis = y_axis(y_title, values, log=log_y, headroom=1.15 if labels and not log_y else 1.0)
-    x = category_axis(x_title, categories)
-    enc: dict[str, Any] = dict(
-        x=x, y=alt.Y(f"{Y}:Q", scale=scale, axis=axis, stack="zero" if stacked else None),
-        color=alt.Color(f"{SERIES}:N", scale=color_scale(names, colors), legend=_legend(len(names) > 1)),
-        tooltip=[alt.Tooltip(f"{X}:N", title=x_title or "bar"), alt.Tooltip(f"{SERIES}:N", title="series"),
-                 alt.Tooltip(f"{Y}:Q", title=y_title, format=",.4~g")])
-    if not stacked and len(series) > 1:
-        enc["xOffset"] = alt.XOffset(f"{SERIES}:N", sort=list(series))
-    if stacked:
-        enc["order"] = alt.Order(f"{ORDER}:Q")  # the first series at the bottom, as the legend reads
-    base = alt.Chart(_frame(rows, (X, Y, SERIES, LABEL, ORDER)))
-    layers = [base.mark_bar().encode(**enc, **bar_floor(scale))]
-    if labels and not stacked:
-        text_enc = {k: v for k, v in enc.items() if k not in ("color", "tooltip")}
-        layers.append(base.mark_text(baseline="bottom", dy=-3, fontSize=11, color="#333").encode(
-            text=alt.Text(f"{LABEL}:N"), **text_enc))
-    layers.append(rules(hlines or {}))
-    return finish(_layer(layers), title, height)
+        totals = [sum(_finite(ys[i]) or 0.0 for ys in series.values()) for i in range(len(cats))]
+        values = totals
+    headroom = LABEL_HEADROOM if labels and not stacked and not log_y else 1.0
+    y_ax = y_axis(y_title, values + [_finite(v) for v in hlines.values()], log=log_y, headroom=headroom)
+    return figure(data, title, category_axis(x_title, cats), y_ax, height=height, legend=len(palette) > 1,
+                  barmode="stack" if stacked else "group", shapes=rules(hlines, palette))
+
+
+def _band_markers(name: str, categories: Sequence[str], ys: Sequence[float | None], color: str, thickness: float,
+                  tip: str, labels: Sequence[str] | None = None) -> dict[str, Any]:
+    """A marker across each category's bar (a capacity): a point at the band's centre whose
+    horizontal error bar spans the bar's width (category units), hover on the point; labels over it."""
+    trace = {"type": "scatter", "name": name, "x": list(categories), "y": list(ys),
+             "mode": "markers+text" if labels else "markers",
+             "marker": {"symbol": "line-ew-open", "size": 14, "color": color, "line": {"color": color, "width": thickness}},
+             "error_x": {"type": "constant", "value": BAR_HALF_WIDTH, "thickness": thickness, "width": 0, "color": color},
+             "hovertemplate": tip, "cliponaxis": False}
+    if labels:
+        trace.update(text=list(labels), textposition="top center", textfont={"size": 11, "color": color})
+    return trace
 
 
 def capacity_chart(
@@ -275,43 +277,26 @@ def capacity_chart(
     marks: dict[str, Sequence[float]] | None = None,
     log_y: bool = False,
     height: int = CHART_HEIGHT_PX,
-) -> Any:
+) -> dict[str, Any]:
     """A bar per category (a predicted memory peak) with its limit (the device's capacity) drawn as a
     thick marker across the bar's band: a bar over its capacity stays visible above the marker.
     marks: more named markers per category (`{"capacity × 0.9": [...]}`), thinner. Labels are
     written over the bar (values, dark) and over the capacity marker (its colour)."""
-    alt = _alt()
-    cats = list(dict.fromkeys(categories))
-    bars = [{X: c, Y: _finite(v), SERIES: value_name, LABEL: t}
-            for c, v, t in zip(categories, values, value_labels or [""] * len(categories))]
-    caps = [{X: c, Y: _finite(v), SERIES: capacity_name, LABEL: t}
-            for c, v, t in zip(categories, capacity, capacity_labels or [""] * len(categories))]
-    extra = [{X: c, Y: _finite(v), SERIES: name, LABEL: ""} for name, vs in (marks or {}).items()
-             for c, v in zip(categories, vs)]
-    names = [value_name, capacity_name, *(marks or {})]
-    colors = {value_name: PALETTE[0], capacity_name: RULE_COLOR}
-    all_values = [r[Y] for r in bars + caps + extra]
-    scale, axis = y_axis(y_title, all_values, log=log_y, headroom=1.0 if log_y else 1.15)
-    x = category_axis(x_title, cats)
-    y = alt.Y(f"{Y}:Q", scale=scale, axis=axis)
-    color = alt.Color(f"{SERIES}:N", scale=color_scale(names, colors), legend=_legend())
-    tooltip = [alt.Tooltip(f"{X}:N", title=x_title), alt.Tooltip(f"{SERIES}:N", title="series"),
-               alt.Tooltip(f"{Y}:Q", title=y_title, format=",.4~g")]
-    cols = (X, Y, SERIES, LABEL)
-    layers = [
-        alt.Chart(_frame(bars, cols)).mark_bar().encode(x=x, y=y, color=color, tooltip=tooltip, **bar_floor(scale)),
-        alt.Chart(_frame(caps, cols)).mark_tick(thickness=3).encode(x=x, y=y, color=color, tooltip=tooltip),
-    ]
-    if extra:
-        layers.append(alt.Chart(_frame(extra, cols)).mark_tick(thickness=1.5, opacity=0.8).encode(
-            x=x, y=y, color=color, tooltip=tooltip))
+    marks = marks or {}
+    cats = list(categories)
+    palette = color_map([value_name, capacity_name, *marks], {value_name: PALETTE[0], capacity_name: RULE_COLOR})
+    tip = hover(x_title, y_title)
+    vals, caps = [_finite(v) for v in values], [_finite(v) for v in capacity]
+    bar = {"type": "bar", "name": value_name, "x": cats, "y": vals, "marker": {"color": palette[value_name]},
+           "hovertemplate": tip}
     if value_labels:
-        layers.append(alt.Chart(_frame(bars, cols)).mark_text(baseline="bottom", dy=-3, fontSize=11, color="#333").encode(
-            x=x, y=y, text=alt.Text(f"{LABEL}:N")))
-    if capacity_labels:
-        layers.append(alt.Chart(_frame(caps, cols)).mark_text(baseline="bottom", dy=-4, fontSize=11,
-                                                            color=RULE_COLOR).encode(x=x, y=y, text=alt.Text(f"{LABEL}:N")))
-    return finish(alt.layer(*layers), title, height)
+        bar.update(text=list(value_labels), textposition="outside", textangle=0, cliponaxis=False,
+                   textfont={"size": 11, "color": LABEL_COLOR})
+    data = [bar, _band_markers(capacity_name, cats, caps, palette[capacity_name], 3, tip, capacity_labels)]
+    data += [_band_markers(name, cats, [_finite(v) for v in vs], palette[name], 1.5, tip) for name, vs in marks.items()]
+    all_values = vals + caps + [_finite(v) for vs in marks.values() for v in vs]
+    y_ax = y_axis(y_title, all_values, log=log_y, headroom=1.0 if log_y else LABEL_HEADROOM)
+    return figure(data, title, category_axis(x_title, cats), y_ax, height=height)
 
 
 # ---- Gantt chart -------------------------------------------------------------------------------------
@@ -328,85 +313,67 @@ def gantt_chart(
     colors: dict[str, str] | None = None,
     legend: bool = True,
     color_title: str = "what",
-    tooltip: Sequence[str] = (),
+    x_range: tuple[float, float] | None = None,
     height: int | None = None,
-) -> Any:
-    """Horizontal bars from `start` to `end` (x, x2), one row per `row`, coloured by `color`.
+) -> dict[str, Any]:
+    """Horizontal bars from `start` to `end` on a time axis, one row per `row`, coloured by `color`.
 
-    rows: dicts with keys row, start, end, color (+ any names in `tooltip`). row_order: the rows from
-    top to bottom (default: as first seen). The height grows with the number of rows."""
-    alt = _alt()
-    order = list(row_order) if row_order is not None else list(dict.fromkeys(r["row"] for r in rows))
-    groups = list(color_order) if color_order is not None else list(dict.fromkeys(r["color"] for r in rows))
-    cols = ("row", "start", "end", "color", *tooltip)
-    data = _frame([{c: r.get(c) for c in cols} for r in rows], cols)
-    chart = alt.Chart(data).mark_bar(cornerRadius=1).encode(
-        x=alt.X("start:Q", title=x_title), x2=alt.X2("end:Q"),
-        y=alt.Y("row:N", title=y_title, sort=order, axis=alt.Axis(labelLimit=300)),
-        color=alt.Color("color:N", scale=color_scale(groups, colors), legend=_legend(legend)),
-        tooltip=[alt.Tooltip("row:N", title=y_title), alt.Tooltip("color:N", title=color_title),
-                 alt.Tooltip("start:Q", format=",.4~g"), alt.Tooltip("end:Q", format=",.4~g"),
-                 *[alt.Tooltip(f"{t}:N") for t in tooltip]])
+    rows: dicts with keys row, start, end, color. row_order: the rows from top to bottom (default:
+    as first seen). Bars overlap in the order given (a later one is drawn over an earlier one).
+    legend=False (hundreds of jobs): one trace, each bar its colour, the hover box names it.
+    x_range: the time axis's span (two charts drawn on the same scale). The height grows with the rows."""
+    order = list(row_order) if row_order is not None else list(dict.fromkeys(str(r["row"]) for r in rows))
+    groups = list(color_order) if color_order is not None else []
+    groups += [g for g in dict.fromkeys(str(r["color"]) for r in rows) if g not in groups]
+    palette = color_map(groups, colors)
+    tip = (f"{y_title}: %{{y}}<br>{color_title}: %{{customdata[0]}}<br>start: %{{customdata[1]:{NUMBER_FORMAT}}}"
+           f"<br>end: %{{customdata[2]:{NUMBER_FORMAT}}}<extra></extra>")
+
+    def bars(name: str, chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        starts, ends = [_plain(r["start"]) for r in chosen], [_plain(r["end"]) for r in chosen]
+        return {"type": "bar", "orientation": "h", "name": name, "y": [str(r["row"]) for r in chosen],
+                "base": starts, "x": [e - s for s, e in zip(starts, ends)],
+                "customdata": [[str(r["color"]), s, e] for r, s, e in zip(chosen, starts, ends)],
+                "hovertemplate": tip, "marker": {"line": {"width": 0}}}
+
+    if legend:
+        # a trace per colour, drawn in the order the rows first name them, listed in the legend in `groups` order
+        drawn = list(dict.fromkeys(str(r["color"]) for r in rows))
+        data = []
+        for name in drawn:
+            trace = bars(name, [r for r in rows if str(r["color"]) == name])
+            trace["marker"]["color"] = palette[name]
+            trace["legendrank"] = 1000 + groups.index(name)
+            data.append(trace)
+    else:
+        trace = bars(color_title, list(rows))
+        trace["marker"]["color"] = [palette[str(r["color"])] for r in rows]
+        data = [trace] if rows else []
     if height is None:
         height = min(GANTT_MAX_PX, max(GANTT_MIN_PX, GANTT_ROW_PX * len(order) + FRAME_PX))
-    return finish(chart, title, height)
+    x_axis: dict[str, Any] = {"title": {"text": x_title}, "automargin": True, "zeroline": False}
+    if x_range is not None:
+        x_axis["range"] = [float(x_range[0]), float(x_range[1])]
+    y_ax = {"title": {"text": y_title}, "type": "category", "categoryorder": "array", "categoryarray": order,
+            "autorange": "reversed", "automargin": True}
+    return figure(data, title, x_axis, y_ax, height=height, legend=legend, barmode="overlay", bargap=0.15)
 
 
-# ---- rendering -----------------------------------------------------------------------------------------
+# ---- reading a drawn chart back (tests, benchmarks) ----------------------------------------------------
 
 
-def vega_lite_spec(chart: Any) -> dict[str, Any]:
-    """A builder's chart as the Vega-Lite spec the browser draws, its data inline. Not validated
-    against the schema here (that is half of Altair's cost per chart, paid again on every draw;
-    tests/unit/test_ui_charts.py validates every builder's output), and without Altair's default theme
-    (its 300 px view size: the dashboard sets its own), as `st.altair_chart` draws it."""
-    spec = chart.to_dict(validate=False)
-    spec.pop("config", None)  # the theme's only entry: no builder configures a chart
-    return spec
+def drawn_figure(proto: Any) -> dict[str, Any]:
+    """The figure a Streamlit chart message carries (an AppTest element's `.proto`), as the
+    browser receives it."""
+    return json.loads(proto.spec)
 
 
-def show_chart(chart: Any, key: str | None = None) -> None:
-    """Draw a chart (a builder's Altair chart, or its `vega_lite_spec`, e.g. cached by a page) full
-    width. A key puts it in a keyed container, whose CSS class `st-key-<key>` the browser tests
-    and bench/dashboard_latency.py look for."""
-    spec = chart if isinstance(chart, dict) else vega_lite_spec(chart)
-    if key is None:
-        st.vega_lite_chart(spec, width="stretch")
-        return
-    with st.container(key=key):
-        st.vega_lite_chart(spec, width="stretch")
+def traces_by_name(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A figure's traces by their names: what a test asserts on."""
+    return {t.get("name", ""): t for t in fig["data"]}
 
 
-# ---- reading a chart back (tests, benchmarks) ----------------------------------------------------------
-
-
-def spec_layers(chart: Any) -> list[dict[str, Any]]:
-    """A chart's Vega-Lite spec as a flat list of its layers, each {"mark": "bar", "encoding":
-    {...}, "rows": [the data rows it draws]}: what a test asserts on (the values, the encodings)
-    without walking Altair's nesting of layers and named datasets."""
-    spec = chart.to_dict()
-    return _flatten(spec, spec.get("datasets", {}))
-
-
-def element_layers(proto: Any) -> list[dict[str, Any]]:
-    """The same flat layers from a drawn chart's Streamlit message (an AppTest element's
-    `.proto`): its spec JSON and its Arrow datasets, as the browser receives them."""
-    import json
-
-    import pyarrow as pa
-
-    datasets = {d.name: pa.ipc.open_stream(d.data.data).read_pandas().to_dict("records") for d in proto.datasets}
-    return _flatten(json.loads(proto.spec), datasets)
-
-
-def _flatten(node: dict[str, Any], datasets: dict[str, list[dict[str, Any]]], data: Any = None) -> list[dict[str, Any]]:
-    data = node.get("data", data)
-    if "layer" in node:
-        return [x for child in node["layer"] for x in _flatten(child, datasets, data)]
-    mark = node.get("mark")
-    if isinstance(data, dict) and "name" in data:
-        rows = datasets.get(data["name"], [])
-    else:
-        rows = (data or {}).get("values", [])
-    return [{"mark": mark["type"] if isinstance(mark, dict) else mark, "encoding": node.get("encoding", {}),
-             "rows": rows}]
+def gantt_rows(fig: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Gantt figure's bars back as the rows it was built from: {row, start, end, color}."""
+    return [{"row": y, "start": s, "end": e, "color": c}
+            for t in fig["data"] for y, (c, s, e) in zip(t["y"], t["customdata"])]

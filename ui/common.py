@@ -6,7 +6,7 @@ House rules these helpers make cheap to follow (docs/TEAM.md):
 - emulated devices are marked (`emulated_marker`, `device_label`);
 - bad input shows `st.error` with one clear line, never a traceback
   (`show_errors`, `call_or_error`);
-- every chart axis has a unit (ui/charts.py, `line_figure`);
+- every chart axis has a unit (ui/charts.py builds the Plotly figures, `show_figure` draws them);
 - SQLite connections shared between reruns come from `sqlite_connection`
   (`st.cache_resource`).
 
@@ -15,6 +15,7 @@ Names here are stable: other pages import them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -26,7 +27,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import streamlit as st
 
 from ui.background import ChildFailed
-from ui.charts import CHART_HEIGHT_PX, MAX_MARKER_POINTS  # noqa: F401  (stable names of this module)
+from ui.charts import CHART_HEIGHT_PX, MAX_MARKER_POINTS, rolling_median  # noqa: F401  (stable names of this module)
 
 log = logging.getLogger(__name__)
 
@@ -213,18 +214,6 @@ def fmt_cell(x: Any, fmt: Callable[[Any], str] = str) -> str:
     return fmt(x)
 
 
-def rolling_median(ys: list[float | None], window: int) -> list[float | None]:
-    """The median of each point's trailing window (at most `window` points, None skipped): a
-    measured series smoothed without letting one slow step pull it, as a mean would."""
-    import statistics
-
-    out: list[float | None] = []
-    for i in range(len(ys)):
-        vals = [y for y in ys[max(0, i - window + 1):i + 1] if y is not None]
-        out.append(statistics.median(vals) if vals else None)
-    return out
-
-
 def fmt_rate(x: float | None, unit: str = "samples/s") -> str:
     if x is None or not math.isfinite(x):
         return "—"
@@ -279,8 +268,8 @@ def show_table(rows: Any, key: str | None = None, *, max_static_rows: int = SMAL
 
 
 # ---- charts ------------------------------------------------------------------------------
-# Every chart is Vega-Lite, built in ui/charts.py (why: its docstring); these names stay for the
-# pages that import them from here.
+# Every chart is a Plotly figure built as a plain dict in ui/charts.py (validated by Plotly in its
+# tests); line_figure stays for the pages that import it from here.
 
 
 def line_figure(
@@ -289,18 +278,39 @@ def line_figure(
     y_title: str,
     title: str | None = None,
     height: int = CHART_HEIGHT_PX,
-) -> Any:
+) -> dict[str, Any]:
     """A line chart from `{name: (xs, ys)}` with unit axis titles: ui/charts.line_chart."""
     from ui.charts import line_chart
 
     return line_chart(series, x_title, y_title, title, height=height)
 
 
-def show_figure(fig: Any, key: str | None = None) -> None:
-    """The one place a page draws a chart (an Altair chart from ui/charts.py), full width."""
-    from ui.charts import show_chart
+@functools.cache
+def _built_figure_type() -> type:
+    """A Plotly figure type that carries a ui/charts.py dict as it is. `st.plotly_chart` rebuilds and
+    validates a dict on every draw (5-50 ms a chart; the live charts redraw every second); a
+    figure object it only asks for `to_dict()`. The dicts were validated once, by the tests."""
+    from plotly.basedatatypes import BaseFigure
 
-    show_chart(fig, key=key)
+    class BuiltFigure(BaseFigure):
+        def __init__(self, spec: dict[str, Any]) -> None:  # no BaseFigure.__init__: nothing to validate
+            self._spec = spec
+
+        def to_dict(self) -> dict[str, Any]:
+            return self._spec
+
+    return BuiltFigure
+
+
+def show_figure(fig: dict[str, Any], key: str | None = None) -> None:
+    """The one place a page draws a chart (a figure dict from ui/charts.py), full width, hover and
+    zoom on. A key puts it in a keyed container, whose CSS class `st-key-<key>` the browser tests
+    and bench/dashboard_latency.py look for."""
+    with st.container(key=key) if key is not None else contextlib.nullcontext():
+        st.plotly_chart(_built_figure_type()(fig), width="stretch", config=PLOTLY_CONFIG)
+
+
+PLOTLY_CONFIG = {"displaylogo": False}  # the mode bar keeps zoom, pan, reset and "download as PNG"
 
 
 # ---- shared resources --------------------------------------------------------------------

@@ -382,16 +382,13 @@ def _row_order(plan: Plan) -> list[str]:
 def timeline_gantt(rows: list[dict[str, Any]], plan: Plan, kind: str, title: str, end_s: float):
     """A Gantt of (stage, replica, op, start_s, end_s) rows, one row per stage replica, colours by op,
     on a time axis from 0 to `end_s` (the same for the measured and the simulated chart)."""
-    import altair as alt
-
     # waits first, prefill last: a prefill chunk runs inside a receive's wait and is drawn over it
     z = {"recv_fwd": 0, "recv_bwd": 0, "send_fwd": 1, "send_bwd": 1, "prefill": 3}
     bars = [{"row": _row_label(r["stage"], r["replica"], plan), "start": r["start_s"], "end": r["end_s"],
              "color": OP_NAMES[r["op"]]} for r in sorted(rows, key=lambda r: z.get(r["op"], 2))]
     x_title = f"time in the step (s, {kind})"
-    chart = gantt_chart(bars, x_title, "stage, replica", title, row_order=_row_order(plan),
-                        color_order=list(OP_COLORS), colors=OP_COLORS)
-    return chart.encode(x=alt.X("start:Q", title=x_title, scale=alt.Scale(domain=[0.0, end_s])))
+    return gantt_chart(bars, x_title, "stage, replica", title, row_order=_row_order(plan),
+                       color_order=list(OP_COLORS), colors=OP_COLORS, x_range=(0.0, end_s))
 
 
 def measured_ops(timeline: dict[str, Any]) -> list[dict[str, Any]]:

@@ -581,13 +581,11 @@ def render_numbers(m: dict[str, Any]) -> None:
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def figure_specs(metrics_json: str) -> tuple[dict, dict, dict, dict]:
-    """The loss, throughput, memory and wait charts' Vega-Lite specs of a run's metrics (read_metrics'
+    """The loss, throughput, memory and wait charts' Plotly figures of a run's metrics (read_metrics'
     dict as JSON: one string to hash, not a nest of dicts), built once per change: the live panel
     redraws every second, and every session watching the run shares them."""
-    from ui.charts import vega_lite_spec
-
     m = json.loads(metrics_json)
-    return tuple(vega_lite_spec(f(m)) for f in (loss_figure, throughput_figure, memory_figure, wait_figure))
+    return tuple(f(m) for f in (loss_figure, throughput_figure, memory_figure, wait_figure))
 
 
 def render_charts(m: dict[str, Any]) -> None:

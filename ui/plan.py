@@ -22,7 +22,7 @@ from contracts.specs import PRESETS
 from contracts.specs import get_model as get_model_spec
 from contracts.specs import with_max_seq
 from ui import background
-from ui.charts import bar_chart, capacity_chart, vega_lite_spec
+from ui.charts import bar_chart, capacity_chart
 from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
                        metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
                        show_errors, show_figure, show_table)
@@ -164,10 +164,10 @@ def throughput_figure(plan: Plan):
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def figure_specs(plan_json: str) -> tuple[dict, dict]:
-    """The memory and throughput charts' Vega-Lite specs of a plan (its plan file's JSON: every
+    """The memory and throughput charts' Plotly figures of a plan (its plan file's JSON: every
     figure they draw is in it), built once for every session that shows that plan."""
     plan = Plan.from_dict(json.loads(plan_json))
-    return vega_lite_spec(memory_figure(plan)), vega_lite_spec(throughput_figure(plan))
+    return memory_figure(plan), throughput_figure(plan)
 
 
 def same_as_baselines(plan: Plan) -> bool:

@@ -24,7 +24,7 @@ from executor.store import MetricsStore
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.paths import runs_dir
 from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink
-from ui.charts import element_layers
+from ui.charts import drawn_figure, gantt_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "ui", "geo.py")
@@ -120,18 +120,22 @@ def test_measured_gantt_beside_the_simulated_and_the_stage_errors(data_dir):
     run_dir = make_run("pipe-1", measured_timeline())
     at = open_page()
     assert not at.error
-    charts = at.get("vega_lite_chart")
+    charts = [drawn_figure(c.proto) for c in at.get("plotly_chart")]
     assert len(charts) == 2  # measured and simulated Gantt (no scenario planned yet)
-    measured, simulated = [element_layers(c.proto)[0] for c in charts]
-    assert "measured" in measured["encoding"]["x"]["title"] and "simulated" in simulated["encoding"]["x"]["title"]
+    measured, simulated = charts
+    assert "measured" in measured["layout"]["xaxis"]["title"]["text"]
+    assert "simulated" in simulated["layout"]["xaxis"]["title"]["text"]
     timeline = measured_timeline()
-    assert len(measured["rows"]) == sum(len(r["ops"]) for r in timeline["ranks"])
-    assert {r["row"] for r in measured["rows"]} == {"s0 r0 · dc-a", "s0 r1 · dc-a", "s1 r0 · dc-b"}
-    assert {r["color"] for r in measured["rows"]} == {"training forward", "training backward", "send",
-                                                      "receive (posted → arrived)", "gradient all-reduce", "optimizer step",
-                                                      "prefill (BubbleTea)"}
-    assert len(simulated["rows"]) == len(pipeline_plan().pipeline.simulated_ops)
-    assert measured["encoding"]["y"]["sort"] == simulated["encoding"]["y"]["sort"]  # same rows, same order
+    rows = gantt_rows(measured)
+    assert len(rows) == sum(len(r["ops"]) for r in timeline["ranks"])
+    assert {r["row"] for r in rows} == {"s0 r0 · dc-a", "s0 r1 · dc-a", "s1 r0 · dc-b"}
+    assert {r["color"] for r in rows} == {"training forward", "training backward", "send",
+                                          "receive (posted → arrived)", "gradient all-reduce", "optimizer step",
+                                          "prefill (BubbleTea)"}
+    assert len(gantt_rows(simulated)) == len(pipeline_plan().pipeline.simulated_ops)
+    # same rows in the same order, on the same time scale
+    assert measured["layout"]["yaxis"]["categoryarray"] == simulated["layout"]["yaxis"]["categoryarray"]
+    assert measured["layout"]["xaxis"]["range"] == simulated["layout"]["xaxis"]["range"]
 
     df = stage_table(at)
     assert list(df["stage"]) == ["0", "1"] and list(df["datacenter"]) == ["dc-a", "dc-b"]
@@ -165,7 +169,7 @@ def test_a_bad_timeline_is_one_error_line_and_the_page_lives(data_dir):
     at = open_page()
     [err] = [e.value for e in at.error]
     assert "teleport" in err and "\n" not in err
-    assert not at.get("vega_lite_chart")
+    assert not at.get("plotly_chart")
 
 
 def test_without_pipeline_runs_the_page_says_how_to_make_one(data_dir):
@@ -193,11 +197,11 @@ def test_a_real_pipeline_runs_timeline_beside_its_simulation(data_dir):
     assert status == "done"
     at = open_page()
     assert not at.error
-    measured, simulated = [element_layers(c.proto)[0] for c in at.get("vega_lite_chart")]
+    measured, simulated = [gantt_rows(drawn_figure(c.proto)) for c in at.get("plotly_chart")]
     with open(os.path.join(run_dir, "timeline.json")) as fh:
         timeline = json.load(fh)
-    assert len(measured["rows"]) == sum(len(r["ops"]) for r in timeline["ranks"])
-    assert len(simulated["rows"]) == len(sim.ops)
+    assert len(measured) == sum(len(r["ops"]) for r in timeline["ranks"])
+    assert len(simulated) == len(sim.ops)
     df = stage_table(at)
     for r in timeline["ranks"]:
         busy = sum(o["end_s"] - o["start_s"] for o in r["ops"] if o["op"] in ("forward", "backward"))

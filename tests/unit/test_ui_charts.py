@@ -1,79 +1,137 @@
-"""ui/charts.py: the Vega-Lite specs the dashboard's pages draw (values, encodings, rules)."""
+"""ui/charts.py: every builder's figure is one Plotly accepts (its own validation) and holds the
+values, traces and axes the pages promise (rolling median, labelled bars, capacity markers, Gantt bars)."""
+import plotly.graph_objects as go
+import pytest
+
 from ui import charts, common
 
 
-def _by_mark(chart):
-    out = {}
-    for layer in charts.spec_layers(chart):
-        out.setdefault(layer["mark"], []).append(layer)
-    return out
+def _valid(fig):
+    """The figure as Plotly reads it: go.Figure validates every property (raises ValueError on a
+    wrong name or value), and the dict the builders made must come back unchanged in content."""
+    checked = go.Figure(fig)
+    assert len(checked.data) == len(fig["data"])
+    return fig
+
+
+def _axis_title(axis):
+    return axis["title"]["text"]
+
+
+def test_plotly_rejects_a_broken_figure():
+    """The validation the tests rely on does fail: a misspelt property, a wrong mode."""
+    fig = charts.line_chart({"a": ([0, 1], [1.0, 2.0])}, "step", "loss (nats/token)")
+    fig["data"][0]["colour"] = "red"
+    with pytest.raises(ValueError):
+        go.Figure(fig)
+    fig = charts.line_chart({"a": ([0, 1], [1.0, 2.0])}, "step", "loss (nats/token)")
+    fig["data"][0]["mode"] = "dots"
+    with pytest.raises(ValueError):
+        go.Figure(fig)
 
 
 def test_line_chart_with_rolling_median_and_predicted_rule():
     ys = [10.0, 30.0, 11.0, None, 12.0]
-    ch = charts.line_chart({"each step": ([1, 2, 3, 4, 5], ys)}, "step", "throughput (samples/s)",
-                           "Throughput", smooth=3, hlines={"predicted": 20.0})
-    m = _by_mark(ch)
-    assert [r["y"] for r in m["point"][0]["rows"]] == ys  # the raw points, the gap kept
-    med = m["line"][0]["rows"]
-    assert {r["series"] for r in med} == {"median of 3"}
-    assert [r["y"] for r in med] == common.rolling_median(ys, 3) == [10.0, 20.0, 11.0, 20.5, 11.5]
-    assert m["rule"][0]["rows"] == [{"series": "predicted", "y": 20.0}]
-    assert m["rule"][0]["encoding"]["color"]["field"] == "series"
-    # the legend names every series in the caller's order
-    assert ch.to_dict()["layer"][0]["encoding"]["color"]["scale"]["domain"] == ["each step", "median of 3",
-                                                                                "predicted"]
+    fig = _valid(charts.line_chart({"each step": ([1, 2, 3, 4, 5], ys)}, "step", "throughput (samples/s)",
+                                   "Throughput", smooth=3, hlines={"predicted": 20.0}))
+    raw, med = fig["data"]
+    assert raw["name"] == "each step" and raw["mode"] == "markers" and raw["y"] == ys  # the gap kept
+    assert raw["marker"]["opacity"] == charts.RAW_OPACITY
+    assert med["name"] == "median of 3" and med["mode"] == "lines"
+    assert med["y"] == common.rolling_median(ys, 3) == [10.0, 20.0, 11.0, 20.5, 11.5]
+    (rule,) = fig["layout"]["shapes"]
+    assert (rule["y0"], rule["y1"], rule["name"], rule["line"]["dash"]) == (20.0, 20.0, "predicted", "dash")
+    assert rule["showlegend"] and rule["xref"] == "x domain"  # across the plot, in the legend
+    lay = fig["layout"]
+    assert _axis_title(lay["xaxis"]) == "step" and _axis_title(lay["yaxis"]) == "throughput (samples/s)"
+    assert lay["title"]["text"] == "Throughput" and lay["showlegend"]
+    assert lay["xaxis"]["dtick"] == 1  # whole steps: no "0.5" tick
+    assert "%{fullData.name}" in raw["hovertemplate"]  # the hover box says which series (measured, ...)
+    # three distinct colours, in the order the series are named
+    assert [raw["marker"]["color"], med["line"]["color"], rule["line"]["color"]] == list(charts.PALETTE[:3])
 
 
 def test_markers_only_up_to_the_limit():
-    few = charts.line_chart({"a": ([0, 1], [1.0, 2.0])}, "step", "loss (nats/token)")
+    few = _valid(charts.line_chart({"a": ([0, 1], [1.0, 2.0])}, "step", "loss (nats/token)"))
     many_x = list(range(charts.MAX_MARKER_POINTS + 1))
-    many = charts.line_chart({"a": (many_x, [1.0] * len(many_x))}, "step", "loss (nats/token)")
-    assert few.to_dict()["mark"] == {"type": "line", "point": True}
-    assert many.to_dict()["mark"] == {"type": "line", "point": False}
+    many = _valid(charts.line_chart({"a": (many_x, [1.0] * len(many_x))}, "step", "loss (nats/token)"))
+    assert few["data"][0]["mode"] == "lines+markers" and many["data"][0]["mode"] == "lines"
+    assert not few["layout"]["showlegend"]  # one series: nothing to tell apart
+    assert "dtick" not in many["layout"]["xaxis"]  # a long run: Plotly's own round ticks
 
 
 def test_grouped_bars_with_horizontal_labels_and_stacked_bars_with_a_capacity_rule():
-    ch = charts.bar_chart(["rank 0", "rank 1"], {"measured": [100.0, 120.0], "predicted": [90.0, None]},
-                          "rank", "memory (MiB)", labels={"measured": ["100", "120"], "predicted": ["90", "—"]})
-    m = _by_mark(ch)
-    bars = m["bar"][0]
-    assert [(r["x"], r["series"], r["y"]) for r in bars["rows"]] == [
-        ("rank 0", "measured", 100.0), ("rank 1", "measured", 120.0), ("rank 0", "predicted", 90.0)]
-    assert bars["encoding"]["xOffset"]["field"] == "series"  # side by side
-    assert bars["encoding"]["x"]["axis"]["labelAngle"] == 0
-    assert m["text"][0]["encoding"]["text"]["field"] == "label" and "angle" not in m["text"][0]["encoding"]
-    assert bars["encoding"]["y"]["scale"]["domainMax"] > 120.0  # room for the labels
+    fig = _valid(charts.bar_chart(["rank 0", "rank 1 (emulated)"], {"measured": [100.0, 120.0], "predicted": [90.0, None]},
+                                  "rank", "memory (MiB)", labels={"measured": ["100", "120"], "predicted": ["90", "—"]}))
+    measured, predicted = fig["data"]
+    assert measured["type"] == "bar" and measured["y"] == [100.0, 120.0] and predicted["y"] == [90.0, None]
+    assert predicted["text"] == ["90", ""]  # no bar, no label
+    assert measured["textposition"] == "outside" and measured["textangle"] == 0  # over the bar, horizontal
+    lay = fig["layout"]
+    assert lay["barmode"] == "group"
+    assert lay["xaxis"]["categoryarray"] == ["rank 0", "rank 1 (emulated)"] and lay["xaxis"]["tickangle"] == 0
+    assert lay["xaxis"]["ticktext"] == ["rank 0", "rank<br>1<br>(emulated)"]  # a long label wraps
+    assert lay["yaxis"]["range"][1] == pytest.approx(120.0 * charts.LABEL_HEADROOM)  # room for the labels
 
-    st = charts.bar_chart(["peak"], {"weights": [2.0], "activations": [3.0]}, "", "memory (GiB)", stacked=True,
-                          hlines={"H100 capacity": 80.0})
-    m = _by_mark(st)
-    assert m["bar"][0]["encoding"]["y"]["stack"] == "zero" and "xOffset" not in m["bar"][0]["encoding"]
-    assert m["bar"][0]["encoding"]["order"]["field"] == "order"  # weights at the bottom: the order given
-    assert [(r["series"], r["order"]) for r in m["bar"][0]["rows"]] == [("weights", 0), ("activations", 1)]
-    assert m["rule"][0]["rows"] == [{"series": "H100 capacity", "y": 80.0}]
+    st = _valid(charts.bar_chart(["peak"], {"weights": [2.0], "activations": [3.0]}, "", "memory (GiB)", stacked=True,
+                                 hlines={"H100 capacity": 80.0}, colors={"H100 capacity": charts.RULE_COLOR}))
+    assert st["layout"]["barmode"] == "stack"
+    assert [t["name"] for t in st["data"]] == ["weights", "activations"]  # weights at the bottom: the order given
+    (rule,) = st["layout"]["shapes"]
+    assert (rule["name"], rule["y0"], rule["line"]["color"]) == ("H100 capacity", 80.0, charts.RULE_COLOR)
 
 
 def test_capacity_chart_draws_the_bar_and_a_capacity_marker_with_decade_ticks_on_log():
-    ch = charts.capacity_chart(["0 · A", "1 · B"], [0.05, 90.0], [80.0, 80.0], "device", "memory (GiB)",
-                               value_labels=["51 MiB", "90 GiB"], marks={"capacity × 0.9": [72.0, 72.0]},
-                               log_y=True)
-    m = _by_mark(ch)
-    assert [r["y"] for r in m["bar"][0]["rows"]] == [0.05, 90.0]
-    assert [(r["series"], r["y"]) for r in m["tick"][0]["rows"]] == [("capacity", 80.0), ("capacity", 80.0)]
-    assert [r["y"] for r in m["tick"][1]["rows"]] == [72.0, 72.0]
-    axis = m["bar"][0]["encoding"]["y"]["axis"]
-    assert axis["values"] == [0.01, 0.1, 1.0, 10.0, 100.0]  # powers of ten only: no labelled minor ticks
-    assert m["bar"][0]["encoding"]["y2"] == {"datum": 0.01}  # bars rise from the axis' bottom (no zero on a log axis)
-    assert [r["label"] for r in m["text"][0]["rows"]] == ["51 MiB", "90 GiB"]
+    fig = _valid(charts.capacity_chart(["0 · A", "1 · B"], [0.05, 90.0], [80.0, 80.0], "device", "memory (GiB)",
+                                       value_labels=["51 MiB", "90 GiB"], capacity_labels=["80 GiB", "80 GiB"],
+                                       marks={"capacity × 0.9": [72.0, 72.0]}, log_y=True))
+    bar, cap, mark = fig["data"]
+    assert bar["type"] == "bar" and bar["y"] == [0.05, 90.0] and bar["text"] == ["51 MiB", "90 GiB"]
+    assert cap["name"] == "capacity" and cap["y"] == [80.0, 80.0] and cap["text"] == ["80 GiB", "80 GiB"]
+    # the marker spans the bar's band: an error bar of the bar's half width, thicker for capacity
+    assert cap["error_x"]["value"] == charts.BAR_HALF_WIDTH and cap["error_x"]["thickness"] > mark["error_x"]["thickness"]
+    assert cap["marker"]["color"] == charts.RULE_COLOR and mark["y"] == [72.0, 72.0]
+    y = fig["layout"]["yaxis"]
+    assert y["type"] == "log" and y["tickvals"] == [0.01, 0.1, 1.0, 10.0, 100.0]  # powers of ten only
+    assert y["range"] == pytest.approx([-2.0, 2.0])
 
 
 def test_gantt_chart_bars_from_start_to_end_in_the_row_order_given():
     rows = [{"row": "gpu 1", "start": 0.5, "end": 2.0, "color": "job b"},
-            {"row": "gpu 0", "start": 0.0, "end": 1.0, "color": "job a"}]
-    ch = charts.gantt_chart(rows, "time (h)", "device", "Devices", row_order=["gpu 0", "gpu 1"])
-    (bar,) = charts.spec_layers(ch)
-    enc = bar["encoding"]
-    assert enc["x"]["field"] == "start" and enc["x2"]["field"] == "end" and enc["y"]["sort"] == ["gpu 0", "gpu 1"]
-    assert [(r["row"], r["start"], r["end"]) for r in bar["rows"]] == [("gpu 1", 0.5, 2.0), ("gpu 0", 0.0, 1.0)]
-    assert ch.to_dict()["height"] == charts.GANTT_MIN_PX
+            {"row": "gpu 0", "start": 0.0, "end": 1.0, "color": "job a"},
+            {"row": "gpu 0", "start": 1.5, "end": 3.0, "color": "job b"}]
+    fig = _valid(charts.gantt_chart(rows, "time (h)", "device", "Devices", row_order=["gpu 0", "gpu 1"],
+                                    color_order=["job a", "job b"], x_range=(0.0, 4.0)))
+    b, a = fig["data"]  # drawn in the order the rows name them (a later bar over an earlier one)
+    assert (b["name"], b["orientation"], b["y"], b["base"], b["x"]) == ("job b", "h", ["gpu 1", "gpu 0"], [0.5, 1.5], [1.5, 1.5])
+    assert (a["name"], a["base"], a["x"]) == ("job a", [0.0], [1.0])
+    assert a["legendrank"] < b["legendrank"]  # listed in color_order
+    assert a["customdata"] == [["job a", 0.0, 1.0]]  # the hover box names the job, its start and end
+    lay = fig["layout"]
+    assert lay["barmode"] == "overlay"  # bars of one row overlap, never side by side
+    assert lay["yaxis"]["categoryarray"] == ["gpu 0", "gpu 1"] and lay["yaxis"]["autorange"] == "reversed"
+    assert lay["xaxis"]["range"] == [0.0, 4.0] and _axis_title(lay["xaxis"]) == "time (h)"
+    assert lay["height"] == charts.GANTT_MIN_PX
+
+
+def test_gantt_without_legend_is_one_trace_coloured_per_bar():
+    rows = [{"row": str(i % 3), "start": i, "end": i + 1, "color": f"job {i}"} for i in range(30)]
+    fig = _valid(charts.gantt_chart(rows, "time (h)", "device", legend=False, color_title="job"))
+    (trace,) = fig["data"]
+    assert len(trace["marker"]["color"]) == 30 and trace["marker"]["color"][0] != trace["marker"]["color"][1]
+    assert not fig["layout"]["showlegend"] and "job: %{customdata[0]}" in trace["hovertemplate"]
+
+
+def test_empty_charts_are_still_valid_figures():
+    _valid(charts.line_chart({}, "step", "loss (nats/token)"))
+    _valid(charts.gantt_chart([], "time (h)", "device", legend=False))
+    _valid(charts.bar_chart([], {}, "rank", "memory (MiB)"))
+
+
+def test_charts_do_not_import_the_frameworks():
+    """The builders are data: the module reads neither Streamlit nor Plotly (pages draw through
+    ui/common.show_figure), so building a figure costs no import and no validation."""
+    import inspect
+
+    src = inspect.getsource(charts)
+    assert "import streamlit" not in src and "import plotly" not in src and "from plotly" not in src

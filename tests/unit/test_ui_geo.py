@@ -6,7 +6,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.e2e.test_ui_background import settle as settle_until
-from ui.charts import element_layers
+from ui.charts import drawn_figure
 
 TIMEOUT_S = 120
 
@@ -33,21 +33,18 @@ def test_plan_renders_summary_gantt_and_bars(app):
     assert "simulated" in labels and "Iteration" in labels
     text = " ".join(md.value for md in app.markdown)
     assert "virginia" in text  # the plan summary names the datacenters
-    charts = app.get("vega_lite_chart")
+    charts = [drawn_figure(c.proto) for c in app.get("plotly_chart")]
     assert len(charts) == 3  # Gantt, iteration bars, utilization bars
-    (gantt,) = element_layers(charts[0].proto)
-    names = {r["color"] for r in gantt["rows"]}
-    assert {"training forward", "training backward", "prefill (BubbleTea)"} <= names
-    enc = gantt["encoding"]
-    assert "simulated" in enc["x"]["title"] and enc["x2"]["field"] == "end" and enc["y"]["field"] == "row"
-    assert all(r["end"] >= r["start"] for r in gantt["rows"])
+    gantt = charts[0]
+    assert {"training forward", "training backward", "prefill (BubbleTea)"} <= {t["name"] for t in gantt["data"]}
+    assert "simulated" in gantt["layout"]["xaxis"]["title"]["text"] and gantt["layout"]["barmode"] == "overlay"
+    for t in gantt["data"]:  # horizontal bars from start to end, one row per GPU
+        assert t["orientation"] == "h" and all(w >= 0 for w in t["x"]) and len(t["base"]) == len(t["y"])
     # each bar labelled with its value, horizontally over it; the plan first
-    layers = element_layers(charts[1].proto)
-    bars = next(layer for layer in layers if layer["mark"] == "bar")
-    assert bars["rows"][0]["x"] == "atlas (plan)" and bars["encoding"]["x"]["axis"]["labelAngle"] == 0
-    assert next(layer for layer in layers if layer["mark"] == "text")["rows"][0]["label"] == bars["rows"][0]["label"]
-    util = next(layer for layer in element_layers(charts[2].proto) if layer["mark"] == "bar")
-    assert {r["series"] for r in util["rows"]} == {"training only", "with prefill (BubbleTea)"}
+    bars = charts[1]["data"][0]
+    assert bars["x"][0] == "atlas (plan)" and charts[1]["layout"]["xaxis"]["tickangle"] == 0
+    assert bars["textposition"] == "outside" and bars["text"][0]
+    assert {t["name"] for t in charts[2]["data"]} == {"training only", "with prefill (BubbleTea)"}
 
 
 def test_bad_input_shows_an_error_not_a_traceback(app):
@@ -69,7 +66,7 @@ def test_cancel_stops_the_simulation_and_forgets_the_request(app, monkeypatch):
     app.button(key="geo_cancel").click().run()
     assert not app.exception and "geo_request" not in app.session_state
     assert job.cancel_reason == "by the user" and job.proc.returncode is not None
-    assert not app.get("vega_lite_chart")  # no report: the one asked for was cancelled
+    assert not app.get("plotly_chart")  # no report: the one asked for was cancelled
 
 
 @pytest.mark.parametrize("example", ["paper_like.json", "two_dc_fast.json"])

@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from contracts.catalog import CATALOG
 from planner.core.memory import MemoryConfig, estimate_memory
 from contracts.specs import PRESETS
-from ui.charts import element_layers
+from ui.charts import drawn_figure
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ui", "memory.py")
 TIMEOUT_S = 60
@@ -34,12 +34,13 @@ def test_default_preset_fits_and_shows_chart():
     b = estimate_memory(PRESETS["tiny"], MemoryConfig(micro_batch=1, seq=128, zero=1))
     df = at.table[0].value
     assert int(df.iloc[-1, 1].replace(",", "")) == b.peak_bytes
-    (chart,) = at.get("vega_lite_chart")
-    (bars,) = [layer for layer in element_layers(chart.proto) if layer["mark"] == "bar"]
-    assert bars["encoding"]["y"]["stack"] == "zero"
-    assert {r["series"]: r["y"] for r in bars["rows"]} == pytest.approx(
+    (chart,) = at.get("plotly_chart")
+    fig = drawn_figure(chart.proto)
+    assert fig["layout"]["barmode"] == "stack"
+    assert {t["name"]: t["y"][0] for t in fig["data"]} == pytest.approx(
         {name: getattr(b, f"{name}_bytes") / 2**20 for name in ("params", "grads", "optimizer", "activations", "other")})
-    assert bars["encoding"]["y"]["axis"]["title"] == "memory (MiB)"  # a tiny model: MiB, no capacity line
+    assert fig["layout"]["yaxis"]["title"]["text"] == "memory (MiB)"  # a tiny model: MiB, no capacity line
+    assert not fig["layout"]["shapes"]
 
 
 def test_large_model_does_not_fit_then_sharding_changes_it():
@@ -51,11 +52,10 @@ def test_large_model_does_not_fit_then_sharding_changes_it():
     assert not at.exception
     assert "Does not fit on A100-40GB" in _text(at)
     # the predicted stack drawn over the GPU's capacity, a dashed rule at its datasheet GiB
-    layers = element_layers(at.get("vega_lite_chart")[0].proto)
-    (rule,) = [layer for layer in layers if layer["mark"] == "rule"]
-    assert rule["rows"] == [{"series": "A100-40GB capacity", "y": CATALOG["A100-40GB"].memory_bytes / 2**30}]
-    (bars,) = [layer for layer in layers if layer["mark"] == "bar"]
-    assert sum(r["y"] for r in bars["rows"]) > rule["rows"][0]["y"]
+    fig = drawn_figure(at.get("plotly_chart")[0].proto)
+    (rule,) = fig["layout"]["shapes"]
+    assert (rule["name"], rule["y0"]) == ("A100-40GB capacity", CATALOG["A100-40GB"].memory_bytes / 2**30)
+    assert sum(t["y"][0] for t in fig["data"]) > rule["y0"]
     at.number_input(key="mem_dp").set_value(8).run()
     at.selectbox(key="mem_recompute").set_value("full").run()
     at.selectbox(key="mem_dtype").set_value("bf16").run()
@@ -71,7 +71,7 @@ def test_bad_inputs_show_errors_not_tracebacks():
     assert not at.exception
     assert [e.value for e in at.error] == ["Sequence: 4,096 is out of range, 1–128 tokens"]
     assert at.number_input(key="mem_seq:tiny").value == 4096  # kept as typed, not replaced
-    assert not at.table and not at.get("vega_lite_chart")  # nothing computed from a refused value
+    assert not at.table and not at.get("plotly_chart")  # nothing computed from a refused value
     at.number_input(key="mem_seq:tiny").set_value(128).run()
     at.number_input(key="mem_dp").set_value(4).run()
     at.checkbox(key="mem_uneven").check().run()

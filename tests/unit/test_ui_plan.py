@@ -9,7 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from contracts.plan import Plan
-from ui.charts import element_layers
+from ui.charts import drawn_figure
 from tests.e2e.test_ui_background import settle as settle_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,20 +58,18 @@ def test_first_open_computes_a_default_plan_for_this_machine():
     assert len(table) == plan.cluster.num_devices
     assert any("predicted" in c for c in table.columns)
     # the memory chart: each device's predicted peak as a bar, its capacity as a marker over it
-    memory, baselines = (element_layers(c.proto) for c in at.get("vega_lite_chart"))
-    marks = {layer["mark"]: layer for layer in memory}
+    memory, baselines = (drawn_figure(c.proto) for c in at.get("plotly_chart"))
+    peak, capacity = memory["data"][:2]
     devices = plan.cluster.devices()
-    assert [r["y"] for r in marks["bar"]["rows"]] == pytest.approx(
-        [a.predicted_memory_bytes / 2**30 for a in plan.assignments])
-    capacity = [r for layer in memory if layer["mark"] == "tick" for r in layer["rows"] if r["series"] == "capacity"]
-    assert [r["y"] for r in capacity] == pytest.approx([devices[a.device_index][1].memory_bytes / 2**30
-                                                        for a in plan.assignments])
-    assert marks["bar"]["encoding"]["y"]["axis"]["title"] == "memory (GiB)"
+    assert peak["type"] == "bar" and peak["y"] == pytest.approx([a.predicted_memory_bytes / 2**30 for a in plan.assignments])
+    assert capacity["name"] == "capacity" and capacity["error_x"]["value"] > 0  # a marker across the bar
+    assert capacity["y"] == pytest.approx([devices[a.device_index][1].memory_bytes / 2**30 for a in plan.assignments])
+    assert memory["layout"]["yaxis"]["title"]["text"] == "memory (GiB)"
     # throughput: the plan first, then a bar per baseline, each labelled with its value over the bar
-    bars = next(layer for layer in baselines if layer["mark"] == "bar")
-    assert [r["x"] for r in bars["rows"]] == ["GPUMix plan", *(n.replace("_", " ") for n in plan.baselines)]
-    assert bars["rows"][0]["y"] == pytest.approx(plan.predicted_samples_per_s)
-    assert next(layer for layer in baselines if layer["mark"] == "text")["encoding"]["text"]["field"] == "label"
+    bars = baselines["data"][0]
+    assert bars["x"] == ["GPUMix plan", *(n.replace("_", " ") for n in plan.baselines)]
+    assert bars["y"][0] == pytest.approx(plan.predicted_samples_per_s)
+    assert bars["textposition"] == "outside" and len(bars["text"]) == len(bars["x"])
 
 
 def test_example_cluster_and_inputs_give_a_plan_with_baselines():

@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from contracts.paths import runs_dir
 from tests.conftest import GLOBAL_BATCH, STEP_S, fabricate_run, losses
-from ui.charts import element_layers
+from ui.charts import drawn_figure, traces_by_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "ui", "runs.py")
@@ -66,15 +66,13 @@ def test_compare_plots_both_runs_losses_per_step(runs):
     at.selectbox(key="runs_compare_a").select("run-a")
     at.selectbox(key="runs_compare_b").select("run-b").run()
     assert not at.exception
-    (line,) = element_layers(at.get("vega_lite_chart")[0].proto)
-    traces: dict[str, list] = {}
-    for r in line["rows"]:
-        traces.setdefault(r["series"].split()[0], []).append(r)
-    assert [r["y"] for r in traces["run-a"]] == pytest.approx(losses(0.0, 6))
-    assert [r["y"] for r in traces["run-b"]] == pytest.approx(losses(1.0, 4))
-    assert [r["x"] for r in traces["run-a"]] == list(range(6))
-    enc = line["encoding"]
-    assert "nats" in enc["y"]["axis"]["title"] and enc["x"]["title"] == "step" and enc["color"]["field"] == "series"
+    fig = drawn_figure(at.get("plotly_chart")[0].proto)
+    traces = {name.split()[0]: t for name, t in traces_by_name(fig).items()}
+    assert traces["run-a"]["y"] == pytest.approx(losses(0.0, 6))
+    assert traces["run-b"]["y"] == pytest.approx(losses(1.0, 4))
+    assert traces["run-a"]["x"] == list(range(6))
+    lay = fig["layout"]
+    assert "nats" in lay["yaxis"]["title"]["text"] and lay["xaxis"]["title"]["text"] == "step" and lay["showlegend"]
 
 
 def test_csv_export_holds_every_recorded_step(runs, monkeypatch):

@@ -8,7 +8,7 @@ from streamlit.testing.v1 import AppTest
 
 from executor.queue import JobQueue
 from tests.e2e.test_ui_background import settle as settle_until
-from ui.charts import element_layers
+from ui.charts import drawn_figure
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ui", "scheduler.py")
 
@@ -67,12 +67,12 @@ def test_simulation_compares_gpumix_with_every_baseline():
     assert "predicted" in labels and "measured" in labels
     assert f"vs {strongest} (strongest baseline)" in labels  # the comparison is against the strongest, named
     # the Gantt of the chosen policy (gpumix): bars from start to end (x, x2), a row per device
-    (bars,) = element_layers(at.get("vega_lite_chart")[-1].proto)
-    enc = bars["encoding"]
-    assert (bars["mark"], enc["x"]["field"], enc["x2"]["field"], enc["y"]["field"]) == ("bar", "start", "end", "row")
-    assert enc["x"]["title"] == "time (h)" and enc["y"]["title"] == "device"
-    assert bars["rows"] and all(r["end"] >= r["start"] >= 0 for r in bars["rows"])
-    assert {r["color"] for r in bars["rows"]} <= {f"j{j:05d}" for j in range(60)}  # the trace's 60 jobs
+    fig = drawn_figure(at.get("plotly_chart")[-1].proto)
+    (bars,) = fig["data"]  # one trace, a colour per job
+    assert (bars["type"], bars["orientation"]) == ("bar", "h")
+    assert fig["layout"]["xaxis"]["title"]["text"] == "time (h)" and fig["layout"]["yaxis"]["title"]["text"] == "device"
+    assert bars["base"] and all(w >= 0 for w in bars["x"]) and all(s >= 0 for s in bars["base"])
+    assert {job for job, _, _ in bars["customdata"]} <= {f"j{j:05d}" for j in range(60)}  # the trace's 60 jobs
 
 
 def test_cancel_stops_the_simulation(monkeypatch):
