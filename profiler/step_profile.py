@@ -135,7 +135,7 @@ def step_clock(device: torch.device, workers: int = 1, limited: bool = False) ->
     thread, forward, backward (autograd runs CPU work on the calling thread) and the optimizer
     all run on it, so this is the work of one dedicated core, which is what a cpu worker of
     the cluster file is; wall time on a shared machine would add whatever the neighbours ran
-    meanwhile (measured here: 2x at a load average of 7 on 2 cores). On a GPU: wall time
+    meanwhile (up to 2x on a busy 2-core machine). On a GPU: wall time
     between synchronizations. `workers` > 1 (local CPU workers profiled concurrently, see
     `concurrent_workers`): wall time, since sharing the cores with the other workers is then
     what is being measured. `limited` (under a cgroup CPU quota): wall time, since the quota

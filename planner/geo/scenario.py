@@ -28,11 +28,10 @@ DEFAULT_TCP_WINDOW_BYTES = 6 * 2**20
 # for a GPU that shares its NIC) and its one-way latency.
 DEFAULT_INTRA_DC_GBPS = 100.0
 INTRA_DC_LATENCY_S = 10e-6
-# The 1F1B simulator (planner/pipeline_sim) builds every forward, backward and transfer of an
-# iteration, for each of its best candidates: measured here, 512 micro-batches take ~5 s and
-# 2,048 ~20 s and 160 MB for a whole `planner geo` run; 8,192 took 120 s. Past this many
-# micro-batches per iteration a scenario is refused (raise micro_batch), so a typo'd batch of
-# 1e9 answers in milliseconds instead of filling the machine's memory.
+# The 1F1B simulator (planner/geo/pipeline_sim.py) builds every forward, backward and transfer of
+# an iteration for each of its best candidates, so time and memory grow with the micro-batches
+# (tens of seconds at this limit). Past this many micro-batches per iteration a scenario is refused
+# (raise micro_batch), so a typo'd batch of 1e9 answers in milliseconds instead of filling memory.
 MAX_MICROBATCHES = 2048
 # Every ordered chain of datacenters is searched (permutations): past this many the search
 # alone runs for minutes.
