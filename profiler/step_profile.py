@@ -272,9 +272,8 @@ def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
         for m in order:
             tokens, targets = batches[m]
             # a run repeats its micro-batch size (accumulation steps, steps), so its allocator has settled
-            # on that size's buffers; the first call after another size faults them in again (tiny at seq
-            # 128, m=16: 3,760 minor page faults and 56 ms of CPU, 192 and 48 ms settled, 47 ms in a run's
-            # loop): one untimed call of the size first
+            # on that size's buffers; the first call after another size faults them in again (thousands of
+            # minor page faults, a slower call): one untimed call of the size first
             micro_batch_loss(model, tokens, targets, m * seq, autocast).backward()
             _sync(device)
             t0 = clock()
