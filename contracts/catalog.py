@@ -113,25 +113,9 @@ CATALOG: dict[str, GpuType] = {g.name: g for g in (
 
 # Sustained dense matmul rates (TFLOP/s) MEASURED on the part, per compute dtype, where a
 # published measurement exists; planner/core/roofline.py prices matmuls with them (other types:
-# datasheet peak x roofline.DEFAULT_*_EFFICIENCY). Two sources, the first preferred:
-# 1. MAMF: Stas Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
-#    Achievable Matmul FLOPS comparison table" (BF16; mean of 100 iterations after 50 warmups of
-#    the best shape found: the clocks the part holds under matmul load, not its boost), github.com/
-#    stas00/ml-engineering at 744d01e: A100 SXM 271.2 of 312, H100 SXM 794.5 of 989 ("H200 is the
-#    same"), AMD MI300X 668.4 of 1300 (PYTORCH_TUNABLEOP_ENABLED=1). The A100 40GB here is the SXM
-#    part (400 W), so it takes the SXM row (same chip and clocks). fp16 inputs run the same MMA rate.
-# 2. zzc0721/torch-performance-test-data, database.md at 0785868: torch.mm of square matrices 1024 to
-#    10240, 30 iterations after 6 warmups, best size, contributed per device (physical machines and
-#    cloud instances, which the table marks "for reference"); the median of a type's rows:
-#    T4 fp16 41.91 (Colab), 42.71 (Kaggle); fp32 4.17, 4.43 | RTX 3090 fp16 75.64, 75.48 (physical),
-#    75.88; bf16 76.34, 76.58, 76.68; fp32 24.46, 24.79, 24.84 | RTX 4090 24GB fp16 165.08, 171.06
-#    (physical), 162.35, 167.80; bf16 170.06, 173.31, 162.39, 163.09; fp32 55.01, 54.77, 46.48, 54.67 |
-#    RTX A6000 fp16 120.49, bf16 123.34, fp32 23.92 | L40S fp16 264.02, bf16 269.15, fp32 46.88 |
-#    P40 fp16 10.02 (cuBLAS multiplies fp16 at the fp32 rate there, not the 1/64-rate fp16 units),
-#    fp32 10.07 | fp32 only (the half rates come from MAMF): A100 40GB 18.11, A100 SXM4 80GB 19.18,
-#    H100 80GB HBM3 52.11 (physical; the 403.74 of another row is TF32, not fp32), H200 51.34.
-#    The same table's half rates agree with MAMF within 3 % (A100 SXM4 bf16 264.53, H100 783.66 and
-#    789.24, H200 790.29).
+# datasheet peak x roofline.DEFAULT_*_EFFICIENCY). Sources (Stas Bekman's MAMF table, preferred, and
+# zzc0721/torch-performance-test-data, the median of a type's rows), with every row behind each
+# figure: docs/models/cost.md ("Sustained matmul rates").
 MEASURED_MATMUL_TFLOPS: dict[str, dict[str, float]] = {
     "A100-40GB": {"bf16": 271.2, "fp16": 271.2, "fp32": 18.11},
     "A100-80GB": {"bf16": 271.2, "fp16": 271.2, "fp32": 19.18},
