@@ -11,6 +11,7 @@ pipeline is chosen, on 4 nodes behind 100 Gbit/s pipelines are priced and data p
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from contracts.cluster import ClusterSpec
-from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan
 from executor.orchestrator import Orchestrator
 from executor.queue import JobQueue
@@ -27,7 +27,8 @@ from planner.entry import default_seq
 from testkit.wait import wait_until
 
 MODEL = "tinyllama-1.1b"
-PLAN_PAGE = f"{PROJECT_ROOT}/ui/plan.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the checkout under test
+PLAN_PAGE = str(ROOT / "ui" / "plan.py")
 TIMEOUT_S = 120
 
 
@@ -64,7 +65,7 @@ def through_cli(cluster: ClusterSpec, batch: int, tmp_path) -> Plan:
     path.write_text(json.dumps(cluster.to_dict()))
     proc = subprocess.run([sys.executable, "-m", "planner", "plan", "--cluster", str(path), "--model", MODEL,
                            "--global-batch", str(batch), "--json"],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=PROJECT_ROOT)
+                          capture_output=True, text=True, timeout=TIMEOUT_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return Plan.from_dict(json.loads(proc.stdout))
 
