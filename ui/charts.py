@@ -27,6 +27,7 @@ FRAME_PX = 150  # what a chart's height holds besides its plot: title, legend, x
 WRAP_LABEL_CHARS = 14  # a category label longer than this is written on several lines
 RAW_OPACITY = 0.45  # the raw points under a rolling median
 LABEL_HEADROOM = 1.15  # a linear axis with labels over its bars reaches this × the tallest bar
+LOG_LABEL_HEADROOM = 3.0  # on a log axis: room for a label over a value near the top power of ten
 BAR_HALF_WIDTH = 0.4  # a lone bar's half width in category units (Plotly's default gap of 0.2)
 NUMBER_FORMAT = ",.4~g"  # d3 format of a number in a hover box
 
@@ -80,13 +81,14 @@ def log_ticks(values: Iterable[float | None]) -> list[float]:
 
 def y_axis(title: str, values: Iterable[float | None] = (), *, log: bool = False, zero: bool = True,
            headroom: float = 1.0) -> dict[str, Any]:
-    """A y axis: linear from zero (with `headroom` × the largest value: room for labels over the
-    bars), or log labelled at powers of ten only."""
+    """A y axis: linear from zero, or log labelled at powers of ten only; either reaching `headroom`
+    × the largest value (room for labels over the bars)."""
     vals = [v for v in values if v is not None]
     axis: dict[str, Any] = {"title": {"text": title}, "automargin": True}
     if log:
         ticks = log_ticks(vals)
-        return {**axis, "type": "log", "range": [math.log10(ticks[0]), math.log10(ticks[-1])],
+        top = max(ticks[-1], headroom * max(vals, default=ticks[-1]))
+        return {**axis, "type": "log", "range": [math.log10(ticks[0]), math.log10(top)],
                 "tickmode": "array", "tickvals": ticks, "ticktext": [f"{t:g}" for t in ticks]}
     if headroom > 1.0 and vals and max(vals) > 0:
         return {**axis, "range": [min(0.0, min(vals)), headroom * max(vals)]}
@@ -120,7 +122,7 @@ def figure(data: list[dict[str, Any]], title: str | None, x_axis: dict[str, Any]
     lay: dict[str, Any] = {
         "height": height, "margin": {"l": 10, "r": 10, "t": 60 if title else 30, "b": 10},
         "xaxis": x_axis, "yaxis": y_axis_, "showlegend": legend, "hovermode": "closest", "dragmode": "zoom",
-        "legend": {"orientation": "h", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom"},
+        "legend": {"orientation": "h", "x": 0, "xanchor": "left", "y": 1.0, "yanchor": "bottom", "traceorder": "normal"},
         **layout,
     }
     if title:
@@ -138,7 +140,7 @@ def rules(values: dict[str, float | None], colors: dict[str, str]) -> list[dict[
             continue
         out.append({"type": "line", "xref": "x domain", "x0": 0, "x1": 1, "yref": "y", "y0": y, "y1": y,
                     "line": {"color": colors[name], "dash": "dash", "width": 2}, "name": name, "showlegend": True,
-                    "label": {"text": f"{name}: {y:,.4g}", "textposition": "end", "yanchor": "bottom",
+                    "label": {"text": f"{name}: {y:,.4g}", "textposition": "end", "yanchor": "top",
                               "font": {"size": 11, "color": colors[name]}}})
     return out
 
@@ -249,17 +251,20 @@ def bar_chart(
 
 
 def _band_markers(name: str, categories: Sequence[str], ys: Sequence[float | None], color: str, thickness: float,
-                  tip: str, labels: Sequence[str] | None = None) -> dict[str, Any]:
-    """A marker across each category's bar (a capacity): a point at the band's centre whose
-    horizontal error bar spans the bar's width (category units), hover on the point; labels over it."""
+                  tip: str, labels: Sequence[str] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A marker across each category's bar (a capacity): a line shape over the bar's width (a
+    category axis places category k at k, so the band is k ± BAR_HALF_WIDTH), and a point trace at
+    its centre for the hover box, the legend and the labels over it."""
     trace = {"type": "scatter", "name": name, "x": list(categories), "y": list(ys),
              "mode": "markers+text" if labels else "markers",
-             "marker": {"symbol": "line-ew-open", "size": 14, "color": color, "line": {"color": color, "width": thickness}},
-             "error_x": {"type": "constant", "value": BAR_HALF_WIDTH, "thickness": thickness, "width": 0, "color": color},
+             "marker": {"symbol": "line-ew-open", "size": 16, "color": color, "line": {"color": color, "width": thickness}},
              "hovertemplate": tip, "cliponaxis": False}
     if labels:
         trace.update(text=list(labels), textposition="top center", textfont={"size": 11, "color": color})
-    return trace
+    shapes = [{"type": "line", "xref": "x", "yref": "y", "x0": k - BAR_HALF_WIDTH, "x1": k + BAR_HALF_WIDTH,
+               "y0": y, "y1": y, "line": {"color": color, "width": thickness}}
+              for k, y in enumerate(ys) if y is not None]
+    return trace, shapes
 
 
 def capacity_chart(
@@ -292,11 +297,12 @@ def capacity_chart(
     if value_labels:
         bar.update(text=list(value_labels), textposition="outside", textangle=0, cliponaxis=False,
                    textfont={"size": 11, "color": LABEL_COLOR})
-    data = [bar, _band_markers(capacity_name, cats, caps, palette[capacity_name], 3, tip, capacity_labels)]
-    data += [_band_markers(name, cats, [_finite(v) for v in vs], palette[name], 1.5, tip) for name, vs in marks.items()]
+    markers = [_band_markers(capacity_name, cats, caps, palette[capacity_name], 3, tip, capacity_labels)]
+    markers += [_band_markers(name, cats, [_finite(v) for v in vs], palette[name], 1.5, tip) for name, vs in marks.items()]
     all_values = vals + caps + [_finite(v) for vs in marks.values() for v in vs]
-    y_ax = y_axis(y_title, all_values, log=log_y, headroom=1.0 if log_y else LABEL_HEADROOM)
-    return figure(data, title, category_axis(x_title, cats), y_ax, height=height)
+    y_ax = y_axis(y_title, all_values, log=log_y, headroom=LOG_LABEL_HEADROOM if log_y else LABEL_HEADROOM)
+    return figure([bar, *(t for t, _ in markers)], title, category_axis(x_title, cats), y_ax, height=height,
+                  shapes=[s for _, shapes in markers for s in shapes])
 
 
 # ---- Gantt chart -------------------------------------------------------------------------------------

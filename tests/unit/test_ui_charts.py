@@ -88,12 +88,14 @@ def test_capacity_chart_draws_the_bar_and_a_capacity_marker_with_decade_ticks_on
     bar, cap, mark = fig["data"]
     assert bar["type"] == "bar" and bar["y"] == [0.05, 90.0] and bar["text"] == ["51 MiB", "90 GiB"]
     assert cap["name"] == "capacity" and cap["y"] == [80.0, 80.0] and cap["text"] == ["80 GiB", "80 GiB"]
-    # the marker spans the bar's band: an error bar of the bar's half width, thicker for capacity
-    assert cap["error_x"]["value"] == charts.BAR_HALF_WIDTH and cap["error_x"]["thickness"] > mark["error_x"]["thickness"]
     assert cap["marker"]["color"] == charts.RULE_COLOR and mark["y"] == [72.0, 72.0]
+    # each marker a line across its bar's band (category k spans k ± the bar's half width), capacity thicker
+    lines = [(s["x0"], s["x1"], s["y0"], s["line"]["width"]) for s in fig["layout"]["shapes"]]
+    w = charts.BAR_HALF_WIDTH
+    assert lines == [(-w, w, 80.0, 3), (1 - w, 1 + w, 80.0, 3), (-w, w, 72.0, 1.5), (1 - w, 1 + w, 72.0, 1.5)]
     y = fig["layout"]["yaxis"]
     assert y["type"] == "log" and y["tickvals"] == [0.01, 0.1, 1.0, 10.0, 100.0]  # powers of ten only
-    assert y["range"] == pytest.approx([-2.0, 2.0])
+    assert y["range"][0] == pytest.approx(-2.0) and 10 ** y["range"][1] > 90.0 * 2  # room for "90 GiB" over its bar
 
 
 def test_gantt_chart_bars_from_start_to_end_in_the_row_order_given():
