@@ -18,6 +18,7 @@ from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Assignment, Plan
 from testkit.processes import processes_with_data_dir
+from testkit.wait import wait_until
 
 pytestmark = pytest.mark.skipif(cgroups.unavailable_reason() is not None,
                                 reason=f"cgroups unavailable: {cgroups.unavailable_reason()}")
@@ -106,16 +107,12 @@ def test_a_rank_over_its_memory_cgroup_is_killed_by_the_kernel_and_named(data_di
 
 def test_stopping_a_run_whose_launcher_was_killed_removes_its_cgroups(data_dir, tmp_path):
     import signal
-    import time
 
     from executor.launch import start_run, stop_run
 
     devs = [DeviceSpec("cpu", cpu_share=1.0), DeviceSpec("cpu", cpu_share=0.5)]
     h = start_run(plan_for(devs, [(2, 1, 0.5), (2, 1, 0.5)]), 100_000, str(tmp_path / "killed"), seed=1)
-    deadline = time.monotonic() + 120
-    while len(read_metrics(h.run_dir)["steps"]) < 1:
-        assert time.monotonic() < deadline, "the run never trained a step"
-        time.sleep(0.2)
+    wait_until(lambda: read_metrics(h.run_dir)["steps"], 120, "the run's first step")
     prefix = cgroups.run_prefix(run_id_of(h.run_dir))
     assert len(cgroups.find(prefix)) == 2  # one CPU cgroup per rank
     os.kill(h.pid, signal.SIGKILL)  # the launcher cannot clean up now

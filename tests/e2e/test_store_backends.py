@@ -304,7 +304,7 @@ def test_a_launched_run_records_into_postgresql_and_stops_through_it(postgres_se
     shared store, no run-folder database; stop goes through it."""
     from executor.launch import launch_run, start_run, stop_run
     from testkit.runs import two_cpu_plan
-    from tests.e2e.test_executor_run import _wait
+    from testkit.wait import wait_until
 
     monkeypatch.setenv(db.ENV_DB, postgres_server.create_database())
     init_store()
@@ -315,7 +315,7 @@ def test_a_launched_run_records_into_postgresql_and_stops_through_it(postgres_se
     assert not os.path.exists(tmp_path / "done" / "metrics.sqlite")
     h = start_run(two_cpu_plan(), 100_000, str(tmp_path / "long"), seed=0)
     try:
-        _wait(lambda: read_metrics(h.run_dir)["steps"], 150, "a step")
+        wait_until(lambda: read_metrics(h.run_dir)["steps"], 150, "a step")
     finally:
         assert stop_run(h.run_dir) == "stopped"
     assert {r["name"]: r["status"] for r in list_runs()} == {"done": "done", "long": "stopped"}
