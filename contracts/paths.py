@@ -23,7 +23,9 @@ def default_data_dir() -> str:
     """The data folder when GPUMIX_DATA_DIR is not set (see the module docstring)."""
     if SOURCE_CHECKOUT:
         return os.path.join(PROJECT_ROOT, "data")
-    xdg = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    if not os.path.isabs(xdg):  # unset, or relative: the XDG spec says to ignore it
+        xdg = os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(xdg, "gpumix")
 
 
