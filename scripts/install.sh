@@ -94,10 +94,13 @@ torch_spec() {
 
 # choose_torch: sets TORCH to cpu or cuda and says which and why, in one line.
 choose_torch() {
-  local why gpu
+  local why gpu=""
+  if [ "$TORCH" = auto ] && command -v nvidia-smi >/dev/null; then
+    gpu=$(grep -m1 '^GPU ' <<<"$(timeout 30 nvidia-smi -L 2>/dev/null || true)" || true)
+  fi
   if [ "$TORCH" != auto ]; then why="asked with --torch $TORCH"
   elif ! command -v nvidia-smi >/dev/null; then TORCH=cpu; why="no nvidia-smi on PATH"
-  elif gpu=$(timeout 30 nvidia-smi -L 2>/dev/null | grep -m1 '^GPU '); then TORCH=cuda; why="nvidia-smi lists a GPU: $gpu"
+  elif [ -n "$gpu" ]; then TORCH=cuda; why="nvidia-smi lists a GPU: $gpu"
   else TORCH=cpu; why="nvidia-smi lists no GPU"
   fi
   echo "install.sh: torch build: $TORCH ($why)"

@@ -131,9 +131,10 @@ def test_bad_argument_is_one_line_and_exit_2():
 
 
 def fake_nvidia_smi(folder, gpu_line: str | None) -> str:
-    """A folder holding an `nvidia-smi` that lists one GPU (gpu_line), or fails as without a driver."""
+    """A folder holding an `nvidia-smi` that lists GPUs (gpu_line, then seven more), or fails as without a driver."""
     os.makedirs(folder, exist_ok=True)
-    body = f"echo '{gpu_line}'" if gpu_line else "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9"
+    more = "".join(f"; echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'" for i in range(1, 8))
+    body = f"echo '{gpu_line}'{more}" if gpu_line else "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9"
     path = os.path.join(folder, "nvidia-smi")
     with open(path, "w") as f:
         f.write(f"#!/bin/sh\n[ \"$1\" = -L ] || exit 2\n{body}\n")
