@@ -284,10 +284,11 @@ def test_installed_gpumix_plans_from_outside_the_checkout(installed):
     assert plan["cluster"]["name"] == "lab" and sum(a["batch"] for a in plan["assignments"]) == 8, plan
     assert os.path.isfile(os.path.join(installed["work"], "plan.json"))
     # the code that ran is the installed copy, and its data went to XDG_DATA_HOME, not site-packages
-    where = subprocess.run([installed["py"], "-c", "import contracts.paths as p; print(p.__file__); print(p.data_dir())"],
+    where = subprocess.run([installed["py"], "-c", "import contracts.paths as p; print(p.__file__, p.data_dir(), p.EXAMPLES_DIR)"],
                            capture_output=True, text=True, timeout=60, cwd=installed["work"], env=clean_env(installed["base"]))
-    module, data = where.stdout.split()
+    module, data, examples = where.stdout.split()
     assert module.startswith(installed["site"]) and data == os.path.join(installed["base"], "xdg", "gpumix"), where.stdout
+    assert os.path.isfile(os.path.join(examples, "clusters", "lab.json")) and examples.startswith(installed["site"]), examples
     assert not os.path.exists(os.path.join(installed["site"], "data"))
 
 
