@@ -14,6 +14,7 @@ that sees this one's packages through a .pth file (offline, no torch download), 
 from __future__ import annotations
 
 import base64
+import glob
 import hashlib
 import json
 import os
@@ -305,7 +306,18 @@ def test_installed_launch_finds_its_modules_in_the_workers(installed):
     assert metrics.returncode == 0, metrics.stderr
     summary = json.loads(metrics.stdout)
     assert summary["status"] == "done" and summary["world_size"] == 2, summary
-    assert not os.path.exists(os.path.join(installed["site"], "data"))
+    assert written_into_site_packages(installed["site"]) == []
+
+
+def written_into_site_packages(site: str) -> list[str]:
+    """Files in site-packages that no installed distribution's RECORD lists (bytecode and the test's .pth aside)."""
+    recorded = set()
+    for record in glob.glob(os.path.join(site, "*.dist-info", "RECORD")):
+        with open(record) as f:
+            recorded.update(os.path.normpath(line.rsplit(",", 2)[0]) for line in f if line.strip())
+    return sorted(rel for folder, dirs, files in os.walk(site) if "__pycache__" not in folder
+                  for rel in (os.path.relpath(os.path.join(folder, name), site) for name in files)
+                  if rel not in recorded and rel != "gpumix_test_deps.pth")
 
 
 def test_installed_tool_forms_agree(installed):
