@@ -12,7 +12,7 @@ from planner.geo.evaluate import run_prefill
 from planner.geo.scenario import GeoScenario, InferenceWorkload
 from planner.geo.pipeline_sim import Channel, PipelineJob, Stage, simulate_pipeline
 from contracts.specs import get_model
-from tests.e2e.test_geo import small_dict
+from tests.unit.test_geo import small_dict
 
 GPT2 = get_model("gpt2")
 WAN = Channel("wan", 0.03, 1.0, 1.0, "temporal")

@@ -1,8 +1,7 @@
-"""planner/core/memory.py: ZeRO and shard-fraction arithmetic by hand, affinity, bad input, no torch."""
+"""planner/core/memory.py: ZeRO and shard-fraction arithmetic by hand, affinity, bad input (the CLI and the
+torch-free import: tests/e2e/test_memory_cli.py)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -167,21 +166,3 @@ def test_state_only_gpu():
     assert b.activations_bytes == 0 and b.peak_bytes > b.params_bytes + b.grads_bytes
 
 
-def test_planner_memory_imports_no_torch():
-    code = "import sys, planner.core.memory, planner.core.memory_command; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_cli_json_and_bad_input():
-    import json
-
-    out = subprocess.run([sys.executable, "-m", "planner", "memory", "--model", "tiny", "--dp", "4", "--json"],
-                         capture_output=True, text=True, check=True).stdout
-    d = json.loads(out)
-    assert d["optimizer_bytes"] == 8 * S4 and d["measured"] is False
-    for args in (["--model", "nope"], ["--model", "tiny", "--shard-fraction", "1.5"],
-                 ["--model", "tiny", "--tp", "3"], ["--model", "tiny", "--micro-batch", "x"],
-                 ["--model", "tiny", "--seq", "4096"]):
-        r = subprocess.run([sys.executable, "-m", "planner", "memory", *args], capture_output=True, text=True)
-        assert r.returncode == 2, (args, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
