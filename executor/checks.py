@@ -109,7 +109,8 @@ def check_run(plan: Plan, config: RunConfig) -> RunConfig:
     config with its paths absolute (the launcher's and the ranks' working folders differ)."""
     if not plan.used:
         raise ValueError("plan uses no device")
-    return replace(config, run_dir=os.path.abspath(config.run_dir), init_from=check_init_from(plan, config.init_from))
+    run_dir = None if config.run_dir is None else os.path.abspath(config.run_dir)
+    return replace(config, run_dir=run_dir, init_from=check_init_from(plan, config.init_from))
 
 
 def check_local(plan: Plan, config: RunConfig) -> None:

@@ -64,3 +64,47 @@ def test_a_bad_run_json_names_the_file_and_the_field(tmp_path):
 def test_save_needs_a_folder():
     with pytest.raises(ValueError, match="run_dir: no run folder"):
         RunConfig(steps=1).save()
+
+
+def test_the_launcher_command_reproduces_the_config(tmp_path):
+    """start_run hands the config to its launcher as `executor launch` flags: they parse back to it."""
+    import argparse
+
+    from executor.commands import launch as cli
+    from executor.rank_commands import launcher_command
+    from models.optim import OptimConfig
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=3, decay_steps=80, max_grad_norm=None, min_lr_ratio=0.2).to_dict()
+    for config in (RunConfig(steps=50, run_dir=str(tmp_path), seed=4, resume=True, checkpoint_every=5,
+                             corpus_dir="/c", tokenizer="/t/tokenizer.json", init_from="/hf", optim=optim,
+                             emulate_wan=True),
+                   RunConfig(steps=1, run_dir=str(tmp_path))):
+        cmd = launcher_command("/p/plan.json", config)
+        assert cmd[1:4] == ["-m", "executor", "launch"]
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        args = parser.parse_args(cmd[4:])
+        assert args.plan == "/p/plan.json" and args.backend == "local"
+        assert cli.run_config_of(args) == config
+
+
+def test_the_backends_check_the_plan_with_the_config(tmp_path, monkeypatch):
+    """Paths come back absolute, a config without a folder keeps none (start picks one), and each
+    backend refuses what it cannot run, before anything is written."""
+    from executor.local import LocalBackend
+    from executor.slurm import SlurmBackend
+    from testkit.runs import two_cpu_plan
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    plan = two_cpu_plan()
+    assert LocalBackend().check(plan, RunConfig(steps=2, run_dir="r")).run_dir == os.path.join(str(work), "r")
+    assert LocalBackend().check(plan, RunConfig(steps=2)).run_dir is None
+    with pytest.raises(ValueError, match="no config.json in that folder"):
+        LocalBackend().check(plan, RunConfig(steps=2, init_from="nowhere"))
+    with pytest.raises(ValueError, match="sit on one node"):
+        LocalBackend().check(plan, RunConfig(steps=2, emulate_wan=True))
+    with pytest.raises(ValueError, match="--prefill runs with --backend local"):
+        SlurmBackend().check(plan, RunConfig(steps=2, prefill={}))
+    assert os.listdir(work) == []
