@@ -68,15 +68,6 @@ def test_a_third_of_a_core_is_two_to_five_times_slower_than_a_whole_one(tmp_path
     assert not os.path.exists(third.cpu_dir) and not os.path.exists(one.cpu_dir)
 
 
-def test_cpu_share_asks_for_physical_emulation_memory_alone_stays_checked():
-    from executor.launch import emulation_limits
-
-    devs = [DeviceSpec("cpu", memory_gb=1.0), DeviceSpec("cpu", cpu_share=0.5, memory_gb=1.0), DeviceSpec("cpu"),
-            DeviceSpec("cpu", cpu_share=1.0)]
-    assert emulation_limits(plan_for(devs, [(1, 1, 0.25)] * 4)) == {
-        1: cgroups.Limits(0.5, 2**30), 3: cgroups.Limits(1.0, None)}
-
-
 def test_a_run_under_cgroups_records_it_and_leaves_none_behind(tmp_path):
     run = str(tmp_path / "ok")
     devs = [DeviceSpec("cpu", cpu_share=1.0), DeviceSpec("cpu", cpu_share=0.5, memory_gb=1.0)]
@@ -159,14 +150,6 @@ def test_a_profile_that_does_not_fit_its_memory_is_refused_by_name():
     with pytest.raises(ValueError, match="OOM killer"):
         profile_local("tiny", SEQ, micro_batches=(1, 2, 3, 64), repeats=1, warmup=0, memory_gb=0.0001, save=False)
     assert cgroups.find(f"{cgroups.PREFIX}profile-") == []
-
-
-def test_no_cgroups_no_emulated_profile(monkeypatch):
-    from profiler.step_profile import profile_local
-
-    monkeypatch.setattr(cgroups, "unavailable_reason", lambda: "not root (cgroup v1 limits need root)")
-    with pytest.raises(ValueError, match="not root .* measured, not derived"):
-        profile_local("tiny", SEQ, micro_batches=(1, 2, 3, 4), cpu_share=0.5, save=False)
 
 
 def test_collectives_between_quota_devices_run_each_rank_in_its_cgroups_and_are_stored_for_the_plan(data_dir):
