@@ -5,8 +5,9 @@ torchrun for one machine (`local_torchrun_command`) or for one node of several
 (`node_torchrun_command`: c10d rendezvous on the first node), the shell line per node of a
 multi-node plan (`node_command_lines`), the `python -m executor launch` command that start_run
 puts in a new session (`launcher_command`) and the environment of the ranks (`rank_env`).
-Nothing here starts a process; executor/local.py and executor/slurm.py do.
-Every node needs this repository, the plan file and the corpus folder at the same paths.
+Nothing here starts a process; executor/local.py and executor/slurm.py do. On several nodes each
+worker finds its plan device from GPUMIX_NODE and LOCAL_RANK (the rendezvous' rank order does not
+matter); every node needs this repository, the plan file and the corpus folder at the same paths.
 """
 from __future__ import annotations
 
