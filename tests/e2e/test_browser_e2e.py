@@ -92,15 +92,18 @@ def wait_steps_at_least(page: Page, n: int, timeout_s: float) -> int:
 
 
 LOSS_POINTS_JS = """() => {
-  // the live loss chart is Vega-Lite drawn as SVG: one path per line, a point per M/L command
-  const e = document.querySelector('.st-key-launch_loss_chart .vega-embed svg .mark-line path');
-  const d = e && e.getAttribute('d');
-  return d ? (d.match(/[ML]/g) || []).length : -1;
+  // the live loss chart is Plotly's SVG: its first trace draws a marker per step (up to a few
+  // hundred), and its line a vertex per step (an M/L command)
+  const t = document.querySelector('.st-key-launch_loss_chart .main-svg .scatterlayer .trace');
+  if (!t) return -1;
+  const line = t.querySelector('path.js-line');
+  const d = line && line.getAttribute('d');
+  return Math.max(t.querySelectorAll('.points path').length, d ? (d.match(/[ML]/g) || []).length : 0);
 }"""
 
 
 def wait_loss_chart_points(page: Page, n: int, timeout_s: float) -> int:
-    """Until the live loss chart (Vega-Lite, key launch_loss_chart) holds at least n steps."""
+    """Until the live loss chart (Plotly, key launch_loss_chart) holds at least n steps."""
     page.wait_for_function(f"() => ({LOSS_POINTS_JS})() >= {n}", timeout=timeout_s * 1000, polling=200)
     return page.evaluate(LOSS_POINTS_JS)
 

@@ -116,6 +116,17 @@ def test_gantt_chart_bars_from_start_to_end_in_the_row_order_given():
     assert lay["height"] == charts.GANTT_MIN_PX
 
 
+def test_margins_hold_the_labels_so_plotly_draws_once():
+    """A margin wide enough for the row labels (Gantt) and the wrapped category labels (bars): Plotly's
+    automargin has nothing to push, which would draw the chart a second time."""
+    short = charts.gantt_chart([{"row": "d0", "start": 0, "end": 1, "color": "a"}], "time (h)", "device")
+    long = charts.gantt_chart([{"row": "p0 s0 · eu-west A100-80GB", "start": 0, "end": 1, "color": "a"}], "time (h)", "device")
+    assert long["layout"]["margin"]["l"] >= charts.CHAR_PX * len("p0 s0 · eu-west A100-80GB") > short["layout"]["margin"]["l"]
+    one = charts.bar_chart(["even"], {"a": [1.0]}, "plan", "samples/s")
+    three = charts.bar_chart(["pp single connection"], {"a": [1.0]}, "plan", "samples/s")
+    assert three["layout"]["margin"]["b"] == one["layout"]["margin"]["b"] + 2 * charts.LINE_PX
+
+
 def test_gantt_without_legend_is_one_trace_coloured_per_bar():
     rows = [{"row": str(i % 3), "start": i, "end": i + 1, "color": f"job {i}"} for i in range(30)]
     fig = _valid(charts.gantt_chart(rows, "time (h)", "device", legend=False, color_title="job"))
