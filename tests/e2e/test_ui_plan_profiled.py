@@ -1,0 +1,44 @@
+"""The Plan page's one-click profile, which measures in worker processes: this machine profiled and
+planned again on measured figures, and an emulated mixed cluster profiled under its cgroups and
+split unevenly (the rest of the page: tests/unit/test_ui_plan.py)."""
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from tests.unit.test_ui_plan import PAGE, _page, settle
+
+
+@pytest.mark.slow
+def test_one_click_profiles_this_machine_and_plans_again_on_measured_figures():
+    from planner.core.profiles import get_step_profile
+    from contracts.specs import PRESETS
+
+    at = _page()
+    assert not get_step_profile("cpu", PRESETS["tiny"], 128, "fp32").measured
+    settle(at.button(key="plan_profile_now").click().run())
+    assert not at.exception and not at.error
+    assert get_step_profile("cpu", PRESETS["tiny"], 128, "fp32").measured  # kept in the profile store
+    assert not any("Estimated" in w.value for w in at.warning)
+    assert not [b for b in at.button if b.key == "plan_profile_now"]
+    plan = at.session_state["plan"]
+    assert not any("estimated" in n for n in plan.notes)  # re-planned on the measured profile
+
+
+@pytest.mark.slow
+def test_emulated_mixed_cluster_is_profiled_under_its_cgroups_and_split_unevenly():
+    from profiler import cgroups
+
+    if cgroups.unavailable_reason() is not None:
+        pytest.skip(f"no cgroups here: {cgroups.unavailable_reason()}")
+    from contracts.cluster import ClusterSpec
+
+    mixed = ClusterSpec.from_dict({"name": "emulated-mixed", "nodes": [{"name": "localhost", "datacenter": "local", "gpus": [
+        {"type": "cpu", "cpu_share": 1.0}, {"type": "cpu", "cpu_share": 0.333, "memory_gb": 2.0}]}]})
+    at = AppTest.from_file(PAGE, default_timeout=300)
+    at.session_state["cluster"] = mixed
+    settle(at.run())
+    assert any("cpu@share0.333" in w.value and "Estimated" in w.value for w in at.warning)
+    settle(at.button(key="plan_profile_now").click().run())
+    assert not at.exception and not at.error
+    assert not any("Estimated" in w.value for w in at.warning)  # both kinds measured under their quotas
+    fast, slow = at.session_state["plan"].assignments
+    assert fast.batch > slow.batch  # the third of a core gets less of the batch, from measured figures
