@@ -1,25 +1,20 @@
 """Dashboard latency, measured in real headless Chromium against the real app.
 
-1. Time to first render of each page, two ways: a new tab opening the page's URL (a new
-   Streamlit session: the browser parses Streamlit's JS again, from its HTTP cache like any
-   browser a user already opened the dashboard in: every new tab is a page of ONE browser
-   context that loaded the app once, uncounted, before the rounds) and a click on the page's
-   sidebar link in an open tab (how a user moves around). Each until the title is on screen and until
-   everything has drawn: the script run over, no loading skeleton left
-   (tests/conftest.RENDERED_JS) and every chart drawn (PAGE_DRAWN_JS: a Vega-Lite chart's
-   SVG/canvas, a Plotly chart's SVG). The very first load (a fresh browser profile: empty cache) is reported apart. A
-   one-line Streamlit app is loaded the same way in the same rounds, interleaved with the
-   pages (its own server, running beside the dashboard's): the floor that Streamlit and this
-   machine's load set, printed beside each page with the page minus the floor.
-2. Metric row -> browser: a running run (fabricated: plan.json + metrics.sqlite written
-   through executor.store.MetricsStore, "launched" by this process so the store calls it
-   running) is open on Launch & monitor; we write one step row and time until the page
-   shows the new "Steps recorded: N". Median over `--rows` rows, written at random
-   phases of the page's refresh period. Then, with rows arriving every 0.25 s, the share
-   of samples in which the live loss chart is on screen without its curve.
+1. Every page opened in a new browser tab (a new Streamlit session), timed until its title is on
+   screen and until everything has drawn: the script run over, no loading skeleton left and every
+   Plotly chart's SVG in place (PAGE_DRAWN_JS). Two ways, interleaved in each round:
+   WARM, a new tab of a browser the user already has open (one browser context whose earlier tab
+   opened every page: Streamlit's hashed JavaScript, Plotly's chunk included, is in its cache), and
+   COLD, a fresh browser profile (a new context: empty cache). A one-line Streamlit app is loaded the
+   same two ways in the same rounds (its own server, beside the dashboard's): the floor that
+   Streamlit and this machine's load set. Targets: warm <= 2 s; cold <= 1.0 s above the cold floor.
+   Also: a click on each page's sidebar link in an open tab (how a user moves around).
+2. Metric row -> browser: a running run (fabricated through executor.store.MetricsStore, "launched"
+   by this process) is open on Launch & monitor; we write one step row and time until the page
+   shows the new "Steps recorded: N" (target <= 2 s). Then, with rows arriving every 0.25 s, the
+   share of samples in which the live loss chart is on screen without its curve.
 
-Targets: every page opened in a new tab all drawn <= 2 s (issue 16); a metric row on screen <= 2 s
-(issue 6). Run: python bench/dashboard_latency.py [--loads 3 --rows 8 --json]
+Run: python bench/dashboard_latency.py [--rounds 3 --rows 8 --json]
 """
 from __future__ import annotations
 
@@ -33,45 +28,36 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from executor.store import MetricsStore  # noqa: E402
 from contracts.paths import ENV_DATA_DIR  # noqa: E402
-from tests.conftest import RENDERED_JS, fabricate_run, launch_browser, streamlit_server, write_step  # noqa: E402
+from executor.store import MetricsStore  # noqa: E402
+from testkit.dashboard import RENDERED_JS, launch_browser, streamlit_server  # noqa: E402
+from testkit.runs import fabricate_run, write_step  # noqa: E402
 
-TARGET_S = 2.0
-FLOOR_WARN_SHARE = 0.8  # a floor above this share of the target is said aloud: the machine is loaded
+WARM_TARGET_S = 2.0  # a new tab of a warm browser, everything drawn
+COLD_OVER_FLOOR_S = 1.0  # a fresh profile, everything drawn, above the one-line app's cold load
+ROW_TARGET_S = 2.0  # a metric row written -> on screen
+FLOOR_WARN_SHARE = 0.8  # a warm floor above this share of the target is said aloud: the machine is loaded
 PAGES = {"Inventory": "inventory", "Model & memory": "memory", "Plan": "plan", "Launch & monitor": "launch",
          "Runs": "runs", "Scheduler": "scheduler", "Geo": "geo"}
-FIRST_STEPS = 3  # rows the fabricated run has when the page opens
+FIRST_STEPS = 3  # rows the fabricated running run has when the pages open
 PAGE_TIMEOUT_MS = 60_000
-
-
 VIEWPORT = {"width": 1400, "height": 1000}
+CHARTS_JS = "() => document.querySelectorAll('[data-testid=\"stPlotlyChart\"]').length"
+# the page idle with every Plotly chart's SVG in place (said here too: the bench times charts drawn,
+# whatever the tests' helper waits for)
+PAGE_DRAWN_JS = """() => (%s)()
+  && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => !!c.querySelector('.main-svg'))""" % RENDERED_JS
 
 
-def _new_page(target):
-    """A new tab: of a BrowserContext (its HTTP cache shared with the context's other tabs), or of a
-    Browser (`Browser.new_page` makes a fresh context: a first visit, empty cache)."""
-    return target.new_page(viewport=VIEWPORT) if hasattr(target, "contexts") else target.new_page()
-
-
-# every chart on the page drawn, not only placed: a Vega-Lite chart has its SVG (or canvas), a
-# Plotly chart (a page not moved to ui/charts.py yet) its main SVG
-PAGE_DRAWN_JS = """() => {
-  const charts = [...document.querySelectorAll('[data-testid="stVegaLiteChart"], [data-testid="stPlotlyChart"]')];
-  return (%s)() && charts.every(c => !!c.querySelector('svg.marks, canvas.marks, .main-svg'));
-}""" % RENDERED_JS
-
-
-def time_page_load(browser, url: str) -> tuple[float, float, str]:
-    """A new browser tab (a new Streamlit session) opens `url`: (seconds to the page title,
-    seconds until everything has drawn, the title). `browser`: a Browser (a fresh profile) or a
-    BrowserContext (a tab of a browser already in use)."""
-    page = _new_page(browser)
+def time_page_load(context: Any, url: str) -> dict[str, Any]:
+    """A new tab of `context` opens `url`: seconds to the page title and until everything has
+    drawn, the title, and how many charts it drew."""
+    page = context.new_page()
     try:
         t0 = time.perf_counter()
         page.goto(url, wait_until="commit")
@@ -79,16 +65,39 @@ def time_page_load(browser, url: str) -> tuple[float, float, str]:
         h1.wait_for(timeout=PAGE_TIMEOUT_MS)
         t_title = time.perf_counter() - t0
         page.wait_for_function(PAGE_DRAWN_JS, timeout=PAGE_TIMEOUT_MS, polling="raf")
-        return t_title, time.perf_counter() - t0, h1.inner_text()
+        return {"title_s": t_title, "drawn_s": time.perf_counter() - t0, "title": h1.inner_text(),
+                "charts": page.evaluate(CHARTS_JS)}
     finally:
         page.close()
 
 
-def time_navigation(browser, url: str, titles: dict[str, str], rounds: int) -> dict[str, list[tuple[float, float]]]:
+def time_cold_load(browser: Any, url: str) -> dict[str, Any]:
+    """`url` in a fresh browser profile (a new context: empty HTTP and code caches)."""
+    context = browser.new_context(viewport=VIEWPORT)
+    try:
+        return time_page_load(context, url)
+    finally:
+        context.close()
+
+
+def time_new_tabs(browser: Any, warm: Any, url: str, ref_url: str, rounds: int) -> dict[str, dict[str, list]]:
+    """`rounds` rounds, each: the one-line app then every page, each warm (a tab of `warm`) and
+    cold (a fresh profile), interleaved so that both see the same machine load. Samples per name
+    ("floor" for the one-line app) and way."""
+    names = {"floor": ref_url, **{title: f"{url}/{path}" for title, path in PAGES.items()}}
+    out: dict[str, dict[str, list]] = {name: {"warm": [], "cold": []} for name in names}
+    for _ in range(rounds):
+        for name, target in names.items():
+            out[name]["warm"].append(time_page_load(warm, target))
+            out[name]["cold"].append(time_cold_load(browser, target))
+    return out
+
+
+def time_navigation(context: Any, url: str, titles: dict[str, str], rounds: int) -> dict[str, list[float]]:
     """In one tab, as a user moves around: click each sidebar link in turn, `rounds` times;
-    per page (seconds to its title, seconds until everything has drawn)."""
-    out: dict[str, list[tuple[float, float]]] = {t: [] for t in PAGES}
-    page = _new_page(browser)
+    per page the seconds until everything has drawn."""
+    out: dict[str, list[float]] = {t: [] for t in PAGES}
+    page = context.new_page()
     try:
         page.goto(url)
         page.wait_for_function(PAGE_DRAWN_JS, timeout=PAGE_TIMEOUT_MS, polling="raf")
@@ -99,9 +108,8 @@ def time_navigation(browser, url: str, titles: dict[str, str], rounds: int) -> d
                 t0 = time.perf_counter()
                 nav.get_by_role("link", name=title, exact=True).click()
                 page.locator('[data-testid="stMain"] h1', has_text=titles[title]).first.wait_for(timeout=PAGE_TIMEOUT_MS)
-                t_title = time.perf_counter() - t0
                 page.wait_for_function(PAGE_DRAWN_JS, timeout=PAGE_TIMEOUT_MS, polling="raf")
-                out[title].append((t_title, time.perf_counter() - t0))
+                out[title].append(time.perf_counter() - t0)
     finally:
         page.close()
     return out
@@ -119,29 +127,18 @@ def reference_app() -> Iterator[str]:
             yield url
 
 
-def time_new_tabs(browser, url: str, ref_url: str, loads: int) -> tuple[dict[str, list], list]:
-    """`loads` rounds, each a new-tab load of the one-line app then of every page: per page its
-    samples, and the one-line app's (interleaved, so both see the same machine load)."""
-    pages: dict[str, list] = {t: [] for t in PAGES}
-    floor = []
-    for _ in range(loads):
-        floor.append(time_page_load(browser, ref_url))
-        for title, path in PAGES.items():
-            pages[title].append(time_page_load(browser, f"{url}/{path}"))
-    return pages, floor
-
-
-# the live loss chart (Vega-Lite, drawn as SVG) with its curve: a line path that has points
+# the live loss chart (Plotly's SVG) with its curve: the first trace's line has a second vertex
 LOSS_CHART_DRAWN_JS = """() => {
-  const e = document.querySelector('.st-key-launch_loss_chart .vega-embed svg .mark-line path');
+  const e = document.querySelector('.st-key-launch_loss_chart .main-svg .scatterlayer .trace path.js-line');
   return !!e && /L/.test(e.getAttribute('d') || '');
 }"""
 
 
-def live_chart_blank_share(browser, url: str, store: MetricsStore, first_step: int, seconds: float) -> dict:
+def live_chart_blank_share(context: Any, url: str, store: MetricsStore, first_step: int, seconds: float) -> dict:
     """While rows arrive (one every 0.25 s, a fast run), how often the live loss chart of
     Launch & monitor is on screen without its curve (re-drawn after each refresh)."""
-    page = browser.new_page(viewport={"width": 1400, "height": 2200})  # every chart in view
+    page = context.new_page()
+    page.set_viewport_size({"width": 1400, "height": 2200})  # every chart in view
     samples = []
     try:
         page.goto(f"{url}/launch")
@@ -158,9 +155,9 @@ def live_chart_blank_share(browser, url: str, store: MetricsStore, first_step: i
     return {"blank_share": 1.0 - sum(samples) / len(samples), "samples": len(samples), "rows_written": step - first_step}
 
 
-def time_rows(browser, url: str, store: MetricsStore, first_step: int, rows: int) -> list[float]:
+def time_rows(context: Any, url: str, store: MetricsStore, first_step: int, rows: int) -> list[float]:
     """Seconds from a committed step row to its count on the Launch & monitor page."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
     delays = []
     try:
         page.goto(f"{url}/launch")
@@ -178,9 +175,70 @@ def time_rows(browser, url: str, store: MetricsStore, first_step: int, rows: int
     return delays
 
 
+def queue_finished_jobs() -> None:
+    """Two jobs that ran on this machine, in the dashboard's queue: the Scheduler page opens with
+    its measured Gantt (a chart to draw), as after a user's first scheduler passes."""
+    from executor.queue import JobQueue
+
+    queue = JobQueue()
+    for devices in ((0,), (1,)):
+        job = queue.submit("tiny", 8, 20)
+        queue.mark_running(job, devices, [f"cpu {d}" for d in devices], "", None, 1.0)
+        queue.finish(job, "done")
+
+
+def summarize(samples: dict[str, dict[str, list]], nav: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians per page, warm and cold, against their targets."""
+    def med(rows: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    floor = samples["floor"]
+    floor_cold = med(floor["cold"], "drawn_s")
+    out: dict[str, Any] = {"floor": {"warm_s": med(floor["warm"], "drawn_s"), "cold_s": floor_cold}, "pages": {}}
+    for title in PAGES:
+        warm, cold = samples[title]["warm"], samples[title]["cold"]
+        warm_s, cold_s = med(warm, "drawn_s"), med(cold, "drawn_s")
+        out["pages"][title] = {
+            "charts": max(r["charts"] for r in warm + cold),
+            "warm_title_s": med(warm, "title_s"), "warm_s": warm_s, "warm_pass": warm_s <= WARM_TARGET_S,
+            "cold_title_s": med(cold, "title_s"), "cold_s": cold_s, "cold_minus_floor_s": cold_s - floor_cold,
+            "cold_pass": cold_s - floor_cold <= COLD_OVER_FLOOR_S,
+            "nav_s": statistics.median(nav[title]),
+            "warm_samples_s": [r["drawn_s"] for r in warm], "cold_samples_s": [r["drawn_s"] for r in cold],
+        }
+    return out
+
+
+def print_report(result: dict[str, Any]) -> None:
+    f, pages = result["floor"], result["pages"]
+    print(f"Dashboard latency in headless Chromium: medians of {result['rounds']} rounds, a new tab per load, "
+          f"everything drawn (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print(f"  one-line Streamlit app (the floor), same rounds: warm {f['warm_s']:.2f} s, cold {f['cold_s']:.2f} s")
+    head = (f"  {'page':<17} {'charts':>6} | {'warm tab':>8} {'<= ' + format(WARM_TARGET_S, 'g') + ' s':>7} | "
+            f"{'cold tab':>8} {'floor':>6} {'- floor':>8} {'<= +' + format(COLD_OVER_FLOOR_S, 'g') + ' s':>8} | "
+            f"{'sidebar click':>13}")
+    print(head)
+    for title, r in pages.items():
+        print(f"  {title:<17} {r['charts']:>6} | {r['warm_s']:>7.2f}s {'PASS' if r['warm_pass'] else 'FAIL':>7} | "
+              f"{r['cold_s']:>7.2f}s {f['cold_s']:>5.2f}s {r['cold_minus_floor_s']:>+7.2f}s "
+              f"{'PASS' if r['cold_pass'] else 'FAIL':>8} | {r['nav_s']:>12.2f}s")
+    failed = [t for t, r in pages.items() if not (r["warm_pass"] and r["cold_pass"])]
+    print(f"  new-tab targets: {'every page PASS' if not failed else 'FAIL: ' + ', '.join(failed)}")
+    if f["warm_s"] > FLOOR_WARN_SHARE * WARM_TARGET_S:
+        print(f"  note: the one-line app alone took {f['warm_s']:.2f} s warm in these rounds (Streamlit and this "
+              f"machine's load): the warm target leaves a page {WARM_TARGET_S - f['warm_s']:+.2f} s above that floor")
+    d = result["row_to_browser_s"]
+    print(f"Metric row written to SQLite -> visible on Launch & monitor: median {d['median']:.2f} s, "
+          f"max {d['max']:.2f} s over {len(d['samples'])} rows  {'PASS' if d['median'] <= ROW_TARGET_S else 'FAIL'}")
+    c = result["live_loss_chart"]
+    print(f"Live loss chart drawn without its curve (a row every 0.25 s, sampled every ~50 ms): "
+          f"{100 * c['blank_share']:.0f} % of {c['samples']} samples")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--loads", type=int, default=3, help="warm loads per page (median)")
+    p.add_argument("--rounds", "--loads", type=int, default=3, dest="rounds",
+                   help="rounds of new-tab loads, each page warm and cold (medians)")
     p.add_argument("--rows", type=int, default=8, help="metric rows timed (median)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -191,73 +249,32 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[ENV_DATA_DIR] = data_dir
     # running: its "launcher" is this process; we keep writing rows into it
     run_dir = fabricate_run("bench-live", FIRST_STEPS, None, root=os.path.join(data_dir, "runs"))
+    fabricate_run("bench-done", 30, "done", root=os.path.join(data_dir, "runs"))  # Runs compares two
+    queue_finished_jobs()
     store = MetricsStore(run_dir)
-    result: dict = {"target_s": TARGET_S, "loads": args.loads, "rows": args.rows, "pages": {}}
     try:
         with streamlit_server(data_dir) as url, reference_app() as ref_url, sync_playwright() as pw:
             browser = launch_browser(pw)
             try:
-                cold = time_page_load(browser, f"{url}/{PAGES['Inventory']}")
-                result["cold_first_load"] = {"page": "Inventory", "title_s": cold[0], "complete_s": cold[1]}
-                tabs_context = browser.new_context(viewport=VIEWPORT)  # the user's browser
-                time_page_load(tabs_context, f"{url}/{PAGES['Inventory']}")  # its first visit: not counted
-                time_page_load(tabs_context, ref_url)  # the one-line app's too (another origin, its own cache)
-                tabs, floor = time_new_tabs(tabs_context, url, ref_url, args.loads)
-                ref_complete = statistics.median(s[1] for s in floor)
-                result["reference_one_line_app"] = {"tab_title_s": statistics.median(s[0] for s in floor),
-                                                    "tab_complete_s": ref_complete}
-                titles = {}
-                for title, samples in tabs.items():
-                    titles[title] = samples[-1][2]
-                    complete = statistics.median(s[1] for s in samples)
-                    result["pages"][title] = {
-                        "tab_title_s": statistics.median(s[0] for s in samples),
-                        "tab_complete_s": complete,
-                        "tab_complete_minus_floor_s": complete - ref_complete,
-                        "target_met": complete <= TARGET_S,
-                    }
-                for title, samples in time_navigation(browser, url, titles, args.loads).items():
-                    result["pages"][title]["nav_title_s"] = statistics.median(s[0] for s in samples)
-                    result["pages"][title]["nav_complete_s"] = statistics.median(s[1] for s in samples)
-                delays = time_rows(browser, url, store, first_step=FIRST_STEPS, rows=args.rows)
-                result["row_to_browser_s"] = {"median": statistics.median(delays), "max": max(delays),
-                                              "samples": delays}
-                result["live_loss_chart"] = live_chart_blank_share(browser, url, store, FIRST_STEPS + args.rows,
-                                                                   seconds=8.0)
+                warm = browser.new_context(viewport=VIEWPORT)  # the user's browser
+                first = {t: time_page_load(warm, f"{url}/{path}") for t, path in PAGES.items()}  # uncounted
+                time_page_load(warm, ref_url)  # the one-line app's first visit too (its own origin and cache)
+                samples = time_new_tabs(browser, warm, url, ref_url, args.rounds)
+                nav = time_navigation(warm, url, {t: r["title"] for t, r in first.items()}, args.rounds)
+                result = {"rounds": args.rounds, "warm_target_s": WARM_TARGET_S,
+                          "cold_over_floor_target_s": COLD_OVER_FLOOR_S, **summarize(samples, nav)}
+                delays = time_rows(warm, url, store, first_step=FIRST_STEPS, rows=args.rows)
+                result["row_to_browser_s"] = {"median": statistics.median(delays), "max": max(delays), "samples": delays}
+                result["live_loss_chart"] = live_chart_blank_share(warm, url, store, FIRST_STEPS + args.rows, seconds=8.0)
             finally:
                 browser.close()
     finally:
         store.finish("stopped", "benchmark finished")
         store.close()
-
     if args.json:
         print(json.dumps(result))
-        return 0
-    ref = result["reference_one_line_app"]
-    print(f"Dashboard latency in headless Chromium (medians of {args.loads}; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    c = result["cold_first_load"]
-    print(f"  first load of the app ever (Inventory, a fresh browser profile): title {c['title_s']:.2f} s, all drawn {c['complete_s']:.2f} s")
-    print(f"  floor: a one-line Streamlit app in a new tab, in the same rounds: title {ref['tab_title_s']:.2f} s, "
-          f"all drawn {ref['tab_complete_s']:.2f} s")
-    print(f"  {'page':<18} {'new tab: title':>15} {'all drawn':>10} {'floor':>6} {'− floor':>8}  "
-          f"target (new tab all drawn <= {TARGET_S:g} s)  {'sidebar click: title':>21} {'all drawn':>10}")
-    for title, r in result["pages"].items():
-        ok = "ok" if r["target_met"] else "SLOW"
-        print(f"  {title:<18} {r['tab_title_s']:>14.2f}s {r['tab_complete_s']:>9.2f}s {ref['tab_complete_s']:>5.2f}s "
-              f"{r['tab_complete_minus_floor_s']:>+7.2f}s  {ok:<41} {r['nav_title_s']:>20.2f}s {r['nav_complete_s']:>9.2f}s")
-    slow = [t for t, r in result["pages"].items() if not r["target_met"]]
-    print(f"  new-tab target: {'every page ok' if not slow else 'SLOW: ' + ', '.join(slow)}")
-    if ref["tab_complete_s"] > FLOOR_WARN_SHARE * TARGET_S:
-        print(f"  note: the one-line app alone took {ref['tab_complete_s']:.2f} s in these rounds (Streamlit and this "
-              f"machine's load): the target leaves a page {TARGET_S - ref['tab_complete_s']:+.2f} s above that floor")
-    d = result["row_to_browser_s"]
-    ok = "ok" if d["median"] <= TARGET_S else "SLOW"  # issue 6
-    print(f"Metric row written to SQLite -> visible on Launch & monitor: median {d['median']:.2f} s, "
-          f"max {d['max']:.2f} s over {args.rows} rows  {ok}")
-    c = result["live_loss_chart"]
-    print(f"Live loss chart drawn without its curve (a row every 0.25 s, sampled every ~50 ms): "
-          f"{100 * c['blank_share']:.0f} % of {c['samples']} samples")
+    else:
+        print_report(result)
     return 0
 
 
