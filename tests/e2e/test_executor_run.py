@@ -21,8 +21,10 @@ from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.memory import MemoryConfig, estimate_memory
 from contracts.paths import ENV_DATA_DIR
 from contracts.plan import Assignment, Plan
+from contracts.run import RunConfig
 from contracts.specs import get_model, with_max_seq
-from tests.conftest import processes_with_data_dir
+from testkit.processes import processes_with_data_dir
+from testkit.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +140,9 @@ def test_resume_on_a_different_plan_continues_the_loss_curve(runs):
     assert max_diff(final_params(d["resumed"]), final_params(d["three3"])) < 1e-4
     kinds = [e["kind"] for e in read_metrics(d["resumed"])["events"]]
     assert "checkpoint" in kinds and "resume" in kinds
+    # the run folder's run.json holds the settings of its last launch
+    assert RunConfig.load(d["resumed"]) == RunConfig(steps=STEPS, run_dir=d["resumed"], seed=SEED, resume=True,
+                                                     checkpoint_every=STEPS, optim=OPTIM.to_dict())
 
 
 def test_metrics_record_per_rank_measurements(runs):
@@ -179,19 +184,9 @@ def test_zero3_trains_a_model_that_cannot_fit_replicated_in_an_emulated_device(d
     assert "out of memory (emulated)" in read_metrics(run1)["reason"]
 
 
-def _wait(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_a_killed_rank_fails_the_run_within_30_s_and_leaves_no_process(data_dir, tmp_path):
     h = start_run(manual_plan([(2, 1, 0.5), (2, 1, 0.5)]), 100_000, str(tmp_path / "killed"), seed=SEED)
-    m = _wait(lambda: (lambda m: m if len(m["steps"]) >= 2 else None)(read_metrics(h.run_dir)), 150, "2 steps")
+    m = wait_until(lambda: (lambda m: m if len(m["steps"]) >= 2 else None)(read_metrics(h.run_dir)), 150, "2 steps")
     pids = {r["rank"]: r["pid"] for r in m["ranks"]}
     torchrun_pid = int(open(os.path.join(h.run_dir, "torchrun.pid")).read())
     os.kill(pids[1], signal.SIGKILL)
@@ -200,7 +195,7 @@ def test_a_killed_rank_fails_the_run_within_30_s_and_leaves_no_process(data_dir,
     assert time.monotonic() - t0 < 30
     m = read_metrics(h.run_dir)
     assert m["failed_rank"] == 1 and "rank 1" in m["reason"] and "SIGKILL" in m["reason"], m["reason"]
-    _wait(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                           for p in [*pids.values(), torchrun_pid, h.pid]), 30, "every process to end")
     assert processes_with_data_dir(data_dir) == []
 
@@ -238,12 +233,12 @@ def test_stop_cleans_up_ranks_left_behind_by_a_killed_launcher(data_dir, tmp_pat
     import sys
 
     h = start_run(manual_plan([(2, 1, 0.5), (2, 1, 0.5)]), 100_000, str(tmp_path / "orphaned"), seed=SEED)
-    m = _wait(lambda: (lambda m: m if len(m["steps"]) >= 1 else None)(read_metrics(h.run_dir)), 150, "a step")
+    m = wait_until(lambda: (lambda m: m if len(m["steps"]) >= 1 else None)(read_metrics(h.run_dir)), 150, "a step")
     os.kill(h.pid, signal.SIGKILL)  # the launcher dies; torchrun and the ranks live in their own sessions
-    _wait(lambda: read_metrics(h.run_dir)["status"] == "failed", 10, "the store to notice the launcher is gone")
+    wait_until(lambda: read_metrics(h.run_dir)["status"] == "failed", 10, "the store to notice the launcher is gone")
     assert all(psutil.pid_exists(r["pid"]) for r in m["ranks"])
     out = subprocess.run([sys.executable, "-m", "executor", "stop", "--run-dir", h.run_dir], capture_output=True,
                          text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=120)
     assert out.returncode == 0 and "stopped" in out.stdout, out.stderr
     assert read_metrics(h.run_dir)["status"] == "stopped"
-    _wait(lambda: processes_with_data_dir(data_dir) == [], 30, "every process to end")
+    wait_until(lambda: processes_with_data_dir(data_dir) == [], 30, "every process to end")
