@@ -2,7 +2,8 @@
 [--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan] [--prefill FILE]
 [--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
 
-Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed).
+Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed). The flags become
+one RunConfig (contracts/run.py), checked before anything starts and kept as the run folder's run.json.
 `local` (the default): torchrun here; a plan spanning several nodes prints the per-node
 torchrun commands instead, or with `--emulate-wan` runs here with each node a datacenter in its
 own network namespace behind links shaped to the plan's `wan` (executor/wan.py). `--prefill FILE`:
