@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from executor.launch import TOKENIZER_FILES, copy_tokenizer
+from executor.backend import TOKENIZER_FILES, copy_tokenizer
 from models.decoder import decoder_state_dict_to_hf, hf_source
 from contracts.specs import ModelSpec, get_model, spec_from_hf_dict, with_max_seq
 

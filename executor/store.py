@@ -1,20 +1,12 @@
 """The run history: each run's status, ranks, steps, per-rank steps and events.
 
-Where (executor.db): by default one SQLite file per run folder (`metrics.sqlite`), the run
-key ''; with GPUMIX_DB one shared store (a SQLite file or PostgreSQL) holding every run,
-keyed by the run folder's absolute path — the name the launcher, rank 0 and every reader
-give the run, on any machine, with no shared filesystem.
-
-Writers: the launcher (the `run` row, events), every rank once (its `ranks` row, its
-end or failure event) and rank 0 each step: the step's row and every rank's figures,
-gathered by one collective (executor.worker), in one transaction — so a rank that dies
-loses nothing it has recorded and a reader never sees a step without its ranks. Readers (the
-CLI, the dashboard) never write. SQLite: WAL lets readers read while a writer writes and
-`busy_timeout` queues concurrent writers.
-
-Status is one of "running" | "done" | "failed" | "stopped" (DESIGN.md). A reader that
-finds "running" while the launcher process is gone reports "failed" (the launcher was
-killed before it could write the end of the run).
+Where (executor.db): by default one SQLite file per run folder (`metrics.sqlite`, run key ''); with
+GPUMIX_DB one shared store keyed by the run folder's absolute path, the name every writer and
+reader gives the run on any machine. Writers: the launcher (the `run` row, events), every rank once
+(its `ranks` row, its end), and rank 0 each step: the step's row and every rank's figures in one
+transaction, so a reader never sees a step without its ranks. Readers (the CLI, the dashboard)
+never write. Status is "running" | "done" | "failed" | "stopped" (DESIGN.md); "running" with the
+launcher gone reads as "failed".
 """
 from __future__ import annotations
 
@@ -301,7 +293,8 @@ def _emulated(a: Any) -> bool:
 # ---- readers -----------------------------------------------------------------------------
 
 
-def _pid_alive(pid: int | None) -> bool:
+def pid_alive(pid: int | None) -> bool:
+    """The process `pid` exists and is not a zombie."""
     if not pid:
         return False
     try:
@@ -319,7 +312,7 @@ def _pid_alive(pid: int | None) -> bool:
 
 def _effective_status(run: dict[str, Any]) -> tuple[str, str | None]:
     status, reason = run["status"], run["reason"]
-    if status == "running" and run.get("host") == socket.gethostname() and not _pid_alive(run.get("launcher_pid")):
+    if status == "running" and run.get("host") == socket.gethostname() and not pid_alive(run.get("launcher_pid")):
         return "failed", f"the launcher (pid {run.get('launcher_pid')}) ended without recording the end of the run"
     return status, reason
 
