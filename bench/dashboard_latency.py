@@ -8,11 +8,10 @@
    COLD, a fresh browser profile (a new context: empty cache). A one-line Streamlit app is loaded the
    same two ways in the same rounds (its own server, beside the dashboard's): the floor that
    Streamlit and this machine's load set. Targets: warm <= 2 s; cold <= 1.0 s above the cold floor.
-   Also: a click on each page's sidebar link in an open tab (how a user moves around).
-2. Metric row -> browser: a running run (fabricated through executor.store.MetricsStore, "launched"
-   by this process) is open on Launch & monitor; we write one step row and time until the page
-   shows the new "Steps recorded: N" (target <= 2 s). Then, with rows arriving every 0.25 s, the
-   share of samples in which the live loss chart is on screen without its curve.
+   Also: a click on each page's sidebar link in an open tab.
+2. A metric row written to a running run (fabricated, "launched" by this process) until Launch &
+   monitor shows its "Steps recorded: N" (target <= 2 s); then, rows every 0.25 s, the share of
+   samples in which the live loss chart is on screen without its curve.
 
 Run: python bench/dashboard_latency.py [--rounds 3 --rows 8 --json]
 """

@@ -2,21 +2,15 @@
 
 A page's library call (a plan solve, a Geo simulation, a schedule simulation) can run for
 minutes on a huge input, and a solver's own children (`cbc`) can outlive the call that
-started them. Run inside the server's process, such a call holds a CPU after its tab is gone.
-Here it runs in a child process `python -m ui.background <folder>` started in its own process
-group (the child and its `cbc` die together):
-
-- a newer request of the same session under the same name replaces (kills) the older one;
-- the server's reaper thread kills a child whose session has ended (the tab closed:
-  Streamlit's runtime no longer lists the session as active) or whose page stopped polling
-  for `heartbeat_s`;
-- the child kills its own group when the heartbeat file goes stale or its parent (the
-  server) dies, so nothing survives a crashed server either.
+started them. Here it runs in a child process `python -m ui.background <folder>`, in its own
+process group (the child and its `cbc` die together), killed when a newer request of the same
+session and name replaces it, when its session ends or stops polling (the server's reaper
+thread), or when the server dies (the child watches its heartbeat file and its parent).
 
 A page calls `result_of(name, fn, *args)`: the value once the child is done, `Pending` while
-it runs (raise it out of an `st.cache_data` function: exceptions are not cached, so the cache
-keeps only finished results, keyed as before). The call, its arguments and the result travel
-as pickles through files in a temporary folder; `fn` must be a module-level function.
+it runs (raise it out of an `st.cache_data` function: exceptions are not cached). The call, its
+arguments and the result travel as pickles through files in a temporary folder; `fn` must be
+a module-level function. Tests: tests/e2e/test_ui_background.py.
 """
 from __future__ import annotations
 

@@ -258,7 +258,7 @@ SMALL_TABLE_ROWS = 12  # up to this many rows a table is static (st.table), past
 
 def show_table(rows: Any, key: str | None = None, *, max_static_rows: int = SMALL_TABLE_ROWS) -> None:
     """A table of a few rows as a static `st.table` (no index): it draws in a new browser tab
-    without loading the interactive grid's JavaScript (issue 16, bench/dashboard_latency.py);
+    without loading the interactive grid's JavaScript (bench/dashboard_latency.py);
     a longer one as `st.dataframe`, which a person can sort and scroll."""
     n = len(rows)
     if n <= max_static_rows:

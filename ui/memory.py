@@ -1,4 +1,4 @@
-"""Model & memory: will a training step fit on a GPU? (planner/core/memory.py, issue 2)
+"""Model & memory: will a training step fit on a GPU? (planner/core/memory.py, docs/models/memory.md)
 
 Widgets -> one library call (`estimate_memory`) -> render: the predicted per-GPU breakdown as a
 stacked bar beside the datasheet capacity of a catalog GPU type, and a fits / does-not-fit line.

@@ -1,6 +1,6 @@
 """A huge plan in a real browser, then the tab closes: its solver process must not outlive it.
 
-Issue 17: a global batch of 100,000 kept `cbc` at 100 % CPU for minutes after the tab closed.
+Once, a global batch of 100,000 kept `cbc` at 100 % CPU for minutes after the tab closed.
 Here the real dashboard (its own GPUMIX_DATA_DIR) and headless Debian Chromium plan 1e6
 samples on an uploaded cluster of 6,144 GPUs in 384 kinds (8 types at 48 slowdowns; several
 seconds of solving: the example clusters now solve in a tenth of a second), find the solver's process

@@ -1,10 +1,10 @@
-"""A new user's first run, in a real browser, on a mixed cluster any laptop has (issue 16).
+"""A new user's first run, in a real browser, on a mixed cluster any laptop has.
 
 From an empty data folder: Inventory -> the one-click emulated mixed cluster (one CPU worker at a
 full core, one at a third of a core with 2 GiB, held there by cgroups) -> Plan, where the page
 says the figures are estimates and offers the one click that profiles both device kinds together,
 each under its own limits, and plans again -> the plan splits unevenly -> Launch, watch the run to its end
--> the page's measured step within 15 % of its prediction (issue 16) -> "Measure the even split" -> the
+-> the page's measured step within 15 % of its prediction -> "Measure the even split" -> the
 page shows the planned split measured faster than the even one. The figures asserted on are the
 ones the page shows, checked against the runs' metrics stores. The prediction comes from the
 profiles the page took (the planner's cost model), the measurement from the runs (the executor):
@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 GLOBAL_BATCH = 192
 PLANNED_STEPS = 30  # the median of steps 3..30: 28 steps after the warm-up
 EVEN_STEPS = 17  # 15 steps after the warm-up, each about twice as long (the speedup is far from 1)
-TOLERANCE = 0.15  # issue 16's target: the first run's measured step agrees with its prediction within 15 %
+TOLERANCE = 0.15  # the target: the first run's measured step agrees with its prediction within 15 %
 PROFILE_TIMEOUT_S = 240  # two kinds, each under its quota beside a companion, on a loaded 2-core machine
 RUN_TIMEOUT_S = 180
 SECONDS = r"([0-9][0-9,.]*) (µs|ms|s)\b"
@@ -209,7 +209,7 @@ def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
     per_step = [round(s["step_s"], 3) for s in read_metrics(planned_dir)["steps"]]
     context = (f"planned measured {measured:.4f} s vs predicted {predicted:.4f} s, even {even_measured:.4f} s "
                f"(predicted {even_predicted:.4f} s), load {os.getloadavg()}, planned steps {per_step}")
-    # issue 16: the first run agrees with its prediction, and the planned split beats the even one
+    # the first run agrees with its prediction, and the planned split beats the even one
     error = abs(measured - predicted) / predicted
     print(f"first hour: prediction error {(measured - predicted) / predicted:+.1%}")
     assert error <= TOLERANCE, context
