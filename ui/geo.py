@@ -31,7 +31,7 @@ from contracts.plan import Plan
 from planner.geo.bubbletea import reservations
 from planner.geo.evaluate import GeoReport, simulate_geo
 from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES, GeoScenario
-from contracts.paths import PROJECT_ROOT
+from contracts.paths import EXAMPLES_DIR as EXAMPLES_ROOT
 from contracts.specs import PRESETS
 from ui import background
 from ui.charts import bar_chart, gantt_chart
@@ -41,7 +41,7 @@ from contracts.constants import GIB
 
 MIB = 2**20
 
-EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "geo")
+EXAMPLES_DIR = os.path.join(EXAMPLES_ROOT, "geo")
 DEFAULT_EXAMPLE = "paper_like.json"
 MAX_GANTT_PIPELINES = 4  # rows of the timeline: every stage of the first few pipelines
 COLORS = {"F": "#1f77b4", "B": "#ff7f0e", "AR": "#7f7f7f", "OPT": "#9467bd", "P": "#2ca02c"}

@@ -476,7 +476,8 @@ def measure_even_button(even: Plan, planned_dir: str, planned_m: dict[str, Any],
 def render_compare(run_dir: str, m: dict[str, Any]) -> None:
     """The watched run against the even split of its devices: measured, not predicted. For an
     even-split run, the planned run it measured against."""
-    from executor.compare import already_even, even_plan, even_run_dirs, planned_run_of
+    from executor.compare import already_even, even_run_dirs, planned_run_of
+    from planner.entry import even_plan
 
     planned_dir = planned_run_of(run_dir) or run_dir
     try:

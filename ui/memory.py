@@ -241,7 +241,7 @@ def main() -> None:
               for name in (*COMPONENTS, "peak")], hide_index=True)
     if cfg.tp == 1 and cfg.pp == 1:
         st.caption(f"ZeRO {cfg.zero} is what the runtime runs: this figure is checked against traces of the same "
-                   "step (tests/e2e/test_profiler_memory.py, within 3 %).")
+                   "step (tests/unit/test_profiler_memory.py, within 3 %).")
     else:
         st.caption("Tensor/pipeline parallelism: analytic (the runtime runs sharded data parallelism).")
     show_trace(spec, cfg, b)

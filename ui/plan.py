@@ -1,7 +1,7 @@
 """Plan: the fastest heterogeneous plan of a model on a cluster (Cephalo's ILP, planner/hetero/solve.py).
 
-Widgets -> one library call (`solve_plan`, cached) -> render: the per-device table, memory against
-capacity, predicted samples/s against the baselines, the plan file to download. The plan is stored
+Widgets -> one library call (`planner.entry.plan_job`, cached) -> render: the per-device table, memory
+against capacity, predicted samples/s against the baselines, the plan file to download. The plan is stored
 in the session (ui/state.set_plan) so that the Launch page runs it.
 """
 from __future__ import annotations
@@ -14,8 +14,9 @@ import os
 import streamlit as st
 
 from contracts.cluster import ClusterSpec
-from planner.hetero.solve import DEFAULT_MAX_SEQ, DTYPES, solve_plan
-from contracts.paths import PROJECT_ROOT
+from planner.entry import plan_job
+from planner.hetero.solve import DEFAULT_MAX_SEQ, DTYPES
+from contracts.paths import EXAMPLES_DIR as EXAMPLES_ROOT
 from contracts.plan import Plan
 from planner.core.profiles import split_profile_key
 from contracts.specs import PRESETS
@@ -27,14 +28,14 @@ from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percen
                        metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
                        show_errors, show_figure, show_table)
 from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
-from contracts.constants import GIB
+from contracts.constants import GIB, MEMORY_HEADROOM
 
 log = logging.getLogger(__name__)
 
-EXAMPLES_DIR = os.path.join(PROJECT_ROOT, "examples", "clusters")
+EXAMPLES_DIR = os.path.join(EXAMPLES_ROOT, "clusters")
 SESSION_SOURCE = "This machine (session cluster)"
 UPLOAD_SOURCE = "Upload a cluster file…"
-HEADROOM = 0.9  # the planner's default: the capacity line on the memory chart
+HEADROOM = MEMORY_HEADROOM  # the planner's default: the capacity line on the memory chart
 JOB = "plan"  # this page's background job (ui/background.py)
 REQUEST = "plan_request"  # session key: the compute_plan arguments asked for and not yet answered
 FAILED = "plan_failed"  # session key: the last request ended in an error (no plan shown)
@@ -48,16 +49,13 @@ COLLECTIVE_SIZES = tuple(1024 * 4**i for i in range(8))
 @st.cache_data(show_spinner="Solving the plan…", max_entries=32)
 def compute_plan(cluster_json: str, model: str, global_batch: int, seq: int | None, dtype: str,
                  profiles_version: int = 0) -> Plan:
-    """solve_plan on a cluster given as JSON (hashable for the cache), in this session's background
-    process (ui/background.py: cancellable, killed with the session). Raises ValueError, and
+    """plan_job (what `planner plan` runs) on a cluster given as JSON (hashable for the cache), in this
+    session's background process (ui/background.py: cancellable, killed with the session). Raises ValueError, and
     background.Pending while the solver runs (not cached). `profiles_version` only keys the
     cache: a new profile ("Profile now") re-solves."""
     cluster = ClusterSpec.from_dict(json.loads(cluster_json))
-    result = background.result_of(JOB, solve_plan, cluster, model, global_batch, seq=seq, dtype=dtype,
-                                  headroom=HEADROOM)
-    if result.plan is None:
-        raise ValueError(result.reason or f"no plan ({result.status})")
-    return result.plan
+    return background.result_of(JOB, plan_job, cluster, model, global_batch, seq=seq, dtype=dtype,
+                                headroom=HEADROOM).plan
 
 
 def example_clusters() -> dict[str, str]:
