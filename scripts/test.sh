@@ -5,7 +5,8 @@
 # of the SLURM backend) get the same interpreter and packages.
 #
 #   bash scripts/test.sh [pytest args]          the whole suite (CI's command)
-#   bash scripts/test.sh --fast [pytest args]   tests/unit only: no process started
+#   bash scripts/test.sh --fast [pytest args]   tests/unit only: no process started (731 tests,
+#                                               4 min 40 s on 2 cores with one busy beside them)
 # Markers select by kind (pytest.ini): e.g. bash scripts/test.sh -m "not browser and not slurm".
 set -euo pipefail
 cd "$(dirname "$0")/.."
