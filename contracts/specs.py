@@ -26,7 +26,7 @@ FAMILIES = ("gpt2", "llama")
 ROPE_TYPES = ("default", "linear", "llama3")  # transformers' ROPE_INIT_FUNCTIONS the decoder implements
 HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 # planner/core/memory.py sizes q_proj/o_proj by spec.q_width (num_heads·head_dim), so an explicit head_dim
-# is predicted as exactly as the rest (tests/e2e/test_profiler_memory.py); False would refuse such configs
+# is predicted as exactly as the rest (tests/unit/test_profiler_memory.py); False would refuse such configs
 EXPLICIT_HEAD_DIM_IN_MEMORY_MODEL = True
 
 
@@ -380,7 +380,7 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, v
                      tied_embeddings=tied, qkv_bias=qkv_bias, rope_theta=theta, norm_eps=eps)
 
 
-# Presets. Published parameter counts (checked in tests/e2e/test_specs.py):
+# Presets. Published parameter counts (checked in tests/unit/test_specs.py):
 # GPT-2 124M/355M/774M/1.5B (Radford et al. 2019, HF model cards), Llama-2 6.74B/13.0B
 # (Touvron et al. 2023), Llama-3-8B 8.03B, Mistral-7B 7.24B, Qwen2-0.5B 494M.
 PRESETS: dict[str, ModelSpec] = {

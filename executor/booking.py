@@ -1,22 +1,12 @@
-"""The booking ledger: which run holds which device, one table for every launcher: in the store
-(executor.db) — by default one SQLite file of this machine (`bookings.sqlite` under
-contracts.paths.data_dir()), with GPUMIX_DB the store every machine shares.
+"""The booking ledger: which run holds which device, one table for every launcher, in the store
+(executor.db: `bookings.sqlite` under the data folder, or the store GPUMIX_DB names).
 
-Every launch books its devices before a rank starts: the dashboard (executor.launch.start_run),
-the CLI (executor.launch.launch_run) and the local orchestrator (which also skips what others
-hold). A device held by a live booking is refused to any other run: ValueError "devices ... are
-in use by run <run_dir> (started ...)".
-
-A device is named `<node>/<index within the node>`; a node that is this machine (or the one
-node of a single-node plan, which always runs here) is called "local", so the dashboard's
-"localhost" plan and the orchestrator's detected cluster name the same device alike. A
-booking keeps the host that made it, so in a shared ledger another machine's "local/0" is
-that machine's device, not ours (`<host>/0` when compared).
-
-The ledger outlives its writers, so it is repaired from the processes actually alive before
-anything is read or booked: a booking whose holder (the booker, then the launcher) and the
-run's torchrun are all gone is released — a SIGKILLed launcher whose torchrun still runs keeps
-its devices until that torchrun ends or `stop_run` ends it. Nothing here imports torch.
+Every launch (the dashboard, the CLI, the local orchestrator) books its devices before a rank
+starts; a device held by a live booking is refused to any other run with one line naming that run.
+A device is `<node>/<index>`, "local" for this machine (so the dashboard's and the orchestrator's
+plans name it alike); a booking keeps its host, so in a shared ledger another machine's "local/0" is
+not ours. Before anything is read or booked the ledger is repaired from the processes alive: a
+booking whose booker, launcher and torchrun are all gone is released. Nothing here imports torch.
 """
 from __future__ import annotations
 

@@ -8,12 +8,9 @@ Process tree (every arrow is an argument list, never a shell):
 
 The launcher builds the corpus cache, writes plan.json, run.json and the run row, starts torchrun
 and watches it (executor/supervise.py); at the end it kills what is left and records the status.
-Emulated devices: one cgroup per rank whose device has a `cpu_share` (profiler/cgroups.py), joined
-by the rank through `python -m profiler.cgroups exec`; without cgroups (or GPUMIX_EMULATION=sleep)
-the run sleeps instead (slowdown = 1 / cpu_share); emulation.json says which ran. Emulated
-datacenters (`emulate_wan`, executor/wan.py): one torchrun agent per plan node, each in its
-node's network namespace, torn down with a guard process if the launcher is killed.
-docs/ARCHITECTURE.md (the executor) has the whole story.
+Emulated devices run under per-rank cgroups (profiler/cgroups.py) or sleep where there are none;
+emulated datacenters put each plan node's torchrun agent in its own network namespace
+(executor/wan.py). More: docs/executor.md, docs/emulated_wan.md.
 """
 from __future__ import annotations
 

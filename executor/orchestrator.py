@@ -1,22 +1,13 @@
 """The local orchestrator: queued jobs -> devices of this machine -> real runs.
 
-One pass (`tick`):
-1. poll every running job's run store (executor.store.read_metrics by its run folder);
-   a run that ended marks the job done or failed and frees its devices. The queue row
-   holds the run folder and launcher pid, so a restarted orchestrator (or app) picks
-   the runs up again: that is all re-attaching takes.
-2. rebuild the orchestrator state (planner.schedule.simulate.ClusterState) from the running
-   jobs — two jobs on one device raise at once;
-3. ask the same `frenzy` policy the simulator uses (planner.schedule.simulate.FrenzyPolicy over
-   MARP's options on the local cluster) which queued jobs start on which devices;
-4. for each: the planner's plan on exactly those devices, or on those and devices of other
-   types that would otherwise idle this pass when that is predicted clearly faster
-   (planner.entry.plan_on_devices: the same planning as `python -m planner plan`), then
-   executor.launch.start_run.
-A launch that fails marks the job failed with the reason and frees its devices.
-
-`run_forever(poll_s)` repeats `tick`. Only one pass runs at a time per queue (a file
-lock beside the database), so the dashboard and the CLI can both drive it.
+One pass (`tick`): poll every running job's run store (a run that ended marks its job done or
+failed and frees its devices; the queue row holds the run folder and launcher pid, so a restarted
+orchestrator re-attaches); rebuild the device ledger (planner.schedule.state.ClusterState); ask the
+`frenzy` policy the simulator uses which queued jobs start on which devices; plan each on those
+devices through planner.entry.plan_on_devices (the same planning as `python -m planner plan`) and
+start it (executor.launch.start_run). A launch that fails marks the job failed with the reason.
+`run_forever(poll_s)` repeats `tick`; a file lock beside the database lets one pass run at a time,
+so the dashboard and the CLI can both drive it. The policies: docs/models/scheduling.md.
 """
 from __future__ import annotations
 

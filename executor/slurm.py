@@ -3,21 +3,13 @@ job, watched until it ends.
 
     python -m executor launch --plan P --steps N --run-dir R --backend slurm [--gres-name gpu]
 
-The launcher (this process, on the submit host) checks the plan's nodes against
-`scontrol show node -o`, writes the run store exactly as the local launcher does, and submits
-the plan's job (executor/slurm_job.py: one component per group of nodes asking the same GRES,
-one srun per component) with `sbatch`, an argument list. On each node an agent
-(executor/slurm_agent.py) starts torchrun with the node's share of the ranks, a c10d
-rendezvous on the first plan node, and records `node_up` and `node_exit` events in the store.
-
-What SLURM says (`scontrol show job -o`) is the truth the launcher follows: pending, running,
-completed, failed, cancelled. A stop (`executor stop`, the dashboard, SIGTERM) is `scancel`;
-a node that dies (SLURM reports it down, or its agent vanished without an exit while another
-node's agent failed) ends the run as failed with the node and the reason recorded. The job id
-is in the events (`slurm_job`) and in `slurm.json` in the run folder.
-
-Every node needs this repository and the run folder at the same paths (a shared filesystem),
-as torchrun's multi-node runs do.
+The launcher (on the submit host) checks the plan's nodes against `scontrol show node -o`, writes
+the run store as the local launcher does, and submits the job (executor/slurm_job.py) with `sbatch`;
+on each node an agent (executor/slurm_agent.py) starts torchrun with the node's ranks and records
+`node_up` / `node_exit` events. What `scontrol show job -o` says is the truth the launcher follows;
+a stop is `scancel`; a dead node fails the run with the node and the reason recorded. The job id is
+in the events and in `slurm.json`. Every node needs this repository and the run folder at the same
+paths (a shared filesystem), as torchrun's multi-node runs do.
 """
 from __future__ import annotations
 

@@ -3,39 +3,15 @@
     python -m torch.distributed.run --nproc_per_node=R -m executor.worker --plan P --steps N \
         --run-dir D --tokens T.npy [--seed K] [--resume] [--checkpoint-every K]
 
-Rank r trains the plan's r-th used assignment (on a multi-node run: the LOCAL_RANK-th used
-device of the node named by GPUMIX_NODE). One step (Cephalo's decoupled split):
-
-1. the global sampler gives the step's `global_batch` windows, identical for any plan;
-   this rank takes its consecutive piece, in `accum_steps` micro-batches of `micro_batch`;
-2. models.sharded.ShardedRuntime runs them at the plan's ZeRO stage (1, 2 or 3) with the
-   plan's uneven shard fractions: forward and backward, the loss divided by the GLOBAL token
-   count, gradients reduce-scattered into the owners' slices, clipped by the global norm,
-   AdamW with the LR schedule (models/optim.py) on each rank's slices.
-
-A pipeline plan (`plan.pipeline`, models/pipeline.py): rank r trains the plan position's stage s and
-data-parallel index i. Micro-batch k of a step is windows [k·micro_batch, (k+1)·micro_batch) of the
-step's global batch (the same GlobalSampler), and the rank takes its rows of each (first stage: the
-tokens, last stage: the targets). The loss (global, from the stats all-reduce every rank joins), the
-figures and the peak memory go through the same gather to rank 0; the validation loss passes through
-the stages (every rank calls it). Rank 0 writes <run_dir>/timeline.json for `--timeline-step K`
-(default: the last step, because the first one pays gloo's lazy connection set-up and, measured for
-memory, the tracker's slower ops: the last is a steady step). `--prefill JSON` runs
-executor.prefill.PrefillWorker.step() while the rank waits for a receive, on the stages the config
-names, and writes its summary at the end. Pipeline plans run ZeRO-1 inside each stage; their
-checkpoints are the same logical checkpoints as a data-parallel run's (PipelineRuntime.checkpoint_view),
-so either resumes the other; --init-from reads each stage's slices. A prefill worker's tensors live on
-the rank's device, so a measured step's peak includes them.
-
-Emulation: a device with `cpu_share` / `memory_gb` runs inside cgroups the launcher made for this
-rank (profiler/cgroups.py: a real CPU quota and memory limit; `start_rank` sets the limit from the
-baseline at start, and the kernel, not a check, ends a rank over it). The sleep fallback, and the
-cluster file's `slowdown`: `slowdown` s sleeps (s-1) x the measured compute of the rank's micro-batches (one
-sleep after them, before the collectives that wait for every rank's gradients); on CPU
-"compute" is the thread's CPU time, so other processes' share of a busy machine is not
-multiplied (see ShardedRuntime's work clock);
-`memory_gb` fails the rank with an out-of-memory message when the measured peak
-(profiler.memtrack) exceeds it.
+Rank r trains the plan's r-th used assignment (on several nodes: the LOCAL_RANK-th used device of
+the node named by GPUMIX_NODE). One step: the global sampler gives the step's windows, the same for
+any plan, and this rank takes its consecutive piece in `accum_steps` micro-batches; the sharded
+runtime (models/sharded.py) trains them at the plan's ZeRO stage and uneven shards. A pipeline plan
+runs models/pipeline.py instead (the rank's stage and rows; `--timeline-step`, `--prefill` with
+executor/prefill.py). Rank 0 gathers every rank's figures and peak memory each step into the store.
+Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep
+(`slowdown`) and check the measured peak against `memory_gb`. More: docs/executor.md,
+docs/models/pipeline_simulation.md.
 """
 from __future__ import annotations
 

@@ -97,12 +97,13 @@ WAIT_MS = 30_000  # one page or one widget reaction on a loaded 2-core machine
 
 
 # The page is idle and drawn: connected, no script run going (Streamlit's own e2e tests read these
-# attributes of stApp), and no loading skeleton left (lazy JS chunks: charts, tables).
+# attributes of stApp), no loading skeleton left (lazy JS chunks: charts, tables), every Plotly chart drawn.
 RENDERED_JS = """() => {
   const app = document.querySelector('[data-testid="stApp"]');
   return !!app && app.dataset.testConnectionState === 'CONNECTED'
     && app.dataset.testScriptState === 'notRunning'
-    && !document.querySelector('[data-testid="stSkeleton"]');
+    && !document.querySelector('[data-testid="stSkeleton"]')
+    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => !!c.querySelector('.main-svg'));
 }"""
 
 

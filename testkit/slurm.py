@@ -1,24 +1,14 @@
 """A real two-node SLURM cluster on this machine, for the tests (the `slurm_cluster` fixture of
 tests/conftest.py wraps `running_slurm_cluster()`, one per session).
 
-What it starts (it installs nothing: scripts/install.sh installs the Debian
-packages slurmctld, slurmd, slurm-client and munge):
-
-    munged                      one key, its socket in the cluster's folder
-    slurmctld                   root network namespace, on the bridge's 10.77.X.1 (the first X free)
-    slurmd -N n1  (netns gmx..1, 10.77.X.2)  Gres=gpumix:cpu:2
-    slurmd -N n2  (netns gmx..2, 10.77.X.3)  Gres=gpumix:cpu:1
-
-Each node is a network namespace joined to a bridge by a veth pair, so a run's traffic between
-nodes crosses a real network link. slurmd is started with `nsenter --net=...`, not
-`ip netns exec` (which remounts /sys: slurmd then finds no cgroup filesystem). GPU types are a
-count-only generic GRES with `Type=<catalog type>` (this Debian build does not register the
-`gpu` name without device files). No accounting daemon: state comes from scontrol/squeue.
-
-Torn down when the block ends: every job cancelled, every process in the nodes' namespaces and
-every daemon killed, the namespaces, veths and the bridge deleted (`leftovers()` checks).
-A platform that cannot run this (not root, no binaries, no network namespaces) skips with the
-reason.
+It starts munged, slurmctld on a bridge (10.77.X.1) and two slurmd, n1 (Gres=gpumix:cpu:2) and n2
+(Gres=gpumix:cpu:1), each in its own network namespace joined to the bridge by a veth pair, so a
+run's traffic between nodes crosses a real link; it installs nothing (scripts/install.sh installs
+the Debian packages). slurmd is started with `nsenter --net=...`, not `ip netns exec` (which
+remounts /sys, hiding the cgroup filesystem); GPU types are a count-only GRES with
+`Type=<catalog type>`; no accounting daemon. Torn down when the block ends (jobs, processes,
+daemons, namespaces, veths, bridge; `leftovers()` checks). A platform that cannot run it (not
+root, no binaries, no network namespaces) skips with the reason.
 """
 from __future__ import annotations
 

@@ -350,7 +350,7 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
         """The moments at n > 3 from those at n = 2 and 3: from n = 2 on every moment is affine in
         n, at every stage (the inputs of all the micro-batches, and at zero 2 and 3 their unit
         boundaries, grow by the same bytes per micro-batch); the arithmetic is on whole bytes, exact
-        below 2^53. tests/e2e/test_memory.py checks the line against the model itself."""
+        below 2^53. tests/unit/test_memory.py checks the line against the model itself."""
         two, three = at(m, 2, f)[1], at(m, 3, f)[1]
         return tuple(a + (n - 2) * (b - a) for a, b in zip(two, three))
 

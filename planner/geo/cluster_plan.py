@@ -1,25 +1,16 @@
 """Pipeline stages on a heterogeneous multi-node cluster, priced beside the hetero ILP's plan.
 
-`python -m planner plan --cluster C` solves pure (sharded) data parallelism with the ILP
-(planner/hetero/solve.py). Across slow inter-node links that plan pays the whole model's gradient
-traffic every step, while a pipeline sends only activations. So on a cluster of two or more nodes
-the planner also prices pipeline plans: the nodes become the datacenters of a geo scenario
-(`cluster_scenario`: a node's devices by type, its `intra_node_gbps` inside it, every pair of
-nodes joined by `inter_node_gbps`), Atlas's search (planner/geo/atlas.py) finds the best pipeline
-at each per-pipeline micro-batch tried (`MICRO_BATCHES`), each is written onto the cluster's own
-devices (planner/geo/plan_file.py) and predicted as the runtime runs it (planner/geo/emulated.py),
-and `choose_plan` keeps the faster of that and the ILP's plan, saying both predicted times in the
-plan's baselines and notes.
+Across slow inter-node links the ILP's data-parallel plan pays the whole model's gradient traffic
+every step, while a pipeline sends only activations. So on a cluster of two or more nodes the
+nodes become the datacenters of a geo scenario (`cluster_scenario`), Atlas's search
+(planner/geo/atlas.py) finds the best pipeline at each micro-batch tried (`MICRO_BATCHES`), each is
+written onto the cluster's own devices (planner/geo/plan_file.py) and predicted as the runtime runs
+it (planner/geo/emulated.py), and `choose_plan` keeps the faster of that and the ILP's plan, naming
+both times. The cost does not grow with the global batch (`pipeline_sim.iteration_times`). Where the
+geo search cannot price the cluster (one node, too many nodes, emulation the scenario format cannot
+carry) the ILP's plan is kept and the note says why.
 
-The cost does not grow with the global batch: every iteration is priced by
-planner/geo/pipeline_sim.iteration_times (bounded simulations whose recurrence it proves), only the
-fastest candidate is written out whole, and its timeline is simulated only up to MAX_MICROBATCHES
-micro-batches (past that the plan file has none and says why). A candidate whose cycles are not
-proved to recur and that is too long to simulate whole is not priced, and the note says so.
-
-Where the geo search cannot price the cluster (one node, more nodes than its search enumerates,
-emulated devices whose slowdown or CPU quota the scenario format cannot carry) the ILP's plan is
-kept unchanged and the note says why.
+The search and the prediction: docs/models/pipeline_simulation.md.
 """
 from __future__ import annotations
 

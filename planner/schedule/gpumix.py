@@ -2,36 +2,15 @@
 aging, moldable sizing by expected cost to the mean JCT, EASY backfilling, and elastic jobs:
 preemption and growth through checkpoint and resume.
 
-Each decision:
+Each decision: (1) order the waiting jobs by predicted remaining work aged by their wait (a job
+waiting `starve_after_s` goes first); (2) start each on the option of the Pareto front
+(planner/schedule/options.py) of least expected cost to the mean JCT (`_cost`); (3) give the first
+job that cannot start the one EASY reservation; (4) preempt jobs with far more work left that hold
+its devices when the wait saved exceeds their restart cost (at most `max_preemptions` times each);
+(5) when nobody waits, grow the longest running jobs onto faster options. Every figure it decides on
+is predicted; the simulator runs the perturbed durations.
 
-1. Order. Waiting jobs (new, and suspended ones with what they have left) by predicted
-   remaining work aged by their wait, `remaining_s / (1 + wait / aging_s)` (remaining_s: the
-   shortest predicted duration of what is left): short work first, and every waiting job's key
-   falls towards 0. A job that has waited `starve_after_s` goes ahead of all the others (oldest
-   first), so it is the first that cannot start and holds the reservation: none starves.
-2. Size and start. A job may take any option of the memory model's Pareto front
-   (planner/schedule/options.py: per pool, each power-of-two count predicted faster than the
-   smaller ones, and the whole pool where its size is not a power of two), not only the
-   efficient ones the sized baselines get. Among those that fit the free devices it takes the
-   one of least expected cost to the mean JCT (`_cost`): its own time plus the delay its
-   devices put on the jobs queued behind it and on those expected to arrive while it runs. An
-   idle cluster gives a job its fastest option, a long queue its most efficient one.
-3. Reserve. The first job that cannot start gets the one reservation (EASY): later jobs use
-   its pool only if they end before it or leave it enough devices.
-4. Preempt. If that job would wait for its reservation while jobs with at least
-   `preempt_ratio` times its work left hold the devices it needs, those jobs are checkpointed
-   and put back in the queue and it starts now, when the wait it saves exceeds (by
-   `preempt_gain`) the delay put on them: its own time plus their checkpoint-and-resume cost
-   (planner/schedule/state.py: restart_s). A job is preempted at most `max_preemptions` times,
-   so none is delayed without bound. Without preemption a short job that arrives behind long
-   ones waits for them to end: the head-of-line delay that dominates the mean JCT in bursts.
-5. Grow. When nobody waits and devices idle, the running jobs with the most predicted time
-   left move to a faster option (checkpoint and resume) where their expected cost, restart
-   included, falls by more than `grow_gain` restarts: the last long jobs of a burst, which set
-   the makespan and the p99, do not stay on the small or slow devices they started on.
-
-Every figure it decides on is predicted (running jobs' progress is observed, in steps); the
-simulator runs the perturbed durations.
+Each step and its parameters: docs/models/scheduling.md ("GPUMix's policy").
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """MARP: which devices, how many, and in which parallel configuration a job fits.
 
-For a job and each *pool* of identical devices in a cluster (same DeviceSpec: type, emulation and
-memory), list the device counts at which the job fits in memory, each with the fastest
-configuration the sharded runtime can execute there: ZeRO stage 1, 2 or 3, activation
-recomputation, and per device a (micro-batch, accumulation steps) whose product is the device's
-exact part of the global batch (the batch split evenly, ±1 sample where it does not divide), the
-training state sharded evenly. Every figure comes from the one cost model
-(planner.costmodel.training.CostModel on the option's own devices, laid out on nodes as the pool
-holds them): the exact memory model, the step profiles, layer-wise accumulation priced with the
-recompute profile at zero ≥ 2, the collectives as the runtime issues them. So an option is a plan
-the runtime runs (`option_plan` builds it) and the hetero planner on the same devices finds one at
-least as fast. A configuration whose memory the model cannot compute exactly (for example an
-attention kernel whose temporaries are not modelled) is not offered.
+For a job and each *pool* of identical devices, list the device counts at which the job fits in
+memory, each with the fastest configuration the sharded runtime can execute there (ZeRO stage,
+recomputation, per device a micro-batch and accumulation steps, the state sharded evenly), every
+figure from the one cost model (planner.costmodel.training.CostModel) on the option's own devices:
+an option is a plan the runtime runs (`option_plan`). Configurations the memory model cannot
+compute exactly are not offered; neither are tensor or pipeline parallelism. Everything expensive
+is cached, so a scheduler decision costs dictionary look-ups.
 
-Tensor and pipeline parallelism are not offered: the runtime has neither.
-
-Everything expensive is cached per (model, seq, batch, dtype, pool, count) so that a scheduler
-decision costs dictionary look-ups, not model evaluations.
+More: docs/models/scheduling.md ("Options").
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
 """Replay a job trace on a mixed pool under a scheduling policy; every arrival and completion
 is a decision point.
 
-Policies (POLICIES, by name): `gpumix` (GPUMix's own, planner/schedule/gpumix.py), `frenzy`
-(the reproduction of the paper, planner/schedule/frenzy.py), and the baselines `fifo` (strict,
-users' requests, planner/schedule/fifo.py), `fifo-backfill`, `fifo-backfill-sized` and `sjf`
-(EASY backfilling, planner/schedule/backfill.py).
+Policies (POLICIES, by name): `gpumix` (planner/schedule/gpumix.py), `frenzy`
+(planner/schedule/frenzy.py), and the baselines `fifo`, `fifo-backfill`, `fifo-backfill-sized` and
+`sjf` (planner/schedule/fifo.py, backfill.py). A policy decides on *predicted* durations; the
+simulated job runs for the prediction times a seeded lognormal error per (job, GPU type)
+(`error_factor`), the same for every policy, so comparisons are paired. A resized or suspended job
+keeps its steps done and pays planner.schedule.state.restart_s before it computes again.
 
-Durations. A policy decides on the cost model's *predicted* duration of an option; the
-simulated job runs for that prediction times an error factor drawn per (job, GPU type) from a
-seeded lognormal (`error_factor`), so a policy that trusts a wrong prediction is hurt as it
-would be on a real cluster. The factor depends only on the seed, the job and the GPU type, so
-every policy meets the same errors on the same choices: comparisons are paired.
-
-Resizing and preemption. A policy may move a running job to another option (`Decision.resize`)
-or checkpoint it and put it back in the queue (`Decision.suspend`, resumed by a later start):
-the job keeps the share of its steps already done and, on its new devices, pays
-planner.schedule.state.restart_s (checkpoint save + load + warm-up: 30 s to ~2.5 min) before
-it computes again; a suspended job writes its checkpoint on its own devices, so the job that
-takes them computes only once that save is done, and the resume pays load + warm-up. A running job's progress is observable (steps done), its end is predicted.
+The error model and the restart rules: docs/models/scheduling.md ("The simulator").
 """
 from __future__ import annotations
 

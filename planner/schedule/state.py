@@ -26,7 +26,7 @@ from planner.schedule.options import Pool, ResourceOption, cluster_pools
 # fits are within 0.97-1.12x of the medians. Every GPU type of the simulated clusters is
 # estimated from the catalog, never profiled here, so the estimate path's error applies:
 # sigma = 0.25 (68 % of jobs within x/÷ 1.28, 5 % beyond x/÷ 1.65; the unprofiled A6000/L4
-# ratio issue 12 reports off by 2.1x sits at three sigma).
+# ratio once measured off by 2.1x sits at three sigma).
 ERROR_SIGMA = 0.25
 
 # Checkpoint and resume of a resized job: the whole training state (16 bytes/parameter, mixed-

@@ -18,9 +18,9 @@ from executor import booking
 from executor.launch import launch_run, start_run, stop_run
 from executor.store import read_metrics
 from contracts.cluster import ClusterSpec
-from tests.conftest import processes_with_data_dir, two_cpu_plan
-from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
-from tests.e2e.test_executor_run import _wait
+from testkit.processes import processes_with_data_dir
+from testkit.runs import two_cpu_plan
+from testkit.wait import wait_until
 
 LONG = 100_000  # steps: the run lasts until it is stopped
 
@@ -79,31 +79,31 @@ def test_two_sessions_on_the_same_devices_the_second_is_refused_with_the_first_r
             launch_run(two_cpu_plan(), 2, str(tmp_path / "cli"), seed=0)  # the CLI's path
         assert not os.path.exists(tmp_path / "second" / "metrics.sqlite")
         # the launcher took the booking over: its pid holds it
-        _wait(lambda: [b.pid for b in booking.Ledger().live()] == [first.pid], 30, "the launcher to hold it")
+        wait_until(lambda: [b.pid for b in booking.Ledger().live()] == [first.pid], 30, "the launcher to hold it")
         # stop once it trains: a launcher still building its corpus answers a stop only by its kill (30 s)
-        _wait(lambda: read_metrics(first.run_dir)["steps"], 150, "a step")
+        wait_until(lambda: read_metrics(first.run_dir)["steps"], 150, "a step")
     finally:
         assert stop_run(first.run_dir) == "stopped"
     assert booking.Ledger().live() == []
     # every child the dashboard started is reaped: no <defunct> launcher
-    _wait(lambda: not _zombie_children(), 10, "the launcher to be reaped")
+    wait_until(lambda: not _zombie_children(), 10, "the launcher to be reaped")
 
 
 def test_a_sigkilled_launcher_keeps_its_devices_while_torchrun_lives_then_they_are_released(data_dir, tmp_path):
     h = start_run(two_cpu_plan(), LONG, str(tmp_path / "killed"), seed=0)
-    _wait(lambda: len(read_metrics(h.run_dir)["steps"]) >= 1, 150, "a step")
+    wait_until(lambda: len(read_metrics(h.run_dir)["steps"]) >= 1, 150, "a step")
     os.kill(h.pid, signal.SIGKILL)
-    _wait(lambda: read_metrics(h.run_dir)["status"] == "failed", 10, "the store to notice")
+    wait_until(lambda: read_metrics(h.run_dir)["status"] == "failed", 10, "the store to notice")
     # torchrun and the ranks still run on the devices: still booked
     assert [b.run_dir for b in booking.Ledger().live()] == [h.run_dir]
     with pytest.raises(ValueError, match="in use by run"):
         booking.Ledger().book(str(tmp_path / "other"), booking.plan_device_keys(two_cpu_plan()))
     torchrun = int(open(os.path.join(h.run_dir, "torchrun.pid")).read())
     os.killpg(torchrun, signal.SIGKILL)  # everything of the run dies without a word
-    _wait(lambda: not psutil.pid_exists(torchrun) or psutil.Process(torchrun).status() == psutil.STATUS_ZOMBIE,
+    wait_until(lambda: not psutil.pid_exists(torchrun) or psutil.Process(torchrun).status() == psutil.STATUS_ZOMBIE,
           10, "torchrun to die")
     assert booking.Ledger().live() == []  # repaired from the processes alive
     booking.Ledger().book(str(tmp_path / "other"), booking.plan_device_keys(two_cpu_plan()))
     booking.Ledger().release(str(tmp_path / "other"))
     stop_run(h.run_dir, timeout_s=5)  # the ranks left behind
-    _wait(lambda: processes_with_data_dir(data_dir) == [], 30, "every process to end")
+    wait_until(lambda: processes_with_data_dir(data_dir) == [], 30, "every process to end")

@@ -9,15 +9,16 @@ started (cbc) are gone within 10 s.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
 
 import pytest
 
-from tests.conftest import (CHROMIUM, WAIT_MS, launch_browser, processes_with_data_dir, server_log,
-                            streamlit_server, wait_idle)
+from testkit.clusters import many_kinds_cluster
+from testkit.dashboard import CHROMIUM, WAIT_MS, launch_browser, server_log, streamlit_server, wait_idle
+from testkit.processes import processes_with_data_dir
+from testkit.wait import wait_until
 
 pytest.importorskip("playwright")
 if not os.path.exists(CHROMIUM):
@@ -30,18 +31,6 @@ from playwright.sync_api import sync_playwright  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 HUGE_BATCH = 1_000_000  # the page's upper bound
-TYPES = ("H100-SXM", "A100-80GB", "A100-40GB", "L40S", "A6000", "V100-32GB", "L4", "T4")
-KINDS_PER_TYPE = 48  # 384 device kinds on 768 nodes: 9.5 s of solving on the CLI (tiny, B = 1e6)
-
-
-def many_kinds_cluster(path: str) -> str:
-    """A cluster file whose plan takes seconds: every kind a class of its own in the ILP."""
-    nodes = [{"name": f"{t.lower()}-{k}-{j}", "datacenter": "dc0", "gpus": [{"type": t, "slowdown": 1.0 + 0.1 * k}] * 8}
-             for t in TYPES for k in range(KINDS_PER_TYPE) for j in range(2)]
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"name": "many-kinds", "nodes": nodes, "network": {"intra_node_gbps": 600, "inter_node_gbps": 200}},
-                  fh)
-    return path
 GONE_WITHIN_S = 10.0  # the issue's bound, from the tab's close
 
 
@@ -91,12 +80,8 @@ def test_closing_the_tab_ends_a_huge_solve(data_dir, monkeypatch):
             # past the first wait the page says so and offers Cancel
             page.locator(".st-key-plan_cancel button").first.wait_for(timeout=WAIT_MS)
             assert page.get_by_text(re.compile("Solving the plan")).count() > 0
-            deadline = time.monotonic() + 30
-            solvers = solver_processes(data_dir)
-            while not solvers and time.monotonic() < deadline:
-                time.sleep(0.2)
-                solvers = solver_processes(data_dir)
-            assert solvers, "no solver process under the server while the page says it is solving"
+            solvers = wait_until(lambda: solver_processes(data_dir), 30,
+                                 "a solver process under the server while the page says it is solving")
             time.sleep(1.0)  # let the solver start its cbc, if it does
             solvers = solver_processes(data_dir) or solvers
             # the solve is still running when the tab closes (else this test would prove nothing)
@@ -106,8 +91,5 @@ def test_closing_the_tab_ends_a_huge_solve(data_dir, monkeypatch):
             raise
         finally:
             browser.close()  # the tab is gone: its websocket closes
-        closed = time.monotonic()
-        while any(alive(p) for p in solvers) and time.monotonic() - closed < GONE_WITHIN_S:
-            time.sleep(0.1)
-        left = [f"{p.pid} {p.name()}" for p in solvers if alive(p)]
-        assert not left, f"still running {GONE_WITHIN_S:g} s after the tab closed: {left}\n{server_log(data_dir)}"
+        wait_until(lambda: not any(alive(p) for p in solvers), GONE_WITHIN_S, "the solver to end after the tab closed",
+                   interval_s=0.1, detail=lambda: f"{[p.pid for p in solvers if alive(p)]}\n{server_log(data_dir)}")

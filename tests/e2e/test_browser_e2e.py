@@ -17,18 +17,10 @@ import time
 
 import pytest
 
-from tests.conftest import (
-    CHROMIUM,
-    ROOT,
-    WAIT_MS,
-    kill_processes_with_data_dir,
-    launch_browser,
-    processes_with_data_dir,
-    server_log,
-    steps_recorded,
-    streamlit_server,
-    wait_idle,
-)
+from testkit import ROOT
+from testkit.dashboard import CHROMIUM, WAIT_MS, launch_browser, server_log, steps_recorded, streamlit_server, wait_idle
+from testkit.processes import kill_processes_with_data_dir, processes_with_data_dir
+from testkit.wait import page_pause, wait_until
 
 pytest.importorskip("playwright")
 if not os.path.exists(CHROMIUM):
@@ -78,17 +70,15 @@ def assert_no_exception(page: Page, where: str) -> None:
 
 
 def wait_steps_at_least(page: Page, n: int, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    seen = -1
-    while time.monotonic() < deadline:
-        try:
-            seen = steps_recorded(page, timeout_ms=5_000)
-        except PlaywrightError:  # the fragment re-renders the line while we read it
-            seen = -1
-        if seen >= n:
-            return seen
-        page.wait_for_timeout(500)
-    raise AssertionError(f"Steps recorded stayed at {seen}, wanted >= {n} within {timeout_s:.0f} s")
+    seen = [-1]
+
+    def enough() -> int | None:
+        seen[0] = steps_recorded(page, timeout_ms=5_000)
+        return seen[0] if seen[0] >= n else None
+
+    # PlaywrightError: the fragment re-renders the line while we read it
+    return wait_until(enough, timeout_s, f"Steps recorded >= {n}", interval_s=0.5, ignore=(PlaywrightError,),
+                      detail=lambda: f"Steps recorded at {seen[0]}", pause=page_pause(page))
 
 
 LOSS_POINTS_JS = """() => {

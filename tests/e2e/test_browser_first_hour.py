@@ -26,8 +26,9 @@ import pytest
 from profiler import cgroups
 # its helpers, and its skips where playwright or Debian's chromium is missing
 from tests.e2e.test_browser_e2e import assert_no_exception, click_key, fill_number, open_page, shot
-from tests.conftest import (WAIT_MS, kill_processes_with_data_dir, launch_browser, processes_with_data_dir,
-                            server_log, streamlit_server, wait_idle)
+from testkit.dashboard import WAIT_MS, launch_browser, server_log, streamlit_server, wait_idle
+from testkit.processes import kill_processes_with_data_dir, processes_with_data_dir
+from testkit.wait import page_pause, wait_until
 
 _WHY = cgroups.unavailable_reason()
 if _WHY is not None:
@@ -66,17 +67,18 @@ TABLES = (('[data-testid="stDataFrame"]', '[role="columnheader"]', '[role="row"]
 def table_column(page: Page, header: str) -> list[str]:
     """The cells of one column of the page's first table, once it has drawn its headers (a grid
     redraws after a rerun)."""
-    deadline = time.monotonic() + WAIT_MS / 1000
-    while True:
+    def column() -> tuple[list[str]] | None:
         for table, head, row, cell in TABLES:
             grid = page.locator(f'[data-testid="stMain"] {table}').first
             headers = [h.strip() for h in grid.locator(head).all_inner_texts()] if grid.count() else []
             cols = [i for i, h in enumerate(headers) if h.startswith(header)]
             if cols:
                 rows = grid.locator(row)
-                return [rows.nth(i).locator(cell).nth(cols[0]).inner_text().strip() for i in range(rows.count())]
-        assert time.monotonic() < deadline, f"no table with a column {header!r} on the page"
-        page.wait_for_timeout(250)
+                return ([rows.nth(i).locator(cell).nth(cols[0]).inner_text().strip() for i in range(rows.count())],)
+        return None
+
+    return wait_until(column, WAIT_MS / 1000, f"a table with a column {header!r} on the page", interval_s=0.25,
+                      pause=page_pause(page))[0]
 
 
 def iteration_shown(page: Page) -> str:
@@ -90,13 +92,8 @@ def main_text(page: Page) -> str:
 
 def wait_text(page: Page, pattern: str, timeout_s: float) -> re.Match:
     """Until the page's main area shows `pattern` (the live panel redraws every second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = re.search(pattern, main_text(page))
-        if m:
-            return m
-        assert time.monotonic() < deadline, f"the page never showed /{pattern}/ within {timeout_s:.0f} s"
-        page.wait_for_timeout(500)
+    return wait_until(lambda: re.search(pattern, main_text(page)), timeout_s, f"the page to show /{pattern}/",
+                      interval_s=0.5, pause=page_pause(page))
 
 
 def store_median(run_dir: str) -> tuple[float, float, int]:
@@ -145,14 +142,14 @@ def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
                     done("estimated plan, profile button offered")
                     estimated_iteration = iteration_shown(page)
                     click_key(page, "plan_profile_now")
-                    deadline = time.monotonic() + PROFILE_TIMEOUT_S
                     # profiled, then solved again: the estimate's warning and button gone, no solve
                     # pending, and the iteration time the new (measured) plan's
-                    while ("Estimated, not measured" in main_text(page) or "Solving the plan" in main_text(page)
-                           or page.locator(".st-key-plan_profile_now").count()
-                           or iteration_shown(page) == estimated_iteration):
-                        assert time.monotonic() < deadline, "no measured plan after profiling"
-                        page.wait_for_timeout(500)
+                    wait_until(lambda: not ("Estimated, not measured" in main_text(page)
+                                            or "Solving the plan" in main_text(page)
+                                            or page.locator(".st-key-plan_profile_now").count()
+                                            or iteration_shown(page) == estimated_iteration),
+                               PROFILE_TIMEOUT_S, "a measured plan after profiling", interval_s=0.5,
+                               pause=page_pause(page))
                     wait_idle(page, 60_000)
                     assert_no_exception(page, "Plan after profiling")
                     batches = [int(b) for b in table_column(page, "batch")]

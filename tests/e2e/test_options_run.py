@@ -1,4 +1,4 @@
-"""Every option the scheduler offers is something GPUMix can run (issue 12).
+"""Every option the scheduler offers is something GPUMix can run.
 
 Property test over random jobs and pools: each offered option is a Plan (`option_plan`) whose
 predictions are the option's own, within memory on every device, and the hetero planner on the

@@ -1,4 +1,3 @@
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -7,6 +6,7 @@ from contracts.cluster import ClusterSpec
 from executor.orchestrator import Orchestrator
 from executor.queue import JobQueue
 from planner.entry import sub_cluster
+from testkit.wait import wait_until
 
 TWO_CPUS = ClusterSpec.from_dict({"name": "local", "nodes": [{"name": "localhost", "gpus": {"cpu": 2}}]})
 
@@ -91,10 +91,14 @@ def test_two_real_tiny_jobs_submitted_at_once_run_and_finish():
     ids = [q.submit("tiny", 1, 3, seq=32), q.submit("tiny", 1, 3, seq=32)]
     orch = Orchestrator(q, TWO_CPUS)
     assert sorted(orch.tick().started) == ids
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and any(q.get(i).state in ("queued", "running") for i in ids):
-        time.sleep(0.5)
-        orch.tick()
+
+    def ended() -> bool:
+        if any(q.get(i).state in ("queued", "running") for i in ids):
+            orch.tick()
+            return False
+        return True
+
+    wait_until(ended, 150, "both jobs to end", interval_s=0.5, detail=lambda: [q.get(i).reason for i in ids])
     jobs = [q.get(i) for i in ids]
     assert [j.state for j in jobs] == ["done", "done"], [j.reason for j in jobs]
     for j in jobs:

@@ -5,7 +5,6 @@ import pytest
 
 from executor.queue import JobQueue
 from contracts.paths import queue_db_path
-from tests.pg_fixture import postgres_server, store_backend  # noqa: F401 (fixtures)
 
 
 def test_jobs_and_their_states_survive_a_restart(store_backend):

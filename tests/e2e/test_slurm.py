@@ -1,4 +1,4 @@
-"""GPUMix on a real SLURM cluster (tests/slurm_fixture.py: slurmctld, two slurmd in their own
+"""GPUMix on a real SLURM cluster (testkit/slurm.py: slurmctld, two slurmd in their own
 network namespaces, munged): a 2-node, 3-rank CPU run through `sbatch`/`srun` trains exactly like
 one rank, its metrics reach the store, `scancel` and a killed node end it cleanly, the inventory
 parsers read the real cluster, and the orchestrator survives its own restart."""
@@ -22,8 +22,8 @@ from models.optim import OptimConfig
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.plan import Assignment, Plan
 from profiler.slurm_inventory import SlurmNode
-from tests.e2e.test_executor_run import _wait
-from tests.slurm_fixture import GRES_NAME, slurm_cluster  # noqa: F401  (the session fixture)
+from testkit.wait import wait_until
+from testkit.slurm import GRES_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -184,23 +184,17 @@ LONG = 400  # steps: the run is stopped or broken long before it ends
 
 
 def wait_for_steps(run_dir: str, n: int, timeout_s: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            m = read_metrics(run_dir)
-            if len(m["steps"]) >= n or m["status"] != "running":
-                return m
-        except ValueError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"no {n} steps within {timeout_s:.0f} s: {read_metrics(run_dir)['events']}")
+    def trained_or_ended() -> dict | None:
+        m = read_metrics(run_dir)
+        return m if len(m["steps"]) >= n or m["status"] != "running" else None
+
+    return wait_until(trained_or_ended, timeout_s, f"{n} steps", interval_s=0.3, ignore=(ValueError,),
+                      detail=lambda: read_metrics(run_dir)["events"])
 
 
 def wait_status(run_dir: str, timeout_s: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while read_metrics(run_dir)["status"] == "running" and time.monotonic() < deadline:
-        time.sleep(0.3)
-    return read_metrics(run_dir)
+    return wait_until(lambda: (lambda m: m if m["status"] != "running" else None)(read_metrics(run_dir)), timeout_s,
+                      "the run to end", interval_s=0.3, detail=lambda: read_metrics(run_dir)["events"])
 
 
 def processes_of(run_dir: str) -> list[str]:
@@ -228,10 +222,8 @@ def wait_training(run_dir: str) -> None:
 
 def assert_nothing_left(cluster, run_dir: str) -> None:
     cluster.wait_no_jobs()
-    deadline = time.monotonic() + 15
-    while processes_of(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert not processes_of(run_dir)
+    wait_until(lambda: not processes_of(run_dir), 15, "no process of the run left", interval_s=0.3,
+               detail=lambda: processes_of(run_dir))
 
 
 def test_executor_stop_and_an_outside_scancel_end_runs_as_stopped(slurm_cluster, settings, tmp_path):
@@ -297,7 +289,7 @@ def test_a_killed_orchestrator_restarted_loses_no_job_and_double_books_no_device
     ids = [q.submit("tiny", 1, STEPS_ORCH, seq=32) for _ in range(4)]
     orch = _orchestrator(cluster_file, str(tmp_path / "orch1.log"))
     try:
-        _wait(lambda: len(q.list(["running"])) == 3 and len(slurm_cluster.cmd("squeue", "-h", "-t", "R", "-o",
+        wait_until(lambda: len(q.list(["running"])) == 3 and len(slurm_cluster.cmd("squeue", "-h", "-t", "R", "-o",
                                                                                "%i").split()) >= 3,
               120, "three jobs running in SLURM")
         before = {j.id: j.run_dir for j in q.list(["running"])}
@@ -307,7 +299,7 @@ def test_a_killed_orchestrator_restarted_loses_no_job_and_double_books_no_device
     assert q.get(ids[3]).state == "queued"
     orch = _orchestrator(cluster_file, str(tmp_path / "orch2.log"))
     try:
-        _wait(lambda: all(q.get(i).state not in ("queued", "running") for i in ids), 300, "every job to end")
+        wait_until(lambda: all(q.get(i).state not in ("queued", "running") for i in ids), 300, "every job to end")
     finally:
         os.killpg(orch.pid, 9)
         orch.wait(timeout=10)

@@ -1,33 +1,18 @@
 """ui/background.py: a page's computation in its own process group, replaced, cancelled, reaped.
 
-`settle` is shared with the page tests (tests/unit/test_ui_plan.py, _geo, _scheduler)."""
+The page tests (tests/unit/test_ui_plan.py, _geo, _scheduler) wait with testkit.apptest.settle."""
 from __future__ import annotations
 
-import os
 import subprocess
 import time
-from typing import Any, Callable
 
 import psutil
 import pytest
 
+from testkit.wait import wait_until
 from ui import background
 
 pytestmark = pytest.mark.timeout(60)
-
-SETTLE_S = 120
-
-
-def settle(at: Any, pending: Callable[[Any], bool], timeout_s: float = SETTLE_S) -> Any:
-    """Rerun an AppTest page, as its polling fragment does in a browser, while `pending(at)`."""
-    deadline = time.monotonic() + timeout_s
-    while pending(at):
-        assert time.monotonic() < deadline, "the background computation never came back"
-        assert not at.exception
-        time.sleep(0.2)
-        at.run()
-    assert not at.exception
-    return at
 
 
 def add(a: int, b: int) -> int:
@@ -54,31 +39,21 @@ def gone(pid: int) -> bool:
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(gone(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return all(gone(p) for p in pids)
+    return wait_until(lambda: all(gone(p) for p in pids), timeout_s, f"processes {pids} to end", interval_s=0.1)
 
 
 def grandchild_pid(pid_file: str, timeout_s: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if os.path.exists(pid_file) and open(pid_file, encoding="utf-8").read():
-            return int(open(pid_file, encoding="utf-8").read())
-        time.sleep(0.05)
-    raise AssertionError("the child never started its grandchild")
+    def written() -> str:
+        with open(pid_file, encoding="utf-8") as fh:
+            return fh.read()
+
+    return int(wait_until(written, timeout_s, "the child to start its grandchild", interval_s=0.05,
+                          ignore=(FileNotFoundError,)))
 
 
 def wait_result(job: background.Job, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return job.result()
-        except background.Pending:
-            time.sleep(0.05)
-    raise AssertionError("the job did not finish")
+    return wait_until(lambda: (job.result(),), timeout_s, "the job to finish", interval_s=0.05,
+                      ignore=(background.Pending,))[0]
 
 
 def test_result_and_error_come_back_from_the_child():

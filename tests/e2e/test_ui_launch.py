@@ -3,13 +3,14 @@ the store -> the live lines, the selector and the charts; a real launch and stop
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
 from executor.store import read_metrics
-from tests.conftest import fabricate_run, processes_with_data_dir, two_cpu_plan
+from testkit.processes import processes_with_data_dir
+from testkit.runs import fabricate_run, two_cpu_plan
+from testkit.wait import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "ui", "launch.py")
@@ -49,7 +50,7 @@ def test_with_a_plan_the_widgets_are_there_and_a_finished_run_is_shown(data_dir)
     assert at.button(key="stop_button").disabled  # nothing to stop
     assert at.session_state["run_dir"] == done
     assert any("emulated" in c.value for c in at.caption)  # the slowdown-3 device is marked
-    assert len(at.get("vega_lite_chart")) == 4 and not at.get("plotly_chart")
+    assert len(at.get("plotly_chart")) == 4 and not at.get("vega_lite_chart")
     assert not at.error
 
 
@@ -92,20 +93,15 @@ def launch_by_click(steps: int = 100_000) -> tuple[AppTest, str]:
 def test_launch_and_stop_by_click(data_dir):
     at, run_dir = launch_by_click()
     assert os.path.dirname(run_dir) == os.path.join(data_dir, "runs")
-    deadline = time.monotonic() + 120
-    while not read_metrics(run_dir)["steps"]:
-        assert time.monotonic() < deadline, "no step recorded within 120 s"
-        time.sleep(0.5)
+    wait_until(lambda: read_metrics(run_dir)["steps"], 120, "a recorded step", interval_s=0.5)
     at.run()
     assert "Run status: running" in texts(at)
     at.button(key="stop_button").click().run()
     assert not at.exception, at.exception
     assert "Run status: stopped" in texts(at)
     assert read_metrics(run_dir)["status"] == "stopped"
-    deadline = time.monotonic() + 30
-    while processes_with_data_dir(data_dir) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert processes_with_data_dir(data_dir) == []
+    wait_until(lambda: processes_with_data_dir(data_dir) == [], 30, "every process of the run to end", interval_s=0.5,
+               detail=lambda: processes_with_data_dir(data_dir))
 
 
 @pytest.mark.slow
@@ -119,9 +115,8 @@ def test_two_sessions_on_the_same_devices_the_second_is_told_which_run_holds_the
         warnings = [w.value for w in second.warning]
         assert any("Launch is disabled" in w and f"in use by run {run_dir}" in w for w in warnings), warnings
         assert first.button(key="launch_button").disabled  # the first session too: its own run holds them
-        deadline = time.monotonic() + 150  # stop once it trains (a launcher still starting is killed after 30 s)
-        while not read_metrics(run_dir)["steps"] and time.monotonic() < deadline:
-            time.sleep(0.5)
+        # stop once it trains (a launcher still starting is killed after 30 s)
+        wait_until(lambda: read_metrics(run_dir)["steps"], 150, "a recorded step", interval_s=0.5)
     finally:
         stop_run(run_dir)
     assert not run_page(two_cpu_plan()).button(key="launch_button").disabled  # free again
@@ -141,12 +136,9 @@ def test_a_finished_dashboard_launch_leaves_no_defunct_child(data_dir):
         except psutil.NoSuchProcess:
             return "reaped"
 
-    deadline = time.monotonic() + 30  # the launcher exits just after recording "done"
-    while state() not in ("reaped", psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    deadline = time.monotonic() + 5  # then its parent (this "dashboard") must reap it
-    while state() != "reaped" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # the launcher exits just after recording "done"; then its parent (this "dashboard") must reap it
+    wait_until(lambda: state() in ("reaped", psutil.STATUS_ZOMBIE), 30, "the launcher to exit", interval_s=0.1)
+    wait_until(lambda: state() == "reaped", 5, "the dashboard to reap its launcher", interval_s=0.1)
     zombies = [c.pid for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE]
     assert state() == "reaped" and zombies == [], f"<defunct> children of the dashboard: {zombies}"
 
@@ -201,45 +193,40 @@ def test_rolling_median_and_percent_are_what_a_person_reads():
         "—", "yes", "—", "3 s"]
 
 
-# ---- the charts (Vega-Lite specs) ----------------------------------------------------------
+# ---- the charts (Plotly figures) ----------------------------------------------------------
 
 
 def test_the_charts_draw_the_stored_figures():
-    """Each chart's Vega-Lite spec holds the run's own numbers, with unit axis titles."""
-    from ui.charts import spec_layers
+    """Each chart's figure holds the run's own numbers, with unit axis titles."""
+    from ui.charts import traces_by_name
     from ui.common import rolling_median
     from ui.launch import SMOOTH_STEPS, loss_figure, memory_figure, throughput_figure, wait_figure
 
     m = read_metrics(fabricate_run("run-charts", 15, "done"))
     rates = [s["samples_per_s"] for s in m["steps"]]
-    marks = {layer["mark"]: layer for layer in spec_layers(throughput_figure(m))}
-    assert [r["y"] for r in marks["point"]["rows"]] == pytest.approx(rates)
-    assert {r["series"] for r in marks["line"]["rows"]} == {f"median of {SMOOTH_STEPS}"}
-    assert [r["y"] for r in marks["line"]["rows"]] == pytest.approx(rolling_median(rates, SMOOTH_STEPS))
-    assert marks["rule"]["rows"] == [{"series": "predicted", "y": pytest.approx(m["predicted_samples_per_s"])}]
-    assert marks["point"]["encoding"]["y"]["axis"]["title"] == "throughput (samples/s)"
+    fig = throughput_figure(m)
+    traces = traces_by_name(fig)
+    assert traces["each step (measured)"]["y"] == pytest.approx(rates)
+    assert traces[f"median of {SMOOTH_STEPS}"]["y"] == pytest.approx(rolling_median(rates, SMOOTH_STEPS))
+    (rule,) = fig["layout"]["shapes"]
+    assert (rule["name"], rule["y0"]) == ("predicted", pytest.approx(m["predicted_samples_per_s"]))
+    assert fig["layout"]["yaxis"]["title"]["text"] == "throughput (samples/s)"
 
-    (loss,) = spec_layers(loss_figure(m))
-    assert [r["y"] for r in loss["rows"]] == pytest.approx([s["loss"] for s in m["steps"]])
-    assert loss["encoding"]["y"]["axis"]["title"] == "loss (nats/token)"
+    loss = loss_figure(m)
+    assert loss["data"][0]["y"] == pytest.approx([s["loss"] for s in m["steps"]])
+    assert loss["layout"]["yaxis"]["title"]["text"] == "loss (nats/token)"
 
-    bars = [layer for layer in spec_layers(memory_figure(m)) if layer["mark"] == "bar"][0]
-    peaks = {(r["x"], r["series"]): r["y"] for r in bars["rows"]}
-    for rank in m["ranks"]:
-        name = f"rank {rank['rank']}"
-        assert peaks[(name, "peak (measured)")] == pytest.approx(rank["peak_memory_bytes"] / 2**20)
-        assert peaks[(name, "predicted")] == pytest.approx(rank["predicted_memory_bytes"] / 2**20)
-    texts = [layer for layer in spec_layers(memory_figure(m)) if layer["mark"] == "text"][0]
-    assert {r["label"] for r in texts["rows"]} >= {"4.8", "9.5"}  # MiB over the bars: 5,000,000 B and 10**7 B
+    bars = traces_by_name(memory_figure(m))
+    names = [f"rank {rank['rank']}" for rank in m["ranks"]]
+    assert bars["peak (measured)"]["x"] == names
+    assert bars["peak (measured)"]["y"] == pytest.approx([r["peak_memory_bytes"] / 2**20 for r in m["ranks"]])
+    assert bars["predicted"]["y"] == pytest.approx([r["predicted_memory_bytes"] / 2**20 for r in m["ranks"]])
+    labels = bars["peak (measured)"]["text"] + bars["predicted"]["text"]
+    assert set(labels) >= {"4.8", "9.5"}  # MiB over the bars: 5,000,000 B and 10**7 B
 
-    waits = spec_layers(wait_figure(m))[0]
-    assert {r["series"] for r in waits["rows"]} == {"rank 0", "rank 1"}
-    assert wait_figure(m).to_dict()["title"]["text"] == "Per-rank wait in collectives (measured)"
-
-
-def test_the_page_does_not_import_plotly():
-    with open(PAGE, encoding="utf-8") as fh:
-        assert "plotly" not in fh.read()
+    waits = wait_figure(m)
+    assert set(traces_by_name(waits)) == {"rank 0", "rank 1"}
+    assert waits["layout"]["title"]["text"] == "Per-rank wait in collectives (measured)"
 
 
 # ---- against the even split ---------------------------------------------------------------
@@ -274,7 +261,7 @@ def store_run(run_dir: str, plan, step_s: list[float], status: str | None = "don
 
 
 def test_a_planned_run_and_its_even_split_are_compared_measured(data_dir):
-    from executor.compare import even_plan
+    from planner.entry import even_plan
 
     plan = mixed_plan()
     planned = store_run(os.path.join(data_dir, "runs", "run-planned"), plan, [3.0, 1.0] + [0.2] * 6 + [0.21] * 4)

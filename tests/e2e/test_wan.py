@@ -19,6 +19,7 @@ from executor.store import pid_alive, read_metrics
 from contracts.cluster import ClusterSpec
 from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink, link_key
 from testkit.processes import processes_with_data_dir
+from testkit.wait import wait_until
 
 needs_wan = pytest.mark.skipif(wan.unavailable_reason() is not None,
                                reason=f"emulated datacenters unavailable: {wan.unavailable_reason()}")
@@ -37,13 +38,6 @@ def geo_plan(gbps: float, connections: int = 1, nodes: tuple[str, ...] = ("dc-a"
     return Plan(cluster, "tiny", 2 * len(nodes), SEQ, "fp32", "none", asg, 0.0, 0.0,
                 wan=tuple(WanLink(a, b, gbps, 40.0) for a, b in pairs),
                 connections={link_key(a, b): connections for a, b in pairs})
-
-
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def _established(setup: wan.WanSetup) -> int:
@@ -65,7 +59,7 @@ def _watch_run(run_dir: str, steps_before: int | None = None, until=None) -> dic
     inter-datacenter connections at once; returns when the run has `steps_before` steps, when
     `until(setup)` holds, or when the run ends."""
     seen = {"inodes": set(), "qdiscs": "", "connections": 0}
-    _wait(lambda: os.path.exists(os.path.join(run_dir, wan.WAN_FILE)) or read_metrics(run_dir)["status"] != "running",
+    wait_until(lambda: os.path.exists(os.path.join(run_dir, wan.WAN_FILE)) or read_metrics(run_dir)["status"] != "running",
           RUN_TIMEOUT_S, "the emulated datacenters")
     setup = seen["setup"] = wan.WanSetup.load(os.path.join(run_dir, wan.WAN_FILE))
     netns = [setup.netns(i) for i in range(len(setup.nodes))]
@@ -88,7 +82,7 @@ def _assert_torn_down(seen: dict, data_dir: str, launcher_pid: int) -> None:
     """Nothing of the run is left once its launcher has exited (it records the end first): no
     namespace by name or mount, no process of the run (they all carry the test's data dir), none in
     the run's namespaces; so the kernel has freed the namespaces with their veths and qdiscs."""
-    _wait(lambda: not pid_alive(launcher_pid), 30, "the launcher to exit")
+    wait_until(lambda: not pid_alive(launcher_pid), 30, "the launcher to exit")
     setup = seen["setup"]
     assert seen["inodes"], "the namespaces were never seen"
     assert wan.leftovers(setup) == []
@@ -225,7 +219,7 @@ def test_a_killed_launcher_leaves_nothing_its_guard_removes_it(data_dir, tmp_pat
     h = start_run(geo_plan(0.1), 10_000, run, seed=1, emulate_wan=True)
     seen = _watch_run(run, until=lambda setup: len(wan.pids_in({wan.netns_inode(setup.netns(1))})) > 0)
     os.kill(h.pid, signal.SIGKILL)  # its torchrun agents are up inside the namespaces
-    _wait(lambda: not wan.leftovers(seen["setup"]) and not processes_with_data_dir(data_dir), 30,
+    wait_until(lambda: not wan.leftovers(seen["setup"]) and not processes_with_data_dir(data_dir), 30,
           "the guard's tear-down")
     assert any("the guard removed" in e for e in _events(run))
     _assert_torn_down(seen, data_dir, h.pid)

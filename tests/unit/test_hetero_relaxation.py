@@ -1,5 +1,5 @@
 """The probe's LP relaxation (planner/hetero/solve.py: relaxation_infeasible) proves infeasibility
-only where CBC finds none: hand-solved instances, and every certificate of an issue-17 solve
+only where CBC finds none: hand-solved instances, and every certificate of a large-batch solve
 checked against CBC itself."""
 import math
 import os

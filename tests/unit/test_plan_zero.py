@@ -1,4 +1,4 @@
-"""The planner across ZeRO stages (issue 11): `--zero auto|1|2|3`, layer-wise accumulation's memory
+"""The planner across ZeRO stages: `--zero auto|1|2|3`, layer-wise accumulation's memory
 and recompute, and the 13B plan on 1,024 mixed GPUs.
 
 Memory checks re-ask planner.core.memory directly with each assignment's (m, n, f) and stage, an
@@ -27,7 +27,7 @@ LOCAL = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")
 
 GB = 1e9
 HEADROOM = 0.9
-# 8 GPU types from the catalog, 128 of each, 8 GPUs per node (issue 11's 1,024-GPU case)
+# 8 GPU types from the catalog, 128 of each, 8 GPUs per node (the 1,024-GPU case)
 TYPES_1024 = ("A100-80GB", "A100-40GB", "H100-SXM", "V100-32GB", "T4", "L4", "A10G", "RTX4090")
 
 
@@ -75,7 +75,7 @@ def test_13b_on_1024_mixed_gpus_is_feasible_and_fast(tmp_path, capsys):
     assert printed["zero_candidates"][str(plan.zero)]["predicted_iteration_s"] == pytest.approx(
         plan.predicted_iteration_s)
     assert_fits_by_the_memory_model(plan)
-    # issue 11 asks for ≤ 2 s; on a loaded 2-core machine only a generous bound is robust
+    # the target is ≤ 2 s; on a loaded 2-core machine only a generous bound is robust
     assert printed["solve_s"] < 10.0
     # forced to ZeRO-1 the same request is refused with one line
     assert planner("plan", "--cluster", str(path), "--model", "llama2-13b", "--global-batch", "4096", "--seq", "2048",

@@ -8,7 +8,7 @@ from tests.e2e.test_planner_bounded import LOCAL
 
 
 def test_local_batch_of_1e5_is_planned_exactly_and_never_over_memory(data_dir):
-    # before issue 17 this failed after 10 s: "the solver's time limit of 10 s ran out"
+    # before bounded planning this failed after 10 s: "the solver's time limit of 10 s ran out"
     cluster = ClusterSpec.load(LOCAL)
     result = solve_plan(cluster, "tiny", 100_000, time_limit_s=10.0)
     plan = result.plan

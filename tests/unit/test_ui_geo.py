@@ -5,7 +5,7 @@ its polling fragment does in a browser, until the answer is in."""
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from tests.e2e.test_ui_background import settle as settle_until
+from testkit.apptest import settle as settle_until
 from ui.charts import drawn_figure
 
 TIMEOUT_S = 120

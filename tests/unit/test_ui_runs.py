@@ -13,7 +13,7 @@ import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from contracts.paths import runs_dir
-from tests.conftest import GLOBAL_BATCH, STEP_S, fabricate_run, losses
+from testkit.runs import GLOBAL_BATCH, STEP_S, fabricate_run, losses
 from ui.charts import drawn_figure, traces_by_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

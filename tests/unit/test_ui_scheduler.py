@@ -7,7 +7,7 @@ import os
 from streamlit.testing.v1 import AppTest
 
 from executor.queue import JobQueue
-from tests.e2e.test_ui_background import settle as settle_until
+from testkit.apptest import settle as settle_until
 from ui.charts import drawn_figure
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ui", "scheduler.py")
