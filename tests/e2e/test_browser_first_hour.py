@@ -138,6 +138,9 @@ def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
                     fill_number(page, "plan_global_batch", GLOBAL_BATCH)
                     click_key(page, "plan_compute")
                     page.locator(".st-key-plan_profile_now button").wait_for(timeout=60_000)
+                    # the page fully drawn before the click, as a user sees it: the estimated plan's Plotly
+                    # charts cost the browser about a second of CPU, which would fall inside the profile
+                    wait_idle(page, 60_000)
                     assert "Estimated, not measured" in main_text(page)
                     done("estimated plan, profile button offered")
                     estimated_iteration = iteration_shown(page)
