@@ -27,6 +27,7 @@ from contracts.specs import ModelSpec
 log = logging.getLogger(__name__)
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _TracedRank(LocalCollectives):
@@ -54,6 +55,19 @@ def rank_fractions(cfg: MemoryConfig) -> list[float]:
     return [f] + [(1.0 - f) / others] * others
 
 
+def runtime_options(cfg: MemoryConfig) -> dict[str, Any]:
+    """The config's gather/reduce options as ShardedRuntime keyword arguments (param_dtype,
+    reduce_dtype, prefetch); the defaults are left out, so a runtime without them traces as before."""
+    out: dict[str, Any] = {}
+    if cfg.param_dtype != "fp32":
+        out["param_dtype"] = _DTYPES[cfg.param_dtype]
+    if cfg.reduce_dtype != "fp32":
+        out["reduce_dtype"] = _DTYPES[cfg.reduce_dtype]
+    if cfg.prefetch != 1:
+        out["prefetch"] = cfg.prefetch
+    return out
+
+
 def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: int = 0) -> dict[str, Any]:
     """The traced peak of one training step, as the breakdown keys of planner.core.memory plus
     `measured: true`, `startup_peak_bytes` (building the runtime) and `max_in_flight_bytes`."""
@@ -68,7 +82,8 @@ def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: i
         with LiveTensorBytes() as startup:
             rt = ShardedRuntime(spec, zero=zero, fractions=fractions, position=0,
                                 comm=_TracedRank(0, len(fractions)), device=cpu, recompute=cfg.recompute,
-                                autocast_dtype=_AUTOCAST[cfg.dtype], seed=seed, materialize=not fake)
+                                autocast_dtype=_AUTOCAST[cfg.dtype], seed=seed, materialize=not fake,
+                                **runtime_options(cfg))
         n = cfg.accum_steps if cfg.micro_batch > 0 else 0
         batches = [(torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq)),  # (B, T) tokens
                     torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq)))  # (B, T) targets

@@ -24,7 +24,8 @@ from contracts.units import runtime_units
 from contracts.constants import (DTYPES, FP32_BYTES, HALF_BYTES, INT64_BYTES, MODELLED_ZERO_STAGES, RECOMPUTE,
                                  STEP_CHUNK_NUMEL, check_zero)
 
-
+# the dtypes a unit's full gradient may be reduce-scattered in (models/sharded.py `reduce_dtype`)
+REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,13 @@ class MemoryConfig:
     shard_fraction: float | None = None
     # the catalog GPU type (or "cpu") the step runs on: it decides the attention kernel
     device_type: str = "cpu"
+    # zero 3: the dtype of the gathered full parameters (the master slice and AdamW state stay fp32);
+    # bf16/fp16 halves the gathers and lets autocast use the weights as they are (no copies)
+    param_dtype: str = "fp32"
+    # the dtype a unit's full gradient is cast to for its reduce-scatter (the slice's stays fp32)
+    reduce_dtype: str = "fp32"
+    # zero 3: units whose gather is in flight ahead of the one computing (1: the next one)
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         def is_int(v: Any) -> bool:
@@ -74,6 +82,15 @@ class MemoryConfig:
                 raise ValueError(f"shard_fraction must be in [0, 1], got {f!r}")
             if self.zero == 0 and f != 1.0:
                 raise ValueError(f"shard_fraction {f} needs zero >= 1: zero=0 keeps the whole state on every GPU")
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
+        if self.param_dtype != "fp32" and self.zero != 3:
+            raise ValueError(f"param_dtype {self.param_dtype} needs zero=3 (got zero={self.zero}): only ZeRO 3 "
+                             "gathers its parameters; zero 0-2 keep the full fp32 parameters")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
+        if not is_int(self.prefetch) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {self.prefetch!r}")
 
     @property
     def fraction(self) -> float:
