@@ -40,6 +40,7 @@ class RunConfig:
     init_from: str | None = None  # a Hugging Face model folder to start from
     optim: dict[str, Any] | None = None  # OptimConfig.to_dict(); None: the defaults for `steps`
     emulate_wan: bool = False  # every plan node a datacenter emulated here (executor/wan.py)
+    emulate_links_gbps: float | None = None  # every rank in its own namespace behind links of this rate (executor/links.py)
     prefill: dict[str, Any] | None = None  # the JSON object every rank gets as --prefill
 
     def __post_init__(self) -> None:
@@ -53,6 +54,12 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{name} must be a path, got {v!r}")
+        g = self.emulate_links_gbps
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 100):
+            raise ValueError(f"emulate_links_gbps must be a link rate in Gbit/s in (0, 100], got {g!r}")
+        if g is not None and self.emulate_wan:
+            raise ValueError("emulate_links_gbps and emulate_wan exclude each other: emulated datacenters shape "
+                             "the links between nodes, emulated links every rank's own")
         for name in ("optim", "prefill"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, dict):

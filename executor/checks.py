@@ -2,7 +2,8 @@
 
 Every check raises a one-line ValueError saying what to change, before any rank starts and before
 anything is written to the run folder's store: the plan's devices exist here (`check_devices`),
-a plan on several nodes runs here only as emulated datacenters (`check_emulate_wan`), the
+a plan on several nodes runs here only as emulated datacenters (`check_emulate_wan`), emulated
+links need a one-node CPU plan of at least 2 ranks and root (`check_emulate_links`), the
 `init_from` folder holds the plan's model (`check_init_from`), the run folder has no live run
 (`check_not_running`). The settings' own values (steps, seed, ...) are RunConfig's to check
 (contracts/run.py); `check_run` and `check_local` are what the backends call (executor/backend.py).
@@ -16,7 +17,7 @@ from dataclasses import replace
 
 from contracts.plan import Plan
 from contracts.run import RunConfig
-from executor import booking, wan
+from executor import booking, links, netns, wan
 from executor.rank_commands import plan_nodes
 from executor.store import has_run, read_metrics
 
@@ -67,8 +68,26 @@ def check_emulate_wan(plan: Plan) -> None:
         raise ValueError(f"--emulate-wan: {why}")
 
 
-def _store_unreachable_from_namespaces() -> str | None:
-    """Why the ranks inside emulated datacenters could not write the run store, or None. Their
+def check_emulate_links(plan: Plan, gbps: float) -> None:
+    """An emulated-links run (executor/links.py: a namespace per rank) can run here (ValueError
+    saying why not)."""
+    links.check_gbps(gbps)
+    if not runs_here(plan):
+        raise ValueError(f"--emulate-links runs every rank on this machine; the plan spans nodes "
+                         f"{', '.join(plan_nodes(plan))} (emulate datacenters with --emulate-wan instead)")
+    if len(plan.used) < 2:
+        raise ValueError(f"--emulate-links: the plan uses {len(plan.used)} device; links join at least 2 ranks")
+    gpus = sorted({a.type for a in plan.used if a.type != "cpu"})
+    if gpus:
+        raise ValueError(f"--emulate-links runs CPU ranks only (the plan uses {', '.join(gpus)}): NCCL between GPUs "
+                         "of one machine takes shared memory or NVLink, past the emulated links")
+    why = netns.unavailable_reason() or _store_unreachable_from_namespaces("emulated links")
+    if why is not None:
+        raise ValueError(f"--emulate-links: {why}")
+
+
+def _store_unreachable_from_namespaces(where: str = "emulated datacenters") -> str | None:
+    """Why the ranks inside emulated datacenters or links could not write the run store, or None. Their
     namespaces reach no network outside them; a file (SQLite) or a Unix socket is not networked."""
     import urllib.parse
 
@@ -81,7 +100,7 @@ def _store_unreachable_from_namespaces() -> str | None:
     host = (urllib.parse.parse_qs(u.query).get("host") or [u.hostname or ""])[0]
     if not host or host.startswith("/"):
         return None
-    return (f"the ranks inside the emulated datacenters reach no network outside them, so not the PostgreSQL "
+    return (f"the ranks inside the {where} reach no network outside them, so not the PostgreSQL "
             f"store at {host} ({db.ENV_DB}); use the embedded store (unset {db.ENV_DB}) or a Unix-socket URL "
             "(postgresql://user@/db?host=/var/run/postgresql)")
 
@@ -115,6 +134,8 @@ def check_run(plan: Plan, config: RunConfig) -> RunConfig:
 
 def check_local(plan: Plan, config: RunConfig) -> None:
     """A run on this machine: its devices are here, or its nodes are emulated datacenters here."""
+    if config.emulate_links_gbps is not None:
+        check_emulate_links(plan, config.emulate_links_gbps)
     if config.emulate_wan:
         check_emulate_wan(plan)  # every node is emulated here, whatever it is called
         return

@@ -8,7 +8,10 @@ share (psycopg 3). Both dialects run the same SQL (`?` placeholders, `ON CONFLIC
 
 Schemas are versioned per part ("runs", "queue", "bookings") in `gpumix_schema` and changed only on
 request: an older or newer store is refused with the command that fixes it (`python -m executor db
-upgrade` / `db init`); nothing here ALTERs a table on its own. Nothing here imports torch.
+upgrade` / `db init`); nothing here ALTERs a table on its own. A part's *optional columns* (nullable
+columns added after its version's tables) are in every fresh schema; `db upgrade` adds them to an
+older store of the same version, whose writers leave them out and whose readers read them as NULL
+meanwhile (`Database.columns`). Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -174,6 +177,13 @@ class Database:
                 self.conn.execute(f"LOCK TABLE {lock} IN SHARE ROW EXCLUSIVE MODE")
             yield self
 
+    def columns(self, table: str) -> list[str]:
+        """The column names of `table` (empty when there is no such table)."""
+        if self.dialect == "sqlite":
+            return [r[1] for r in self.all(f"PRAGMA table_info({table})")]
+        return [r[0] for r in self.all("SELECT column_name FROM information_schema.columns WHERE table_name = ? "
+                                       "AND table_schema = current_schema() ORDER BY ordinal_position", (table,))]
+
     def has_table(self, name: str) -> bool:
         if self.dialect == "sqlite":
             return self.one("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)) is not None
@@ -241,9 +251,16 @@ class Part:
     ddl: str
     tables: tuple[str, ...]
     upgrades: dict[int, Callable[[Database], None]] = field(default_factory=dict)
+    optional: tuple[tuple[str, str, str], ...] = ()  # (table, column, type) the DDL has, older stores may not
 
     def statements(self) -> list[str]:
         return [s.strip() for s in self.ddl.split(";") if s.strip()]
+
+
+def missing_optional(db: Database, part: Part) -> list[tuple[str, str, str]]:
+    """The part's optional columns that `db`'s tables lack."""
+    have = {t: set(db.columns(t)) for t in {t for t, _, _ in part.optional}}
+    return [(t, c, kind) for t, c, kind in part.optional if c not in have[t]]
 
 
 def stored_version(db: Database, part: Part) -> int | None:
@@ -348,6 +365,8 @@ def upgrade(db: Database, part: Part) -> tuple[int | None, int]:
             step(db)
             version += 1
         _record_version(db, part.name, version)
+        for table, column, kind in missing_optional(db, part):  # nullable: every old row reads NULL
+            db.execute(db.ddl(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
     return start, version
 
 

@@ -20,7 +20,7 @@ from contracts.plan import Plan
 from contracts.run import RunConfig
 from executor import booking
 from executor.backend import TOKENIZER_FILES, Backend, copy_tokenizer, new_run_dir, run_config  # noqa: F401
-from executor.checks import check_emulate_wan, runs_here  # noqa: F401
+from executor.checks import check_emulate_links, check_emulate_wan, runs_here  # noqa: F401
 from executor.local import EMULATION_FILE, LocalBackend, emulation_limits, sleep_fallback_plan  # noqa: F401
 from executor.rank_commands import (DEFAULT_RDZV_PORT, default_optim, free_port,  # noqa: F401
                                     local_torchrun_command, node_command_lines, run_id_of)
@@ -50,25 +50,25 @@ def _plan(plan: Plan | str) -> Plan:
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
                tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
-               prefill: dict | None = None) -> str:
+               prefill: dict | None = None, emulate_links_gbps: float | None = None) -> str:
     """Run `plan` for `steps` global steps with torchrun here; block until it ends. Returns the final
     status: "done" | "failed" | "stopped". ValueError on bad input. The settings: RunConfig's."""
     config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
                         corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from, emulate_wan=emulate_wan,
-                        prefill=prefill)
+                        prefill=prefill, emulate_links_gbps=emulate_links_gbps)
     return LocalBackend().launch(_plan(plan), config)
 
 
 def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
               tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
-              prefill: dict | None = None) -> RunHandle:
+              prefill: dict | None = None, emulate_links_gbps: float | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
     folder under contracts.paths.runs_dir()."""
     config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
                         corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from, emulate_wan=emulate_wan,
-                        prefill=prefill)
+                        prefill=prefill, emulate_links_gbps=emulate_links_gbps)
     return LocalBackend().start(_plan(plan), config)
 
 

@@ -10,7 +10,7 @@ The launcher builds the corpus cache, writes plan.json, run.json and the run row
 and watches it (executor/supervise.py); at the end it kills what is left and records the status.
 Emulated devices run under per-rank cgroups (profiler/cgroups.py) or sleep where there are none;
 emulated datacenters put each plan node's torchrun agent in its own network namespace
-(executor/wan.py). More: docs/executor.md, docs/emulated_wan.md.
+(executor/wan.py), emulated links each rank's (executor/links.py). More: docs/executor.md, docs/emulated_wan.md.
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ from contracts.catalog import GIB
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan
 from contracts.run import RunConfig
-from executor import booking, wan
+from executor import booking, links, netns, wan
 from executor.backend import prepare_data, prepare_folder, resume_step
 from executor.checks import check_local, check_run
-from executor.rank_commands import (DEFAULT_RDZV_PORT, free_port, local_torchrun_command, node_torchrun_command,
-                                    plan_nodes, rank_env, run_id_of, worker_args)
+from executor.rank_commands import (DEFAULT_RDZV_PORT, agent_torchrun_command, free_port, local_torchrun_command,
+                                    node_torchrun_command, plan_nodes, rank_env, run_id_of, worker_args)
 from executor.store import MetricsStore
 from executor.supervise import (RunHandle, exit_code, failure_reason, kill_everything, record_launch,
                                 start_launcher, stop_on_signals, watch)
@@ -157,38 +157,67 @@ def _start_wan_agents(setup: wan.WanSetup, plan: Plan, wargs: list[str], env: di
     return agents
 
 
-def _start_wan(plan: Plan, run_dir: str, store: MetricsStore) -> tuple[wan.WanSetup, subprocess.Popen]:
-    """The run's emulated datacenters and their guard (it removes them if this launcher is killed)."""
+def _start_guard(cmd: list[str], run_dir: str) -> subprocess.Popen:
+    return netns.start_guard(cmd, PROJECT_ROOT, dict(os.environ, PYTHONPATH=PROJECT_ROOT),
+                             os.path.join(run_dir, "logs", "netns-guard.log"))
+
+
+def _start_netns(what: str, kind, create, file_name: str, run_dir: str, store: MetricsStore,
+                 notes: tuple[str, ...] = ()) -> tuple:
+    """Build a run's namespaces (`create(run id)`; `kind`: executor.wan or executor.links) after
+    removing stale ones, record them in the run folder and start their guard (it removes them if
+    this launcher is killed); (setup, guard)."""
     run_id = run_id_of(run_dir)
-    stale = wan.remove_stale(run_id)
+    stale = kind.remove_stale(run_id)
     if stale:
-        store.add_event("emulation", f"wan: removed stale namespaces {', '.join(stale)}")
-    nodes = plan_nodes(plan)
-    setup = wan.create(plan, nodes, run_id)
+        store.add_event("emulation", f"{what}: removed stale namespaces {', '.join(stale)}")
+    setup = create(run_id)
     try:
-        setup.save(os.path.join(run_dir, wan.WAN_FILE))
-        with open(os.path.join(run_dir, "logs", "wan-guard.log"), "ab") as out:
-            guard = subprocess.Popen(wan.guard_command(setup, run_dir), cwd=PROJECT_ROOT,
-                                     env=dict(os.environ, PYTHONPATH=PROJECT_ROOT), stdout=out,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        setup.save(os.path.join(run_dir, file_name))
+        guard = _start_guard(kind.guard_command(setup, run_dir), run_dir)
     except BaseException:
-        wan.remove(setup)
+        kind.remove(setup)
         raise
-    for line in setup.describe() + wan.connections_of(plan, nodes)[1]:
+    for line in setup.describe() + list(notes):
         store.add_event("emulation", line)
     return setup, guard
 
 
-def _stop_wan(setup: wan.WanSetup, guard: subprocess.Popen | None) -> None:
+def _start_wan(plan: Plan, run_dir: str, store: MetricsStore) -> tuple[wan.WanSetup, subprocess.Popen]:
+    """The run's emulated datacenters (a namespace per plan node) and their guard."""
+    nodes = plan_nodes(plan)
+    return _start_netns("wan", wan, lambda run_id: wan.create(plan, nodes, run_id), wan.WAN_FILE, run_dir, store,
+                        tuple(wan.connections_of(plan, nodes)[1]))
+
+
+def _start_links(plan: Plan, gbps: float, run_dir: str, store: MetricsStore) -> tuple[links.LinksSetup,
+                                                                                      subprocess.Popen]:
+    """The run's emulated links (a namespace per rank) and their guard."""
+    return _start_netns("links", links, lambda run_id: links.create(len(plan.used), gbps, run_id), links.LINKS_FILE,
+                        run_dir, store)
+
+
+def _start_link_agents(setup: links.LinksSetup, wargs: list[str], env: dict[str, str],
+                       run_dir: str) -> list[subprocess.Popen]:
+    """One torchrun agent per rank, each inside the rank's namespace: c10d rendezvous hosted by rank
+    0's agent at its address (the rendezvous ranks agents by --local-addr, so agent i is rank i),
+    gloo bound to the rank's link, whose counters the rank records."""
+    endpoint = f"{setup.addr(0)}:{DEFAULT_RDZV_PORT}"
+    env = dict(env, GLOO_SOCKET_IFNAME=links.RANK_IF, **{links.ENV_LINK_IF: links.RANK_IF})
+    return [start_agent(setup.exec_prefix(i) + agent_torchrun_command(
+                sys.executable, setup.num_ranks, 1, i, endpoint, setup.run_id, wargs,
+                extra=[f"--rdzv-conf=is_host={1 if i == 0 else 0}", f"--local-addr={setup.addr(i)}"]),
+                        env, _agent_log(run_dir, i))
+            for i in range(setup.num_ranks)]
+
+
+def _stop_netns(remove, guard: subprocess.Popen | None) -> None:
     """Remove the namespaces (every process left in them first), then end the guard."""
     try:
-        wan.remove(setup)
+        remove()
     except OSError as e:
         log.error("%s", e)
-    if guard is not None:
-        guard.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            guard.wait(timeout=10)
+    netns.stop_guard(guard)
 
 
 def _merge_agent_logs(run_dir: str, n: int, dest: str) -> None:
@@ -222,7 +251,7 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
     stop = threading.Event()
     agents: list[subprocess.Popen] = []
-    setup: wan.WanSetup | None = None
+    setup: wan.WanSetup | links.LinksSetup | None = None
     guard: subprocess.Popen | None = None
     status, reason, failed_rank = "failed", None, None
     try:
@@ -230,6 +259,9 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
             if config.emulate_wan:
                 setup, guard = _start_wan(plan, run_dir, store)
                 agents = _start_wan_agents(setup, plan, wargs, env, run_dir)
+            elif config.emulate_links_gbps is not None:
+                setup, guard = _start_links(plan, config.emulate_links_gbps, run_dir, store)
+                agents = _start_link_agents(setup, wargs, env, run_dir)
             else:
                 agents = [start_agent(local_torchrun_command(len(plan.used), free_port(), wargs), env, torchrun_log)]
             with open(os.path.join(run_dir, "torchrun.pid"), "w") as fh:
@@ -253,7 +285,7 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
         raise
     finally:
         if setup is not None:  # torn down before the run's end is recorded: "done" means nothing is left
-            _stop_wan(setup, guard)
+            _stop_netns(lambda: (wan.remove if isinstance(setup, wan.WanSetup) else links.remove)(setup), guard)
         store.finish(status, reason, failed_rank)
         store.close()
         log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
@@ -309,12 +341,15 @@ class LocalBackend:
         return RunHandle(config.run_dir, proc.pid)
 
     def leftovers(self, run_dir: str) -> bool:
-        return bool(wan.find(wan.run_prefix(run_id_of(run_dir))))  # a killed launcher's datacenters
+        run_id = run_id_of(run_dir)  # a killed launcher's datacenters or links
+        return bool(netns.find(wan.run_prefix(run_id)) or netns.find(links.run_prefix(run_id)))
 
     def remove_leftovers(self, run_dir: str) -> None:
-        """A killed launcher's emulated datacenters (if its guard has not removed them yet) and cgroups."""
+        """A killed launcher's emulated datacenters or links (if its guard has not removed them yet)
+        and cgroups."""
         run_id = run_id_of(run_dir)
-        for remove in (lambda: wan.remove_run(run_id), lambda: cgroups.remove_all(cgroups.run_prefix(run_id))):
+        for remove in (lambda: wan.remove_run(run_id), lambda: links.remove_run(run_id),
+                       lambda: cgroups.remove_all(cgroups.run_prefix(run_id))):
             try:
                 remove()
             except OSError as e:

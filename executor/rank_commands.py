@@ -1,8 +1,9 @@
 """The command lines of a run: the launcher, torchrun and the worker, as argument lists.
 
 From a plan and its RunConfig (contracts/run.py): the `executor.worker` arguments every rank gets,
-torchrun for one machine (`local_torchrun_command`) or for one node of several
-(`node_torchrun_command`: c10d rendezvous on the first node), the shell line per node of a
+torchrun for one machine (`local_torchrun_command`), for one node of several
+(`node_torchrun_command`: c10d rendezvous on the first node) or for one agent of any c10d run
+(`agent_torchrun_command`: one per rank with emulated links), the shell line per node of a
 multi-node plan (`node_command_lines`), the `python -m executor launch` command that start_run
 puts in a new session (`launcher_command`) and the environment of the ranks (`rank_env`).
 Nothing here starts a process; executor/local.py and executor/slurm.py do. On several nodes each
@@ -113,7 +114,14 @@ def node_torchrun_command(python: str, plan: Plan, nodes: Sequence[str], i: int,
     """torchrun for node `nodes[i]` of a multi-node run: its share of the ranks, a c10d rendezvous at
     `endpoint` (`extra`: more torchrun flags, e.g. is_host and the node's own address)."""
     k = sum(1 for a in plan.used if a.node == nodes[i])
-    return [python, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc-per-node={k}",
+    return agent_torchrun_command(python, len(nodes), k, i, endpoint, run_id, wargs, extra)
+
+
+def agent_torchrun_command(python: str, num_agents: int, nproc: int, i: int, endpoint: str, run_id: str,
+                           wargs: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """torchrun agent `i` of `num_agents`, starting `nproc` ranks, joined by a c10d rendezvous at
+    `endpoint`: one per node of a multi-node run, one per rank of an emulated-links run."""
+    return [python, "-m", "torch.distributed.run", f"--nnodes={num_agents}", f"--nproc-per-node={nproc}",
             f"--node-rank={i}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
             *extra, "--max-restarts=0", *wargs]
 
@@ -146,6 +154,8 @@ def launcher_command(plan_path: str, config: RunConfig, extra_args: Sequence[str
         cmd += optim_flags(config.optim)
     if config.emulate_wan:
         cmd.append("--emulate-wan")
+    if config.emulate_links_gbps is not None:
+        cmd += ["--emulate-links", repr(config.emulate_links_gbps)]
     return cmd + list(extra_args)
 
 

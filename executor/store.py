@@ -25,6 +25,7 @@ from contracts.plan import Plan
 log = logging.getLogger(__name__)
 
 DB_NAME = "metrics.sqlite"
+LINKS_FILE = "links.json"  # a run with emulated links: executor.links.LinksSetup
 STATUSES = ("running", "done", "failed", "stopped")
 
 _RUN_DDL = """
@@ -56,6 +57,7 @@ _RANK_STEPS_DDL = """
 CREATE TABLE IF NOT EXISTS rank_steps (
     run_key TEXT NOT NULL, rank {int} NOT NULL, step {int} NOT NULL,
     compute_s {real}, emulated_delay_s {real}, optimizer_s {real}, wait_s {real}, peak_memory_bytes {int},
+    comm_wait_s {real}, link_tx_bytes {int},
     PRIMARY KEY (run_key, rank, step)
 )"""
 _EVENTS_DDL = """
@@ -74,8 +76,13 @@ def _upgrade_from_0(store: db.Database) -> None:
     store.execute("CREATE INDEX IF NOT EXISTS events_run ON events (run_key, id)")
 
 
+# rank_steps columns newer than schema version 1's tables: a store without them reads NULL
+# (`db upgrade` adds them); comm_wait_s: the runtime's wall seconds waiting on communication;
+# link_tx_bytes: TCP payload the rank sent on its emulated link (executor/links.py)
+OPTIONAL_RANK_STEP_COLUMNS = ("comm_wait_s", "link_tx_bytes")
 RUNS = db.Part("runs", ";".join(_TABLES.values()) + ";CREATE INDEX IF NOT EXISTS events_run ON events (run_key, id)",
-               tuple(_TABLES), {0: _upgrade_from_0})
+               tuple(_TABLES), {0: _upgrade_from_0},
+               (("rank_steps", "comm_wait_s", "{real}"), ("rank_steps", "link_tx_bytes", "{int}")))
 
 _RANK_COLUMNS = ("run_key", "rank", "position", "device_index", "node", "type", "micro_batch", "accum_steps", "batch",
                  "shard_fraction", "shard_numel", "slowdown", "memory_gb", "emulated", "predicted_memory_bytes",
@@ -89,7 +96,6 @@ _RANK_STEP_COLUMNS = ("run_key", "rank", "step", "compute_s", "emulated_delay_s"
 _STEP_COLUMNS = ("run_key", "step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s", "time_s")
 _UPSERT_RUN = db.upsert("run", _RUN_COLUMNS, ("run_key",))
 _UPSERT_RANK = db.upsert("ranks", _RANK_COLUMNS, ("run_key", "rank"))
-_UPSERT_RANK_STEP = db.upsert("rank_steps", _RANK_STEP_COLUMNS, ("run_key", "rank", "step"))
 _UPSERT_STEP = db.upsert("steps", _STEP_COLUMNS, ("run_key", "step"))
 
 
@@ -124,6 +130,11 @@ class RankStep:
     optimizer_s: float
     wait_s: float
     peak_memory_bytes: int | None
+    comm_wait_s: float | None = None  # wall seconds the compute waited on communication
+    link_tx_bytes: int | None = None  # TCP payload sent on the rank's emulated link (executor/links.py)
+
+    def values(self, columns: Sequence[str]) -> list:
+        return [getattr(self, c) for c in columns]
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -146,6 +157,7 @@ class MetricsStore:
         self.path = db_path(run_dir)
         self.url, self.key = store_of(run_dir)
         self.db = db.connect(self.url, RUNS, "run store")
+        self._rank_step_columns: tuple[str, ...] | None = None
 
     @property
     def conn(self) -> Any:
@@ -258,10 +270,24 @@ class MetricsStore:
         ranks differently from the plan, so the rank's own row is rewritten from its assignment)."""
         self.db.execute(_UPSERT_RANK, self._rank_row(rank, position, a, shard_numel, pid, time.time(), memory_method))
 
+    def rank_step_columns(self) -> tuple[str, ...]:
+        """The rank_steps columns this store has (an older store may lack the optional ones)."""
+        if self._rank_step_columns is None:
+            have = set(self.db.columns("rank_steps"))
+            self._rank_step_columns = _RANK_STEP_COLUMNS + tuple(c for c in OPTIONAL_RANK_STEP_COLUMNS if c in have)
+        return self._rank_step_columns
+
     def record_rank_step(self, rank: int, step: int, compute_s: float, emulated_delay_s: float, optimizer_s: float,
-                         wait_s: float, peak_memory_bytes: int | None) -> None:
-        self.db.execute(_UPSERT_RANK_STEP, (self.key, rank, step, compute_s, emulated_delay_s, optimizer_s, wait_s,
-                                            peak_memory_bytes))
+                         wait_s: float, peak_memory_bytes: int | None, comm_wait_s: float | None = None,
+                         link_tx_bytes: int | None = None) -> None:
+        self.record_rank_steps(step, [RankStep(rank, compute_s, emulated_delay_s, optimizer_s, wait_s,
+                                               peak_memory_bytes, comm_wait_s, link_tx_bytes)])
+
+    def record_rank_steps(self, step: int, ranks: Sequence[RankStep]) -> None:
+        """Rows of `ranks` for `step`, one statement (the columns this store has)."""
+        cols = self.rank_step_columns()
+        self.db.execute(db.upsert("rank_steps", cols, ("run_key", "rank", "step"), len(ranks)),
+                        [v for r in ranks for v in (self.key, r.rank, step, *r.values(cols[3:]))])
 
     def record_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
                     val_loss: float | None = None) -> None:
@@ -271,11 +297,10 @@ class MetricsStore:
     def record_steps_of_all_ranks(self, step: int, ranks: Sequence[RankStep], loss: float, step_s: float,
                                   global_batch: int, seq: int, val_loss: float | None = None) -> None:
         """Rank 0's write of a step: every rank's figures (gathered) and the step row, one transaction."""
+        self.rank_step_columns()  # read before the transaction (a pipelined one returns no rows)
         with self.db.transaction(writes_only=True):
             if ranks:  # one statement for every rank's row
-                self.db.execute(db.upsert("rank_steps", _RANK_STEP_COLUMNS, ("run_key", "rank", "step"), len(ranks)),
-                                [v for r in ranks for v in (self.key, r.rank, step, r.compute_s, r.emulated_delay_s,
-                                                            r.optimizer_s, r.wait_s, r.peak_memory_bytes)])
+                self.record_rank_steps(step, ranks)
             self._write_step(step, loss, step_s, global_batch, seq, val_loss)
 
     def _write_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
@@ -376,9 +401,11 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
         steps = [dict(r) for r in store.all(
             "SELECT step, loss, val_loss, samples_per_s, tokens_per_s, step_s, time_s FROM steps WHERE run_key = ?"
             " ORDER BY step", (key,))]
-        rank_steps = [dict(r) for r in store.all(
-            f"SELECT {', '.join(_RANK_STEP_COLUMNS[1:])} FROM rank_steps WHERE run_key = ? ORDER BY step, rank",
-            (key,))]
+        have = set(store.columns("rank_steps"))
+        optional = [c for c in OPTIONAL_RANK_STEP_COLUMNS if c in have]
+        rank_steps = [{**dict.fromkeys(OPTIONAL_RANK_STEP_COLUMNS), **dict(r)} for r in store.all(
+            f"SELECT {', '.join(_RANK_STEP_COLUMNS[1:] + tuple(optional))} FROM rank_steps WHERE run_key = ?"
+            " ORDER BY step, rank", (key,))]
         ranks = [dict(r) for r in store.all(
             f"SELECT {', '.join(_RANK_COLUMNS[1:])} FROM ranks WHERE run_key = ? ORDER BY rank", (key,))]
         events = [dict(r) for r in store.all(
@@ -397,6 +424,7 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
         r["median_compute_s"] = _median([x["compute_s"] for x in rows])
         r["median_emulated_delay_s"] = _median([x["emulated_delay_s"] for x in rows])
         r["median_wait_s"] = _median([x["wait_s"] for x in rows])
+        r["comm_wait_s"] = _median([x["comm_wait_s"] for x in rows])
         r["emulated"] = bool(r["emulated"])
         r["steps_recorded"] = len(rows)
     status, reason = _effective_status(run)
@@ -410,8 +438,33 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
         "predicted_samples_per_s": run["predicted_samples_per_s"], "cluster": summary.get("cluster"),
         "started_s": run["started_s"], "ended_s": run["ended_s"], "launcher_pid": run["launcher_pid"],
         "median_step_s": _median([s["step_s"] for s in steps[1:]] or [s["step_s"] for s in steps]),
+        "links": _links(run_dir, rank_steps),
         "steps": steps, "ranks": ranks, "rank_steps": rank_steps, "events": events,
     }
+
+
+def links_gbps(run_dir: str) -> float | None:
+    """The emulated link rate of the run in `run_dir` (its LINKS_FILE, written by executor/links.py),
+    None when it had none."""
+    try:
+        with open(os.path.join(run_dir, LINKS_FILE), encoding="utf-8") as fh:
+            return float(json.load(fh)["gbps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _links(run_dir: str, rank_steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """`{"gbps", "bytes_per_step"}` of a run with emulated links (None otherwise): the rate from
+    links.json, and the median over steps of the TCP payload every rank together sent on its link
+    during the step (a step counts when every rank of it has its figure)."""
+    gbps = links_gbps(run_dir)
+    by_step: dict[int, list[int | None]] = {}
+    for rs in rank_steps:
+        by_step.setdefault(rs["step"], []).append(rs["link_tx_bytes"])
+    totals = [sum(v) for v in by_step.values() if v and None not in v]
+    if gbps is None and not totals:
+        return None
+    return {"gbps": gbps, "bytes_per_step": _median(totals)}
 
 
 def change_stamp(run_dir: str) -> tuple:

@@ -7,57 +7,35 @@ namespace), so every byte between datacenters crosses a real link: tc tbf at the
 corrected from frames to TCP payload, plus netem's RTT where the kernel has it (else the RTT is
 recorded as modelled). gloo's connections per link follow `plan.connections`. `remove`,
 `remove_run`, a guard process and `remove_stale` tear every namespace and process of a run down,
-however it ends.
+however it ends; the namespace machinery they use is executor/netns.py, shared with the emulated
+links of executor/links.py.
 
 The layout and why, the shaping figures, RTT, connections and tear-down: docs/emulated_wan.md.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import json
 import logging
 import os
-import shlex
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from contracts.constants import BITS_PER_BYTE, GBIT
+from contracts.constants import BITS_PER_BYTE
+from contracts.jsonio import load_json_file, save_json_file
 from contracts.plan import Plan, link_key
+from executor import netns
+from executor.netns import (FRAME_BYTES, MTU, NETNS_DIR, QUEUE_S, find, netns_inode, pids_in,  # noqa: F401
+                            remove_names)
 
 log = logging.getLogger(__name__)
 
 PREFIX = "gpumix-wan."  # + "<run id>.<launcher pid>.<node index>"; a run id has no "." (launch.run_id_of)
-NETNS_DIR = "/var/run/netns"
 HOST_IF, HOST_PEER_IF = "gmx0", "gmx0p"
 SUBNET_PREFIX = "10.78"
 ADDR_BASE = 100  # node i is 10.78.X.(100 + i): three digits, string order = node order
 MAX_NODES = 255 - ADDR_BASE
-BINARIES = ("ip", "tc", "nsenter")
-MTU = 1500
-FRAME_BYTES = MTU + 14  # what tbf counts of a full segment: the Ethernet header and the IP packet
-PAYLOAD_BYTES = MTU - 20 - 20 - 12  # IP, TCP, the timestamp option (on by default in every namespace)
-BURST_S = 0.001
-BURST_MIN_BYTES = 16 * 1024
-QUEUE_S = 0.020
 NETEM_MIN_LIMIT = 1000  # packets, netem's default
-COMMAND_TIMEOUT_S = 30.0
-KILL_TIMEOUT_S = 10.0
-GUARD_POLL_S = 0.5
 WAN_FILE = "wan.json"
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-                       stdin=subprocess.DEVNULL)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"`{shlex.join(argv)}` failed: {(r.stderr or r.stdout).strip() or r.returncode}")
-    return r
+_run = netns.run_cmd
 
 
 # ---- what this machine can do ----------------------------------------------------------------
@@ -65,12 +43,7 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 def unavailable_reason() -> str | None:
     """None when this process can build emulated datacenters; else what is missing."""
-    if os.geteuid() != 0:
-        return "not root (network namespaces, veth links and tc need root)"
-    missing = [b for b in BINARIES if shutil.which(b) is None]
-    if missing:
-        return f"missing {', '.join(missing)} (Debian: apt-get install iproute2 util-linux)"
-    return None
+    return netns.unavailable_reason()
 
 
 def probe_netem() -> str | None:
@@ -87,11 +60,7 @@ def probe_netem() -> str | None:
 def free_subnet(prefix: str = SUBNET_PREFIX) -> str:
     """`prefix`.X (10.78.X by default) with no address of any host interface in it (the SLURM test
     cluster takes 10.77.X the same way)."""
-    used = _run(["ip", "-o", "-4", "addr", "show"]).stdout
-    for x in range(256):
-        if f" {prefix}.{x}." not in used:
-            return f"{prefix}.{x}"
-    raise RuntimeError(f"every {prefix}.X.0/24 subnet is in use on this host")
+    return netns.free_subnet(prefix)
 
 
 # ---- the layout (pure) -------------------------------------------------------------------------
@@ -112,11 +81,11 @@ class Link:
     def tbf_rate_bps(self) -> int:
         """tbf's rate in bit/s: frames, so that TCP's payload gets `gbps` (docs/emulated_wan.md)."""
         assert self.gbps is not None
-        return round(self.gbps * GBIT * FRAME_BYTES / PAYLOAD_BYTES)
+        return netns.tbf_rate_bps(self.gbps)
 
     @property
     def burst_bytes(self) -> int:
-        return max(BURST_MIN_BYTES, round(self.tbf_rate_bps / BITS_PER_BYTE * BURST_S))
+        return netns.burst_bytes(self.tbf_rate_bps)
 
     def netem_limit_packets(self) -> int:
         """netem holds the packets of half a round trip plus the queue (it replaces tbf's queue), twice
@@ -139,14 +108,14 @@ class WanSetup:
     netem_problem: str | None = None
 
     def netns(self, i: int) -> str:
-        return f"{PREFIX}{self.run_id}.{self.owner_pid}.{i}"
+        return netns.name_of(PREFIX, self.run_id, self.owner_pid, i)
 
     def addr(self, i: int) -> str:
         return f"{self.subnet}.{ADDR_BASE + i}"
 
     def exec_prefix(self, i: int) -> list[str]:
         """The argument list that runs a command inside node i's namespace."""
-        return ["nsenter", f"--net={NETNS_DIR}/{self.netns(i)}"]
+        return netns.exec_prefix(self.netns(i))
 
     @property
     def gloo_ifname(self) -> str:
@@ -178,13 +147,11 @@ class WanSetup:
         return d
 
     def save(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=2)
+        save_json_file(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str) -> "WanSetup":
-        with open(path, encoding="utf-8") as fh:
-            d = json.load(fh)
+        d = load_json_file(path, "emulated datacenters")
         return cls(d["run_id"], d["owner_pid"], d["subnet"], tuple(d["nodes"]), tuple(Link(**ln) for ln in d["links"]),
                    d["connections"], d["rtt_mode"], d.get("netem_problem"))
 
@@ -227,8 +194,7 @@ def _shape_commands(setup: WanSetup, ln: Link) -> list[list[str]]:
     out = []
     for me, peer in ((ln.i, ln.j), (ln.j, ln.i)):
         ns, dev = setup.netns(me), f"wan{peer}"
-        out.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
-                    "rate", f"{ln.tbf_rate_bps}bit", "burst", str(ln.burst_bytes), "latency", f"{QUEUE_S * 1e3:g}ms"])
+        out.append(netns.tbf_command(ns, dev, ln.gbps))
         if setup.rtt_mode == "netem" and ln.rtt_ms > 0:
             out.append(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
                         "delay", f"{ln.rtt_ms / 2:g}ms", "limit", str(ln.netem_limit_packets())])
@@ -279,52 +245,6 @@ def create(plan: Plan, nodes: Sequence[str], run_id: str, owner_pid: int | None 
     return setup
 
 
-def netns_inode(name: str) -> int | None:
-    try:
-        return os.stat(os.path.join(NETNS_DIR, name)).st_ino
-    except OSError:
-        return None
-
-
-def pids_in(inodes: set[int]) -> list[int]:
-    """Every process whose network namespace is one of `inodes`."""
-    wanted = {f"net:[{ino}]" for ino in inodes}
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/ns/net") in wanted:
-                out.append(int(pid))
-    return out
-
-
-def find(prefix: str = PREFIX) -> list[str]:
-    """Namespace names under NETNS_DIR that start with `prefix`."""
-    with contextlib.suppress(OSError):
-        return sorted(n for n in os.listdir(NETNS_DIR) if n.startswith(prefix))
-    return []
-
-
-def remove_names(names: Sequence[str]) -> None:
-    """Kill every process in these namespaces, then delete them (OSError if a process survives)."""
-    inodes = {ino for ino in map(netns_inode, names) if ino is not None}
-    deadline = time.monotonic() + KILL_TIMEOUT_S
-    while inodes:
-        pids = pids_in(inodes)
-        if not pids:
-            break
-        if time.monotonic() > deadline:
-            raise OSError(f"processes {pids} in namespaces {', '.join(names)} survive SIGKILL")
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-    for name in names:
-        if netns_inode(name) is not None:
-            r = _run(["ip", "netns", "del", name], check=False)
-            if r.returncode != 0 and netns_inode(name) is not None:
-                raise OSError(f"cannot delete namespace {name}: {r.stderr.strip()}")
-
-
 def remove(setup: WanSetup) -> None:
     remove_names([setup.netns(i) for i in range(len(setup.nodes))])
 
@@ -338,93 +258,17 @@ def remove_run(run_id: str) -> None:
     remove_names(find(run_prefix(run_id)))
 
 
-def _owner(name: str) -> tuple[str, int] | None:
-    parts = name[len(PREFIX):].split(".")
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return parts[0], int(parts[1])
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a killed launcher its parent has not reaped yet)."""
-    try:
-        import psutil
-
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except ImportError:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, 0)
-            return True
-        return False
-    except Exception:  # psutil.NoSuchProcess
-        return False
-
-
 def remove_stale(run_id: str) -> list[str]:
     """Remove this run's namespaces and those whose launcher is gone (a killed launcher left them);
     returns the names removed."""
-    stale = []
-    for name in find():
-        owner = _owner(name)
-        if owner is not None and (owner[0] == run_id or not _alive(owner[1])):
-            stale.append(name)
-    remove_names(stale)
-    return stale
+    return netns.remove_stale(PREFIX, run_id)
 
 
 def leftovers(setup: WanSetup) -> list[str]:
-    """What still holds a namespace of `setup` by name: its file under NETNS_DIR or a mount of it
-    (empty after a complete tear-down; with no process left in them either, the kernel has freed
-    the namespaces and, with them, their veths and qdiscs). Processes are the caller's to check:
-    a namespace's inode number is reused once it is freed, so "a process in inode N" after the
-    removal may be another namespace's."""
-    names = [setup.netns(i) for i in range(len(setup.nodes))]
-    left = [f"netns {n}" for n in names if netns_inode(n) is not None]
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
-        mounts = fh.read()
-        left += [f"mount of {n}" for n in names if f"{NETNS_DIR}/{n} " in mounts]
-    return left
-
-
-# ---- the guard: tear-down when the launcher is killed -------------------------------------------
+    """What still holds a namespace of `setup` by name (executor/netns.leftovers)."""
+    return netns.leftovers([setup.netns(i) for i in range(len(setup.nodes))])
 
 
 def guard_command(setup: WanSetup, run_dir: str | None = None) -> list[str]:
-    return [sys.executable, "-m", "executor.wan", "guard", "--owner-pid", str(setup.owner_pid), "--run-id",
-            setup.run_id, *(["--run-dir", run_dir] if run_dir else [])]
-
-
-def _guard_main(argv: list[str]) -> int:
-    """Wait for the launcher to go; if it went without removing its namespaces, remove them.
-    SIGTERM (the launcher's own tear-down is done) ends the guard without touching anything."""
-    p = argparse.ArgumentParser(prog="python -m executor.wan guard")
-    p.add_argument("--owner-pid", type=int, required=True)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--run-dir", default=None)
-    args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the launcher's terminal is the launcher's
-    mine = f"{run_prefix(args.run_id)}{args.owner_pid}."
-    while _alive(args.owner_pid):
-        time.sleep(GUARD_POLL_S)
-    names = find(mine)
-    if not names:
-        return 0
-    remove_names(names)
-    if args.run_dir:
-        with contextlib.suppress(Exception):
-            from executor.store import MetricsStore
-
-            store = MetricsStore(args.run_dir)
-            store.add_event("emulation", f"wan: launcher pid {args.owner_pid} gone: the guard removed "
-                                         f"{', '.join(names)} and every process in them")
-            store.close()
-    return 0
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if sys.argv[1:2] != ["guard"]:
-        print("usage: python -m executor.wan guard --owner-pid PID --run-id ID [--run-dir R]", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(_guard_main(sys.argv[2:]))
+    """The guard that removes the datacenters if the launcher is killed (executor/netns.py)."""
+    return netns.guard_command(PREFIX, setup.run_id, setup.owner_pid, "wan", run_dir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from profiler import cgroups
 from executor import checkpoint as ckpt
+from executor.links import ENV_LINK_IF, LinkCounter
 from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from profiler.memtrack import PeakMemory
 from executor.store import MetricsStore, RankStep
@@ -49,7 +51,11 @@ log = logging.getLogger("executor.worker")
 ENV_NODE = "GPUMIX_NODE"  # multi-node runs: which plan node this torchrun agent is
 ENV_LAUNCHED = "GPUMIX_LAUNCHED"  # set by executor.launch; without it (multi-node) rank 0 keeps the run row
 # what each rank sends rank 0 every step (Trainer.gather_figures)
-FIGURES = ("compute_s", "emulated_delay_s", "optimizer_s", "wait_s", "peak_memory_bytes", "loss", "step_s", "val_loss")
+FIGURES = ("compute_s", "emulated_delay_s", "optimizer_s", "wait_s", "peak_memory_bytes", "loss", "step_s", "val_loss",
+           "comm_wait_s", "link_tx_bytes")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the plan's runtime precision fields and their values for plans written before they existed
+PRECISION_DEFAULTS = (("param_dtype", "fp32"), ("reduce_dtype", "fp32"), ("prefetch", 1))
 
 
 class EmulatedOutOfMemory(RuntimeError):
@@ -116,6 +122,29 @@ def my_position(plan: Plan, rank: int) -> int:
     if local >= len(on_node):
         raise ValueError(f"node {node!r} has {len(on_node)} used devices, no local rank {local}")
     return on_node[local]
+
+
+def runtime_precision(plan: Plan, accepted: set[str] | None = None) -> dict[str, object]:
+    """ShardedRuntime's keywords of the plan's `param_dtype`, `reduce_dtype` (torch dtypes) and
+    `prefetch`, defaults fp32/fp32/1 for a plan without them. `accepted`: the keywords the
+    runtime takes (default: read from its signature); one it does not take is left out when the
+    plan asks its default, refused (ValueError) otherwise: never train other than the plan says."""
+    if accepted is None:
+        accepted = set(inspect.signature(ShardedRuntime.__init__).parameters)
+    out: dict[str, object] = {}
+    for name, default in PRECISION_DEFAULTS:
+        value = getattr(plan, name, default)
+        if name not in accepted:
+            if value != default:
+                raise ValueError(f"plan {name} {value!r}: this runtime (models/sharded.py) cannot run it")
+            continue
+        if name == "prefetch":
+            out[name] = int(value)
+        elif value not in TORCH_DTYPES:
+            raise ValueError(f"plan {name} must be one of {', '.join(TORCH_DTYPES)}, got {value!r}")
+        else:
+            out[name] = TORCH_DTYPES[value]
+    return out
 
 
 def _is_emulated(a: Assignment) -> bool:
@@ -196,6 +225,7 @@ class Trainer:
                  self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, plan.zero, shard,
                  spec.num_params, where, " EMULATED" if _is_emulated(self.a) else "")
         self.prefill = self._build_prefill(args) if args.prefill else None
+        self.link = LinkCounter(os.environ.get(ENV_LINK_IF))  # emulated links: what this rank sends per step
 
     def _build_sharded(self, args, spec, expand_kv: bool, loss_scaling: bool, comm) -> None:
         plan, used = self.plan, self.plan.used
@@ -203,7 +233,8 @@ class Trainer:
                                       position=self.position, comm=comm, device=self.device,
                                       recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
                                       seed=args.seed, loss_scaling=loss_scaling, expand_kv=expand_kv,
-                                      materialize=not (args.resume or args.init_from))  # both overwrite every slice
+                                      materialize=not (args.resume or args.init_from),  # both overwrite every slice
+                                      **runtime_precision(plan))
 
     def _build_pipeline(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
         """This rank's (stage, data-parallel index) of the plan's pipeline (models/pipeline.py)."""
@@ -266,6 +297,7 @@ class Trainer:
                 delay[0] = (self.a.slowdown - 1.0) * work_s
                 time.sleep(delay[0])
 
+        self.link.start()
         t0 = time.perf_counter()
         with tracker:
             batches = self._batches(starts)
@@ -277,6 +309,7 @@ class Trainer:
                 r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down,
                                   idle=self.prefill.step if self.prefill is not None else None, timeline=timeline)
         step_s = time.perf_counter() - t0
+        link_tx_bytes = self.link.stop()
         peak = tracker.peak_bytes if measure_memory else None
         if peak is not None and self.memory_limit_bytes is not None and peak > self.memory_limit_bytes:
             raise EmulatedOutOfMemory(
@@ -287,7 +320,8 @@ class Trainer:
                                  self.rank)
         wait_s = max(0.0, step_s - r.compute_s - delay[0] - r.optimizer_s)
         out = {"loss": r.loss, "step_s": step_s, "compute_s": r.compute_s, "delay_s": delay[0],
-               "optimizer_s": r.optimizer_s, "wait_s": wait_s, "peak": peak}
+               "optimizer_s": r.optimizer_s, "wait_s": wait_s, "peak": peak,
+               "comm_wait_s": getattr(r, "comm_wait_s", None), "link_tx_bytes": link_tx_bytes}
         if timeline:
             out["timeline"] = (t_start, list(r.ops))
         return out
@@ -334,7 +368,8 @@ class Trainer:
         """Rank 0: every rank's row and the step's row (the lead rank's loss, step time and
         validation loss), one transaction."""
         ranks = [RankStep(r, f["compute_s"], f["emulated_delay_s"], f["optimizer_s"], f["wait_s"],
-                          None if f["peak_memory_bytes"] is None else int(f["peak_memory_bytes"]))
+                          None if f["peak_memory_bytes"] is None else int(f["peak_memory_bytes"]), f["comm_wait_s"],
+                          None if f["link_tx_bytes"] is None else int(f["link_tx_bytes"]))
                  for r, f in enumerate(figures)]
         lead = figures[self.owner[0]]
         self.store.record_steps_of_all_ranks(step, ranks, lead["loss"], lead["step_s"], self.plan.global_batch,

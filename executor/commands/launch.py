@@ -1,12 +1,15 @@
 """`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K]
-[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan] [--prefill FILE]
+[--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan | --emulate-links GBPS]
+[--prefill FILE]
 [--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
 
 Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed). The flags become
 one RunConfig (contracts/run.py), checked before anything starts and kept as the run folder's run.json.
 `local` (the default): torchrun here; a plan spanning several nodes prints the per-node
 torchrun commands instead, or with `--emulate-wan` runs here with each node a datacenter in its
-own network namespace behind links shaped to the plan's `wan` (executor/wan.py). `--prefill FILE`:
+own network namespace behind links shaped to the plan's `wan` (executor/wan.py); `--emulate-links
+GBPS` puts every rank in its own namespace behind a link of GBPS each way (executor/links.py), so
+communication takes wire time on CPU ranks. `--prefill FILE`:
 a JSON object every rank gets as `--prefill` (executor.prefill). `slurm`: the plan as one SLURM job (executor/slurm.py), one
 torchrun agent per node, followed until SLURM says it ended.
 """
@@ -46,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-wan", action="store_true",
                    help="run every node of the plan here, each a datacenter in its own network namespace, the "
                         "links between them shaped with tc to the plan's wan (needs root, ip, tc, nsenter)")
+    p.add_argument("--emulate-links", type=float, default=None, metavar="GBPS",
+                   help="run every rank in its own network namespace, joined through a bridge by links shaped "
+                        "with tc to GBPS Gbit/s each way (CPU ranks on this machine; needs root, ip, tc, nsenter)")
     p.add_argument("--prefill", default=None, metavar="FILE",
                    help="a JSON object passed to every rank as --prefill (prefill work in pipeline bubbles)")
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
@@ -141,7 +147,8 @@ def run_config_of(args: argparse.Namespace):
 
     config = RunConfig(steps=args.steps, run_dir=args.run_dir, seed=args.seed, resume=args.resume,
                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, tokenizer=args.tokenizer,
-                       init_from=args.init_from, emulate_wan=args.emulate_wan)  # the numbers first: optim uses steps
+                       init_from=args.init_from, emulate_wan=args.emulate_wan,
+                       emulate_links_gbps=args.emulate_links)  # the numbers first: optim uses steps
     optim = optim_from_args(args)
     return replace(config, optim=None if optim is None else optim.to_dict(), prefill=read_prefill(args.prefill))
 
@@ -152,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from executor.launch import backend_for, node_command_lines, runs_here
 
     config = run_config_of(args)  # on every path, multi-node included
+    if args.emulate_links is not None and args.backend != "local":
+        raise ValueError(f"--emulate-links runs every rank on this machine; not with --backend {args.backend}")
     plan = Plan.load(args.plan)
     backend = backend_for(args.backend, slurm_settings(args) if args.backend == "slurm" else None)
     if args.backend == "local" and not runs_here(plan) and not args.emulate_wan:
