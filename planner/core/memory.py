@@ -21,7 +21,7 @@ from typing import Any
 from contracts.attention import AttentionKernel, attention_saved_bytes, select_kernel
 from contracts.specs import ModelSpec
 from contracts.units import runtime_units
-from contracts.constants import (DTYPES, FP32_BYTES, HALF_BYTES, INT64_BYTES, MODELLED_ZERO_STAGES, RECOMPUTE,
+from contracts.constants import (DTYPE_BYTES, DTYPES, FP32_BYTES, HALF_BYTES, INT64_BYTES, MODELLED_ZERO_STAGES, RECOMPUTE,
                                  STEP_CHUNK_NUMEL, check_zero)
 
 # the dtypes a unit's full gradient may be reduce-scattered in (models/sharded.py `reduce_dtype`)
@@ -87,6 +87,9 @@ class MemoryConfig:
         if self.param_dtype != "fp32" and self.zero != 3:
             raise ValueError(f"param_dtype {self.param_dtype} needs zero=3 (got zero={self.zero}): only ZeRO 3 "
                              "gathers its parameters; zero 0-2 keep the full fp32 parameters")
+        if self.param_dtype != "fp32" and self.param_dtype != self.dtype:
+            raise ValueError(f"param_dtype {self.param_dtype} needs dtype {self.param_dtype} (got dtype="
+                             f"{self.dtype}): half parameters are computed on under autocast in their own dtype")
         if self.reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
         if not is_int(self.prefetch) or self.prefetch < 0:
@@ -165,6 +168,31 @@ def _memo(spec: ModelSpec) -> dict:
     return entry[1]
 
 
+@dataclass(frozen=True)
+class _Widths:
+    """Bytes per element of the step's tensors. fp32 parameters (every stage; ZeRO 3 by default):
+    the residual stream, the gathered units and their gradients are fp32, autocast casts each weight.
+    ZeRO 3 with half parameters (param_dtype bf16/fp16 = dtype): the gathered units, the gradients
+    autograd makes and the unit's flat gradient are half; so are the embedding's output and with it
+    the residual stream and its gradient (unit boundaries, checkpointed inputs)."""
+
+    w: int  # compute dtype: 2 under autocast, else 4
+    r: int  # the residual stream (block inputs and outputs, their gradients)
+    p: int  # a gathered unit's parameters and the gradients autograd makes of them
+    half: bool  # half parameters: autocast makes no weight copies, gradients are not cast to fp32
+    # half parameters: a norm computes on an fp32 copy of its half input (RMSNorm's x.float(); LayerNorm
+    # on CUDA, in autocast's fp32 list); CPU autocast runs LayerNorm in its input's dtype
+    norm32: bool
+    reduce: int  # the dtype a unit's full gradient is reduce-scattered in
+
+
+def _widths(s: _Shape, cfg: MemoryConfig) -> _Widths:
+    w = HALF_BYTES if cfg.dtype != "fp32" else FP32_BYTES
+    half = cfg.param_dtype != "fp32"
+    return _Widths(w=w, r=HALF_BYTES if half else FP32_BYTES, p=DTYPE_BYTES[cfg.param_dtype], half=half,
+                   norm32=not s.gpt2 or cfg.device_type != "cpu", reduce=DTYPE_BYTES[cfg.reduce_dtype])
+
+
 def _shape(spec: ModelSpec, cfg: MemoryConfig) -> _Shape:
     memo = _memo(spec)
     key = ("shape", cfg.tp, cfg.pp)
@@ -193,21 +221,33 @@ def _local_params(spec: ModelSpec, cfg: MemoryConfig) -> int:
     return math.ceil((blocks + ends) / cfg.tp)
 
 
-def _layer_saved_bytes_per_token(s: _Shape, w: int) -> int:
+def _layer_saved_bytes_per_token(s: _Shape, d: _Widths) -> int:
     """Bytes autograd keeps per token for one block (models/decoder.py Block.forward), no recompute.
 
-    w is the compute width: 4 (fp32) or 2 (autocast). Under autocast each Linear saves its own
+    d.w is the compute width: 4 (fp32) or 2 (autocast). Under autocast each Linear saves its own
     2-byte copy of its fp32 input (q/k/v: 3 copies of the attention norm's output; up, and
-    gate for SwiGLU: 1 or 2 of the MLP norm's); in fp32 they share one 4-byte tensor."""
-    residual = 2 * FP32_BYTES * s.h  # block input x and x + attn(...) (LayerNorm/RMSNorm inputs)
+    gate for SwiGLU: 1 or 2 of the MLP norm's); in fp32 they share one 4-byte tensor. With half
+    parameters the residual stream is half: a norm that computes in fp32 saves an fp32 copy of its
+    input instead of the input (x + attn(...) is then saved by nothing; the norm's fp32 output is cast
+    per Linear as above); CPU's LayerNorm keeps its half input, half statistics and one half output
+    that the Linears share."""
+    w = d.w
+    residual = 2 * d.r * s.h  # block input x and x + attn(...) (LayerNorm/RMSNorm inputs)
     if s.gpt2:
         norms = 2 * 2 * FP32_BYTES  # LayerNorm keeps mean and rstd, (B, T, 1) each
     else:
         norms = 2 * (FP32_BYTES + FP32_BYTES * s.h)  # RMSNorm keeps rsqrt (B, T, 1) and x*rsqrt (B, T, h)
     if w == FP32_BYTES:
         norm_outputs = 2 * FP32_BYTES * s.h
+    elif d.half and not d.norm32:
+        norms = 2 * 2 * HALF_BYTES  # half mean and rstd
+        norm_outputs = 2 * w * s.h  # one half output per norm, shared by its Linears
     else:
         norm_outputs = (3 + (1 if s.gpt2 else 2)) * w * s.h
+        if d.half:
+            # the fp32 copy of each norm's half input; x + attn(...) itself is then saved by nothing
+            norms += 2 * FP32_BYTES * s.h
+            residual = d.r * s.h
     # attention (q, k, v, the SDPA output and the kernel's statistics) is added per call by
     # `_attention_bytes`: what it keeps depends on the kernel that runs (contracts/attention.py)
     mlp = (2 if s.gpt2 else 4) * w * s.f  # GELU: up, gelu(up); SwiGLU: gate, silu(gate), up, product
@@ -240,8 +280,9 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     """(activation bytes, other bytes) on top of the model states at each candidate peak moment;
     `recompute` in place of cfg's (the sharded runtime's boundary mode checkpoints every block)."""
     s = _shape(spec, cfg)
+    d = _widths(s, cfg)
     autocast = cfg.dtype != "fp32"
-    w = HALF_BYTES if autocast else FP32_BYTES
+    w, r = d.w, d.r
     tokens = cfg.micro_batch * seq  # N = B·T
     if cfg.pp > 1:  # 1F1B: the first stage holds up to pp micro-batches in flight (Narayanan et al. 2021)
         tokens *= cfg.pp
@@ -252,17 +293,18 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     buffers = 0 if s.gpt2 else FP32_BYTES * (s.head_dim // 2)
     shared = (INT64_BYTES * seq if s.gpt2 else 2 * seq * s.head_dim * w) + buffers
     # one block's saved bytes for the micro-batch(es) in flight: per-token terms plus attention
-    layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, tokens // seq, seq, w)
-    final = _head_saved_per_token(s, w)
-    block_copies = w * _block_matmul_params(spec, s) if autocast else 0  # autocast weight copies
-    head_copy = w * V * h if autocast else 0
-    head_grad_pending = FP32_BYTES * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
-    dy = FP32_BYTES * h * tokens  # gradient of the residual stream
+    layer_all = _layer_saved_bytes_per_token(s, d) * tokens + _attention_bytes(spec, cfg, s, tokens // seq, seq, w)
+    final = _head_saved_per_token(s, d)
+    # autocast's weight copies (none of half parameters: they are used as they are)
+    block_copies = w * _block_matmul_params(spec, s) if autocast and not d.half else 0
+    head_copy = w * V * h if autocast and not d.half else 0
+    head_grad_pending = d.p * V * h if s.tied else 0  # tied: the head's weight grad waits for the embedding's
+    dy = r * h * tokens  # gradient of the residual stream
     recompute = (recompute or cfg.recompute) == "full"
-    kept = (FP32_BYTES * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's fp32 input
+    kept = (r * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's input
     kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
 
-    in_block = _in_block_backward(spec, s, w, tokens)
+    in_block = _in_block_backward(spec, s, d, tokens)
     phases = {
         # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
         # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
@@ -271,12 +313,12 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
         # the untied head's weight grad: fp32, the grad of the logits (B·T, V) is still held,
         # with the grad of the head's input (B·T, h) and the weight grad (V, h); autocast: the
         # logits' grads and the head's weight copy are gone, the weight grad exists as a w-byte
-        # matmul output and its fp32 cast for AccumulateGrad
+        # matmul output and its fp32 cast for AccumulateGrad (half parameters: no cast)
         "head": (kept + final * tokens, inputs + shared + kept_copies
-                 + (w * h * tokens + (w + FP32_BYTES) * V * h if autocast
+                 + (w * h * tokens + (w + (0 if d.half else FP32_BYTES)) * V * h if autocast
                     else FP32_BYTES * (V * tokens + h * tokens + V * h))),
         # the last block's backward (recompute: its activations and weight copies rebuilt)
-        "last_block": (kept + (layer_all - FP32_BYTES * h * tokens if recompute else 0),
+        "last_block": (kept + (layer_all - r * h * tokens if recompute else 0),
                        inputs + shared + kept_copies + (block_copies if recompute else 0) + dy
                        + head_grad_pending + in_block),
         "step": (0, inputs + buffers),  # + the step's temporaries (estimate_memory adds them)
@@ -284,9 +326,11 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     if autocast:
         # end of forward: autocast caches the weight copies of every block (checkpointed or not)
         # until its context exits, when the head writes the w-byte logits (B·T, V) from the
-        # w-byte copy of the final norm's fp32 output (still referenced: 4·h per token)
+        # w-byte copy of the final norm's fp32 output (still referenced: 4·h per token; CPU's LayerNorm
+        # of half parameters has a half output, saved as the head's input)
+        norm_out = 0 if d.half and not d.norm32 else FP32_BYTES * h
         phases["forward_end"] = (kept + final * tokens, inputs + shared + L * block_copies + head_copy
-                                 + (w * V + FP32_BYTES * h) * tokens)
+                                 + (w * V + norm_out) * tokens)
     if cfg.micro_batch == 0:
         phases = {"step": phases["step"]}
     elif s.tied:
@@ -295,19 +339,25 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     return phases
 
 
-def _head_saved_per_token(s: _Shape, w: int) -> int:
+def _head_saved_per_token(s: _Shape, d: _Widths) -> int:
     """Bytes per token the head keeps for backward: the last block's output x_L (the final norm's
-    input), the norm's statistics and the head's input (the norm's output, a w-byte copy under autocast)."""
+    input), the norm's statistics and the head's input (the norm's output, a w-byte copy under autocast;
+    with half parameters as in `_layer_saved_bytes_per_token`)."""
+    w = d.w
+    if d.half and not d.norm32:
+        return d.r * s.h + 2 * HALF_BYTES + w * s.h
     final_norm = 2 * FP32_BYTES if s.gpt2 else FP32_BYTES + FP32_BYTES * s.h
-    return FP32_BYTES * s.h + final_norm + (w * s.h if w != FP32_BYTES else FP32_BYTES * s.h)
+    copy32 = FP32_BYTES * s.h if d.half else 0  # the fp32 copy of the half x_L
+    return d.r * s.h + copy32 + final_norm + (w * s.h if w != FP32_BYTES else FP32_BYTES * s.h)
 
 
-def _in_block_backward(spec: ModelSpec, s: _Shape, w: int, tokens: int) -> int:
+def _in_block_backward(spec: ModelSpec, s: _Shape, d: _Widths, tokens: int) -> int:
     """The largest transient inside one block's backward (models/decoder.py MLP in reverse): down_proj's
     output grad (autocast: a w-byte cast), its input grad (w·f per token) and its weight grad (w·h·f);
     SwiGLU's mul: two w·f gradients on top of the incoming one."""
+    w = d.w
     bias = w * s.h if spec.linear_bias else 0
-    return max((w * s.h if w != FP32_BYTES else 0) * tokens + w * s.f * tokens + w * s.h * s.f + bias,
+    return max((w * s.h if w != d.r else 0) * tokens + w * s.f * tokens + w * s.h * s.f + bias,
                0 if s.gpt2 else 2 * w * s.f * tokens)
 
 
@@ -391,27 +441,28 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     keep = n == 1 and cfg.recompute == "none"
     one = _phases(spec, cfg, seq, None if keep else "full")
     s = _shape(spec, cfg)
+    d = _widths(s, cfg)
     h, V, L = spec.hidden, spec.vocab_size, spec.num_layers
     autocast = cfg.dtype != "fp32"
-    w = HALF_BYTES if autocast else FP32_BYTES
+    w, gw = d.w, d.p  # compute width; a unit's gathered parameters and its flat gradient
     tokens = cfg.micro_batch * seq
-    bd = FP32_BYTES * h * tokens  # one unit boundary of one micro-batch, fp32
+    bd = d.r * h * tokens  # one unit boundary of one micro-batch (the residual stream's dtype)
     tied = spec.tied_embeddings
     embed, block, head = units[0].numel, units[1].numel if L else 0, units[-1].numel
     gathered = cfg.zero == 3
-    g = (lambda numel: FP32_BYTES * numel if gathered else 0)
-    pending = FP32_BYTES * V * h if tied else 0  # `_phases` holds the tied head's gradient through backward
+    g = (lambda numel: gw * numel if gathered else 0)
+    pending = gw * V * h if tied else 0  # `_phases` holds the tied head's gradient through backward
     # slice gradients alive: after the head's reduce (and a tied embedding's), after every block's
     early = FP32_BYTES * (shards[-1] + (shards[0] if tied else 0))
     late = slice_grads - (0 if tied else FP32_BYTES * shards[0])
     gathers_head = g(head) + g(block) + (g(embed) if tied else 0)
     # boundary mode accumulates every micro-batch in the unit's flat gradient; keep mode lets autograd
     # make each parameter's gradient (already counted in `_phases`) and flattens it after the unit
-    grad_bufs_head = 0 if keep else FP32_BYTES * (head + (embed if tied else 0))
+    grad_bufs_head = 0 if keep else gw * (head + (embed if tied else 0))
     gathers_block = g(block) * (2 if L > 1 else 1)
     others = 0 if keep else (L + 2) * (n - 1) * bd
-    layer_all = _layer_saved_bytes_per_token(s, w) * tokens + _attention_bytes(spec, cfg, s, cfg.micro_batch, seq, w)
-    copies = HALF_BYTES * _block_matmul_params(spec, s) if autocast else 0
+    layer_all = _layer_saved_bytes_per_token(s, d) * tokens + _attention_bytes(spec, cfg, s, cfg.micro_batch, seq, w)
+    copies = HALF_BYTES * _block_matmul_params(spec, s) if autocast and not d.half else 0
     graph_bytes = layer_all + copies if keep else 0  # one block's graph (keep mode)
 
     def plus(k: str, act: int, other: int) -> tuple[int, int]:
@@ -424,12 +475,12 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # keep: the block's output, held by its graph; boundaries: the input gradient being made
         # while the incoming one is still listed
         "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd,
-                           gathers_block + (0 if keep else FP32_BYTES * block) - pending + early),
-        "embed_backward": (n * bd, FP32_BYTES * embed + inputs_all + late),
+                           gathers_block + (0 if keep else gw * block) - pending + early),
+        "embed_backward": (n * bd, gw * embed + inputs_all + late),
         # the first block's backward: the fewest boundaries (or graphs) left, the most slice
         # gradients made (every block above it reduced); the middle blocks lie between the two ends
         "first_block": plus("last_block", (bd if keep else (2 * n - L) * bd) - (L - 1) * graph_bytes,
-                            g(block) + (0 if keep else FP32_BYTES * block) - pending + early
+                            g(block) + (0 if keep else gw * block) - pending + early
                             + FP32_BYTES * shards[1] * (L - 1)),
         "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads),
     }
@@ -439,18 +490,18 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         base = inputs_all + (0 if s.gpt2 else 2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2)) + (
             INT64_BYTES * seq if s.gpt2 else 0)
         graphs = L * (layer_all + copies)
-        phases["flatten_head"] = (graphs + bd, base + gathers_head + 2 * FP32_BYTES * head)
+        phases["flatten_head"] = (graphs + bd, base + gathers_head + 2 * gw * head)
         if tied:
-            phases["flatten_embed"] = (graphs + bd, base + gathers_head + 2 * FP32_BYTES * embed
+            phases["flatten_embed"] = (graphs + bd, base + gathers_head + 2 * gw * embed
                                        + FP32_BYTES * shards[-1])
         phases["flatten_block"] = ((L - 1) * (layer_all + copies) + bd,
-                                   base + gathers_block + 2 * FP32_BYTES * block + early)
-        phases["flatten_first_block"] = (bd, base + g(block) + 2 * FP32_BYTES * block + early
+                                   base + gathers_block + 2 * gw * block + early)
+        phases["flatten_first_block"] = (bd, base + g(block) + 2 * gw * block + early
                                          + FP32_BYTES * shards[1] * (L - 1))
     if "forward_end" in one:
         # the head's autocast region is its own: in boundary mode no block's weight copies are cached
         # (keep mode: they are saved in the blocks' graphs, as `_phases` counts them)
-        copies = 0 if keep else L * HALF_BYTES * _block_matmul_params(spec, s)
+        copies = 0 if keep else L * copies
         phases["forward_end"] = plus("forward_end", others, gathers_head + grad_bufs_head - copies)
     return resident, phases
 
@@ -539,17 +590,20 @@ def block_saved_bytes(spec: ModelSpec, cfg: MemoryConfig, batch: int, seq: int) 
     """Bytes one block keeps for backward for `batch` samples of `seq` tokens, no recomputation (its
     per-token tensors and the attention kernel's, as `_phases` counts them; autocast weight copies apart)."""
     s, w = _shape(spec, replace(cfg, pp=1)), compute_width(cfg)
-    return _layer_saved_bytes_per_token(s, w) * batch * seq + _attention_bytes(spec, cfg, s, batch, seq, w)
+    return _layer_saved_bytes_per_token(s, _widths(s, cfg)) * batch * seq + _attention_bytes(spec, cfg, s, batch,
+                                                                                             seq, w)
 
 
 def block_backward_transient_bytes(spec: ModelSpec, cfg: MemoryConfig, tokens: int) -> int:
     """The largest transient inside one block's backward for `tokens` tokens (`_in_block_backward`)."""
-    return _in_block_backward(spec, _shape(spec, replace(cfg, pp=1)), compute_width(cfg), tokens)
+    s = _shape(spec, replace(cfg, pp=1))
+    return _in_block_backward(spec, s, _widths(s, cfg), tokens)
 
 
 def head_saved_bytes_per_token(spec: ModelSpec, cfg: MemoryConfig) -> int:
     """Bytes per token the final norm and the head keep for backward (`_head_saved_per_token`)."""
-    return _head_saved_per_token(_shape(spec, replace(cfg, pp=1)), compute_width(cfg))
+    s = _shape(spec, replace(cfg, pp=1))
+    return _head_saved_per_token(s, _widths(s, cfg))
 
 
 def block_weight_copy_bytes(spec: ModelSpec, cfg: MemoryConfig) -> int:
