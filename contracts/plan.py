@@ -18,15 +18,39 @@ from typing import Any
 
 from contracts.cluster import ClusterSpec
 from contracts.jsonio import dumps, load_json_file, save_json_file
-from contracts.constants import check_zero
+from contracts.constants import DTYPES, check_zero
 
 PLAN_VERSION = 1
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+# the dtypes the sharded runtime reduce-scatters gradients in (fp32 unless asked: bf16 halves the wire
+# bytes and rounds the summed gradient)
+REDUCE_DTYPES = ("fp32", "bf16")
+# zero-3 units whose gather is in flight ahead of the one computing (1: the next one, FSDP2's default)
+DEFAULT_PREFETCH = 1
+
+
+def check_step_dtypes(zero: int, param_dtype: str, reduce_dtype: str, prefetch: int, what: str = "plan") -> None:
+    """The runtime's mixed-precision settings of a plan, checked together: `param_dtype` one of DTYPES
+    (not fp32 only at zero 3: zero 1 and 2 keep replicated fp32 parameters), `reduce_dtype` one of
+    REDUCE_DTYPES, `prefetch` an integer >= 0. ValueError naming the problem."""
+    if param_dtype not in DTYPES:
+        raise ValueError(f"{what}: param_dtype must be one of {', '.join(DTYPES)}, got {param_dtype!r}")
+    if param_dtype != "fp32" and zero != 3:
+        raise ValueError(f"{what}: param_dtype {param_dtype} needs zero 3 (got zero {zero}): zero 1 and 2 keep "
+                         "replicated fp32 parameters and gather them in fp32")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"{what}: reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"{what}: prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
 
 
 def link_key(a: str, b: str) -> str:
     """The key of the link between two datacenters (or nodes) in `connections`: sorted, "a|b"."""
     return "|".join(sorted((a, b)))
+
+
+def _optional(value: Any, kind: type) -> Any:
+    return None if value is None else kind(value)
 
 
 @dataclass(frozen=True)
@@ -193,9 +217,20 @@ class Plan:
     pipeline: PipelineSpec | None = None  # None: pure (sharded) data parallelism
     wan: tuple[WanLink, ...] = ()  # links between nodes (datacenters) to emulate (executor launch --emulate-wan)
     connections: dict[str, int] = field(default_factory=dict)  # link_key(a, b) -> TCP connections per transfer
+    # mixed precision as the sharded runtime runs it (FSDP2's MixedPrecisionPolicy): fp32 master shards
+    # and AdamW state always; zero 3 gathers parameters in param_dtype; gradients are reduce-scattered
+    # in reduce_dtype; `prefetch` units are gathered ahead of the one computing
+    param_dtype: str = "fp32"  # "fp32" | "bf16" | "fp16", resolved (never "auto")
+    reduce_dtype: str = "fp32"  # "fp32" | "bf16"
+    prefetch: int = DEFAULT_PREFETCH
+    # what the cost model predicts the step puts on the network (bytes all ranks send together) and
+    # the communication no compute hides on the slowest rank (s per step); None: not predicted
+    predicted_wire_bytes_per_step: int | None = None
+    predicted_exposed_comm_s: float | None = None
 
     def __post_init__(self) -> None:
         check_zero(self.zero, what="plan: zero")
+        check_step_dtypes(self.zero, self.param_dtype, self.reduce_dtype, self.prefetch)
         nodes = {n.name for n in self.cluster.nodes}
         for w in self.wan:
             if w.a not in nodes or w.b not in nodes or w.a == w.b:
@@ -262,6 +297,11 @@ class Plan:
             "dtype": self.dtype,
             "recompute": self.recompute,
             "zero": self.zero,
+            "param_dtype": self.param_dtype,
+            "reduce_dtype": self.reduce_dtype,
+            "prefetch": self.prefetch,
+            "predicted_wire_bytes_per_step": self.predicted_wire_bytes_per_step,
+            "predicted_exposed_comm_s": self.predicted_exposed_comm_s,
             "assignments": [a.to_dict() for a in self.assignments],
             "predicted_iteration_s": self.predicted_iteration_s,
             "predicted_samples_per_s": self.predicted_samples_per_s,
@@ -307,6 +347,12 @@ class Plan:
                                   None if w.get("per_connection_gbps") is None else float(w["per_connection_gbps"]))
                           for w in d.get("wan", ())),
                 connections={str(k): v for k, v in d.get("connections", {}).items()},
+                # a plan file written before mixed precision: the runtime gathered and reduced in fp32
+                param_dtype=str(d.get("param_dtype", "fp32")),
+                reduce_dtype=str(d.get("reduce_dtype", "fp32")),
+                prefetch=d.get("prefetch", DEFAULT_PREFETCH),
+                predicted_wire_bytes_per_step=_optional(d.get("predicted_wire_bytes_per_step"), int),
+                predicted_exposed_comm_s=_optional(d.get("predicted_exposed_comm_s"), float),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from contracts.cluster import ClusterSpec, NodeSpec
 from contracts.constants import MEMORY_HEADROOM
-from contracts.plan import Assignment, Plan
+from contracts.plan import DEFAULT_PREFETCH, Assignment, Plan
 from contracts.specs import get_model, with_max_seq
-from planner.costmodel.training import CostModel
+from planner.costmodel.training import PARAM_DTYPE_AUTO, CostModel
 from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
 from planner.hetero.baselines import fastest_fitting_split, split_by_weights
 from planner.hetero.solve import DEFAULT_MAX_SEQ, ZERO_AUTO, evaluate_plan, solve_plan
@@ -46,12 +46,16 @@ def default_seq(model: str) -> int:
 def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | None = None, dtype: str = "fp32",
              recompute: str = "none", zero: int | str = ZERO_AUTO, headroom: float = MEMORY_HEADROOM,
              time_limit_s: float = DEFAULT_TIME_LIMIT_S, pipeline: bool = True,
-             profiles_dir: str | None = None) -> PlanResult:
+             profiles_dir: str | None = None, param_dtype: str = PARAM_DTYPE_AUTO,
+             reduce_dtype: str = "fp32") -> PlanResult:
     """The fastest plan of `model` on `cluster` at `global_batch` (module docstring). `pipeline`:
-    price pipeline stages on a multi-node cluster (False: pure data parallelism). Raises ValueError
-    on bad input and when no plan fits, naming why."""
+    price pipeline stages on a multi-node cluster (False: pure data parallelism). `param_dtype`,
+    `reduce_dtype`: the runtime's mixed precision (planner.hetero.solve.solve_plan; the plan file
+    records them resolved, with the prefetch depth the ILP chose). Raises ValueError on bad input
+    and when no plan fits, naming why."""
     result = solve_plan(cluster, model, global_batch, seq=seq, dtype=dtype, recompute=recompute, headroom=headroom,
-                        time_limit_s=time_limit_s, profiles_dir=profiles_dir, zero=zero)
+                        time_limit_s=time_limit_s, profiles_dir=profiles_dir, zero=zero, param_dtype=param_dtype,
+                        reduce_dtype=reduce_dtype)
     plan = result.plan
     if pipeline and len(cluster.nodes) > 1:
         option = solve_cluster_pipeline(cluster, model, global_batch, plan.seq, dtype, profiles_dir=profiles_dir)
@@ -97,18 +101,21 @@ def plan_on_devices(cluster: ClusterSpec, devices: tuple[int, ...], model: str, 
 
 def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int, seq: int, dtype: str = "fp32",
                   recompute: str = "none", zero: int = 1, unit: int = 1,
-                  headroom: float = MEMORY_HEADROOM) -> Plan:
+                  headroom: float = MEMORY_HEADROOM, param_dtype: str = PARAM_DTYPE_AUTO, reduce_dtype: str = "fp32",
+                  prefetch: int = DEFAULT_PREFETCH) -> Plan:
     """The planner's `even` or `proportional` baseline as a launchable plan: the batch split its way
     (planner.hetero.baselines: `even` equal parts, `proportional` in proportion to each device's
     profiled speed), in multiples of `unit` samples (bench/hetero_speedup.py rounds to its smallest
     micro-batch), even state shards, on each device the largest power-of-two micro-batch dividing
-    its batch that fits, priced by the planner's cost model at `zero`. Raises ValueError when the
-    batch does not divide into units or a device cannot hold its part."""
+    its batch that fits, priced by the planner's cost model at `zero` and the runtime settings given
+    (`param_dtype` auto resolved as planner plan resolves it). Raises ValueError when the batch does
+    not divide into units or a device cannot hold its part."""
     if name not in (EVEN, PROPORTIONAL):
         raise ValueError(f"baseline must be {EVEN!r} or {PROPORTIONAL!r}, got {name!r}")
     if unit < 1 or global_batch % unit:
         raise ValueError(f"global batch {global_batch} is not a multiple of {unit} samples")
-    cost = CostModel.build(cluster, with_max_seq(get_model(model), seq), seq, dtype, recompute, headroom, zero=zero)
+    cost = CostModel.build(cluster, with_max_seq(get_model(model), seq), seq, dtype, recompute, headroom, zero=zero,
+                           param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch)
     devices = cluster.devices()
     weights = ([1.0] * len(devices) if name == EVEN
                else [cost.coeffs[d].speed_samples_per_s for _, d in devices])
@@ -121,11 +128,14 @@ def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int
             raise ValueError(f"{name} split: {dev.label} cannot hold a batch of {batch} with {shard:.0%} of the state")
         assignments.append(Assignment(i, node.name, dev.type, split[0], split[1], batch, shard, 0, 0.0,
                                       dev.emulated, dev.slowdown, dev.memory_gb))
-    plan = Plan(cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), 0.0, 0.0, zero=zero)
+    plan = Plan(cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), 0.0, 0.0, zero=zero,
+                param_dtype=cost.step.param_dtype, reduce_dtype=cost.step.reduce_dtype, prefetch=cost.step.prefetch)
     return evaluate_plan(plan, headroom)
 
 
 def even_plan(plan: Plan, headroom: float = MEMORY_HEADROOM) -> Plan:
-    """The even split of `plan`'s devices at its model, global batch, seq, dtype, recompute and ZeRO stage."""
+    """The even split of `plan`'s devices at its model, global batch, seq, dtype, recompute, ZeRO stage
+    and runtime settings (param and reduce dtypes, prefetch)."""
     return baseline_plan(plan.cluster, EVEN, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute,
-                         plan.zero, headroom=headroom)
+                         plan.zero, headroom=headroom, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                         prefetch=plan.prefetch)

@@ -50,6 +50,15 @@ def ring_fraction(world_size: int) -> float:
     return (world_size - 1) / world_size if world_size > 1 else 0.0
 
 
+def ring_wire_bytes(buffer_bytes: float, world_size: int) -> int:
+    """Bytes a ring all-gather or reduce-scatter of a `buffer_bytes` buffer puts on the network, every
+    rank's sends together: (k−1)/k of the buffer from each of the k ranks, (k−1)·bytes (an uneven
+    split moves the same: each owner's slice reaches the k−1 others once)."""
+    if world_size <= 1:
+        return 0
+    return round((world_size - 1) * buffer_bytes)
+
+
 def all_gather_s(buffer_bytes: float, world_size: int, link: Link) -> float:
     """Ring all-gather of a `buffer_bytes` result among `world_size` ranks (0 for one rank)."""
     if world_size <= 1:
@@ -76,8 +85,8 @@ def sharded_step_comm_s(gather_bytes: float, reduce_bytes: float, num_calls: int
                         gather_link: Link, reduce_link: Link | None = None) -> float:
     """What the sharded runtime's collectives of one optimizer step cost on `world_size` ranks:
     all-gathers of `gather_bytes` in total and reduce-scatters of `reduce_bytes`
-    (contracts.units.step_collectives), `num_calls` calls each paying the latency, none of it
-    overlapped with compute (the runtime synchronizes per unit). Non-decreasing in k."""
+    (contracts.units.step_collectives), `num_calls` calls each paying the latency, one after
+    another on the network (what of it overlaps compute: training.StepComm). Non-decreasing in k."""
     if world_size <= 1:
         return 0.0
     reduce_link = reduce_link or gather_link

@@ -3,13 +3,16 @@
 What one optimizer step costs on the executor's sharded runtime (models/sharded.py) at ZeRO stage z:
 n micro-batches of `α + β·m` (the device kind's profile, planner/core/profiles.py, times its emulated
 `slowdown`; recompute="full" where layer-wise accumulation recomputes), AdamW over its shard, and the
-collectives `contracts.units.step_collectives` lists, priced by planner/costmodel/collectives.py
-with no overlap: `T = max_i (compute_i + optimizer_i) + comm(k)`. Memory is the memory model's for
-the actual (m, n, f); the tables hold each candidate's largest shard that fits (`Choice.max_share`).
-Candidates do not grow with the global batch: a `Choice` per micro-batch at n = 1 and exact
-`AccumBand`s over n, which planner/hetero/solve.py counts in total.
+collectives `contracts.units.step_collectives` lists, priced by planner/costmodel/collectives.py in
+the plan's `param_dtype` (gathers) and `reduce_dtype` (reduce-scatters). What compute can hide
+(prefetched gathers, reduce-scatters left in flight) overlaps it; the first gather and the last
+reduce-scatter stay exposed: `T = max_i (E + max(compute_i, H) + optimizer_i)` (`StepComm`).
+Memory is the memory model's for the actual (m, n, f) and the plan's dtypes and prefetch depth; the
+tables hold each candidate's largest shard that fits (`Choice.max_share`). Candidates do not grow
+with the global batch: a `Choice` per micro-batch at n = 1 and exact `AccumBand`s over n, which
+planner/hetero/solve.py counts in total.
 
-The formulas, the candidates and why a band is exact: docs/models/cost.md.
+The formulas, the overlap, the candidates and why a band is exact: docs/models/cost.md.
 """
 from __future__ import annotations
 
@@ -21,10 +24,11 @@ from typing import Callable, Iterable, Sequence
 
 from contracts.catalog import CPU_TYPE, device_dtype
 from contracts.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSpec
+from contracts.plan import DEFAULT_PREFETCH, check_step_dtypes
 from contracts.specs import ModelSpec
 from contracts.units import runtime_units, step_collectives
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
-                                          sharded_step_comm_s)
+                                          ring_wire_bytes, sharded_step_comm_s)
 from contracts.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH, check_zero
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,57 @@ DENSE_ACCUM_STEPS = 1
 AFFINE_TOL = 1e-7
 # The stage a plan says when nothing else was chosen (a one-device plan, an old plan file).
 RUNTIME_ZERO_STAGE = 1
+# `--param-dtype auto`: gather in the compute dtype at zero 3, fp32 at zero 1 and 2
+PARAM_DTYPE_AUTO = "auto"
+DTYPE_BYTES = {"fp32": FP32_BYTES, "bf16": HALF_BYTES, "fp16": HALF_BYTES}
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How the sharded runtime runs one step's collectives, as the plan file says: parameters
+    gathered in `param_dtype` (zero 3; fp32 at zero 1/2), gradients reduce-scattered in
+    `reduce_dtype`, `prefetch` zero-3 units gathered ahead of the one computing."""
+
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    prefetch: int = DEFAULT_PREFETCH
+
+
+@dataclass(frozen=True)
+class StepComm:
+    """One step's collectives on k ranks, split by what compute can hide: `exposed_s` runs with no
+    compute beside it (the first gather, the last reduce-scatter, everything at zero 1), `hidden_s`
+    beside the compute (prefetched gathers, reduce-scatters in flight). A rank of compute c ends its
+    collectives at `end_s(c)` = exposed + max(c, hidden): the network and the compute run side by
+    side, each a chain. docs/models/cost.md ("Overlap")."""
+
+    exposed_s: float = 0.0
+    hidden_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """Every collective of the step, none hidden: an upper bound on what they add to compute."""
+        return self.exposed_s + self.hidden_s
+
+    def end_s(self, compute_s: float) -> float:
+        """Compute and collectives of a rank computing compute_s (its optimizer excluded)."""
+        return self.exposed_s + max(compute_s, self.hidden_s)
+
+    def exposed_of_s(self, compute_s: float) -> float:
+        """The communication a rank computing compute_s waits for: end_s − compute."""
+        return self.end_s(compute_s) - compute_s
+
+    def compute_room_s(self, t_s: float) -> float:
+        """The most compute a rank may do and still end its collectives by t_s; −inf when even no
+        compute does (t_s < exposed + hidden)."""
+        if t_s < self.total_s * (1 - 1e-12):
+            return -math.inf
+        return t_s - self.exposed_s
+
+    def bound_s(self, fluid_s: float) -> float:
+        """A lower bound on a step whose compute and optimizer need at least fluid_s:
+        exposed + max(fluid, hidden) (each rank's max(c, hidden) + opt ≥ max(c + opt, hidden))."""
+        return self.exposed_s + max(fluid_s, self.hidden_s)
 
 MemoryFn = Callable[[int, int, float], float]  # (micro_batch, accum_steps, shard_fraction) -> peak bytes
 PhasesFn = Callable[[int, int, float], tuple[float, ...]]  # the same -> bytes at each candidate peak moment
@@ -108,17 +163,22 @@ class DeviceCoeffs:
 @dataclass(frozen=True)
 class CommModel:
     """Collective costs of one optimizer step for the devices of one scope (one node, or several):
-    what contracts.units.step_collectives says the runtime all-gathers and reduce-scatters."""
+    what contracts.units.step_collectives says the runtime all-gathers and reduce-scatters, and how
+    much of it no compute hides (`step_overlap`)."""
 
     bandwidth_bytes_per_s: float  # ring bus bandwidth per rank (all-gathers; reduce-scatters too unless below)
     hop_latency_s: float
-    gather_bytes: float  # all-gathered per step, full buffers in the compute dtype
-    reduce_bytes: float  # reduce-scattered per step, full buffers in fp32
+    gather_bytes: float  # all-gathered per step, full buffers in the plan's param_dtype
+    reduce_bytes: float  # reduce-scattered per step, full buffers in the plan's reduce_dtype
     num_calls: int = 0  # collective calls per step (each pays a latency)
     source: str = ""
     # measured (profiler bench between local workers): the reduce-scatters' bus bandwidth and the latency of one call
     reduce_bandwidth_bytes_per_s: float | None = None
     call_latency_s: float | None = None
+    # the part no compute hides, of the same buffers and calls; None: all of it (nothing overlaps)
+    exposed_gather_bytes: float | None = None
+    exposed_reduce_bytes: float | None = None
+    exposed_calls: int | None = None
 
     @property
     def gather_link(self) -> Link:
@@ -130,9 +190,23 @@ class CommModel:
                     self.call_latency_s)
 
     def comm_s(self, world_size: int) -> float:
-        """planner.costmodel.collectives.sharded_step_comm_s of this step's bytes on k ranks."""
+        """planner.costmodel.collectives.sharded_step_comm_s of this step's bytes on k ranks: every
+        collective, hidden or not."""
         return sharded_step_comm_s(self.gather_bytes, self.reduce_bytes, self.num_calls, world_size,
                                    self.gather_link, self.reduce_link)
+
+    def step(self, world_size: int) -> StepComm:
+        """The collectives on k ranks split into what stays exposed and what compute may hide."""
+        total = self.comm_s(world_size)
+        if self.exposed_gather_bytes is None:
+            return StepComm(total, 0.0)
+        exposed = sharded_step_comm_s(self.exposed_gather_bytes, self.exposed_reduce_bytes or 0.0,
+                                      self.exposed_calls or 0, world_size, self.gather_link, self.reduce_link)
+        return StepComm(exposed, max(total - exposed, 0.0))
+
+    def wire_bytes(self, world_size: int) -> int:
+        """Bytes one step puts on the network, every rank's sends together."""
+        return ring_wire_bytes(self.gather_bytes, world_size) + ring_wire_bytes(self.reduce_bytes, world_size)
 
 
 @dataclass(frozen=True)
@@ -205,6 +279,9 @@ class ScopeTable:
 
     def comm_s(self, world_size: int) -> float:
         return self.comm.comm_s(world_size)
+
+    def step_comm(self, world_size: int) -> StepComm:
+        return self.comm.step(world_size)
 
 
 # ---- edges: units and the two models this one consumes ----------------------------------------
@@ -328,8 +405,10 @@ def make_choice(c: DeviceCoeffs, micro_batch: int, accum_steps: int, max_share: 
 
 
 def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, world_size: int,
-                       zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE) -> tuple[MemoryFn, PhasesFn]:
-    """The memory model of planner/core/memory.py for the sharded runtime at ZeRO stage `zero`, asked at
+                       zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE,
+                       step: StepConfig = StepConfig()) -> tuple[MemoryFn, PhasesFn]:
+    """The memory model of planner/core/memory.py for the sharded runtime at ZeRO stage `zero` with the
+    plan's dtypes and prefetch depth (`step`), asked at
     the choice's own micro-batch, accumulation steps and shard fraction: (peak bytes, its moments
     (estimate_peak_phases) in a fixed order). One cached evaluation serves both: the searches ask
     the peak and the moments of the same points."""
@@ -341,7 +420,9 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
         key = (m, n, f)
         if key not in known:
             cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
-                               dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type)
+                               dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type,
+                               param_dtype=step.param_dtype, reduce_dtype=step.reduce_dtype,
+                               prefetch=step.prefetch)
             breakdown, phases = estimate_with_phases(spec, cfg)
             known[key] = float(breakdown.peak_bytes), tuple(float(phases[k]) for k in sorted(phases))
         return known[key]
@@ -372,19 +453,100 @@ def validate_zero(zero: int) -> int:
     return check_zero(zero)
 
 
+def compute_dtype(device_type: str, dtype: str) -> str:
+    """The dtype a device computes in under a plan of `dtype`: fp32 on the CPU (the worker runs no
+    autocast there), fp16 where a GPU has no bf16 (contracts.catalog.device_dtype), else `dtype`."""
+    return "fp32" if device_type == CPU_TYPE else device_dtype(device_type, dtype)
+
+
 def compute_dtype_bytes(device_type: str, dtype: str) -> int:
-    """Bytes per element the runtime gathers parameters in: fp32 on the CPU (it computes in fp32
-    there), else 2 for bf16/fp16 and 4 for fp32."""
-    if device_type == CPU_TYPE or dtype == "fp32":
-        return FP32_BYTES
-    return HALF_BYTES
+    """Bytes per element of a device's compute dtype (`compute_dtype`): 4 for fp32, 2 for bf16/fp16."""
+    return DTYPE_BYTES[compute_dtype(device_type, dtype)]
+
+
+def resolve_param_dtype(requested: str, zero: int, dtype: str, device_types: Iterable[str]) -> str:
+    """The dtype zero 3 gathers parameters in. `auto`: the compute dtype every device shares
+    (`compute_dtype`; fp32 where they differ, as a CPU beside a GPU does), and fp32 at zero 1 and 2,
+    whose replicated parameters are fp32. An explicit dtype is kept as given (contracts.plan.
+    check_step_dtypes refuses a non-fp32 one at zero 1 and 2)."""
+    if requested != PARAM_DTYPE_AUTO:
+        return requested
+    if zero != 3:
+        return "fp32"
+    dtypes = {compute_dtype(t, dtype) for t in device_types}
+    return dtypes.pop() if len(dtypes) == 1 else "fp32"
+
+
+def step_overlap(spec: ModelSpec, zero: int, prefetch: int) -> tuple[float, float, int] | None:
+    """What of a step's collectives no compute hides, as the runtime orders them: (elements
+    gathered, elements reduce-scattered, calls), None where nothing is hidden. Zero 1 reduces after
+    every micro-batch and gathers after the optimizer: all exposed (None). Zero 2 and 3 leave each
+    unit's reduce-scatter in flight behind the units still computing, so only the last one (the
+    embedding's) is exposed; zero 2 gathers after the optimizer (all exposed), zero 3 with prefetch
+    ≥ 1 gathers every unit behind the one computing, except the first (the embedding's), and with
+    prefetch 0 waits for each gather."""
+    check_zero(zero)
+    if zero == 1:
+        return None
+    units = runtime_units(spec)
+    first = last = units[0].numel  # the embedding: gathered first, reduced last
+    sc = step_collectives(spec, zero)
+    if zero == 3 and prefetch >= 1:
+        return float(first), float(last), 2
+    gather_calls = len(units) if zero == 2 else sc.num_calls - (len(units) + (1 if spec.tied_embeddings else 0))
+    return float(sc.gather_numel), float(last), gather_calls + 1
+
+
+def slice_sizes(numel: int, fractions: Sequence[float]) -> list[int]:
+    """Each plan position's slice of a unit of `numel` elements, as the runtime cuts it
+    (models/runtime.shard_bounds: cumulative boundaries rounded half up, the last at numel)."""
+    total, acc, start, out = float(sum(fractions)), 0.0, 0, []
+    for i, f in enumerate(fractions):
+        acc += f
+        end = numel if i == len(fractions) - 1 else min(numel, math.floor(numel * acc / total + 0.5))
+        out.append(end - start)
+        start = end
+    return out
+
+
+def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Sequence[float], backend: str) -> int:
+    """Bytes one optimizer step puts on the network, every rank's sends together, at the shard
+    fractions of the plan's positions: each collective contracts.units.step_collectives counts (zero
+    1/2: every unit gathered and reduced once; zero 3: each block gathered twice, a tied embedding's
+    matrix gathered and reduced once more for the head), priced by contracts.wire as
+    models/collectives.py runs it on `backend` ("gloo": its framing included; "nccl": ring payload)."""
+    from contracts.wire import gather_send_bytes, reduce_scatter_send_bytes
+
+    k = len(fractions)
+    if k <= 1:
+        return 0
+    units = runtime_units(spec)
+    gathers: dict[int, int] = {}  # elements per call -> calls per step
+    reduces: dict[int, int] = {}
+    for i, u in enumerate(units):
+        twice = zero == 3 and 0 < i < len(units) - 1  # a block: gathered for its forward and its backward
+        gathers[u.numel] = gathers.get(u.numel, 0) + (2 if twice else 1)
+        reduces[u.numel] = reduces.get(u.numel, 0) + 1
+    if spec.tied_embeddings:
+        tied = spec.vocab_size * spec.hidden
+        if zero == 3:
+            gathers[tied] = gathers.get(tied, 0) + 1
+        reduces[tied] = reduces.get(tied, 0) + 1
+    pbytes, rbytes = DTYPE_BYTES[step.param_dtype], DTYPE_BYTES[step.reduce_dtype]
+    total = sum(calls * sum(gather_send_bytes(slice_sizes(numel, fractions), pbytes, k, backend))
+                for numel, calls in gathers.items() if numel)
+    total += sum(calls * sum(reduce_scatter_send_bytes(slice_sizes(numel, fractions), rbytes, k, backend))
+                 for numel, calls in reduces.items() if numel)
+    return total
 
 
 def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
                         headroom: float, world_size: int, profiles_dir: str | None = None,
-                        zero: int = RUNTIME_ZERO_STAGE, profile_cache: dict | None = None) -> DeviceCoeffs:
+                        zero: int = RUNTIME_ZERO_STAGE, profile_cache: dict | None = None,
+                        step: StepConfig = StepConfig()) -> DeviceCoeffs:
     """One device kind's coefficients from its step profiles (measured or estimated) and the memory
-    model. `profile_cache` shares the profile look-ups between the stages of one solve."""
+    model (at the plan's dtypes and prefetch, `step`). `profile_cache` shares the profile look-ups
+    between the stages of one solve."""
     from planner.core.profiles import get_step_profile
 
     cache = {} if profile_cache is None else profile_cache
@@ -399,7 +561,7 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
     prof = profile(recompute)
     layerwise = zero >= 2
     full = profile("full") if layerwise else None
-    memory_fn, phases_fn = runtime_memory_fns(spec, seq, dt, recompute, world_size, zero, device.type)
+    memory_fn, phases_fn = runtime_memory_fns(spec, seq, dt, recompute, world_size, zero, device.type, step)
     return DeviceCoeffs(
         device=device, dtype=dt,
         alpha_s=prof.alpha_s * device.slowdown,
@@ -415,16 +577,24 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
 
 
 def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: ClusterSpec, spec: ModelSpec,
-                     zero: int, dtype: str, profiles_dir: str | None = None) -> CommModel:
-    """Link figures for a scope and the bytes the runtime moves at `zero` (contracts.units): measured
-    gloo/NCCL fits for local CPU workers on one node when `profiler bench` has them, else the
-    cluster file's bandwidth (slowest link among the devices)."""
+                     zero: int, dtype: str, profiles_dir: str | None = None,
+                     step: StepConfig | None = None) -> CommModel:
+    """Link figures for a scope and the bytes the runtime moves at `zero` (contracts.units), gathers
+    in `step.param_dtype` and reduce-scatters in `step.reduce_dtype` (default: `auto` resolved for
+    these devices, fp32 reduces), and what no compute hides (`step_overlap`): measured gloo/NCCL
+    fits for local CPU workers on one node when `profiler bench` has them, else the cluster file's
+    bandwidth (slowest link among the devices)."""
     devices = list(devices)
+    if step is None:
+        step = StepConfig(resolve_param_dtype(PARAM_DTYPE_AUTO, zero, dtype, (d.type for d in devices)))
     collectives = step_collectives(spec, zero)
-    compute_bytes = max((compute_dtype_bytes(d.type, device_dtype(d.type, dtype)) for d in devices),
-                        default=FP32_BYTES)
-    gather_bytes, reduce_bytes = (float(b) for b in collectives.bytes(compute_bytes))
+    pbytes, rbytes = DTYPE_BYTES[step.param_dtype], DTYPE_BYTES[step.reduce_dtype]
+    gather_bytes = float(collectives.gather_numel * pbytes)
+    reduce_bytes = float(collectives.reduce_numel * rbytes)
     calls = collectives.num_calls
+    hidden = step_overlap(spec, zero, step.prefetch)
+    exposed = {} if hidden is None else {"exposed_gather_bytes": hidden[0] * pbytes,
+                                         "exposed_reduce_bytes": hidden[1] * rbytes, "exposed_calls": hidden[2]}
     types = {d.type for d in devices}
     if not multi_node and types == {CPU_TYPE}:
         from planner.core.profiles import collective_set_key, get_collective_profile
@@ -447,13 +617,13 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
             latency = max(gather.latency_s, 0.0)
             how = f"{w} ranks" + (f" of {prof.device_type}, each under its CPU quota" if PROFILE_KEY_SHARE in prof.device_type else "")
             return CommModel(gather_bus, 0.0, gather_bytes, reduce_bytes, calls,
-                             f"measured {prof.backend} collectives, {how}", reduce_bus, latency)
+                             f"measured {prof.backend} collectives, {how}", reduce_bus, latency, **exposed)
     net = cluster.network
     gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
     hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S
     where = "inter_node_gbps" if multi_node else "intra_node_gbps"
     return CommModel(bytes_per_s(gbps), hop, gather_bytes, reduce_bytes, calls,
-                     f"cluster file {where} {gbps:g}")
+                     f"cluster file {where} {gbps:g}", **exposed)
 
 
 # ---- the cost model of one (cluster, model, seq, dtype) ----------------------------------------
@@ -464,8 +634,9 @@ class CostModel:
 
     def __init__(self, cluster: ClusterSpec, num_params: int, coeffs: dict[DeviceSpec, DeviceCoeffs],
                  comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel], zero: int = RUNTIME_ZERO_STAGE,
-                 share_step: float = 0.0):
+                 share_step: float = 0.0, step: StepConfig = StepConfig(), spec: ModelSpec | None = None):
         self.cluster = cluster
+        self.spec = spec  # for the wire bytes of a plan's own shards (None: the ring's, CommModel.wire_bytes)
         self.num_params = num_params
         # the room curve's own roughness: each unit's slice is a whole number of parameters (rounded),
         # which moves memory by up to half a parameter's state per unit, about (units / P) of the
@@ -473,6 +644,8 @@ class CostModel:
         self.affine_tol = max(AFFINE_TOL, 2.0 * share_step)
         self.coeffs = coeffs
         self.zero = validate_zero(zero)
+        check_step_dtypes(self.zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model")
+        self.step = step  # the runtime's dtypes and prefetch depth the tables are priced at
         self._comm_for = comm_for
         self._comm_cache: dict[tuple[frozenset, bool], CommModel] = {}
         self._share_cache: dict[tuple[DeviceSpec, int, int], float] = {}
@@ -480,18 +653,25 @@ class CostModel:
     @classmethod
     def build(cls, cluster: ClusterSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
               headroom: float, profiles_dir: str | None = None, zero: int = RUNTIME_ZERO_STAGE,
-              profile_cache: dict | None = None) -> "CostModel":
+              profile_cache: dict | None = None, param_dtype: str = PARAM_DTYPE_AUTO, reduce_dtype: str = "fp32",
+              prefetch: int = DEFAULT_PREFETCH) -> "CostModel":
+        """The cost model of `spec` on `cluster` at ZeRO stage `zero`, the runtime gathering in
+        `param_dtype` (`auto`: resolve_param_dtype over the cluster's devices), reducing in
+        `reduce_dtype`, `prefetch` units ahead. ValueError on a combination the runtime refuses."""
         validate_zero(zero)
         kinds = sorted({d for _, d in cluster.devices()}, key=lambda d: (d.type, d.slowdown, d.memory_gb or 0))
+        step = StepConfig(resolve_param_dtype(param_dtype, zero, dtype, (d.type for d in kinds)), reduce_dtype,
+                          prefetch)
+        check_step_dtypes(zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model")
         coeffs = {d: build_device_coeffs(d, spec, seq, dtype, recompute, headroom, cluster.num_devices, profiles_dir,
-                                         zero, profile_cache)
+                                         zero, profile_cache, step)
                   for d in kinds}
 
         def comm_for(devices: Sequence[DeviceSpec], multi_node: bool) -> CommModel:
-            return build_comm_model(devices, multi_node, cluster, spec, zero, dtype, profiles_dir)
+            return build_comm_model(devices, multi_node, cluster, spec, zero, dtype, profiles_dir, step)
 
         return cls(cluster, spec.num_params, coeffs, comm_for, zero,
-                   share_step=len(runtime_units(spec)) / spec.num_params)
+                   share_step=len(runtime_units(spec)) / spec.num_params, step=step, spec=spec)
 
     def comm_model(self, devices: Iterable[DeviceSpec], multi_node: bool) -> CommModel:
         key = (frozenset(devices), multi_node)
@@ -499,20 +679,45 @@ class CostModel:
             self._comm_cache[key] = self._comm_for(sorted(key[0], key=lambda d: d.type), multi_node)
         return self._comm_cache[key]
 
-    def estimate_iteration_s(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[float, list[float]]:
-        """Predicted iteration time of `(micro_batch, accum_steps, shard_fraction)` per device of
-        the cluster (ClusterSpec.devices() order), and each used device's step time (0 if unused)."""
+    def _used_comm(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[list[int], CommModel]:
         devices = self.cluster.devices()
         used = [i for i, (m, n, f) in enumerate(per_device) if m * n > 0 or f > 0]
         if not used:
             raise ValueError("a plan must use at least one device")
         nodes = {devices[i][0].name for i in used}
-        comm = self.comm_model({devices[i][1] for i in used}, len(nodes) > 1).comm_s(len(used))
+        return used, self.comm_model({devices[i][1] for i in used}, len(nodes) > 1)
+
+    def estimate_iteration_s(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[float, list[float]]:
+        """Predicted iteration time of `(micro_batch, accum_steps, shard_fraction)` per device of
+        the cluster (ClusterSpec.devices() order), and each used device's step time (0 if unused):
+        per device StepComm.end_s(its compute) plus its optimizer."""
+        devices = self.cluster.devices()
+        used, comm = self._used_comm(per_device)
+        step = comm.step(len(used))
         steps = [0.0] * len(devices)
         for i in used:
             m, n, f = per_device[i]
-            steps[i] = self.coeffs[devices[i][1]].step_s(m, n, f) + comm
+            c = self.coeffs[devices[i][1]]
+            steps[i] = step.end_s(c.compute_s(m, n)) + c.optimizer_s * f
         return max(steps[i] for i in used), steps
+
+    def estimate_comm(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[int, float]:
+        """(bytes the step puts on the network, every rank together; the communication the slowest
+        rank waits for, s): the plan file's predicted_wire_bytes_per_step and predicted_exposed_comm_s."""
+        devices = self.cluster.devices()
+        used, comm = self._used_comm(per_device)
+        step = comm.step(len(used))
+        _, steps = self.estimate_iteration_s(per_device)
+        slowest = max(used, key=lambda i: steps[i])
+        m, n, _ = per_device[slowest]
+        exposed_s = step.exposed_of_s(self.coeffs[devices[slowest][1]].compute_s(m, n))
+        if self.spec is None:
+            return comm.wire_bytes(len(used)), exposed_s
+        backend = "gloo" if any(devices[i][1].type == CPU_TYPE for i in used) else "nccl"
+        fractions = [per_device[i][2] for i in used]
+        if sum(fractions) <= 0:
+            fractions = [1.0] * len(used)
+        return step_wire_bytes(self.spec, self.zero, self.step, fractions, backend), exposed_s
 
     def estimate_memory_bytes(self, device: DeviceSpec, micro_batch: int, accum_steps: int,
                               shard_fraction: float) -> float:

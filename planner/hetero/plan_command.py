@@ -13,9 +13,9 @@ import argparse
 from contracts.cli import print_json, print_table
 from contracts.cluster import ClusterSpec
 from contracts.constants import DTYPES, GIB, MEMORY_HEADROOM, RECOMPUTE
-from contracts.plan import Plan
+from contracts.plan import REDUCE_DTYPES, Plan
 from planner.entry import DEFAULT_TIME_LIMIT_S, plan_job
-from planner.hetero.solve import ZERO_AUTO, ZERO_CHOICES
+from planner.hetero.solve import PARAM_DTYPE_CHOICES, ZERO_AUTO, ZERO_CHOICES
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
 
@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", choices=[str(z) for z in ZERO_CHOICES], default=ZERO_AUTO,
                    help="ZeRO stage the runtime runs: 1 optimizer state sharded, 2 + gradients, 3 + parameters; "
                         "auto (default): the fastest predicted stage that fits")
+    p.add_argument("--param-dtype", choices=PARAM_DTYPE_CHOICES, default=PARAM_DTYPE_CHOICES[0],
+                   help="dtype zero 3 gathers parameters in (master shards and AdamW state stay fp32); auto "
+                        "(default): the compute dtype at zero 3, fp32 at zero 1/2; fp16 needs --dtype fp16")
+    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, default=REDUCE_DTYPES[0],
+                   help="dtype gradients are reduce-scattered in: fp32 (default), or bf16 allowed (the planner "
+                        "takes it unless fp32 is faster)")
     p.add_argument("--headroom", type=float, default=MEMORY_HEADROOM,
                    help="use at most this share of each device's memory")
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit (s)")
@@ -42,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def print_plan(plan: Plan) -> None:
     """The per-device table (predicted figures) and the summary lines."""
     print(f"plan for {plan.model} on {plan.cluster.name}: global batch {plan.global_batch}, seq {plan.seq}, "
-          f"{plan.dtype}, recompute {plan.recompute}, zero {plan.zero} (all figures predicted)")
+          f"{plan.dtype}, recompute {plan.recompute}, zero {plan.zero}, parameters gathered in {plan.param_dtype}, "
+          f"gradients reduced in {plan.reduce_dtype}, prefetch {plan.prefetch} (all figures predicted)")
     devices = plan.cluster.devices()
     stage_of = {}
     if plan.pipeline is not None:
@@ -57,6 +64,9 @@ def print_plan(plan: Plan) -> None:
     print_table(rows)
     print(f"predicted iteration: {plan.predicted_iteration_s:.4g} s, {plan.predicted_samples_per_s:.4g} samples/s "
           f"(solved in {plan.solve_s:.3f} s)")
+    if plan.predicted_wire_bytes_per_step is not None:
+        print(f"predicted network: {plan.predicted_wire_bytes_per_step / GIB:.4g} GiB per step (all ranks), "
+              f"{plan.predicted_exposed_comm_s:.4g} s of it not hidden by compute on the slowest rank")
     for z, c in sorted(plan.zero_candidates.items()):
         t = "-" if c.predicted_iteration_s is None else f"{c.predicted_iteration_s:.4g} s/iteration"
         print(f"  zero {z}: {t}{f' ({c.note})' if c.note else ''}")
@@ -74,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = ClusterSpec.load(args.cluster)
     result = plan_job(cluster, args.model, args.global_batch, seq=args.seq, dtype=args.dtype,
                       recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
-                      zero=args.zero if args.zero == ZERO_AUTO else int(args.zero), pipeline=not args.no_pipeline)
+                      zero=args.zero if args.zero == ZERO_AUTO else int(args.zero), pipeline=not args.no_pipeline,
+                      param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     plan = result.plan
     if args.out:
         plan.save(args.out)

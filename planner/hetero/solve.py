@@ -28,8 +28,8 @@ import pulp
 from contracts.catalog import GIB, get_gpu_type
 from contracts.cluster import ClusterSpec
 from planner.costmodel.training import (DENSE_ACCUM_STEPS, AccumBand, Choice, ClassTable, CostModel, ScopeTable,
-                                       last_fitting, validate_zero)
-from contracts.plan import Assignment, Plan, ZeroCandidate
+                                       PARAM_DTYPE_AUTO, StepComm, StepConfig, last_fitting, validate_zero)
+from contracts.plan import REDUCE_DTYPES, Assignment, Plan, ZeroCandidate
 from planner.hetero.baselines import baseline_plans, estimate_baselines, estimate_memory_aware
 from contracts.specs import get_model, with_max_seq
 from contracts.constants import DTYPES, MEMORY_HEADROOM, RECOMPUTE, ZERO_STAGES
@@ -58,6 +58,13 @@ NEAR_HI_STEP = 0.1
 RELAX_GALLOP = 16.0
 # the relaxation's bisection stops within RELAX_WITHIN·tol of the least t it admits, where CBC starts
 RELAX_WITHIN = 0.5
+# the prefetch depths the ILP may give zero 3 (units gathered ahead: depth k holds k + 1 gathered units)
+PREFETCH_DEPTHS = (0, 1, 2)
+# the deepest prefetch the time model tells apart from a shallower one: it prices the step's
+# collectives against the step's compute in total (docs/models/cost.md, "Overlap"), so any depth ≥ 1
+# hides the same; a deeper one only costs memory and is not offered
+OVERLAP_DEPTH = 1
+PARAM_DTYPE_CHOICES = (PARAM_DTYPE_AUTO, *DTYPES)
 # world-size ranges a scope's bound before its table may look at (its ranges split while they could
 # still beat the incumbent): a few dozen cost no memory evaluation, the table thousands
 PRE_TABLE_RANGES = 16
@@ -120,14 +127,14 @@ CBC_GRACE_S = 0.5  # beyond the probe's share of the time limit, for CBC to star
 MAX_PROBE_VARIABLES = 20_000
 
 
-def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm_s: float) -> float:
+def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm: StepComm) -> float:
     """The most state one device of `cls` on choice ch can hold and still end by t_s:
-    min(max_share, (t_s − comm − compute)/opt); negative when the choice itself is too slow."""
-    slack_s = t_s - comm_s - ch.compute_s
+    min(max_share, (t_s − comm.end_s(compute))/opt); negative when the choice itself is too slow."""
+    slack_s = t_s - comm.end_s(ch.compute_s)
     if slack_s < 0:
         if slack_s < -1e-12 * abs(t_s):
             return -1.0
-        slack_s = 0.0  # t_s = comm + compute, up to float round-off
+        slack_s = 0.0  # t_s = the end of compute and collectives, up to float round-off
     opt_s = cls.coeffs.optimizer_s
     return ch.max_share if opt_s <= 0 else min(ch.max_share, slack_s / opt_s)
 
@@ -162,22 +169,37 @@ class BoundedCBC(pulp.PULP_CBC_CMD):
             os.unlink(wrapper)
 
 
-def band_rows(band: AccumBand, opt_s: float, slack_s: float, n_top: int) -> list[tuple[float, float]]:
+def band_rows(band: AccumBand, opt_s: float, slack_s: float, n_top: int,
+              hidden_s: float = 0.0) -> list[tuple[float, float]]:
     """Rows (a, s) with F ≤ a·x + s·N that say exactly how much state x devices of a band can hold
-    with N accumulation steps in total by the time t (slack_s = t − comm for compute and optimizer):
-    one row per line of the concave ℓ̂ (the room, the time room, the chord where they cross). Why
-    these rows are exact: docs/models/ilp.md ("Accumulation bands")."""
+    with N accumulation steps in total by the time t (slack_s = t − exposed comm, for compute and
+    optimizer; a device's compute counts as at least `hidden_s`, the comm it hides): one row per line
+    of the concave ℓ̂ (the room, the time room, the flat time room where the hidden comm outlasts
+    the compute, the chord wherever two of them cross between whole counts). Why these rows are
+    exact: docs/models/ilp.md ("Accumulation bands")."""
     a1, s1 = band.room_line()
-    rows = [(a1, s1)]
+    lines = [(a1, s1)]
     if opt_s <= 0:  # no optimizer time: only memory bounds the share
-        return rows
-    a2, s2 = slack_s / opt_s, -band.step_s / opt_s
-    rows.append((a2, s2))
-    if s1 != s2:
-        j = math.floor((a2 - a1) / (s1 - s2))  # the lines cross in [j, j + 1]
-        if band.lo <= j < n_top:
-            v0, v1 = (min(a1 + s1 * n, a2 + s2 * n) for n in (j, j + 1))
-            rows.append((v0 - (v1 - v0) * j, v1 - v0))
+        return lines
+    # the time room (slack − max(n·step, hidden))/opt: a falling line, and a flat one while hidden > n·step
+    lines.append((slack_s / opt_s, -band.step_s / opt_s))
+    if hidden_s > 0:
+        lines.append(((slack_s - hidden_s) / opt_s, 0.0))
+    rows = list(lines)
+
+    def envelope(n: int) -> float:
+        return min(a + s * n for a, s in lines)
+
+    for i, (ai, si) in enumerate(lines):
+        for aj, sj in lines[i + 1:]:
+            if si == sj:
+                continue
+            j = math.floor((aj - ai) / (si - sj))  # the lines cross in [j, j + 1]
+            if band.lo <= j < n_top:
+                v0, v1 = envelope(j), envelope(j + 1)
+                chord = (v0 - (v1 - v0) * j, v1 - v0)
+                if chord not in rows:
+                    rows.append(chord)
     return rows
 
 
@@ -202,7 +224,7 @@ class _BandVar:
     rows: list[tuple[float, float]]
 
 
-def probe_entries(table: ScopeTable, global_batch: int, comm_s: float, t_s: float) -> list[_ChoiceVar | _BandVar]:
+def probe_entries(table: ScopeTable, global_batch: int, comm: StepComm, t_s: float) -> list[_ChoiceVar | _BandVar]:
     """What the probe at t_s may give each class: the choices fast enough (per batch the roomiest)
     and the bands' counts that end by t_s."""
     out: list[_ChoiceVar | _BandVar] = []
@@ -210,7 +232,7 @@ def probe_entries(table: ScopeTable, global_batch: int, comm_s: float, t_s: floa
         # at a fixed t_s two choices of one batch differ only in their share room: keep the roomiest
         best_of_batch: dict[int, tuple[float, int]] = {}
         for c, ch in enumerate(cls.choices):
-            cap = share_cap(cls, ch, t_s, comm_s)
+            cap = share_cap(cls, ch, t_s, comm)
             if cap < 0 or (ch.batch == 0 and cap <= 0):
                 continue  # too slow for t_s, or a state-only device that could hold nothing
             best = best_of_batch.get(ch.batch)
@@ -225,14 +247,17 @@ def probe_entries(table: ScopeTable, global_batch: int, comm_s: float, t_s: floa
             if ub >= 1:
                 out.append(_ChoiceVar(g, c, ch, cap, ub))
         for b, band in enumerate(cls.bands):
-            slack_s = t_s - comm_s  # what one device of the band has for compute + optimizer
-            # the most steps one device may take by t_s (a device at n needs n·step ≤ t − comm)
+            if comm.compute_room_s(t_s) < 0:
+                break  # the collectives alone end after t_s
+            slack_s = t_s - comm.exposed_s  # what one device of the band has for compute + optimizer
+            # the most steps one device may take by t_s (a device at n needs n·step ≤ t − exposed)
             n_top = min(band.hi, int(slack_s / band.step_s) if band.step_s > 0 else band.hi)
             if n_top < band.lo:
                 continue
             ub = min(cls.count, global_batch // (band.micro_batch * band.lo))
             if ub >= 1:
-                out.append(_BandVar(g, b, band, n_top, ub, band_rows(band, cls.coeffs.optimizer_s, slack_s, n_top)))
+                out.append(_BandVar(g, b, band, n_top, ub,
+                                    band_rows(band, cls.coeffs.optimizer_s, slack_s, n_top, comm.hidden_s)))
     return out
 
 
@@ -350,11 +375,11 @@ def relaxation_value(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequence[
     return min(least, dual(lams[lo_i]))
 
 
-def relaxation_bound_at(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float,
+def relaxation_bound_at(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepComm,
                         t_s: float) -> float:
     """`relaxation_value` of the probe at t_s (−inf where it offers nothing): below
     1 − RELAXATION_MARGIN it proves the probe infeasible, no CBC run."""
-    offered = probe_entries(table, global_batch, comm_s, t_s)
+    offered = probe_entries(table, global_batch, comm, t_s)
     return relaxation_value(offered, [cls.count for cls in table.classes], global_batch, world) if offered \
         else -math.inf
 
@@ -364,7 +389,7 @@ def _rejects(table: ScopeTable, offered: Sequence[_ChoiceVar | _BandVar], global
     return not offered or relaxation_infeasible(offered, [cls.count for cls in table.classes], global_batch, world)
 
 
-def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float, t_s: float,
+def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepComm, t_s: float,
           time_limit_s: float, threads: int | None = None, relaxed: bool = False) -> Config | None:
     """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s (up to
     the bands' 2·AFFINE_TOL of room: the caller prices it exactly), or None, which proves that no
@@ -372,7 +397,7 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
     relaxed: the caller has found that the relaxation does not reject t_s, so CBC decides at once."""
     if time_limit_s <= 0:
         raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
-    offered = probe_entries(table, global_batch, comm_s, t_s)
+    offered = probe_entries(table, global_batch, comm, t_s)
     if not relaxed and _rejects(table, offered, global_batch, world):
         return None
     if len(offered) > MAX_PROBE_VARIABLES:
@@ -415,7 +440,7 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
              + pulp.lpSum(band.micro_batch * N for _, band, _, N in band_entries)) == global_batch, "batch"
     # shards: the devices can hold the whole state (≥: any surplus capacity is simply left unused)
     prob += pulp.lpSum(F for *_, F in entries) >= 1, "shards"
-    # world size: the number of used devices lies in the bucket comm_s was priced for
+    # world size: the number of used devices lies in the bucket comm was priced for
     k = pulp.lpSum(x for _, _, x, _ in entries)
     prob += k >= world[0], "world_lo"
     prob += k <= world[1], "world_hi"
@@ -443,7 +468,7 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: 
     raise ProbeTimeout(f"CBC stopped ({pulp.LpStatus[prob.status]}) before deciding t = {t_s:.6g} s")
 
 
-def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], comm_s: float,
+def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepComm,
                   t_s: float) -> Config | None:
     """A configuration for the probe at t_s found without CBC, or None: each device on the largest
     batch it computes by t_s (a choice, or a band's most whole steps), the devices with the largest
@@ -451,12 +476,14 @@ def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], 
     whole steps, first where a trimmed sample frees the most optimizer time per share of state
     (step / (m · opt)). The caller prices it exactly (price_config): a plan like any other, which
     proves nothing about the probe; CBC decides where it is not good enough."""
-    slack_s = t_s - comm_s
+    slack_s = comm.compute_room_s(t_s)
+    if slack_s < 0:
+        return None  # the collectives alone end after t_s
     devices = []  # (batch, g, m, n, least n it may be trimmed to, step s)
     for g, cls in enumerate(table.classes):
         best = None
         for ch in cls.choices:
-            if ch.batch > 0 and share_cap(cls, ch, t_s, comm_s) >= 0 and (best is None or ch.batch > best[0]):
+            if ch.batch > 0 and share_cap(cls, ch, t_s, comm) >= 0 and (best is None or ch.batch > best[0]):
                 best = (ch.batch, ch.micro_batch, ch.accum_steps, ch.accum_steps, 0.0)
         for b in cls.bands:
             n = _steps_within(slack_s, b.step_s, b.hi)
@@ -491,13 +518,13 @@ def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], 
     return [(g, table.classes[g].choice(m, n), x) for (g, m, n), x in sorted(counts.items())]
 
 
-def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[float, list[float]] | None:
+def price_config(table: ScopeTable, config: Config, comm: StepComm) -> tuple[float, list[float]] | None:
     """The least iteration time of a configuration and each entry's per-device share: water-filling,
     the least t with Σ x·cap(t) ≥ 1 (cap grows with t), by bisection. None if the state cannot fit."""
     def capacity(t_s: float) -> float:
-        return sum(x * max(share_cap(table.classes[g], ch, t_s, comm_s), 0.0) for g, ch, x in config)
+        return sum(x * max(share_cap(table.classes[g], ch, t_s, comm), 0.0) for g, ch, x in config)
 
-    lo = max(ch.compute_s for _, ch, _ in config) + comm_s
+    lo = max(comm.end_s(ch.compute_s) for _, ch, _ in config)
     hi = lo + max(table.classes[g].coeffs.optimizer_s for g, _, _ in config)
     if capacity(hi) < 1 - 1e-12:
         return None
@@ -506,14 +533,14 @@ def price_config(table: ScopeTable, config: Config, comm_s: float) -> tuple[floa
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if capacity(mid) >= 1 else (mid, hi)
         lo = hi
-    caps = [max(share_cap(table.classes[g], ch, lo, comm_s), 0.0) for g, ch, _ in config]
+    caps = [max(share_cap(table.classes[g], ch, lo, comm), 0.0) for g, ch, _ in config]
     total = sum(x * cap for (_, _, x), cap in zip(config, caps))
     return lo, [cap / total for cap in caps]
 
 
-def _breakpoints(table: ScopeTable, comm_s: float, lo_s: float, hi_s: float) -> list[float]:
+def _breakpoints(table: ScopeTable, comm: StepComm, lo_s: float, hi_s: float) -> list[float]:
     """Iteration times at which the set of fast-enough choices changes, inside (lo_s, hi_s)."""
-    pts = {ch.compute_s + comm_s for cls in table.classes for ch in cls.choices}
+    pts = {comm.end_s(ch.compute_s) for cls in table.classes for ch in cls.choices}
     return sorted(t for t in pts if lo_s < t < hi_s)
 
 
@@ -524,9 +551,9 @@ class _Bisection:
     def __init__(self, table: ScopeTable, global_batch: int, world: tuple[int, int], lo_s: float, hi_s: float,
                  deadline: float, comm_k: int | None = None):
         self.table, self.global_batch, self.world, self.deadline = table, global_batch, world, deadline
-        self.comm_s = table.comm_s(world[1] if comm_k is None else comm_k)
-        # how much more the range's largest world size pays for its collectives than comm_s
-        self.spread_s = max(table.comm_s(world[1]) - self.comm_s, 0.0)
+        self.comm = table.step_comm(world[1] if comm_k is None else comm_k)
+        # how much more the range's largest world size pays for its collectives than comm, at most
+        self.spread_s = max(table.step_comm(world[1]).total_s - self.comm.total_s, 0.0)
         self.lo, self.hi = lo_s, hi_s
         self.best: tuple[float, Config] | None = None
         self.proven_lo = True  # every rise of lo was a proof (an infeasible probe)
@@ -537,9 +564,9 @@ class _Bisection:
         ProbeTimeout (undecided) moves neither. A configuration the probe accepted within the bands'
         tolerance that cannot hold the state when priced exactly raises lo all the same, unproven.
         relaxed: as probe's (the relaxation admits t_s)."""
-        config = probe(self.table, self.global_batch, self.world, self.comm_s, t_s, self.deadline - time.monotonic(),
+        config = probe(self.table, self.global_batch, self.world, self.comm, t_s, self.deadline - time.monotonic(),
                        relaxed=relaxed)
-        priced = price_config(self.table, config, self.comm_s) if config else None
+        priced = price_config(self.table, config, self.comm) if config else None
         if priced is None:
             if config:
                 self.proven_lo = False
@@ -556,7 +583,7 @@ class _Bisection:
     def offer(self, config: Config | None) -> bool:
         """Price a configuration found elsewhere (greedy_config): it lowers hi if it ends sooner.
         Whether it did."""
-        priced = price_config(self.table, config, self.comm_s) if config else None
+        priced = price_config(self.table, config, self.comm) if config else None
         if priced is None or priced[0] >= self.hi:
             return False
         self.best, self.hi = (priced[0], config), priced[0]
@@ -573,7 +600,7 @@ class _Bisection:
         limit = 1 - RELAXATION_MARGIN
 
         def value(t_s: float) -> float:
-            return relaxation_bound_at(self.table, self.global_batch, self.world, self.comm_s, t_s)
+            return relaxation_bound_at(self.table, self.global_batch, self.world, self.comm, t_s)
 
         hi_t = cap_s
         if value(cap_s) < limit:
@@ -613,7 +640,7 @@ class _Bisection:
     def improves(self, target_s: float) -> bool:
         """Whether the best configuration, priced at its own world size, ends before target_s."""
         config = self.best[1]
-        priced = price_config(self.table, config, self.table.comm_s(sum(x for _, _, x in config)))
+        priced = price_config(self.table, config, self.table.step_comm(sum(x for _, _, x in config)))
         return priced is not None and priced[0] < target_s
 
     def settled(self, tol: float) -> bool:
@@ -631,7 +658,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
     the collectives priced at `comm_k` devices (default: world's top). Returns (bound, the best
     configuration, proven) or None if nothing beats upper_s: bound is the least time within tol
     when the interval closed, else the proven lower end of a range the caller must split (its
-    collectives' spread, comm(top) − comm_s, is wider than what the bisection could still resolve,
+    collectives' spread, comm(top) − comm(comm_k), is wider than what the bisection could still resolve,
     or its best plan does not beat upper_s at its own world size). The configuration is None where
     the relaxation's bound alone leaves less than that spread below upper_s (no CBC run)."""
     comm_k = world[1] if comm_k is None else comm_k
@@ -639,7 +666,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
     if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
         top_s = max([ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices]
                     + [b.hi * b.step_s + cls.coeffs.optimizer_s for cls in table.classes for b in cls.bands])
-        top_s += table.comm_s(comm_k)
+        top_s += table.step_comm(comm_k).total_s  # exposed + max(c, hidden) ≤ c + every collective
     search = _Bisection(table, global_batch, world, lower_s, top_s, deadline, comm_k)
     cap_s = top_s if math.isinf(upper_s) else upper_s * (1 - tol)  # is there any plan at all below it?
     try:
@@ -651,7 +678,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             # what is left below the incumbent is narrower than the collectives' spread: CBC could
             # not settle the range either, so the caller splits it on the relaxation's bound alone
             return search.lo, None, search.proven_lo
-        if t is not None and search.offer(greedy_config(table, global_batch, world, search.comm_s, t)) \
+        if t is not None and search.offer(greedy_config(table, global_batch, world, search.comm, t)) \
                 and search.closed(tol):
             # a plan within tol of the relaxation's proven floor, found without CBC
             return search.best[0], search.best[1], search.proven_lo
@@ -667,7 +694,7 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
             # the relaxation admits a plan the real collectives do not: bisecting it would only
             # sharpen a bound the range's halves beat anyway, so the caller splits the range at once
             return search.lo, search.best[1], search.proven_lo
-        points = _breakpoints(table, search.comm_s, search.lo, search.hi)
+        points = _breakpoints(table, search.comm, search.lo, search.hi)
         while points and search.time_left() and not search.settled(tol):
             mid = points[len(points) // 2]
             ok = search.try_at(mid)
@@ -722,7 +749,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         incumbent = best[0] if best else upper_s
         lower_s = max(parent_s, fluid_s, _range_bound_s(table, global_batch, lo, hi))
         if lower_s < incumbent * (1 - tol):
-            lower_s = _capacity_bound_s(reach, table.comm_s(lo), global_batch, hi, lower_s, incumbent, tol)
+            lower_s = _capacity_bound_s(reach, table.step_comm(lo), global_batch, hi, lower_s, incumbent, tol)
         if lower_s >= incumbent * (1 - tol):
             continue
         if time.monotonic() >= deadline:
@@ -740,7 +767,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         k = hi  # no configuration (the relaxation's bound alone): the upper half first
         if config is not None:
             k = sum(x for _, _, x in config)
-            priced = price_config(table, config, table.comm_s(k))
+            priced = price_config(table, config, table.step_comm(k))
             if priced is not None and priced[0] < incumbent:
                 best = (priced[0], config, k)
                 incumbent = priced[0]
@@ -753,7 +780,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         return None
     t_s, config, k = best
     config = fewest_steps(table, config)
-    _, shares = price_config(table, config, table.comm_s(k))
+    _, shares = price_config(table, config, table.step_comm(k))
     per_device: dict[int, tuple[int, int, float]] = {}
     free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
     for (g, ch, x), share in zip(config, shares):
@@ -779,16 +806,20 @@ def _steps_within(compute_s: float, step_s: float, top: int) -> int:
     return min(top, math.floor(compute_s / step_s * (1 + 1e-12)))
 
 
-def _capacity_bound_s(reach: Sequence[tuple[Callable[[float], float], int]], comm_s: float, global_batch: int,
+def _capacity_bound_s(reach: Sequence[tuple[Callable[[float], float], int]], comm: StepComm, global_batch: int,
                       hi: int, lower_s: float, upper_s: float, tol: float) -> float:
     """A lower bound, at least lower_s, on every plan of at most hi devices whose collectives take
-    at least comm_s: each device computes its samples within T − comm_s, so the hi devices that
+    at least comm: each device computes its samples within T − comm.exposed_s (and no T below the
+    collectives' own end, exposed + hidden, admits any), so the hi devices that
     compute the most in that time (`reach`: per class, its samples within a compute time, and its
     device count) must take the batch. Tighter than the fluid bound where a device's fastest
     micro-batch fits only short accumulations. The least such T to tol by bisection in
     [lower_s, upper_s], upper_s itself when even that does not suffice (the range is closed)."""
     def enough(t_s: float) -> bool:
-        per_class = sorted(((within(t_s - comm_s), count) for within, count in reach), reverse=True)
+        room_s = comm.compute_room_s(t_s)
+        if room_s < 0:
+            return False
+        per_class = sorted(((within(room_s), count) for within, count in reach), reverse=True)
         left, total = hi, 0.0
         for samples, count in per_class:
             take = min(count, left)
@@ -821,8 +852,9 @@ def _table_reach(table: ScopeTable) -> list[tuple[Callable[[float], float], int]
 
 
 def _range_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int) -> float:
-    """No plan with lo ≤ k ≤ hi devices is faster than the hi fastest devices' fluid bound plus comm(lo)."""
-    return _lower_bound_s(table, global_batch, hi) + table.comm_s(lo)
+    """No plan with lo ≤ k ≤ hi devices is faster than the hi fastest devices' fluid bound with the
+    collectives of lo devices (StepComm.bound_s)."""
+    return table.step_comm(lo).bound_s(_lower_bound_s(table, global_batch, hi))
 
 
 def fewest_steps(table: ScopeTable, config: Config) -> Config:
@@ -886,14 +918,15 @@ def _most_samples(table: ScopeTable) -> int:
 
 
 def _scope_lower_bound_s(table: ScopeTable, global_batch: int) -> float:
-    return _segments_bound_s(*_table_rates(table), table.comm_s, global_batch, table.num_devices)
+    return _segments_bound_s(*_table_rates(table), table.step_comm, global_batch, table.num_devices)
 
 
-def _segments_bound_s(per_class: Rates, state_only: bool, comm_s, global_batch: int, num_devices: int) -> float:
+def _segments_bound_s(per_class: Rates, state_only: bool, comm: Callable[[int], StepComm], global_batch: int,
+                      num_devices: int) -> float:
     """No plan of a scope is faster than the least bound of its world-size ranges (`world_segments`,
     `_range_bound_s`), each at least the fluid bound of all its devices."""
     fluid_s = _fluid_bound_s(per_class, state_only, global_batch)
-    return min(max(fluid_s, _fluid_bound_s(per_class, state_only, global_batch, hi) + comm_s(lo))
+    return min(max(fluid_s, comm(lo).bound_s(_fluid_bound_s(per_class, state_only, global_batch, hi)))
                for lo, hi in world_segments(num_devices))
 
 
@@ -1025,7 +1058,7 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
     comm = cost.comm_model(counts, multi_node)
     if per_class is not None:
         state_only = any(cost.max_share(d, 0, 0) > 0 for d in counts)
-        if _segments_bound_s(per_class, state_only, comm.comm_s, global_batch,
+        if _segments_bound_s(per_class, state_only, comm.step, global_batch,
                              len(members)) >= max_compute_s * (1 - tol):
             return max_compute_s
     for d in counts:
@@ -1047,9 +1080,9 @@ def _scope_bound_before_table(cost: CostModel, multi_node: bool, members: Sequen
     while stack:
         lo, hi, parent_s = stack.pop()
         looked += 1
-        lower_s = max(parent_s, fluid_s, _fluid_bound_s(per_class, state_only, global_batch, hi) + comm.comm_s(lo))
+        lower_s = max(parent_s, fluid_s, comm.step(lo).bound_s(_fluid_bound_s(per_class, state_only, global_batch, hi)))
         if lower_s < max_compute_s * (1 - tol):
-            lower_s = _capacity_bound_s(reach, comm.comm_s(lo), global_batch, hi, lower_s, max_compute_s, tol)
+            lower_s = _capacity_bound_s(reach, comm.step(lo), global_batch, hi, lower_s, max_compute_s, tol)
         if lower_s >= max_compute_s * (1 - tol):
             continue  # no plan of this range beats the incumbent
         if lo == hi or looked + len(stack) >= PRE_TABLE_RANGES:
@@ -1186,8 +1219,11 @@ def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: 
         mem = int(cost.estimate_memory_bytes(dev, m, n, f)) if (m * n > 0 or f > 0) else 0
         assignments.append(Assignment(i, node.name, dev.type, m, n, m * n, f, mem, steps[i],
                                       dev.emulated, dev.slowdown, dev.memory_gb))
+    wire_bytes, exposed_s = cost.estimate_comm(per_device)
     return Plan(cost.cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), iteration_s,
-                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=cost.zero)
+                global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=cost.zero,
+                param_dtype=cost.step.param_dtype, reduce_dtype=cost.step.reduce_dtype, prefetch=cost.step.prefetch,
+                predicted_wire_bytes_per_step=wire_bytes, predicted_exposed_comm_s=exposed_s)
 
 
 def plan_notes(cost: CostModel, dtype: str) -> list[str]:
@@ -1203,14 +1239,59 @@ def plan_notes(cost: CostModel, dtype: str) -> list[str]:
     return notes
 
 
-def validate_zero_choice(zero: int | str) -> tuple[int, ...]:
-    """The stages to try: all of them for "auto", else the one forced."""
+def validate_zero_choice(zero: int | str, param_dtype: str = PARAM_DTYPE_AUTO) -> tuple[int, ...]:
+    """The stages to try: all of them for "auto" (only zero 3 where an explicit half `param_dtype` is
+    asked: only zero 3 gathers parameters), else the one forced."""
+    half_params = param_dtype not in (PARAM_DTYPE_AUTO, "fp32")
     if zero == ZERO_AUTO:
-        return ZERO_STAGES
+        return (3,) if half_params else ZERO_STAGES
     try:
-        return (validate_zero(zero),)
+        stage = validate_zero(zero)
     except ValueError:
         raise ValueError(f"zero must be one of {', '.join(map(str, ZERO_CHOICES))}, got {zero!r}") from None
+    if half_params and stage != 3:
+        raise ValueError(f"--param-dtype {param_dtype} needs zero 3 (got zero {stage}): zero 1 and 2 keep replicated "
+                         "fp32 parameters and gather them in fp32; use --param-dtype auto or fp32, or --zero 3")
+    return (stage,)
+
+
+def validate_step_dtypes(dtype: str, param_dtype: str, reduce_dtype: str) -> None:
+    """The mixed-precision flags on their own: `param_dtype` one of PARAM_DTYPE_CHOICES (fp16 only
+    with an fp16 compute dtype, whose loss scaler keeps fp16 values in range; bf16 not beside fp16
+    compute), `reduce_dtype` one of REDUCE_DTYPES."""
+    if param_dtype not in PARAM_DTYPE_CHOICES:
+        raise ValueError(f"param dtype must be one of {', '.join(PARAM_DTYPE_CHOICES)}, got {param_dtype!r}")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}")
+    if param_dtype == "fp16" and dtype != "fp16":
+        raise ValueError(f"--param-dtype fp16 needs --dtype fp16 (got {dtype}): fp16 parameters need the loss "
+                         "scaler, which runs with fp16 compute only")
+    if param_dtype == "bf16" and dtype == "fp16":
+        raise ValueError("--param-dtype bf16 with --dtype fp16 would gather bf16 weights for fp16 compute: use "
+                         "--param-dtype fp16 or auto")
+
+
+def step_candidates(zero: int, param_dtype: str, reduce_dtype: str) -> list[StepConfig]:
+    """The runtime settings the ILP chooses among at one stage, most wanted first (a later one must
+    beat the earlier ones): the reduce dtypes the user allowed (bf16 first where asked, then fp32),
+    and at zero 3 the prefetch depths of PREFETCH_DEPTHS the time model tells apart, deepest first
+    (prefetch 0 wins only where a deeper one does not fit or is slower). `param_dtype` stays as
+    asked (CostModel.build resolves auto)."""
+    reduces = ("bf16", "fp32") if reduce_dtype == "bf16" else ("fp32",)
+    depths = sorted((p for p in PREFETCH_DEPTHS if p <= OVERLAP_DEPTH), reverse=True) if zero == 3 else [1]
+    return [StepConfig(param_dtype, r, p) for r in reduces for p in depths]
+
+
+def step_notes(cost: CostModel, reduce_dtype: str) -> list[str]:
+    """What the chosen runtime settings are and, where the ILP left the default, why."""
+    st = cost.step
+    notes = [f"runtime: parameters gathered in {st.param_dtype}, gradients reduced in {st.reduce_dtype}"
+             + (f", prefetch {st.prefetch}" if cost.zero == 3 else "")]
+    if cost.zero == 3 and st.prefetch == 0:
+        notes.append("prefetch 0: gathering the next unit ahead did not fit in memory or was not faster")
+    if reduce_dtype == "bf16" and st.reduce_dtype == "fp32":
+        notes.append("reduce dtype fp32 although bf16 was allowed: the bf16 reduce did not fit or was not faster")
+    return notes
 
 
 @dataclass(frozen=True)
@@ -1222,13 +1303,11 @@ class _StageSolution:
     baselines: dict
 
 
-def _solve_stage(cluster: ClusterSpec, spec, seq: int, dtype: str, recompute: str, headroom: float, zero: int,
-                 global_batch: int, deadline: float, gap: float, micro_batches: Sequence[int] | None,
-                 profiles_dir: str | None, profile_cache: dict, beat_s: float) -> _StageSolution | None:
-    """The best plan at one ZeRO stage, or None if it does not beat `beat_s` (another stage's time).
-    Raises ValueError when nothing fits at this stage."""
-    cost = CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=zero,
-                           profile_cache=profile_cache)
+def _solve_stage(cost: CostModel, global_batch: int, deadline: float, gap: float,
+                 micro_batches: Sequence[int] | None, beat_s: float) -> _StageSolution | None:
+    """The best plan under one cost model (a ZeRO stage and runtime settings), or None if it does not
+    beat `beat_s` (another's time). Raises ValueError when nothing fits under it."""
+    cluster = cost.cluster
     plans = baseline_plans(cost, global_batch)
     baselines = {name: r for name, (r, _) in plans.items()}
     known = min(((r.predicted_iteration_s, per_device)
@@ -1243,10 +1322,33 @@ def _solve_stage(cluster: ClusterSpec, spec, seq: int, dtype: str, recompute: st
     return _StageSolution(cost, sol, scope, t_s, baselines)
 
 
+def solve_candidates(costs: Sequence[CostModel], global_batch: int, deadline: float, gap: float = 0.0,
+                     micro_batches: Sequence[int] | None = None,
+                     beat_s: float = math.inf) -> tuple[_StageSolution | None, list[str]]:
+    """The fastest plan over cost models of one stage that differ in runtime settings (step_candidates),
+    each later one kept only where it beats the best so far (and `beat_s`) by more than the tolerance:
+    (the best, or None where none beats beat_s; the ValueError messages of those nothing fits)."""
+    best: _StageSolution | None = None
+    errors: list[str] = []
+    for cost in costs:
+        try:
+            found = _solve_stage(cost, global_batch, deadline, gap, micro_batches,
+                                 min(beat_s, best.iteration_s if best else math.inf))
+        except ValueError as e:
+            if time.monotonic() >= deadline and best is None:
+                raise
+            errors.append(str(e))
+            continue
+        if found is not None:
+            best = found
+    return best, errors
+
+
 def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | None = None, dtype: str = "fp32",
                recompute: str = "none", headroom: float = MEMORY_HEADROOM, time_limit_s: float = 10.0, gap: float = 0.0,
                micro_batches: Sequence[int] | None = None, profiles_dir: str | None = None,
-               zero: int | str = ZERO_AUTO) -> HeteroResult:
+               zero: int | str = ZERO_AUTO, param_dtype: str = PARAM_DTYPE_AUTO,
+               reduce_dtype: str = "fp32") -> HeteroResult:
     """The fastest plan of `model` on `cluster` at `global_batch` under the cost model (planner/costmodel/training.py).
 
     `zero`: "auto" solves each ZeRO stage (1, 2, 3, in that order) and keeps the shortest predicted
@@ -1255,10 +1357,15 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     this relative distance of the proven lower bound (0: BISECTION_TOL; tighter costs more ranges of
     world sizes, tests/unit/test_ilp_exact.py asks 5e-7); `time_limit_s` bounds the whole search, every
     stage together.
-    `micro_batches` replaces the candidate micro-batches (default: powers of two). Raises
-    ValueError on bad input and when no plan fits at any stage tried, naming why."""
+    `micro_batches` replaces the candidate micro-batches (default: powers of two). `param_dtype`:
+    the dtype zero 3 gathers parameters in (auto: the compute dtype; an explicit half dtype limits
+    "auto" to zero 3 and refuses zero 1 and 2); `reduce_dtype`: bf16 allows bf16 reduce-scatters,
+    which the ILP takes unless fp32 ones are faster; fp32 (default) keeps them fp32. Per stage the
+    ILP also chooses the prefetch depth (step_candidates). Raises ValueError on bad input and when
+    no plan fits at any stage tried, naming why."""
     validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
-    stages = validate_zero_choice(zero)
+    validate_step_dtypes(dtype, param_dtype, reduce_dtype)
+    stages = validate_zero_choice(zero, param_dtype)
     if micro_batches is not None and (not micro_batches or any(
             isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in micro_batches)):
         raise ValueError(f"micro_batches must be positive integers, got {micro_batches!r}")
@@ -1272,14 +1379,18 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     candidates: dict[int, ZeroCandidate] = {}
     failures: dict[int, str] = {}
     for z in stages:
-        try:
-            found = _solve_stage(cluster, spec, seq, dtype, recompute, headroom, z, global_batch, deadline, gap,
-                                 micro_batches, profiles_dir, profile_cache, best.iteration_s if best else math.inf)
-        except ValueError as e:
+        costs = [CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=z,
+                                 profile_cache=profile_cache, param_dtype=st.param_dtype,
+                                 reduce_dtype=st.reduce_dtype, prefetch=st.prefetch)
+                 for st in step_candidates(z, param_dtype, reduce_dtype)]
+        found, errors = solve_candidates(costs, global_batch, deadline, gap, micro_batches,
+                                         best.iteration_s if best else math.inf)
+        if found is None and len(errors) == len(costs):  # nothing fits at this stage
+            # the last candidate needs the least memory (fp32 reduce, prefetch 0): its reason is the one to give
             if len(stages) == 1 or time.monotonic() >= deadline:
-                raise
-            failures[z] = str(e)
-            candidates[z] = ZeroCandidate(None, False, str(e))
+                raise ValueError(errors[-1])
+            failures[z] = errors[-1]
+            candidates[z] = ZeroCandidate(None, False, errors[-1])
             continue
         if found is None:  # feasible, but not faster than a lower stage
             candidates[z] = ZeroCandidate(None, None, f"no plan faster than zero {best.cost.zero}'s")
@@ -1296,6 +1407,9 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     sol, cost = best.solution, best.cost
     notes = plan_notes(cost, dtype) + [f"scope: {best.scope}", f"zero {cost.zero}" + (
         " (auto: the fastest predicted stage that fits)" if len(stages) > 1 else " (forced)")]
+    if zero == ZERO_AUTO and len(stages) == 1:
+        notes.append(f"zero 3 only: --param-dtype {param_dtype} gathers parameters, which only zero 3 does")
+    notes += step_notes(cost, reduce_dtype)
     plan = build_plan(cost, model, global_batch, seq, dtype, recompute,
                       [sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)],
                       notes, solve_s, best.baselines)
@@ -1314,7 +1428,8 @@ def evaluate_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profiles_dir: s
     capacity × headroom. The other stages' figures from the solve are kept as they were."""
     spec = with_max_seq(get_model(plan.model), plan.seq)
     cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, headroom, profiles_dir,
-                           zero=plan.zero)
+                           zero=plan.zero, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
+                           prefetch=plan.prefetch)
     per_device = [(a.micro_batch, a.accum_steps, a.shard_fraction) for a in plan.assignments]
     notes = plan_notes(cost, plan.dtype)
     fits = True

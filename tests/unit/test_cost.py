@@ -38,10 +38,12 @@ def test_collective_bytes_follow_the_runtime_units():
         sc = step_collectives(spec, zero)
         bf16 = build_comm_model([DeviceSpec("L4")], False, cluster, spec, zero, "bf16")
         fp32 = build_comm_model([DeviceSpec("L4")], False, cluster, spec, zero, "fp32")
-        assert bf16.gather_bytes == 2 * sc.gather_numel and fp32.gather_bytes == 4 * sc.gather_numel
+        # param_dtype auto: zero 3 gathers in the compute dtype, zero 1/2 their replicated fp32 parameters
+        assert bf16.gather_bytes == (2 if zero == 3 else 4) * sc.gather_numel
+        assert fp32.gather_bytes == 4 * sc.gather_numel
         assert bf16.reduce_bytes == fp32.reduce_bytes == 4 * sc.reduce_numel  # gradients reduce in fp32
         assert bf16.num_calls == sc.num_calls
-        # the CPU computes (and so gathers) in fp32 whatever the plan's dtype
+        # the CPU computes (and so gathers, auto) in fp32 whatever the plan's dtype
         cpu = build_comm_model([DeviceSpec("cpu")], True, cluster, spec, zero, "bf16")
         assert cpu.gather_bytes == 4 * sc.gather_numel
     # zero 3 gathers every block twice (forward and backward): it moves more than zero 1/2
