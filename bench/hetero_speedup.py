@@ -29,6 +29,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from bench._common import hetero_cluster, parse_shares, profile_devices, profile_rows  # noqa: E402
+from contracts.specs import get_model, with_max_seq  # noqa: E402
 from executor.compare import SKIP_STEPS, prediction_gap  # noqa: E402  (torch-free)
 
 MODEL = "tiny"
@@ -50,13 +52,6 @@ HOMOGENEOUS_SHARE = 1.0
 
 
 # ---- plans ---------------------------------------------------------------------------------
-
-
-def hetero_cluster(shares: tuple[float, ...]) -> Any:
-    from contracts.cluster import ClusterSpec
-
-    return ClusterSpec.from_dict({"name": "bench-cgroups-" + "-".join(f"{s:g}" for s in shares), "nodes": [
-        {"name": "localhost", "gpus": [{"type": "cpu", "cpu_share": s} for s in shares]}]})
 
 
 def homogeneous_cluster() -> Any:
@@ -81,17 +76,10 @@ def baseline_plan(cluster: Any, name: str, global_batch: int, seq: int, zero: in
 
 def profile_machine(seq: int, shares: tuple[float, ...], collectives: bool) -> None:
     """Each emulated device's step profile under its own limits, a companion under the other's
-    share (the run's other rank); once, the gloo collectives."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    base = ["-m", "profiler", "profile", "--model", MODEL, "--seq", str(seq), "--micro-batches",
-            ",".join(map(str, MICRO_BATCHES)), "--repeats", str(PROFILE_REPEATS), "--workers", "2"]
+    share (the run's other rank); once, the gloo collectives (bench/_common.py)."""
     # recompute full too: at ZeRO >= 2 the cost model prices the layerwise runtime from that profile
-    cmds = [base + ["--cpu-share", f"{s!r}", "--companion-cpu-share", f"{shares[1 - i]!r}", "--recompute", rec]
-            for rec in RECOMPUTES for i, s in enumerate(shares)]
-    if collectives:
-        cmds.append(["-m", "profiler", "bench", "--quick"])
-    for cmd in cmds:
-        subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    profile_devices(MODEL, seq, shares, MICRO_BATCHES, recomputes=RECOMPUTES, repeats=PROFILE_REPEATS,
+                    collectives=collectives)
 
 
 def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
@@ -242,7 +230,7 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
         zeros.append(planned.zero)
         plans = {"planned": planned, "even": baseline_plan(hetero, "even", global_batch, seq, planned.zero),
                  "proportional": baseline_plan(hetero, "proportional", global_batch, seq, planned.zero)}
-        profiles.append(profile_rows(hetero, seq))
+        profiles.append(profile_rows(hetero, with_max_seq(get_model(MODEL), seq), seq, recomputes=RECOMPUTES))
         jobs = {k: (lambda k=k: launch(plans[k], steps, root, f"{k}-{i}")) for k in HETERO}
         if ddp:
             homo = baseline_plan(homogeneous_cluster(), "even", global_batch, seq, 1)
@@ -296,22 +284,6 @@ def run_bench(steps: int, rounds: int, global_batch: int, seq: int, shares: tupl
                                                                                      runs["ddp"][0]["losses"]))
     out["bench_wall_s"] = time.monotonic() - t_start
     return out
-
-
-def profile_rows(cluster: Any, seq: int) -> list[dict[str, Any]]:
-    """The profile the planner used for each device kind (measured under its limits, or not)."""
-    from planner.core.profiles import get_step_profile
-    from contracts.specs import get_model, with_max_seq
-
-    spec = with_max_seq(get_model(MODEL), seq)
-    rows = []
-    for rec in RECOMPUTES:
-        for d in sorted({d for _, d in cluster.devices()}, key=lambda d: d.profile_key):
-            p = get_step_profile(d.profile_key, spec, seq, "fp32", recompute=rec)
-            rows.append({"kind": d.profile_key, "recompute": rec, "measured": p.measured, "alpha_s": p.alpha_s,
-                         "beta_s": p.beta_s, "optimizer_s": p.optimizer_s_per_param * spec.num_params,
-                         "source": p.source})
-    return rows
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -370,20 +342,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 def _shares(text: str) -> tuple[float, ...]:
-    from contracts.cluster import DeviceSpec
-
-    try:
-        shares = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two comma-separated numbers, got {text!r}") from None
-    if len(shares) != 2:
-        raise argparse.ArgumentTypeError(f"expected two cpu shares (two ranks), got {text!r}")
-    try:
-        for x in shares:
-            DeviceSpec.from_dict({"type": "cpu", "cpu_share": x}, "--shares")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return shares
+    return parse_shares(text, count=2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,45 +1,76 @@
-"""The sharded runtime at ZeRO-3 against FSDP2 (`torch.distributed.fsdp.fully_shard`), side by side.
+"""GPUMix's sharded runtime against FSDP2 (`torch.distributed.fsdp.fully_shard`) on ranks joined by
+emulated links, homogeneous and mixed, side by side.
 
-    python bench/sharded_runtime.py [--model bench-gpt2] [--micro-batch 2] [--seq 128]
-                                    [--warmup 3] [--steps 16] [--json]
+    python bench/sharded_runtime.py [--model bench-gpt2] [--shares 1,0.333] [--link-gbps 1]
+                                    [--steps 8] [--warmup 2] [--global-batch 8] [--micro-batch 2]
+                                    [--seq 128] [--dtype bf16] [--cases homogeneous,mixed] [--json]
 
-Two gloo CPU ranks, one process group for both systems: ours (models.sharded.ShardedRuntime,
-zero 3, fractions [0.5, 0.5], one micro-batch per rank) and FSDP2 on a plain Decoder loaded with
-ours' initial weights (`fully_shard` per block then the root, fp32, gradients summed as ours are,
-the same AdamW groups, LR schedule and clipping). Both see the same token windows; steps alternate
-AB/BA so machine noise hits both. Prints per system the median step time (slowest rank), the
-throughput, the peak live tensor bytes (profiler.memtrack, from what each keeps between steps), and
-every step's loss with the final parameters' largest difference. The default `bench-gpt2` (6 layers,
-hidden 384, 13.8 M parameters) is small enough to time on a CPU core and large enough that
-communication and memory show.
+Every rank is a process (bench/_sharded_rank.py) started inside its own network namespace
+(executor/links.py: a veth per rank to a bridge, tc tbf at --link-gbps of TCP payload each way;
+0: loopback), in its own cgroup (profiler/cgroups.py: a real CPU quota; the small mixed rank also a
+memory limit).
+
+homogeneous: 2 ranks of one core each, one launch: ours (ShardedRuntime, zero 3, even shards,
+gathers in the compute dtype, gradients reduced in fp32, its default prefetch) and FSDP2
+(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), its default prefetching) on the same
+weights and token windows, steps alternating AB/BA. Ratios of median step times (slowest rank) and
+of peak live tensor bytes (profiler.memtrack, worst rank). The communication left exposed is ours'
+measured StepResult.comm_wait_s over the step.
+
+mixed: ranks under CPU quotas of --shares; the smallest also under a memory limit (baseline +
+M GiB) with M the midpoint between the planner's memory model (planner/core/memory.py) at FSDP2's
+even shard with the even batch in one micro-batch and in micro-batches of half, so that even shard
+exceeds it at the larger batch. GPUMix's plan comes from planner.entry.plan_job on a cluster of
+these devices, each measured by `python -m profiler profile` under its limits (bench/_common.py),
+joined by the link rate; its predicted step (the plan) is checked against the step the ranks time.
+FSDP2's even configurations (even shards and batch; micro-batch x accumulation, recompute
+none/full, reduce-scatter every micro-batch or only the last) are each launched under the same
+limits; those the kernel OOM-kills do not fit; the fastest that fits is the baseline. Then GPUMix
+and that baseline are timed again in A B B A launches, medians pooled.
+
+Prints one readable table with PASS/FAIL per target, or (--json) one object whose contract keys are
+{"homogeneous": {"throughput_ratio", "memory_ratio"}, "mixed": {"throughput_ratio", "fsdp2_config"},
+"exposed_comm_share", "step_error"} (ratios GPUMix / FSDP2; step_error = measured / predicted - 1 of
+GPUMix's mixed step), with everything measured beside them, and the bench's own duration.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from bench._common import (emulated_links, hetero_cluster, parse_shares, profile_devices, profile_rows,  # noqa: E402
+                           write_gpt2_config)
+from contracts.specs import ModelSpec, get_model, with_max_seq  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from executor.launch import free_port  # noqa: E402
-from profiler.memtrack import LiveTensorBytes  # noqa: E402
-from contracts.specs import ModelSpec, get_model  # noqa: E402
-
-WORLD = 2
-MIB = 2**20
-TARGET_THROUGHPUT_RATIO = 0.9  # ours / FSDP2, at least
-TARGET_PEAK_RATIO = 1.05  # ours / FSDP2, at most
-TARGET_LOSS_REL = 1e-5  # max relative loss difference, at most
+RANK_SCRIPT = os.path.join(ROOT, "bench", "_sharded_rank.py")
+MIB, GIB = 2**20, 2**30
+# the issue's targets
+HOMOGENEOUS_THROUGHPUT_MIN = 0.95  # GPUMix / FSDP2 samples/s, at least
+HOMOGENEOUS_MEMORY_MAX = 1.05  # GPUMix / FSDP2 peak, at most
+MIXED_THROUGHPUT_MIN = 1.5  # GPUMix's plan / FSDP2's best even configuration that fits, at least
+EXPOSED_COMM_MAX = 0.15  # share of the step, at most, where communication <= compute
+STEP_ERROR_MAX = 0.15  # |measured / predicted - 1|, at most
+LOSS_REL_MAX = 1e-5  # fp32 only: ours and FSDP2 on the same weights and windows give the same losses
+LAUNCH_TIMEOUT_S = 900
+SCREEN_STEPS = 3  # timed steps of each FSDP2 configuration tried in the mixed case
+PROFILE_MICRO_BATCHES = (1, 2, 3, 4)
+PROFILE_REPEATS = 3
 
 BENCH_SPECS = {
+    # 13.8 M parameters: a step of micro-batch 2 x 128 tokens takes a CPU core about as long as
+    # zero 3's bf16 gathers and fp32 reduce-scatter take on a 1 Gbit/s link
     "bench-gpt2": ModelSpec("bench-gpt2", "gpt2", 6, 384, 6, 6, 4 * 384, 8192, 128,
                             tied_embeddings=True, linear_bias=True),
 }
@@ -49,227 +80,468 @@ def resolve_spec(name: str) -> ModelSpec:
     return BENCH_SPECS[name] if name in BENCH_SPECS else get_model(name)
 
 
-class LocalLiveTensorBytes(LiveTensorBytes):
-    """LiveTensorBytes that counts a DTensor by its local tensor (FSDP2's sharded parameters,
-    gradients and optimizer state are DTensors; their wrappers have no storage of their own)."""
-
-    def _track(self, t):
-        from torch.distributed.tensor import DTensor
-        if isinstance(t, DTensor):
-            t = t._local_tensor
-        super()._track(t)
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
-def batch_for(seed: int, step: int, rank: int, micro_batch: int, seq: int, vocab: int):
-    """(tokens, targets), (B, T) each: the same windows for both systems."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * WORLD + rank)
-    w = torch.randint(0, vocab, (micro_batch, seq + 1), generator=g)
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+# ---- launching ranks ------------------------------------------------------------------------------
 
 
-# ---- the two systems -----------------------------------------------------------------------------
+class Launcher:
+    """Starts one job's ranks inside their namespaces and cgroups; collects what they wrote."""
+
+    def __init__(self, net: Any, root: str, world: int):
+        self.net, self.root, self.world, self.count = net, root, world, 0
+
+    def run(self, job: dict, limits: list[Any], name: str) -> dict:
+        """Run `job` on `world` ranks, rank r under `limits[r]` (profiler.cgroups.Limits or None).
+        Returns {"status": "done", "ranks": [...]} or {"status": "oom" | "failed", "reason": ...}."""
+        from profiler import cgroups
+
+        self.count += 1
+        tag = f"{os.getpid()}-{self.count}"
+        job = dict(job, out=os.path.join(self.root, name))
+        job_path = os.path.join(self.root, f"{name}.job.json")
+        with open(job_path, "w", encoding="utf-8") as fh:
+            json.dump(job, fh)
+        with contextlib.ExitStack() as stack:
+            groups = {r: stack.enter_context(cgroups.created(f"{cgroups.PREFIX}bench-{tag}-r{r}", lim))
+                      for r, lim in enumerate(limits) if lim is not None}
+            table = os.path.join(self.root, f"{name}.cgroups.json")
+            cgroups.save_table(table, "cgroup", "bench/sharded_runtime.py", groups)
+            port = 29500 + self.count if self.net.gloo_ifname else _free_port()
+            procs = []
+            for r in range(self.world):
+                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR=self.net.addrs[0],
+                           MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+                env[cgroups.ENV_CGROUPS] = table
+                if self.net.gloo_ifname:
+                    from executor.links import ENV_LINK_IF
+                    env.update(GLOO_SOCKET_IFNAME=self.net.gloo_ifname, **{ENV_LINK_IF: self.net.gloo_ifname})
+                log = open(os.path.join(self.root, f"{name}.rank{r}.log"), "wb")
+                stack.callback(log.close)
+                procs.append(subprocess.Popen([*self.net.exec_prefix(r), sys.executable, RANK_SCRIPT, job_path],
+                                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            codes = self._wait(procs)
+            ooms = {r: cgroups.oom_kills(cg) for r, cg in groups.items()}
+        if any(ooms.values()):
+            return {"status": "oom", "reason": "OOM-killed: rank(s) " + ", ".join(str(r) for r, k in ooms.items() if k)}
+        if any(codes):
+            tail = open(os.path.join(self.root, f"{name}.rank{codes.index(next(c for c in codes if c))}.log"),
+                        errors="replace").read()[-2000:]
+            return {"status": "failed", "reason": f"exit codes {codes}: {tail}"}
+        ranks = []
+        for r in range(self.world):
+            with open(f"{job['out']}.rank{r}.json", encoding="utf-8") as fh:
+                ranks.append(json.load(fh))
+        return {"status": "done", "ranks": ranks}
+
+    @staticmethod
+    def _wait(procs: list[subprocess.Popen]) -> list[int]:
+        """Wait for every rank; when one fails, end the others (they would wait in a collective)."""
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.2)
+        return [p.returncode for p in procs]
 
 
-class Ours:
-    def __init__(self, spec, rank, optim, seed):
-        from models.collectives import ProcessGroupCollectives
-        from models.sharded import ShardedRuntime
-        self.rt = ShardedRuntime(spec, zero=3, fractions=[1 / WORLD] * WORLD, position=rank,
-                                 comm=ProcessGroupCollectives(rank, list(range(WORLD))),
-                                 device=torch.device("cpu"), optim=optim, seed=seed)
+def _free_port() -> int:
+    from executor.rank_commands import free_port
 
-    def resident(self):
-        return self.rt.resident_tensors()
-
-    def step(self, x, y, normalizer, lr) -> float:
-        return self.rt.train_step([(x, y)], normalizer, lr).loss
-
-    def full_params(self):
-        return self.rt.full_state_dict()
+    return free_port()
 
 
-class Fsdp2:
-    def __init__(self, spec, initial_state, optim):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        from models.decoder import build_model
-        model = build_model(spec)
-        model.load_state_dict(initial_state)
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh, reshard_after_forward=True)
-        for m in model.modules():
-            if isinstance(m, FSDPModule):  # sum, not average: the loss is already / global tokens
-                m.set_force_sum_reduction_for_comms(True)
-                m.set_gradient_divide_factor(1.0)
-        self.model, self.cfg = model, optim
-        params = list(model.parameters())
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=False)
-
-    def resident(self):
-        out = []
-        for p in self.model.parameters():
-            out.append(p)
-            if p.grad is not None:
-                out.append(p.grad)
-        for st in self.opt.state.values():
-            out += [v for v in st.values() if isinstance(v, torch.Tensor)]
-        return out
-
-    def step(self, x, y, normalizer, lr) -> float:
-        logits = self.model(x)  # (B, T, V)
-        V = logits.shape[-1]
-        loss = F.cross_entropy(logits.view(-1, V), y.reshape(-1), reduction="sum") / normalizer
-        del logits
-        loss.backward()
-        if self.cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    def full_params(self):
-        return {n: p.full_tensor() for n, p in self.model.named_parameters()}
-
-
-# ---- one rank -----------------------------------------------------------------------------------
-
-
-def _rank(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    from models.optim import OptimConfig, lr_at
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        spec = resolve_spec(args.model)
-        optim = OptimConfig(warmup_steps=args.warmup)
-        total = args.warmup + args.steps
-        ours = Ours(spec, rank, optim, args.seed)
-        fsdp = Fsdp2(spec, ours.full_params(), optim)
-        systems = {"ours": ours, "fsdp2": fsdp}
-        normalizer = WORLD * args.micro_batch * args.seq  # the global token count
-        times = {k: [] for k in systems}
-        losses = {k: [] for k in systems}
-        peak = {}
-        for step in range(1, total + 1):
-            x, y = batch_for(args.seed, step, rank, args.micro_batch, args.seq, spec.vocab_size)
-            lr = lr_at(step, total, optim)
-            order = ["ours", "fsdp2"] if step % 2 == 0 else ["fsdp2", "ours"]
-            for name in order:
-                system = systems[name]
-                dist.barrier()  # both ranks start the system's step together
-                if step == args.warmup:  # the last warm-up step: memory (the tracker slows it)
-                    with LocalLiveTensorBytes(system.resident()) as mode:
-                        loss = system.step(x, y, normalizer, lr)
-                    peak[name] = mode.peak_bytes
-                    dt = float("nan")
-                else:
-                    t0 = time.perf_counter()
-                    loss = system.step(x, y, normalizer, lr)
-                    dt = time.perf_counter() - t0
-                if name == "fsdp2":  # its loss is this rank's part; ours' is already global
-                    t = torch.tensor(loss, dtype=torch.float64)
-                    dist.all_reduce(t)
-                    loss = float(t)
-                losses[name].append(loss)
-                if step > args.warmup:
-                    times[name].append(dt)
-        a, b = ours.full_params(), fsdp.full_params()
-        param_diff = max(float((a[n].detach() - b[n].detach()).abs().max()) for n in a)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"times_s": times, "losses": losses, "peak_bytes": peak, "param_max_abs_diff": param_diff}, f)
-    finally:
-        dist.destroy_process_group()
-    # leave without the interpreter's teardown: torch 2.13's gloo threads can abort in C++ static
-    # destructors at exit ("terminate called without an active exception"), as executor.worker notes
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# ---- the report ---------------------------------------------------------------------------------
-
-
-def compare(args: argparse.Namespace) -> dict:
-    """Run both systems on WORLD ranks; the figures and verdicts as one dict."""
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_rank, args=(free_port(), args, d), nprocs=WORLD, start_method="spawn")
-        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(WORLD)]
-    spec = resolve_spec(args.model)
-    samples = WORLD * args.micro_batch
-    out: dict = {"model": spec.name, "num_params": spec.num_params, "ranks": WORLD, "micro_batch": args.micro_batch,
-                 "seq": args.seq, "warmup_steps": args.warmup, "timed_steps": args.steps, "systems": {}}
-    for name in ("ours", "fsdp2"):
-        step_s = [max(r["times_s"][name][i] for r in ranks) for i in range(args.steps)]  # slowest rank
-        med = statistics.median(step_s) if step_s else float("nan")
-        out["systems"][name] = {
-            "median_step_s": med,
-            "samples_per_s": samples / med if step_s else float("nan"),
-            "per_rank_median_step_s": [statistics.median(r["times_s"][name]) if step_s else float("nan")
-                                       for r in ranks],
-            "peak_mib_per_rank": [r["peak_bytes"][name] / MIB for r in ranks],
-            "losses": ranks[0]["losses"][name],
-        }
-    o, f = out["systems"]["ours"], out["systems"]["fsdp2"]
-    loss_rel = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(o["losses"], f["losses"]))
-    thr = o["samples_per_s"] / f["samples_per_s"]
-    peak = max(a / b for a, b in zip(o["peak_mib_per_rank"], f["peak_mib_per_rank"]))
-    out["ratios"] = {"throughput_ours_over_fsdp2": thr, "peak_ours_over_fsdp2": peak, "max_loss_rel_diff": loss_rel,
-                     "param_max_abs_diff": max(r["param_max_abs_diff"] for r in ranks)}
-    out["pass"] = {"throughput": thr >= TARGET_THROUGHPUT_RATIO, "peak_memory": peak <= TARGET_PEAK_RATIO,
-                   "losses": loss_rel <= TARGET_LOSS_REL}
+def system_figures(ranks: list[dict], name: str, global_batch: int) -> dict:
+    """One system's figures from every rank: the step is the slowest rank's; memory per rank."""
+    per = [r["systems"][name] for r in ranks]
+    n = min(len(p["step_s"]) for p in per)
+    step_s = [max(p["step_s"][i] for p in per) for i in range(n)]
+    out = {"step_s": step_s, "median_step_s": median(step_s), "samples_per_s": global_batch / median(step_s),
+           "peak_bytes_per_rank": [p["peak_bytes"] for p in per], "losses": per[0]["losses"],
+           "cgroup_peak_bytes_per_rank": [r.get("cgroup_peak_bytes") for r in ranks],
+           "memory_limit_bytes_per_rank": [r.get("memory_limit_bytes") for r in ranks],
+           "runtime_lacks": per[0].get("runtime_lacks", [])}
+    waits = [[p["comm_wait_s"][i] for p in per] for i in range(n)]
+    if n and all(w is not None for ws in waits for w in ws):
+        # the exposed communication of a step: the most any rank's compute waited on it
+        out["comm_wait_s"] = [max(ws) for ws in waits]
+        out["exposed_share"] = median([w / s for w, s in zip(out["comm_wait_s"], step_s)])
+        out["median_comm_wait_s"] = median(out["comm_wait_s"])
+    wire = [[p["wire_bytes"][i] for p in per] for i in range(n)] if all("wire_bytes" in p for p in per) else []
+    if wire and all(b is not None for ws in wire for b in ws):
+        out["wire_bytes_per_step"] = median([sum(ws) for ws in wire])  # every rank's sends together
+        out["max_rank_wire_bytes_per_step"] = median([max(ws) for ws in wire])
     return out
 
 
+def pooled(runs: list[dict], global_batch: int) -> dict:
+    steps = [s for r in runs for s in r["step_s"]]
+    return {"median_step_s": median(steps), "samples_per_s": global_batch / median(steps), "num_steps": len(steps),
+            "per_launch_median_step_s": [r["median_step_s"] for r in runs]}
+
+
+# ---- homogeneous ----------------------------------------------------------------------------------
+
+
+def run_homogeneous(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec) -> dict:
+    from profiler.cgroups import Limits
+
+    world, m = 2, args.micro_batch
+    batches = [m] * world
+    common = {"batches": batches, "micro_batch": [m] * world, "recompute": "none"}
+    job = {"model": spec.to_dict(), "seq": args.seq, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
+           "dtype": args.dtype, "global_batch": sum(batches), "compare_params": args.dtype == "fp32",
+           "systems": [dict(common, name="gpumix", kind="ours", zero=3, fractions=[1 / world] * world),
+                       dict(common, name="fsdp2", kind="fsdp2", sync="every")]}
+    limits = [Limits(cpu_share=1.0) if args.cgroups else None] * world
+    res = launcher.run(job, limits, "homogeneous")
+    if res["status"] != "done":
+        raise RuntimeError(f"homogeneous run {res['status']}: {res['reason']}")
+    ours, fsdp = (system_figures(res["ranks"], k, sum(batches)) for k in ("gpumix", "fsdp2"))
+    out = {"ranks": world, "cpu_share": 1.0 if args.cgroups else None, "micro_batch": m, "global_batch": sum(batches),
+           "gpumix": ours, "fsdp2": fsdp,
+           "throughput_ratio": ours["samples_per_s"] / fsdp["samples_per_s"],
+           "memory_ratio": max(a / b for a, b in zip(ours["peak_bytes_per_rank"], fsdp["peak_bytes_per_rank"])),
+           "max_loss_rel_diff": max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours["losses"], fsdp["losses"])),
+           "param_max_abs_diff": max((r["param_max_abs_diff"] or 0.0) for r in res["ranks"])
+           if args.dtype == "fp32" else None}
+    if args.link_gbps:  # communication against compute: the link's wire time of the busiest rank's sends
+        rate = args.link_gbps * 1e9 / 8
+        if "max_rank_wire_bytes_per_step" in ours:
+            out["comm_s_on_link"] = ours["max_rank_wire_bytes_per_step"] / rate
+            compute = ours["median_step_s"] - ours.get("median_comm_wait_s", 0.0)
+            out["compute_s"] = compute
+            out["comm_over_compute"] = out["comm_s_on_link"] / compute
+    return out
+
+
+# ---- mixed ----------------------------------------------------------------------------------------
+
+
+def fsdp2_even_peak_bytes(spec: ModelSpec, world: int, micro_batch: int, seq: int, dtype: str) -> int:
+    """The planner's memory model at FSDP2's even shard: zero 3, 1/world of the state, one micro-batch."""
+    from planner.core.memory import MemoryConfig, estimate_memory
+
+    cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype=dtype, dp=world, zero=3, shard_fraction=1 / world,
+                       param_dtype=dtype)
+    return estimate_memory(spec, cfg).peak_bytes
+
+
+def fsdp2_candidates(per_rank: int, max_configs: int) -> list[dict]:
+    """FSDP2's even configurations, likely fastest first: the even batch in micro-batches of
+    per_rank, per_rank/2, ...; recompute none then full; at accumulation > 1 reduce-scatter every
+    micro-batch (its default) or only the last."""
+    out = []
+    m = per_rank
+    while m >= 1 and len(out) < max_configs:
+        if per_rank % m == 0:
+            for rec in ("none", "full"):
+                for sync in (("every", "last") if per_rank // m > 1 else ("every",)):
+                    out.append({"micro_batch": m, "accum": per_rank // m, "recompute": rec, "sync": sync})
+        m //= 2
+    return out
+
+
+def describe_fsdp2(c: dict) -> str:
+    return (f"even shards, micro-batch {c['micro_batch']} x {c['accum']} per rank, recompute {c['recompute']}"
+            + (f", reduce-scatter {'every micro-batch' if c['sync'] == 'every' else 'last micro-batch only'}"
+               if c["accum"] > 1 else ""))
+
+
+def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, data_dir: str) -> dict:
+    from planner.entry import plan_job
+    from profiler.cgroups import Limits
+
+    shares, world, B = args.shares, len(args.shares), args.global_batch
+    if B % world:
+        raise ValueError(f"--global-batch {B} does not split evenly over {world} ranks")
+    per_rank = B // world
+    small = min(range(world), key=lambda i: shares[i])
+    # the memory limit: FSDP2's even shard exceeds it with the even batch in one micro-batch and
+    # fits it (by the model) with half of it
+    hi = fsdp2_even_peak_bytes(spec, world, per_rank, args.seq, args.dtype)
+    lo = fsdp2_even_peak_bytes(spec, world, max(1, per_rank // 2), args.seq, args.dtype)
+    memory_bytes = args.memory_bytes or (hi + lo) // 2
+    memory_gb = [memory_bytes / GIB if i == small else None for i in range(world)]
+    limits = [Limits(cpu_share=s, memory_bytes=memory_bytes if i == small else None) for i, s in enumerate(shares)]
+
+    # GPUMix's plan: the planner on these devices, measured under their limits, and the link
+    model = args.model if args.model not in BENCH_SPECS else write_gpt2_config(spec, os.path.join(data_dir, "models"))
+    cluster = hetero_cluster(shares, memory_gb=memory_gb, link_gbps=args.link_gbps or None)
+    t0 = time.monotonic()
+    if not args.no_profile:
+        profile_devices(model, args.seq, shares, PROFILE_MICRO_BATCHES, dtype=args.dtype, repeats=PROFILE_REPEATS,
+                        collectives=True)
+    profile_s = time.monotonic() - t0
+    plan = plan_job(cluster, model, B, seq=args.seq, dtype=args.dtype, pipeline=False).plan
+    used = list(plan.assignments)
+    gpumix_sys = {"name": "gpumix", "kind": "ours", "zero": plan.zero, "recompute": plan.recompute,
+                  "fractions": [a.shard_fraction for a in used], "batches": [a.batch for a in used],
+                  "micro_batch": [max(1, a.micro_batch) for a in used],
+                  "param_dtype": plan.param_dtype, "reduce_dtype": plan.reduce_dtype, "prefetch": plan.prefetch}
+    base = {"model": spec.to_dict(), "seq": args.seq, "seed": args.seed, "dtype": args.dtype, "global_batch": B}
+
+    # FSDP2's even configurations under the same limits: the fastest that fits
+    tried = []
+    fits_none = set()
+    for c in fsdp2_candidates(per_rank, args.max_fsdp2_configs):
+        key = (c["micro_batch"], c["sync"])
+        if c["recompute"] == "full" and key in fits_none:  # same work plus recompute: never faster
+            continue
+        sysc = {"name": "fsdp2", "kind": "fsdp2", "batches": [per_rank] * world, "micro_batch": [c["micro_batch"]] * world,
+                "recompute": c["recompute"], "sync": c["sync"]}
+        name = f"mixed-fsdp2-m{c['micro_batch']}-{c['recompute']}-{c['sync']}"
+        res = launcher.run(dict(base, warmup=1, steps=SCREEN_STEPS, systems=[sysc]), limits, name)
+        row = dict(c, config=describe_fsdp2(c), status=res["status"], reason=res.get("reason", ""), system=sysc)
+        if res["status"] == "done":
+            row.update(median_step_s=system_figures(res["ranks"], "fsdp2", B)["median_step_s"])
+            if c["recompute"] == "none":
+                fits_none.add(key)
+        elif res["status"] == "failed":
+            raise RuntimeError(f"{name}: {res['reason']}")
+        tried.append(row)
+    fitting = [t for t in tried if t["status"] == "done"]
+    if not fitting:
+        raise RuntimeError("no even FSDP2 configuration fits the memory limit: " + "; ".join(
+            f"{t['config']}: {t['reason']}" for t in tried))
+    best = min(fitting, key=lambda t: t["median_step_s"])
+
+    # A B B A: GPUMix's plan and FSDP2's best, each twice, medians pooled
+    half = max(1, args.steps // 2)
+    runs: dict[str, list[dict]] = {"gpumix": [], "fsdp2": []}
+    for i, key in enumerate(("gpumix", "fsdp2", "fsdp2", "gpumix")):
+        sysc = gpumix_sys if key == "gpumix" else best["system"]
+        res = launcher.run(dict(base, warmup=args.warmup, steps=half, systems=[sysc]), limits, f"mixed-{key}-{i}")
+        if res["status"] != "done":
+            raise RuntimeError(f"mixed {key} ({i}): {res['status']}: {res['reason']}")
+        runs[key].append(system_figures(res["ranks"], sysc["name"], B))
+    g, f = pooled(runs["gpumix"], B), pooled(runs["fsdp2"], B)
+    return {
+        "ranks": world, "cpu_shares": list(shares), "global_batch": B, "small_rank": small,
+        "memory_limit_bytes": memory_bytes, "memory_limit_basis": {
+            "fsdp2_even_peak_bytes_one_micro_batch": hi, "fsdp2_even_peak_bytes_half_micro_batch": lo,
+            "micro_batches": [per_rank, max(1, per_rank // 2)]},
+        "profile_s": profile_s, "profiles": profile_rows(cluster, with_max_seq(get_model(model), args.seq), args.seq,
+                                                         args.dtype),
+        "plan": {"zero": plan.zero, "recompute": plan.recompute, "param_dtype": plan.param_dtype,
+                 "prefetch": plan.prefetch, "predicted_iteration_s": plan.predicted_iteration_s,
+                 "predicted_exposed_comm_s": plan.predicted_exposed_comm_s,
+                 "predicted_wire_bytes_per_step": plan.predicted_wire_bytes_per_step,
+                 "assignments": [{"micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
+                                  "shard_fraction": a.shard_fraction, "predicted_memory_bytes": a.predicted_memory_bytes,
+                                  "predicted_step_s": a.predicted_step_s} for a in used]},
+        "fsdp2_tried": [{k: v for k, v in t.items() if k != "system"} for t in tried],
+        "fsdp2_config": best["config"],
+        "gpumix": dict(g, launches=runs["gpumix"]), "fsdp2": dict(f, launches=runs["fsdp2"]),
+        "throughput_ratio": g["samples_per_s"] / f["samples_per_s"],
+        "step_error": g["median_step_s"] / plan.predicted_iteration_s - 1,
+    }
+
+
+# ---- the bench ------------------------------------------------------------------------------------
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    t_start = time.monotonic()
+    spec = with_max_seq(resolve_spec(args.model), args.seq)
+    data_dir = args.data_dir or tempfile.mkdtemp(prefix="gpumix-bench-sharded-")
+    os.environ["GPUMIX_DATA_DIR"] = data_dir
+    root = os.path.join(data_dir, "runs")
+    os.makedirs(root, exist_ok=True)
+    out: dict[str, Any] = {"model": spec.name, "num_params": spec.num_params, "seq": args.seq, "dtype": args.dtype,
+                           "link_gbps": args.link_gbps or None, "warmup_steps": args.warmup, "timed_steps": args.steps,
+                           "data_dir": data_dir}
+    try:
+        for case in args.cases:
+            world = 2 if case == "homogeneous" else len(args.shares)
+            with emulated_links(world, args.link_gbps or None, f"bsr{os.getpid()}{case[0]}") as net:
+                out.setdefault("links", list(net.describe))
+                launcher = Launcher(net, root, world)
+                if case == "homogeneous":
+                    out["homogeneous"] = run_homogeneous(args, launcher, spec)
+                else:
+                    out["mixed"] = run_mixed(args, launcher, spec, data_dir)
+    finally:
+        if not args.data_dir and not args.keep:
+            shutil.rmtree(data_dir, ignore_errors=True)
+            out["data_dir"] = None
+    h, m = out.get("homogeneous"), out.get("mixed")
+    out["exposed_comm_share"] = h["gpumix"].get("exposed_share") if h else None
+    out["step_error"] = m["step_error"] if m else None
+    out["checks"] = checks(out, args)
+    out["bench_wall_s"] = time.monotonic() - t_start
+    return out
+
+
+def checks(r: dict, args: argparse.Namespace) -> dict:
+    c: dict[str, dict] = {}
+    h, m = r.get("homogeneous"), r.get("mixed")
+    if h:
+        c["homogeneous_throughput"] = {"value": h["throughput_ratio"], "target": f">= {HOMOGENEOUS_THROUGHPUT_MIN}",
+                                       "ok": h["throughput_ratio"] >= HOMOGENEOUS_THROUGHPUT_MIN}
+        c["homogeneous_memory"] = {"value": h["memory_ratio"], "target": f"<= {HOMOGENEOUS_MEMORY_MAX}",
+                                   "ok": h["memory_ratio"] <= HOMOGENEOUS_MEMORY_MAX}
+        share = r["exposed_comm_share"]
+        applies = h.get("comm_over_compute") is None or h["comm_over_compute"] <= 1.0
+        c["exposed_comm_share"] = {"value": share, "target": f"<= {EXPOSED_COMM_MAX} where comm <= compute",
+                                   "applies": applies, "ok": share is not None and (share <= EXPOSED_COMM_MAX or not applies)}
+        if args.dtype == "fp32":
+            c["losses_equal"] = {"value": h["max_loss_rel_diff"], "target": f"<= {LOSS_REL_MAX:g}",
+                                 "ok": h["max_loss_rel_diff"] <= LOSS_REL_MAX}
+    if m:
+        c["mixed_throughput"] = {"value": m["throughput_ratio"], "target": f">= {MIXED_THROUGHPUT_MIN}",
+                                 "ok": m["throughput_ratio"] >= MIXED_THROUGHPUT_MIN}
+        c["step_error"] = {"value": m["step_error"], "target": f"|x| <= {STEP_ERROR_MAX}",
+                           "ok": abs(m["step_error"]) <= STEP_ERROR_MAX}
+        c["profiles_measured"] = {"value": all(p["measured"] for p in m["profiles"] if p["recompute"] == m["plan"]["recompute"]),
+                                  "target": "every profile the plan read measured under its limits",
+                                  "ok": all(p["measured"] for p in m["profiles"] if p["recompute"] == m["plan"]["recompute"])}
+    return c
+
+
+def contract(r: dict) -> dict:
+    """The issue's JSON keys first, everything measured after them."""
+    h, m = r.get("homogeneous"), r.get("mixed")
+    return {"homogeneous": {"throughput_ratio": h["throughput_ratio"], "memory_ratio": h["memory_ratio"]} if h else None,
+            "mixed": {"throughput_ratio": m["throughput_ratio"], "fsdp2_config": m["fsdp2_config"]} if m else None,
+            "exposed_comm_share": r["exposed_comm_share"], "step_error": r["step_error"], "detail": r}
+
+
+def _verdict(c: dict) -> str:
+    return "PASS" if c["ok"] else "FAIL"
+
+
 def print_report(r: dict) -> None:
-    print(f"model {r['model']} ({r['num_params'] / 1e6:.1f} M params), {r['ranks']} gloo CPU ranks x 1 thread, "
-          f"micro-batch {r['micro_batch']} x seq {r['seq']} per rank, {r['warmup_steps']} warm-up + "
-          f"{r['timed_steps']} timed steps, order AB/BA alternating")
-    print(f"{'system':<8} {'median step s':>13} {'samples/s':>10} {'peak MiB per rank':>22}")
-    for name, s in r["systems"].items():
-        peaks = " / ".join(f"{p:.1f}" for p in s["peak_mib_per_rank"])
-        print(f"{name:<8} {s['median_step_s']:>13.4f} {s['samples_per_s']:>10.2f} {peaks:>22}")
-    print("losses (global, every step):")
-    for i, (a, b) in enumerate(zip(r["systems"]["ours"]["losses"], r["systems"]["fsdp2"]["losses"]), 1):
-        print(f"  step {i:>2}  ours {a:.8f}  fsdp2 {b:.8f}  rel diff {abs(a - b) / abs(b):.2e}")
-    q, p = r["ratios"], r["pass"]
-    verdict = {True: "PASS", False: "FAIL"}
-    print(f"throughput ours/fsdp2 {q['throughput_ours_over_fsdp2']:.3f} (target >= {TARGET_THROUGHPUT_RATIO}) "
-          f"{verdict[p['throughput']]}")
-    print(f"peak memory ours/fsdp2 {q['peak_ours_over_fsdp2']:.3f} (target <= {TARGET_PEAK_RATIO}, worst rank) "
-          f"{verdict[p['peak_memory']]}")
-    print(f"max relative loss difference {q['max_loss_rel_diff']:.2e} (target <= {TARGET_LOSS_REL:g}) "
-          f"{verdict[p['losses']]}; final parameters max |diff| {q['param_max_abs_diff']:.2e}")
+    print(f"sharded_runtime: {r['model']} ({r['num_params'] / 1e6:.1f} M params), seq {r['seq']}, {r['dtype']}, "
+          f"{r['warmup_steps']} warm-up + {r['timed_steps']} timed steps per system, medians of the slowest rank's step")
+    for line in r.get("links", []):
+        print(f"  {line}")
+    c = r["checks"]
+    h = r.get("homogeneous")
+    if h:
+        print(f"\nhomogeneous: {h['ranks']} ranks x {h['cpu_share'] or 'unlimited'} core, micro-batch {h['micro_batch']} "
+              f"per rank, one launch, systems alternating AB/BA every step")
+        print(f"  {'system':<8}{'median step s':>14}{'samples/s':>11}{'peak MiB per rank':>22}{'comm wait s':>13}"
+              f"{'wire MB/step':>14}")
+        for name in ("gpumix", "fsdp2"):
+            s = h[name]
+            peaks = " / ".join(f"{p / MIB:.1f}" for p in s["peak_bytes_per_rank"])
+            wait = s.get("median_comm_wait_s")
+            wire = s.get("wire_bytes_per_step")
+            print(f"  {name:<8}{s['median_step_s']:>14.4f}{s['samples_per_s']:>11.2f}{peaks:>22}"
+                  f"{(f'{wait:.4f}' if wait is not None else '—'):>13}{(f'{wire / 1e6:.1f}' if wire else '—'):>14}")
+        if h["gpumix"]["runtime_lacks"]:
+            print(f"  NOTE: models.sharded.ShardedRuntime does not take {', '.join(h['gpumix']['runtime_lacks'])} yet: "
+                  "ours ran without them")
+        print(f"  throughput GPUMix/FSDP2 {h['throughput_ratio']:.3f} (target >= {HOMOGENEOUS_THROUGHPUT_MIN}) "
+              f"{_verdict(c['homogeneous_throughput'])}")
+        print(f"  peak memory GPUMix/FSDP2 {h['memory_ratio']:.3f} (target <= {HOMOGENEOUS_MEMORY_MAX}, worst rank) "
+              f"{_verdict(c['homogeneous_memory'])}")
+        if "comm_over_compute" in h:
+            print(f"  communication on the link {h['comm_s_on_link']:.4f} s (busiest rank's sends at the link rate) vs "
+                  f"compute {h['compute_s']:.4f} s: ratio {h['comm_over_compute']:.2f}")
+        ec = c["exposed_comm_share"]
+        val = f"{ec['value']:.1%}" if ec["value"] is not None else "not measured (the runtime reports no comm_wait_s)"
+        print(f"  communication left exposed (GPUMix, measured): {val} of the step (target <= {EXPOSED_COMM_MAX:.0%}"
+              f"{'' if ec['applies'] else '; n/a: communication exceeds compute'}) {_verdict(ec)}")
+        if "losses_equal" in c:
+            print(f"  fp32 losses GPUMix vs FSDP2: max rel diff {h['max_loss_rel_diff']:.2e} (target <= {LOSS_REL_MAX:g}) "
+                  f"{_verdict(c['losses_equal'])}; final parameters max |diff| {h['param_max_abs_diff']:.2e}")
+    m = r.get("mixed")
+    if m:
+        print(f"\nmixed: {m['ranks']} ranks under CPU quotas {', '.join(f'{s:g}' for s in m['cpu_shares'])} of a core, "
+              f"global batch {m['global_batch']}; rank {m['small_rank']} memory limit baseline + "
+              f"{m['memory_limit_bytes'] / MIB:.1f} MiB (midpoint of the memory model's FSDP2 even shard at micro-batch "
+              f"{m['memory_limit_basis']['micro_batches'][0]}: {m['memory_limit_basis']['fsdp2_even_peak_bytes_one_micro_batch'] / MIB:.1f} MiB and "
+              f"{m['memory_limit_basis']['micro_batches'][1]}: {m['memory_limit_basis']['fsdp2_even_peak_bytes_half_micro_batch'] / MIB:.1f} MiB)")
+        print(f"  profiles (measured under the limits in {m['profile_s']:.0f} s; beta = s per sample):")
+        for p in m["profiles"]:
+            print(f"    {p['kind']:<16} recompute {p['recompute']:<5} {'measured' if p['measured'] else 'ESTIMATED':<9} "
+                  f"alpha {p['alpha_s'] * 1e3:8.2f} ms  beta {p['beta_s'] * 1e3:8.2f} ms")
+        pl = m["plan"]
+        print(f"  GPUMix plan (planner.entry.plan_job): zero {pl['zero']}, recompute {pl['recompute']}, gathers "
+              f"{pl['param_dtype']}, prefetch {pl['prefetch']}; per rank (micro-batch x accum, shard): "
+              + "; ".join(f"{a['micro_batch']} x {a['accum_steps']}, {a['shard_fraction']:.3f}" for a in pl["assignments"]))
+        print("  FSDP2 even configurations tried (screening, " f"{SCREEN_STEPS} timed steps each):")
+        for t in m["fsdp2_tried"]:
+            res = f"median step {t['median_step_s']:.3f} s" if t["status"] == "done" else t["reason"]
+            print(f"    {t['config']:<80} {res}")
+        print(f"  FSDP2 best that fits: {m['fsdp2_config']}")
+        print(f"  {'system':<8}{'median step s':>14}{'samples/s':>11}{'predicted s':>13}{'per launch (A B B A)':>28}")
+        for name in ("gpumix", "fsdp2"):
+            s = m[name]
+            pred = f"{pl['predicted_iteration_s']:.4f}" if name == "gpumix" else "—"
+            per = ", ".join(f"{x:.3f}" for x in s["per_launch_median_step_s"])
+            print(f"  {name:<8}{s['median_step_s']:>14.4f}{s['samples_per_s']:>11.2f}{pred:>13}{per:>28}")
+        print(f"  throughput GPUMix plan / FSDP2 best even {m['throughput_ratio']:.3f} (target >= {MIXED_THROUGHPUT_MIN}) "
+              f"{_verdict(c['mixed_throughput'])}")
+        print(f"  GPUMix step measured / predicted - 1 = {m['step_error']:+.1%} (target within {STEP_ERROR_MAX:.0%}) "
+              f"{_verdict(c['step_error'])}")
+        print(f"  every profile the plan read measured under its limits: {_verdict(c['profiles_measured'])}")
+    print(f"\nbench wall time {r['bench_wall_s']:.0f} s")
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="bench-gpt2", help=f"{sorted(BENCH_SPECS)} or a planner preset / config.json")
-    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--shares", type=parse_shares, default=(1.0, 0.333), help="the mixed ranks' CPU shares (default 1,0.333)")
+    p.add_argument("--link-gbps", type=float, default=1.0, help="emulated link rate per rank; 0: loopback (default 1)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per system (mixed: split over 2 launches)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps; the last one measures memory (>= 1)")
+    p.add_argument("--global-batch", type=int, default=8, help="mixed: samples per step (default 8)")
+    p.add_argument("--micro-batch", type=int, default=2, help="homogeneous: samples per rank (default 2)")
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps; the last one measures memory (>= 1)")
-    p.add_argument("--steps", type=int, default=16, help="timed steps")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="compute and gather dtype (bf16: mixed precision, gradients reduced in fp32)")
+    p.add_argument("--cases", default="homogeneous,mixed", help="which comparisons (default homogeneous,mixed)")
+    p.add_argument("--memory-mib", type=float, help="mixed: the small rank's memory limit over its baseline "
+                                                     "(default: from the memory model, see above)")
+    p.add_argument("--max-fsdp2-configs", type=int, default=6, help="mixed: FSDP2 even configurations to try at most")
+    p.add_argument("--no-profile", action="store_true", help="mixed: reuse the profiles in --data-dir")
+    p.add_argument("--data-dir", help="profiles, plans and rank logs (default: a temporary folder, removed)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    if args.warmup < 1 or args.steps < 0 or args.micro_batch < 1:
-        p.error("need --warmup >= 1, --steps >= 0, --micro-batch >= 1")
-    if args.seq > resolve_spec(args.model).max_seq:
-        p.error(f"--seq {args.seq} exceeds the model's max_seq {resolve_spec(args.model).max_seq}")
-    r = compare(args)
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not args.cases or any(c not in ("homogeneous", "mixed") for c in args.cases):
+        p.error("--cases takes homogeneous and/or mixed")
+    if args.warmup < 1 or args.steps < 1 or args.micro_batch < 1 or args.global_batch < 1 or args.link_gbps < 0:
+        p.error("need --warmup >= 1, --steps >= 1, --micro-batch >= 1, --global-batch >= 1, --link-gbps >= 0")
+    try:
+        spec = resolve_spec(args.model)
+    except ValueError as e:
+        p.error(str(e))
+    if args.seq > spec.max_seq:
+        p.error(f"--seq {args.seq} exceeds the model's max_seq {spec.max_seq}")
+    args.memory_bytes = int(args.memory_mib * MIB) if args.memory_mib else None
+    from profiler.cgroups import unavailable_reason
+
+    why = unavailable_reason()
+    args.cgroups = why is None
+    if why is not None and "mixed" in args.cases:
+        print(f"sharded_runtime: the mixed case needs cgroup v1 CPU quotas and memory limits: {why}", file=sys.stderr)
+        return 2
+    if args.link_gbps and os.geteuid() != 0:
+        print("sharded_runtime: emulated links need root (ip netns, tc); --link-gbps 0 runs on loopback", file=sys.stderr)
+        return 2
+    try:
+        r = run_bench(args)
+    except (RuntimeError, ValueError) as e:
+        print(f"sharded_runtime: {e}", file=sys.stderr)
+        return 1
     if args.json:
-        print(json.dumps(r))
+        print(json.dumps(contract(r), default=str))
     else:
         print_report(r)
-    return 0
+    return 0 if all(c["ok"] for c in r["checks"].values()) else 1
 
 
 if __name__ == "__main__":
