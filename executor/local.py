@@ -197,18 +197,26 @@ def _start_links(plan: Plan, gbps: float, run_dir: str, store: MetricsStore) -> 
                         run_dir, store)
 
 
+def link_agent_commands(setup: links.LinksSetup, wargs: list[str], python: str = sys.executable) -> list[list[str]]:
+    """One torchrun agent per rank, each inside the rank's namespace: c10d rendezvous hosted by rank
+    0's agent at its address (the rendezvous ranks agents by --local-addr, three-digit addresses
+    in rank order, so agent i is rank i)."""
+    endpoint = f"{setup.addr(0)}:{DEFAULT_RDZV_PORT}"
+    return [setup.exec_prefix(i) + agent_torchrun_command(
+                python, setup.num_ranks, 1, i, endpoint, setup.run_id, wargs,
+                extra=[f"--rdzv-conf=is_host={1 if i == 0 else 0}", f"--local-addr={setup.addr(i)}"])
+            for i in range(setup.num_ranks)]
+
+
+def link_env(env: dict[str, str]) -> dict[str, str]:
+    """The agents' environment: gloo bound to the rank's link, whose counters the rank records."""
+    return dict(env, GLOO_SOCKET_IFNAME=links.RANK_IF, **{links.ENV_LINK_IF: links.RANK_IF})
+
+
 def _start_link_agents(setup: links.LinksSetup, wargs: list[str], env: dict[str, str],
                        run_dir: str) -> list[subprocess.Popen]:
-    """One torchrun agent per rank, each inside the rank's namespace: c10d rendezvous hosted by rank
-    0's agent at its address (the rendezvous ranks agents by --local-addr, so agent i is rank i),
-    gloo bound to the rank's link, whose counters the rank records."""
-    endpoint = f"{setup.addr(0)}:{DEFAULT_RDZV_PORT}"
-    env = dict(env, GLOO_SOCKET_IFNAME=links.RANK_IF, **{links.ENV_LINK_IF: links.RANK_IF})
-    return [start_agent(setup.exec_prefix(i) + agent_torchrun_command(
-                sys.executable, setup.num_ranks, 1, i, endpoint, setup.run_id, wargs,
-                extra=[f"--rdzv-conf=is_host={1 if i == 0 else 0}", f"--local-addr={setup.addr(i)}"]),
-                        env, _agent_log(run_dir, i))
-            for i in range(setup.num_ranks)]
+    return [start_agent(cmd, link_env(env), _agent_log(run_dir, i))
+            for i, cmd in enumerate(link_agent_commands(setup, wargs))]
 
 
 def _stop_netns(remove, guard: subprocess.Popen | None) -> None:
