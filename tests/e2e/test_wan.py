@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from executor import wan
+from executor import netns, wan
 from executor.launch import launch_run, start_run, stop_run
 from executor.store import pid_alive, read_metrics
 from contracts.cluster import ClusterSpec
@@ -259,11 +259,11 @@ def test_one_node_and_emulate_wan_is_a_clear_error(tmp_path):
 
 
 def test_without_root_or_tools_the_error_names_what_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(wan.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(ValueError, match=r"--emulate-wan: not root \(network namespaces"):
         launch_run(geo_plan(0.1), 1, str(tmp_path / "r"), emulate_wan=True)
-    monkeypatch.setattr(wan.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(wan.shutil, "which", lambda b: None if b == "tc" else "/usr/sbin/" + b)
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda b: None if b == "tc" else "/usr/sbin/" + b)
     with pytest.raises(ValueError, match="--emulate-wan: missing tc"):
         launch_run(geo_plan(0.1), 1, str(tmp_path / "r"), emulate_wan=True)
 
