@@ -8,7 +8,9 @@ the node named by GPUMIX_NODE). One step: the global sampler gives the step's wi
 any plan, and this rank takes its consecutive piece in `accum_steps` micro-batches; the sharded
 runtime (models/sharded.py) trains them at the plan's ZeRO stage and uneven shards. A pipeline plan
 runs models/pipeline.py instead (the rank's stage and rows; `--timeline-step`, `--prefill` with
-executor/prefill.py). Rank 0 gathers every rank's figures and peak memory each step into the store.
+executor/prefill.py). Rank 0 gathers every rank's figures and peak memory each step into the store,
+with the runtime's `comm_wait_s` and, on emulated links (executor/links.py), the TCP payload the
+rank sent on its link during the step.
 Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep
 (`slowdown`) and check the measured peak against `memory_gb`. More: docs/executor.md,
 docs/models/pipeline_simulation.md.

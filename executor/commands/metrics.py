@@ -30,5 +30,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print_table(m["ranks"], ["rank", "type", "emulated", "micro_batch", "accum_steps", "shard_fraction",
                              "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s", "median_wait_s",
-                             "predicted_step_s"])
+                             "comm_wait_s", "predicted_step_s"])
+    if m["links"] is not None:
+        gbps, sent = m["links"]["gbps"], m["links"]["bytes_per_step"]
+        print(f"emulated links: {'?' if gbps is None else f'{gbps:g}'} Gbit/s each way per rank; "
+              + ("no step measured" if sent is None else f"{sent:,.0f} bytes of TCP payload per step, all ranks "
+                 "(measured)"))
     return 0

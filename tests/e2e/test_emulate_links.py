@@ -133,8 +133,12 @@ def test_a_two_rank_run_over_emulated_links_puts_the_collectives_bytes_on_them(d
 def test_a_killed_launcher_leaves_nothing_its_guard_removes_it(data_dir, tmp_path):
     run = str(tmp_path / "killed")
     h = start_run(two_cpu_plan(), 10_000, run, seed=1, emulate_links_gbps=GBPS)
-    seen = _watch(run, until=lambda setup: len(netns.pids_in({netns.netns_inode(setup.netns(1))})) > 0)
-    os.kill(h.pid, signal.SIGKILL)  # its torchrun agents are up inside the namespaces
+    seen = _watch(run, until=lambda setup: all(r["pid"] for r in read_metrics(run)["ranks"]))
+    setup = seen["setup"]
+    for r in read_metrics(run)["ranks"]:  # rank i trains plan position i inside namespace i
+        assert r["position"] == r["rank"]
+        assert os.readlink(f"/proc/{r['pid']}/ns/net") == f"net:[{netns.netns_inode(setup.netns(r['rank']))}]"
+    os.kill(h.pid, signal.SIGKILL)  # its torchrun agents and ranks are up inside the namespaces
     wait_until(lambda: not links.leftovers(seen["setup"]) and not processes_with_data_dir(data_dir), 30,
                "the guard's tear-down")
     assert any("the guard removed" in e["message"] for e in read_metrics(run)["events"])
