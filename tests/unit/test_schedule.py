@@ -2,6 +2,7 @@ import pytest
 
 from contracts.cluster import ClusterSpec
 from contracts.jobs import JobSpec
+from planner.costmodel.training import resolve_param_dtype
 from planner.schedule.simulate import POLICIES, ClusterState, simulate_schedule
 from planner.schedule.state import checkpoint_save_s
 from contracts.specs import get_model
@@ -61,9 +62,11 @@ def test_every_placement_fits_in_memory(results, policy):
     memory = pytest.importorskip("planner.core.memory")
     for rec in results[policy].records:
         o = rec.option
+        # the options are priced as planner plan runs them: zero 3 gathers in the compute dtype (auto)
         cfg = memory.MemoryConfig(micro_batch=o.micro_batch, accum_steps=o.accum_steps, seq=rec.job.seq,
                                   dtype=o.dtype, recompute=o.recompute, dp=o.num_gpus, zero=o.zero,
-                                  device_type=o.gpu_type)
+                                  device_type=o.gpu_type,
+                                  param_dtype=resolve_param_dtype("auto", o.zero, o.dtype, [o.gpu_type]))
         peak = memory.estimate_memory(get_model(rec.job.model), cfg).peak_bytes
         assert peak <= min(DEVICES[i].memory_bytes for i in rec.devices)
 
