@@ -73,13 +73,15 @@ class Ours:
                       recompute=sys_cfg["recompute"], autocast_dtype=DTYPES[dtype], optim=optim, seed=seed)
         # mixed precision like FSDP2's MixedPrecisionPolicy: the gathered parameters in `param_dtype`
         # (the compute dtype unless the job names one), gradients reduced in `reduce_dtype` (fp32),
-        # `prefetch` gathers in flight (the runtime's default unless named). Passed only where the
+        # `prefetch` gathers and `reduce_in_flight` reduce-scatters in flight (the runtime's defaults
+        # unless named). Passed only where the
         # runtime takes them: `missing` says which it does not.
         names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         wanted = {"param_dtype": names[sys_cfg.get("param_dtype") or dtype],
                   "reduce_dtype": names[sys_cfg.get("reduce_dtype") or "fp32"]}
-        if sys_cfg.get("prefetch") is not None:
-            wanted["prefetch"] = sys_cfg["prefetch"]
+        for k in ("prefetch", "reduce_in_flight"):
+            if sys_cfg.get(k) is not None:
+                wanted[k] = sys_cfg[k]
         accepted = inspect.signature(ShardedRuntime.__init__).parameters
         kwargs.update({k: v for k, v in wanted.items() if k in accepted})
         self.missing = sorted(k for k in wanted if k not in accepted)
@@ -171,7 +173,10 @@ class Fsdp2:
 
 def join_cgroups(rank: int) -> dict:
     """Join this rank's cgroups (if the launcher made any) and set the memory limit over the
-    baseline now: the interpreter and torch imported, nothing built."""
+    baseline now: the interpreter, torch and both systems' modules imported, nothing built (a
+    memory cgroup is charged only what the rank allocates after it joins)."""
+    import torch.distributed.fsdp  # noqa: F401  (imported before joining: its files' pages are no device memory)
+    import models.sharded  # noqa: F401
     from profiler import cgroups
     cg = cgroups.rank_cgroup(rank)
     if cg is None:

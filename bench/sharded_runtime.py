@@ -2,7 +2,7 @@
 emulated links, homogeneous and mixed, side by side.
 
     python bench/sharded_runtime.py [--model bench-gpt2] [--shares 1,0.333] [--link-gbps 1]
-                                    [--steps 8] [--warmup 2] [--global-batch 8] [--micro-batch 2]
+                                    [--steps 8] [--warmup 2] [--global-batch 16] [--micro-batch 4]
                                     [--seq 128] [--dtype bf16] [--cases homogeneous,mixed] [--json]
 
 Every rank is a process (bench/_sharded_rank.py) started inside its own network namespace
@@ -17,16 +17,17 @@ weights and token windows, steps alternating AB/BA. Ratios of median step times 
 of peak live tensor bytes (profiler.memtrack, worst rank). The communication left exposed is ours'
 measured StepResult.comm_wait_s over the step.
 
-mixed: ranks under CPU quotas of --shares; the smallest also under a memory limit (baseline +
-M GiB) with M the midpoint between the planner's memory model (planner/core/memory.py) at FSDP2's
-even shard with the even batch in one micro-batch and in micro-batches of half, so that even shard
-exceeds it at the larger batch. GPUMix's plan comes from planner.entry.plan_job on a cluster of
-these devices, each measured by `python -m profiler profile` under its limits (bench/_common.py),
-joined by the link rate; its predicted step (the plan) is checked against the step the ranks time.
-FSDP2's even configurations (even shards and batch; micro-batch x accumulation, recompute
-none/full, reduce-scatter every micro-batch or only the last) are each launched under the same
-limits; those the kernel OOM-kills do not fit; the fastest that fits is the baseline. Then GPUMix
-and that baseline are timed again in A B B A launches, medians pooled.
+mixed: ranks under CPU quotas of --shares. FSDP2's even configurations (even shards and batch;
+micro-batch x accumulation, recompute none/full, reduce-scatter after every micro-batch or only the
+last) are each launched under those quotas, the smallest rank's peak memory charge over its
+baseline measured by its memory cgroup. That rank's memory limit is set midway between FSDP2's
+even shard with the even batch in one micro-batch and in micro-batches of half of it (so the first
+exceeds it); the fastest FSDP2 configuration under the limit is the baseline (the next one where
+the kernel OOM-kills it under the real limit). GPUMix's plan comes from planner.entry.plan_job on a
+cluster of these devices (quotas, the memory limit, the link rate), each profiled by `python -m
+profiler profile` under its limits (bench/_common.py); its predicted step (the plan's) is checked
+against the step the ranks time. GPUMix and the FSDP2 baseline then run in A B B A launches under
+the limits, medians pooled.
 
 Prints one readable table with PASS/FAIL per target, or (--json) one object whose contract keys are
 {"homogeneous": {"throughput_ratio", "memory_ratio"}, "mixed": {"throughput_ratio", "fsdp2_config"},
@@ -64,6 +65,9 @@ EXPOSED_COMM_MAX = 0.15  # share of the step, at most, where communication <= co
 STEP_ERROR_MAX = 0.15  # |measured / predicted - 1|, at most
 LOSS_REL_MAX = 1e-5  # fp32 only: ours and FSDP2 on the same weights and windows give the same losses
 LAUNCH_TIMEOUT_S = 900
+# glibc: a fixed mmap threshold (no dynamic raise), so a freed large tensor goes back to the kernel
+# at once and a rank's memory charge follows its live tensors, not the heap's high-water mark
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024)}
 SCREEN_STEPS = 3  # timed steps of each FSDP2 configuration tried in the mixed case
 PROFILE_MICRO_BATCHES = (1, 2, 3, 4)
 PROFILE_REPEATS = 3
@@ -113,7 +117,7 @@ class Launcher:
             procs = []
             for r in range(self.world):
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR=self.net.addrs[0],
-                           MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+                           MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **MALLOC_ENV)
                 env[cgroups.ENV_CGROUPS] = table
                 if self.net.gloo_ifname:
                     from executor.links import ENV_LINK_IF
@@ -167,6 +171,7 @@ def system_figures(ranks: list[dict], name: str, global_batch: int) -> dict:
            "peak_bytes_per_rank": [p["peak_bytes"] for p in per], "losses": per[0]["losses"],
            "cgroup_peak_bytes_per_rank": [r.get("cgroup_peak_bytes") for r in ranks],
            "memory_limit_bytes_per_rank": [r.get("memory_limit_bytes") for r in ranks],
+           "peak_over_baseline_bytes_per_rank": [peak_over_baseline(r) for r in ranks],
            "runtime_lacks": per[0].get("runtime_lacks", [])}
     waits = [[p["comm_wait_s"][i] for p in per] for i in range(n)]
     if n and all(w is not None for ws in waits for w in ws):
@@ -198,7 +203,8 @@ def run_homogeneous(args: argparse.Namespace, launcher: Launcher, spec: ModelSpe
     common = {"batches": batches, "micro_batch": [m] * world, "recompute": "none"}
     job = {"model": spec.to_dict(), "seq": args.seq, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
            "dtype": args.dtype, "global_batch": sum(batches), "compare_params": args.dtype == "fp32",
-           "systems": [dict(common, name="gpumix", kind="ours", zero=3, fractions=[1 / world] * world),
+           "systems": [dict(common, name="gpumix", kind="ours", zero=3, fractions=[1 / world] * world,
+                            reduce_in_flight=args.reduce_in_flight),
                        dict(common, name="fsdp2", kind="fsdp2", sync="every")]}
     limits = [Limits(cpu_share=1.0) if args.cgroups else None] * world
     res = launcher.run(job, limits, "homogeneous")
@@ -225,22 +231,15 @@ def run_homogeneous(args: argparse.Namespace, launcher: Launcher, spec: ModelSpe
 # ---- mixed ----------------------------------------------------------------------------------------
 
 
-def fsdp2_even_peak_bytes(spec: ModelSpec, world: int, micro_batch: int, seq: int, dtype: str) -> int:
-    """The planner's memory model at FSDP2's even shard: zero 3, 1/world of the state, one micro-batch."""
-    from planner.core.memory import MemoryConfig, estimate_memory
-
-    cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype=dtype, dp=world, zero=3, shard_fraction=1 / world,
-                       param_dtype=dtype)
-    return estimate_memory(spec, cfg).peak_bytes
+UNLIMITED_BYTES = 64 * GIB  # a memory cgroup that only measures: its peak charge, no limit in reach
 
 
-def fsdp2_candidates(per_rank: int, max_configs: int) -> list[dict]:
-    """FSDP2's even configurations, likely fastest first: the even batch in micro-batches of
-    per_rank, per_rank/2, ...; recompute none then full; at accumulation > 1 reduce-scatter every
-    micro-batch (its default) or only the last."""
-    out = []
-    m = per_rank
-    while m >= 1 and len(out) < max_configs:
+def fsdp2_candidates(per_rank: int, num_micro_batches: int) -> list[dict]:
+    """FSDP2's even configurations: the even batch in micro-batches of per_rank, per_rank/2, ...
+    (`num_micro_batches` sizes), recompute none and full; at accumulation > 1 reduce-scatter after
+    every micro-batch (its default) or only after the last."""
+    out, m = [], per_rank
+    while m >= 1 and len({c["micro_batch"] for c in out}) < num_micro_batches:
         if per_rank % m == 0:
             for rec in ("none", "full"):
                 for sync in (("every", "last") if per_rank // m > 1 else ("every",)):
@@ -255,6 +254,13 @@ def describe_fsdp2(c: dict) -> str:
                if c["accum"] > 1 else ""))
 
 
+def peak_over_baseline(rank: dict) -> int | None:
+    """A rank's peak memory charge over its baseline (what the cgroup limit bounds)."""
+    if rank.get("cgroup_peak_bytes") is None or rank.get("memory_baseline_bytes") is None:
+        return None
+    return rank["cgroup_peak_bytes"] - rank["memory_baseline_bytes"]
+
+
 def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, data_dir: str) -> dict:
     from planner.entry import plan_job
     from profiler.cgroups import Limits
@@ -264,76 +270,108 @@ def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, dat
         raise ValueError(f"--global-batch {B} does not split evenly over {world} ranks")
     per_rank = B // world
     small = min(range(world), key=lambda i: shares[i])
-    # the memory limit: FSDP2's even shard exceeds it with the even batch in one micro-batch and
-    # fits it (by the model) with half of it
-    hi = fsdp2_even_peak_bytes(spec, world, per_rank, args.seq, args.dtype)
-    lo = fsdp2_even_peak_bytes(spec, world, max(1, per_rank // 2), args.seq, args.dtype)
-    memory_bytes = args.memory_bytes or (hi + lo) // 2
-    memory_gb = [memory_bytes / GIB if i == small else None for i in range(world)]
-    limits = [Limits(cpu_share=s, memory_bytes=memory_bytes if i == small else None) for i, s in enumerate(shares)]
+    base = {"model": spec.to_dict(), "seq": args.seq, "seed": args.seed, "dtype": args.dtype, "global_batch": B}
 
-    # GPUMix's plan: the planner on these devices, measured under their limits, and the link
+    def limits_at(memory_bytes: int) -> list[Any]:
+        return [Limits(cpu_share=s, memory_bytes=memory_bytes if i == small else None) for i, s in enumerate(shares)]
+
+    def fsdp2_system(c: dict) -> dict:
+        return {"name": "fsdp2", "kind": "fsdp2", "batches": [per_rank] * world,
+                "micro_batch": [c["micro_batch"]] * world, "recompute": c["recompute"], "sync": c["sync"]}
+
+    # 1. FSDP2's even configurations under the CPU quotas, the small rank's memory charge measured
+    # (a memory cgroup without a limit in reach): recompute none first
+    candidates = fsdp2_candidates(per_rank, args.fsdp2_micro_batches)
+    tried: list[dict] = []
+
+    def screen(c: dict) -> dict:
+        name = f"mixed-fsdp2-m{c['micro_batch']}-{c['recompute']}-{c['sync']}"
+        res = launcher.run(dict(base, warmup=1, steps=SCREEN_STEPS, systems=[fsdp2_system(c)]),
+                           limits_at(UNLIMITED_BYTES), name)
+        if res["status"] != "done":
+            raise RuntimeError(f"{name}: {res['status']}: {res['reason']}")
+        row = dict(c, config=describe_fsdp2(c), system=fsdp2_system(c),
+                   median_step_s=system_figures(res["ranks"], "fsdp2", B)["median_step_s"],
+                   peak_over_baseline_bytes=peak_over_baseline(res["ranks"][small]),
+                   live_peak_bytes=res["ranks"][small]["systems"]["fsdp2"]["peak_bytes"])
+        tried.append(row)
+        return row
+
+    plain = [screen(c) for c in candidates if c["recompute"] == "none"]
+    # 2. the small rank's memory limit: midway between FSDP2's even shard with the even batch in
+    # one micro-batch and in micro-batches of half of it (measured), so that the first exceeds it
+    top = [r for r in plain if r["sync"] == "every"][:2]
+    if args.memory_bytes:
+        memory_bytes, basis = args.memory_bytes, "--memory-mib"
+    elif len(top) == 2 and all(r["peak_over_baseline_bytes"] for r in top):
+        memory_bytes = (top[0]["peak_over_baseline_bytes"] + top[1]["peak_over_baseline_bytes"]) // 2
+        basis = (f"midway between FSDP2's even shard at micro-batch {top[0]['micro_batch']} "
+                 f"({top[0]['peak_over_baseline_bytes'] / MIB:.1f} MiB over baseline, measured) and "
+                 f"{top[1]['micro_batch']} x {top[1]['accum']} ({top[1]['peak_over_baseline_bytes'] / MIB:.1f} MiB)")
+    else:
+        raise RuntimeError("cannot choose the memory limit: need two FSDP2 micro-batch sizes measured "
+                           "(--global-batch >= 2 x ranks) or --memory-mib")
+    fits = {id(r): r["peak_over_baseline_bytes"] <= memory_bytes for r in plain}
+    # recompute full only where recompute none does not fit (the same work and more is never faster)
+    for c in candidates:
+        if c["recompute"] == "full" and not any(fits[id(r)] for r in plain
+                                                 if (r["micro_batch"], r["sync"]) == (c["micro_batch"], c["sync"])):
+            r = screen(c)
+            fits[id(r)] = r["peak_over_baseline_bytes"] <= memory_bytes
+    for r in tried:
+        r["fits"] = fits[id(r)]
+    memory_gb = [memory_bytes / GIB if i == small else None for i in range(world)]
+
+    # 3. GPUMix's plan: the planner on these devices, measured under their limits, and the link
     model = args.model if args.model not in BENCH_SPECS else write_gpt2_config(spec, os.path.join(data_dir, "models"))
     cluster = hetero_cluster(shares, memory_gb=memory_gb, link_gbps=args.link_gbps or None)
     t0 = time.monotonic()
     if not args.no_profile:
         profile_devices(model, args.seq, shares, PROFILE_MICRO_BATCHES, dtype=args.dtype, repeats=PROFILE_REPEATS,
-                        collectives=True)
+                        collectives=True)  # speed only: the plan's memory comes from the memory model
     profile_s = time.monotonic() - t0
     plan = plan_job(cluster, model, B, seq=args.seq, dtype=args.dtype, pipeline=False).plan
     used = list(plan.assignments)
     gpumix_sys = {"name": "gpumix", "kind": "ours", "zero": plan.zero, "recompute": plan.recompute,
                   "fractions": [a.shard_fraction for a in used], "batches": [a.batch for a in used],
                   "micro_batch": [max(1, a.micro_batch) for a in used],
-                  "param_dtype": plan.param_dtype, "reduce_dtype": plan.reduce_dtype, "prefetch": plan.prefetch}
-    base = {"model": spec.to_dict(), "seq": args.seq, "seed": args.seed, "dtype": args.dtype, "global_batch": B}
+                  "param_dtype": getattr(plan, "param_dtype", None), "reduce_dtype": getattr(plan, "reduce_dtype", None),
+                  "prefetch": getattr(plan, "prefetch", None),
+                  "reduce_in_flight": getattr(plan, "reduce_in_flight", args.reduce_in_flight)}
 
-    # FSDP2's even configurations under the same limits: the fastest that fits
-    tried = []
-    fits_none = set()
-    for c in fsdp2_candidates(per_rank, args.max_fsdp2_configs):
-        key = (c["micro_batch"], c["sync"])
-        if c["recompute"] == "full" and key in fits_none:  # same work plus recompute: never faster
-            continue
-        sysc = {"name": "fsdp2", "kind": "fsdp2", "batches": [per_rank] * world, "micro_batch": [c["micro_batch"]] * world,
-                "recompute": c["recompute"], "sync": c["sync"]}
-        name = f"mixed-fsdp2-m{c['micro_batch']}-{c['recompute']}-{c['sync']}"
-        res = launcher.run(dict(base, warmup=1, steps=SCREEN_STEPS, systems=[sysc]), limits, name)
-        row = dict(c, config=describe_fsdp2(c), status=res["status"], reason=res.get("reason", ""), system=sysc)
-        if res["status"] == "done":
-            row.update(median_step_s=system_figures(res["ranks"], "fsdp2", B)["median_step_s"])
-            if c["recompute"] == "none":
-                fits_none.add(key)
-        elif res["status"] == "failed":
-            raise RuntimeError(f"{name}: {res['reason']}")
-        tried.append(row)
-    fitting = [t for t in tried if t["status"] == "done"]
-    if not fitting:
-        raise RuntimeError("no even FSDP2 configuration fits the memory limit: " + "; ".join(
-            f"{t['config']}: {t['reason']}" for t in tried))
-    best = min(fitting, key=lambda t: t["median_step_s"])
-
-    # A B B A: GPUMix's plan and FSDP2's best, each twice, medians pooled
+    # 4. A B B A under the limits: GPUMix's plan and FSDP2's fastest configuration that fits (the
+    # next one where the kernel OOM-kills it), medians pooled
     half = max(1, args.steps // 2)
+    ranked = sorted((r for r in tried if r["fits"]), key=lambda r: r["median_step_s"])
+    if not ranked:
+        raise RuntimeError("no even FSDP2 configuration fits the memory limit")
     runs: dict[str, list[dict]] = {"gpumix": [], "fsdp2": []}
-    for i, key in enumerate(("gpumix", "fsdp2", "fsdp2", "gpumix")):
-        sysc = gpumix_sys if key == "gpumix" else best["system"]
-        res = launcher.run(dict(base, warmup=args.warmup, steps=half, systems=[sysc]), limits, f"mixed-{key}-{i}")
-        if res["status"] != "done":
-            raise RuntimeError(f"mixed {key} ({i}): {res['status']}: {res['reason']}")
+    best = ranked.pop(0)
+    i = 0
+    for key in ("gpumix", "fsdp2", "fsdp2", "gpumix"):
+        while True:
+            sysc = gpumix_sys if key == "gpumix" else best["system"]
+            res = launcher.run(dict(base, warmup=args.warmup, steps=half, systems=[sysc]), limits_at(memory_bytes),
+                               f"mixed-{key}-{i}")
+            i += 1
+            if res["status"] == "oom" and key == "fsdp2" and ranked:
+                best["fits"], best["reason"] = False, f"{res['reason']} under the limit"
+                best, runs["fsdp2"] = ranked.pop(0), []
+                continue
+            if res["status"] != "done":
+                raise RuntimeError(f"mixed {key}: {res['status']}: {res['reason']}")
+            break
         runs[key].append(system_figures(res["ranks"], sysc["name"], B))
     g, f = pooled(runs["gpumix"], B), pooled(runs["fsdp2"], B)
     return {
         "ranks": world, "cpu_shares": list(shares), "global_batch": B, "small_rank": small,
-        "memory_limit_bytes": memory_bytes, "memory_limit_basis": {
-            "fsdp2_even_peak_bytes_one_micro_batch": hi, "fsdp2_even_peak_bytes_half_micro_batch": lo,
-            "micro_batches": [per_rank, max(1, per_rank // 2)]},
+        "memory_limit_bytes": memory_bytes, "memory_limit_basis": basis,
         "profile_s": profile_s, "profiles": profile_rows(cluster, with_max_seq(get_model(model), args.seq), args.seq,
                                                          args.dtype),
-        "plan": {"zero": plan.zero, "recompute": plan.recompute, "param_dtype": plan.param_dtype,
-                 "prefetch": plan.prefetch, "predicted_iteration_s": plan.predicted_iteration_s,
-                 "predicted_exposed_comm_s": plan.predicted_exposed_comm_s,
-                 "predicted_wire_bytes_per_step": plan.predicted_wire_bytes_per_step,
+        "plan": {"zero": plan.zero, "recompute": plan.recompute, "param_dtype": getattr(plan, "param_dtype", None),
+                 "prefetch": getattr(plan, "prefetch", None), "predicted_iteration_s": plan.predicted_iteration_s,
+                 "predicted_exposed_comm_s": getattr(plan, "predicted_exposed_comm_s", None),
+                 "predicted_wire_bytes_per_step": getattr(plan, "predicted_wire_bytes_per_step", None),
                  "assignments": [{"micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
                                   "shard_fraction": a.shard_fraction, "predicted_memory_bytes": a.predicted_memory_bytes,
                                   "predicted_step_s": a.predicted_step_s} for a in used]},
@@ -458,9 +496,14 @@ def print_report(r: dict) -> None:
     if m:
         print(f"\nmixed: {m['ranks']} ranks under CPU quotas {', '.join(f'{s:g}' for s in m['cpu_shares'])} of a core, "
               f"global batch {m['global_batch']}; rank {m['small_rank']} memory limit baseline + "
-              f"{m['memory_limit_bytes'] / MIB:.1f} MiB (midpoint of the memory model's FSDP2 even shard at micro-batch "
-              f"{m['memory_limit_basis']['micro_batches'][0]}: {m['memory_limit_basis']['fsdp2_even_peak_bytes_one_micro_batch'] / MIB:.1f} MiB and "
-              f"{m['memory_limit_basis']['micro_batches'][1]}: {m['memory_limit_basis']['fsdp2_even_peak_bytes_half_micro_batch'] / MIB:.1f} MiB)")
+              f"{m['memory_limit_bytes'] / MIB:.1f} MiB ({m['memory_limit_basis']})")
+        print(f"  FSDP2 even configurations (each launched under the CPU quotas, {SCREEN_STEPS} timed steps; "
+              f"rank {m['small_rank']}'s peak memory charge over its baseline):")
+        for t in m["fsdp2_tried"]:
+            fit = "fits" if t["fits"] else "DOES NOT FIT"
+            print(f"    {t['config']:<78} step {t['median_step_s']:7.3f} s  peak {t['peak_over_baseline_bytes'] / MIB:7.1f} MiB"
+                  f"  {fit}{(' (' + t['reason'] + ')') if t.get('reason') else ''}")
+        print(f"  FSDP2 best that fits: {m['fsdp2_config']}")
         print(f"  profiles (measured under the limits in {m['profile_s']:.0f} s; beta = s per sample):")
         for p in m["profiles"]:
             print(f"    {p['kind']:<16} recompute {p['recompute']:<5} {'measured' if p['measured'] else 'ESTIMATED':<9} "
@@ -469,17 +512,15 @@ def print_report(r: dict) -> None:
         print(f"  GPUMix plan (planner.entry.plan_job): zero {pl['zero']}, recompute {pl['recompute']}, gathers "
               f"{pl['param_dtype']}, prefetch {pl['prefetch']}; per rank (micro-batch x accum, shard): "
               + "; ".join(f"{a['micro_batch']} x {a['accum_steps']}, {a['shard_fraction']:.3f}" for a in pl["assignments"]))
-        print("  FSDP2 even configurations tried (screening, " f"{SCREEN_STEPS} timed steps each):")
-        for t in m["fsdp2_tried"]:
-            res = f"median step {t['median_step_s']:.3f} s" if t["status"] == "done" else t["reason"]
-            print(f"    {t['config']:<80} {res}")
-        print(f"  FSDP2 best that fits: {m['fsdp2_config']}")
-        print(f"  {'system':<8}{'median step s':>14}{'samples/s':>11}{'predicted s':>13}{'per launch (A B B A)':>28}")
+        print(f"  {'system':<8}{'median step s':>14}{'samples/s':>11}{'predicted s':>13}{'per launch (A B B A)':>24}"
+              f"{'small rank peak MiB':>21}")
         for name in ("gpumix", "fsdp2"):
             s = m[name]
             pred = f"{pl['predicted_iteration_s']:.4f}" if name == "gpumix" else "—"
             per = ", ".join(f"{x:.3f}" for x in s["per_launch_median_step_s"])
-            print(f"  {name:<8}{s['median_step_s']:>14.4f}{s['samples_per_s']:>11.2f}{pred:>13}{per:>28}")
+            peaks = [x["peak_over_baseline_bytes_per_rank"][m["small_rank"]] for x in s["launches"]]
+            peak = f"{max(peaks) / MIB:.1f}" if all(p is not None for p in peaks) else "—"
+            print(f"  {name:<8}{s['median_step_s']:>14.4f}{s['samples_per_s']:>11.2f}{pred:>13}{per:>24}{peak:>21}")
         print(f"  throughput GPUMix plan / FSDP2 best even {m['throughput_ratio']:.3f} (target >= {MIXED_THROUGHPUT_MIN}) "
               f"{_verdict(c['mixed_throughput'])}")
         print(f"  GPUMix step measured / predicted - 1 = {m['step_error']:+.1%} (target within {STEP_ERROR_MAX:.0%}) "
@@ -495,15 +536,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-gbps", type=float, default=1.0, help="emulated link rate per rank; 0: loopback (default 1)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per system (mixed: split over 2 launches)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps; the last one measures memory (>= 1)")
-    p.add_argument("--global-batch", type=int, default=8, help="mixed: samples per step (default 8)")
-    p.add_argument("--micro-batch", type=int, default=2, help="homogeneous: samples per rank (default 2)")
+    p.add_argument("--global-batch", type=int, default=16, help="mixed: samples per step (default 16)")
+    p.add_argument("--micro-batch", type=int, default=4, help="homogeneous: samples per rank (default 4)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="compute and gather dtype (bf16: mixed precision, gradients reduced in fp32)")
+    p.add_argument("--reduce-in-flight", type=int, choices=(0, 1), default=1,
+                   help="GPUMix: reduce-scatters left in flight while compute goes on, as FSDP2 does (default 1)")
     p.add_argument("--cases", default="homogeneous,mixed", help="which comparisons (default homogeneous,mixed)")
     p.add_argument("--memory-mib", type=float, help="mixed: the small rank's memory limit over its baseline "
-                                                     "(default: from the memory model, see above)")
-    p.add_argument("--max-fsdp2-configs", type=int, default=6, help="mixed: FSDP2 even configurations to try at most")
+                                                     "(default: from FSDP2's measured peaks, see above)")
+    p.add_argument("--fsdp2-micro-batches", type=int, default=2,
+                   help="mixed: FSDP2's micro-batch sizes tried: the even batch, its half, ... (default 2)")
     p.add_argument("--no-profile", action="store_true", help="mixed: reuse the profiles in --data-dir")
     p.add_argument("--data-dir", help="profiles, plans and rank logs (default: a temporary folder, removed)")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder")
@@ -534,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         r = run_bench(args)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, subprocess.CalledProcessError) as e:
         print(f"sharded_runtime: {e}", file=sys.stderr)
         return 1
     if args.json:
