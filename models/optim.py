@@ -7,7 +7,10 @@ and their AdamW moments; nothing here sees an nn.Module or a process group. Per 
     found_inf = not isfinite(norm_sq)                     # an inf/nan anywhere makes the sum inf/nan
     scaler.update(found_inf); skip the step if found_inf  # fp16 only; the scale is 1.0 otherwise
     total_norm = sqrt(norm_sq) / scale_used               # the norm of the unscaled gradient
-    g *= clip_coefficient(total_norm, cfg.max_grad_norm) / scale_used   # unscale and clip in one pass
+    g *= clip_coefficient_t(total_norm, cfg.max_grad_norm) / scale_used   # unscale and clip in one pass
+
+Nothing here reads a device value to the host: the norm, the overflow flag and the clip
+coefficient stay tensors (`clip_coefficient_t`); only the fp16 scaler's update needs a host bool.
     adamw_step_(p, g, m, v, step, lr_at(step, total_steps, cfg), cfg, decay_ranges(...))
 
 (`scale_used` is the scale the backward ran with.) Defaults (betas 0.9/0.95, weight decay 0.1 on
@@ -225,6 +228,16 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     if max_norm is None:
         return 1.0
     return min(1.0, max_norm / (float(total_norm) + CLIP_EPS))
+
+
+def clip_coefficient_t(total_norm: Tensor, max_norm: float | None) -> Tensor:
+    """clip_coefficient on the device: min(1, max_norm / (total_norm + 1e-6)) as a tensor of
+    total_norm's dtype, computed without reading total_norm to the host (no synchronization);
+    the same IEEE operations as clip_coefficient, so the same value in fp64. Ones when clipping
+    is off."""
+    if max_norm is None:
+        return torch.ones_like(total_norm)
+    return (torch.full_like(total_norm, max_norm) / (total_norm + CLIP_EPS)).clamp(max=1.0)
 
 
 def _as_fp32(x: float) -> float:

@@ -27,9 +27,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 from models.collectives import Collectives
 from models.decoder import Decoder, build_model
-from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coefficient, decay_ranges,
+from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coefficient_t, decay_ranges,
                           global_grad_norm_sq)
 from models.runtime import shard_bounds
+from contracts.plan import check_step_dtypes
 from contracts.specs import ModelSpec
 from contracts.constants import check_zero
 from contracts.units import Unit, runtime_units
@@ -40,9 +41,25 @@ INIT_STD = 0.02  # GPT-2 / Llama initializer_range (models/decoder.py)
 SEED_STRIDE = 1_000_003  # unit u of seed s draws from generator seed s·SEED_STRIDE + u
 
 
+# torch dtypes by the names plans and contracts use
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def host_float(t: torch.Tensor) -> float:
     """A scalar tensor's value; 0.0 under FakeTensorMode (the profiler traces shapes, no data)."""
     return 0.0 if is_fake(t) else float(t)
+
+
+def host_floats(t: torch.Tensor) -> list[float]:
+    """A 1-D tensor's values in one device-to-host read; zeros under FakeTensorMode."""
+    return [0.0] * t.numel() if is_fake(t) else [float(v) for v in t.tolist()]
+
+
+def check_runtime_options(zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype, prefetch: int) -> None:
+    """ValueError naming the first bad gather/reduce option of ShardedRuntime (a plan's rules,
+    contracts/plan.check_step_dtypes, on torch dtypes)."""
+    check_step_dtypes(zero, DTYPE_NAMES.get(param_dtype, str(param_dtype)),
+                      DTYPE_NAMES.get(reduce_dtype, str(reduce_dtype)), prefetch, what="ShardedRuntime")
 
 
 @dataclass(repr=False)
@@ -65,11 +82,22 @@ class UnitState:
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor  # fp32 (end - start,): this slice's gradient of the step
     decay: list[tuple[int, int]]  # weight-decay ranges in slice coordinates
-    full: torch.Tensor | None = None  # fp32 (numel,) full parameters; storage size 0 while not held
+    full: torch.Tensor | None = None  # param_dtype (numel,) full parameters; storage size 0 while not held
     held: bool = False
-    full_grad: torch.Tensor | None = None  # fp32 (numel,) full gradient while held
+    full_grad: torch.Tensor | None = None  # (numel,) full gradient (param_dtype) while accumulated
     grad_fresh: bool = True  # the next reduce-scatter overwrites `grad` (first of the step)
     pending: Any = field(default=None, repr=False)  # an in-flight gather's Work
+
+
+@dataclass
+class _InFlightReduce:
+    """A reduce-scatter issued and not yet waited: it keeps `sent` (the full gradient in
+    reduce_dtype) and `out` (its slice result) alive until `_complete` ran."""
+    unit: UnitState
+    work: Any
+    sent: torch.Tensor
+    out: torch.Tensor  # unit.grad itself (fp32, first of the step) or a (end - start,) temporary
+    first: bool  # the unit's first reduce of the step: `out` overwrites `grad`, else adds to it
 
 
 @dataclass(frozen=True)
@@ -78,9 +106,50 @@ class StepResult:
     grad_norm: float  # global gradient norm before clipping (unscaled); nan when skipped
     skipped: bool  # fp16 overflow: no update this step
     compute_s: float  # wall seconds in forward/backward compute (collective waits excluded)
-    work_s: float  # the same on the worker's clock (thread CPU time on CPU, wall on CUDA)
+    work_s: float  # the same on the worker's clock (thread CPU time on CPU, CUDA events on CUDA)
     loss_scale: float
     optimizer_s: float = 0.0  # wall seconds of the AdamW update of this rank's slices
+    # wall seconds compute waited on communication (gathers and reduce-scatters) in the step:
+    # on CPU time blocked in Work.wait(), on CUDA the compute stream's stall measured by events
+    comm_wait_s: float = 0.0
+
+
+class PendingStep:
+    """A step whose work is issued: `result()` reads its statistics and timers to the host, the
+    step's one synchronization with the device (fp16 with loss scaling reads the overflow flag
+    once more, before the update, to skip it)."""
+
+    def __init__(self, rt: "ShardedRuntime", stats: torch.Tensor, scale_used: float, skipped: bool,
+                 clock: list[float], comm_wait_s: float, compute_ev: list, wait_ev: list, optimizer_ev: Any,
+                 optimizer_s: float):
+        self._rt, self._stats, self._scale, self._skipped = rt, stats, scale_used, skipped
+        self._clock, self._wait_s, self._compute_ev, self._wait_ev = clock, comm_wait_s, compute_ev, wait_ev
+        self._optimizer_ev, self._optimizer_s = optimizer_ev, optimizer_s
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is not None:
+            return self._result
+        sq, flag, loss = host_floats(self._stats)
+        compute_s, work_s = self._clock
+        wait_s, optimizer_s = self._wait_s, self._optimizer_s
+        if self._compute_ev or self._wait_ev or self._optimizer_ev is not None:  # CUDA: done once stats are read
+            compute_s = work_s = _elapsed_s(self._compute_ev)
+            wait_s = _elapsed_s(self._wait_ev)
+            optimizer_s = _elapsed_s([self._optimizer_ev] if self._optimizer_ev is not None else [])
+        if self._skipped:
+            self._result = StepResult(loss, float("nan"), True, compute_s, work_s, self._scale, 0.0, wait_s)
+            return self._result
+        if flag > 0 or not math.isfinite(sq):
+            raise FloatingPointError("non-finite gradient (no loss scaling in this dtype): the run diverged")
+        norm = math.sqrt(sq) / self._scale
+        self._result = StepResult(loss, norm, False, compute_s, work_s, self._scale, optimizer_s, wait_s)
+        return self._result
+
+
+def _elapsed_s(pairs: Sequence[tuple[Any, Any]]) -> float:
+    """Seconds summed over (start, end) CUDA event pairs already completed."""
+    return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
 class ShardedRuntime:
@@ -93,12 +162,31 @@ class ShardedRuntime:
     def __init__(self, spec: ModelSpec, *, zero: int, fractions: Sequence[float], position: int,
                  comm: Collectives, device: torch.device, recompute: str = "none",
                  autocast_dtype: torch.dtype | None = None, optim: OptimConfig | None = None,
-                 seed: int = 0, loss_scaling: bool = False, materialize: bool = True, expand_kv: bool = False):
+                 seed: int = 0, loss_scaling: bool = False, materialize: bool = True, expand_kv: bool = False,
+                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+                 prefetch: int = 1, reduce_in_flight: int = 0):
         check_zero(zero)
+        check_runtime_options(zero, param_dtype, reduce_dtype, prefetch)
+        if isinstance(reduce_in_flight, bool) or reduce_in_flight not in (0, 1):
+            raise ValueError(f"reduce_in_flight must be 0 or 1 (reduce-scatters left in flight), "
+                             f"got {reduce_in_flight!r}")
         if not 0 <= position < len(fractions):
             raise ValueError(f"position {position} is not one of the {len(fractions)} shard fractions")
         self.spec, self.zero, self.position, self.comm = spec, zero, position, comm
         self.device, self.recompute, self.autocast_dtype = device, recompute, autocast_dtype
+        # param_dtype: the gathered full parameters (zero 3), so their gradients too; every rank of a
+        # run must use the same prefetch (the collectives are issued in the order it decides)
+        self.param_dtype, self.reduce_dtype, self.prefetch = param_dtype, reduce_dtype, prefetch
+        # reduce-scatters left in flight: 1 overlaps each with the next unit's backward (and keeps
+        # its buffers alive through it); 0 waits each as it is issued
+        self.reduce_depth = reduce_in_flight
+        self._reduces: list[_InFlightReduce] = []
+        self._cuda = device.type == "cuda"
+        self._clock = [0.0, 0.0]
+        self._comm_wait_s = 0.0
+        self._compute_ev: list = []
+        self._wait_ev: list = []
+        self._order: list[UnitState] = []
         self.optim = optim or OptimConfig()
         self.scaler = DynamicLossScaler(enabled=loss_scaling)
         self.step_count = 0
@@ -162,9 +250,24 @@ class ShardedRuntime:
         if self.zero == 3:  # keep the slice only; the full unit dies before the next one exists
             unit.master = full[s:e].clone()
             self._release(unit)
+            if self.param_dtype != torch.float32:
+                self._retype_full(unit, slots, shapes)
         else:
             unit.master = full[s:e]
         return unit
+
+    def _retype_full(self, unit: UnitState, slots: list[tuple[nn.Module, str]], shapes: list[tuple[int, ...]]) -> None:
+        """Zero 3, param_dtype below fp32: the unit's full buffer becomes a param_dtype one (its fp32
+        storage already freed), the parameters views of it, so the gathered weights ARE the compute
+        weights (autocast makes no copies); its storage is allocated once here and freed at once."""
+        full = torch.empty(unit.numel, dtype=self.param_dtype, device=self.device)
+        unit.params = []
+        for (sub, name), o, shape in zip(slots, unit.offsets, shapes):  # views need the storage
+            param = nn.Parameter(full[o:o + math.prod(shape)].view(shape))
+            sub._parameters[name] = param
+            unit.params.append(param)
+        unit.full = full
+        self._release(unit)
 
     @torch.no_grad()
     def _init_unit(self, mods: list[nn.Module], gen: torch.Generator) -> None:
@@ -188,6 +291,22 @@ class ShardedRuntime:
         unit.full.untyped_storage().resize_(0)
         unit.held = False
 
+    # ---- waiting on communication -------------------------------------------------------------
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective and count how long compute waited: wall seconds on CPU; on CUDA a
+        pair of events around Work.wait(), which makes the compute stream wait without blocking
+        the host (the pair is read after the step)."""
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work.wait()
+            end.record()
+            self._wait_ev.append((start, end))
+            return
+        t0 = time.perf_counter()
+        work.wait()
+        self._comm_wait_s += time.perf_counter() - t0
+
     # ---- gathers (zero 3) ----------------------------------------------------------------------
     def _start_gather(self, unit: UnitState | None) -> None:
         if unit is None or self.zero != 3 or unit.held or unit.pending is not None:
@@ -196,37 +315,58 @@ class ShardedRuntime:
         full.untyped_storage().resize_(unit.numel * full.element_size())
         # the collective writes in place; autograd must not see it as a change of saved tensors
         with torch.autograd._unsafe_preserve_version_counter(full):
-            unit.pending = self.comm.all_gather(full, unit.master, unit.bounds, async_op=True)
+            shard = unit.master
+            if full.dtype != shard.dtype:  # cast the master slice into its place: no other buffer
+                shard = full[unit.start:unit.end]
+                shard.copy_(unit.master)
+            unit.pending = self.comm.all_gather(full, shard, unit.bounds, async_op=True)
 
     def _gathered(self, unit: UnitState) -> None:
         if self.zero != 3 or unit.held:
             return
         self._start_gather(unit)
-        unit.pending.wait()
+        self._wait(unit.pending)
         unit.pending = None
         unit.held = True
+
+    def _prefetch(self, pos: int) -> None:
+        """Start the gathers of the `prefetch` units after position `pos` of the step's order of
+        uses (`_use_order`); a unit held or already in flight is left as it is."""
+        for unit in self._order[pos + 1:pos + 1 + self.prefetch]:
+            self._start_gather(unit)
+
+    def _use_order(self) -> list[UnitState]:
+        """The units in the order a zero-3 step needs them gathered: forward, the head (with a tied
+        embedding), then the blocks in reverse; the embedding's backward needs no gather."""
+        embed, blocks, head = self.units[0], self.units[1:-1], self.units[-1]
+        tied = [embed] if self.spec.tied_embeddings else []
+        return [embed, *blocks, head, *tied, *reversed(blocks)]
 
     def _free(self, unit: UnitState) -> None:
         if self.zero == 3 and unit.held:
             self._release(unit)
 
     # ---- gradients ---------------------------------------------------------------------------
+    def _grad_dtype(self) -> torch.dtype:
+        return self.param_dtype if self.zero == 3 else torch.float32
+
     def _grad_buffer(self, unit: UnitState) -> torch.Tensor:
-        """The unit's full fp32 gradient, its parameters' .grad viewing into it (AccumulateGrad
-        then adds every micro-batch in place)."""
+        """The unit's full gradient (the parameters' dtype), its parameters' .grad viewing into it
+        (AccumulateGrad then adds every micro-batch in place)."""
         if unit.full_grad is None:
-            unit.full_grad = torch.zeros(unit.numel, dtype=torch.float32, device=self.device)
+            unit.full_grad = torch.zeros(unit.numel, dtype=self._grad_dtype(), device=self.device)
             for p, o in zip(unit.params, unit.offsets):
                 p.grad = unit.full_grad[o:o + p.numel()].view(p.shape)
         return unit.full_grad
 
     def _flatten_grads(self, unit: UnitState) -> None:
         """Keep mode: autograd made each parameter's .grad on its own (no buffer waited through the
-        backward); copy them into one flat buffer for the reduce-scatter, freeing each as copied."""
+        backward); copy them, cast to reduce_dtype, into one flat buffer for the reduce-scatter,
+        freeing each as copied."""
         if unit.full_grad is not None:
             return
         have_all = all(p.grad is not None for p in unit.params)
-        full = (torch.empty if have_all else torch.zeros)(unit.numel, dtype=torch.float32, device=self.device)
+        full = (torch.empty if have_all else torch.zeros)(unit.numel, dtype=self.reduce_dtype, device=self.device)
         for p, o in zip(unit.params, unit.offsets):
             if p.grad is not None:
                 full[o:o + p.numel()].copy_(p.grad.reshape(-1))
@@ -234,25 +374,44 @@ class ShardedRuntime:
         unit.full_grad = full
 
     def _reduce(self, unit: UnitState) -> None:
-        """Reduce-scatter the unit's full gradient into the owners' slices (summing into `grad`
-        when this is the unit's second contribution of the step: a tied embedding), then free it.
-        The slice's gradient exists from the unit's first reduce of the step to the update."""
+        """Reduce-scatter the unit's full gradient, cast to reduce_dtype, into the owners' slices
+        and drop it. The first reduce of the step writes the fp32 slice `grad` (directly when
+        reduce_dtype is fp32), a second one (a tied embedding) adds to it. It is issued async and
+        left in flight (`reduce_in_flight` 1): the previous one is waited first, before
+        this one's buffers exist, the last ones when the step's gradients are needed (`_drain_reduces`). The slice's gradient
+        exists from the unit's first reduce of the step to the update."""
+        while len(self._reduces) >= max(self.reduce_depth, 1):  # before any new buffer exists
+            self._complete(self._reduces.pop(0))
         self._flatten_grads(unit)
-        full = unit.full_grad
+        full, unit.full_grad = unit.full_grad, None
+        for p in unit.params:
+            p.grad = None
+        sent = full if full.dtype == self.reduce_dtype else full.to(self.reduce_dtype)  # (numel,) cast
+        del full
         st = unit.grad.untyped_storage()
         if st.nbytes() == 0:
             st.resize_(unit.grad.numel() * unit.grad.element_size())
-        if unit.grad_fresh:
-            self.comm.reduce_scatter(unit.grad, full, unit.bounds).wait()
-            unit.grad_fresh = False
-        else:
-            part = torch.empty_like(unit.grad)
-            self.comm.reduce_scatter(part, full, unit.bounds).wait()
-            unit.grad.add_(part)
-            del part
-        for p in unit.params:
-            p.grad = None
-        unit.full_grad = None
+        first = unit.grad_fresh
+        unit.grad_fresh = False
+        direct = first and sent.dtype == unit.grad.dtype
+        out = unit.grad if direct else torch.empty(unit.end - unit.start, dtype=sent.dtype, device=self.device)
+        work = self.comm.reduce_scatter(out, sent, unit.bounds, async_op=True)
+        self._reduces.append(_InFlightReduce(unit, work, sent, out, first))
+        if self.reduce_depth == 0:
+            self._drain_reduces()
+
+    def _complete(self, r: _InFlightReduce) -> None:
+        self._wait(r.work)
+        if r.out is not r.unit.grad:
+            if r.first:
+                r.unit.grad.copy_(r.out)
+            else:
+                r.unit.grad.add_(r.out)
+
+    def _drain_reduces(self) -> None:
+        """Wait for every reduce-scatter in flight, oldest first (their buffers die with them)."""
+        while self._reduces:
+            self._complete(self._reduces.pop(0))
 
     # ---- one step ----------------------------------------------------------------------------
     def _autocast(self):
@@ -270,9 +429,17 @@ class ShardedRuntime:
         the optimizer step. `token_normalizer` is the GLOBAL token count of the step; `after_compute`
         (the worker's emulated slowdown) is called with this rank's work seconds before the first
         collective that waits for every rank's gradients."""
+        return self.start_step(batches, token_normalizer, lr, after_compute).result()
+
+    def start_step(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], token_normalizer: int, lr: float,
+                   after_compute: Callable[[float], None] | None = None) -> PendingStep:
+        """train_step without its final read: the whole step is issued, nothing waits for the device
+        (on CUDA `torch.cuda.set_sync_debug_mode("error")` passes around this call, bf16 and fp32;
+        fp16 with loss scaling reads its overflow flag, and `after_compute` on CUDA reads the
+        compute timers). `.result()` of the returned PendingStep reads the statistics."""
         if token_normalizer <= 0:
             raise ValueError(f"token_normalizer must be > 0, got {token_normalizer}")
-        self._clock = [0.0, 0.0]
+        self._clock, self._comm_wait_s, self._compute_ev, self._wait_ev = [0.0, 0.0], 0.0, [], []
         scale = self.scaler.scale
         for u in self.units:
             u.grad_fresh = True
@@ -281,40 +448,57 @@ class ShardedRuntime:
         else:
             loss = self._step_layerwise(batches, token_normalizer, scale)
         if after_compute is not None:
-            after_compute(self._clock[1])
-        return self._finish_step(loss, lr, scale)
+            if self._cuda:  # the emulated slowdown needs the device's compute time now: a sync
+                if self._compute_ev:
+                    self._compute_ev[-1][1].synchronize()
+                after_compute(_elapsed_s(self._compute_ev))
+            else:
+                after_compute(self._clock[1])
+        return self._update(loss, lr, scale)
 
     def _timed(self, fn: Callable[[], Any]) -> Any:
+        """Run compute `fn`, adding its time to the step's compute clocks: the wall and the worker's
+        clock on CPU; on CUDA a pair of events (read after the step) and the host's wall time."""
         w0, c0 = time.perf_counter(), self._work_clock()
-        out = fn()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self._cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self._compute_ev.append((start, end))
+        else:
+            out = fn()
         self._clock[0] += time.perf_counter() - w0
         self._clock[1] += self._work_clock() - c0
         return out
 
-    def _step_replicated(self, batches, normalizer: int, scale: float) -> float:
-        """Zero 1: the whole model per micro-batch, gradients accumulating in the full buffers."""
+    def _zero_loss(self) -> torch.Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def _step_replicated(self, batches, normalizer: int, scale: float) -> torch.Tensor:
+        """Zero 1: the whole model per micro-batch, gradients accumulating in the full buffers.
+        Returns the rank's summed loss, a device scalar (fp64)."""
         for u in self.units:
             self._grad_buffer(u)
-        total = 0.0
+        total = self._zero_loss()
 
-        def one(x: torch.Tensor, y: torch.Tensor) -> float:
+        def one(x: torch.Tensor, y: torch.Tensor) -> None:
             with self._autocast():
                 logits = self.model(x)  # (B, T, V)
             loss = self._loss(logits, y, normalizer)
             del logits
             (loss * scale if scale != 1.0 else loss).backward()
-            return host_float(loss.detach())
+            total.add_(loss.detach())
 
         for x, y in batches:
-            total += self._timed(lambda: one(x, y))
+            self._timed(lambda: one(x, y))
         for u in self.units:
             self._reduce(u)
         return total
 
-    def _step_layerwise(self, batches, normalizer: int, scale: float) -> float:
-        """Zero 2/3: unit by unit over all micro-batches (docs/models/memory.md)."""
+    def _step_layerwise(self, batches, normalizer: int, scale: float) -> torch.Tensor:
+        """Zero 2/3: unit by unit over all micro-batches (docs/models/memory.md). Gathers follow
+        `_use_order`, `prefetch` units ahead; returns the rank's summed loss, a device scalar."""
         n = len(batches)
         keep = n == 1 and self.recompute == "none"  # keep every unit's graph: no recomputation
         units = self.units
@@ -322,10 +506,13 @@ class ShardedRuntime:
         tied = self.spec.tied_embeddings
         # a rank without samples (n == 0) runs the same code: the same collectives in the same order
         rope = self.model.rope(batches[0][0].shape[1], self.device) if n else None
+        self._order = self._use_order()
+        L = len(blocks)
+        pos_head = L + 1 + int(tied)  # the head's last position in the order (its tied embedding)
 
         # forward: embeddings, then each block over every micro-batch
         self._gathered(embed)
-        self._start_gather(blocks[0] if blocks else head)
+        self._prefetch(0)
 
         def embed_fwd() -> list[torch.Tensor]:
             with torch.no_grad(), self._autocast():
@@ -336,7 +523,7 @@ class ShardedRuntime:
         graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         for b, unit in enumerate(blocks):
             self._gathered(unit)
-            self._start_gather(blocks[b + 1] if b + 1 < len(blocks) else head)
+            self._prefetch(1 + b)
             block = self.model.blocks[b]
             if keep:
                 def fwd_keep() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -362,15 +549,15 @@ class ShardedRuntime:
         self._gathered(head)
         if tied:
             self._gathered(embed)
-        self._start_gather(blocks[-1] if blocks else None)
+        self._prefetch(pos_head)
         if not keep:  # several micro-batches accumulate in place; one (keep mode) needs no buffer yet
             self._grad_buffer(head)
             if tied:
                 self._grad_buffer(embed)
-        total = 0.0
+        total = self._zero_loss()
 
-        def head_fb() -> tuple[list[torch.Tensor], float]:
-            dxs, tot = [], 0.0
+        def head_fb() -> list[torch.Tensor]:
+            dxs = []
             for x, (_, y) in zip(xs, batches):
                 xin = x.detach().requires_grad_()
                 with self._autocast():
@@ -378,10 +565,10 @@ class ShardedRuntime:
                 loss = self._loss(logits, y, normalizer)
                 del logits
                 (loss * scale if scale != 1.0 else loss).backward()
-                tot += host_float(loss.detach())
+                total.add_(loss.detach())
                 dxs.append(xin.grad)
-            return dxs, tot
-        dxs, total = self._timed(head_fb)
+            return dxs
+        dxs = self._timed(head_fb)
         del xs
         self._reduce(head)
         self._free(head)
@@ -393,7 +580,7 @@ class ShardedRuntime:
         for b in range(len(blocks) - 1, -1, -1):
             unit = blocks[b]
             self._gathered(unit)
-            self._start_gather(blocks[b - 1] if b > 0 else None)
+            self._prefetch(pos_head + L - b)
             if not keep:
                 self._grad_buffer(unit)
             block = self.model.blocks[b]
@@ -434,6 +621,7 @@ class ShardedRuntime:
             V_h = self.spec.vocab_size * h  # the token table comes first in the unit
             tok = grad[:V_h].view(-1, h)
             for (x, _), dx in zip(batches, dxs):
+                dx = dx.to(grad.dtype)  # no copy unless the boundary's dtype is not the parameters'
                 tok.index_add_(0, x.reshape(-1), dx.reshape(-1, h))
                 if self.model.pos_embed is not None:
                     grad[V_h:V_h + x.shape[1] * h].view(-1, h).add_(dx.sum(0))
@@ -442,42 +630,59 @@ class ShardedRuntime:
         self._reduce(embed)
         return total
 
+    def _finish_step(self, loss: float | torch.Tensor, lr: float, scale: float) -> StepResult:
+        """The step's end (`_update`) and its statistics read (models/pipeline.py's entry)."""
+        return self._update(loss, lr, scale).result()
+
     @torch.no_grad()
-    def _finish_step(self, loss: float, lr: float, scale: float) -> StepResult:
+    def _update(self, loss: float | torch.Tensor, lr: float, scale: float) -> PendingStep:
+        """Wait for the reduce-scatters in flight, then the global norm, clipping and AdamW on the
+        slices, all on the device: the overflow flag (torch.isfinite) and the clip coefficient
+        (clamp) are tensors, read only by PendingStep.result. fp16 with loss scaling reads the
+        stats here, before the update, to skip it on overflow: its one sync."""
+        self._drain_reduces()
         sq = global_grad_norm_sq(u.grad for u in self._norm_units()).to(self.device)  # fp64 scalar
+        if not isinstance(loss, torch.Tensor):  # models/pipeline.py sums on the host
+            loss = torch.full((), float(loss), dtype=torch.float64, device=self.device)
         # one all-reduce for the squared norm, the overflow flag and the step's loss
-        stats = torch.stack([sq, torch.tensor(0.0 if math.isfinite(host_float(sq)) else 1.0, dtype=torch.float64,
-                                              device=self.device),
-                             torch.tensor(loss, dtype=torch.float64, device=self.device)])
+        stats = torch.stack([sq, (~torch.isfinite(sq)).to(torch.float64), loss.to(torch.float64)])
         self._reduce_stats(stats)
-        loss = host_float(stats[2])
-        found_inf = host_float(stats[1]) > 0 or not math.isfinite(host_float(stats[0]))
         scale_used = self.scaler.scale
-        self.scaler.update(found_inf)
-        if found_inf:
-            if not self.scaler.enabled:
-                raise FloatingPointError("non-finite gradient (no loss scaling in this dtype): the run diverged")
-            log.warning("fp16 overflow at loss scale %g: step skipped, scale now %g", scale_used, self.scaler.scale)
-            self._free_slice_grads()
-            return StepResult(loss, float("nan"), True, self._clock[0], self._clock[1], scale_used)
-        norm = math.sqrt(host_float(stats[0])) / scale
-        coef = clip_coefficient(norm, self.optim.max_grad_norm) / scale
+        timers = dict(clock=list(self._clock), comm_wait_s=self._comm_wait_s, compute_ev=self._compute_ev,
+                      wait_ev=self._wait_ev)
+        self._comm_wait_s, self._compute_ev, self._wait_ev = 0.0, [], []
+        if self.scaler.enabled:
+            sq_host, flag, _ = host_floats(stats)
+            found_inf = flag > 0 or not math.isfinite(sq_host)
+            self.scaler.update(found_inf)
+            if found_inf:
+                log.warning("fp16 overflow at loss scale %g: step skipped, scale now %g", scale_used,
+                            self.scaler.scale)
+                self._free_slice_grads()
+                return PendingStep(self, stats, scale_used, True, optimizer_ev=None, optimizer_s=0.0, **timers)
+        # clip_grad_norm_'s coefficient on the device, with 1/scale to unscale in the same pass
+        coef = clip_coefficient_t(stats[0].sqrt() / scale, self.optim.max_grad_norm) / scale
+        scaled = self.optim.max_grad_norm is not None or scale != 1.0
         self.step_count += 1
         t0 = time.perf_counter()
+        ev = None
+        if self._cuda:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
         for u in self.units:
             if u.end > u.start:
-                if coef != 1.0:
+                if scaled:
                     u.grad.mul_(coef)
                 adamw_step_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, self.step_count, lr, self.optim, u.decay)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if ev is not None:
+            ev[1].record()
         optimizer_s = time.perf_counter() - t0
         self._free_slice_grads()
         if self.zero in (1, 2):
             works = [self.comm.all_gather(u.full, u.master, u.bounds, async_op=True) for u in self.units]
             for w in works:
                 w.wait()
-        return StepResult(loss, norm, False, self._clock[0], self._clock[1], scale_used, optimizer_s)
+        return PendingStep(self, stats, scale_used, False, optimizer_ev=ev, optimizer_s=optimizer_s, **timers)
 
     def _norm_units(self) -> list[UnitState]:
         """The units whose gradients the global norm counts on this rank (models/pipeline.py leaves out
@@ -530,7 +735,7 @@ class ShardedRuntime:
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {}
         for u in self.units:
-            if not u.held:
+            if not u.held or u.full.dtype != torch.float32:  # the fp32 masters, not a bf16 copy
                 full = torch.empty(u.numel, dtype=torch.float32, device=self.device)
                 self.comm.all_gather(full, u.master, u.bounds).wait()
             else:

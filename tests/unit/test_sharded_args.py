@@ -1,0 +1,56 @@
+"""models/sharded.py's gather/reduce options: bad values are refused with a one-line message naming
+them, before anything is built; the defaults are fp32 gathers and reduces with one unit prefetched;
+a bf16 gather makes the parameters bf16 views while the master slices and moments stay fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contracts.specs import PRESETS
+from models.collectives import LocalCollectives
+from models.sharded import ShardedRuntime
+
+CPU = torch.device("cpu")
+TINY = PRESETS["tiny"]
+
+
+def _runtime(zero: int = 3, fractions=(0.6, 0.4), **kwargs) -> ShardedRuntime:
+    return ShardedRuntime(TINY, zero=zero, fractions=list(fractions), position=0,
+                          comm=LocalCollectives(0, len(fractions)), device=CPU, **kwargs)
+
+
+@pytest.mark.parametrize("zero,kwargs,match", [
+    (2, dict(param_dtype=torch.bfloat16), r"param_dtype bf16 needs zero 3 \(got zero 2\)"),
+    (1, dict(param_dtype=torch.float16), r"param_dtype fp16 needs zero 3 \(got zero 1\)"),
+    (3, dict(param_dtype=torch.float64), r"param_dtype must be one of fp32, bf16, fp16, got 'torch.float64'"),
+    (3, dict(reduce_dtype=torch.float16), r"reduce_dtype must be one of fp32, bf16, got 'fp16'"),
+    (3, dict(prefetch=-1), r"prefetch must be an integer >= 0 .* got -1"),
+    (3, dict(prefetch=1.5), r"prefetch must be an integer >= 0 .* got 1.5"),
+    (3, dict(prefetch=True), r"prefetch must be an integer >= 0 .* got True"),
+    (3, dict(reduce_in_flight=2), r"reduce_in_flight must be 0 or 1 .* got 2"),
+])
+def test_bad_options_are_refused_with_their_name(zero, kwargs, match):
+    with pytest.raises(ValueError, match=match) as e:
+        _runtime(zero, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_defaults_are_fp32_gathers_and_reduces_with_one_unit_prefetched():
+    rt = _runtime()
+    assert (rt.param_dtype, rt.reduce_dtype, rt.prefetch, rt.reduce_depth) == (torch.float32, torch.float32, 1, 0)
+    assert all(p.dtype == torch.float32 for p in rt.model.parameters())
+
+
+def test_a_bf16_gather_keeps_fp32_masters_and_state():
+    rt = _runtime(param_dtype=torch.bfloat16)
+    fp32 = _runtime()
+    for u, v in zip(rt.units, fp32.units):
+        assert u.full.dtype == torch.bfloat16 and u.full.untyped_storage().nbytes() == 0  # not held
+        assert all(p.dtype == torch.bfloat16 and p.untyped_storage().data_ptr() == u.full.untyped_storage().data_ptr()
+                   for p in u.params)
+        assert {u.master.dtype, u.exp_avg.dtype, u.exp_avg_sq.dtype, u.grad.dtype} == {torch.float32}
+        assert torch.equal(u.master, v.master)  # the same initial weights as an fp32 run
+    one_rank = (1.0,)  # LocalCollectives fills only the own slice of a gather
+    sd, ref = _runtime(fractions=one_rank, param_dtype=torch.bfloat16).full_state_dict(), \
+        _runtime(fractions=one_rank).full_state_dict()
+    assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], ref[k]) for k in ref)
