@@ -10,7 +10,9 @@ is either `{"TYPE": count}` or a list of device objects `{"type": "cpu", "cpu_sh
 - `slowdown` (any type) and `memory_gb` without a `cpu_share`: arithmetic emulation (the worker
   sleeps; the labelled fallback of a `cpu_share` device where cgroups are unavailable).
 
-Both in full: docs/executor.md ("Emulated devices").
+Both in full: docs/executor.md ("Emulated devices"). An optional top-level `emulate_links_gbps`
+runs the cluster's ranks over emulated links of that rate (`executor launch --emulate-links`,
+docs/emulated_wan.md) and is the default of its `network.intra_node_gbps`, the rate they are priced at.
 """
 from __future__ import annotations
 
@@ -173,6 +175,7 @@ class ClusterSpec:
     name: str
     nodes: tuple[NodeSpec, ...]
     network: NetworkSpec = NetworkSpec()
+    emulate_links_gbps: float | None = None  # launches put each rank behind an emulated link of this rate
 
     @property
     def num_devices(self) -> int:
@@ -198,7 +201,10 @@ class ClusterSpec:
         return sorted({d.type for _, d in self.devices()})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "nodes": [n.to_dict() for n in self.nodes], "network": self.network.to_dict()}
+        d = {"name": self.name, "nodes": [n.to_dict() for n in self.nodes], "network": self.network.to_dict()}
+        if self.emulate_links_gbps is not None:
+            d["emulate_links_gbps"] = self.emulate_links_gbps
+        return d
 
     # --- editing (the dashboard's cluster editor): each returns a new, validated ClusterSpec ---
     def with_devices(self, node: str, datacenter: str, device: DeviceSpec, count: int) -> "ClusterSpec":
@@ -215,13 +221,13 @@ class ClusterSpec:
                 break
         else:
             nodes.append({"name": node, "datacenter": datacenter, "gpus": added})
-        return ClusterSpec.from_dict({"name": self.name, "nodes": nodes, "network": self.network.to_dict()})
+        return ClusterSpec.from_dict({**self.to_dict(), "nodes": nodes})
 
     def without_node(self, node: str) -> "ClusterSpec":
         nodes = [n.to_dict() for n in self.nodes if n.name != node]
         if len(nodes) == len(self.nodes):
             raise ValueError(f"no node {node!r} in cluster {self.name!r}")
-        return ClusterSpec.from_dict({"name": self.name, "nodes": nodes, "network": self.network.to_dict()})
+        return ClusterSpec.from_dict({**self.to_dict(), "nodes": nodes})
 
     def renamed(self, name: str) -> "ClusterSpec":
         return ClusterSpec.from_dict({**self.to_dict(), "name": name})
@@ -236,7 +242,7 @@ class ClusterSpec:
     def from_dict(cls, d: Any, source: str = "cluster") -> "ClusterSpec":
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object with 'nodes'")
-        unknown = set(d) - {"name", "nodes", "network"}
+        unknown = set(d) - {"name", "nodes", "network", "emulate_links_gbps"}
         if unknown:
             raise ValueError(f"{source}: unknown keys {sorted(unknown)}")
         nodes_in = d.get("nodes")
@@ -283,14 +289,20 @@ class ClusterSpec:
         unknown = set(net) - {"intra_node_gbps", "inter_node_gbps"}
         if unknown:
             raise ValueError(f"{source}: unknown network keys {sorted(unknown)}")
+        links = d.get("emulate_links_gbps")
+        if links is not None:
+            links = _positive_number(links, f"{source}: emulate_links_gbps")
+            if links > 100:
+                raise ValueError(f"{source}: emulate_links_gbps must be at most 100 (Gbit/s), got {links:g}")
         network = NetworkSpec(
-            _positive_number(net.get("intra_node_gbps", 300.0), f"{source}: network.intra_node_gbps"),
+            _positive_number(net.get("intra_node_gbps", 300.0 if links is None else links),
+                             f"{source}: network.intra_node_gbps"),
             _positive_number(net.get("inter_node_gbps", 100.0), f"{source}: network.inter_node_gbps"),
         )
         name = d.get("name", "cluster")
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"{source}: 'name' must be a non-empty string, got {name!r}")
-        return cls(name, tuple(nodes), network)
+        return cls(name, tuple(nodes), network, links)
 
     @classmethod
     def from_json(cls, text: str, source: str = "cluster") -> "ClusterSpec":

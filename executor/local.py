@@ -311,7 +311,11 @@ class LocalBackend:
     name = "local"
 
     def check(self, plan: Plan, config: RunConfig) -> RunConfig:
+        """The run's checks; a cluster file's `emulate_links_gbps` is the rate of a run that asks
+        neither emulated links nor datacenters itself."""
         config = check_run(plan, config)
+        if config.emulate_links_gbps is None and not config.emulate_wan and plan.cluster.emulate_links_gbps:
+            config = replace(config, emulate_links_gbps=plan.cluster.emulate_links_gbps)
         check_local(plan, config)
         return config
 

@@ -177,3 +177,25 @@ def test_an_older_run_store_reads_the_new_figures_as_none_and_upgrade_adds_them(
     store.record_rank_step(0, 2, 0.1, 0.0, 0.01, 0.02, None, comm_wait_s=0.25, link_tx_bytes=7)
     store.close()
     assert read_metrics(run)["rank_steps"][-1]["comm_wait_s"] == 0.25
+
+
+# ---- the cluster file's field ---------------------------------------------------------------------
+
+
+def test_a_cluster_file_asks_emulated_links_and_prices_the_machine_at_their_rate(monkeypatch, tmp_path):
+    d = {"name": "lab", "emulate_links_gbps": 0.5, "nodes": [{"name": "localhost", "gpus": {"cpu": 2}}]}
+    cluster = ClusterSpec.from_dict(d)
+    assert cluster.emulate_links_gbps == 0.5 and cluster.network.intra_node_gbps == 0.5
+    assert ClusterSpec.from_dict(cluster.to_dict()) == cluster
+    assert cluster.with_devices("localhost", "dc0", cluster.nodes[0].devices[0], 1).emulate_links_gbps == 0.5
+    assert "emulate_links_gbps" not in two_cpu_plan().cluster.to_dict()  # older files stay as they were
+    with pytest.raises(ValueError, match="cluster: emulate_links_gbps must be a positive number, got 0"):
+        ClusterSpec.from_dict({**d, "emulate_links_gbps": 0})
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: None)
+    from executor.local import LocalBackend
+
+    plan = Plan.from_dict({**two_cpu_plan().to_dict(), "cluster": {**two_cpu_plan().cluster.to_dict(),
+                                                                   "emulate_links_gbps": 0.5}})
+    assert LocalBackend().check(plan, RunConfig(steps=1, run_dir=str(tmp_path))).emulate_links_gbps == 0.5
+    assert LocalBackend().check(plan, RunConfig(steps=1, run_dir=str(tmp_path),
+                                                emulate_links_gbps=2.0)).emulate_links_gbps == 2.0
