@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import logging
 import math
@@ -56,8 +55,6 @@ ENV_LAUNCHED = "GPUMIX_LAUNCHED"  # set by executor.launch; without it (multi-no
 FIGURES = ("compute_s", "emulated_delay_s", "optimizer_s", "wait_s", "peak_memory_bytes", "loss", "step_s", "val_loss",
            "comm_wait_s", "link_tx_bytes")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# the plan's runtime precision fields and their values for plans written before they existed
-PRECISION_DEFAULTS = (("param_dtype", "fp32"), ("reduce_dtype", "fp32"), ("prefetch", 1))
 
 
 class EmulatedOutOfMemory(RuntimeError):
@@ -126,27 +123,11 @@ def my_position(plan: Plan, rank: int) -> int:
     return on_node[local]
 
 
-def runtime_precision(plan: Plan, accepted: set[str] | None = None) -> dict[str, object]:
-    """ShardedRuntime's keywords of the plan's `param_dtype`, `reduce_dtype` (torch dtypes) and
-    `prefetch`, defaults fp32/fp32/1 for a plan without them. `accepted`: the keywords the
-    runtime takes (default: read from its signature); one it does not take is left out when the
-    plan asks its default, refused (ValueError) otherwise: never train other than the plan says."""
-    if accepted is None:
-        accepted = set(inspect.signature(ShardedRuntime.__init__).parameters)
-    out: dict[str, object] = {}
-    for name, default in PRECISION_DEFAULTS:
-        value = getattr(plan, name, default)
-        if name not in accepted:
-            if value != default:
-                raise ValueError(f"plan {name} {value!r}: this runtime (models/sharded.py) cannot run it")
-            continue
-        if name == "prefetch":
-            out[name] = int(value)
-        elif value not in TORCH_DTYPES:
-            raise ValueError(f"plan {name} must be one of {', '.join(TORCH_DTYPES)}, got {value!r}")
-        else:
-            out[name] = TORCH_DTYPES[value]
-    return out
+def runtime_precision(plan: Plan) -> dict[str, object]:
+    """ShardedRuntime's keywords of the plan's `param_dtype`, `reduce_dtype` (as torch dtypes) and
+    `prefetch` (contracts/plan.py checks their values and combinations)."""
+    return {"param_dtype": TORCH_DTYPES[plan.param_dtype], "reduce_dtype": TORCH_DTYPES[plan.reduce_dtype],
+            "prefetch": int(plan.prefetch)}
 
 
 def _is_emulated(a: Assignment) -> bool:

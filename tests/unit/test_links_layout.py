@@ -199,3 +199,16 @@ def test_a_cluster_file_asks_emulated_links_and_prices_the_machine_at_their_rate
     assert LocalBackend().check(plan, RunConfig(steps=1, run_dir=str(tmp_path))).emulate_links_gbps == 0.5
     assert LocalBackend().check(plan, RunConfig(steps=1, run_dir=str(tmp_path),
                                                 emulate_links_gbps=2.0)).emulate_links_gbps == 2.0
+
+
+def test_the_worker_hands_the_plans_precision_to_the_runtime():
+    import dataclasses
+
+    import torch
+
+    from executor.worker import runtime_precision
+
+    assert runtime_precision(two_cpu_plan()) == {"param_dtype": torch.float32, "reduce_dtype": torch.float32,
+                                                 "prefetch": 1}
+    plan = dataclasses.replace(two_cpu_plan(), zero=3, param_dtype="bf16", reduce_dtype="bf16", prefetch=2)
+    assert runtime_precision(plan) == {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "prefetch": 2}
