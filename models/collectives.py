@@ -8,10 +8,18 @@ ranks of the process group through `position_to_rank`, so the plan's order need 
     reduce_scatter(shard_out, full, bounds) shard_out = sum over ranks of their full[s_me:e_me]
     all_reduce(t, op)                      in place, "sum" or "max"
 
-gloo: one async broadcast (gather) or reduce (scatter) per non-empty owner into views of `full`;
-NCCL: the native tensor forms for an even split in rank order. No method allocates a torch tensor
-beyond its arguments (`scratch_bytes` is 0). With `async_op=True`, touch neither buffer before
-`Work.wait()`. Why these methods (bench/uneven_collectives.py): docs/models/cost.md.
+The method per call is contracts.wire's rule (`gather_method`, `reduce_scatter_method`), chosen by
+bench/uneven_collectives.py's measurement (docs/models/cost.md):
+  gloo gather: one async broadcast per non-empty owner into views of `full`;
+  gloo reduce-scatter: one async reduce per non-empty owner, or, where it sends fewer bytes from the
+    busiest rank (slices over a few MiB), one all_reduce of `full`; either clobbers `full`;
+  NCCL: the native single-tensor forms for an even split in rank order, else torch's list forms, which
+    NCCL runs as one group of broadcasts / reduces (one call, no padding).
+Any dtype the backend reduces (fp32, bf16). `scratch_bytes` is what a call allocates beyond its
+arguments (contracts.wire; 0 except NCCL's list forms on an even split out of rank order). With
+`async_op=True`, touch neither buffer before `Work.wait()`. Several calls may be in flight at once and
+waited in any order: every rank issues the same calls in the same order, and the backend matches them
+by issue order (gloo tags each call when it is issued; NCCL runs one stream in issue order).
 """
 from __future__ import annotations
 
@@ -21,10 +29,15 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from contracts import wire
+
 log = logging.getLogger(__name__)
 
 Bounds = Sequence[tuple[int, int]]
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch 2.13 renamed the single-tensor forms (all_gather_into_tensor, reduce_scatter_tensor)
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Work:
@@ -82,6 +95,16 @@ def _check_args(full: torch.Tensor, shard: torch.Tensor, bounds: Bounds, world: 
     return b
 
 
+def _backend_name(backend: str) -> str:
+    """"gloo" or "nccl" from the group's backend string ("gloo", "nccl", "cpu:gloo,cuda:nccl" is nccl:
+    the runtime's buffers live on the GPU wherever a group has NCCL)."""
+    name = backend.lower()
+    for known in ("nccl", "gloo"):
+        if known in name:
+            return known
+    raise ValueError(f"collectives run on gloo or nccl, not on the group's backend {backend!r}")
+
+
 class Collectives:
     """Uneven collectives for the rank at plan `position` of `world` positions (docs/models/cost.md)."""
 
@@ -110,11 +133,14 @@ class Collectives:
         self._all_reduce(t, op)
 
     def scratch_bytes(self, bounds: Bounds, element_size: int) -> int:
-        """Torch-allocator bytes one all_gather / reduce_scatter allocates beyond its arguments: 0,
-        every method works in place on views of `full` (docs/models/cost.md)."""
+        """Torch-allocator bytes one all_gather or reduce_scatter over `bounds` allocates beyond its
+        arguments, the larger of the two (contracts.wire's `*_scratch_bytes`; docs/models/cost.md)."""
         validate_bounds(bounds, self.world)
         if element_size <= 0:
             raise ValueError(f"element_size must be positive, got {element_size}")
+        return self._scratch_bytes([e - s for s, e in bounds], element_size)
+
+    def _scratch_bytes(self, sizes: list[int], element_size: int) -> int:
         return 0
 
     # the backend's part: `full`'s own slice is already in place for _gather
@@ -160,23 +186,36 @@ class ProcessGroupCollectives(Collectives):
             raise ValueError(f"position {position} maps to rank {ranks[position]} but this process is rank {me}")
         self.position_to_rank = tuple(ranks)
         self.group = group
-        self.backend = str(dist.get_backend(group)).lower()
+        self.backend = _backend_name(str(dist.get_backend(group)))
         log.debug("collectives: position %d of %d on %s", position, self.world, self.backend)
 
-    def _native_even(self, bounds) -> bool:
-        """NCCL's all_gather_into_tensor / reduce_scatter_tensor apply: even split in rank order."""
-        sizes = {e - s for s, e in bounds}
-        return self.backend == "nccl" and len(sizes) == 1 and self.position_to_rank == tuple(range(self.world))
+    def _sizes(self, bounds) -> list[int]:
+        return [e - s for s, e in bounds]
+
+    def _scratch_bytes(self, sizes: list[int], element_size: int) -> int:
+        args = (sizes, element_size, self.world, self.backend, self.position_to_rank)
+        return max(wire.gather_scratch_bytes(*args), wire.reduce_scatter_scratch_bytes(*args))
+
+    def _rank_views(self, full, bounds) -> list[torch.Tensor]:
+        """The views of `full`, indexed by group rank (torch's list forms take them in rank order)."""
+        views: list[torch.Tensor] = [full] * self.world
+        for p, (a, b) in enumerate(bounds):
+            views[self.position_to_rank[p]] = full[a:b]
+        return views
 
     def _gather(self, full, bounds, async_op) -> Work:
         if self.world == 1:
             return DONE
         s, e = bounds[self.position]
-        if self._native_even(bounds):
-            w = dist.all_gather_into_tensor(full, full[s:e], group=self.group, async_op=async_op)
-            return Work([w] if async_op else [])
-        works = [dist.broadcast(full[a:b], group_src=self.position_to_rank[p], group=self.group, async_op=async_op)
-                 for p, (a, b) in enumerate(bounds) if b > a]
+        method = wire.gather_method(self._sizes(bounds), self.world, self.backend, self.position_to_rank)
+        if method == "native":
+            works = [ALL_GATHER_SINGLE(full, full[s:e], group=self.group, async_op=async_op)]
+        elif method == "grouped":
+            works = [dist.all_gather(self._rank_views(full, bounds), full[s:e], group=self.group, async_op=async_op)]
+        else:  # "broadcast": the rule never picks another method on gloo
+            works = [dist.broadcast(full[a:b], group_src=self.position_to_rank[p], group=self.group,
+                                    async_op=async_op)
+                     for p, (a, b) in enumerate(bounds) if b > a]
         return Work(works if async_op else [])
 
     def _reduce_scatter(self, shard_out, full, bounds, async_op) -> Work:
@@ -184,11 +223,20 @@ class ProcessGroupCollectives(Collectives):
         if self.world == 1:
             shard_out.copy_(full[s:e])
             return DONE
-        if self._native_even(bounds):
-            w = dist.reduce_scatter_tensor(shard_out, full, group=self.group, async_op=async_op)
-            return Work([w] if async_op else [])
-        works = [dist.reduce(full[a:b], group_dst=self.position_to_rank[p], group=self.group, async_op=async_op)
-                 for p, (a, b) in enumerate(bounds) if b > a]
+        method = wire.reduce_scatter_method(self._sizes(bounds), full.element_size(), self.world, self.backend,
+                                            self.position_to_rank)
+        if method == "native":
+            works = [REDUCE_SCATTER_SINGLE(shard_out, full, group=self.group, async_op=async_op)]
+            return Work(works if async_op else [])
+        if method == "grouped":
+            works = [dist.reduce_scatter(shard_out, self._rank_views(full, bounds), group=self.group,
+                                         async_op=async_op)]
+            return Work(works if async_op else [])
+        if method == "allreduce":  # one call: every rank's full summed in place, then the own slice
+            works = [dist.all_reduce(full, group=self.group, async_op=async_op)]
+        else:  # "reduce": one per non-empty owner, into its view of full
+            works = [dist.reduce(full[a:b], group_dst=self.position_to_rank[p], group=self.group, async_op=async_op)
+                     for p, (a, b) in enumerate(bounds) if b > a]
         work = Work(works if async_op else [], then=lambda: shard_out.copy_(full[s:e]))
         if not async_op:
             work.wait()

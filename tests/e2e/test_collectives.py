@@ -2,11 +2,15 @@
 
 One 3-rank gloo job (spawned once per module) runs every multi-rank scenario and saves each rank's
 raw outputs; the tests compute the expected values here, from the inputs' formulas, and compare.
-Positions are permuted against ranks (position_to_rank = (2, 0, 1)) and one slice is empty.
+Positions are permuted against ranks (position_to_rank = (2, 0, 1)) and one slice is empty. Also:
+several calls in flight at once, waited in reverse order; the one-all_reduce reduce-scatter (a 2-rank
+group, a slice large enough for contracts.wire's rule to pick it); the bytes each rank's sockets send
+against contracts/wire.py.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -14,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.uneven_collectives import _measure_sent
+from contracts import wire
 from executor.launch import free_port
 from profiler.memtrack import LiveTensorBytes
 from models.collectives import ProcessGroupCollectives
@@ -27,6 +33,12 @@ OFFSET = 3  # `full` is a view into a bigger buffer, starting here
 SENTINEL = -7.0
 ASYNC_DELAY_S = 0.6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SKEWED = ((0, 2), (2, 9), (9, 11))  # a second split for calls in flight beside BOUNDS
+PAIR_NUMEL = 2**21  # 8 MiB of fp32 on a 2-rank group split 0.9/0.1: the rule reduce-scatters by all_reduce
+PAIR_BOUNDS = ((0, 1_887_437), (1_887_437, PAIR_NUMEL))
+PAIR_POSITION_TO_RANK = (1, 0)
+WIRE_BOUNDS = ((0, 150_000), (150_000, 150_000), (150_000, 262_144))  # fp32, ~1 MiB: bytes on the sockets
+SCRATCH_CASES = (BOUNDS, SKEWED, EVEN, WIRE_BOUNDS)
 
 
 def shard_values(position: int, bounds=BOUNDS) -> torch.Tensor:
@@ -70,6 +82,54 @@ def _async_probe(coll, rank):
     return {"issue_s": issue_s, "total_s": time.perf_counter() - t0, "before_wait": before_wait, "after": full}
 
 
+def _in_flight(coll, rank):
+    """Two gathers and two reduce-scatters (fp32 and bf16, two splits) issued async, waited in reverse."""
+    calls = []
+    for dtype, bounds in ((torch.float32, BOUNDS), (torch.bfloat16, SKEWED)):
+        numel = bounds[-1][1]
+        full = torch.full((numel,), SENTINEL, dtype=dtype)
+        calls.append(("gather", dtype, bounds, full,
+                      coll.all_gather(full, shard_values(coll.position, bounds).to(dtype), bounds, async_op=True)))
+        s, e = bounds[coll.position]
+        out = torch.full((e - s,), SENTINEL, dtype=dtype)
+        calls.append(("reduce", dtype, bounds, out,
+                      coll.reduce_scatter(out, rank_full(rank, numel).to(dtype), bounds, async_op=True)))
+    for *_, work in reversed(calls):
+        work.wait()
+    return [(kind, str(dtype), bounds, t) for kind, dtype, bounds, t, _ in calls]
+
+
+def _pair(rank, pair_group):
+    """The 2-rank group (ranks 0 and 1, positions swapped): an 8 MiB reduce-scatter by all_reduce in flight
+    beside a gather, waited in reverse order, and its allocations."""
+    position = PAIR_POSITION_TO_RANK.index(rank)
+    coll = ProcessGroupCollectives(position, PAIR_POSITION_TO_RANK, group=pair_group)
+    s, e = PAIR_BOUNDS[position]
+    out = torch.full((e - s,), SENTINEL)
+    full = torch.full((PAIR_NUMEL,), SENTINEL)
+    sent = rank_full(rank, PAIR_NUMEL)
+    rs = coll.reduce_scatter(out, sent, PAIR_BOUNDS, async_op=True)
+    ag = coll.all_gather(full, shard_values(position, PAIR_BOUNDS), PAIR_BOUNDS, async_op=True)
+    ag.wait()
+    rs.wait()
+    shard = torch.zeros(e - s)
+    with LiveTensorBytes([sent, shard]) as mem:
+        coll.reduce_scatter(shard, sent, PAIR_BOUNDS, async_op=True).wait()
+    return {"position": position, "out": out, "full": full,
+            "alloc": (mem.peak_bytes, sent.nbytes + shard.nbytes + coll.scratch_bytes(PAIR_BOUNDS, 4))}
+
+
+def _wire_bytes(coll, rank):
+    """Bytes this rank's sockets send for one gather and one reduce-scatter (None without `ss`)."""
+    if shutil.which("ss") is None:
+        return None
+    s, e = WIRE_BOUNDS[coll.position]
+    full, shard = torch.zeros(WIRE_BOUNDS[-1][1]), torch.ones(e - s)
+    gather = _measure_sent(lambda: coll.all_gather(full, shard, WIRE_BOUNDS).wait())
+    reduce = _measure_sent(lambda: coll.reduce_scatter(shard, full, WIRE_BOUNDS).wait())
+    return gather, reduce
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -97,6 +157,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             coll.reduce_scatter(shard, full, BOUNDS, async_op=True).wait()
         res["alloc"] = (mem.peak_bytes, full.nbytes + shard.nbytes)
         res["async"] = _async_probe(coll, rank)
+        res["in_flight"] = _in_flight(coll, rank)
+        res["scratch"] = [coll.scratch_bytes(b, el) for b in SCRATCH_CASES for el in (4, 2)]
+        res["wire"] = _wire_bytes(coll, rank)
+        pair_group = dist.new_group([0, 1])  # every rank creates every group
+        if rank in (0, 1):
+            res["pair"] = _pair(rank, pair_group)
         try:
             ProcessGroupCollectives((position + 1) % WORLD, POSITION_TO_RANK)
         except ValueError as exc:
@@ -183,6 +249,58 @@ def test_real_backend_allocates_nothing_beyond_its_arguments(ranks):
 def test_position_must_match_this_rank(ranks):
     for res in ranks:
         assert "maps to rank" in res["wrong_position"]
+
+
+def test_calls_in_flight_at_once_waited_in_reverse_order(ranks):
+    for res in ranks:
+        for kind, dtype, bounds, got in res["in_flight"]:
+            if kind == "gather":
+                want = expected_full(bounds)
+            else:
+                want = expected_slice(res["position"], bounds)
+            assert str(got.dtype) == dtype
+            torch.testing.assert_close(got.float(), want.to(got.dtype).float(), rtol=0, atol=0)
+
+
+def _pair_sizes():
+    return [e - s for s, e in PAIR_BOUNDS]
+
+
+def test_one_all_reduce_reduce_scatter_on_a_large_skewed_split(ranks):
+    assert wire.reduce_scatter_method(_pair_sizes(), 4, 2, "gloo", PAIR_POSITION_TO_RANK) == "allreduce"
+    total = rank_full(0, PAIR_NUMEL) + rank_full(1, PAIR_NUMEL)
+    for res in ranks[:2]:
+        pair = res["pair"]
+        s, e = PAIR_BOUNDS[pair["position"]]
+        torch.testing.assert_close(pair["out"], total[s:e], rtol=0, atol=0)
+        torch.testing.assert_close(pair["full"], expected_full(PAIR_BOUNDS), rtol=0, atol=0)
+        peak, resident_plus_scratch = pair["alloc"]
+        assert peak == resident_plus_scratch  # the all_reduce works in place: scratch 0
+
+
+def test_scratch_bytes_are_contracts_wire(ranks):
+    for res in ranks:
+        want = []
+        for bounds in SCRATCH_CASES:
+            sizes = [e - s for s, e in bounds]
+            for elem in (4, 2):
+                args = (sizes, elem, WORLD, "gloo", POSITION_TO_RANK)
+                want.append(max(wire.gather_scratch_bytes(*args), wire.reduce_scatter_scratch_bytes(*args)))
+        assert res["scratch"] == want
+
+
+def test_bytes_on_the_sockets_are_contracts_wire(ranks):
+    if ranks[0]["wire"] is None:
+        pytest.skip("`ss` (iproute2) is not installed: no per-socket byte counts")
+    sizes = [e - s for s, e in WIRE_BOUNDS]
+    gather = wire.gather_send_bytes(sizes, 4, WORLD, "gloo", POSITION_TO_RANK)
+    reduce = wire.reduce_scatter_send_bytes(sizes, 4, WORLD, "gloo", POSITION_TO_RANK)
+    for res in ranks:
+        p = res["position"]
+        got_gather, got_reduce = res["wire"]
+        # exact but for a rare stray message of the barrier the measurement subtracts (the median of 3)
+        assert abs(got_gather - gather[p]) <= 0.01 * gather[p] + 200, (p, got_gather, gather)
+        assert abs(got_reduce - reduce[p]) <= 0.01 * reduce[p] + 200, (p, got_reduce, reduce)
 
 
 # ---- LocalCollectives: one process standing in for one position ---------------------------------

@@ -1,13 +1,15 @@
 """Uneven collectives in one process: the local copy takes only its slice, allocations match the real
-backend under fake tensors, bad bounds and arguments raise (the multi-rank collectives:
-tests/e2e/test_collectives.py)."""
+backend under fake tensors, bad bounds and arguments raise, the group's backend is read as gloo or nccl
+(the multi-rank collectives: tests/e2e/test_collectives.py; their bytes and scratch: test_wire.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from models.collectives import LocalCollectives, validate_bounds
+from contracts import wire
+from models.collectives import LocalCollectives, ProcessGroupCollectives, validate_bounds
 from profiler.memtrack import LiveTensorBytes
 from tests.e2e.test_collectives import BOUNDS, NUMEL, SENTINEL, WORLD, rank_full, shard_values
 
@@ -70,3 +72,30 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="not in a world"):
         LocalCollectives(3, WORLD)
     assert validate_bounds([(0, 0), (0, 3)], 2, 3) == ((0, 0), (0, 3))
+
+
+def test_local_scratch_is_what_the_gloo_methods_allocate():
+    """The tracer's stand-in allocates nothing, as gloo's chosen methods do (contracts.wire)."""
+    lc = LocalCollectives(1, WORLD)
+    for bounds in (BOUNDS, ((0, 4), (4, 8), (8, 12)), ((0, 2_000_000), (2_000_000, 2_000_000), (2_000_000, 2_100_000))):
+        sizes = [e - s for s, e in bounds]
+        for elem in (4, 2):
+            assert lc.scratch_bytes(bounds, elem) == 0
+            assert wire.gather_scratch_bytes(sizes, elem, WORLD, "gloo") == 0
+            assert wire.reduce_scatter_scratch_bytes(sizes, elem, WORLD, "gloo") == 0
+
+
+@pytest.mark.parametrize("name, want", [("gloo", "gloo"), ("nccl", "nccl"), ("cpu:gloo,cuda:nccl", "nccl")])
+def test_backend_name_of_the_group(monkeypatch, name, want):
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
+    assert ProcessGroupCollectives(0, (0, 1)).backend == want
+
+
+def test_unknown_backend_is_refused(monkeypatch):
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "mpi")
+    with pytest.raises(ValueError, match="gloo or nccl"):
+        ProcessGroupCollectives(0, (0, 1))
