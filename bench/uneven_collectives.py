@@ -227,7 +227,7 @@ def _bytes_sent(pid: int) -> int:
     return total
 
 
-def _measure_sent(fn, repeats: int = 3) -> int:
+def measure_sent_bytes(fn, repeats: int = 3) -> int:
     """Bytes this rank sends for fn(), less what a barrier sends: the median of `repeats` measurements
     (a rare stray message of the barrier's makes one of them high)."""
     fn()
@@ -262,7 +262,7 @@ def _wire_worker(rank, world, port, sizes_mib, dtypes, queue):
                         for name, fn in methods.items():
                             a, b = ((full, torch.ones(e - s, dtype=dtype)) if kind == "ag"
                                     else (torch.empty(e - s, dtype=dtype), full))
-                            sent = _measure_sent(lambda: fn(a, b, bounds, rank))
+                            sent = measure_sent_bytes(lambda: fn(a, b, bounds, rank))
                             rows.append((size, dname, fractions, kind, name, _sizes(bounds), sent))
         queue.put((rank, rows))
     finally:

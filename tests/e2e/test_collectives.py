@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.uneven_collectives import _measure_sent
+from bench.uneven_collectives import measure_sent_bytes
 from contracts import wire
 from executor.launch import free_port
 from profiler.memtrack import LiveTensorBytes
@@ -34,8 +34,8 @@ SENTINEL = -7.0
 ASYNC_DELAY_S = 0.6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SKEWED = ((0, 2), (2, 9), (9, 11))  # a second split for calls in flight beside BOUNDS
-PAIR_NUMEL = 2**21  # 8 MiB of fp32 on a 2-rank group split 0.9/0.1: the rule reduce-scatters by all_reduce
-PAIR_BOUNDS = ((0, 1_887_437), (1_887_437, PAIR_NUMEL))
+# 8 MiB on a 2-rank group split 0.9/0.1: the rule reduce-scatters by one all_reduce, in fp32 and in bf16
+PAIR_NUMEL = {"fp32": 2**21, "bf16": 2**22}
 PAIR_POSITION_TO_RANK = (1, 0)
 WIRE_BOUNDS = ((0, 150_000), (150_000, 150_000), (150_000, 262_144))  # fp32, ~1 MiB: bytes on the sockets
 SCRATCH_CASES = (BOUNDS, SKEWED, EVEN, WIRE_BOUNDS)
@@ -99,24 +99,30 @@ def _in_flight(coll, rank):
     return [(kind, str(dtype), bounds, t) for kind, dtype, bounds, t, _ in calls]
 
 
-def _pair(rank, pair_group):
+def pair_bounds(dtype: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    numel = PAIR_NUMEL[dtype]
+    return (0, int(0.9 * numel)), (int(0.9 * numel), numel)
+
+
+def _pair(rank, pair_group, dtype):
     """The 2-rank group (ranks 0 and 1, positions swapped): an 8 MiB reduce-scatter by all_reduce in flight
     beside a gather, waited in reverse order, and its allocations."""
     position = PAIR_POSITION_TO_RANK.index(rank)
     coll = ProcessGroupCollectives(position, PAIR_POSITION_TO_RANK, group=pair_group)
-    s, e = PAIR_BOUNDS[position]
-    out = torch.full((e - s,), SENTINEL)
-    full = torch.full((PAIR_NUMEL,), SENTINEL)
-    sent = rank_full(rank, PAIR_NUMEL)
-    rs = coll.reduce_scatter(out, sent, PAIR_BOUNDS, async_op=True)
-    ag = coll.all_gather(full, shard_values(position, PAIR_BOUNDS), PAIR_BOUNDS, async_op=True)
+    bounds, numel, dt = pair_bounds(dtype), PAIR_NUMEL[dtype], DTYPES[dtype]
+    s, e = bounds[position]
+    out = torch.full((e - s,), SENTINEL, dtype=dt)
+    full = torch.full((numel,), SENTINEL, dtype=dt)
+    sent = rank_full(rank, numel).to(dt)
+    rs = coll.reduce_scatter(out, sent, bounds, async_op=True)
+    ag = coll.all_gather(full, shard_values(position, bounds).to(dt), bounds, async_op=True)
     ag.wait()
     rs.wait()
-    shard = torch.zeros(e - s)
+    shard = torch.zeros(e - s, dtype=dt)
     with LiveTensorBytes([sent, shard]) as mem:
-        coll.reduce_scatter(shard, sent, PAIR_BOUNDS, async_op=True).wait()
+        coll.reduce_scatter(shard, sent, bounds, async_op=True).wait()
     return {"position": position, "out": out, "full": full,
-            "alloc": (mem.peak_bytes, sent.nbytes + shard.nbytes + coll.scratch_bytes(PAIR_BOUNDS, 4))}
+            "alloc": (mem.peak_bytes, sent.nbytes + shard.nbytes + coll.scratch_bytes(bounds, dt.itemsize))}
 
 
 def _wire_bytes(coll, rank):
@@ -125,8 +131,8 @@ def _wire_bytes(coll, rank):
         return None
     s, e = WIRE_BOUNDS[coll.position]
     full, shard = torch.zeros(WIRE_BOUNDS[-1][1]), torch.ones(e - s)
-    gather = _measure_sent(lambda: coll.all_gather(full, shard, WIRE_BOUNDS).wait())
-    reduce = _measure_sent(lambda: coll.reduce_scatter(shard, full, WIRE_BOUNDS).wait())
+    gather = measure_sent_bytes(lambda: coll.all_gather(full, shard, WIRE_BOUNDS).wait())
+    reduce = measure_sent_bytes(lambda: coll.reduce_scatter(shard, full, WIRE_BOUNDS).wait())
     return gather, reduce
 
 
@@ -162,7 +168,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         res["wire"] = _wire_bytes(coll, rank)
         pair_group = dist.new_group([0, 1])  # every rank creates every group
         if rank in (0, 1):
-            res["pair"] = _pair(rank, pair_group)
+            res["pair"] = {dtype: _pair(rank, pair_group, dtype) for dtype in DTYPES}
         try:
             ProcessGroupCollectives((position + 1) % WORLD, POSITION_TO_RANK)
         except ValueError as exc:
@@ -262,18 +268,18 @@ def test_calls_in_flight_at_once_waited_in_reverse_order(ranks):
             torch.testing.assert_close(got.float(), want.to(got.dtype).float(), rtol=0, atol=0)
 
 
-def _pair_sizes():
-    return [e - s for s, e in PAIR_BOUNDS]
-
-
-def test_one_all_reduce_reduce_scatter_on_a_large_skewed_split(ranks):
-    assert wire.reduce_scatter_method(_pair_sizes(), 4, 2, "gloo", PAIR_POSITION_TO_RANK) == "allreduce"
-    total = rank_full(0, PAIR_NUMEL) + rank_full(1, PAIR_NUMEL)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_one_all_reduce_reduce_scatter_on_a_large_skewed_split(ranks, dtype):
+    bounds, numel, dt = pair_bounds(dtype), PAIR_NUMEL[dtype], DTYPES[dtype]
+    sizes = [e - s for s, e in bounds]
+    assert wire.reduce_scatter_method(sizes, dt.itemsize, 2, "gloo", PAIR_POSITION_TO_RANK) == "allreduce"
+    total = rank_full(0, numel) + rank_full(1, numel)  # small integers: exact in bf16 too
     for res in ranks[:2]:
-        pair = res["pair"]
-        s, e = PAIR_BOUNDS[pair["position"]]
-        torch.testing.assert_close(pair["out"], total[s:e], rtol=0, atol=0)
-        torch.testing.assert_close(pair["full"], expected_full(PAIR_BOUNDS), rtol=0, atol=0)
+        pair = res["pair"][dtype]
+        s, e = bounds[pair["position"]]
+        assert pair["out"].dtype == dt
+        torch.testing.assert_close(pair["out"].float(), total[s:e], rtol=0, atol=0)
+        torch.testing.assert_close(pair["full"].float(), expected_full(bounds).to(dt).float(), rtol=0, atol=0)
         peak, resident_plus_scratch = pair["alloc"]
         assert peak == resident_plus_scratch  # the all_reduce works in place: scratch 0
 
