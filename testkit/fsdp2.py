@@ -1,5 +1,12 @@
-"""FSDP2 (`torch.distributed.fsdp.fully_shard`) beside models/sharded.py, for tests and benches.
+"""What models/sharded.py is checked against, for tests and benches: FSDP2 beside it, and the rule
+that a step never waits on the device.
 
+`no_host_sync(device)` wraps the issuing of a step: on CUDA `torch.cuda.set_sync_debug_mode("error")`
+(any synchronizing call raises); on a CPU, where nothing synchronizes, a TorchDispatchMode that
+raises on the reads that would (`.item()`, `float(t)`, `bool(t)`: aten._local_scalar_dense) and a
+`Tensor.tolist` that raises, so the rule is checked without a GPU.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`):
 `Fsdp2Reference` builds a plain Decoder from a ModelSpec, loads the runtime's initial weights
 (`ShardedRuntime.full_state_dict()`), shards each block then the root over a 1-D mesh of the
 default process group, and trains it as the runtime trains: gradients SUMMED across ranks (the
@@ -11,10 +18,47 @@ runtime's does (models/runtime.micro_batch_loss).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from contracts.specs import ModelSpec
 from models.optim import OptimConfig
+
+
+class _NoHostRead(TorchDispatchMode):
+    """Raises on every op that reads a tensor's value to the host."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+             torch.ops.aten.is_nonzero.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            raise RuntimeError(f"host read inside the step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _no_tolist(self, *args, **kwargs):
+    raise RuntimeError("host read inside the step: Tensor.tolist")
+
+
+@contextlib.contextmanager
+def no_host_sync(device: torch.device) -> Iterator[None]:
+    """Inside: any synchronization with the device (CUDA) or read of a tensor's value (CPU) raises
+    RuntimeError; the previous sync-debug mode is restored on the way out."""
+    if device.type == "cuda":
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+        return
+    with _NoHostRead(), mock.patch.object(torch.Tensor, "tolist", _no_tolist):
+        yield
 
 
 class Fsdp2Reference:
@@ -38,7 +82,8 @@ class Fsdp2Reference:
         fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
         for m in model.modules():
             if isinstance(m, FSDPModule):  # sum, not average: the loss is already / global tokens
-                m.set_force_sum_reduction_for_comms(True)
+                if hasattr(m, "set_force_sum_reduction_for_comms"):  # torch >= 2.8 (older: no-op at 1.0)
+                    m.set_force_sum_reduction_for_comms(True)
                 m.set_gradient_divide_factor(1.0)
         self.model, self.cfg, self.device, self.autocast_dtype = model, optim, device, autocast_dtype
         params = list(model.parameters())

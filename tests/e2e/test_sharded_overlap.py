@@ -130,9 +130,10 @@ def test_bf16_gathers_give_fsdp2_mixed_precision_losses(ranks):
     ours, fsdp = ranks[0]["bf16"]["losses"], ranks[0]["fsdp2"]["losses"]
     assert rel(ours, fsdp) <= 1e-3, (ours, fsdp)
     assert fsdp[-1] < fsdp[0]
-    # and bf16 is really in play: the fp32 run's losses differ by more than round-off
+    # and bf16 is really in play: the runtime is much closer to FSDP2's bf16 than to an fp32 run
+    # (measured: 6e-5 against 3e-4)
     fp32 = one_rank_losses(BF16_STEPS, 1)
-    assert rel(ours, fp32) > 1e-6
+    assert rel(ours, fsdp) < rel(ours, fp32) / 2, (rel(ours, fsdp), rel(ours, fp32))
 
 
 def test_bf16_reduce_scatter_trains_and_stays_close(ranks):

@@ -1,6 +1,7 @@
 """models/sharded.py's gather/reduce options: bad values are refused with a one-line message naming
 them, before anything is built; the defaults are fp32 gathers and reduces with one unit prefetched;
-a bf16 gather makes the parameters bf16 views while the master slices and moments stay fp32."""
+a bf16 gather makes the parameters bf16 views while the master slices and moments stay fp32; issuing
+a step (`start_step`) reads no tensor to the host, its `result()` does (testkit.fsdp2.no_host_sync)."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from contracts.specs import PRESETS
 from models.collectives import LocalCollectives
 from models.sharded import ShardedRuntime
+from testkit.fsdp2 import no_host_sync
 
 CPU = torch.device("cpu")
 TINY = PRESETS["tiny"]
@@ -54,3 +56,25 @@ def test_a_bf16_gather_keeps_fp32_masters_and_state():
     sd, ref = _runtime(fractions=one_rank, param_dtype=torch.bfloat16).full_state_dict(), \
         _runtime(fractions=one_rank).full_state_dict()
     assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("zero,kwargs", [
+    (1, {}), (2, {}), (3, {}), (3, dict(param_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16, prefetch=2)),
+    (3, dict(reduce_dtype=torch.bfloat16, reduce_in_flight=1)),
+])
+def test_a_step_reads_nothing_to_the_host_until_its_result(zero, kwargs):
+    rt = _runtime(zero, fractions=(1.0,), **kwargs)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=g)
+    batches = [(w[j, :, :-1], w[j, :, 1:]) for j in range(2)]
+    with no_host_sync(CPU):
+        pending = rt.start_step(batches, 2 * 2 * 16, lr=1e-3)
+    r = pending.result()
+    assert r.grad_norm > 0 and 0 < r.loss < 10 and rt.step_count == 1
+
+
+def test_the_host_read_guard_catches_reads():
+    t = torch.ones(2)
+    for read in (lambda: float(t.sum()), lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t.sum() > 0)):
+        with pytest.raises(RuntimeError, match="host read inside the step"), no_host_sync(CPU):
+            read()
