@@ -202,7 +202,7 @@ def _print_timing(world, rows) -> None:
     agree = 0
     print("\nwinner per point (measured) vs the module's rule (contracts.wire):")
     for (size, dname, split, kind, sizes, elem), (name, t) in best.items():
-        rule = (wire.gather_method(sizes, world, "gloo") if kind == "ag"
+        rule = (wire.gather_method(sizes, elem, world, "gloo") if kind == "ag"
                 else wire.reduce_scatter_method(sizes, elem, world, "gloo"))
         runner = [r for r in rows if (r[0], r[1], r[3], tuple(r[5])) == (size, dname, kind, sizes) and r[4] == rule]
         t_rule = runner[0][6] if runner else float("nan")

@@ -1,7 +1,7 @@
 """What one uneven all-gather / reduce-scatter of models/collectives.py sends on the network, per rank, and
 the scratch it allocates: pure functions of the slice sizes, for the cost model and the memory model.
 
-    gather_method(sizes, world, backend, position_to_rank=None) -> str
+    gather_method(sizes, elem_bytes, world, backend, position_to_rank=None) -> str
     reduce_scatter_method(sizes, elem_bytes, world, backend, position_to_rank=None) -> str
     gather_send_bytes(sizes, elem_bytes, world, backend, position_to_rank=None, method=None) -> list[int]
     reduce_scatter_send_bytes(sizes, elem_bytes, world, backend, position_to_rank=None, method=None) -> list[int]
@@ -65,11 +65,12 @@ def _native_even(sizes: list[int], ranks: list[int]) -> bool:
 # ---- the rules models/collectives.py follows (bench/uneven_collectives.py measured them) -----------------
 
 
-def gather_method(sizes: Sequence[int], world: int, backend: str,
+def gather_method(sizes: Sequence[int], elem_bytes: int, world: int, backend: str,
                   position_to_rank: Sequence[int] | None = None) -> str:
     """gloo: "broadcast" (fewest bytes, no scratch, fastest in the bench at every split and size);
-    nccl: "native" for an even split in rank order, else "grouped"."""
-    sizes, ranks = _check(sizes, 1, world, backend, position_to_rank)
+    nccl: "native" for an even split in rank order, else "grouped". (`elem_bytes` does not change the
+    choice; it is taken so every function of this module has the same leading arguments.)"""
+    sizes, ranks = _check(sizes, elem_bytes, world, backend, position_to_rank)
     if backend == "gloo":
         return "broadcast"
     return "native" if _native_even(sizes, ranks) else "grouped"
@@ -214,7 +215,7 @@ def gather_send_bytes(sizes: Sequence[int], elem_bytes: int, world: int, backend
                       position_to_rank: Sequence[int] | None = None, method: str | None = None) -> list[int]:
     """Bytes each position's rank sends for one uneven all_gather (see the module docstring)."""
     sizes, ranks = _check(sizes, elem_bytes, world, backend, position_to_rank)
-    method = method or gather_method(sizes, world, backend, ranks)
+    method = method or gather_method(sizes, elem_bytes, world, backend, ranks)
     if world == 1:
         return [0]
     if backend == "nccl":
@@ -259,7 +260,7 @@ def gather_scratch_bytes(sizes: Sequence[int], elem_bytes: int, world: int, back
     grouped list form of an even split (out of rank order), which torch gathers into a flat k·m copy.
     padded: the k·m output and the m input of the largest slice m; gloo adds its own flat k·m copy."""
     sizes, ranks = _check(sizes, elem_bytes, world, backend, position_to_rank)
-    method = method or gather_method(sizes, world, backend, ranks)
+    method = method or gather_method(sizes, elem_bytes, world, backend, ranks)
     _known(method, GLOO_GATHER_METHODS if backend == "gloo" else NCCL_GATHER_METHODS)
     return _scratch(sizes, elem_bytes, world, backend, method)
 

@@ -207,7 +207,8 @@ class ProcessGroupCollectives(Collectives):
         if self.world == 1:
             return DONE
         s, e = bounds[self.position]
-        method = wire.gather_method(self._sizes(bounds), self.world, self.backend, self.position_to_rank)
+        method = wire.gather_method(self._sizes(bounds), full.element_size(), self.world, self.backend,
+                                    self.position_to_rank)
         if method == "native":
             works = [ALL_GATHER_SINGLE(full, full[s:e], group=self.group, async_op=async_op)]
         elif method == "grouped":

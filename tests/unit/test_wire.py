@@ -63,8 +63,8 @@ def test_nccl_grouped_forms_send_no_padding():
     assert gather_send_bytes([6, 3, 1], 1, 3, "nccl") == [6 + 1, 6 + 3, 3 + 1]  # rank r skips owner r + 1
     # reduce chains end at the owner: everyone but the owner sends its slice
     assert reduce_scatter_send_bytes([6, 3, 1], 1, 3, "nccl") == [4, 7, 9]
-    assert gather_method([4, 4, 4], 3, "nccl") == "native"
-    assert gather_method([4, 4, 4], 3, "nccl", position_to_rank=(1, 0, 2)) == "grouped"
+    assert gather_method([4, 4, 4], 4, 3, "nccl") == "native"
+    assert gather_method([4, 4, 4], 4, 3, "nccl", position_to_rank=(1, 0, 2)) == "grouped"
 
 
 def test_world_one_sends_nothing():
@@ -74,7 +74,7 @@ def test_world_one_sends_nothing():
 
 def test_rule_picks_allreduce_only_where_it_sends_less():
     mib = 2**20
-    assert gather_method([3 * mib, mib], 2, "gloo") == "broadcast"
+    assert gather_method([3 * mib, mib], 4, 2, "gloo") == "broadcast"
     assert reduce_scatter_method([mib // 4, mib // 4], 4, 2, "gloo") == "reduce"
     assert reduce_scatter_method([int(1.8 * mib), int(0.2 * mib)], 4, 2, "gloo") == "allreduce"
     for sizes in ([mib // 4, mib // 4], [int(1.8 * mib), int(0.2 * mib)], [3 * mib, 2 * mib, 0]):
