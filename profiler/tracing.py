@@ -57,7 +57,7 @@ def rank_fractions(cfg: MemoryConfig) -> list[float]:
 
 def runtime_options(cfg: MemoryConfig) -> dict[str, Any]:
     """The config's gather/reduce options as ShardedRuntime keyword arguments (param_dtype,
-    reduce_dtype, prefetch); the defaults are left out, so a runtime without them traces as before."""
+    reduce_dtype, prefetch, reduce_in_flight); the defaults are left out, so a runtime without them traces as before."""
     out: dict[str, Any] = {}
     if cfg.param_dtype != "fp32":
         out["param_dtype"] = _DTYPES[cfg.param_dtype]
@@ -65,6 +65,8 @@ def runtime_options(cfg: MemoryConfig) -> dict[str, Any]:
         out["reduce_dtype"] = _DTYPES[cfg.reduce_dtype]
     if cfg.prefetch != 1:
         out["prefetch"] = cfg.prefetch
+    if cfg.reduce_in_flight != 0:
+        out["reduce_in_flight"] = cfg.reduce_in_flight
     return out
 
 

@@ -55,6 +55,9 @@ class MemoryConfig:
     reduce_dtype: str = "fp32"
     # zero 3: units whose gather is in flight ahead of the one computing (1: the next one)
     prefetch: int = 1
+    # reduce-scatters left in flight (0 or 1): 1 keeps each unit's (cast) full gradient alive through
+    # the next unit's backward, 0 waits for each as it is issued
+    reduce_in_flight: int = 0
 
     def __post_init__(self) -> None:
         def is_int(v: Any) -> bool:
@@ -94,6 +97,9 @@ class MemoryConfig:
             raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
         if not is_int(self.prefetch) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {self.prefetch!r}")
+        if isinstance(self.reduce_in_flight, bool) or self.reduce_in_flight not in (0, 1):
+            raise ValueError(f"reduce_in_flight must be 0 or 1 (reduce-scatters left in flight), "
+                             f"got {self.reduce_in_flight!r}")
 
     @property
     def fraction(self) -> float:
@@ -276,9 +282,11 @@ def _block_matmul_params(spec: ModelSpec, s: _Shape) -> int:
     return s.h * (s.hq + 2 * s.kv) + s.hq * s.h + (2 if s.gpt2 else 3) * s.h * s.f
 
 
-def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None = None) -> dict[str, tuple[int, int]]:
+def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None = None,
+            grads_made: bool = False) -> dict[str, tuple[int, int]]:
     """(activation bytes, other bytes) on top of the model states at each candidate peak moment;
-    `recompute` in place of cfg's (the sharded runtime's boundary mode checkpoints every block)."""
+    `recompute` in place of cfg's (the sharded runtime's boundary mode checkpoints every block);
+    `grads_made`: a block's parameters get new gradients in its backward (keep mode, no buffer)."""
     s = _shape(spec, cfg)
     d = _widths(s, cfg)
     autocast = cfg.dtype != "fp32"
@@ -304,7 +312,7 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     kept = (r * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's input
     kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
 
-    in_block = _in_block_backward(spec, s, d, tokens)
+    in_block = _in_block_backward(spec, s, d, tokens, grads_made)
     phases = {
         # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
         # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
@@ -351,14 +359,16 @@ def _head_saved_per_token(s: _Shape, d: _Widths) -> int:
     return d.r * s.h + copy32 + final_norm + (w * s.h if w != FP32_BYTES else FP32_BYTES * s.h)
 
 
-def _in_block_backward(spec: ModelSpec, s: _Shape, d: _Widths, tokens: int) -> int:
+def _in_block_backward(spec: ModelSpec, s: _Shape, d: _Widths, tokens: int, grads_made: bool = False) -> int:
     """The largest transient inside one block's backward (models/decoder.py MLP in reverse): down_proj's
     output grad (autocast: a w-byte cast), its input grad (w·f per token) and its weight grad (w·h·f);
-    SwiGLU's mul: two w·f gradients on top of the incoming one."""
+    SwiGLU's mul: two w·f gradients on top of the incoming one, and with `grads_made` (no gradient
+    buffer: autograd's gradients are kept as they are made) down_proj's weight gradient made before it."""
     w = d.w
     bias = w * s.h if spec.linear_bias else 0
+    made = d.p * s.h * s.f + (d.p * s.h if spec.linear_bias or spec.mlp_bias else 0) if grads_made else 0
     return max((w * s.h if w != d.r else 0) * tokens + w * s.f * tokens + w * s.h * s.f + bias,
-               0 if s.gpt2 else 2 * w * s.f * tokens)
+               0 if s.gpt2 else 2 * w * s.f * tokens + made)
 
 
 def _shard_numels(spec: ModelSpec, f: float) -> list[int]:
@@ -429,37 +439,62 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     n = cfg.accum_steps if cfg.micro_batch > 0 else 0
     inputs_all = 2 * INT64_BYTES * cfg.micro_batch * seq * n
     extra_inputs = inputs_all - 2 * INT64_BYTES * cfg.micro_batch * seq
-    if cfg.zero <= 1 or cfg.micro_batch == 0:
+    s = _shape(spec, cfg)
+    d = _widths(s, cfg)
+    if cfg.zero <= 1:
         one = _phases(spec, cfg, seq)
         phases = {k: (a, o + extra_inputs) for k, (a, o) in one.items()}
         full_grads = resident["grads_bytes"]  # freed after their reduce, before the update
         phases["step"] = (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads - full_grads)
-        if cfg.zero >= 2:  # a rank without samples: one unit's gradient (and gathers) at a time
-            largest = max(u.numel for u in units)
-            phases["join"] = (0, FP32_BYTES * largest * (3 if cfg.zero == 3 else 1) + slice_grads + inputs_all)
+        rb = DTYPE_BYTES[cfg.reduce_dtype]
+        if rb != FP32_BYTES and len(units) > 1:
+            # each unit's full gradient cast to the reduce dtype while the fp32 gradients of the units
+            # after it still wait (counted in the resident state until their own cast): largest at the
+            # first unit, or at the second with the first's reduce (its cast and its slice's result)
+            # still in flight and the first slice gradient made
+            in_flight = rb * (units[0].numel + shards[0]) if cfg.reduce_in_flight else 0
+            phases["reduce_cast"] = (0, inputs_all + max(
+                rb * units[0].numel,
+                rb * units[1].numel + in_flight + FP32_BYTES * (shards[0] - units[0].numel)))
         return resident, phases
+    # zero 2/3: unit by unit (a rank without samples runs the same collectives with no activations)
     keep = n == 1 and cfg.recompute == "none"
-    one = _phases(spec, cfg, seq, None if keep else "full")
-    s = _shape(spec, cfg)
-    d = _widths(s, cfg)
+    if cfg.micro_batch:
+        one = _phases(spec, cfg, seq, None if keep else "full", grads_made=keep)
+    else:
+        pending = s.vocab * s.h * DTYPE_BYTES[cfg.param_dtype] if spec.tied_embeddings else 0
+        one = {"loss": (0, 0), "head": (0, 0), "last_block": (0, pending), "step": _phases(spec, cfg, seq)["step"]}
     h, V, L = spec.hidden, spec.vocab_size, spec.num_layers
     autocast = cfg.dtype != "fp32"
-    w, gw = d.w, d.p  # compute width; a unit's gathered parameters and its flat gradient
+    w, gw, rb = d.w, d.p, d.reduce  # compute width; a unit's gathered parameters and gradient; the reduce's
     tokens = cfg.micro_batch * seq
     bd = d.r * h * tokens  # one unit boundary of one micro-batch (the residual stream's dtype)
     tied = spec.tied_embeddings
     embed, block, head = units[0].numel, units[1].numel if L else 0, units[-1].numel
     gathered = cfg.zero == 3
+    k = cfg.prefetch if gathered else 0  # units gathered ahead, in the order of their uses
     g = (lambda numel: gw * numel if gathered else 0)
     pending = gw * V * h if tied else 0  # `_phases` holds the tied head's gradient through backward
     # slice gradients alive: after the head's reduce (and a tied embedding's), after every block's
     early = FP32_BYTES * (shards[-1] + (shards[0] if tied else 0))
     late = slice_grads - (0 if tied else FP32_BYTES * shards[0])
-    gathers_head = g(head) + g(block) + (g(embed) if tied else 0)
+    # gathered at the head: the head, a tied embedding and the next blocks of the backward
+    gathers_head = g(head) + (g(embed) if tied else 0) + min(k, L) * g(block)
+    gathers_block = g(block) * (1 + min(k, L - 1))  # the last block's backward and the blocks after it
     # boundary mode accumulates every micro-batch in the unit's flat gradient; keep mode lets autograd
     # make each parameter's gradient (already counted in `_phases`) and flattens it after the unit
     grad_bufs_head = 0 if keep else gw * (head + (embed if tied else 0))
-    gathers_block = g(block) * (2 if L > 1 else 1)
+
+    def in_flight(numel: int, shard: int, first: bool = True) -> int:
+        """A unit's reduce-scatter left in flight (reduce_in_flight 1) while the next unit computes: its full
+        gradient in the reduce dtype and, unless it lands in the fp32 slice directly, its slice's result."""
+        if not cfg.reduce_in_flight:
+            return 0
+        return rb * numel + (rb * shard if rb != FP32_BYTES or not first else 0)
+
+    # in flight during the last block's backward: the head's reduce (a tied embedding's, after it)
+    flight_last = in_flight(embed, shards[0]) if tied else in_flight(head, shards[-1])
+    flight_first = in_flight(block, shards[1]) if L > 1 else flight_last
     others = 0 if keep else (L + 2) * (n - 1) * bd
     layer_all = _layer_saved_bytes_per_token(s, d) * tokens + _attention_bytes(spec, cfg, s, cfg.micro_batch, seq, w)
     copies = HALF_BYTES * _block_matmul_params(spec, s) if autocast and not d.half else 0
@@ -475,29 +510,48 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # keep: the block's output, held by its graph; boundaries: the input gradient being made
         # while the incoming one is still listed
         "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd,
-                           gathers_block + (0 if keep else gw * block) - pending + early),
-        "embed_backward": (n * bd, gw * embed + inputs_all + late),
+                           gathers_block + (0 if keep else gw * block) - pending + early + flight_last),
+        "embed_backward": (n * bd, gw * embed + inputs_all + late + (in_flight(block, shards[1]) if L else 0)),
         # the first block's backward: the fewest boundaries (or graphs) left, the most slice
         # gradients made (every block above it reduced); the middle blocks lie between the two ends
         "first_block": plus("last_block", (bd if keep else (2 * n - L) * bd) - (L - 1) * graph_bytes,
                             g(block) + (0 if keep else gw * block) - pending + early
-                            + FP32_BYTES * shards[1] * (L - 1)),
+                            + FP32_BYTES * shards[1] * (L - 1) + flight_first),
+        # the embedding's reduce: its flat gradient cast to the reduce dtype, then its slice's result (the
+        # second reduce of a tied embedding adds to the slice)
+        "embed_reduce": (0, inputs_all + late + max(gw * embed + (rb * embed if gw != rb else 0),
+                                                    rb * embed + (0 if tied else FP32_BYTES * shards[0])
+                                                    + (rb * shards[0] if tied or rb != FP32_BYTES else 0))),
         "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads),
     }
-    if keep:
-        # flattening a unit's gradients for its reduce: the parameters' .grad and the flat copy, with
-        # the blocks' graphs still held (all of them after the head; all but the last after it)
-        base = inputs_all + (0 if s.gpt2 else 2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2)) + (
-            INT64_BYTES * seq if s.gpt2 else 0)
-        graphs = L * (layer_all + copies)
-        phases["flatten_head"] = (graphs + bd, base + gathers_head + 2 * gw * head)
-        if tied:
-            phases["flatten_embed"] = (graphs + bd, base + gathers_head + 2 * gw * embed
-                                       + FP32_BYTES * shards[-1])
-        phases["flatten_block"] = ((L - 1) * (layer_all + copies) + bd,
-                                   base + gathers_block + 2 * gw * block + early)
-        phases["flatten_first_block"] = (bd, base + g(block) + 2 * gw * block + early
-                                         + FP32_BYTES * shards[1] * (L - 1))
+    if not cfg.micro_batch:  # no activations: the unit buffers of the moments alone
+        phases = {key: (0, o) for key, (a, o) in phases.items()}
+
+    def reduce_bytes(numel: int, shard: int, first: bool = True) -> int:
+        """A unit's reduce (the one before it already waited): its gradient (autograd's, or the flat
+        buffer) beside the flat copy in the reduce dtype; then that copy, the slice gradient made by a
+        first reduce and the slice's result unless it lands in the fp32 slice directly."""
+        made = gw * numel + (rb * numel if keep or gw != rb else 0)
+        sent = rb * numel + (FP32_BYTES * shard if first else 0) + (rb * shard if rb != FP32_BYTES or not first else 0)
+        return max(made, sent)
+
+    # at a unit's reduce: every graph still held (keep) or every boundary and input gradient (boundaries)
+    base = inputs_all + (0 if not cfg.micro_batch else INT64_BYTES * seq if s.gpt2 else
+                         2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2))
+    graph = layer_all + copies
+    act_head = L * graph + bd if keep else (L * n + n) * bd
+    tied_grad = gw * V * h if keep and tied else 0  # autograd's gradient of the tied weight, made by the head
+    phases["reduce_head"] = (act_head, base + gathers_head + grad_bufs_head - (0 if keep else gw * head)
+                             + tied_grad + reduce_bytes(head, shards[-1]))
+    if tied:  # the head freed, its reduce waited
+        phases["reduce_tied_embed"] = (act_head, base + gathers_head - g(head) + FP32_BYTES * shards[-1]
+                                       + reduce_bytes(embed, shards[0]) - (tied_grad if keep else 0))
+    if L:
+        # the last block's reduce (the other blocks' graphs or boundaries still held) and the first's
+        phases["reduce_block"] = ((L - 1) * graph + bd if keep else L * n * bd,
+                                  base + gathers_block + early + reduce_bytes(block, shards[1]))
+        phases["reduce_first_block"] = (bd if keep else n * bd, base + g(block) + early
+                                        + FP32_BYTES * shards[1] * (L - 1) + reduce_bytes(block, shards[1]))
     if "forward_end" in one:
         # the head's autocast region is its own: in boundary mode no block's weight copies are cached
         # (keep mode: they are saved in the blocks' graphs, as `_phases` counts them)
