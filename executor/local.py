@@ -229,11 +229,12 @@ def _stop_netns(remove, guard: subprocess.Popen | None) -> None:
 
 
 def _merge_agent_logs(run_dir: str, n: int, dest: str) -> None:
-    """logs/torchrun.log: every agent's log one after the other (failure_reason reads one file)."""
+    """logs/torchrun.log: every agent's log one after the other (failure_reason reads one file); agent
+    i is plan node i's (emulated datacenters) or rank i's (emulated links)."""
     with open(dest, "ab") as out:
         for i in range(n):
             with contextlib.suppress(OSError), open(_agent_log(run_dir, i), "rb") as fh:
-                out.write(f"==== torchrun agent of node {i} ====\n".encode())
+                out.write(f"==== torchrun agent {i} ====\n".encode())
                 shutil.copyfileobj(fh, out)
 
 
