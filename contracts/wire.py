@@ -146,6 +146,8 @@ def _gloo_reduce(nbytes: int, elem: int, root: int, k: int) -> list[tuple[int, i
 def _gloo_allreduce(nbytes: int, elem: int, k: int) -> list[tuple[int, int, int]]:
     """gloo/allreduce.cc (ring): numSegments = k·ceil(max(ceil(T/1 MiB), 2k)/k); a ring reduce-scatter that
     sends all but the rank's own chunk, then a ring all-gather that sends all but chunk rank-1."""
+    if nbytes == 0:  # gloo returns before sending anything
+        return [(0, 0, 0)] * k
     max_seg = elem * max(1, GLOO_MAX_SEGMENT_BYTES // elem)
     nseg = _round_up(max(-(-nbytes // max_seg), 2 * k), k)
     per_rank = nseg // k
@@ -163,6 +165,8 @@ def _gloo_allreduce(nbytes: int, elem: int, k: int) -> list[tuple[int, int, int]
 
 def _gloo_allgather(chunk_bytes: int, k: int) -> list[tuple[int, int, int]]:
     """gloo/allgather.cc: a ring in half chunks, 2(k-1) messages each way, (k-1)·chunk bytes sent."""
+    if chunk_bytes == 0:  # gloo returns before sending anything
+        return [(0, 0, 0)] * k
     return [((k - 1) * chunk_bytes, 2 * (k - 1), 2 * (k - 1)) for _ in range(k)]
 
 

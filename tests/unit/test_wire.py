@@ -67,9 +67,14 @@ def test_nccl_grouped_forms_send_no_padding():
     assert gather_method([4, 4, 4], 4, 3, "nccl", position_to_rank=(1, 0, 2)) == "grouped"
 
 
-def test_world_one_sends_nothing():
+def test_world_one_and_empty_buffers_send_nothing():
     assert gather_send_bytes([7], 4, 1, "gloo") == [0]
     assert reduce_scatter_send_bytes([7], 4, 1, "nccl") == [0]
+    for method in wire.GLOO_REDUCE_SCATTER_METHODS:
+        assert reduce_scatter_send_bytes([0, 0, 0], 2, 3, "gloo", method=method) == [0, 0, 0]
+    for method in wire.GLOO_GATHER_METHODS:
+        assert gather_send_bytes([0, 0], 4, 2, "gloo", method=method) == [0, 0]
+    assert reduce_scatter_method([0, 0], 4, 2, "gloo") == "reduce"
 
 
 def test_rule_picks_allreduce_only_where_it_sends_less():
