@@ -57,18 +57,20 @@ class StepCollectives:
 
 
 def step_collectives(spec: ModelSpec, zero: int) -> StepCollectives:
-    """What one optimizer step all-gathers and reduce-scatters (docs/models/memory.md)."""
+    """What one optimizer step all-gathers and reduce-scatters (docs/models/memory.md): every unit
+    once; at zero 3 each block twice (forward and backward) and a tied embedding unit once more for
+    the head; at zero 2 and 3 a tied embedding unit's gradient reduced once more (after the head)."""
     check_zero(zero)
     units = runtime_units(spec)
     n = sum(u.numel for u in units)
-    if zero in (1, 2):
+    tied = spec.tied_embeddings
+    embed = units[0].numel if tied else 0
+    if zero == 1:
         return StepCollectives(gather_numel=n, reduce_numel=n, num_calls=2 * len(units))
-    embed = units[0].numel
-    tied_extra = spec.vocab_size * spec.hidden if spec.tied_embeddings else 0
+    if zero == 2:
+        return StepCollectives(gather_numel=n, reduce_numel=n + embed, num_calls=2 * len(units) + int(tied))
     blocks = sum(u.numel for u in units[1:-1])
-    head = units[-1].numel
-    gather = embed + 2 * blocks + head + tied_extra
-    reduce = n + tied_extra
-    calls = 1 + 2 * spec.num_layers + 1 + (1 if spec.tied_embeddings else 0)  # gathers
-    calls += len(units) + (1 if spec.tied_embeddings else 0)  # reduce-scatters
-    return StepCollectives(gather_numel=gather, reduce_numel=reduce, num_calls=calls)
+    gather = n + blocks + embed
+    calls = len(units) + spec.num_layers + int(tied)  # gathers
+    calls += len(units) + int(tied)  # reduce-scatters
+    return StepCollectives(gather_numel=gather, reduce_numel=n + embed, num_calls=calls)

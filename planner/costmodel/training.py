@@ -512,8 +512,8 @@ def slice_sizes(numel: int, fractions: Sequence[float]) -> list[int]:
 def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Sequence[float], backend: str) -> int:
     """Bytes one optimizer step puts on the network, every rank's sends together, at the shard
     fractions of the plan's positions: each collective contracts.units.step_collectives counts (zero
-    1/2: every unit gathered and reduced once; zero 3: each block gathered twice, a tied embedding's
-    matrix gathered and reduced once more for the head), priced by contracts.wire as
+    1/2: every unit gathered and reduced once; zero 3: each block gathered twice; a tied embedding unit
+    gathered once more for the head at zero 3 and reduced once more at zero 2 and 3), priced by contracts.wire as
     models/collectives.py runs it on `backend` ("gloo": its framing included; "nccl": ring payload)."""
     from contracts.wire import gather_send_bytes, reduce_scatter_send_bytes
 
@@ -527,11 +527,12 @@ def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Seq
         twice = zero == 3 and 0 < i < len(units) - 1  # a block: gathered for its forward and its backward
         gathers[u.numel] = gathers.get(u.numel, 0) + (2 if twice else 1)
         reduces[u.numel] = reduces.get(u.numel, 0) + 1
-    if spec.tied_embeddings:
-        tied = spec.vocab_size * spec.hidden
-        if zero == 3:
+    if spec.tied_embeddings:  # the whole embedding unit again (gpt2: its positions too)
+        tied = units[0].numel
+        if zero == 3:  # gathered again for the head
             gathers[tied] = gathers.get(tied, 0) + 1
-        reduces[tied] = reduces.get(tied, 0) + 1
+        if zero >= 2:  # layer-wise steps reduce it after the head and again after the embedding
+            reduces[tied] = reduces.get(tied, 0) + 1
     pbytes, rbytes = DTYPE_BYTES[step.param_dtype], DTYPE_BYTES[step.reduce_dtype]
     total = sum(calls * sum(gather_send_bytes(slice_sizes(numel, fractions), pbytes, k, backend))
                 for numel, calls in gathers.items() if numel)
