@@ -12,7 +12,7 @@ The method per call is contracts.wire's rule (`gather_method`, `reduce_scatter_m
 bench/uneven_collectives.py's measurement (docs/models/cost.md):
   gloo gather: one async broadcast per non-empty owner into views of `full`;
   gloo reduce-scatter: one async reduce per non-empty owner, or, where it sends fewer bytes from the
-    busiest rank (slices over a few MiB), one all_reduce of `full`; either clobbers `full`;
+    busiest rank (on 2 ranks, from about 8 MiB), one all_reduce of `full`; either clobbers `full`;
   NCCL: the native single-tensor forms for an even split in rank order, else torch's list forms, which
     NCCL runs as one group of broadcasts / reduces (one call, no padding).
 Any dtype the backend reduces (fp32, bf16). `scratch_bytes` is what a call allocates beyond its
