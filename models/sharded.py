@@ -2,12 +2,33 @@
 
 The model is cut into units (contracts/units.py: the embedding, each block, the head), each one flat
 fp32 parameter; plan position p owns the slice `shard_bounds(numel, fractions)[p]` of every unit (its
-master parameters, their gradient and AdamW moments, models/optim.py). ZeRO 1/2 keep every unit's
-full parameters, ZeRO 3 gathers a unit only while it computes (the next one prefetched). At ZeRO 2/3
-a step accumulates LAYER BY LAYER: every micro-batch passes through a unit before the next starts,
-so each unit is gathered and reduce-scattered once per step and uneven ranks issue the same
+fp32 master parameters, their fp32 gradient and AdamW moments, models/optim.py). ZeRO 1/2 keep every
+unit's full fp32 parameters; ZeRO 3 gathers a unit, in `param_dtype`, only while it computes. At
+ZeRO 2/3 a step accumulates LAYER BY LAYER: every micro-batch passes through a unit before the next
+starts, so each unit is gathered and reduce-scattered once per step and uneven ranks issue the same
 collectives in the same order. Then the global norm, clipping, an fp16 loss scale, AdamW on the
 slices. Start-up builds the decoder on the meta device and materializes one unit at a time.
+
+Mixed precision and overlap (FSDP2's MixedPrecisionPolicy and prefetching), the buffers that exist:
+  * param_dtype (zero 3): a unit's `full` buffer is param_dtype, its parameters are views of it
+    (autocast makes no weight copies); a gather casts the master slice into full's own slice (no
+    other buffer) and resizes full's storage when it is ISSUED. Autograd's gradients are
+    param_dtype, so is the flat gradient buffer `full_grad` (several micro-batches or recompute);
+    with one micro-batch the per-parameter gradients are copied straight into a reduce_dtype
+    flat buffer.
+  * reduce_dtype: a param_dtype flat gradient is cast to a numel-sized reduce_dtype buffer (then
+    freed); the unit's first reduce of the step lands in the fp32 slice gradient directly when
+    reduce_dtype is fp32, else in a slice-sized reduce_dtype temporary copied (a second one, the
+    tied embedding's: added) into it.
+  * prefetch k: after a unit's wait, the gathers of the next k units of the step's order of uses
+    (`_use_order`: forward, head with a tied embedding, blocks in reverse) are issued, so up to k+1
+    gathered units exist (k+2 at the head of a tied model).
+  * reduce_in_flight 1: a reduce-scatter is waited at the start of the next one (before its
+    buffers exist) or when the step's gradients are needed, so its reduce_dtype buffer and
+    temporary stay alive through the next unit's backward; 0 (default): waited as issued.
+No host synchronization inside a step (`start_step`): the loss is summed on the device, the
+overflow flag and clip coefficient are tensors, CUDA timers are events; `PendingStep.result()`
+reads them once (fp16 with loss scaling reads the overflow flag before the update as well).
 
 What a rank holds at each stage, and the trade layer-wise accumulation makes:
 docs/models/memory.md ("The runtime being modelled"), which planner/core/memory.py prices exactly.
