@@ -4,6 +4,9 @@ a bf16 gather makes the parameters bf16 views while the master slices and moment
 a step (`start_step`) reads no tensor to the host, its `result()` does (testkit.fsdp2.no_host_sync)."""
 from __future__ import annotations
 
+import time
+from unittest import mock
+
 import pytest
 import torch
 
@@ -78,3 +81,38 @@ def test_the_host_read_guard_catches_reads():
     for read in (lambda: float(t.sum()), lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t.sum() > 0)):
         with pytest.raises(RuntimeError, match="host read inside the step"), no_host_sync(CPU):
             read()
+
+
+class _StubEvent:
+    """torch.cuda.Event on a CPU: records perf_counter; counts the reads of elapsed time."""
+    reads = 0
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_StubEvent") -> float:
+        _StubEvent.reads += 1
+        return (end.t - self.t) * 1e3
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_cuda_timers_are_event_pairs_read_only_by_the_result(zero):
+    """The CUDA bookkeeping (no GPU here): compute, waits and the update are timed by event pairs,
+    none read while the step is issued."""
+    rt = _runtime(zero, fractions=(1.0,), reduce_in_flight=1)
+    rt._cuda = True  # the runtime's CUDA paths, with the events stubbed
+    x = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(torch.cuda, "Event", _StubEvent):
+        _StubEvent.reads = 0
+        pending = rt.start_step([(x[:, :-1], x[:, 1:])], 32, lr=1e-3)
+        assert _StubEvent.reads == 0
+        r = pending.result()
+    assert _StubEvent.reads > 3
+    assert r.compute_s > 0 and r.work_s == r.compute_s and r.optimizer_s > 0 and r.comm_wait_s > 0
