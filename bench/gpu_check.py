@@ -1,7 +1,8 @@
 """GPU check of the sharded runtime (run by bench/gpu_check.sh on a lent GPU machine; never in CI).
 
     python bench/gpu_check.py [--model llama2-7b] [--layers 4] [--micro-batch 2] [--seq 1024]
-                              [--steps 4] [--fsdp-steps 6] [--device cuda|cpu] [--json-out PATH]
+                              [--steps 4] [--fsdp-steps 6] [--overlap-steps 6] [--device cuda|cpu]
+                              [--only overlap] [--json-out PATH]
 
 1. Memory, time, no host sync. One GPU stands in for rank 0 of a 4-rank run holding a quarter of
    the state (models.collectives.LocalCollectives: the same allocations as a real rank), bf16
@@ -16,6 +17,10 @@
    MixedPrecisionPolicy(bf16, fp32), both under bf16 autocast from the same initial weights on the
    same batches, steps alternating AB/BA: median step time, peak memory, every step's loss.
 3. With 2+ GPUs, uneven NCCL all-gather / reduce-scatter (0.7/0.3 split) in fp32 and bf16.
+4. Overlap on CPU ranks (any machine): 2 gloo ranks, 1 thread each, uneven shards (0.6/0.4), the
+   `small` preset at zero 3 with 2 micro-batches per rank, per (prefetch, reduce_in_flight,
+   param_dtype) the median step time and comm_wait_s (the time compute waited in Work.wait())
+   of the slowest rank, configurations interleaved step by step. Reported, not judged.
 
 Prints one table and one JSON line (also written to --json-out). Exit 1 when a memory prediction
 is off by more than 3 %, a step synchronizes with the host, or the FSDP2 losses differ by more
@@ -227,12 +232,66 @@ def check_nccl_uneven() -> dict:
     return {"nccl_uneven": "ok" if r.returncode == 0 and "ok" in r.stdout else f"FAILED: {r.stderr[-300:]}"}
 
 
+OVERLAP_CONFIGS = ((0, 0, "fp32"), (1, 0, "fp32"), (1, 1, "fp32"), (2, 1, "fp32"), (1, 1, "bf16"))
+OVERLAP_WORLD = 2
+
+
+def _overlap_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from models.collectives import ProcessGroupCollectives
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=OVERLAP_WORLD)
+    try:
+        spec, seq, mb = get_model("small"), 128, 2
+        rts = {cfg: ShardedRuntime(spec, zero=3, fractions=[0.6, 0.4], position=rank,
+                                   comm=ProcessGroupCollectives(rank, list(range(OVERLAP_WORLD))),
+                                   device=torch.device("cpu"), prefetch=cfg[0], reduce_in_flight=cfg[1],
+                                   param_dtype=BF16 if cfg[2] == "bf16" else torch.float32,
+                                   autocast_dtype=BF16 if cfg[2] == "bf16" else None)
+               for cfg in OVERLAP_CONFIGS}
+        gen = torch.Generator().manual_seed(rank)
+        res = {str(cfg): {"step_s": [], "comm_wait_s": []} for cfg in OVERLAP_CONFIGS}
+        for _ in range(steps + 1):  # the first step of each is a warm-up
+            batches = [random_batch(spec, mb, seq, torch.device("cpu"), gen)[0] for _ in range(2)]
+            for cfg, rt in rts.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                r = rt.train_step(batches, OVERLAP_WORLD * 2 * mb * seq, lr=1e-4)
+                res[str(cfg)]["step_s"].append(time.perf_counter() - t0)
+                res[str(cfg)]["comm_wait_s"].append(r.comm_wait_s)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(res, fh)
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown: gloo threads can abort in static destructors
+
+
+def check_overlap(steps: int) -> list[dict]:
+    """Part 4 (module docstring)."""
+    import torch.multiprocessing as mp
+    from testkit.processes import free_port
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_overlap_rank, args=(free_port(), steps, d), nprocs=OVERLAP_WORLD, start_method="spawn")
+        ranks = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(OVERLAP_WORLD)]
+    rows = []
+    for cfg in OVERLAP_CONFIGS:
+        per = [r[str(cfg)] for r in ranks]
+        step_s = [max(p["step_s"][i] for p in per) for i in range(1, steps + 1)]
+        wait_s = [max(p["comm_wait_s"][i] for p in per) for i in range(1, steps + 1)]
+        rows.append({"prefetch": cfg[0], "reduce_in_flight": cfg[1], "param_dtype": cfg[2],
+                     "median_step_s": statistics.median(step_s), "median_comm_wait_s": statistics.median(wait_s)})
+    return rows
+
+
 def _gib(b: int | None) -> str:
     return "n/a" if b is None else f"{b / 2**30:.3f} GiB"
 
 
 def print_report(gpu: str, device: torch.device, a: argparse.Namespace, rows: list[dict], fsdp: dict,
-                 nccl: dict) -> None:
+                 nccl: dict, overlap: list[dict]) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
     print(f"{gpu} ({name}), {a.model} x {a.layers} blocks, bf16 autocast, mb {a.micro_batch}, seq {a.seq}, "
           f"rank 0 of 4 (shard 1/4)")
@@ -250,6 +309,15 @@ def print_report(gpu: str, device: torch.device, a: argparse.Namespace, rows: li
           f"host sync in step (process group): "
           f"{'none' if fsdp['sync_free_process_group'] else 'YES: ' + fsdp['sync_error_process_group']}")
     print(nccl["nccl_uneven"])
+    print_overlap(overlap)
+
+
+def print_overlap(rows: list[dict]) -> None:
+    print(f"overlap, {OVERLAP_WORLD} gloo CPU ranks (small, zero 3, shards 0.6/0.4, 2 micro-batches), slowest rank:")
+    for r in rows:
+        print(f"  prefetch {r['prefetch']} reduce_in_flight {r['reduce_in_flight']} gather {r['param_dtype']}: "
+              f"step {r['median_step_s'] * 1e3:.1f} ms, compute waited on communication "
+              f"{r['median_comm_wait_s'] * 1e3:.1f} ms")
 
 
 def main(argv=None) -> int:
@@ -260,15 +328,22 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=None, help="default 1024 (64 with --device cpu)")
     p.add_argument("--steps", type=int, default=4, help="per configuration of part 1 (>= 3)")
     p.add_argument("--fsdp-steps", type=int, default=6, help="steps of each system in part 2 (>= 2)")
+    p.add_argument("--overlap-steps", type=int, default=6, help="timed steps per configuration of part 4 (>= 1)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--only", choices=("overlap",), default=None, help="run part 4 alone (CPU ranks)")
     p.add_argument("--json-out", default=None, help="also write the JSON object to this file")
     a = p.parse_args(argv)
     cpu = a.device == "cpu"
     a.model = a.model or ("tiny-llama" if cpu else "llama2-7b")
     a.layers = a.layers or (2 if cpu else 4)
     a.seq = a.seq or (64 if cpu else 1024)
-    if a.steps < 3 or a.fsdp_steps < 2:
-        p.error("need --steps >= 3 and --fsdp-steps >= 2")
+    if a.steps < 3 or a.fsdp_steps < 2 or a.overlap_steps < 1:
+        p.error("need --steps >= 3, --fsdp-steps >= 2 and --overlap-steps >= 1")
+    if a.only == "overlap":
+        overlap = check_overlap(a.overlap_steps)
+        print_overlap(overlap)
+        print(json.dumps({"overlap": overlap}))
+        return 0
     if not cpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this check runs on a lent GPU machine only (--device cpu: the dry run)")
     device = torch.device("cpu") if cpu else torch.device("cuda", 0)
@@ -279,14 +354,15 @@ def main(argv=None) -> int:
     rows = [check_stage(spec, gpu, device, z, pd, k, a.micro_batch, a.seq, a.steps) for z, pd, k in CONFIGS]
     fsdp = compare_fsdp2(spec, device, a.micro_batch, a.seq, a.fsdp_steps)
     nccl = check_nccl_uneven()
-    print_report(gpu, device, a, rows, fsdp, nccl)
+    overlap = check_overlap(a.overlap_steps)
+    print_report(gpu, device, a, rows, fsdp, nccl, overlap)
     memory_ok = all(r["memory_err_pct"] is None or abs(r["memory_err_pct"]) <= TOL_PCT for r in rows)
     sync_ok = all(r["sync_free"] for r in rows) and fsdp["sync_free_process_group"]
     loss_ok = fsdp["max_loss_rel_diff"] <= FSDP2_LOSS_REL
     nccl_ok = not nccl["nccl_uneven"].startswith("FAILED")
     verdict = {"memory": memory_ok, "no_host_sync": sync_ok, "fsdp2_losses": loss_ok, "nccl_uneven": nccl_ok}
     out = {"gpu": gpu, "device": str(device), "torch": torch.__version__, "stages": rows, "fsdp2": fsdp, **nccl,
-           "pass": verdict}
+           "overlap": overlap, "pass": verdict}
     print(json.dumps(out))
     print("PASS" if all(verdict.values()) else f"FAIL: {[k for k, v in verdict.items() if not v]}")
     if a.json_out:
