@@ -188,6 +188,9 @@ class ShardedRuntime:
                  prefetch: int = 1, reduce_in_flight: int = 0):
         check_zero(zero)
         check_runtime_options(zero, param_dtype, reduce_dtype, prefetch)
+        if param_dtype != torch.float32 and autocast_dtype != param_dtype:
+            raise ValueError(f"param_dtype {DTYPE_NAMES[param_dtype]} needs autocast_dtype {DTYPE_NAMES[param_dtype]} "
+                             f"(got {autocast_dtype}): the decoder's fp32 norms feed matmuls with these weights")
         if isinstance(reduce_in_flight, bool) or reduce_in_flight not in (0, 1):
             raise ValueError(f"reduce_in_flight must be 0 or 1 (reduce-scatters left in flight), "
                              f"got {reduce_in_flight!r}")

@@ -33,6 +33,8 @@ def _runtime(zero: int = 3, fractions=(0.6, 0.4), **kwargs) -> ShardedRuntime:
     (3, dict(prefetch=1.5), r"prefetch must be an integer >= 0 .* got 1.5"),
     (3, dict(prefetch=True), r"prefetch must be an integer >= 0 .* got True"),
     (3, dict(reduce_in_flight=2), r"reduce_in_flight must be 0 or 1 .* got 2"),
+    (3, dict(param_dtype=torch.bfloat16), r"param_dtype bf16 needs autocast_dtype bf16 \(got None\)"),
+    (3, dict(param_dtype=torch.bfloat16, autocast_dtype=torch.float16), r"needs autocast_dtype bf16"),
 ])
 def test_bad_options_are_refused_with_their_name(zero, kwargs, match):
     with pytest.raises(ValueError, match=match) as e:
@@ -47,7 +49,8 @@ def test_defaults_are_fp32_gathers_and_reduces_with_one_unit_prefetched():
 
 
 def test_a_bf16_gather_keeps_fp32_masters_and_state():
-    rt = _runtime(param_dtype=torch.bfloat16)
+    bf16 = dict(param_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16)
+    rt = _runtime(**bf16)
     fp32 = _runtime()
     for u, v in zip(rt.units, fp32.units):
         assert u.full.dtype == torch.bfloat16 and u.full.untyped_storage().nbytes() == 0  # not held
@@ -56,7 +59,7 @@ def test_a_bf16_gather_keeps_fp32_masters_and_state():
         assert {u.master.dtype, u.exp_avg.dtype, u.exp_avg_sq.dtype, u.grad.dtype} == {torch.float32}
         assert torch.equal(u.master, v.master)  # the same initial weights as an fp32 run
     one_rank = (1.0,)  # LocalCollectives fills only the own slice of a gather
-    sd, ref = _runtime(fractions=one_rank, param_dtype=torch.bfloat16).full_state_dict(), \
+    sd, ref = _runtime(fractions=one_rank, **bf16).full_state_dict(), \
         _runtime(fractions=one_rank).full_state_dict()
     assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], ref[k]) for k in ref)
 
@@ -64,6 +67,7 @@ def test_a_bf16_gather_keeps_fp32_masters_and_state():
 @pytest.mark.parametrize("zero,kwargs", [
     (1, {}), (2, {}), (3, {}), (3, dict(param_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16, prefetch=2)),
     (3, dict(reduce_dtype=torch.bfloat16, reduce_in_flight=1)),
+    (3, dict(param_dtype=torch.float16, autocast_dtype=torch.float16, reduce_in_flight=1)),
 ])
 def test_a_step_reads_nothing_to_the_host_until_its_result(zero, kwargs):
     rt = _runtime(zero, fractions=(1.0,), **kwargs)
