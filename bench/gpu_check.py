@@ -38,7 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -290,26 +292,37 @@ def _gib(b: int | None) -> str:
     return "n/a" if b is None else f"{b / 2**30:.3f} GiB"
 
 
-def print_report(gpu: str, device: torch.device, a: argparse.Namespace, rows: list[dict], fsdp: dict,
-                 nccl: dict, overlap: list[dict]) -> None:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
-    print(f"{gpu} ({name}), {a.model} x {a.layers} blocks, bf16 autocast, mb {a.micro_batch}, seq {a.seq}, "
-          f"rank 0 of 4 (shard 1/4)")
-    for r in rows:
-        err = "" if r["memory_err_pct"] is None else f" ({r['memory_err_pct']:+.2f} %)"
-        print(f"zero {r['zero']} gather {r['param_dtype']} prefetch {r['prefetch']}: peak measured "
-              f"{_gib(r['measured_peak_bytes'])}, predicted {_gib(r['predicted_peak_bytes'])}{err}; step measured "
-              f"{r['median_step_s'] * 1e3:.1f} ms, profile {r['profile_step_s'] * 1e3:.1f} ms "
-              f"({'measured' if r['profile_measured'] else 'estimated'} profile); SDPA {r['kernel']}; "
-              f"host sync in step: {'none' if r['sync_free'] else 'YES: ' + r['sync_error']}")
+def print_stage(r: dict) -> None:
+    if "error" in r:
+        print(f"zero {r['zero']} gather {r['param_dtype']} prefetch {r['prefetch']}: FAILED: {r['error']}")
+        return
+    err = "" if r["memory_err_pct"] is None else f" ({r['memory_err_pct']:+.2f} %)"
+    print(f"zero {r['zero']} gather {r['param_dtype']} prefetch {r['prefetch']}: peak measured "
+          f"{_gib(r['measured_peak_bytes'])}, predicted {_gib(r['predicted_peak_bytes'])}{err}; step measured "
+          f"{r['median_step_s'] * 1e3:.1f} ms, profile {r['profile_step_s'] * 1e3:.1f} ms "
+          f"({'measured' if r['profile_measured'] else 'estimated'} profile); SDPA {r['kernel']}; "
+          f"host sync in step: {'none' if r['sync_free'] else 'YES: ' + r['sync_error']}", flush=True)
+
+
+def print_fsdp2(fsdp: dict) -> None:
+    if "error" in fsdp:
+        print(f"FSDP2 side by side: FAILED: {fsdp['error']}")
+        return
     o, f = fsdp["ours"], fsdp["fsdp2"]
     print(f"FSDP2 side by side (one rank, bf16 gathers, fp32 reduce): step ours {o['median_step_s'] * 1e3:.1f} ms, "
           f"fsdp2 {f['median_step_s'] * 1e3:.1f} ms (ours/fsdp2 {fsdp['ours_over_fsdp2_step_time']:.3f}); peak ours "
           f"{_gib(o['peak_bytes'])}, fsdp2 {_gib(f['peak_bytes'])}; max loss rel diff {fsdp['max_loss_rel_diff']:.2e}; "
           f"host sync in step (process group): "
-          f"{'none' if fsdp['sync_free_process_group'] else 'YES: ' + fsdp['sync_error_process_group']}")
-    print(nccl["nccl_uneven"])
-    print_overlap(overlap)
+          f"{'none' if fsdp['sync_free_process_group'] else 'YES: ' + fsdp['sync_error_process_group']}", flush=True)
+
+
+def guarded(fn, *args, **labels) -> Any:
+    """fn(*args), or `labels` with the error's first line when it raises (the other parts still run)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - one chance to run: report and go on
+        traceback.print_exc()
+        return {**labels, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"}
 
 
 def print_overlap(rows: list[dict]) -> None:
@@ -351,16 +364,31 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     gpu = catalog_type(device)
     spec = replace(with_max_seq(get_model(a.model), a.seq), num_layers=a.layers)
-    rows = [check_stage(spec, gpu, device, z, pd, k, a.micro_batch, a.seq, a.steps) for z, pd, k in CONFIGS]
-    fsdp = compare_fsdp2(spec, device, a.micro_batch, a.seq, a.fsdp_steps)
-    nccl = check_nccl_uneven()
-    overlap = check_overlap(a.overlap_steps)
-    print_report(gpu, device, a, rows, fsdp, nccl, overlap)
-    memory_ok = all(r["memory_err_pct"] is None or abs(r["memory_err_pct"]) <= TOL_PCT for r in rows)
-    sync_ok = all(r["sync_free"] for r in rows) and fsdp["sync_free_process_group"]
-    loss_ok = fsdp["max_loss_rel_diff"] <= FSDP2_LOSS_REL
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU dry run"
+    print(f"{gpu} ({name}), torch {torch.__version__}, {a.model} x {a.layers} blocks, bf16 autocast, "
+          f"mb {a.micro_batch}, seq {a.seq}, rank 0 of 4 (shard 1/4)", flush=True)
+    rows = []
+    for z, pd, k in CONFIGS:
+        rows.append(guarded(check_stage, spec, gpu, device, z, pd, k, a.micro_batch, a.seq, a.steps,
+                            zero=z, param_dtype=DTYPE_NAMES[pd], prefetch=k))
+        print_stage(rows[-1])
+    fsdp = guarded(compare_fsdp2, spec, device, a.micro_batch, a.seq, a.fsdp_steps)
+    print_fsdp2(fsdp)
+    nccl = guarded(check_nccl_uneven, nccl_uneven="FAILED")
+    print(nccl["nccl_uneven"], nccl.get("error", ""), flush=True)
+    overlap = guarded(check_overlap, a.overlap_steps)
+    if isinstance(overlap, dict):
+        print(f"overlap: FAILED: {overlap['error']}")
+    else:
+        print_overlap(overlap)
+    ok = [r for r in rows if "error" not in r]
+    memory_ok = len(ok) == len(rows) and all(
+        r["memory_err_pct"] is None or abs(r["memory_err_pct"]) <= TOL_PCT for r in ok)
+    sync_ok = all(r["sync_free"] for r in ok) and fsdp.get("sync_free_process_group", False)
+    loss_ok = fsdp.get("max_loss_rel_diff", float("inf")) <= FSDP2_LOSS_REL
     nccl_ok = not nccl["nccl_uneven"].startswith("FAILED")
-    verdict = {"memory": memory_ok, "no_host_sync": sync_ok, "fsdp2_losses": loss_ok, "nccl_uneven": nccl_ok}
+    verdict = {"memory": memory_ok, "no_host_sync": sync_ok, "fsdp2_losses": loss_ok, "nccl_uneven": nccl_ok,
+               "overlap_ran": not isinstance(overlap, dict)}
     out = {"gpu": gpu, "device": str(device), "torch": torch.__version__, "stages": rows, "fsdp2": fsdp, **nccl,
            "overlap": overlap, "pass": verdict}
     print(json.dumps(out))
