@@ -21,6 +21,7 @@ from contracts.paths import ENV_DATA_DIR
 from testkit import ROOT
 from testkit.processes import free_port, kill_processes_with_data_dir
 from testkit.wait import wait_until
+from ui import plotly_component
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -96,15 +97,27 @@ STEPS_RE = re.compile(r"Steps recorded:\s*(\d+)")  # the live line of ui/launch.
 WAIT_MS = 30_000  # one page or one widget reaction on a loaded 2-core machine
 
 
+# Every chart is a `div.gpumix-chart` of ui/plotly_component that holds Plotly's SVG once drawn.
+CHART_SELECTOR = f"div.{plotly_component.CHART_CLASS}"
+CHARTS_JS = "() => document.querySelectorAll('%s').length" % CHART_SELECTOR
+
+
+def in_chart_js(key: str, selector: str) -> str:
+    """A JS expression: the element matching `selector` inside the chart that `show_figure` drew
+    with `key` (Plotly's SVG: '.main-svg .scatterlayer .trace'), or null."""
+    return f"document.querySelector('.st-key-{key} {CHART_SELECTOR} {selector}')"
+
+
 # The page is idle and drawn: connected, no script run going (Streamlit's own e2e tests read these
-# attributes of stApp), no loading skeleton left (lazy JS chunks: charts, tables), every Plotly chart drawn.
+# attributes of stApp), no loading skeleton left (lazy JS chunks: charts, tables), every Plotly
+# chart drawn.
 RENDERED_JS = """() => {
   const app = document.querySelector('[data-testid="stApp"]');
   return !!app && app.dataset.testConnectionState === 'CONNECTED'
     && app.dataset.testScriptState === 'notRunning'
     && !document.querySelector('[data-testid="stSkeleton"]')
-    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => !!c.querySelector('.main-svg'));
-}"""
+    && [...document.querySelectorAll('%s')].every(c => !!c.querySelector('.main-svg'));
+}""" % CHART_SELECTOR
 
 
 def wait_idle(page: Any, timeout_ms: int = WAIT_MS) -> None:

@@ -1,7 +1,7 @@
 """Every dashboard chart, as a Plotly figure (the design card's choice): hover, zoom, Gantt bars.
 
 The builders return the figure as a plain dict ({"data": [traces], "layout": {...}}), what
-`plotly.graph_objects.Figure(fig)` accepts and `st.plotly_chart` draws (ui/common.show_figure).
+`plotly.graph_objects.Figure(fig)` accepts and plotly.js draws (ui/common.show_figure).
 A dict costs nothing to cache (st.cache_data pickles it) and nothing to build; Plotly's own
 validation of the same dicts runs in tests/unit/test_ui_charts.py, not on every draw. This module
 imports neither Streamlit nor Plotly. House rules the builders follow:
@@ -384,10 +384,20 @@ def gantt_chart(
 # ---- reading a drawn chart back (tests, benchmarks) ----------------------------------------------------
 
 
+CHART_ELEMENT = "bidi_component"  # an AppTest element of ui/plotly_component's kind
+
+
 def drawn_figure(proto: Any) -> dict[str, Any]:
-    """The figure a Streamlit chart message carries (an AppTest element's `.proto`), as the
-    browser receives it."""
-    return json.loads(proto.spec)
+    """The figure a chart message carries (an AppTest `bidi_component` element's `.proto`, a chart
+    of ui/plotly_component), as the browser receives it."""
+    return json.loads(proto.json)["figure"]
+
+
+def drawn_figures(at: Any) -> list[dict[str, Any]]:
+    """The figures an AppTest page drew through ui/common.show_figure, in page order."""
+    from ui.plotly_component import COMPONENT_NAME
+
+    return [drawn_figure(e.proto) for e in at.get(CHART_ELEMENT) if e.proto.component_name == COMPONENT_NAME]
 
 
 def traces_by_name(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,6 @@ Names here are stable: other pages import them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import math
@@ -26,6 +25,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import streamlit as st
 
+from ui import plotly_component
 from ui.background import ChildFailed
 from ui.charts import CHART_HEIGHT_PX, MAX_MARKER_POINTS, rolling_median  # noqa: F401  (stable names of this module)
 
@@ -285,29 +285,14 @@ def line_figure(
     return line_chart(series, x_title, y_title, title, height=height)
 
 
-@functools.cache
-def _built_figure_type() -> type:
-    """A Plotly figure type that carries a ui/charts.py dict as it is. `st.plotly_chart` rebuilds and
-    validates a dict on every draw (5-50 ms a chart; the live charts redraw every second); a
-    figure object it only asks for `to_dict()`. The dicts were validated once, by the tests."""
-    from plotly.basedatatypes import BaseFigure
-
-    class BuiltFigure(BaseFigure):
-        def __init__(self, spec: dict[str, Any]) -> None:  # no BaseFigure.__init__: nothing to validate
-            self._spec = spec
-
-        def to_dict(self) -> dict[str, Any]:
-            return self._spec
-
-    return BuiltFigure
-
-
 def show_figure(fig: dict[str, Any], key: str | None = None) -> None:
-    """The one place a page draws a chart (a figure dict from ui/charts.py), full width, hover and
-    zoom on. A key puts it in a keyed container, whose CSS class `st-key-<key>` the browser tests
-    and bench/dashboard_latency.py look for."""
+    """The one place a page draws a chart (a figure dict from ui/charts.py): full width, hover and
+    zoom on, an interactive Plotly chart drawn by plotly.js's basic bundle (ui/plotly_component;
+    `st.plotly_chart` would load the full bundle in every new tab). A key puts it in a keyed
+    container, whose CSS class `st-key-<key>` the browser tests and bench/dashboard_latency.py look
+    for, and keeps the chart (updated in place) across reruns."""
     with st.container(key=key) if key is not None else contextlib.nullcontext():
-        st.plotly_chart(_built_figure_type()(fig), width="stretch", config=PLOTLY_CONFIG)
+        plotly_component.draw(fig, PLOTLY_CONFIG, key=f"{key}_figure" if key is not None else None)
 
 
 PLOTLY_CONFIG = {"displaylogo": False}  # the mode bar keeps zoom, pan, reset and "download as PNG"

@@ -18,7 +18,8 @@ import time
 import pytest
 
 from testkit import ROOT
-from testkit.dashboard import CHROMIUM, WAIT_MS, launch_browser, server_log, steps_recorded, streamlit_server, wait_idle
+from testkit.dashboard import (CHROMIUM, WAIT_MS, in_chart_js, launch_browser, server_log, steps_recorded, streamlit_server,
+                               wait_idle)
 from testkit.processes import kill_processes_with_data_dir, processes_with_data_dir
 from testkit.wait import page_pause, wait_until
 
@@ -82,14 +83,14 @@ def wait_steps_at_least(page: Page, n: int, timeout_s: float) -> int:
 
 
 LOSS_POINTS_JS = """() => {
-  // the live loss chart is Plotly's SVG: its first trace draws a marker per step (up to a few
-  // hundred), and its line a vertex per step (an M/L command)
-  const t = document.querySelector('.st-key-launch_loss_chart .main-svg .scatterlayer .trace');
+  // the live loss chart is Plotly's SVG: its first trace draws a marker
+  // per step (up to a few hundred), and its line a vertex per step (an M/L command)
+  const t = %s;
   if (!t) return -1;
   const line = t.querySelector('path.js-line');
   const d = line && line.getAttribute('d');
   return Math.max(t.querySelectorAll('.points path').length, d ? (d.match(/[ML]/g) || []).length : 0);
-}"""
+}""" % in_chart_js("launch_loss_chart", ".main-svg .scatterlayer .trace")
 
 
 def wait_loss_chart_points(page: Page, n: int, timeout_s: float) -> int:

@@ -24,7 +24,7 @@ from executor.store import MetricsStore
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.paths import runs_dir
 from contracts.plan import Assignment, PipelineSpec, PipelineStage, Plan, WanLink
-from ui.charts import drawn_figure, gantt_rows
+from ui.charts import drawn_figures, gantt_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "ui", "geo.py")
@@ -120,7 +120,7 @@ def test_measured_gantt_beside_the_simulated_and_the_stage_errors(data_dir):
     run_dir = make_run("pipe-1", measured_timeline())
     at = open_page()
     assert not at.error
-    charts = [drawn_figure(c.proto) for c in at.get("plotly_chart")]
+    charts = drawn_figures(at)
     assert len(charts) == 2  # measured and simulated Gantt (no scenario planned yet)
     measured, simulated = charts
     assert "measured" in measured["layout"]["xaxis"]["title"]["text"]
@@ -169,7 +169,7 @@ def test_a_bad_timeline_is_one_error_line_and_the_page_lives(data_dir):
     at = open_page()
     [err] = [e.value for e in at.error]
     assert "teleport" in err and "\n" not in err
-    assert not at.get("plotly_chart")
+    assert not drawn_figures(at)
 
 
 def test_without_pipeline_runs_the_page_says_how_to_make_one(data_dir):
@@ -197,7 +197,7 @@ def test_a_real_pipeline_runs_timeline_beside_its_simulation(data_dir):
     assert status == "done"
     at = open_page()
     assert not at.error
-    measured, simulated = [gantt_rows(drawn_figure(c.proto)) for c in at.get("plotly_chart")]
+    measured, simulated = [gantt_rows(f) for f in drawn_figures(at)]
     with open(os.path.join(run_dir, "timeline.json")) as fh:
         timeline = json.load(fh)
     assert len(measured) == sum(len(r["ops"]) for r in timeline["ranks"])

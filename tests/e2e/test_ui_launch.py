@@ -11,6 +11,7 @@ from executor.store import read_metrics
 from testkit.processes import processes_with_data_dir
 from testkit.runs import fabricate_run, two_cpu_plan
 from testkit.wait import wait_until
+from ui.charts import drawn_figures
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "ui", "launch.py")
@@ -50,7 +51,7 @@ def test_with_a_plan_the_widgets_are_there_and_a_finished_run_is_shown(data_dir)
     assert at.button(key="stop_button").disabled  # nothing to stop
     assert at.session_state["run_dir"] == done
     assert any("emulated" in c.value for c in at.caption)  # the slowdown-3 device is marked
-    assert len(at.get("plotly_chart")) == 4 and not at.get("vega_lite_chart")
+    assert len(drawn_figures(at)) == 4 and not at.get("vega_lite_chart")
     assert not at.error
 
 

@@ -6,7 +6,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from testkit.apptest import settle as settle_until
-from ui.charts import drawn_figure
+from ui.charts import drawn_figures
 
 TIMEOUT_S = 120
 
@@ -33,7 +33,7 @@ def test_plan_renders_summary_gantt_and_bars(app):
     assert "simulated" in labels and "Iteration" in labels
     text = " ".join(md.value for md in app.markdown)
     assert "virginia" in text  # the plan summary names the datacenters
-    charts = [drawn_figure(c.proto) for c in app.get("plotly_chart")]
+    charts = drawn_figures(app)
     assert len(charts) == 3  # Gantt, iteration bars, utilization bars
     gantt = charts[0]
     assert {"training forward", "training backward", "prefill (BubbleTea)"} <= {t["name"] for t in gantt["data"]}
@@ -66,7 +66,7 @@ def test_cancel_stops_the_simulation_and_forgets_the_request(app, monkeypatch):
     app.button(key="geo_cancel").click().run()
     assert not app.exception and "geo_request" not in app.session_state
     assert job.cancel_reason == "by the user" and job.proc.returncode is not None
-    assert not app.get("plotly_chart")  # no report: the one asked for was cancelled
+    assert not drawn_figures(app)  # no report: the one asked for was cancelled
 
 
 @pytest.mark.parametrize("example", ["paper_like.json", "two_dc_fast.json"])

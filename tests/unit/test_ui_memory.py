@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 from contracts.catalog import CATALOG
 from planner.core.memory import MemoryConfig, estimate_memory
 from contracts.specs import PRESETS
-from ui.charts import drawn_figure
+from ui.charts import drawn_figures
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ui", "memory.py")
 TIMEOUT_S = 60
@@ -34,8 +34,7 @@ def test_default_preset_fits_and_shows_chart():
     b = estimate_memory(PRESETS["tiny"], MemoryConfig(micro_batch=1, seq=128, zero=1))
     df = at.table[0].value
     assert int(df.iloc[-1, 1].replace(",", "")) == b.peak_bytes
-    (chart,) = at.get("plotly_chart")
-    fig = drawn_figure(chart.proto)
+    (fig,) = drawn_figures(at)
     assert fig["layout"]["barmode"] == "stack"
     assert {t["name"]: t["y"][0] for t in fig["data"]} == pytest.approx(
         {name: getattr(b, f"{name}_bytes") / 2**20 for name in ("params", "grads", "optimizer", "activations", "other")})
@@ -52,7 +51,7 @@ def test_large_model_does_not_fit_then_sharding_changes_it():
     assert not at.exception
     assert "Does not fit on A100-40GB" in _text(at)
     # the predicted stack drawn over the GPU's capacity, a dashed rule at its datasheet GiB
-    fig = drawn_figure(at.get("plotly_chart")[0].proto)
+    fig = drawn_figures(at)[0]
     (rule,) = fig["layout"]["shapes"]
     assert (rule["name"], rule["y0"]) == ("A100-40GB capacity", CATALOG["A100-40GB"].memory_bytes / 2**30)
     assert sum(t["y"][0] for t in fig["data"]) > rule["y0"]
@@ -71,7 +70,7 @@ def test_bad_inputs_show_errors_not_tracebacks():
     assert not at.exception
     assert [e.value for e in at.error] == ["Sequence: 4,096 is out of range, 1–128 tokens"]
     assert at.number_input(key="mem_seq:tiny").value == 4096  # kept as typed, not replaced
-    assert not at.table and not at.get("plotly_chart")  # nothing computed from a refused value
+    assert not at.table and not drawn_figures(at)  # nothing computed from a refused value
     at.number_input(key="mem_seq:tiny").set_value(128).run()
     at.number_input(key="mem_dp").set_value(4).run()
     at.checkbox(key="mem_uneven").check().run()

@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 
 from contracts.cluster import ClusterSpec
 from contracts.plan import Plan
-from ui.charts import drawn_figure
+from ui.charts import drawn_figures
 from testkit.apptest import settle as settle_until
 from testkit.clusters import many_kinds_dict
 
@@ -62,7 +62,7 @@ def test_first_open_computes_a_default_plan_for_this_machine():
     assert len(table) == plan.cluster.num_devices
     assert any("predicted" in c for c in table.columns)
     # the memory chart: each device's predicted peak as a bar, its capacity as a marker over it
-    memory, baselines = (drawn_figure(c.proto) for c in at.get("plotly_chart"))
+    memory, baselines = drawn_figures(at)
     peak, capacity = memory["data"][:2]
     devices = plan.cluster.devices()
     assert peak["type"] == "bar" and peak["y"] == pytest.approx([a.predicted_memory_bytes / 2**30 for a in plan.assignments])

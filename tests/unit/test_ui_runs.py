@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from contracts.paths import runs_dir
 from testkit.runs import GLOBAL_BATCH, STEP_S, fabricate_run, losses
-from ui.charts import drawn_figure, traces_by_name
+from ui.charts import drawn_figures, traces_by_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "ui", "runs.py")
@@ -66,7 +66,7 @@ def test_compare_plots_both_runs_losses_per_step(runs):
     at.selectbox(key="runs_compare_a").select("run-a")
     at.selectbox(key="runs_compare_b").select("run-b").run()
     assert not at.exception
-    fig = drawn_figure(at.get("plotly_chart")[0].proto)
+    fig = drawn_figures(at)[0]
     traces = {name.split()[0]: t for name, t in traces_by_name(fig).items()}
     assert traces["run-a"]["y"] == pytest.approx(losses(0.0, 6))
     assert traces["run-b"]["y"] == pytest.approx(losses(1.0, 4))

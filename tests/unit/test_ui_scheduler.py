@@ -8,7 +8,7 @@ from streamlit.testing.v1 import AppTest
 
 from executor.queue import JobQueue
 from testkit.apptest import settle as settle_until
-from ui.charts import drawn_figure
+from ui.charts import drawn_figures
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "ui", "scheduler.py")
 
@@ -67,7 +67,7 @@ def test_simulation_compares_gpumix_with_every_baseline():
     assert "predicted" in labels and "measured" in labels
     assert f"vs {strongest} (strongest baseline)" in labels  # the comparison is against the strongest, named
     # the Gantt of the chosen policy (gpumix): bars from start to end (x, x2), a row per device
-    fig = drawn_figure(at.get("plotly_chart")[-1].proto)
+    fig = drawn_figures(at)[-1]
     (bars,) = fig["data"]  # one trace, a colour per job
     assert (bars["type"], bars["orientation"]) == ("bar", "h")
     assert fig["layout"]["xaxis"]["title"]["text"] == "time (h)" and fig["layout"]["yaxis"]["title"]["text"] == "device"
