@@ -106,3 +106,30 @@ def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: i
               "startup_peak_bytes": int(startup.peak_bytes), "measured": True, "fake": fake, "zero": zero}
     log.debug("traced %s %s: %s", spec.name, cfg, result)
     return result
+
+
+def cuda_step_peak(spec: ModelSpec, cfg: MemoryConfig, device: torch.device, seed: int = 0) -> dict[str, int]:
+    """The same rank's step on a CUDA device (LocalCollectives standing in for the others): the
+    allocator's peak (`torch.cuda.max_memory_allocated`) over a second step, less what the device held
+    at its start beyond the runtime's state and the batches (the CUDA context's cuBLAS workspace and
+    the like, which the memory model leaves out). Returns `peak_bytes` and that `overhead_bytes`."""
+    seq = validate_for(spec, cfg)
+    check_traceable(cfg)
+    fractions = rank_fractions(cfg)
+    torch.manual_seed(seed)
+    rt = ShardedRuntime(spec, zero=max(cfg.zero, 1), fractions=fractions, position=0,
+                        comm=_TracedRank(0, len(fractions)), device=device, recompute=cfg.recompute,
+                        autocast_dtype=_AUTOCAST[cfg.dtype], seed=seed, **runtime_options(cfg))
+    n = cfg.accum_steps if cfg.micro_batch > 0 else 0
+    batches = [(torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq), device=device),
+                torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq), device=device)) for _ in range(n)]
+    normalizer = max(1, n * cfg.micro_batch * seq)
+    rt.train_step(batches, normalizer, lr=1e-4)  # warm: cuBLAS handles and workspaces exist from here on
+    torch.cuda.synchronize(device)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*rt.resident_tensors(), *[t for b in batches for t in b]]}
+    overhead = torch.cuda.memory_allocated(device) - sum(storages.values())
+    torch.cuda.reset_peak_memory_stats(device)
+    rt.train_step(batches, normalizer, lr=1e-4)
+    torch.cuda.synchronize(device)
+    return {"peak_bytes": int(torch.cuda.max_memory_allocated(device)) - overhead, "overhead_bytes": overhead}

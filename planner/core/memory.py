@@ -500,9 +500,16 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     copies = HALF_BYTES * _block_matmul_params(spec, s) if autocast and not d.half else 0
     graph_bytes = layer_all + copies if keep else 0  # one block's graph (keep mode)
 
+    # the step's shared tensors, alive throughout: RoPE's cos and sin, made once outside autocast (fp32),
+    # with the inv_freq buffer; GPT-2's position ids die in the embedding's no-grad forward. `_phases`
+    # counts a whole-model forward's instead (position ids saved, cos/sin in the compute dtype)
+    shared = 0 if s.gpt2 or not cfg.micro_batch else 2 * seq * s.head_dim * FP32_BYTES + FP32_BYTES * (s.head_dim // 2)
+    model_shared = 0 if not cfg.micro_batch else INT64_BYTES * seq if s.gpt2 else (
+        2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2))
+
     def plus(k: str, act: int, other: int) -> tuple[int, int]:
         a, o = one[k]
-        return a + act, o + other + extra_inputs
+        return a + act, o + other + extra_inputs + shared - model_shared
 
     phases = {
         "loss": plus("loss", others, gathers_head + grad_bufs_head),
@@ -511,17 +518,19 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # while the incoming one is still listed
         "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd,
                            gathers_block + (0 if keep else gw * block) - pending + early + flight_last),
-        "embed_backward": (n * bd, gw * embed + inputs_all + late + (in_flight(block, shards[1]) if L else 0)),
+        "embed_backward": (n * bd, gw * embed + inputs_all + shared + late
+                           + (in_flight(block, shards[1]) if L else 0)),
         # the first block's backward: the fewest boundaries (or graphs) left, the most slice
         # gradients made (every block above it reduced); the middle blocks lie between the two ends
         "first_block": plus("last_block", (bd if keep else (2 * n - L) * bd) - (L - 1) * graph_bytes,
                             g(block) + (0 if keep else gw * block) - pending + early
                             + FP32_BYTES * shards[1] * (L - 1) + flight_first),
-        # the embedding's reduce: its flat gradient cast to the reduce dtype, then its slice's result (the
-        # second reduce of a tied embedding adds to the slice)
-        "embed_reduce": (0, inputs_all + late + max(gw * embed + (rb * embed if gw != rb else 0),
-                                                    rb * embed + (0 if tied else FP32_BYTES * shards[0])
-                                                    + (rb * shards[0] if tied or rb != FP32_BYTES else 0))),
+        # the embedding's reduce: its flat gradient (still referenced by the step until it returns), its
+        # cast to the reduce dtype, the slice gradient made by a first reduce and the slice's result unless
+        # it lands in the fp32 slice directly (the second reduce of a tied embedding adds to the slice)
+        "embed_reduce": (0, inputs_all + shared + late + gw * embed + (rb * embed if gw != rb else 0)
+                         + (0 if tied else FP32_BYTES * shards[0])
+                         + (rb * shards[0] if tied or rb != FP32_BYTES else 0)),
         "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads),
     }
     if not cfg.micro_batch:  # no activations: the unit buffers of the moments alone
@@ -536,8 +545,7 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         return max(made, sent)
 
     # at a unit's reduce: every graph still held (keep) or every boundary and input gradient (boundaries)
-    base = inputs_all + (0 if not cfg.micro_batch else INT64_BYTES * seq if s.gpt2 else
-                         2 * seq * s.head_dim * w + FP32_BYTES * (s.head_dim // 2))
+    base = inputs_all + shared
     graph = layer_all + copies
     act_head = L * graph + bd if keep else (L * n + n) * bd
     tied_grad = gw * V * h if keep and tied else 0  # autograd's gradient of the tied weight, made by the head
@@ -548,7 +556,8 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
                                        + reduce_bytes(embed, shards[0]) - (tied_grad if keep else 0))
     if L:
         # the last block's reduce (the other blocks' graphs or boundaries still held) and the first's
-        phases["reduce_block"] = ((L - 1) * graph + bd if keep else L * n * bd,
+        # (keep: the graphs of the blocks below, the output of the one below held beside them, dx)
+        phases["reduce_block"] = ((L - 1) * graph + 2 * bd if keep and L > 1 else bd if keep else L * n * bd,
                                   base + gathers_block + early + reduce_bytes(block, shards[1]))
         phases["reduce_first_block"] = (bd if keep else n * bd, base + g(block) + early
                                         + FP32_BYTES * shards[1] * (L - 1) + reduce_bytes(block, shards[1]))
