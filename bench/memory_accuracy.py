@@ -83,6 +83,9 @@ CUDA_MATRIX = [
     ("qwen2-0.5b", 4, 2, 1, 512, "bf16", "none", 0.25, dict(param_dtype="bf16", reduce_in_flight=1)),
     ("qwen2-0.5b", 4, 1, 2, 1024, "bf16", "full", 0.25, dict(param_dtype="bf16", reduce_dtype="bf16", prefetch=2)),
     ("tinyllama-1.1b", 3, 1, 2, 1024, "bf16", "none", 0.5, dict(param_dtype="bf16", prefetch=0, reduce_in_flight=1)),
+    ("llama2-7b", 2, 1, 1, 512, "bf16", "none", 0.125, dict(param_dtype="bf16")),
+    ("llama2-7b", 2, 1, 2, 1024, "bf16", "full", 0.125,
+     dict(param_dtype="bf16", prefetch=2, reduce_dtype="bf16", reduce_in_flight=1)),
 ]
 
 
