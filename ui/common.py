@@ -295,7 +295,9 @@ def show_figure(fig: dict[str, Any], key: str | None = None) -> None:
         plotly_component.draw(fig, PLOTLY_CONFIG, key=f"{key}_figure" if key is not None else None)
 
 
-PLOTLY_CONFIG = {"displaylogo": False}  # the mode bar keeps zoom, pan, reset and "download as PNG"
+# the mode bar keeps zoom, pan, reset and "download as PNG"; without plotly.js's "Share chart..."
+# (an upload to Plotly's cloud)
+PLOTLY_CONFIG = {"displaylogo": False, "showSendToCloud": False}
 
 
 # ---- shared resources --------------------------------------------------------------------

@@ -44,8 +44,25 @@ export default function ({ parentElement, data }) {
   if (!chart || !data) return;
   const fig = data.figure || {};
   const layout = Object.assign({}, fig.layout || {}, { template: template(chart), autosize: true });
-  const config = Object.assign({ responsive: true }, data.config || {});
+  const config = data.config || {};
   loadPlotly(data.plotly_url)
-    .then((Plotly) => Plotly.react(chart, fig.data || [], layout, config))
+    .then((Plotly) => {
+      Plotly.react(chart, fig.data || [], layout, config);
+      followWidth(chart, Plotly);
+    })
     .catch((err) => { chart.textContent = String(err); });
+}
+
+// Full width when the column's width changes (a window resized, the sidebar folded), as
+// st.plotly_chart does: Plotly lays a chart out again only when asked.
+function followWidth(chart, Plotly) {
+  if (chart.__widthObserver) return;
+  let width = chart.clientWidth;
+  chart.__widthObserver = new ResizeObserver(() => {
+    if (chart.clientWidth !== width && chart._fullLayout) {
+      width = chart.clientWidth;
+      Plotly.Plots.resize(chart);
+    }
+  });
+  chart.__widthObserver.observe(chart);
 }
