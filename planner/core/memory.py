@@ -3,8 +3,9 @@
 Pure Python, no torch: a plan or a schedule calls it thousands of times. What is modelled is
 models/sharded.py (ZeRO 1/2/3, uneven shards, the units of contracts/units.py) running
 models/decoder.py: the state between steps, the gradients within one, the activations autograd
-saves (per attention kernel, contracts/attention.py), the loss, autocast's copies and ZeRO 3's
-gathered units. The peak is the largest of a few moments of the step (`estimate_peak_phases`),
+saves (per attention kernel, contracts/attention.py), the loss, autocast's copies, ZeRO 3's
+gathered units and the runtime's gather/reduce options (half gathered parameters, the reduce dtype,
+prefetch, reduce-scatters left in flight). The peak is the largest of a few moments of the step (`estimate_peak_phases`),
 each affine in the micro-batch and the shard fraction. Tensor parallelism and the `--pp` shortcut
 are analytic only; pipeline stages have their exact model in planner/core/stage_memory.py, built
 from the public pieces at the end of this module.
@@ -417,9 +418,10 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         (4·h·N bytes each): at the head, L+1 per micro-batch and the n-1 finished input gradients;
         in a block's backward, L+1 per micro-batch in all (inputs still to consume, the incoming
         and the finished gradients);
-    and on top, the unit buffers in flight at that moment: the unit's full fp32 gradient, and at
-    zero 3 its gathered parameters and the prefetched next unit's (a tied embedding is gathered
-    again for the head and its gradient reduced right after it)."""
+    and on top, the unit buffers alive at that moment: the unit's full gradient, at zero 3 its
+    gathered parameters and the `prefetch` units gathered ahead (a tied embedding is gathered again
+    for the head and its gradient reduced right after it), a reduce-scatter left in flight; and each
+    unit's reduce as a moment of its own (docs/models/memory.md)."""
     f = cfg.fraction
     shards = _shard_numels(spec, f)
     owned = sum(shards)
@@ -596,7 +598,7 @@ def estimate_memory(spec: ModelSpec, cfg: MemoryConfig) -> MemoryBreakdown:
 
 def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
     """Total bytes at each candidate peak moment ("forward_end", "loss", "head", "last_block",
-    "tied_embedding", "step"; those that apply). Each is affine in micro_batch and in
+    "first_block", the units' "reduce_*", "embed_backward", "step", ...; those that apply). Each is affine in micro_batch and in
     shard_fraction; estimate_memory's peak_bytes is their maximum. A coefficient table built
     from a few points should interpolate each phase and take the max, not interpolate the max."""
     return estimate_with_phases(spec, cfg)[1]
