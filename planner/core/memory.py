@@ -20,13 +20,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from contracts.attention import AttentionKernel, attention_saved_bytes, select_kernel
+from contracts.plan import check_step_dtypes
 from contracts.specs import ModelSpec
 from contracts.units import runtime_units
 from contracts.constants import (DTYPE_BYTES, DTYPES, FP32_BYTES, HALF_BYTES, INT64_BYTES, MODELLED_ZERO_STAGES, RECOMPUTE,
                                  STEP_CHUNK_NUMEL, check_zero)
-
-# the dtypes a unit's full gradient may be reduce-scattered in (models/sharded.py `reduce_dtype`)
-REDUCE_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -86,18 +84,10 @@ class MemoryConfig:
                 raise ValueError(f"shard_fraction must be in [0, 1], got {f!r}")
             if self.zero == 0 and f != 1.0:
                 raise ValueError(f"shard_fraction {f} needs zero >= 1: zero=0 keeps the whole state on every GPU")
-        if self.param_dtype not in DTYPES:
-            raise ValueError(f"param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
-        if self.param_dtype != "fp32" and self.zero != 3:
-            raise ValueError(f"param_dtype {self.param_dtype} needs zero=3 (got zero={self.zero}): only ZeRO 3 "
-                             "gathers its parameters; zero 0-2 keep the full fp32 parameters")
+        check_step_dtypes(self.zero, self.param_dtype, self.reduce_dtype, self.prefetch, what="MemoryConfig")
         if self.param_dtype != "fp32" and self.param_dtype != self.dtype:
             raise ValueError(f"param_dtype {self.param_dtype} needs dtype {self.param_dtype} (got dtype="
                              f"{self.dtype}): half parameters are computed on under autocast in their own dtype")
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
-        if not is_int(self.prefetch) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {self.prefetch!r}")
         if isinstance(self.reduce_in_flight, bool) or self.reduce_in_flight not in (0, 1):
             raise ValueError(f"reduce_in_flight must be 0 or 1 (reduce-scatters left in flight), "
                              f"got {self.reduce_in_flight!r}")

@@ -14,10 +14,11 @@ TINY = PRESETS["tiny"]
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(zero=3, dtype="bf16", param_dtype="fp8"), r"param_dtype must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"),
-    (dict(zero=2, dtype="bf16", param_dtype="bf16"), "param_dtype bf16 needs zero=3 \\(got zero=2\\)"),
-    (dict(zero=0, dtype="fp16", param_dtype="fp16"), "param_dtype fp16 needs zero=3 \\(got zero=0\\)"),
-    (dict(zero=3, reduce_dtype="fp16"), r"reduce_dtype must be one of \('fp32', 'bf16'\), got 'fp16'"),
+    (dict(zero=3, dtype="bf16", param_dtype="fp8"), "MemoryConfig: param_dtype must be one of fp32, bf16, fp16, "
+                                                    "got 'fp8'"),
+    (dict(zero=2, dtype="bf16", param_dtype="bf16"), "param_dtype bf16 needs zero 3 \\(got zero 2\\)"),
+    (dict(zero=0, dtype="fp16", param_dtype="fp16"), "param_dtype fp16 needs zero 3 \\(got zero 0\\)"),
+    (dict(zero=3, reduce_dtype="fp16"), "reduce_dtype must be one of fp32, bf16, got 'fp16'"),
     (dict(zero=3, prefetch=-1), "prefetch must be an integer >= 0"),
     (dict(zero=3, prefetch=1.0), "prefetch must be an integer >= 0"),
     (dict(zero=3, prefetch=True), "prefetch must be an integer >= 0"),
