@@ -140,10 +140,9 @@ class PendingStep:
     step's one synchronization with the device (fp16 with loss scaling reads the overflow flag
     once more, before the update, to skip it)."""
 
-    def __init__(self, rt: "ShardedRuntime", stats: torch.Tensor, scale_used: float, skipped: bool,
-                 clock: list[float], comm_wait_s: float, compute_ev: list, wait_ev: list, optimizer_ev: Any,
-                 optimizer_s: float):
-        self._rt, self._stats, self._scale, self._skipped = rt, stats, scale_used, skipped
+    def __init__(self, stats: torch.Tensor, scale_used: float, skipped: bool, clock: list[float],
+                 comm_wait_s: float, compute_ev: list, wait_ev: list, optimizer_ev: Any, optimizer_s: float):
+        self._stats, self._scale, self._skipped = stats, scale_used, skipped
         self._clock, self._wait_s, self._compute_ev, self._wait_ev = clock, comm_wait_s, compute_ev, wait_ev
         self._optimizer_ev, self._optimizer_s = optimizer_ev, optimizer_s
         self._result: StepResult | None = None
@@ -683,7 +682,7 @@ class ShardedRuntime:
                 log.warning("fp16 overflow at loss scale %g: step skipped, scale now %g", scale_used,
                             self.scaler.scale)
                 self._free_slice_grads()
-                return PendingStep(self, stats, scale_used, True, optimizer_ev=None, optimizer_s=0.0, **timers)
+                return PendingStep(stats, scale_used, True, optimizer_ev=None, optimizer_s=0.0, **timers)
         # clip_grad_norm_'s coefficient on the device, with 1/scale to unscale in the same pass
         coef = clip_coefficient_t(stats[0].sqrt() / scale, self.optim.max_grad_norm) / scale
         scaled = self.optim.max_grad_norm is not None or scale != 1.0
@@ -706,7 +705,7 @@ class ShardedRuntime:
             works = [self.comm.all_gather(u.full, u.master, u.bounds, async_op=True) for u in self.units]
             for w in works:
                 w.wait()
-        return PendingStep(self, stats, scale_used, False, optimizer_ev=ev, optimizer_s=optimizer_s, **timers)
+        return PendingStep(stats, scale_used, False, optimizer_ev=ev, optimizer_s=optimizer_s, **timers)
 
     def _norm_units(self) -> list[UnitState]:
         """The units whose gradients the global norm counts on this rank (models/pipeline.py leaves out
