@@ -97,3 +97,25 @@ def test_half_parameters_drop_autocast_weight_copies_and_halve_the_residual_stre
     half = estimate_peak_phases(spec, replace(cfg, param_dtype="bf16"))
     # boundary mode at the head: (L + 2)·(n - 1) + L other boundaries, 4 B -> 2 B per element each
     assert one["loss"] - half["loss"] > (spec.num_layers + 2) * 3 * 2 * spec.hidden * 128
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "gpt2"])
+def test_every_moment_stays_affine_with_the_options(name):
+    """The planner extrapolates each moment from 2 and 3 accumulation steps and interpolates in the
+    micro-batch and the shard fraction (docs/models/memory.md, "The peak"): the options keep that true."""
+    spec = PRESETS[name]
+    options = dict(dtype="bf16", param_dtype="bf16", reduce_dtype="bf16", prefetch=2, reduce_in_flight=1)
+
+    def phases(m: int, n: int, f: float) -> dict[str, int]:
+        return estimate_peak_phases(spec, MemoryConfig(micro_batch=m, accum_steps=n, seq=128, dp=4, zero=3,
+                                                       shard_fraction=f, device_type="H200", **options))
+
+    by_n = [phases(2, n, 0.3) for n in (2, 3, 4, 9)]
+    by_m = [phases(m, 2, 0.3) for m in (1, 2, 3)]
+    by_f = [phases(2, 2, f) for f in (0.02, 0.05, 0.08)]  # every slice below the 2^24 step chunk
+    for k in by_n[0]:
+        two, three = by_n[0][k], by_n[1][k]
+        assert by_n[2][k] == 2 * three - two and by_n[3][k] == two + 7 * (three - two), k
+        assert by_m[2][k] - by_m[1][k] == by_m[1][k] - by_m[0][k], k
+        # rounding of f·numel only: half an element of 12-16 B of state per unit
+        assert abs((by_f[2][k] - by_f[1][k]) - (by_f[1][k] - by_f[0][k])) <= 16 * (spec.num_layers + 2), k
