@@ -6,7 +6,7 @@ to 1, and for every sharded row ZeRO 1, 2 and 3 with 1 and 2 accumulation steps;
 runtime's gather/reduce options (OPTION_SETS: bf16 parameters, prefetch 0 and 2, bf16 reduces left in
 flight).
 
-    python bench/memory_accuracy.py            # the whole matrix (about 20 min on 2 busy cores)
+    python bench/memory_accuracy.py            # the whole matrix (tens of minutes on 2 busy cores)
     python bench/memory_accuracy.py --quick    # the models below 1B only
     python bench/memory_accuracy.py --cuda     # CUDA_MATRIX on the GPU: torch.cuda.max_memory_allocated
 
