@@ -92,6 +92,24 @@ def profile_devices(model: str, seq: int, shares: Sequence[float], micro_batches
         subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
+def profile_devices_together(model: str, seq: int, shares: Sequence[float], micro_batches: Sequence[int], *,
+                             recomputes: Sequence[str] = ("none", "full"), dtype: str = "fp32",
+                             repeats: int = PROFILE_REPEATS, warmup: int = 1) -> float:
+    """Each emulated device's step profile, all devices timed at once, each in its own cgroup beside
+    the others' real loops (profiler.step_profile.profile_together, what the Plan page's "Profile
+    now" runs), saved to the profile store of $GPUMIX_DATA_DIR; per recompute mode. Returns the
+    seconds it took."""
+    import time
+
+    from profiler.step_profile import profile_together
+
+    t0 = time.monotonic()
+    for rec in recomputes:
+        profile_together(model, seq, dtype, devices=[(s, None) for s in shares], micro_batches=micro_batches,
+                         recompute=rec, repeats=repeats, warmup=warmup)
+    return time.monotonic() - t0
+
+
 def profile_rows(cluster: Any, spec: Any, seq: int, dtype: str = "fp32",
                  recomputes: Sequence[str] = ("none", "full")) -> list[dict[str, Any]]:
     """The profile the planner reads for each device kind of `cluster` (measured under its limits, or not)."""

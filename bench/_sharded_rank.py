@@ -10,9 +10,9 @@ baseline then plus the emulated device memory), then joins the gloo group. Each 
 (`ours`: models.sharded.ShardedRuntime; `fsdp2`: torch's fully_shard on a plain Decoder) trains
 `warmup + steps` steps on the same token windows, steps alternating the systems' order (AB/BA);
 the last warm-up step is traced for peak live tensor bytes (profiler.memtrack). Writes
-`<out>.rank<r>.json`: per system, every timed step's wall seconds, the time it waited on
-communication (ours: StepResult.comm_wait_s where the runtime reports it), the TCP payload it sent
-on its emulated link (executor.links.LinkCounter), the losses, the peak.
+`<out>.rank<r>.json`: per system, every timed step's wall seconds, its compute seconds and the
+time it waited on communication (ours: StepResult.compute_s and comm_wait_s), the TCP payload it
+sent on its emulated link (executor.links.LinkCounter), the losses, the peak.
 """
 from __future__ import annotations
 
@@ -90,9 +90,10 @@ class Ours:
     def resident(self):
         return self.rt.resident_tensors()
 
-    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, float | None]:
+    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, float | None, float | None]:
+        """(global loss, seconds compute waited on communication, seconds of compute)."""
         r = self.rt.train_step(mbs, normalizer, lr)
-        return r.loss, getattr(r, "comm_wait_s", None)
+        return r.loss, getattr(r, "comm_wait_s", None), r.compute_s
 
     def full_params(self):
         return self.rt.full_state_dict()
@@ -142,7 +143,7 @@ class Fsdp2:
             out += [v for v in st.values() if isinstance(v, torch.Tensor)]
         return out
 
-    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, None]:
+    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, None, None]:
         total = 0.0
         for i, (x, y) in enumerate(mbs):
             if self.sync == "last":
@@ -162,7 +163,7 @@ class Fsdp2:
         self.opt.zero_grad(set_to_none=True)
         t = torch.tensor(total, dtype=torch.float64)  # this rank's part; ours' loss is already global
         dist.all_reduce(t)
-        return float(t), None
+        return float(t), None, None
 
     def full_params(self):
         return {n: p.full_tensor() for n, p in self.model.named_parameters()}
@@ -222,8 +223,8 @@ def run(job: dict) -> dict:
             notes[s["name"]] = {}
     cfg = {s["name"]: s for s in job["systems"]}
     normalizer = job["global_batch"] * seq  # the global token count
-    out = {k: {"step_s": [], "comm_wait_s": [], "wire_bytes": [], "losses": [], "peak_bytes": None, **notes[k]}
-           for k in systems}
+    out = {k: {"step_s": [], "comm_wait_s": [], "compute_s": [], "wire_bytes": [], "losses": [], "peak_bytes": None,
+               **notes[k]} for k in systems}
     from executor.links import ENV_LINK_IF, LinkCounter
     counter = LinkCounter(os.environ.get(ENV_LINK_IF))  # the bytes this rank sends on its emulated link
     names = list(systems)
@@ -235,17 +236,18 @@ def run(job: dict) -> dict:
             dist.barrier()  # both ranks start the system's step together
             if step == job["warmup"]:  # the last warm-up step: memory (the tracker slows it)
                 with LocalLiveTensorBytes(systems[name].resident()) as mode:
-                    loss, wait = systems[name].step(mbs, normalizer, lr)
+                    loss, _, _ = systems[name].step(mbs, normalizer, lr)
                 out[name]["peak_bytes"] = mode.peak_bytes
             else:
                 counter.start()
                 t0 = time.perf_counter()
-                loss, wait = systems[name].step(mbs, normalizer, lr)
+                loss, wait, compute = systems[name].step(mbs, normalizer, lr)
                 dt = time.perf_counter() - t0
                 sent = counter.stop()
                 if step > job["warmup"]:
                     out[name]["step_s"].append(dt)
                     out[name]["comm_wait_s"].append(wait)
+                    out[name]["compute_s"].append(compute)
                     out[name]["wire_bytes"].append(sent)
             out[name]["losses"].append(loss)
     diff = None

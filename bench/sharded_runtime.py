@@ -20,14 +20,16 @@ measured StepResult.comm_wait_s over the step.
 mixed: ranks under CPU quotas of --shares. FSDP2's even configurations (even shards and batch;
 micro-batch x accumulation, recompute none/full, reduce-scatter after every micro-batch or only the
 last) are each launched under those quotas, the smallest rank's peak memory charge over its
-baseline measured by its memory cgroup. That rank's memory limit is set midway between FSDP2's
-even shard with the even batch in one micro-batch and in micro-batches of half of it (so the first
+baseline measured by its memory cgroup (every rank allocates with glibc's fixed mmap threshold, so
+that charge follows its live tensors). That rank's memory limit is set midway between FSDP2's even
+shard with the even batch in one micro-batch and in micro-batches of half of it (so the first
 exceeds it); the fastest FSDP2 configuration under the limit is the baseline (the next one where
 the kernel OOM-kills it under the real limit). GPUMix's plan comes from planner.entry.plan_job on a
-cluster of these devices (quotas, the memory limit, the link rate), each profiled by `python -m
-profiler profile` under its limits (bench/_common.py); its predicted step (the plan's) is checked
-against the step the ranks time. GPUMix and the FSDP2 baseline then run in A B B A launches under
-the limits, medians pooled.
+cluster of these devices (quotas; the limit less the charge measured beyond live tensors; the link
+rate), profiled together under their quotas (profiler.step_profile.profile_together, bench/_common.py);
+its predicted step (the plan's) is checked against the step the ranks time. GPUMix (only the ranks
+of the devices its plan uses) and the FSDP2 baseline then run in A B B A launches under the limits,
+medians pooled.
 
 Prints one readable table with PASS/FAIL per target, or (--json) one object whose contract keys are
 {"homogeneous": {"throughput_ratio", "memory_ratio"}, "mixed": {"throughput_ratio", "fsdp2_config"},
@@ -51,8 +53,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from bench._common import (emulated_links, hetero_cluster, parse_shares, profile_devices, profile_rows,  # noqa: E402
-                           write_gpt2_config)
+from bench._common import (emulated_links, hetero_cluster, parse_shares, profile_devices_together,  # noqa: E402
+                           profile_rows, write_gpt2_config)
 from contracts.specs import ModelSpec, get_model, with_max_seq  # noqa: E402
 
 RANK_SCRIPT = os.path.join(ROOT, "bench", "_sharded_rank.py")
@@ -65,11 +67,14 @@ EXPOSED_COMM_MAX = 0.15  # share of the step, at most, where communication <= co
 STEP_ERROR_MAX = 0.15  # |measured / predicted - 1|, at most
 LOSS_REL_MAX = 1e-5  # fp32 only: ours and FSDP2 on the same weights and windows give the same losses
 LAUNCH_TIMEOUT_S = 900
-# glibc: a fixed mmap threshold (no dynamic raise), so a freed large tensor goes back to the kernel
-# at once and a rank's memory charge follows its live tensors, not the heap's high-water mark
+# glibc with a fixed mmap threshold (no dynamic raise), for every rank and the profiles alike: a
+# freed large tensor goes back to the kernel at once, so a rank's memory charge (what the cgroup
+# limit bounds) follows its live tensors plus a steady overhead, not the heap's high-water mark
+# (without it the charge of one configuration varied by +-20 MiB around 250 MiB of overhead; with
+# it, 90 MiB). It slows every system's compute alike (page faults), the profiles' too.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024)}
 SCREEN_STEPS = 3  # timed steps of each FSDP2 configuration tried in the mixed case
-PROFILE_MICRO_BATCHES = (1, 2, 3, 4)
+PROFILE_MICRO_BATCHES = (1, 2, 4, 8)
 PROFILE_REPEATS = 3
 
 BENCH_SPECS = {
@@ -94,15 +99,17 @@ def median(xs: list[float]) -> float:
 class Launcher:
     """Starts one job's ranks inside their namespaces and cgroups; collects what they wrote."""
 
-    def __init__(self, net: Any, root: str, world: int):
-        self.net, self.root, self.world, self.count = net, root, world, 0
+    def __init__(self, net: Any, root: str):
+        self.net, self.root, self.count = net, root, 0
 
     def run(self, job: dict, limits: list[Any], name: str) -> dict:
-        """Run `job` on `world` ranks, rank r under `limits[r]` (profiler.cgroups.Limits or None).
+        """Run `job` on len(limits) ranks, rank r in namespace r under `limits[r]` (profiler.cgroups.Limits
+        or None).
         Returns {"status": "done", "ranks": [...]} or {"status": "oom" | "failed", "reason": ...}."""
         from profiler import cgroups
 
         self.count += 1
+        world = len(limits)
         tag = f"{os.getpid()}-{self.count}"
         job = dict(job, out=os.path.join(self.root, name))
         job_path = os.path.join(self.root, f"{name}.job.json")
@@ -115,8 +122,8 @@ class Launcher:
             cgroups.save_table(table, "cgroup", "bench/sharded_runtime.py", groups)
             port = 29500 + self.count if self.net.gloo_ifname else _free_port()
             procs = []
-            for r in range(self.world):
-                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR=self.net.addrs[0],
+            for r in range(world):
+                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR=self.net.addrs[0],
                            MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **MALLOC_ENV)
                 env[cgroups.ENV_CGROUPS] = table
                 if self.net.gloo_ifname:
@@ -135,7 +142,7 @@ class Launcher:
                         errors="replace").read()[-2000:]
             return {"status": "failed", "reason": f"exit codes {codes}: {tail}"}
         ranks = []
-        for r in range(self.world):
+        for r in range(world):
             with open(f"{job['out']}.rank{r}.json", encoding="utf-8") as fh:
                 ranks.append(json.load(fh))
         return {"status": "done", "ranks": ranks}
@@ -179,6 +186,9 @@ def system_figures(ranks: list[dict], name: str, global_batch: int) -> dict:
         out["comm_wait_s"] = [max(ws) for ws in waits]
         out["exposed_share"] = median([w / s for w, s in zip(out["comm_wait_s"], step_s)])
         out["median_comm_wait_s"] = median(out["comm_wait_s"])
+    comp = [[p["compute_s"][i] for p in per] for i in range(n)] if all("compute_s" in p for p in per) else []
+    if comp and all(c is not None for cs in comp for c in cs):
+        out["median_compute_s"] = median([max(cs) for cs in comp])  # the busiest rank's compute
     wire = [[p["wire_bytes"][i] for p in per] for i in range(n)] if all("wire_bytes" in p for p in per) else []
     if wire and all(b is not None for ws in wire for b in ws):
         out["wire_bytes_per_step"] = median([sum(ws) for ws in wire])  # every rank's sends together
@@ -222,7 +232,7 @@ def run_homogeneous(args: argparse.Namespace, launcher: Launcher, spec: ModelSpe
         rate = args.link_gbps * 1e9 / 8
         if "max_rank_wire_bytes_per_step" in ours:
             out["comm_s_on_link"] = ours["max_rank_wire_bytes_per_step"] / rate
-            compute = ours["median_step_s"] - ours.get("median_comm_wait_s", 0.0)
+            compute = ours.get("median_compute_s", ours["median_step_s"] - ours.get("median_comm_wait_s", 0.0))
             out["compute_s"] = compute
             out["comm_over_compute"] = out["comm_s_on_link"] / compute
     return out
@@ -252,6 +262,20 @@ def describe_fsdp2(c: dict) -> str:
     return (f"even shards, micro-batch {c['micro_batch']} x {c['accum']} per rank, recompute {c['recompute']}"
             + (f", reduce-scatter {'every micro-batch' if c['sync'] == 'every' else 'last micro-batch only'}"
                if c["accum"] > 1 else ""))
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def peak_over_baseline(rank: dict) -> int | None:
@@ -320,18 +344,22 @@ def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, dat
             fits[id(r)] = r["peak_over_baseline_bytes"] <= memory_bytes
     for r in tried:
         r["fits"] = fits[id(r)]
-    memory_gb = [memory_bytes / GIB if i == small else None for i in range(world)]
+    # the device memory the planner sees: the limit less the rank's charge beyond its live tensors
+    # (interpreter, gloo, allocator), the most measured beside FSDP2; the planner's memory model
+    # counts live tensors (profiler.memtrack measures the same)
+    overhead = max(r["peak_over_baseline_bytes"] - r["live_peak_bytes"] for r in tried)
+    memory_gb = [(memory_bytes - overhead) / GIB if i == small else None for i in range(world)]
 
     # 3. GPUMix's plan: the planner on these devices, measured under their limits, and the link
     model = args.model if args.model not in BENCH_SPECS else write_gpt2_config(spec, os.path.join(data_dir, "models"))
     cluster = hetero_cluster(shares, memory_gb=memory_gb, link_gbps=args.link_gbps or None)
-    t0 = time.monotonic()
-    if not args.no_profile:
-        profile_devices(model, args.seq, shares, PROFILE_MICRO_BATCHES, dtype=args.dtype, repeats=PROFILE_REPEATS,
-                        collectives=True)  # speed only: the plan's memory comes from the memory model
-    profile_s = time.monotonic() - t0
+    with _environ(MALLOC_ENV):  # the profiled loops allocate as the ranks do
+        profile_s = 0.0 if args.no_profile else profile_devices_together(
+            model, args.seq, shares, PROFILE_MICRO_BATCHES, dtype=args.dtype, repeats=PROFILE_REPEATS)
     plan = plan_job(cluster, model, B, seq=args.seq, dtype=args.dtype, pipeline=False).plan
-    used = list(plan.assignments)
+    # the ranks of the devices the plan uses, in its order (the executor launches no others)
+    used = [a for a in plan.assignments if a.used]
+    gpumix_limits = [limits_at(memory_bytes)[a.device_index] for a in used]
     gpumix_sys = {"name": "gpumix", "kind": "ours", "zero": plan.zero, "recompute": plan.recompute,
                   "fractions": [a.shard_fraction for a in used], "batches": [a.batch for a in used],
                   "micro_batch": [max(1, a.micro_batch) for a in used],
@@ -350,9 +378,8 @@ def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, dat
     i = 0
     for key in ("gpumix", "fsdp2", "fsdp2", "gpumix"):
         while True:
-            sysc = gpumix_sys if key == "gpumix" else best["system"]
-            res = launcher.run(dict(base, warmup=args.warmup, steps=half, systems=[sysc]), limits_at(memory_bytes),
-                               f"mixed-{key}-{i}")
+            sysc, lim = (gpumix_sys, gpumix_limits) if key == "gpumix" else (best["system"], limits_at(memory_bytes))
+            res = launcher.run(dict(base, warmup=args.warmup, steps=half, systems=[sysc]), lim, f"mixed-{key}-{i}")
             i += 1
             if res["status"] == "oom" and key == "fsdp2" and ranked:
                 best["fits"], best["reason"] = False, f"{res['reason']} under the limit"
@@ -365,18 +392,21 @@ def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, dat
     g, f = pooled(runs["gpumix"], B), pooled(runs["fsdp2"], B)
     return {
         "ranks": world, "cpu_shares": list(shares), "global_batch": B, "small_rank": small,
-        "memory_limit_bytes": memory_bytes, "memory_limit_basis": basis,
+        "memory_limit_bytes": memory_bytes, "memory_limit_basis": basis, "process_overhead_bytes": overhead,
+        "planner_memory_bytes": memory_bytes - overhead,
         "profile_s": profile_s, "profiles": profile_rows(cluster, with_max_seq(get_model(model), args.seq), args.seq,
                                                          args.dtype),
         "plan": {"zero": plan.zero, "recompute": plan.recompute, "param_dtype": getattr(plan, "param_dtype", None),
                  "prefetch": getattr(plan, "prefetch", None), "predicted_iteration_s": plan.predicted_iteration_s,
                  "predicted_exposed_comm_s": getattr(plan, "predicted_exposed_comm_s", None),
                  "predicted_wire_bytes_per_step": getattr(plan, "predicted_wire_bytes_per_step", None),
-                 "assignments": [{"micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
+                 "assignments": [{"device_index": a.device_index, "cpu_share": shares[a.device_index],
+                                  "used": a.used, "micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
                                   "shard_fraction": a.shard_fraction, "predicted_memory_bytes": a.predicted_memory_bytes,
-                                  "predicted_step_s": a.predicted_step_s} for a in used]},
+                                  "predicted_step_s": a.predicted_step_s} for a in plan.assignments]},
         "fsdp2_tried": [{k: v for k, v in t.items() if k != "system"} for t in tried],
         "fsdp2_config": best["config"],
+        "gpumix_small_rank": next((r for r, a in enumerate(used) if a.device_index == small), None),
         "gpumix": dict(g, launches=runs["gpumix"]), "fsdp2": dict(f, launches=runs["fsdp2"]),
         "throughput_ratio": g["samples_per_s"] / f["samples_per_s"],
         "step_error": g["median_step_s"] / plan.predicted_iteration_s - 1,
@@ -401,7 +431,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             world = 2 if case == "homogeneous" else len(args.shares)
             with emulated_links(world, args.link_gbps or None, f"bsr{os.getpid()}{case[0]}") as net:
                 out.setdefault("links", list(net.describe))
-                launcher = Launcher(net, root, world)
+                launcher = Launcher(net, root)
                 if case == "homogeneous":
                     out["homogeneous"] = run_homogeneous(args, launcher, spec)
                 else:
@@ -496,13 +526,15 @@ def print_report(r: dict) -> None:
     if m:
         print(f"\nmixed: {m['ranks']} ranks under CPU quotas {', '.join(f'{s:g}' for s in m['cpu_shares'])} of a core, "
               f"global batch {m['global_batch']}; rank {m['small_rank']} memory limit baseline + "
-              f"{m['memory_limit_bytes'] / MIB:.1f} MiB ({m['memory_limit_basis']})")
+              f"{m['memory_limit_bytes'] / MIB:.1f} MiB ({m['memory_limit_basis']}); the planner sees "
+              f"{m['planner_memory_bytes'] / MIB:.1f} MiB (less {m['process_overhead_bytes'] / MIB:.1f} MiB charged beyond "
+              "live tensors, the most measured beside FSDP2)")
         print(f"  FSDP2 even configurations (each launched under the CPU quotas, {SCREEN_STEPS} timed steps; "
               f"rank {m['small_rank']}'s peak memory charge over its baseline):")
         for t in m["fsdp2_tried"]:
             fit = "fits" if t["fits"] else "DOES NOT FIT"
             print(f"    {t['config']:<78} step {t['median_step_s']:7.3f} s  peak {t['peak_over_baseline_bytes'] / MIB:7.1f} MiB"
-                  f"  {fit}{(' (' + t['reason'] + ')') if t.get('reason') else ''}")
+                  f" (live tensors {t['live_peak_bytes'] / MIB:6.1f})  {fit}{(' (' + t['reason'] + ')') if t.get('reason') else ''}")
         print(f"  FSDP2 best that fits: {m['fsdp2_config']}")
         print(f"  profiles (measured under the limits in {m['profile_s']:.0f} s; beta = s per sample):")
         for p in m["profiles"]:
@@ -510,15 +542,17 @@ def print_report(r: dict) -> None:
                   f"alpha {p['alpha_s'] * 1e3:8.2f} ms  beta {p['beta_s'] * 1e3:8.2f} ms")
         pl = m["plan"]
         print(f"  GPUMix plan (planner.entry.plan_job): zero {pl['zero']}, recompute {pl['recompute']}, gathers "
-              f"{pl['param_dtype']}, prefetch {pl['prefetch']}; per rank (micro-batch x accum, shard): "
-              + "; ".join(f"{a['micro_batch']} x {a['accum_steps']}, {a['shard_fraction']:.3f}" for a in pl["assignments"]))
+              f"{pl['param_dtype']}, prefetch {pl['prefetch']}; per device (micro-batch x accum, shard): "
+              + "; ".join(f"{a['cpu_share']:g} core: " + (f"{a['micro_batch']} x {a['accum_steps']}, {a['shard_fraction']:.3f}"
+                                                          if a["used"] else "not used") for a in pl["assignments"]))
         print(f"  {'system':<8}{'median step s':>14}{'samples/s':>11}{'predicted s':>13}{'per launch (A B B A)':>24}"
               f"{'small rank peak MiB':>21}")
         for name in ("gpumix", "fsdp2"):
             s = m[name]
             pred = f"{pl['predicted_iteration_s']:.4f}" if name == "gpumix" else "—"
             per = ", ".join(f"{x:.3f}" for x in s["per_launch_median_step_s"])
-            peaks = [x["peak_over_baseline_bytes_per_rank"][m["small_rank"]] for x in s["launches"]]
+            sr = m["small_rank"] if name == "fsdp2" else m["gpumix_small_rank"]
+            peaks = [x["peak_over_baseline_bytes_per_rank"][sr] if sr is not None else None for x in s["launches"]]
             peak = f"{max(peaks) / MIB:.1f}" if all(p is not None for p in peaks) else "—"
             print(f"  {name:<8}{s['median_step_s']:>14.4f}{s['samples_per_s']:>11.2f}{pred:>13}{per:>24}{peak:>21}")
         print(f"  throughput GPUMix plan / FSDP2 best even {m['throughput_ratio']:.3f} (target >= {MIXED_THROUGHPUT_MIN}) "
