@@ -2,7 +2,7 @@
 emulated links, homogeneous and mixed, side by side.
 
     python bench/sharded_runtime.py [--model bench-gpt2] [--shares 1,0.333] [--link-gbps 1]
-                                    [--steps 8] [--warmup 2] [--global-batch 16] [--micro-batch 4]
+                                    [--steps 6] [--warmup 2] [--global-batch 16] [--micro-batch 6]
                                     [--seq 128] [--dtype bf16] [--cases homogeneous,mixed] [--json]
 
 Every rank is a process (bench/_sharded_rank.py) started inside its own network namespace
@@ -75,7 +75,7 @@ LAUNCH_TIMEOUT_S = 900
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 * 1024), "MALLOC_TRIM_THRESHOLD_": str(1024 * 1024)}
 SCREEN_STEPS = 3  # timed steps of each FSDP2 configuration tried in the mixed case
 PROFILE_MICRO_BATCHES = (1, 2, 4, 8)
-PROFILE_REPEATS = 3
+PROFILE_REPEATS = 2
 
 BENCH_SPECS = {
     # 13.8 M parameters: a step of micro-batch 2 x 128 tokens takes a CPU core about as long as
@@ -174,7 +174,9 @@ def system_figures(ranks: list[dict], name: str, global_batch: int) -> dict:
     per = [r["systems"][name] for r in ranks]
     n = min(len(p["step_s"]) for p in per)
     step_s = [max(p["step_s"][i] for p in per) for i in range(n)]
-    out = {"step_s": step_s, "median_step_s": median(step_s), "samples_per_s": global_batch / median(step_s),
+    out = {"per_rank": [{k: median([x for x in p[k] if x is not None]) if any(x is not None for x in p.get(k, []))
+                         else None for k in ("step_s", "compute_s", "comm_wait_s")} for p in per],
+           "step_s": step_s, "median_step_s": median(step_s), "samples_per_s": global_batch / median(step_s),
            "peak_bytes_per_rank": [p["peak_bytes"] for p in per], "losses": per[0]["losses"],
            "cgroup_peak_bytes_per_rank": [r.get("cgroup_peak_bytes") for r in ranks],
            "memory_limit_bytes_per_rank": [r.get("memory_limit_bytes") for r in ranks],
@@ -445,6 +447,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     out["step_error"] = m["step_error"] if m else None
     out["checks"] = checks(out, args)
     out["bench_wall_s"] = time.monotonic() - t_start
+    if out["data_dir"]:  # kept: the figures beside the runs they come from
+        with open(os.path.join(out["data_dir"], "result.json"), "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=2, default=str)
     return out
 
 
@@ -555,6 +560,16 @@ def print_report(r: dict) -> None:
             peaks = [x["peak_over_baseline_bytes_per_rank"][sr] if sr is not None else None for x in s["launches"]]
             peak = f"{max(peaks) / MIB:.1f}" if all(p is not None for p in peaks) else "—"
             print(f"  {name:<8}{s['median_step_s']:>14.4f}{s['samples_per_s']:>11.2f}{pred:>13}{per:>24}{peak:>21}")
+        print("  GPUMix per rank (medians over its launches: step, compute, compute's wait on communication) vs the plan:")
+        for rank, a in enumerate(a for a in pl["assignments"] if a["used"]):
+            rows = [x["per_rank"][rank] for x in m["gpumix"]["launches"]]
+            val = {k: median([x[k] for x in rows if x[k] is not None]) for k in ("step_s", "compute_s", "comm_wait_s")}
+            print(f"    rank {rank} ({a['cpu_share']:g} core): step {val['step_s']:.3f} s, compute {val['compute_s']:.3f} s, "
+                  f"wait {val['comm_wait_s']:.3f} s; predicted step {a['predicted_step_s']:.3f} s")
+        if pl.get("predicted_exposed_comm_s") is not None:
+            print(f"    plan: predicted exposed communication {pl['predicted_exposed_comm_s']:.3f} s, wire "
+                  f"{(pl['predicted_wire_bytes_per_step'] or 0) / 1e6:.1f} MB per step; measured wire "
+                  f"{sum(x.get('wire_bytes_per_step', 0) for x in m['gpumix']['launches']) / len(m['gpumix']['launches']) / 1e6:.1f} MB")
         print(f"  throughput GPUMix plan / FSDP2 best even {m['throughput_ratio']:.3f} (target >= {MIXED_THROUGHPUT_MIN}) "
               f"{_verdict(c['mixed_throughput'])}")
         print(f"  GPUMix step measured / predicted - 1 = {m['step_error']:+.1%} (target within {STEP_ERROR_MAX:.0%}) "
@@ -568,10 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="bench-gpt2", help=f"{sorted(BENCH_SPECS)} or a planner preset / config.json")
     p.add_argument("--shares", type=parse_shares, default=(1.0, 0.333), help="the mixed ranks' CPU shares (default 1,0.333)")
     p.add_argument("--link-gbps", type=float, default=1.0, help="emulated link rate per rank; 0: loopback (default 1)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per system (mixed: split over 2 launches)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per system (mixed: split over 2 launches)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps; the last one measures memory (>= 1)")
     p.add_argument("--global-batch", type=int, default=16, help="mixed: samples per step (default 16)")
-    p.add_argument("--micro-batch", type=int, default=4, help="homogeneous: samples per rank (default 4)")
+    p.add_argument("--micro-batch", type=int, default=6,
+                   help="homogeneous: samples per rank (default 6: compute above zero 3's wire time at 1 Gbit/s)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="compute and gather dtype (bf16: mixed precision, gradients reduced in fp32)")
