@@ -403,7 +403,8 @@ def run_mixed(args: argparse.Namespace, launcher: Launcher, spec: ModelSpec, dat
                  "predicted_exposed_comm_s": getattr(plan, "predicted_exposed_comm_s", None),
                  "predicted_wire_bytes_per_step": getattr(plan, "predicted_wire_bytes_per_step", None),
                  "assignments": [{"device_index": a.device_index, "cpu_share": shares[a.device_index],
-                                  "used": a.used, "micro_batch": a.micro_batch, "accum_steps": a.accum_steps, "batch": a.batch,
+                                  "used": a.used, "micro_batch": a.micro_batch, "accum_steps": a.accum_steps,
+                                  "batch": a.batch,
                                   "shard_fraction": a.shard_fraction, "predicted_memory_bytes": a.predicted_memory_bytes,
                                   "predicted_step_s": a.predicted_step_s} for a in plan.assignments]},
         "fsdp2_tried": [{k: v for k, v in t.items() if k != "system"} for t in tried],
@@ -464,7 +465,8 @@ def checks(r: dict, args: argparse.Namespace) -> dict:
         share = r["exposed_comm_share"]
         applies = h.get("comm_over_compute") is None or h["comm_over_compute"] <= 1.0
         c["exposed_comm_share"] = {"value": share, "target": f"<= {EXPOSED_COMM_MAX} where comm <= compute",
-                                   "applies": applies, "ok": share is not None and (share <= EXPOSED_COMM_MAX or not applies)}
+                                   "applies": applies,
+                                   "ok": share is not None and (share <= EXPOSED_COMM_MAX or not applies)}
         if args.dtype == "fp32":
             c["losses_equal"] = {"value": h["max_loss_rel_diff"], "target": f"<= {LOSS_REL_MAX:g}",
                                  "ok": h["max_loss_rel_diff"] <= LOSS_REL_MAX}
@@ -473,9 +475,9 @@ def checks(r: dict, args: argparse.Namespace) -> dict:
                                  "ok": m["throughput_ratio"] >= MIXED_THROUGHPUT_MIN}
         c["step_error"] = {"value": m["step_error"], "target": f"|x| <= {STEP_ERROR_MAX}",
                            "ok": abs(m["step_error"]) <= STEP_ERROR_MAX}
-        c["profiles_measured"] = {"value": all(p["measured"] for p in m["profiles"] if p["recompute"] == m["plan"]["recompute"]),
-                                  "target": "every profile the plan read measured under its limits",
-                                  "ok": all(p["measured"] for p in m["profiles"] if p["recompute"] == m["plan"]["recompute"])}
+        measured = all(p["measured"] for p in m["profiles"] if p["recompute"] == m["plan"]["recompute"])
+        c["profiles_measured"] = {"value": measured, "target": "every profile the plan read measured under its limits",
+                                  "ok": measured}
     return c
 
 
@@ -538,8 +540,9 @@ def print_report(r: dict) -> None:
               f"rank {m['small_rank']}'s peak memory charge over its baseline):")
         for t in m["fsdp2_tried"]:
             fit = "fits" if t["fits"] else "DOES NOT FIT"
-            print(f"    {t['config']:<78} step {t['median_step_s']:7.3f} s  peak {t['peak_over_baseline_bytes'] / MIB:7.1f} MiB"
-                  f" (live tensors {t['live_peak_bytes'] / MIB:6.1f})  {fit}{(' (' + t['reason'] + ')') if t.get('reason') else ''}")
+            why = f" ({t['reason']})" if t.get("reason") else ""
+            print(f"    {t['config']:<78} step {t['median_step_s']:7.3f} s  peak "
+                  f"{t['peak_over_baseline_bytes'] / MIB:7.1f} MiB (live tensors {t['live_peak_bytes'] / MIB:6.1f})  {fit}{why}")
         print(f"  FSDP2 best that fits: {m['fsdp2_config']}")
         print(f"  profiles (measured under the limits in {m['profile_s']:.0f} s; beta = s per sample):")
         for p in m["profiles"]:
@@ -569,7 +572,7 @@ def print_report(r: dict) -> None:
         if pl.get("predicted_exposed_comm_s") is not None:
             print(f"    plan: predicted exposed communication {pl['predicted_exposed_comm_s']:.3f} s, wire "
                   f"{(pl['predicted_wire_bytes_per_step'] or 0) / 1e6:.1f} MB per step; measured wire "
-                  f"{sum(x.get('wire_bytes_per_step', 0) for x in m['gpumix']['launches']) / len(m['gpumix']['launches']) / 1e6:.1f} MB")
+                  f"{median([x.get('wire_bytes_per_step', 0) for x in m['gpumix']['launches']]) / 1e6:.1f} MB")
         print(f"  throughput GPUMix plan / FSDP2 best even {m['throughput_ratio']:.3f} (target >= {MIXED_THROUGHPUT_MIN}) "
               f"{_verdict(c['mixed_throughput'])}")
         print(f"  GPUMix step measured / predicted - 1 = {m['step_error']:+.1%} (target within {STEP_ERROR_MAX:.0%}) "
