@@ -27,12 +27,18 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 REDUCE_DTYPES = ("fp32", "bf16")
 # zero-3 units whose gather is in flight ahead of the one computing (1: the next one, FSDP2's default)
 DEFAULT_PREFETCH = 1
+# reduce-scatters left in flight: 0 waits each as it is issued (the runtime's default and an old plan
+# file's), 1 waits it at the start of the next one, so it overlaps the next unit's backward
+REDUCE_IN_FLIGHT = (0, 1)
 
 
-def check_step_dtypes(zero: int, param_dtype: str, reduce_dtype: str, prefetch: int, what: str = "plan") -> None:
-    """The runtime's mixed-precision settings of a plan, checked together: `param_dtype` one of DTYPES
-    (not fp32 only at zero 3: zero 1 and 2 keep replicated fp32 parameters), `reduce_dtype` one of
-    REDUCE_DTYPES, `prefetch` an integer >= 0. ValueError naming the problem."""
+def check_step_dtypes(zero: int, param_dtype: str, reduce_dtype: str, prefetch: int, what: str = "plan",
+                      reduce_in_flight: int = 0) -> None:
+    """The runtime's mixed-precision and overlap settings of a plan, checked together: `param_dtype`
+    one of DTYPES (not fp32 only at zero 3: zero 1 and 2 keep replicated fp32 parameters),
+    `reduce_dtype` one of REDUCE_DTYPES, `prefetch` an integer >= 0, `reduce_in_flight` 0 or 1 (1 only
+    at zero 2 and 3, whose reduce-scatters run unit by unit during the backward). ValueError naming
+    the problem."""
     if param_dtype not in DTYPES:
         raise ValueError(f"{what}: param_dtype must be one of {', '.join(DTYPES)}, got {param_dtype!r}")
     if param_dtype != "fp32" and zero != 3:
@@ -42,6 +48,12 @@ def check_step_dtypes(zero: int, param_dtype: str, reduce_dtype: str, prefetch: 
         raise ValueError(f"{what}: reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {reduce_dtype!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"{what}: prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
+    if isinstance(reduce_in_flight, bool) or reduce_in_flight not in REDUCE_IN_FLIGHT:
+        raise ValueError(f"{what}: reduce_in_flight must be 0 or 1 (reduce-scatters left in flight), "
+                         f"got {reduce_in_flight!r}")
+    if reduce_in_flight and zero == 1:
+        raise ValueError(f"{what}: reduce_in_flight 1 needs zero 2 or 3 (got zero 1): zero 1 reduces after the "
+                         "backward, with no unit's backward left to overlap")
 
 
 def link_key(a: str, b: str) -> str:
@@ -219,10 +231,12 @@ class Plan:
     connections: dict[str, int] = field(default_factory=dict)  # link_key(a, b) -> TCP connections per transfer
     # mixed precision as the sharded runtime runs it (FSDP2's MixedPrecisionPolicy): fp32 master shards
     # and AdamW state always; zero 3 gathers parameters in param_dtype; gradients are reduce-scattered
-    # in reduce_dtype; `prefetch` units are gathered ahead of the one computing
+    # in reduce_dtype; `prefetch` units are gathered ahead of the one computing; `reduce_in_flight`
+    # reduce-scatters are left in flight behind the next unit's backward (0 or 1; 1 only at zero 2/3)
     param_dtype: str = "fp32"  # "fp32" | "bf16" | "fp16", resolved (never "auto")
     reduce_dtype: str = "fp32"  # "fp32" | "bf16"
     prefetch: int = DEFAULT_PREFETCH
+    reduce_in_flight: int = 0
     # what the cost model predicts the step puts on the network (bytes all ranks send together) and
     # the communication no compute hides on the slowest rank (s per step); None: not predicted
     predicted_wire_bytes_per_step: int | None = None
@@ -230,7 +244,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         check_zero(self.zero, what="plan: zero")
-        check_step_dtypes(self.zero, self.param_dtype, self.reduce_dtype, self.prefetch)
+        check_step_dtypes(self.zero, self.param_dtype, self.reduce_dtype, self.prefetch,
+                          reduce_in_flight=self.reduce_in_flight)
         nodes = {n.name for n in self.cluster.nodes}
         for w in self.wan:
             if w.a not in nodes or w.b not in nodes or w.a == w.b:
@@ -300,6 +315,7 @@ class Plan:
             "param_dtype": self.param_dtype,
             "reduce_dtype": self.reduce_dtype,
             "prefetch": self.prefetch,
+            "reduce_in_flight": self.reduce_in_flight,
             "predicted_wire_bytes_per_step": self.predicted_wire_bytes_per_step,
             "predicted_exposed_comm_s": self.predicted_exposed_comm_s,
             "assignments": [a.to_dict() for a in self.assignments],
@@ -351,6 +367,8 @@ class Plan:
                 param_dtype=str(d.get("param_dtype", "fp32")),
                 reduce_dtype=str(d.get("reduce_dtype", "fp32")),
                 prefetch=d.get("prefetch", DEFAULT_PREFETCH),
+                # written before reduce-scatters were left in flight: each was waited as issued
+                reduce_in_flight=d.get("reduce_in_flight", 0),
                 predicted_wire_bytes_per_step=_optional(d.get("predicted_wire_bytes_per_step"), int),
                 predicted_exposed_comm_s=_optional(d.get("predicted_exposed_comm_s"), float),
             )

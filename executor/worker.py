@@ -124,10 +124,11 @@ def my_position(plan: Plan, rank: int) -> int:
 
 
 def runtime_precision(plan: Plan) -> dict[str, object]:
-    """ShardedRuntime's keywords of the plan's `param_dtype`, `reduce_dtype` (as torch dtypes) and
-    `prefetch` (contracts/plan.py checks their values and combinations)."""
+    """ShardedRuntime's keywords of the plan's `param_dtype`, `reduce_dtype` (as torch dtypes),
+    `prefetch` and `reduce_in_flight` (0 for a plan object without it) (contracts/plan.py checks
+    their values and combinations)."""
     return {"param_dtype": TORCH_DTYPES[plan.param_dtype], "reduce_dtype": TORCH_DTYPES[plan.reduce_dtype],
-            "prefetch": int(plan.prefetch)}
+            "prefetch": int(plan.prefetch), "reduce_in_flight": int(getattr(plan, "reduce_in_flight", 0))}
 
 
 def _is_emulated(a: Assignment) -> bool:

@@ -51,7 +51,7 @@ def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | 
     """The fastest plan of `model` on `cluster` at `global_batch` (module docstring). `pipeline`:
     price pipeline stages on a multi-node cluster (False: pure data parallelism). `param_dtype`,
     `reduce_dtype`: the runtime's mixed precision (planner.hetero.solve.solve_plan; the plan file
-    records them resolved, with the prefetch depth the ILP chose). Raises ValueError on bad input
+    records them resolved, with the prefetch depth and reduce-scatters in flight the ILP chose). Raises ValueError on bad input
     and when no plan fits, naming why."""
     result = solve_plan(cluster, model, global_batch, seq=seq, dtype=dtype, recompute=recompute, headroom=headroom,
                         time_limit_s=time_limit_s, profiles_dir=profiles_dir, zero=zero, param_dtype=param_dtype,
@@ -102,7 +102,7 @@ def plan_on_devices(cluster: ClusterSpec, devices: tuple[int, ...], model: str, 
 def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int, seq: int, dtype: str = "fp32",
                   recompute: str = "none", zero: int = 1, unit: int = 1,
                   headroom: float = MEMORY_HEADROOM, param_dtype: str = PARAM_DTYPE_AUTO, reduce_dtype: str = "fp32",
-                  prefetch: int = DEFAULT_PREFETCH) -> Plan:
+                  prefetch: int = DEFAULT_PREFETCH, reduce_in_flight: int = 0) -> Plan:
     """The planner's `even` or `proportional` baseline as a launchable plan: the batch split its way
     (planner.hetero.baselines: `even` equal parts, `proportional` in proportion to each device's
     profiled speed), in multiples of `unit` samples (bench/hetero_speedup.py rounds to its smallest
@@ -115,7 +115,8 @@ def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int
     if unit < 1 or global_batch % unit:
         raise ValueError(f"global batch {global_batch} is not a multiple of {unit} samples")
     cost = CostModel.build(cluster, with_max_seq(get_model(model), seq), seq, dtype, recompute, headroom, zero=zero,
-                           param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch)
+                           param_dtype=param_dtype, reduce_dtype=reduce_dtype, prefetch=prefetch,
+                           reduce_in_flight=reduce_in_flight)
     devices = cluster.devices()
     weights = ([1.0] * len(devices) if name == EVEN
                else [cost.coeffs[d].speed_samples_per_s for _, d in devices])
@@ -129,13 +130,14 @@ def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int
         assignments.append(Assignment(i, node.name, dev.type, split[0], split[1], batch, shard, 0, 0.0,
                                       dev.emulated, dev.slowdown, dev.memory_gb))
     plan = Plan(cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), 0.0, 0.0, zero=zero,
-                param_dtype=cost.step.param_dtype, reduce_dtype=cost.step.reduce_dtype, prefetch=cost.step.prefetch)
+                param_dtype=cost.step.param_dtype, reduce_dtype=cost.step.reduce_dtype, prefetch=cost.step.prefetch,
+                reduce_in_flight=cost.step.reduce_in_flight)
     return evaluate_plan(plan, headroom)
 
 
 def even_plan(plan: Plan, headroom: float = MEMORY_HEADROOM) -> Plan:
     """The even split of `plan`'s devices at its model, global batch, seq, dtype, recompute, ZeRO stage
-    and runtime settings (param and reduce dtypes, prefetch)."""
+    and runtime settings (param and reduce dtypes, prefetch, reduce-scatters in flight)."""
     return baseline_plan(plan.cluster, EVEN, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute,
                          plan.zero, headroom=headroom, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-                         prefetch=plan.prefetch)
+                         prefetch=plan.prefetch, reduce_in_flight=plan.reduce_in_flight)

@@ -5,9 +5,11 @@ n micro-batches of `α + β·m` (the device kind's profile, planner/core/profile
 `slowdown`; recompute="full" where layer-wise accumulation recomputes), AdamW over its shard, and the
 collectives `contracts.units.step_collectives` lists, priced by planner/costmodel/collectives.py in
 the plan's `param_dtype` (gathers) and `reduce_dtype` (reduce-scatters). What compute can hide
-(prefetched gathers, reduce-scatters left in flight) overlaps it; the first gather and the last
-reduce-scatter stay exposed: `T = max_i (E + max(compute_i, H) + optimizer_i)` (`StepComm`).
-Memory is the memory model's for the actual (m, n, f) and the plan's dtypes and prefetch depth; the
+(prefetched gathers, reduce-scatters left in flight: `reduce_in_flight` 1) overlaps it; the first
+gather and the last reduce-scatter stay exposed, and every reduce-scatter where `reduce_in_flight`
+is 0: `T = max_i (E + max(compute_i, H) + optimizer_i)` (`StepComm`).
+Memory is the memory model's for the actual (m, n, f), the plan's dtypes, prefetch depth and
+reduce-scatters in flight; the
 tables hold each candidate's largest shard that fits (`Choice.max_share`). Candidates do not grow
 with the global batch: a `Choice` per micro-batch at n = 1 and exact `AccumBand`s over n, which
 planner/hetero/solve.py counts in total.
@@ -52,18 +54,21 @@ DTYPE_BYTES = {"fp32": FP32_BYTES, "bf16": HALF_BYTES, "fp16": HALF_BYTES}
 class StepConfig:
     """How the sharded runtime runs one step's collectives, as the plan file says: parameters
     gathered in `param_dtype` (zero 3; fp32 at zero 1/2), gradients reduce-scattered in
-    `reduce_dtype`, `prefetch` zero-3 units gathered ahead of the one computing."""
+    `reduce_dtype`, `prefetch` zero-3 units gathered ahead of the one computing, `reduce_in_flight`
+    reduce-scatters left in flight behind the next unit's backward (0 or 1; 1 only at zero 2/3)."""
 
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
     prefetch: int = DEFAULT_PREFETCH
+    reduce_in_flight: int = 0
 
 
 @dataclass(frozen=True)
 class StepComm:
     """One step's collectives on k ranks, split by what compute can hide: `exposed_s` runs with no
-    compute beside it (the first gather, the last reduce-scatter, everything at zero 1), `hidden_s`
-    beside the compute (prefetched gathers, reduce-scatters in flight). A rank of compute c ends its
+    compute beside it (the first gather, the last reduce-scatter, every reduce-scatter waited as
+    issued, everything at zero 1), `hidden_s` beside the compute (prefetched gathers, reduce-scatters
+    left in flight). A rank of compute c ends its
     collectives at `end_s(c)` = exposed + max(c, hidden): the network and the compute run side by
     side, each a chain. docs/models/cost.md ("Overlap")."""
 
@@ -408,7 +413,7 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
                        zero: int = RUNTIME_ZERO_STAGE, device_type: str = CPU_TYPE,
                        step: StepConfig = StepConfig()) -> tuple[MemoryFn, PhasesFn]:
     """The memory model of planner/core/memory.py for the sharded runtime at ZeRO stage `zero` with the
-    plan's dtypes and prefetch depth (`step`), asked at
+    plan's dtypes, prefetch depth and reduce-scatters in flight (`step`), asked at
     the choice's own micro-batch, accumulation steps and shard fraction: (peak bytes, its moments
     (estimate_peak_phases) in a fixed order). One cached evaluation serves both: the searches ask
     the peak and the moments of the same points."""
@@ -422,7 +427,7 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
             cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
                                dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type,
                                param_dtype=step.param_dtype, reduce_dtype=step.reduce_dtype,
-                               prefetch=step.prefetch)
+                               prefetch=step.prefetch, reduce_in_flight=step.reduce_in_flight)
             breakdown, phases = estimate_with_phases(spec, cfg)
             known[key] = float(breakdown.peak_bytes), tuple(float(phases[k]) for k in sorted(phases))
         return known[key]
@@ -477,24 +482,28 @@ def resolve_param_dtype(requested: str, zero: int, dtype: str, device_types: Ite
     return dtypes.pop() if len(dtypes) == 1 else "fp32"
 
 
-def step_overlap(spec: ModelSpec, zero: int, prefetch: int) -> tuple[float, float, int] | None:
+def step_overlap(spec: ModelSpec, zero: int, prefetch: int,
+                 reduce_in_flight: int = 0) -> tuple[float, float, int] | None:
     """What of a step's collectives no compute hides, as the runtime orders them: (elements
     gathered, elements reduce-scattered, calls), None where nothing is hidden. Zero 1 reduces after
-    every micro-batch and gathers after the optimizer: all exposed (None). Zero 2 and 3 leave each
-    unit's reduce-scatter in flight behind the units still computing, so only the last one (the
-    embedding's) is exposed; zero 2 gathers after the optimizer (all exposed), zero 3 with prefetch
-    ≥ 1 gathers every unit behind the one computing, except the first (the embedding's), and with
-    prefetch 0 waits for each gather."""
+    the backward and gathers after the optimizer: all exposed (None). At zero 2 and 3 with
+    `reduce_in_flight` 1 each unit's reduce-scatter stays in flight behind the next unit's backward,
+    so only the last one (the embedding's) is exposed; with 0 each is waited as issued: all exposed.
+    Zero 2 gathers after the optimizer (all exposed), zero 3 with prefetch ≥ 1 gathers every unit
+    behind the one computing, except the first (the embedding's), and with prefetch 0 waits for each
+    gather."""
     check_zero(zero)
     if zero == 1:
         return None
     units = runtime_units(spec)
-    first = last = units[0].numel  # the embedding: gathered first, reduced last
+    first = units[0].numel  # the embedding: gathered first, reduced last
     sc = step_collectives(spec, zero)
+    reduce_calls = len(units) + (1 if spec.tied_embeddings else 0)
+    reduced, reduces = (float(first), 1) if reduce_in_flight else (float(sc.reduce_numel), reduce_calls)
     if zero == 3 and prefetch >= 1:
-        return float(first), float(last), 2
-    gather_calls = len(units) if zero == 2 else sc.num_calls - (len(units) + (1 if spec.tied_embeddings else 0))
-    return float(sc.gather_numel), float(last), gather_calls + 1
+        return float(first), reduced, 1 + reduces
+    gather_calls = len(units) if zero == 2 else sc.num_calls - reduce_calls
+    return float(sc.gather_numel), reduced, gather_calls + reduces
 
 
 def slice_sizes(numel: int, fractions: Sequence[float]) -> list[int]:
@@ -593,7 +602,7 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
     gather_bytes = float(collectives.gather_numel * pbytes)
     reduce_bytes = float(collectives.reduce_numel * rbytes)
     calls = collectives.num_calls
-    hidden = step_overlap(spec, zero, step.prefetch)
+    hidden = step_overlap(spec, zero, step.prefetch, step.reduce_in_flight)
     exposed = {} if hidden is None else {"exposed_gather_bytes": hidden[0] * pbytes,
                                          "exposed_reduce_bytes": hidden[1] * rbytes, "exposed_calls": hidden[2]}
     types = {d.type for d in devices}
@@ -645,8 +654,9 @@ class CostModel:
         self.affine_tol = max(AFFINE_TOL, 2.0 * share_step)
         self.coeffs = coeffs
         self.zero = validate_zero(zero)
-        check_step_dtypes(self.zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model")
-        self.step = step  # the runtime's dtypes and prefetch depth the tables are priced at
+        check_step_dtypes(self.zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model",
+                          reduce_in_flight=step.reduce_in_flight)
+        self.step = step  # the runtime's dtypes, prefetch depth and reduces in flight the tables are priced at
         self._comm_for = comm_for
         self._comm_cache: dict[tuple[frozenset, bool], CommModel] = {}
         self._share_cache: dict[tuple[DeviceSpec, int, int], float] = {}
@@ -655,15 +665,17 @@ class CostModel:
     def build(cls, cluster: ClusterSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
               headroom: float, profiles_dir: str | None = None, zero: int = RUNTIME_ZERO_STAGE,
               profile_cache: dict | None = None, param_dtype: str = PARAM_DTYPE_AUTO, reduce_dtype: str = "fp32",
-              prefetch: int = DEFAULT_PREFETCH) -> "CostModel":
+              prefetch: int = DEFAULT_PREFETCH, reduce_in_flight: int = 0) -> "CostModel":
         """The cost model of `spec` on `cluster` at ZeRO stage `zero`, the runtime gathering in
         `param_dtype` (`auto`: resolve_param_dtype over the cluster's devices), reducing in
-        `reduce_dtype`, `prefetch` units ahead. ValueError on a combination the runtime refuses."""
+        `reduce_dtype`, `prefetch` units ahead, `reduce_in_flight` reduce-scatters left in flight.
+        ValueError on a combination the runtime refuses."""
         validate_zero(zero)
         kinds = sorted({d for _, d in cluster.devices()}, key=lambda d: (d.type, d.slowdown, d.memory_gb or 0))
         step = StepConfig(resolve_param_dtype(param_dtype, zero, dtype, (d.type for d in kinds)), reduce_dtype,
-                          prefetch)
-        check_step_dtypes(zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model")
+                          prefetch, reduce_in_flight)
+        check_step_dtypes(zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model",
+                          reduce_in_flight=step.reduce_in_flight)
         coeffs = {d: build_device_coeffs(d, spec, seq, dtype, recompute, headroom, cluster.num_devices, profiles_dir,
                                          zero, profile_cache, step)
                   for d in kinds}

@@ -49,7 +49,8 @@ def print_plan(plan: Plan) -> None:
     """The per-device table (predicted figures) and the summary lines."""
     print(f"plan for {plan.model} on {plan.cluster.name}: global batch {plan.global_batch}, seq {plan.seq}, "
           f"{plan.dtype}, recompute {plan.recompute}, zero {plan.zero}, parameters gathered in {plan.param_dtype}, "
-          f"gradients reduced in {plan.reduce_dtype}, prefetch {plan.prefetch} (all figures predicted)")
+          f"gradients reduced in {plan.reduce_dtype}, prefetch {plan.prefetch}, {plan.reduce_in_flight} reduce-scatter "
+          "left in flight (all figures predicted)")
     devices = plan.cluster.devices()
     stage_of = {}
     if plan.pipeline is not None:

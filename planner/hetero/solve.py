@@ -1223,7 +1223,7 @@ def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: 
     return Plan(cost.cluster, model, global_batch, seq, dtype, recompute, tuple(assignments), iteration_s,
                 global_batch / iteration_s, dict(baselines or {}), solve_s, tuple(notes), zero=cost.zero,
                 param_dtype=cost.step.param_dtype, reduce_dtype=cost.step.reduce_dtype, prefetch=cost.step.prefetch,
-                predicted_wire_bytes_per_step=wire_bytes, predicted_exposed_comm_s=exposed_s)
+                reduce_in_flight=cost.step.reduce_in_flight, predicted_wire_bytes_per_step=wire_bytes, predicted_exposed_comm_s=exposed_s)
 
 
 def plan_notes(cost: CostModel, dtype: str) -> list[str]:
@@ -1275,20 +1275,26 @@ def step_candidates(zero: int, param_dtype: str, reduce_dtype: str) -> list[Step
     """The runtime settings the ILP chooses among at one stage, most wanted first (a later one must
     beat the earlier ones): the reduce dtypes the user allowed (bf16 first where asked, then fp32),
     and at zero 3 the prefetch depths of PREFETCH_DEPTHS the time model tells apart, deepest first
-    (prefetch 0 wins only where a deeper one does not fit or is slower). `param_dtype` stays as
-    asked (CostModel.build resolves auto)."""
+    (prefetch 0 wins only where a deeper one does not fit or is slower), and at zero 2 and 3
+    reduce-scatters left in flight, 1 then 0 (0 wins only where keeping a reduce's buffers through
+    the next unit's backward does not fit or is slower; zero 1 has none to leave). `param_dtype`
+    stays as asked (CostModel.build resolves auto)."""
     reduces = ("bf16", "fp32") if reduce_dtype == "bf16" else ("fp32",)
     depths = sorted((p for p in PREFETCH_DEPTHS if p <= OVERLAP_DEPTH), reverse=True) if zero == 3 else [1]
-    return [StepConfig(param_dtype, r, p) for r in reduces for p in depths]
+    flights = (1, 0) if zero >= 2 else (0,)
+    return [StepConfig(param_dtype, r, p, f) for r in reduces for p in depths for f in flights]
 
 
 def step_notes(cost: CostModel, reduce_dtype: str) -> list[str]:
     """What the chosen runtime settings are and, where the ILP left the default, why."""
     st = cost.step
     notes = [f"runtime: parameters gathered in {st.param_dtype}, gradients reduced in {st.reduce_dtype}"
-             + (f", prefetch {st.prefetch}" if cost.zero == 3 else "")]
+             + (f", prefetch {st.prefetch}" if cost.zero == 3 else "")
+             + (f", {st.reduce_in_flight} reduce-scatter left in flight" if cost.zero >= 2 else "")]
     if cost.zero == 3 and st.prefetch == 0:
         notes.append("prefetch 0: gathering the next unit ahead did not fit in memory or was not faster")
+    if cost.zero >= 2 and st.reduce_in_flight == 0:
+        notes.append("reduce_in_flight 0: leaving a reduce-scatter in flight did not fit in memory or was not faster")
     if reduce_dtype == "bf16" and st.reduce_dtype == "fp32":
         notes.append("reduce dtype fp32 although bf16 was allowed: the bf16 reduce did not fit or was not faster")
     return notes
@@ -1361,7 +1367,7 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     the dtype zero 3 gathers parameters in (auto: the compute dtype; an explicit half dtype limits
     "auto" to zero 3 and refuses zero 1 and 2); `reduce_dtype`: bf16 allows bf16 reduce-scatters,
     which the ILP takes unless fp32 ones are faster; fp32 (default) keeps them fp32. Per stage the
-    ILP also chooses the prefetch depth (step_candidates). Raises ValueError on bad input and when
+    ILP also chooses the prefetch depth and the reduce-scatters left in flight (step_candidates). Raises ValueError on bad input and when
     no plan fits at any stage tried, naming why."""
     validate_inputs(global_batch, seq, dtype, recompute, headroom, time_limit_s, gap)
     validate_step_dtypes(dtype, param_dtype, reduce_dtype)
@@ -1381,12 +1387,14 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     for z in stages:
         costs = [CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=z,
                                  profile_cache=profile_cache, param_dtype=st.param_dtype,
-                                 reduce_dtype=st.reduce_dtype, prefetch=st.prefetch)
+                                 reduce_dtype=st.reduce_dtype, prefetch=st.prefetch,
+                                 reduce_in_flight=st.reduce_in_flight)
                  for st in step_candidates(z, param_dtype, reduce_dtype)]
         found, errors = solve_candidates(costs, global_batch, deadline, gap, micro_batches,
                                          best.iteration_s if best else math.inf)
         if found is None and len(errors) == len(costs):  # nothing fits at this stage
-            # the last candidate needs the least memory (fp32 reduce, prefetch 0): its reason is the one to give
+            # the last candidate needs the least memory (fp32 reduce, prefetch 0, no reduce in flight): its
+            # reason is the one to give
             if len(stages) == 1 or time.monotonic() >= deadline:
                 raise ValueError(errors[-1])
             failures[z] = errors[-1]
@@ -1429,7 +1437,7 @@ def evaluate_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profiles_dir: s
     spec = with_max_seq(get_model(plan.model), plan.seq)
     cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, headroom, profiles_dir,
                            zero=plan.zero, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-                           prefetch=plan.prefetch)
+                           prefetch=plan.prefetch, reduce_in_flight=plan.reduce_in_flight)
     per_device = [(a.micro_batch, a.accum_steps, a.shard_fraction) for a in plan.assignments]
     notes = plan_notes(cost, plan.dtype)
     fits = True

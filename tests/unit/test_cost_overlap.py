@@ -1,7 +1,8 @@
 """The cost model prices what the sharded runtime runs (planner/costmodel/training.py): gathers in the
 plan's param_dtype, reduce-scatters in its reduce_dtype, and per step exposed + max(compute, hidden
-comm) (StepComm), the first gather and the last reduce-scatter exposed; the ILP's bounds and rows stay
-exact under that pricing (an exhaustive search over the same tables agrees)."""
+comm) (StepComm), the first gather and the last reduce-scatter exposed with a reduce-scatter left in
+flight (every reduce-scatter without); the ILP's bounds and rows stay exact under that pricing (an
+exhaustive search over the same tables agrees)."""
 from __future__ import annotations
 
 import math
@@ -95,7 +96,7 @@ def link() -> Link:
 def test_exposed_comm_is_the_first_gather_and_the_last_reduce_when_compute_is_longer():
     spec, k = get_model("gpt2"), 2
     embed = runtime_units(spec)[0].numel
-    cost = hand_cost(spec, 3, StepConfig("bf16"), compute_s=10.0, opt_s=1.0, k=k)
+    cost = hand_cost(spec, 3, StepConfig("bf16", reduce_in_flight=1), compute_s=10.0, opt_s=1.0, k=k)
     per_device = [(1, 1, 0.5)] * k
     t, _ = cost.estimate_iteration_s(per_device)
     first_gather_last_reduce = sharded_step_comm_s(2 * embed, 4 * embed, 2, k, link())
@@ -125,7 +126,7 @@ def test_prefetch_0_and_zero_1_expose_what_they_wait_for():
     sc3 = step_collectives(spec, 3)
     per_device = [(1, 1, 0.5)] * k
     # zero 3 without prefetch: every gather waited for, and the last reduce
-    cost = hand_cost(spec, 3, StepConfig("bf16", prefetch=0), compute_s=10.0, opt_s=1.0, k=k)
+    cost = hand_cost(spec, 3, StepConfig("bf16", prefetch=0, reduce_in_flight=1), compute_s=10.0, opt_s=1.0, k=k)
     gather_calls = sc3.num_calls - len(runtime_units(spec)) - (1 if spec.tied_embeddings else 0)
     expected = sharded_step_comm_s(2 * sc3.gather_numel, 4 * embed, gather_calls + 1, k, link())
     assert cost.estimate_comm(per_device)[1] == pytest.approx(expected)
@@ -134,6 +135,45 @@ def test_prefetch_0_and_zero_1_expose_what_they_wait_for():
     total1 = cost1.comm_model({GPU}, False).comm_s(k)
     assert cost1.estimate_iteration_s(per_device)[0] == pytest.approx(10.0 + total1 + 0.5)
     assert cost1.estimate_comm(per_device)[1] == pytest.approx(total1)
+
+
+@pytest.mark.parametrize("zero, prefetch", [(3, 1), (3, 0), (2, 1)])
+def test_reduce_in_flight_0_exposes_every_reduce_and_1_all_but_the_last(zero, prefetch):
+    spec, k = get_model("gpt2"), 2
+    units = runtime_units(spec)
+    embed = units[0].numel
+    sc = step_collectives(spec, zero)
+    reduce_calls = len(units) + (1 if spec.tied_embeddings else 0)
+    per_device = [(1, 1, 0.5)] * k
+    exposed = {}
+    for flight in (0, 1):
+        step = StepConfig("bf16" if zero == 3 else "fp32", prefetch=prefetch, reduce_in_flight=flight)
+        exposed[flight] = hand_cost(spec, zero, step, compute_s=10.0, opt_s=1.0, k=k).estimate_comm(per_device)[1]
+    pbytes = 2 if zero == 3 else 4
+    if zero == 3 and prefetch:
+        gathered, gathers = embed, 1  # only the first gather waited for
+    else:
+        gathered, gathers = sc.gather_numel, sc.num_calls - reduce_calls  # every gather waited for
+    every_reduce = sharded_step_comm_s(pbytes * gathered, 4 * sc.reduce_numel, gathers + reduce_calls, k, link())
+    last_reduce = sharded_step_comm_s(pbytes * gathered, 4 * embed, gathers + 1, k, link())
+    assert exposed[0] == pytest.approx(every_reduce)
+    assert exposed[1] == pytest.approx(last_reduce)
+    assert exposed[0] > exposed[1]
+    # zero 1 reduces after the backward: nothing left to overlap, so no plan or cost model leaves one in flight
+    with pytest.raises(ValueError, match="reduce_in_flight 1 needs zero 2 or 3"):
+        hand_cost(spec, 1, StepConfig("fp32", reduce_in_flight=1), compute_s=10.0, opt_s=1.0, k=k)
+
+
+def test_reduce_in_flight_reaches_the_memory_model():
+    # the cost model's memory asks the memory model at the plan's reduce_in_flight: its buffers cost room
+    spec = get_model("gpt2")
+    built = {f: CostModel.build(cluster_of(2), spec, 128, "bf16", "none", 0.9, zero=3, reduce_dtype="bf16",
+                                reduce_in_flight=f) for f in (0, 1)}
+    assert built[1].step.reduce_in_flight == 1 and built[0].step.reduce_in_flight == 0
+    # the moments of the step (the peak is their largest): a reduce's buffers kept through the next
+    # unit's backward raise some, lower none
+    moments = {f: c.coeffs[GPU].phases_fn(2, 1, 0.5) for f, c in built.items()}
+    assert all(a >= b for a, b in zip(moments[1], moments[0])) and moments[1] != moments[0]
 
 
 def test_step_comm_bounds_and_rooms():

@@ -203,12 +203,18 @@ def test_a_cluster_file_asks_emulated_links_and_prices_the_machine_at_their_rate
 
 def test_the_worker_hands_the_plans_precision_to_the_runtime():
     import dataclasses
+    from types import SimpleNamespace
 
     import torch
 
     from executor.worker import runtime_precision
 
     assert runtime_precision(two_cpu_plan()) == {"param_dtype": torch.float32, "reduce_dtype": torch.float32,
-                                                 "prefetch": 1}
-    plan = dataclasses.replace(two_cpu_plan(), zero=3, param_dtype="bf16", reduce_dtype="bf16", prefetch=2)
-    assert runtime_precision(plan) == {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "prefetch": 2}
+                                                 "prefetch": 1, "reduce_in_flight": 0}
+    plan = dataclasses.replace(two_cpu_plan(), zero=3, param_dtype="bf16", reduce_dtype="bf16", prefetch=2,
+                               reduce_in_flight=1)
+    assert runtime_precision(plan) == {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "prefetch": 2,
+                                       "reduce_in_flight": 1}
+    # a plan object from before the field (a stand-in without it): every reduce-scatter waited as issued
+    old = SimpleNamespace(param_dtype="fp32", reduce_dtype="fp32", prefetch=1)
+    assert runtime_precision(old)["reduce_in_flight"] == 0
