@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Iterator
 
 import pytest
@@ -33,6 +34,18 @@ def data_dir(tmp_path, monkeypatch) -> str:
     monkeypatch.setenv(ENV_DATA_DIR, path)
     monkeypatch.delenv("GPUMIX_DB", raising=False)  # a developer's shared store never reaches a test
     return path
+
+
+_MAIN = sys.modules["__main__"]
+
+
+@pytest.fixture(autouse=True)
+def restore_main_module() -> Iterator[None]:
+    """Streamlit's script runner (AppTest) installs the page's script as `__main__` and leaves it
+    there; a later `torch.multiprocessing` spawn would re-run that script in every child. Put
+    pytest's own `__main__` back after each test."""
+    yield
+    sys.modules["__main__"] = _MAIN
 
 
 @pytest.fixture(scope="session")
