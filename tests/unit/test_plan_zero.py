@@ -50,7 +50,8 @@ def assert_fits_by_the_memory_model(plan: Plan):
         cfg = MemoryConfig(micro_batch=a.micro_batch, accum_steps=max(a.accum_steps, 1), seq=plan.seq,
                            dtype=device_dtype(dev.type, plan.dtype), recompute=plan.recompute,
                            dp=plan.cluster.num_devices, zero=plan.zero, shard_fraction=a.shard_fraction,
-                           param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype, prefetch=plan.prefetch)
+                           param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype, prefetch=plan.prefetch,
+                           reduce_in_flight=plan.reduce_in_flight)
         peak = estimate_memory(spec, cfg).peak_bytes
         assert peak <= dev.memory_bytes * HEADROOM * (1 + 1e-9), (a, peak)
         assert a.predicted_memory_bytes == pytest.approx(peak, rel=1e-6, abs=4096)
