@@ -117,6 +117,7 @@ class DeviceCoeffs:
     capacity_bytes: float  # memory × headroom: what a plan may use
     memory_fn: MemoryFn = field(compare=False, repr=False)  # (m, n, f) -> bytes
     measured: bool = False  # the step profile was measured (else estimated)
+    recompute_measured: bool = True  # the recompute-full profile (accumulation at zero >= 2) was measured
     source: str = ""
     # layer-wise accumulation (zero ≥ 2): n > 1 recomputes every unit's forward, priced by the
     # recompute="full" profile below, and memory depends on n
@@ -579,7 +580,7 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
         optimizer_s=prof.optimizer_s_per_param * spec.num_params * device.slowdown,
         capacity_bytes=device.memory_bytes * headroom,
         memory_fn=memory_fn, phases_fn=phases_fn,
-        measured=bool(prof.measured and (full is None or full.measured)), source=prof.source,
+        measured=bool(prof.measured), recompute_measured=bool(full is None or full.measured), source=prof.source,
         layerwise=layerwise,
         recompute_alpha_s=full.alpha_s * device.slowdown if full else None,
         recompute_beta_s=full.beta_s * device.slowdown if full else None,

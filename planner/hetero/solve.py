@@ -1226,6 +1226,15 @@ def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: 
                 reduce_in_flight=cost.step.reduce_in_flight, predicted_wire_bytes_per_step=wire_bytes, predicted_exposed_comm_s=exposed_s)
 
 
+def recompute_notes(cost: CostModel, per_device: dict) -> list[str]:
+    """A note naming the kinds whose accumulating devices (zero >= 2, more than one micro-batch: every
+    unit recomputed in its backward) were priced on an estimated recompute-full profile."""
+    devices = cost.cluster.devices()
+    kinds = sorted({devices[i][1].type for i, (_, n, _) in per_device.items()
+                    if n > 1 and devices[i][1] in cost.coeffs and not cost.coeffs[devices[i][1]].recompute_measured})
+    return [f"recomputed step times estimated (not measured) for {', '.join(kinds)}"] if kinds else []
+
+
 def plan_notes(cost: CostModel, dtype: str) -> list[str]:
     notes = []
     for t in sorted({d.type for d in cost.coeffs}):
@@ -1418,6 +1427,7 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
     if zero == ZERO_AUTO and len(stages) == 1:
         notes.append(f"zero 3 only: --param-dtype {param_dtype} gathers parameters, which only zero 3 does")
     notes += step_notes(cost, reduce_dtype)
+    notes += recompute_notes(cost, sol.per_device)
     plan = build_plan(cost, model, global_batch, seq, dtype, recompute,
                       [sol.per_device.get(i, (0, 0, 0.0)) for i in range(cluster.num_devices)],
                       notes, solve_s, best.baselines)
