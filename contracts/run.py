@@ -42,12 +42,16 @@ class RunConfig:
     emulate_wan: bool = False  # every plan node a datacenter emulated here (executor/wan.py)
     emulate_links_gbps: float | None = None  # every rank in its own namespace behind links of this rate (executor/links.py)
     prefill: dict[str, Any] | None = None  # the JSON object every rank gets as --prefill
+    stall_timeout_s: float | None = None  # no progress this long fails the run; None: derived from the predicted step
+    keep_checkpoints: int = 0  # keep the newest N checkpoints (0: keep every one)
+    overwrite: bool = False  # a used run folder is emptied first (without it or resume, refused)
 
     def __post_init__(self) -> None:
         _check_int("steps", self.steps, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 0)
         _check_int("seed", self.seed, 0)
-        for name in ("resume", "emulate_wan"):
+        _check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        for name in ("resume", "emulate_wan", "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("run_dir", "corpus_dir", "tokenizer", "init_from"):
@@ -60,6 +64,12 @@ class RunConfig:
         if g is not None and self.emulate_wan:
             raise ValueError("emulate_links_gbps and emulate_wan exclude each other: emulated datacenters shape "
                              "the links between nodes, emulated links every rank's own")
+        t = self.stall_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")):
+            raise ValueError(f"stall_timeout_s must be a number of seconds > 0, got {t!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other: resume continues the folder's run, "
+                             "overwrite empties the folder")
         for name in ("optim", "prefill"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, dict):
