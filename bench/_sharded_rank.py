@@ -72,7 +72,8 @@ class Ours:
                       comm=ProcessGroupCollectives(rank, list(range(world))), device=torch.device("cpu"),
                       recompute=sys_cfg["recompute"], autocast_dtype=DTYPES[dtype], optim=optim, seed=seed)
         # mixed precision like FSDP2's MixedPrecisionPolicy: the gathered parameters in `param_dtype`
-        # (the compute dtype unless the job names one), gradients reduced in `reduce_dtype` (fp32),
+        # (the compute dtype unless the job names one), gradients reduced in `reduce_dtype` (fp32
+        # unless the job names one),
         # `prefetch` gathers and `reduce_in_flight` reduce-scatters in flight (the runtime's defaults
         # unless named). Passed only where the
         # runtime takes them: `missing` says which it does not.
@@ -101,7 +102,8 @@ class Ours:
 
 class Fsdp2:
     """FSDP2 (`fully_shard` per block, then the root; even shards), mixed precision through its
-    MixedPrecisionPolicy (parameters in the compute dtype, gradients reduced in fp32), its default
+    MixedPrecisionPolicy (parameters in the compute dtype, gradients reduced in the system's
+    `reduce_dtype`, fp32 unless named), its default
     prefetching; gradients summed as ours are, the same AdamW groups, LR and clipping. `sync`:
     "every" reduce-scatters after every micro-batch (FSDP2's default), "last" only after the last
     (`set_requires_gradient_sync(False)` before: unsharded gradients held across micro-batches)."""
@@ -115,7 +117,8 @@ class Fsdp2:
         if initial_state is not None:
             model.load_state_dict(initial_state, strict=False)
         mesh = init_device_mesh("cpu", (world,))
-        mp = (MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+        reduce = {"fp32": torch.float32, "bf16": torch.bfloat16}[sys_cfg.get("reduce_dtype") or "fp32"]
+        mp = (MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=reduce)
               if DTYPES[dtype] is not None else MixedPrecisionPolicy())
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp)

@@ -212,7 +212,7 @@ def run_homogeneous(args: argparse.Namespace, launcher: Launcher, spec: ModelSpe
 
     world, m = 2, args.micro_batch
     batches = [m] * world
-    common = {"batches": batches, "micro_batch": [m] * world, "recompute": "none"}
+    common = {"batches": batches, "micro_batch": [m] * world, "recompute": "none", "reduce_dtype": args.reduce_dtype}
     job = {"model": spec.to_dict(), "seq": args.seq, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
            "dtype": args.dtype, "global_batch": sum(batches), "compare_params": args.dtype == "fp32",
            "systems": [dict(common, name="gpumix", kind="ours", zero=3, fractions=[1 / world] * world,
@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="compute and gather dtype (bf16: mixed precision, gradients reduced in fp32)")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="homogeneous: both systems reduce gradients in this dtype (FSDP2: MixedPrecisionPolicy's "
+                        "reduce_dtype; default fp32)")
     p.add_argument("--reduce-in-flight", type=int, choices=(0, 1), default=1,
                    help="GPUMix: reduce-scatters left in flight while compute goes on, as FSDP2 does (default 1)")
     p.add_argument("--cases", default="homogeneous,mixed", help="which comparisons (default homogeneous,mixed)")

@@ -110,8 +110,23 @@ def rs_padded(out, full, bounds, rank):
     out.copy_(o[: out.numel()])
 
 
+def rs_direct(out, full, bounds, rank):
+    """point to point: every other owner's slice sent to it, the peers' parts of the own slice
+    received into per-peer buffers, summed with the own part"""
+    s, e = bounds[rank]
+    works = [dist.isend(full[a:b], dst=p) for p, (a, b) in enumerate(bounds) if p != rank and b > a]
+    bufs = [torch.empty(e - s, dtype=full.dtype) for p in range(len(bounds)) if p != rank] if e > s else []
+    peers = [p for p in range(len(bounds)) if p != rank]
+    works += [dist.irecv(buf, src=p) for buf, p in zip(bufs, peers)]
+    for w in works:
+        w.wait()
+    out.copy_(full[s:e])
+    for buf in bufs:
+        out.add_(buf)
+
+
 AG_METHODS = {"broadcast": ag_broadcast, "padded": ag_padded, "allreduce": ag_allreduce}
-RS_METHODS = {"reduce": rs_reduce, "allreduce": rs_allreduce, "padded": rs_padded}
+RS_METHODS = {"reduce": rs_reduce, "allreduce": rs_allreduce, "padded": rs_padded, "direct": rs_direct}
 
 
 def ref_ag(full, shard, bounds, rank):

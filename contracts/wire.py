@@ -28,9 +28,10 @@ from __future__ import annotations
 from typing import Sequence
 
 BACKENDS = ("gloo", "nccl")
-# gloo: one broadcast / reduce per non-empty owner, or the whole buffer all-reduced (one call)
+# gloo: one broadcast / reduce per non-empty owner, the whole buffer all-reduced (one call), or
+# ("direct") each owner's slice sent to it point to point and summed there
 GLOO_GATHER_METHODS = ("broadcast", "allreduce", "padded")
-GLOO_REDUCE_SCATTER_METHODS = ("reduce", "allreduce", "padded")
+GLOO_REDUCE_SCATTER_METHODS = ("reduce", "allreduce", "padded", "direct")
 # nccl: the native tensor form (even split in rank order), or torch's uneven list form, which NCCL runs as
 # one group of broadcasts / reduces (one call, no padding)
 NCCL_GATHER_METHODS = ("native", "grouped", "padded")
@@ -78,15 +79,15 @@ def gather_method(sizes: Sequence[int], elem_bytes: int, world: int, backend: st
 
 def reduce_scatter_method(sizes: Sequence[int], elem_bytes: int, world: int, backend: str,
                           position_to_rank: Sequence[int] | None = None) -> str:
-    """gloo: per-owner "reduce" unless the one "allreduce" sends fewer bytes from the busiest rank (gloo's
-    reduce re-sends most of a slice over 2 MiB: its ring runs numSegments - 2 steps, not (k-1)/k of them);
-    nccl: "native" for an even split in rank order, else "grouped"."""
+    """gloo: of the methods that allocate no scratch, the one whose busiest rank sends the fewest bytes
+    (ties: the first of "direct", "reduce", "allreduce"). gloo's reduce re-sends most of a slice over
+    2 MiB (its ring runs numSegments - 2 steps, not (k-1)/k of them); "direct" sends every slice once,
+    and needs no scratch on 2 ranks only. nccl: "native" for an even split in rank order, else "grouped"."""
     sizes, ranks = _check(sizes, elem_bytes, world, backend, position_to_rank)
     if backend == "nccl":
         return "native" if _native_even(sizes, ranks) else "grouped"
-    by_reduce = max(reduce_scatter_send_bytes(sizes, elem_bytes, world, backend, ranks, "reduce"))
-    by_allreduce = max(reduce_scatter_send_bytes(sizes, elem_bytes, world, backend, ranks, "allreduce"))
-    return "allreduce" if by_allreduce < by_reduce else "reduce"
+    candidates = [m for m in ("direct", "reduce", "allreduce") if _scratch(sizes, elem_bytes, world, backend, m) == 0]
+    return min(candidates, key=lambda m: max(reduce_scatter_send_bytes(sizes, elem_bytes, world, backend, ranks, m)))
 
 
 # ---- gloo's algorithms, per rank: (payload bytes sent, messages sent, messages received) ----------------
@@ -168,6 +169,18 @@ def _gloo_allgather(chunk_bytes: int, k: int) -> list[tuple[int, int, int]]:
     if chunk_bytes == 0:  # gloo returns before sending anything
         return [(0, 0, 0)] * k
     return [((k - 1) * chunk_bytes, 2 * (k - 1), 2 * (k - 1)) for _ in range(k)]
+
+
+def _gloo_direct(sizes: list[int], elem: int) -> list[tuple[int, int, int]]:
+    """models/collectives.py's "direct" reduce-scatter (gloo send/recv): position p sends every other
+    non-empty slice to its owner, one message each, and receives one from every other rank when its own
+    slice is not empty (per position; _by_position is the identity here)."""
+    k = len(sizes)
+    out = []
+    for p, mine in enumerate(sizes):
+        others = [n for q, n in enumerate(sizes) if q != p and n]
+        out.append((sum(others) * elem, len(others), (k - 1) if mine else 0))
+    return out
 
 
 def _wire(per_rank: list[tuple[int, int, int]]) -> list[int]:
@@ -252,6 +265,8 @@ def reduce_scatter_send_bytes(sizes: Sequence[int], elem_bytes: int, world: int,
                               elem_bytes)
     elif method == "allreduce":
         per_rank = _wire(_gloo_allreduce(sum(sizes) * elem_bytes, elem_bytes, world))
+    elif method == "direct":  # per position already
+        return _wire(_gloo_direct(sizes, elem_bytes))
     else:  # torch: reduce_scatter_tensor on gloo clones the padded input and all-reduces it
         per_rank = _wire(_gloo_allreduce(world * max(sizes) * elem_bytes, elem_bytes, world))
     return _by_position(per_rank, ranks)
@@ -273,7 +288,8 @@ def reduce_scatter_scratch_bytes(sizes: Sequence[int], elem_bytes: int, world: i
                                  position_to_rank: Sequence[int] | None = None,
                                  method: str | None = None) -> int:
     """Torch-allocator bytes one reduce_scatter allocates beyond its arguments. reduce, allreduce (both in
-    place on `full`), native, grouped: 0, except the grouped list form of an even split (out of rank
+    place on `full`), native, grouped: 0; direct: a received buffer of the largest slice for every peer
+    after the first (0 on 2 ranks); except the grouped list form of an even split (out of rank
     order), which torch copies into a flat k·m input. padded: the k·m input and the m output; gloo adds
     the k·m clone its reduce_scatter_tensor all-reduces."""
     sizes, ranks = _check(sizes, elem_bytes, world, backend, position_to_rank)
@@ -290,6 +306,8 @@ def _scratch(sizes: list[int], elem_bytes: int, world: int, backend: str, method
         return (world + 1) * m + (world * m if backend == "gloo" else 0)
     if method == "grouped" and len(set(sizes)) == 1:  # torch's list form of an even split: one flat copy
         return world * m
+    if method == "direct":  # the first peer's part lands in the output, every further one in a buffer
+        return max(world - 2, 0) * m
     return 0
 
 

@@ -11,8 +11,9 @@ ranks of the process group through `position_to_rank`, so the plan's order need 
 The method per call is contracts.wire's rule (`gather_method`, `reduce_scatter_method`), chosen by
 bench/uneven_collectives.py's measurement (docs/models/cost.md):
   gloo gather: one async broadcast per non-empty owner into views of `full`;
-  gloo reduce-scatter: one async reduce per non-empty owner, or, where it sends fewer bytes from the
-    busiest rank (on 2 ranks, from about 8 MiB), one all_reduce of `full`; either clobbers `full`;
+  gloo reduce-scatter: on 2 ranks "direct" (each rank sends the other's slice, point to point, and
+    adds its own to what it receives: every byte once); else one async reduce per non-empty owner,
+    or, where it sends fewer bytes from the busiest rank, one all_reduce of `full` (both clobber `full`);
   NCCL: the native single-tensor forms for an even split in rank order, else torch's list forms, which
     NCCL runs as one group of broadcasts / reduces (one call, no padding).
 Any dtype the backend reduces (fp32, bf16). `scratch_bytes` is what a call allocates beyond its
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 Bounds = Sequence[tuple[int, int]]
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+P2P_TAG_WRAP = 2**24  # send/recv tags of the "direct" reduce-scatter cycle below this
 # torch 2.13 renamed the single-tensor forms (all_gather_into_tensor, reduce_scatter_tensor)
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -233,12 +235,43 @@ class ProcessGroupCollectives(Collectives):
             works = [dist.reduce_scatter(shard_out, self._rank_views(full, bounds), group=self.group,
                                          async_op=async_op)]
             return Work(works if async_op else [])
+        if method == "direct":
+            return self._direct_reduce_scatter(shard_out, full, bounds, async_op)
         if method == "allreduce":  # one call: every rank's full summed in place, then the own slice
             works = [dist.all_reduce(full, group=self.group, async_op=async_op)]
         else:  # "reduce": one per non-empty owner, into its view of full
             works = [dist.reduce(full[a:b], group_dst=self.position_to_rank[p], group=self.group, async_op=async_op)
                      for p, (a, b) in enumerate(bounds) if b > a]
         work = Work(works if async_op else [], then=lambda: shard_out.copy_(full[s:e]))
+        if not async_op:
+            work.wait()
+        return work
+
+    def _direct_reduce_scatter(self, shard_out, full, bounds, async_op) -> Work:
+        """Every other owner's slice of `full` sent to it; the peers' parts of this rank's slice
+        received (the first into shard_out, the others into buffers), then this rank's own added.
+        A tag per call, the same on every rank (they issue the same calls in the same order), keeps
+        calls in flight at once apart."""
+        s, e = bounds[self.position]
+        self._p2p_tag = (getattr(self, "_p2p_tag", 0) + 1) % P2P_TAG_WRAP
+        tag = self._p2p_tag
+        works = [dist.isend(full[a:b], group_dst=self.position_to_rank[p], group=self.group, tag=tag)
+                 for p, (a, b) in enumerate(bounds) if p != self.position and b > a]
+        received = []
+        if e > s:
+            for i, p in enumerate(q for q in range(self.world) if q != self.position):
+                buf = shard_out if i == 0 else torch.empty_like(shard_out)
+                works.append(dist.irecv(buf, group_src=self.position_to_rank[p], group=self.group, tag=tag))
+                received.append(buf)
+
+        def then() -> None:
+            for buf in received[1:]:
+                shard_out.add_(buf)
+            if received:
+                shard_out.add_(full[s:e])
+            else:
+                shard_out.copy_(full[s:e])
+        work = Work(works, then=then)
         if not async_op:
             work.wait()
         return work

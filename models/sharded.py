@@ -354,8 +354,13 @@ class ShardedRuntime:
 
     def _prefetch(self, pos: int) -> None:
         """Start the gathers of the `prefetch` units after position `pos` of the step's order of
-        uses (`_use_order`); a unit held or already in flight is left as it is."""
-        for unit in self._order[pos + 1:pos + 1 + self.prefetch]:
+        uses (`_use_order`); a unit held or already in flight is left as it is. The head and a tied
+        embedding are used together: prefetching the head prefetches the embedding too."""
+        end = pos + 1 + self.prefetch
+        if self.prefetch and self.spec.tied_embeddings and end <= len(self._order) and \
+                self._order[end - 1] is self.units[-1]:
+            end += 1
+        for unit in self._order[pos + 1:end]:
             self._start_gather(unit)
 
     def _use_order(self) -> list[UnitState]:
@@ -692,11 +697,15 @@ class ShardedRuntime:
         if self._cuda:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
-        for u in self.units:
+        for i, u in enumerate(self.units):
             if u.end > u.start:
                 if scaled:
                     u.grad.mul_(coef)
                 adamw_step_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, self.step_count, lr, self.optim, u.decay)
+            if i == 0 and self.zero == 3 and self.prefetch:
+                # the next step's first gather (the embedding, updated first) runs beside the rest
+                # of the update instead of before the next forward; the unit stays gathered until then
+                self._start_gather(u)
         if ev is not None:
             ev[1].record()
         optimizer_s = time.perf_counter() - t0

@@ -523,7 +523,9 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         "embed_reduce": (0, inputs_all + shared + late + gw * embed + (rb * embed if gw != rb else 0)
                          + (0 if tied else FP32_BYTES * shards[0])
                          + (rb * shards[0] if tied or rb != FP32_BYTES else 0)),
-        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads),
+        # the update: with prefetch the next step's first unit (the embedding, updated first) is
+        # gathered beside the rest of it
+        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads + (g(embed) if k else 0)),
     }
     if not cfg.micro_batch:  # no activations: the unit buffers of the moments alone
         phases = {key: (0, o) for key, (a, o) in phases.items()}

@@ -74,20 +74,26 @@ def test_world_one_and_empty_buffers_send_nothing():
         assert reduce_scatter_send_bytes([0, 0, 0], 2, 3, "gloo", method=method) == [0, 0, 0]
     for method in wire.GLOO_GATHER_METHODS:
         assert gather_send_bytes([0, 0], 4, 2, "gloo", method=method) == [0, 0]
-    assert reduce_scatter_method([0, 0], 4, 2, "gloo") == "reduce"
+    assert reduce_scatter_method([0, 0], 4, 2, "gloo") == "direct"
 
 
-def test_rule_picks_allreduce_only_where_it_sends_less():
+def test_rule_picks_the_fewest_bytes_without_scratch():
     mib = 2**20
     assert gather_method([3 * mib, mib], 4, 2, "gloo") == "broadcast"
-    assert reduce_scatter_method([mib // 4, mib // 4], 4, 2, "gloo") == "reduce"
-    assert reduce_scatter_method([int(1.8 * mib), int(0.2 * mib)], 4, 2, "gloo") == "allreduce"
-    for sizes in ([mib // 4, mib // 4], [int(1.8 * mib), int(0.2 * mib)], [3 * mib, 2 * mib, 0]):
+    # 2 ranks: every slice sent once, point to point, beats gloo's reduce and allreduce
+    assert reduce_scatter_method([mib // 4, mib // 4], 4, 2, "gloo") == "direct"
+    assert reduce_scatter_method([int(1.8 * mib), int(0.2 * mib)], 4, 2, "gloo") == "direct"
+    assert reduce_scatter_send_bytes([3, 5], 4, 2, "gloo", method="direct") == [5 * 4 + 96 + 48, 3 * 4 + 96 + 48]
+    # 3 ranks: direct would need a received buffer, so reduce or allreduce, whichever sends less
+    assert reduce_scatter_method([3 * mib, 2 * mib, 0], 4, 3, "gloo") in ("reduce", "allreduce")
+    for sizes in ([mib // 4, mib // 4], [int(1.8 * mib), int(0.2 * mib)], [3 * mib, 2 * mib, 0], [mib, mib, mib]):
         k = len(sizes)
         chosen = reduce_scatter_method(sizes, 4, k, "gloo")
-        other = "reduce" if chosen == "allreduce" else "allreduce"
-        assert max(reduce_scatter_send_bytes(sizes, 4, k, "gloo")) <= \
-            max(reduce_scatter_send_bytes(sizes, 4, k, "gloo", method=other))
+        for other in wire.GLOO_REDUCE_SCATTER_METHODS:
+            if reduce_scatter_scratch_bytes(sizes, 4, k, "gloo", method=other) == 0:
+                assert max(reduce_scatter_send_bytes(sizes, 4, k, "gloo")) <= \
+                    max(reduce_scatter_send_bytes(sizes, 4, k, "gloo", method=other))
+    assert reduce_scatter_scratch_bytes([mib, mib, mib], 4, 3, "gloo", method="direct") == 4 * mib
 
 
 def test_scratch_of_each_method():
