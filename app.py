@@ -1,21 +1,49 @@
 """GPUMix dashboard: a router over thin pages (widgets -> one library call -> render).
 
-Start: `python -m streamlit run app.py` (scripts/dashboard.sh). The app opens on the
-local inventory; Plan -> Launch & monitor is the path of a first run. Shared state
-lives in ui/state.py, shared rendering helpers in ui/common.py.
+Start: `bash scripts/dashboard.sh` (`gpumix dashboard`), which prints the URL with its access
+token. A session without the token (GPUMIX_DASHBOARD_TOKEN, given as `?token=`) sees one line
+and no page. The app opens on the local inventory; Plan -> Launch & monitor is the path of a
+first run. Shared state lives in ui/state.py, shared rendering helpers in ui/common.py.
 """
 import logging
 import os
 
 import streamlit as st
 
+from contracts.secrets import ENV_DASHBOARD_TOKEN, TOKEN_PARAM, token_matches
 from ui import state
 
 log = logging.getLogger(__name__)
 
 LAUNCH_URL_PATH = "launch"
+GRANTED = "access_granted"  # session key: this session gave the right token once
+REFUSED = "This dashboard needs its access token: open the URL printed at start (http://localhost:PORT/?token=…)."
+NO_TOKEN = (f"This dashboard has no access token: start it with `bash scripts/dashboard.sh` (or set "
+            f"{ENV_DASHBOARD_TOKEN} for the server and open it with ?{TOKEN_PARAM}=…).")
 
 st.set_page_config(page_title="GPUMix", page_icon=":material/memory:", layout="wide")
+
+
+def has_access() -> bool:
+    """The session gave the server's token, in this run's URL or once before (so that moving
+    between pages, whose URLs drop the query, keeps working). The token stays in the URL, so a
+    reload of any page works too."""
+    expected = os.environ.get(ENV_DASHBOARD_TOKEN, "")
+    if not expected:
+        return False  # never open by default: a dashboard started without a token serves nothing
+    if st.session_state.get(GRANTED) != expected:
+        if not token_matches(st.query_params.get(TOKEN_PARAM), expected):
+            return False
+        st.session_state[GRANTED] = expected
+    if st.query_params.get(TOKEN_PARAM) != expected:
+        st.query_params[TOKEN_PARAM] = expected
+    return True
+
+
+if not has_access():
+    # before st.navigation: a refused session sees neither a page nor the page list
+    st.error(REFUSED if os.environ.get(ENV_DASHBOARD_TOKEN) else NO_TOKEN, icon=":material/lock:")
+    st.stop()
 
 PAGES = {
     "Cluster": [

@@ -35,7 +35,8 @@ sys.path.insert(0, ROOT)
 
 from contracts.paths import ENV_DATA_DIR  # noqa: E402
 from executor.store import MetricsStore  # noqa: E402
-from testkit.dashboard import CHART_SELECTOR, CHARTS_JS, RENDERED_JS, in_chart_js, launch_browser, streamlit_server  # noqa: E402
+from testkit.dashboard import (CHART_SELECTOR, CHARTS_JS, RENDERED_JS, in_chart_js, launch_browser, page_url,  # noqa: E402
+                               streamlit_server)
 from testkit.runs import fabricate_run, write_step  # noqa: E402
 
 WARM_TARGET_S = 2.0  # a new tab of a warm browser, everything drawn
@@ -84,7 +85,7 @@ def time_new_tabs(browser: Any, warm: Any, url: str, ref_url: str, rounds: int) 
     """`rounds` rounds, each: the one-line app then every page, each warm (a tab of `warm`) and
     cold (a fresh profile), interleaved so that both see the same machine load. Samples per name
     ("floor" for the one-line app) and way."""
-    names = {"floor": ref_url, **{title: f"{url}/{path}" for title, path in PAGES.items()}}
+    names = {"floor": ref_url, **{title: page_url(url, path) for title, path in PAGES.items()}}
     out: dict[str, dict[str, list]] = {name: {"warm": [], "cold": []} for name in names}
     for _ in range(rounds):
         for name, target in names.items():
@@ -99,7 +100,7 @@ def time_navigation(context: Any, url: str, titles: dict[str, str], rounds: int)
     out: dict[str, list[float]] = {t: [] for t in PAGES}
     page = context.new_page()
     try:
-        page.goto(url)
+        page.goto(page_url(url))
         page.wait_for_function(PAGE_DRAWN_JS, timeout=PAGE_TIMEOUT_MS, polling="raf")
         nav = page.locator('[data-testid="stSidebarNav"]')
         order = list(PAGES)[1:] + list(PAGES)[:1]  # starts on Inventory
@@ -141,7 +142,7 @@ def live_chart_blank_share(context: Any, url: str, store: MetricsStore, first_st
     page.set_viewport_size({"width": 1400, "height": 2200})  # every chart in view
     samples = []
     try:
-        page.goto(f"{url}/launch")
+        page.goto(page_url(url, "launch"))
         page.wait_for_function(LOSS_CHART_DRAWN_JS, timeout=PAGE_TIMEOUT_MS, polling="raf")
         step, t_end, next_row = first_step, time.perf_counter() + seconds, 0.0
         while time.perf_counter() < t_end:
@@ -160,7 +161,7 @@ def time_rows(context: Any, url: str, store: MetricsStore, first_step: int, rows
     page = context.new_page()
     delays = []
     try:
-        page.goto(f"{url}/launch")
+        page.goto(page_url(url, "launch"))
         page.get_by_text(re.compile(rf"Steps recorded:\s*{first_step}\b")).first.wait_for(timeout=PAGE_TIMEOUT_MS)
         rng = random.Random(0)
         for i in range(rows):
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             browser = launch_browser(pw)
             try:
                 warm = browser.new_context(viewport=VIEWPORT)  # the user's browser
-                first = {t: time_page_load(warm, f"{url}/{path}") for t, path in PAGES.items()}  # uncounted
+                first = {t: time_page_load(warm, page_url(url, path)) for t, path in PAGES.items()}  # uncounted
                 time_page_load(warm, ref_url)  # the one-line app's first visit too (its own origin and cache)
                 samples = time_new_tabs(browser, warm, url, ref_url, args.rounds)
                 nav = time_navigation(warm, url, {t: r["title"] for t, r in first.items()}, args.rounds)

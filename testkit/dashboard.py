@@ -1,8 +1,9 @@
 """The real dashboard in a real browser, for the browser tests and bench/dashboard_latency.py.
 
 - `streamlit_server(data_dir)` starts `streamlit run app.py` on a free localhost port with
-  GPUMIX_DATA_DIR=data_dir and stops it (and, by default, every process started with that data
-  dir: a launched run's torchrun group included) when the block ends.
+  GPUMIX_DATA_DIR=data_dir and the access token TOKEN, and stops it (and, by default, every
+  process started with that data dir: a launched run's torchrun group included) when the block
+  ends. `page_url(url, "plan")` is a page's address with the token, as a user opens it.
 - `launch_browser(playwright)` opens Debian's headless Chromium (never a downloaded build);
   `wait_idle(page)` waits until a load or a click has finished and everything has drawn.
 """
@@ -18,12 +19,14 @@ import urllib.request
 from typing import Any, Iterator
 
 from contracts.paths import ENV_DATA_DIR
+from contracts.secrets import ENV_DASHBOARD_TOKEN, TOKEN_PARAM
 from testkit import ROOT
 from testkit.processes import free_port, kill_processes_with_data_dir
 from testkit.wait import wait_until
 from ui import plotly_component
 
 CHROMIUM = "/usr/bin/chromium"
+TOKEN = "test-dashboard-token"  # every test dashboard's access token (app.py lets no one in without one)
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -46,10 +49,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     wait_until(healthy, timeout_s, f"streamlit to answer on {url}", ignore=(OSError,))
 
 
+def page_url(url: str, path: str = "", token: str = TOKEN) -> str:
+    """The address of the dashboard page `path` ("" the landing page, "plan", ...) with the access token."""
+    return f"{url}/{path}?{TOKEN_PARAM}={token}"
+
+
 @contextlib.contextmanager
 def streamlit_server(data_dir: str, app: str = "app.py", timeout_s: float = 60.0,
                      kill_everything: bool = True) -> Iterator[str]:
-    """Run `streamlit run app` on a free port with GPUMIX_DATA_DIR=data_dir; yield its URL.
+    """Run `streamlit run app` on a free port with GPUMIX_DATA_DIR=data_dir and the access token
+    TOKEN (in its environment); yield its URL (without the token: open pages with `page_url`).
 
     The server's log goes to <data_dir>/streamlit.log. On exit the server's process
     group is killed and, with `kill_everything`, every process carrying this data dir in
@@ -57,7 +66,7 @@ def streamlit_server(data_dir: str, app: str = "app.py", timeout_s: float = 60.0
     as it does when a user restarts the app."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, **{ENV_DATA_DIR: data_dir, "PYTHONUNBUFFERED": "1"})
+    env = dict(os.environ, **{ENV_DATA_DIR: data_dir, ENV_DASHBOARD_TOKEN: TOKEN, "PYTHONUNBUFFERED": "1"})
     cmd = [
         sys.executable, "-m", "streamlit", "run", app,
         "--server.port", str(port),

@@ -2,6 +2,8 @@
 
 - Every test gets its own GPUMIX_DATA_DIR (a tmp folder), so no test writes into data/.
   Use the `data_dir` fixture to get its path.
+- Every test's dashboard has the access token testkit.dashboard.TOKEN, and every AppTest
+  session opens with it (`?token=`), as a browser on the URL printed at start does.
 - `postgres_server` (one per session) and `store_backend` (a test run on SQLite and on
   PostgreSQL) wrap testkit/postgres.py; `slurm_cluster` (one per session) wraps testkit/slurm.py.
   Each skips, with the reason, where the platform cannot run it.
@@ -20,6 +22,8 @@ from typing import Iterator
 import pytest
 
 from contracts.paths import ENV_DATA_DIR
+from contracts.secrets import ENV_DASHBOARD_TOKEN, TOKEN_PARAM
+from testkit.dashboard import TOKEN
 from testkit.postgres import BACKENDS, PostgresServer, init_store, running_postgres, unavailable
 from testkit.slurm import SlurmCluster, platform_problem, running_slurm_cluster
 
@@ -34,6 +38,23 @@ def data_dir(tmp_path, monkeypatch) -> str:
     monkeypatch.setenv(ENV_DATA_DIR, path)
     monkeypatch.delenv("GPUMIX_DB", raising=False)  # a developer's shared store never reaches a test
     return path
+
+
+@pytest.fixture(autouse=True)
+def dashboard_token(monkeypatch) -> str:
+    """app.py's access token for this test, given to every AppTest session (tests that check the
+    refusal take it out of `at.query_params`). AppTest is patched only where a test imported it."""
+    monkeypatch.setenv(ENV_DASHBOARD_TOKEN, TOKEN)
+    app_test = getattr(sys.modules.get("streamlit.testing.v1.app_test"), "AppTest", None)
+    if app_test is not None:
+        init = app_test.__init__
+
+        def with_token(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.query_params[TOKEN_PARAM] = TOKEN
+
+        monkeypatch.setattr(app_test, "__init__", with_token)
+    return TOKEN
 
 
 _MAIN = sys.modules["__main__"]

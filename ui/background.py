@@ -10,7 +10,9 @@ thread), or when the server dies (the child watches its heartbeat file and its p
 A page calls `result_of(name, fn, *args)`: the value once the child is done, `Pending` while
 it runs (raise it out of an `st.cache_data` function: exceptions are not cached). The call, its
 arguments and the result travel as pickles through files in a temporary folder; `fn` must be
-a module-level function. Tests: tests/e2e/test_ui_background.py.
+a module-level function. `run_bounded(fn, *args)` is the short-lived kind: one call (parsing an
+upload) that must answer within a time and memory bound, or fail with one line. Tests:
+tests/e2e/test_ui_background.py, tests/e2e/test_upload_bounded.py.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import os
 import pickle
+import resource
 import shutil
 import signal
 import subprocess
@@ -60,7 +63,9 @@ class Job:
     """One call `fn(*args, **kwargs)` in a child process (its own process group)."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
-                 heartbeat_s: float = HEARTBEAT_S, owner: str | None = None, key: Any = None):
+                 heartbeat_s: float = HEARTBEAT_S, owner: str | None = None, key: Any = None,
+                 memory_bytes: int | None = None):
+        """`memory_bytes`: the child's address-space limit (None: unlimited)."""
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.owner, self.key, self.heartbeat_s = owner, key, heartbeat_s
@@ -74,7 +79,8 @@ class Job:
         self._lock = threading.Lock()
         with open(os.path.join(self.folder, LOG_FILE), "wb") as err:
             # own session = own process group: killpg ends the child and its cbc together
-            self.proc = subprocess.Popen([sys.executable, "-m", "ui.background", self.folder, str(heartbeat_s)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "ui.background", self.folder, str(heartbeat_s),
+                                          str(memory_bytes or 0)],
                                          cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                          start_new_session=True)
         self.last_poll = time.monotonic()
@@ -271,6 +277,21 @@ def result_of(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
                     del _jobs[(job.owner, name)]
 
 
+def run_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, memory_bytes: int) -> Any:
+    """`fn(*args)` in a child process of its own that may use `memory_bytes` of address space and
+    `timeout_s` of time: the value, or the call's own exception (ValueError: bad input) raised
+    again; ChildFailed, one line, when it ran out of either. The server's own memory and time
+    never depend on what `fn` meets (a huge or hostile upload)."""
+    job = Job(fn, args, memory_bytes=memory_bytes)  # not a session's: waited for here, never reaped
+    if not job.wait(timeout_s):
+        job.cancel(f"took longer than {timeout_s:g} s")
+        raise ChildFailed(f"took longer than {timeout_s:g} s (too large?)")
+    try:
+        return job.result()
+    except MemoryError:
+        raise ChildFailed(f"needs more than {memory_bytes / 2**20:,.0f} MiB to read (too large?)") from None
+
+
 # ---- the page's side -------------------------------------------------------------------
 
 
@@ -313,8 +334,10 @@ def _watch_owner(folder: str, heartbeat_s: float, parent: int) -> None:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-def _child_main(folder: str, heartbeat_s: float) -> int:
+def _child_main(folder: str, heartbeat_s: float, memory_bytes: int = 0) -> int:
     threading.Thread(target=_watch_owner, args=(folder, heartbeat_s, os.getppid()), daemon=True).start()
+    if memory_bytes > 0:  # after the watcher's thread (its stack counts too), before the call's pickle is read
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     with open(os.path.join(folder, CALL_FILE), "rb") as fh:
         fn, args, kwargs = pickle.load(fh)
     try:
@@ -335,4 +358,4 @@ def _child_main(folder: str, heartbeat_s: float) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    sys.exit(_child_main(sys.argv[1], float(sys.argv[2])))
+    sys.exit(_child_main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0))

@@ -4,8 +4,9 @@ House rules these helpers make cheap to follow (docs/TEAM.md):
 - every number says whether it is *predicted*, *measured* or *estimated*
   (`source_badge`, `metric`);
 - emulated devices are marked (`emulated_marker`, `device_label`);
-- bad input shows `st.error` with one clear line, never a traceback
-  (`show_errors`, `call_or_error`);
+- bad input shows `st.error` with one clear line, never a traceback, and never a password
+  (`show_errors`, `call_or_error`; URLs masked by contracts/secrets.py);
+- an uploaded file is parsed in a bounded child process, once per upload (`parse_upload`);
 - every chart axis has a unit (ui/charts.py builds the Plotly figures, `show_figure` draws them);
 - SQLite connections shared between reruns come from `sqlite_connection`
   (`st.cache_resource`).
@@ -25,8 +26,9 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import streamlit as st
 
+from contracts.secrets import mask_secrets
 from ui import plotly_component
-from ui.background import ChildFailed
+from ui.background import ChildFailed, run_bounded
 from ui.charts import CHART_HEIGHT_PX, MAX_MARKER_POINTS, rolling_median  # noqa: F401  (stable names of this module)
 
 log = logging.getLogger(__name__)
@@ -103,8 +105,8 @@ def show_emulated_note(emulated: bool) -> None:
 
 
 def error_message(exc: BaseException) -> str:
-    """The one line a user sees for a bad-input error."""
-    return str(exc).strip() or type(exc).__name__
+    """The one line a user sees for a bad-input error (a store URL's password masked)."""
+    return mask_secrets(str(exc).strip()) or type(exc).__name__
 
 
 @contextlib.contextmanager
@@ -133,6 +135,30 @@ def call_or_error(fn: Callable[..., T], *args: Any, what: str | None = None, **k
     with show_errors(what):
         return fn(*args, **kwargs)
     return None
+
+
+UPLOAD_TIMEOUT_S = 20.0  # a cluster file or config.json of the maximum upload size parses in well under a second
+UPLOAD_MEMORY_BYTES = 1 << 30  # address space of the parsing child: an interpreter and a few JSON megabytes
+
+
+def parse_upload(uploaded: Any, parse: Callable[[bytes, str], T], what: str) -> T | None:
+    """`parse(data, name)` of an `st.file_uploader` file, run in a child process bounded in time and
+    memory (ui/background.run_bounded): a huge or hostile file costs the server nothing but the
+    wait. Once per upload: the answer, an error too, is kept in the session under the upload's id.
+    None after showing the error as one line ("<what>: ...")."""
+    slot = f"parsed_upload:{parse.__module__}.{parse.__qualname__}"
+    kept = st.session_state.get(slot)
+    if kept is None or kept[0] != uploaded.file_id:
+        try:
+            kept = (uploaded.file_id, run_bounded(parse, uploaded.getvalue(), uploaded.name,
+                                                  timeout_s=UPLOAD_TIMEOUT_S, memory_bytes=UPLOAD_MEMORY_BYTES), None)
+        except (ValueError, ChildFailed) as e:
+            kept = (uploaded.file_id, None, error_message(e))
+        st.session_state[slot] = kept
+    _, value, error = kept
+    if error is not None:
+        st.error(f"{what}: {error}", icon=":material/error:")
+    return value
 
 
 # ---- number inputs -------------------------------------------------------------------------

@@ -7,7 +7,6 @@ cluster edits are ClusterSpec methods; the chosen cluster goes to ui/state.set_c
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 
@@ -19,9 +18,10 @@ from contracts.catalog import CATALOG, CPU_TYPE, GIB
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from planner.core.profiles import get_device_bench, load_step_profiles
 from contracts.specs import PRESETS
+from contracts.uploads import cluster_from_upload
 from profiler.inventory import LOCAL_DATACENTER, LOCAL_NODE, build_local_cluster, detect_devices
 from ui.common import (MEASURED, call_or_error, emulated_marker, fmt_bytes, fmt_cell, metric, number_field,
-                       page_header, page_link, show_emulated_note, show_errors, show_table, source_badge)
+                       page_header, page_link, parse_upload, show_emulated_note, show_errors, show_table, source_badge)
 from ui.state import get_cluster, get_model, set_cluster
 
 DEFAULT_PROFILE_SEQ = 128
@@ -134,19 +134,12 @@ def _apply_upload() -> None:
     uploaded = st.file_uploader("Upload a cluster file (JSON)", type=["json"], key="inv_upload")
     if uploaded is None:
         return
-    data = uploaded.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
-    try:
-        cluster = ClusterSpec.from_json(data.decode("utf-8"), source=uploaded.name)
-    except UnicodeDecodeError:
-        st.error(f"{uploaded.name}: not a text file (expected UTF-8 JSON)")
-        return
-    except ValueError as e:
-        st.error(f"Cannot use this cluster file: {e}")
+    cluster = parse_upload(uploaded, cluster_from_upload, "Cannot use this cluster file")
+    if cluster is None:
         return
     # apply a given upload once: later edits must not be overwritten on every rerun
-    if st.session_state.get("inv_upload_applied") != digest:
-        st.session_state["inv_upload_applied"] = digest
+    if st.session_state.get("inv_upload_applied") != uploaded.file_id:
+        st.session_state["inv_upload_applied"] = uploaded.file_id
         set_cluster(cluster)
         st.success(f"Loaded cluster {cluster.name!r} from {uploaded.name} ({cluster.num_devices} devices)")
 

@@ -6,18 +6,19 @@ stacked bar beside the datasheet capacity of a catalog GPU type, and a fits / do
 """
 from __future__ import annotations
 
-import json
 import os
 
 import streamlit as st
 
 from contracts.catalog import CATALOG
 from contracts.constants import DTYPES, MODELLED_ZERO_STAGES, RECOMPUTE
+from contracts.paths import confined_path
 from planner.core.memory import MemoryBreakdown, MemoryConfig, estimate_memory
-from contracts.specs import PRESETS, ModelSpec, get_model, spec_from_hf_dict
+from contracts.specs import PRESETS, ModelSpec, get_model
+from contracts.uploads import model_from_upload
 from ui.charts import RULE_COLOR, bar_chart
-from ui.common import (MEASURED, PREDICTED, fmt_bytes, fmt_percent, labelled, metric, number_field, page_header, show_errors,
-                       show_figure)
+from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, labelled, metric, number_field,
+                       page_header, parse_upload, show_errors, show_figure)
 from ui.state import get_model as get_session_model
 from ui.state import get_training_inputs, set_model, set_training_inputs
 from contracts.constants import GIB
@@ -44,15 +45,7 @@ def choose_model() -> ModelSpec | None:
     if up is None:
         st.info("Upload a config.json to see its memory.")
         return None
-    with show_errors(f"Bad config file {up.name}"):
-        try:
-            cfg = json.loads(up.getvalue().decode("utf-8", errors="replace"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON: {e.msg} at line {e.lineno}") from None
-        if not isinstance(cfg, dict):
-            raise ValueError("expected a JSON object")
-        return spec_from_hf_dict(cfg, name=os.path.splitext(up.name)[0] or "uploaded", source=up.name)
-    return None
+    return parse_upload(up, model_from_upload, "Bad config file")
 
 
 def choose_folder() -> ModelSpec | None:
@@ -64,8 +57,8 @@ def choose_folder() -> ModelSpec | None:
         st.info("Give the path of a local model folder.")
         return None
     spec = None
-    with show_errors(f"Cannot use {folder}"):
-        config = os.path.join(os.path.abspath(folder), "config.json")
+    with show_errors("Cannot use this folder"):
+        config = os.path.join(confined_path(folder, "Model folder"), "config.json")
         if not os.path.isfile(config):
             raise ValueError(f"no config.json in {folder}")
         spec = get_model(config)
@@ -99,11 +92,18 @@ def choose_data(spec: ModelSpec) -> None:
                               key="mem_tokenizer")
     data = c2.text_input("Dataset (folder of text, JSON Lines with 'text', or token files; empty: the Python "
                          "standard library)", value=inputs["corpus_dir"] or "", key="mem_data")
-    set_training_inputs(data or None, tokenizer or None, inputs["init_from"])
+    try:
+        # symlinks resolved here, so the run reads what was checked
+        tokenizer = confined_path(tokenizer, "Tokenizer") if tokenizer else None
+        data = confined_path(data, "Dataset") if data else None
+    except ValueError as e:  # nothing is read, kept or counted
+        st.error(error_message(e), icon=":material/block:")
+        return
+    set_training_inputs(data, tokenizer, inputs["init_from"])
     if not st.button("Count the dataset's tokens", key="mem_count_tokens"):
         return
     with show_errors("Cannot read the dataset"):
-        train, val = _dataset_tokens(data or None, tokenizer or None, spec.vocab_size)
+        train, val = _dataset_tokens(data, tokenizer, spec.vocab_size)
         st.success(f"{train:,} training tokens and {val:,} validation tokens (measured)")
 
 

@@ -22,11 +22,12 @@ from planner.core.profiles import split_profile_key
 from contracts.specs import PRESETS
 from contracts.specs import get_model as get_model_spec
 from contracts.specs import with_max_seq
+from contracts.uploads import cluster_from_upload
 from ui import background
 from ui.charts import bar_chart, capacity_chart
 from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
-                       metric, number_field, page_header, page_link, profiles_version, show_emulated_note,
-                       show_errors, show_figure, show_table)
+                       metric, number_field, page_header, page_link, parse_upload, profiles_version,
+                       show_emulated_note, show_errors, show_figure, show_table)
 from ui.state import DEFAULT_GLOBAL_BATCH, clear_plan, get_cluster, get_model, get_plan, set_plan
 from contracts.constants import GIB, MEMORY_HEADROOM
 
@@ -72,9 +73,7 @@ def choose_cluster() -> ClusterSpec | None:
         if up is None:
             st.info("Upload a cluster file to plan for it.")
             return None
-        with show_errors("Bad cluster file"):
-            return ClusterSpec.from_json(up.getvalue().decode("utf-8", errors="replace"), source=up.name)
-        return None
+        return parse_upload(up, cluster_from_upload, "Bad cluster file")
     with show_errors("Bad cluster file"):
         return ClusterSpec.load(examples[source])
     return None

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from testkit.clusters import many_kinds_cluster
-from testkit.dashboard import CHROMIUM, WAIT_MS, launch_browser, server_log, streamlit_server, wait_idle
+from testkit.dashboard import CHROMIUM, WAIT_MS, launch_browser, page_url, server_log, streamlit_server, wait_idle
 from testkit.processes import processes_with_data_dir
 from testkit.wait import wait_until
 
@@ -63,7 +63,7 @@ def test_closing_the_tab_ends_a_huge_solve(data_dir, monkeypatch):
         browser = launch_browser(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{url}/plan", timeout=WAIT_MS)
+            page.goto(page_url(url, "plan"), timeout=WAIT_MS)
             page.locator('[data-testid="stMain"] h1').first.wait_for(timeout=WAIT_MS)
             wait_idle(page, 60_000)  # the first open's default plan (this machine, small batch)
             page.locator(".st-key-plan_cluster_source [role=combobox]").first.click()

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from testkit import ROOT
-from testkit.dashboard import (CHROMIUM, WAIT_MS, in_chart_js, launch_browser, server_log, steps_recorded, streamlit_server,
-                               wait_idle)
+from testkit.dashboard import (CHROMIUM, WAIT_MS, in_chart_js, launch_browser, page_url, server_log, steps_recorded,
+                               streamlit_server, wait_idle)
 from testkit.processes import kill_processes_with_data_dir, processes_with_data_dir
 from testkit.wait import page_pause, wait_until
 
@@ -61,7 +61,7 @@ def shot_on_failure(page: Page, data_dir: str):
 def open_page(page: Page, title: str) -> None:
     """Click the sidebar link, as a user does (a URL change would start a new session)."""
     page.locator('[data-testid="stSidebarNav"]').get_by_role("link", name=title, exact=True).click()
-    page.wait_for_url(re.compile(rf"/{PAGES[title]}/?$"), timeout=WAIT_MS)
+    page.wait_for_url(re.compile(rf"/{PAGES[title]}/?(\?.*)?$"), timeout=WAIT_MS)  # the access token stays in the query
     page.locator('[data-testid="stMain"] h1').first.wait_for(timeout=WAIT_MS)
 
 
@@ -127,7 +127,7 @@ def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
             # the first app: it dies at the end of this block, the run it launched does not
             with streamlit_server(data_dir, kill_everything=False) as url, shot_on_failure(page, data_dir):
                 # 1. the app opens on the local inventory
-                page.goto(url)
+                page.goto(page_url(url))
                 page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
                 wait_idle(page, 60_000)
                 assert_no_exception(page, "Inventory")
@@ -177,7 +177,7 @@ def test_plan_launch_watch_reload_restart_stop_and_find_the_run(data_dir):
             assert read_metrics(run_dir)["status"] == "running"
             done("app stopped, run still running")
             with streamlit_server(data_dir, kill_everything=False) as url, shot_on_failure(page, data_dir):
-                page.goto(f"{url}/{PAGES['Launch & monitor']}")
+                page.goto(page_url(url, PAGES['Launch & monitor']))
                 after_restart = wait_steps_at_least(page, after_reload + 1, timeout_s=60)
                 shot(page, "13-launch-after-restart")
                 done(f"app restarted, steps {after_restart}")

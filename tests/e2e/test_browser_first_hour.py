@@ -26,7 +26,7 @@ import pytest
 from profiler import cgroups
 # its helpers, and its skips where playwright or Debian's chromium is missing
 from tests.e2e.test_browser_e2e import assert_no_exception, click_key, fill_number, open_page, shot
-from testkit.dashboard import WAIT_MS, launch_browser, server_log, streamlit_server, wait_idle
+from testkit.dashboard import WAIT_MS, launch_browser, page_url, server_log, streamlit_server, wait_idle
 from testkit.processes import kill_processes_with_data_dir, processes_with_data_dir
 from testkit.wait import page_pause, wait_until
 
@@ -128,7 +128,7 @@ def test_first_hour_mixed_cluster_plan_launch_and_the_even_split(data_dir):
             with streamlit_server(data_dir) as url:
                 try:
                     # 1. Inventory: one click for the emulated mixed cluster
-                    page.goto(url)
+                    page.goto(page_url(url))
                     page.get_by_role("heading", name=re.compile("inventory", re.I)).first.wait_for(timeout=60_000)
                     wait_idle(page, 60_000)
                     click_key(page, "inv_emulated_mixed")

@@ -111,10 +111,11 @@ def test_trace_now_shows_the_measured_peak():
     assert not percent.startswith("-0.00") and abs(float(percent)) <= 8.0, line
 
 
-def test_a_model_folder_tokenizer_and_dataset_are_chosen_here_and_counted(tmp_path):
+def test_a_model_folder_tokenizer_and_dataset_are_chosen_here_and_counted(tmp_path, monkeypatch):
     """A Hugging Face folder planned by its config (parameter count from it), its weights offered
     as --init-from, a JSON Lines dataset with a tokenizer.json counted in tokens; the choices are
     the session's training inputs (the Launch page passes them to the run)."""
+    monkeypatch.setenv("GPUMIX_ALLOWED_ROOTS", str(tmp_path))  # typed paths are confined to allowed roots
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
