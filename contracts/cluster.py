@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contracts.catalog import CATALOG, CPU_TYPE, GIB, get_gpu_type
+from contracts.constants import MAX_CLUSTER_DEVICES, MAX_CLUSTER_FILE_BYTES
 from contracts.jsonio import dumps, read_text_file, save_json_file
 
 
@@ -248,7 +249,10 @@ class ClusterSpec:
         nodes_in = d.get("nodes")
         if not isinstance(nodes_in, list) or not nodes_in:
             raise ValueError(f"{source}: 'nodes' must be a non-empty list")
+        if len(nodes_in) > MAX_CLUSTER_DEVICES:  # every node holds a device at least
+            raise _too_many_devices(source, f"{len(nodes_in):,} nodes")
         nodes: list[NodeSpec] = []
+        total = 0  # devices claimed so far: checked before a node's devices are built
         seen: set[str] = set()
         for i, nd in enumerate(nodes_in):
             where = f"{source}: node {i}"
@@ -275,8 +279,14 @@ class ClusterSpec:
                         raise ValueError(f"{where}: unknown GPU type {t!r}; known: {', '.join(sorted(CATALOG))}")
                     if isinstance(c, bool) or not isinstance(c, int) or c < 0:
                         raise ValueError(f"{where}: count of {t!r} must be a non-negative integer, got {c!r}")
+                    total += c
+                    if total > MAX_CLUSTER_DEVICES:
+                        raise _too_many_devices(where, f"{total:,} devices")
                     devices += [DeviceSpec(t)] * c
             elif isinstance(gpus, list):
+                total += len(gpus)
+                if total > MAX_CLUSTER_DEVICES:
+                    raise _too_many_devices(where, f"{total:,} devices")
                 devices = [DeviceSpec.from_dict(g, f"{where} device {j}") for j, g in enumerate(gpus)]
             else:
                 raise ValueError(f"{where}: 'gpus' must be an object {{type: count}} or a list of devices")
@@ -314,8 +324,14 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, path: str) -> "ClusterSpec":
-        # refused by its size before a byte is read (a 10 GB "cluster file" is a mistake)
-        return cls.from_json(read_text_file(path, "cluster file"), source=path)
+        # refused by its size before a byte is read (a 10 GB "cluster file" is a mistake), and by
+        # its claimed device counts before a device is built (from_dict)
+        return cls.from_json(read_text_file(path, "cluster file", MAX_CLUSTER_FILE_BYTES), source=path)
+
+
+def _too_many_devices(where: str, claimed: str) -> ValueError:
+    return ValueError(f"{where}: {claimed}, over the limit of {MAX_CLUSTER_DEVICES:,} devices in a cluster "
+                      "(MAX_CLUSTER_DEVICES)")
 
 
 def _device_list(gpus: Any) -> list[dict[str, Any]]:
@@ -328,4 +344,6 @@ def _device_list(gpus: Any) -> list[dict[str, Any]]:
 def homogeneous_cluster(gpu_type: str, count: int, name: str | None = None) -> ClusterSpec:
     """One node of `count` identical devices (tests, quick what-ifs)."""
     get_gpu_type(gpu_type)
+    if count > MAX_CLUSTER_DEVICES:
+        raise _too_many_devices(f"cluster of {gpu_type}", f"{count:,} devices")
     return ClusterSpec(name or f"{count}x{gpu_type}", (NodeSpec("n0", "dc0", (DeviceSpec(gpu_type),) * count),))

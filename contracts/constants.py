@@ -41,3 +41,17 @@ MEMORY_HEADROOM = 0.9
 # The optimizer step works on slices of this many elements (models/optim.py; its temporaries are
 # priced by planner/core/memory.py).
 STEP_CHUNK_NUMEL = 1 << 24
+
+# Input bounds: what a cluster file or a model config may claim before anything is built from it.
+# A file of 60 bytes can claim 10^8 devices; each limit is far above any real cluster or model
+# (the largest published training runs: tens of thousands of GPUs, ~100 layers, vocabularies of a few
+# hundred thousand, contexts of a million tokens), and low enough that what it admits is planned in
+# bounded time and memory.
+MAX_CLUSTER_DEVICES = 65_536  # devices in a cluster, all nodes together (`count` fields and lists)
+MAX_CLUSTER_FILE_BYTES = 16 * 2**20  # a cluster file of MAX_CLUSTER_DEVICES listed devices is ~6 MB
+MAX_CONFIG_FILE_BYTES = 4 * 2**20  # a Hugging Face config.json is a few kB
+MAX_MODEL_LAYERS = 4_096
+MAX_MODEL_HIDDEN = 2**17  # hidden and ffn_hidden widths
+MAX_MODEL_HEADS = 2**14
+MAX_MODEL_VOCAB = 2**23
+MAX_MODEL_SEQ = 2**23  # max_seq (positions), and a plan's or option's seq

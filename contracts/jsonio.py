@@ -51,9 +51,10 @@ def read_text_file(path: str, what: str, limit_bytes: int = MAX_INPUT_FILE_BYTES
     return text
 
 
-def load_json_file(path: str, what: str) -> Any:
-    """The parsed JSON of `path`; ValueError naming `what` and the problem otherwise."""
-    text = read_text_file(path, what)
+def load_json_file(path: str, what: str, limit_bytes: int = MAX_INPUT_FILE_BYTES) -> Any:
+    """The parsed JSON of `path` (refused by size first: `limit_bytes`); ValueError naming `what`
+    and the problem otherwise."""
+    text = read_text_file(path, what, limit_bytes)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -18,11 +18,22 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
+from contracts.constants import (MAX_CONFIG_FILE_BYTES, MAX_MODEL_HEADS, MAX_MODEL_HIDDEN, MAX_MODEL_LAYERS,
+                                 MAX_MODEL_SEQ, MAX_MODEL_VOCAB)
 from contracts.jsonio import load_json_file
 
 log = logging.getLogger(__name__)
 
 FAMILIES = ("gpt2", "llama")
+# the largest value each size field may take (contracts/constants.py): a config claiming 10^9 layers is
+# refused here, before a cost model builds anything per layer
+_HIDDEN = (MAX_MODEL_HIDDEN, "MAX_MODEL_HIDDEN")
+_HEADS = (MAX_MODEL_HEADS, "MAX_MODEL_HEADS")
+_SEQ = (MAX_MODEL_SEQ, "MAX_MODEL_SEQ")
+SIZE_LIMITS = {"num_layers": (MAX_MODEL_LAYERS, "MAX_MODEL_LAYERS"), "hidden": _HIDDEN, "ffn_hidden": _HIDDEN,
+               "explicit_head_dim": _HIDDEN, "num_heads": _HEADS, "num_kv_heads": _HEADS,
+               "vocab_size": (MAX_MODEL_VOCAB, "MAX_MODEL_VOCAB"), "max_seq": _SEQ, "rope_original_max_seq": _SEQ,
+               "sliding_window": _SEQ}
 ROPE_TYPES = ("default", "linear", "llama3")  # transformers' ROPE_INIT_FUNCTIONS the decoder implements
 HF_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2")
 # planner/core/memory.py sizes q_proj/o_proj by spec.q_width (num_heads·head_dim), so an explicit head_dim
@@ -182,7 +193,7 @@ class ModelSpec:
         """Read a Hugging Face `config.json` (or a model folder holding one) offline."""
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        cfg = load_json_file(path, "config file")
+        cfg = load_json_file(path, "config file", MAX_CONFIG_FILE_BYTES)
         if not isinstance(cfg, dict):
             raise ValueError(f"config file {path}: expected a JSON object")
         name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "custom"
@@ -192,6 +203,9 @@ class ModelSpec:
 def _check_positive(name: str, field: str, v: Any) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ValueError(f"model {name!r}: {field} must be a positive integer, got {v!r}")
+    limit, limit_name = SIZE_LIMITS[field]
+    if v > limit:
+        raise ValueError(f"model {name!r}: {field} {v:,} is over the limit of {limit:,} ({limit_name})")
 
 
 # --- Hugging Face config.json -> ModelSpec -------------------------------------------------

@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
+
+from contracts.secrets import mask_secrets, mask_url
 
 ENV_DB = "GPUMIX_DB"
 SCHEMA_VERSION = 1  # 0: the files written before the version table existed (SQLite only)
@@ -53,13 +54,8 @@ class StoreURL:
         return self.target
 
     def describe(self) -> str:
-        if self.dialect == "sqlite":
-            return self.target
-        u = urllib.parse.urlsplit(self.target)
-        if u.password is None:
-            return self.target
-        netloc = u.netloc.replace(f":{u.password}@", ":***@")  # never print a password
-        return urllib.parse.urlunsplit(u._replace(netloc=netloc))
+        """The store as messages name it: never its password (`user:pass@`, `?password=`)."""
+        return self.target if self.dialect == "sqlite" else mask_url(self.target)
 
 
 def parse_url(url: str) -> StoreURL:
@@ -69,11 +65,12 @@ def parse_url(url: str) -> StoreURL:
         # as SQLAlchemy: sqlite:///relative/file, sqlite:////absolute/file
         path = url[len("sqlite:///"):] if url.lower().startswith("sqlite:///") else ""
         if not path:
-            raise ValueError(f"{ENV_DB}={url!r}: a SQLite store is sqlite:///<path of the file>")
+            raise ValueError(f"{ENV_DB}={mask_url(url)!r}: a SQLite store is sqlite:///<path of the file>")
         return StoreURL("sqlite", path, True)
     if scheme in ("postgresql", "postgres"):
         return StoreURL("postgresql", url, True)
-    raise ValueError(f"{ENV_DB}={url!r}: expected sqlite:///<path> or postgresql://user@host:port/database")
+    raise ValueError(f"{ENV_DB}={mask_url(url)!r}: expected sqlite:///<path> or "
+                     "postgresql://user@host:port/database")
 
 
 def configured() -> StoreURL | None:
@@ -134,7 +131,7 @@ class Database:
         except sqlite3.Error as e:
             raise ValueError(f"{self.what} {self.url.describe()}: {e}") from None
         except Exception as e:  # psycopg.Error, or psycopg missing
-            raise ValueError(f"{self.what} {self.url.describe()}: {_first_line(e)}") from None
+            raise ValueError(f"{self.what} {self.url.describe()}: {error_line(e)}") from None
 
     @property
     def dialect(self) -> str:
@@ -211,8 +208,9 @@ def upsert(table: str, columns: Sequence[str], keys: Sequence[str], rows: int = 
             f"ON CONFLICT ({', '.join(keys)}) " + (f"DO UPDATE SET {update}" if rest else "DO NOTHING"))
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
+def error_line(e: BaseException) -> str:
+    """The driver's message, first line, with any password in it masked (libpq may quote the URL)."""
+    text = mask_secrets(str(e).strip())
     return text.splitlines()[0] if text else type(e).__name__
 
 
@@ -313,19 +311,31 @@ def check(db: Database, part: Part, create: bool) -> None:
 _checked: set[tuple[str, str]] = set()  # (shared store, part) found at SCHEMA_VERSION by this process
 
 
+def _version_row(db: Database, part: Part) -> int | None:
+    """The part's recorded version alone (one query), None where it cannot be read."""
+    try:
+        row = db.one("SELECT version FROM gpumix_schema WHERE part = ?", (part.name,))
+    except errors():
+        return None
+    return None if row is None else int(row[0])
+
+
 def connect(url: StoreURL, part: Part, what: str, readonly: bool = False) -> Database:
     """A checked connection: the part's schema is at this GPUMix's version (created first if the
-    store is the embedded default and fresh). A shared store is checked once per process (its
-    schema changes only by `db upgrade`); a per-file one on every open (a run folder's file may
-    be new)."""
+    store is the embedded default and fresh). Checked at every connection, so a long-lived
+    process (the dashboard, the orchestrator, the queue) is refused with the command to run as
+    soon as another GPUMix upgraded or downgraded the store under it: a per-file store in full (a
+    run folder's file may be new), a shared one, once found at this version, by its version row
+    alone (one query)."""
     db = Database(url, what, readonly)
-    if (url.target, part.name) in _checked:
-        return db
     try:
+        if (url.target, part.name) in _checked and _version_row(db, part) == SCHEMA_VERSION:
+            return db
+        _checked.discard((url.target, part.name))
         check(db, part, create=not url.shared)
     except errors() as e:  # not a database at all, a lost server, ...
         db.close()
-        raise ValueError(f"{what} {url.describe()}: {_first_line(e)}") from None
+        raise ValueError(f"{what} {url.describe()}: {error_line(e)}") from None
     except BaseException:
         db.close()
         raise
@@ -346,10 +356,16 @@ def init(db: Database, part: Part) -> bool:
     return False
 
 
-def upgrade(db: Database, part: Part) -> tuple[int | None, int]:
+def upgrade(db: Database, part: Part, guard: Callable[[Database], None] | None = None) -> tuple[int | None, int]:
     """Bring the part to SCHEMA_VERSION, one step at a time, in one transaction; returns (from,
-    to). A fresh store is created; a newer one is refused."""
-    with db.transaction():
+    to). A fresh store is created; a newer one is refused. `guard(db)` runs first inside that
+    transaction, which holds the store's write lock (SQLite: the whole file; PostgreSQL: the part's
+    first table), and may refuse (ValueError): no writer can start between its check and the
+    upgrade (the runs part: no run may be running, executor/commands/db.py)."""
+    lock = part.tables[0] if db.dialect == "postgresql" and db.has_table(part.tables[0]) else None
+    with db.transaction(lock=lock):
+        if guard is not None:
+            guard(db)
         version = stored_version(db, part)
         if version is None:
             _create(db, part)

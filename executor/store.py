@@ -303,6 +303,17 @@ class MetricsStore:
                 self.record_rank_steps(step, ranks)
             self._write_step(step, loss, step_s, global_batch, seq, val_loss)
 
+    def record_history(self, steps: Sequence[tuple[int, Sequence[RankStep], float, float]], global_batch: int,
+                       seq: int) -> None:
+        """Many steps `(step, ranks, loss, step_s)` in one transaction, each as rank 0 records it
+        (a benchmark's or a test's long run, written in seconds)."""
+        self.rank_step_columns()
+        with self.db.transaction(writes_only=True):
+            for step, ranks, loss, step_s in steps:
+                if ranks:
+                    self.record_rank_steps(step, ranks)
+                self._write_step(step, loss, step_s, global_batch, seq, None)
+
     def _write_step(self, step: int, loss: float, step_s: float, global_batch: int, seq: int,
                     val_loss: float | None) -> None:
         now = time.time()
@@ -338,8 +349,23 @@ def pid_alive(pid: int | None) -> bool:
 def _effective_status(run: dict[str, Any]) -> tuple[str, str | None]:
     status, reason = run["status"], run["reason"]
     if status == "running" and run.get("host") == socket.gethostname() and not pid_alive(run.get("launcher_pid")):
-        return "failed", f"the launcher (pid {run.get('launcher_pid')}) ended without recording the end of the run"
+        return "failed", (f"launcher vanished: the launcher (pid {run.get('launcher_pid')} on {run.get('host')}) "
+                          "ended without recording the end of the run")
     return status, reason
+
+
+def running_runs(store: db.Database) -> list[str]:
+    """The runs of `store` that are running (a launcher alive here, or on another host): their run
+    folders, or the store itself for a run folder's own file. Reads any schema version's run table
+    (`db upgrade` asks before it changes one)."""
+    if not store.has_table("run"):
+        return []
+    out = []
+    for row in store.all("SELECT * FROM run WHERE status = 'running'"):
+        run = dict(row)
+        if _effective_status(run)[0] == "running":
+            out.append(run.get("run_key") or store.url.describe())
+    return out
 
 
 def _median(xs: list[float]) -> float | None:
@@ -375,12 +401,17 @@ def read_run_row(run_dir: str) -> dict[str, Any]:
     try:
         row = store.one("SELECT * FROM run WHERE run_key = ?", (key,))
     except db.errors() as e:
-        raise ValueError(f"run store {store.url.describe()}: {e}") from None
+        raise ValueError(f"run store {store.url.describe()}: {db.error_line(e)}") from None
     finally:
         store.close()
     if row is None:
         raise _no_run(run_dir, store)
     return _run_dict(row)
+
+
+def run_status(run_dir: str) -> str:
+    """The run's status as read_metrics gives it, from its run row alone (ValueError: no run)."""
+    return _effective_status(read_run_row(run_dir))[0]
 
 
 def read_metrics(run_dir: str) -> dict[str, Any]:
@@ -391,42 +422,67 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
     "steps": [{"step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s"}],
     "ranks": [{"rank", "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s",
     "median_wait_s", "predicted_step_s", "type", "node", "emulated", "slowdown", "memory_gb", ...}],
-    "rank_steps": [...], "events": [...]}`. Raises ValueError when there is no run there."""
+    "rank_steps": [...], "events": [...], "steps_recorded"}`. Raises ValueError when there is no run
+    there. Every row of a long run: a live view reads executor/live.py's RunFollower instead."""
     store, key = _open_reader(run_dir)
     try:
-        row = store.one("SELECT * FROM run WHERE run_key = ?", (key,))
-        if row is None:
-            raise _no_run(run_dir, store)
-        run = _run_dict(row)
+        run, ranks = read_run_and_ranks(store, key, run_dir)
         steps = [dict(r) for r in store.all(
-            "SELECT step, loss, val_loss, samples_per_s, tokens_per_s, step_s, time_s FROM steps WHERE run_key = ?"
-            " ORDER BY step", (key,))]
-        have = set(store.columns("rank_steps"))
-        optional = [c for c in OPTIONAL_RANK_STEP_COLUMNS if c in have]
-        rank_steps = [{**dict.fromkeys(OPTIONAL_RANK_STEP_COLUMNS), **dict(r)} for r in store.all(
-            f"SELECT {', '.join(_RANK_STEP_COLUMNS[1:] + tuple(optional))} FROM rank_steps WHERE run_key = ?"
-            " ORDER BY step, rank", (key,))]
-        ranks = [dict(r) for r in store.all(
-            f"SELECT {', '.join(_RANK_COLUMNS[1:])} FROM ranks WHERE run_key = ? ORDER BY rank", (key,))]
+            f"SELECT {', '.join(STEP_FIELDS)} FROM steps WHERE run_key = ? ORDER BY step", (key,))]
+        rank_steps = read_rank_steps(store, key)
         events = [dict(r) for r in store.all(
             "SELECT time_s, rank, kind, message FROM events WHERE run_key = ? ORDER BY id", (key,))]
     except db.errors() as e:
-        raise ValueError(f"run store {store.url.describe()}: {e}") from None
+        raise ValueError(f"run store {store.url.describe()}: {db.error_line(e)}") from None
     finally:
         store.close()
+    return metrics_of(run_dir, run, steps, ranks, rank_steps, events, len(steps))
+
+
+STEP_FIELDS = ("step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s", "time_s")
+
+
+def read_run_and_ranks(store: db.Database, key: str, run_dir: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The run's row and its ranks' rows (ValueError when there is no run)."""
+    row = store.one("SELECT * FROM run WHERE run_key = ?", (key,))
+    if row is None:
+        raise _no_run(run_dir, store)
+    ranks = [dict(r) for r in store.all(
+        f"SELECT {', '.join(_RANK_COLUMNS[1:])} FROM ranks WHERE run_key = ? ORDER BY rank", (key,))]
+    return _run_dict(row), ranks
+
+
+def read_rank_steps(store: db.Database, key: str, where: str = "", params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+    """The run's rank_steps rows (those matching `where`, SQL after "AND"), by step and rank; an
+    optional column this store lacks reads None."""
+    have = set(store.columns("rank_steps"))
+    optional = [c for c in OPTIONAL_RANK_STEP_COLUMNS if c in have]
+    return [{**dict.fromkeys(OPTIONAL_RANK_STEP_COLUMNS), **dict(r)} for r in store.all(
+        f"SELECT {', '.join(_RANK_STEP_COLUMNS[1:] + tuple(optional))} FROM rank_steps WHERE run_key = ? "
+        f"{'AND ' + where if where else ''} ORDER BY step, rank", (key, *params))]
+
+
+def metrics_of(run_dir: str, run: dict[str, Any], steps: list[dict[str, Any]], ranks: list[dict[str, Any]],
+               rank_steps: list[dict[str, Any]], events: list[dict[str, Any]], steps_recorded: int,
+               totals: dict[int, tuple[int | None, int]] | None = None) -> dict[str, Any]:
+    """read_metrics' dict from the rows read: each rank's medians over `rank_steps`, its peak and
+    step count over them and `totals` {rank: (peak bytes, rows)} of rows read before (a live view,
+    executor/live.py, holds only the newest rows)."""
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for rs in rank_steps:
         by_rank.setdefault(rs["rank"], []).append(rs)
     for r in ranks:
         rows = by_rank.get(r["rank"], [])
+        before_peak, before_n = (totals or {}).get(r["rank"], (None, 0))
         peaks = [x["peak_memory_bytes"] for x in rows if x["peak_memory_bytes"] is not None]
+        peaks += [before_peak] if before_peak is not None else []
         r["peak_memory_bytes"] = max(peaks) if peaks else None
         r["median_compute_s"] = _median([x["compute_s"] for x in rows])
         r["median_emulated_delay_s"] = _median([x["emulated_delay_s"] for x in rows])
         r["median_wait_s"] = _median([x["wait_s"] for x in rows])
         r["comm_wait_s"] = _median([x["comm_wait_s"] for x in rows])
         r["emulated"] = bool(r["emulated"])
-        r["steps_recorded"] = len(rows)
+        r["steps_recorded"] = before_n + len(rows)
     status, reason = _effective_status(run)
     summary = json.loads(run["plan_summary"] or "{}")
     return {
@@ -438,7 +494,7 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
         "predicted_samples_per_s": run["predicted_samples_per_s"], "cluster": summary.get("cluster"),
         "started_s": run["started_s"], "ended_s": run["ended_s"], "launcher_pid": run["launcher_pid"],
         "median_step_s": _median([s["step_s"] for s in steps[1:]] or [s["step_s"] for s in steps]),
-        "links": _links(run_dir, rank_steps),
+        "links": _links(run_dir, rank_steps), "steps_recorded": steps_recorded,
         "steps": steps, "ranks": ranks, "rank_steps": rank_steps, "events": events,
     }
 
@@ -562,7 +618,7 @@ def _list_shared_runs(url: db.StoreURL, root: str | None) -> list[dict[str, Any]
         rows = store.all("SELECT run.*, (SELECT COUNT(*) FROM steps WHERE steps.run_key = run.run_key) AS n_steps"
                          " FROM run")
     except db.errors() as e:
-        raise ValueError(f"run store {url.describe()}: {e}") from None
+        raise ValueError(f"run store {url.describe()}: {db.error_line(e)}") from None
     finally:
         store.close()
     prefix = os.path.join(os.path.abspath(root), "") if root else ""

@@ -1,10 +1,12 @@
 """Launch & monitor: run the session's plan for real and watch it live.
 
-Widgets -> executor.launch.start_run / stop_run, executor.store.read_metrics -> render.
+Widgets -> executor.launch.start_run / stop_run, executor.live.RunFollower -> render.
 The run is a separate process group (a new session), so it survives a browser reload
 and an app restart: the page finds it again from the SQLite store (ui.state.current_run_dir).
-The live panel is an `st.fragment(run_every=1 s)` that reads only SQLite. Measured figures
-sit beside the plan's predictions; emulated devices are marked.
+The live panel is an `st.fragment(run_every=1 s)` that reads the store through the session's
+executor.live.RunFollower: only the rows newer than it holds, its charts at most a few hundred
+points a series, so a refresh costs the same at any run length (bench/live_panel.py). Measured
+figures sit beside the plan's predictions; emulated devices are marked.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import streamlit as st
 
 from contracts.cluster import PROFILE_KEY_SHARE
 from contracts.plan import Plan
+from executor.live import CHART_TAIL_STEPS, WINDOW_STEPS
 from ui import common, state
 
 log = logging.getLogger(__name__)
@@ -188,6 +191,22 @@ def pick_run() -> str | None:
 
 # ---- the live panel ------------------------------------------------------------------------
 
+MAX_FOLLOWED_RUNS = 4  # followers a session keeps (the watched run, its planned or even-split runs)
+
+
+def live_metrics(run_dir: str) -> dict[str, Any]:
+    """The run's bounded metrics (executor.live.RunFollower.refresh), through this session's follower
+    of it: each refresh reads only the rows newer than the last. Raises ValueError."""
+    from executor.live import RunFollower  # torch-free
+
+    followers: dict[str, Any] = st.session_state.setdefault("launch_followers", {})
+    follower = followers.pop(run_dir, None) or RunFollower(run_dir)
+    followers[run_dir] = follower  # the most recently used last
+    while len(followers) > MAX_FOLLOWED_RUNS:
+        followers.pop(next(iter(followers)))
+    return follower.refresh()
+
+
 
 def _mib(b: float | None) -> str:
     return common.fmt_cell(b, lambda x: f"{x / MIB:,.1f}")
@@ -197,9 +216,23 @@ def ranks_frame(m: dict[str, Any]) -> pd.DataFrame:
     return common.ranks_table(m["ranks"])
 
 
+def points(m: dict[str, Any], column: str) -> tuple[list[float], list[float]]:
+    """A chart's (steps, values) of one step column: a live view's history (executor/live.py:
+    older steps as bucket means), else every step's."""
+    if "history" in m:
+        xs, ys = m["history"][column]
+        return list(xs), list(ys)
+    rows = [s for s in m["steps"] if s[column] is not None]
+    return [s["step"] for s in rows], [s[column] for s in rows]
+
+
 def per_rank_series(m: dict[str, Any], column: str) -> dict[str, tuple[list[float], list[float]]]:
     out: dict[str, tuple[list[float], list[float]]] = {}
     emulated = {r["rank"]: r["emulated"] for r in m["ranks"]}
+    if column in m.get("history", {}):
+        for rank, (xs, ys) in sorted(m["history"][column].items(), key=lambda kv: int(kv[0])):
+            out[f"rank {rank}" + (" (emulated)" if emulated.get(int(rank)) else "")] = (list(xs), list(ys))
+        return out
     for row in m["rank_steps"]:
         name = f"rank {row['rank']}" + (" (emulated)" if emulated.get(row["rank"]) else "")
         xs, ys = out.setdefault(name, ([], []))
@@ -225,21 +258,20 @@ def throughput_figure(m: dict[str, Any]) -> Any:
     plan's prediction as a dashed rule."""
     from ui.charts import line_chart
 
-    steps = m["steps"]
-    series = {"each step (measured)": ([s["step"] for s in steps], [s["samples_per_s"] for s in steps])}
+    xs, ys = points(m, "samples_per_s")
     pred = m.get("predicted_samples_per_s")
-    return line_chart(series, "step", "throughput (samples/s)", "Throughput (measured, predicted)",
-                      smooth=SMOOTH_STEPS, hlines={"predicted": pred} if pred and steps else None)
+    return line_chart({"each step (measured)": (xs, ys)}, "step", "throughput (samples/s)",
+                      "Throughput (measured, predicted)", smooth=SMOOTH_STEPS,
+                      hlines={"predicted": pred} if pred and xs else None)
 
 
 def loss_figure(m: dict[str, Any]) -> Any:
     from ui.charts import line_chart
 
-    steps = m["steps"]
-    loss = {"training": ([s["step"] for s in steps], [s["loss"] for s in steps])}
-    val = [(s["step"], s["val_loss"]) for s in steps if s["val_loss"] is not None]
-    if val:
-        loss["validation"] = ([v[0] for v in val], [v[1] for v in val])
+    loss = {"training": points(m, "loss")}
+    val = points(m, "val_loss")
+    if val[0]:
+        loss["validation"] = val
     return line_chart(loss, "step", "loss (nats/token)", "Loss (measured)")
 
 
@@ -368,7 +400,7 @@ def gap_line(measured_s: float, predicted_s: float) -> str:
 def render_gap(m: dict[str, Any], prefix: str = "") -> None:
     """Measured against predicted step time: by how much, and the likely reasons when they differ."""
     med, pred = measured_step(m), m.get("predicted_iteration_s")
-    if not med or not pred or len(m["steps"]) < MIN_STEPS_FOR_GAP:
+    if not med or not pred or m["steps_recorded"] < MIN_STEPS_FOR_GAP:
         return
     line, within = gap_text(med, pred)
     line = (prefix + line) if prefix else line[0].upper() + line[1:]
@@ -449,7 +481,7 @@ def measure_even_button(even: Plan, planned_dir: str, planned_m: dict[str, Any],
     run is live (the measurement needs the machine to itself, and the devices)."""
     from executor.compare import MIN_COMPARED_STEPS, SKIP_STEPS, next_even_run_dir
 
-    planned_steps = len(planned_m["steps"])
+    planned_steps = planned_m["steps_recorded"]
     busy = state.find_live_run()
     held = [] if busy else state.devices_in_use(even)
     steps = common.number_field("Even-split steps", unit="steps", min_value=SKIP_STEPS + MIN_COMPARED_STEPS,
@@ -481,7 +513,7 @@ def render_compare(run_dir: str, m: dict[str, Any]) -> None:
 
     planned_dir = planned_run_of(run_dir) or run_dir
     try:
-        planned_m = m if planned_dir == run_dir else _store().read_metrics(planned_dir)
+        planned_m = m if planned_dir == run_dir else live_metrics(planned_dir)
     except ValueError:
         return  # an even-split run whose planned run is gone from the history
     plan = run_plan(planned_m)
@@ -501,9 +533,11 @@ def render_compare(run_dir: str, m: dict[str, Any]) -> None:
         even_m = None
         if evens:
             with contextlib.suppress(ValueError):  # the launcher has not written its store yet
-                even_m = _store().read_metrics(evens[-1])
-            if even_m is not None and even_m["status"] == "done":
-                render_comparison(planned_m, even_m, with_reasons=planned_dir != run_dir)
+                even_m = live_metrics(evens[-1])
+            if even_m is not None and even_m["status"] == "done" and planned_m["status"] != "running":
+                # both ended (the panel no longer refreshes): every step of each, read once
+                render_comparison(_store().read_metrics(planned_dir), _store().read_metrics(evens[-1]),
+                                  with_reasons=planned_dir != run_dir)
             else:
                 render_even_run(even_m, evens[-1])
         if planned_m["status"] == "running":
@@ -519,7 +553,7 @@ def run_is_live(run_dir: str) -> bool:
     planned = planned_run_of(run_dir) or run_dir
     for d in [planned, *even_run_dirs(planned)[-1:]]:
         try:
-            if _store().read_metrics(d)["status"] == "running":
+            if _store().run_status(d) == "running":
                 return True
         except ValueError:
             return True  # the launcher has not written the store yet
@@ -545,7 +579,7 @@ def render_status(m: dict[str, Any]) -> None:
     st.caption(f"This run: **{m.get('model')}**, global batch {m.get('global_batch')}, seq {m.get('seq')}, "
                f"{m.get('dtype')}, {m.get('world_size')} ranks")
     st.markdown(f"Run status: {status}")
-    st.markdown(f"Steps recorded: {len(steps)}")
+    st.markdown(f"Steps recorded: {m['steps_recorded']}")
     target = m.get("steps_target") or 0
     if status == "running" and not steps:
         up = sum(1 for r in m["ranks"] if r.get("pid"))
@@ -570,7 +604,8 @@ def render_numbers(m: dict[str, Any]) -> None:
                       help="training loss of the last step, nats/token")
     with c2:
         common.metric("Step time (median)", common.fmt_seconds(measured_step(m)), common.MEASURED,
-                      help="median over steps 3.. (steps 1 and 2 warm up)")
+                      help="median over steps 3.. (steps 1 and 2 warm up); in a long run, over its newest "
+                           f"{WINDOW_STEPS:,} steps")
     with c3:
         common.metric("Step time", common.fmt_seconds(m.get("predicted_iteration_s")), common.PREDICTED,
                       help="the plan's predicted iteration time")
@@ -580,19 +615,27 @@ def render_numbers(m: dict[str, Any]) -> None:
                       help=f"global batch {m['global_batch']} / median step time")
 
 
+CHART_INPUTS = ("history", "ranks", "predicted_samples_per_s")
+
+
 @st.cache_data(show_spinner=False, max_entries=64)
-def figure_specs(metrics_json: str) -> tuple[dict, dict, dict, dict]:
-    """The loss, throughput, memory and wait charts' Plotly figures of a run's metrics (read_metrics'
-    dict as JSON: one string to hash, not a nest of dicts), built once per change: the live panel
-    redraws every second, and every session watching the run shares them."""
-    m = json.loads(metrics_json)
+def figure_specs(chart_json: str) -> tuple[dict, dict, dict, dict]:
+    """The loss, throughput, memory and wait charts' Plotly figures of a live view's CHART_INPUTS
+    (as JSON: one string to hash, not a nest of dicts), built once per change: every session
+    watching the run shares them."""
+    m = json.loads(chart_json)
     return tuple(f(m) for f in (loss_figure, throughput_figure, memory_figure, wait_figure))
+
+
+def chart_figures(m: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
+    """figure_specs of a live view (RunFollower.refresh)."""
+    return figure_specs(json.dumps({k: m[k] for k in CHART_INPUTS}))
 
 
 def render_charts(m: dict[str, Any]) -> None:
     if not m["steps"]:
         return
-    loss, speed, memory, wait = figure_specs(json.dumps(m))
+    loss, speed, memory, wait = chart_figures(m)
     c1, c2 = st.columns(2)
     with c1:
         common.show_figure(loss, key="launch_loss_chart")
@@ -606,6 +649,10 @@ def render_charts(m: dict[str, Any]) -> None:
         common.show_figure(memory, key="launch_memory_chart")
     with c4:
         common.show_figure(wait, key="launch_wait_chart")
+    width = m["history"]["width"]
+    if width > 1:
+        st.caption(f"Older steps are drawn as means of {width} steps, the newest {CHART_TAIL_STEPS} one by one; "
+                   "every step is on **Runs** (CSV).")
     st.caption(f"Per rank: {common.source_badge(common.MEASURED)} beside the plan's "
                f"{common.source_badge(common.PREDICTED)} figures")
     common.show_table(ranks_frame(m), key="launch_ranks_table")
@@ -617,7 +664,7 @@ def render_monitor(run_dir: str) -> None:
     @st.fragment(run_every=LIVE_REFRESH_S if live else None)
     def panel() -> None:
         try:
-            m = _store().read_metrics(run_dir)
+            m = live_metrics(run_dir)
         except ValueError as e:
             st.markdown("Run status: starting")
             st.markdown("Steps recorded: 0")
@@ -630,7 +677,7 @@ def render_monitor(run_dir: str) -> None:
             with common.show_errors("Cannot stop"), st.spinner("Stopping every rank…"):
                 stop_run(run_dir)
                 st.rerun()  # the whole app: the sidebar's "Running" link and Launch read the store again
-            m = _store().read_metrics(run_dir)
+            m = live_metrics(run_dir)
         render_status(m)
         render_numbers(m)
         render_gap(m)

@@ -10,6 +10,7 @@ ever changes a schema: a store at another version is refused with the command to
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 from executor import db
@@ -50,7 +51,7 @@ def _on_each(run_dirs: list[str] | None, existing_only: bool, action, readonly: 
         try:
             result = action(conn, part)
         except db.errors() as e:
-            raise ValueError(f"{what} {url.describe()}: {e}") from None
+            raise ValueError(f"{what} {url.describe()}: {db.error_line(e)}") from None
         finally:
             conn.close()
         yield url, what, result
@@ -65,9 +66,23 @@ def init_all(run_dirs: list[str] | None = None) -> list[str]:
     return lines
 
 
+def refuse_running(conn: db.Database) -> None:
+    """The upgrade's lock: a running run holds its store open for its whole life, so no schema may
+    change under it (ValueError naming the run)."""
+    from executor.store import running_runs
+
+    running = running_runs(conn)
+    if running:
+        raise ValueError(f"{conn.what} {conn.url.describe()}: run {running[0]} is running; `{db.UPGRADE_COMMAND}` "
+                         "changes a schema only while no run is (stop it with `python -m executor stop` or wait)")
+
+
 def upgrade_all(run_dirs: list[str] | None = None) -> list[str]:
+    """Every store brought to this version, refused before any changes while a run is running (each
+    store's own upgrade checks again, under its write lock, in the transaction that upgrades it)."""
+    list(_on_each(run_dirs, True, lambda conn, part: refuse_running(conn), readonly=True))
     lines = []
-    for url, what, (before, after) in _on_each(run_dirs, True, db.upgrade):
+    for url, what, (before, after) in _on_each(run_dirs, True, functools.partial(db.upgrade, guard=refuse_running)):
         was = "none" if before is None else str(before)
         lines.append(f"{what} {url.describe()}: schema version {was} -> {after}" if before != after
                      else f"{what} {url.describe()}: at schema version {after} already")

@@ -19,6 +19,7 @@ import random
 import resource
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -217,3 +218,78 @@ def test_cli_exits_0_or_2_with_one_line_and_strict_json(prog, argv, files, tmp_p
         assert len(r.stderr.strip().splitlines()) <= 1, shown
     elif "--json" in argv:
         json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}: {shown}"))
+
+
+# ---- inputs that claim a huge size in a tiny file: refused by their claim, before anything is built ----
+
+HUGE_CLAIM_WALL_S = 5.0
+HUGE_CLAIM_RSS_BYTES = 2**30
+LOCAL_CLUSTER = os.path.join(ROOT, "examples", "clusters", "local-2cpu-emulated.json")
+
+
+def _huge_claims(d) -> list[tuple[str, list[str]]]:
+    """(name, `planner plan` argv) of each file that claims too much: 10^5..10^8 devices as counts,
+    10^5 as explicit device lists and as nodes, and a model config of 10^9 layers."""
+    cases = []
+
+    def write(name, obj):
+        path = d / name
+        path.write_text(json.dumps(obj))
+        return str(path)
+
+    for e in (5, 6, 7, 8):
+        path = write(f"count_1e{e}.json", {"name": "big", "nodes": [{"name": "n0", "gpus": {"T4": 10**e}}]})
+        cases.append((f"devices-count-1e{e}", ["--cluster", path, "--model", "tiny"]))
+    listed = write("list_1e5.json", {"name": "big", "nodes": [{"name": "n0", "gpus": [{"type": "cpu"}] * 10**5}]})
+    cases.append(("devices-listed-1e5", ["--cluster", listed, "--model", "tiny"]))
+    nodes = write("nodes_1e5.json", {"name": "big",
+                                     "nodes": [{"name": f"n{i}", "gpus": {"T4": 1}} for i in range(10**5)]})
+    cases.append(("nodes-1e5", ["--cluster", nodes, "--model", "tiny"]))
+    layers = write("layers_1e9.json", {"model_type": "gpt2", "n_layer": 10**9, "n_embd": 64, "n_head": 4,
+                                       "vocab_size": 256, "n_positions": 128})
+    cases.append(("layers-1e9", ["--cluster", LOCAL_CLUSTER, "--model", layers]))
+    return cases
+
+
+HUGE_CLAIM_IDS = ["devices-count-1e5", "devices-count-1e6", "devices-count-1e7", "devices-count-1e8",
+                  "devices-listed-1e5", "nodes-1e5", "layers-1e9"]
+
+
+@pytest.mark.parametrize("case_id", HUGE_CLAIM_IDS)
+def test_planner_refuses_huge_claims_quickly_and_small(case_id, tmp_path):
+    """`planner plan` on each: exit 2 within 5 s and under 1 GiB of peak RSS, one line naming the limit."""
+    argv = dict(_huge_claims(tmp_path))[case_id] + ["--global-batch", "8"]
+    env = {**os.environ, "GPUMIX_DATA_DIR": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        start = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-m", "planner", "plan", *argv], cwd=ROOT, env=env, stdout=fo,
+                             stderr=fe, preexec_fn=_limits)
+        try:  # wait4: this child's own peak RSS (RUSAGE_CHILDREN would be the peak of every child so far)
+            _, status, usage = _wait4(p, HUGE_CLAIM_WALL_S * 6)
+        finally:
+            if p.returncode is None:
+                p.kill()
+                p.wait()
+        wall_s = time.monotonic() - start
+    stderr = err.read_text()
+    shown = f"{case_id}: rc={os.waitstatus_to_exitcode(status)} wall={wall_s:.2f}s rss={usage.ru_maxrss} KiB\n{stderr}"
+    assert os.waitstatus_to_exitcode(status) == 2, shown
+    assert len(stderr.strip().splitlines()) == 1 and "over the limit of" in stderr, shown
+    limit = "MAX_MODEL_LAYERS" if case_id.startswith("layers") else "MAX_CLUSTER_DEVICES"
+    assert limit in stderr, shown
+    assert wall_s < HUGE_CLAIM_WALL_S, shown
+    assert usage.ru_maxrss * 1024 < HUGE_CLAIM_RSS_BYTES, shown  # Linux: ru_maxrss in KiB
+
+
+def _wait4(p: subprocess.Popen, timeout_s: float):
+    """os.wait4 of `p` polled until `timeout_s`: (pid, status, rusage); the child is reaped."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            p.returncode = os.waitstatus_to_exitcode(status)
+            return pid, status, usage
+        if time.monotonic() > deadline:
+            raise AssertionError(f"planner plan still running after {timeout_s:.0f} s")
+        time.sleep(0.02)
