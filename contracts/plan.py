@@ -13,12 +13,14 @@ STAGE's state: batches and shard fractions sum per stage. Any plan may carry `wa
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from contracts.cluster import ClusterSpec
 from contracts.jsonio import dumps, load_json_file, save_json_file
-from contracts.constants import DTYPES, check_zero
+from contracts.constants import DTYPES, RECOMPUTE, check_zero
 
 PLAN_VERSION = 1
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -65,6 +67,24 @@ def _optional(value: Any, kind: type) -> Any:
     return None if value is None else kind(value)
 
 
+def check_count(value: Any, what: str, low: int = 0) -> int:
+    """`value` as an int when it is a whole number (never a bool) >= `low`; else ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_real(value: Any, what: str, low: float, high: float = math.inf, low_open: bool = False) -> float:
+    """`value` as a float when it is a finite number in [low, high] ((low, high] with `low_open`);
+    else ValueError naming `what` (NaN and infinity included)."""
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and value <= high)
+    if not ok:
+        bound = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high < math.inf else f"{'>' if low_open else '>='} {low:g}"
+        raise ValueError(f"{what} must be a finite number {'in ' if high < math.inf else ''}{bound}, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Assignment:
     device_index: int  # position in ClusterSpec.devices()
@@ -79,6 +99,31 @@ class Assignment:
     emulated: bool = False
     slowdown: float = 1.0
     memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        """Each field's type and range: a negative micro-batch × accumulation pair, a NaN fraction or a
+        zero micro-batch of a device with samples would train wrong or die inside the ranks."""
+        what = f"plan: device {self.device_index}"
+        check_count(self.device_index, "plan: device_index")
+        batch = check_count(self.batch, f"{what}: batch")
+        low = 1 if batch > 0 else 0  # a device with samples takes them in at least one micro-batch of >= 1
+        check_count(self.micro_batch, f"{what}: micro_batch" + (" (the device has samples)" if low else ""), low)
+        check_count(self.accum_steps, f"{what}: accum_steps" + (" (the device has samples)" if low else ""), low)
+        if batch != self.micro_batch * self.accum_steps:
+            raise ValueError(f"plan: device {self.device_index} batch {batch} != micro_batch {self.micro_batch} "
+                             f"× accum_steps {self.accum_steps}")
+        check_real(self.shard_fraction, f"{what}: shard_fraction", 0.0, 1.0)
+        check_count(self.predicted_memory_bytes, f"{what}: predicted_memory_bytes")
+        if isinstance(self.predicted_step_s, bool) or not isinstance(self.predicted_step_s, numbers.Real) or not (
+                self.predicted_step_s >= 0):  # +inf: a device the cost model cannot time; NaN fails
+            raise ValueError(f"{what}: predicted_step_s must be a number >= 0, got {self.predicted_step_s!r}")
+        if not isinstance(self.emulated, bool):
+            raise ValueError(f"{what}: emulated must be true or false, got {self.emulated!r}")
+        check_real(self.slowdown, f"{what}: slowdown", 0.0, low_open=True)
+        if self.memory_gb is not None:
+            check_real(self.memory_gb, f"{what}: memory_gb", 0.0, low_open=True)
+        if not isinstance(self.node, str) or not isinstance(self.type, str):
+            raise ValueError(f"{what}: node and type must be strings, got {self.node!r} and {self.type!r}")
 
     @property
     def used(self) -> bool:
@@ -243,6 +288,13 @@ class Plan:
     predicted_exposed_comm_s: float | None = None
 
     def __post_init__(self) -> None:
+        check_count(self.global_batch, "plan: global_batch", 1)
+        check_count(self.seq, "plan: seq", 1)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"plan: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"plan: recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        self._check_devices()
         check_zero(self.zero, what="plan: zero")
         check_step_dtypes(self.zero, self.param_dtype, self.reduce_dtype, self.prefetch,
                           reduce_in_flight=self.reduce_in_flight)
@@ -266,11 +318,24 @@ class Plan:
             frac = sum(a.shard_fraction for a in group)
             if abs(frac - 1.0) > 1e-6:
                 raise ValueError(f"plan: {where}shard fractions sum to {frac:.6f}, not 1")
+
+    def _check_devices(self) -> None:
+        """Every assignment names a device of the plan's cluster, once, with that device's node and type."""
+        devices = self.cluster.devices()
+        seen: set[int] = set()
         for a in self.assignments:
-            if a.batch != a.micro_batch * a.accum_steps:
-                raise ValueError(
-                    f"plan: device {a.device_index} batch {a.batch} != micro_batch {a.micro_batch} × accum_steps {a.accum_steps}"
-                )
+            if not isinstance(a, Assignment):
+                raise ValueError(f"plan: assignments must be Assignment entries, got {type(a).__name__}")
+            if a.device_index >= len(devices):
+                raise ValueError(f"plan: device_index {a.device_index} is beyond the cluster {self.cluster.name!r}, "
+                                 f"which has {len(devices)} device(s) (0-{len(devices) - 1})")
+            if a.device_index in seen:
+                raise ValueError(f"plan: device {a.device_index} has more than one assignment")
+            seen.add(a.device_index)
+            node, dev = devices[a.device_index]
+            if (a.node, a.type) != (node.name, dev.type):
+                raise ValueError(f"plan: device {a.device_index} is a {a.type} on node {a.node!r} in the assignment, "
+                                 f"a {dev.type} on node {node.name!r} in the cluster")
 
     def _stage_assignments(self) -> list[list[Assignment]]:
         p = self.pipeline
@@ -340,14 +405,18 @@ class Plan:
     def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object")
+        version = d.get("version", PLAN_VERSION)  # a plan written before versions were kept is version 1
+        if isinstance(version, bool) or version != PLAN_VERSION:
+            raise ValueError(f"{source}: plan version {version!r} is not one this GPUMix reads (version "
+                             f"{PLAN_VERSION}); write the plan again with this version's planner")
         try:
             afields = {f.name for f in fields(Assignment)}
             assignments = tuple(Assignment(**{k: v for k, v in a.items() if k in afields}) for a in d["assignments"])
             return cls(
                 cluster=ClusterSpec.from_dict(d["cluster"], f"{source}: cluster"),
                 model=str(d["model"]),
-                global_batch=int(d["global_batch"]),
-                seq=int(d["seq"]),
+                global_batch=d["global_batch"],  # checked as integers, never truncated
+                seq=d["seq"],
                 dtype=str(d.get("dtype", "fp32")),
                 recompute=str(d.get("recompute", "none")),
                 assignments=assignments,
@@ -356,7 +425,7 @@ class Plan:
                 baselines={k: BaselineResult(**v) for k, v in d.get("baselines", {}).items()},
                 solve_s=float(d.get("solve_s", 0.0)),
                 notes=tuple(d.get("notes", ())),
-                zero=int(d.get("zero", 1)),
+                zero=d.get("zero", 1),
                 zero_candidates={int(z): ZeroCandidate(**c) for z, c in d.get("zero_candidates", {}).items()},
                 pipeline=PipelineSpec.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
                 wan=tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)),

@@ -7,11 +7,15 @@ wait on, `leftovers`/`remove_leftovers` find and end what a killed launcher left
 Two implement it: LocalBackend (executor/local.py: torchrun on this machine, emulated devices in
 cgroups, emulated datacenters) and SlurmBackend (executor/slurm.py: one SLURM job). They import
 this module, checks, rank_commands and supervise, never each other; executor/launch.py picks one.
-The shared steps: the run folder (`prepare_folder`), the checkpoint to resume from
+The shared steps: the run folder (`prepare_folder`, emptied of an earlier run by `overwrite`), the
+checkpoint to resume from
 (`resume_step`), the tokens and the tokenizer copy (`prepare_data`), run.json.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
+import logging
 import os
 import shutil
 import time
@@ -23,12 +27,19 @@ from contracts.plan import Plan
 from contracts.run import RunConfig
 from contracts.specs import get_model
 from executor import checkpoint as ckpt
-from executor.checks import check_not_running
+from executor.checks import check_not_running, folder_in_use
 from executor.corpus import build_corpus
 from executor.rank_commands import optim_dict
+from executor.store import db_path
 from executor.supervise import RunHandle
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# what a launch writes beside plan.json and run.json (local.py, wan.py, links.py, slurm_job.py, the
+# worker): removed by --overwrite with the checkpoints, the logs and the store
+RUN_STATE_FILES = ("launcher.pid", "torchrun.pid", "emulation.json", "wan.json", "links.json", "slurm.json",
+                   "slurm.sbatch", "timeline.json", "prefill.json")
+
+log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -72,11 +83,36 @@ def new_run_dir(root: str | None = None) -> str:
 
 def prepare_folder(config: RunConfig) -> RunConfig:
     """The run folder (a new one under runs/ when the config names none) with its logs/, refused
-    when another launcher's run is live in it; the config naming it."""
+    when another launcher's run is live in it (an earlier run the config neither resumes nor
+    overwrites was refused by its check, checks.check_run); overwrite empties the earlier run's
+    state first. The config naming it."""
     config = config if config.run_dir is not None else replace(config, run_dir=new_run_dir())
-    os.makedirs(os.path.join(config.run_dir, "logs"), exist_ok=True)
+    os.makedirs(config.run_dir, exist_ok=True)
     check_not_running(config.run_dir)
+    if config.overwrite and folder_in_use(config.run_dir) is not None:
+        clear_run_state(config.run_dir)
+    os.makedirs(os.path.join(config.run_dir, "logs"), exist_ok=True)
     return config
+
+
+def clear_run_state(run_dir: str) -> None:
+    """Remove what a run left in its folder (checkpoints, logs, the folder's own store, the files the
+    launcher and the ranks write) and nothing else: --run-dir may name a folder holding the user's
+    files too. A shared store's rows of the run go when the new run's row is written (init_run)."""
+    ckpts = os.path.join(run_dir, ckpt.CKPT_DIR)
+    if os.path.isdir(ckpts):  # its contents: the folder itself may be a mount point
+        for name in os.listdir(ckpts):
+            path = os.path.join(ckpts, name)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    shutil.rmtree(os.path.join(run_dir, "logs"), ignore_errors=True)
+    db_file = db_path(run_dir)
+    names = [db_file + suffix for suffix in ("", "-wal", "-shm", "-journal")]
+    names += [os.path.join(run_dir, n) for n in RUN_STATE_FILES]
+    names += glob.glob(os.path.join(run_dir, "prefill_rank*.json"))
+    for path in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    log.info("run folder %s: the earlier run's state removed (--overwrite)", run_dir)
 
 
 def resume_step(plan: Plan, config: RunConfig) -> int | None:

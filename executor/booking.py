@@ -6,7 +6,8 @@ starts; a device held by a live booking is refused to any other run with one lin
 A device is `<node>/<index>`, "local" for this machine (so the dashboard's and the orchestrator's
 plans name it alike); a booking keeps its host, so in a shared ledger another machine's "local/0" is
 not ours. Before anything is read or booked the ledger is repaired from the processes alive: a
-booking whose booker, launcher and torchrun are all gone is released. Nothing here imports torch.
+booking whose booker, launcher and torchrun are all gone is released, and its run, if the store
+still reads it as running, is recorded failed ("launcher vanished"). Nothing here imports torch.
 """
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ class Ledger:
     def __init__(self, path: str | None = None) -> None:
         self.url = db.resolve(path, ledger_path)
         self.path = self.url.url
+        self._vanished: list[tuple[str, int, str]] = []  # (run_dir, pid, host) released by _repair
         self._connect().close()  # the schema is there (a fresh file gets it), or a ValueError says why
 
     def _connect(self) -> db.Database:
@@ -165,12 +167,31 @@ class Ledger:
             else:
                 log.info("booking of %s released: its launcher and torchrun are gone", row["run_dir"])
                 conn.execute("DELETE FROM bookings WHERE run_dir = ?", (row["run_dir"],))
+                self._vanished.append((row["run_dir"], row["pid"], row["host"]))
         return live
+
+    def _record_vanished(self) -> None:
+        """The runs of the bookings just released, still "running" in their store: failed, saying the
+        launcher vanished (after the ledger's transaction: a run's store is another database)."""
+        from executor.store import MetricsStore, has_run
+        from executor.supervise import record_vanished
+
+        vanished, self._vanished = self._vanished, []
+        for run_dir, pid, host in vanished:
+            try:
+                if has_run(run_dir):
+                    store = MetricsStore(run_dir)
+                    with closing(store):
+                        record_vanished(store, pid, host)
+            except (ValueError, OSError, *db.errors()) as e:
+                log.warning("run %s: could not record its vanished launcher: %s", run_dir, e)
 
     def live(self) -> list[Booking]:
         """The live bookings, oldest first (dead ones are released on the way)."""
         with closing(self._connect()) as conn, conn.transaction(lock="bookings"):
-            return self._repair(conn)
+            live = self._repair(conn)
+        self._record_vanished()
+        return live
 
     def conflicts(self, devices: Sequence[str], run_dir: str | None = None) -> list[tuple[Booking, list[str]]]:
         """(booking, the devices of `devices` it holds) for every other live run holding some."""
@@ -184,6 +205,12 @@ class Ledger:
         naming the holding run if another live run holds one of them."""
         run_dir = os.path.abspath(run_dir)
         pid = os.getpid() if pid is None else pid
+        try:
+            self._book(run_dir, devices, pid)
+        finally:
+            self._record_vanished()
+
+    def _book(self, run_dir: str, devices: Sequence[str], pid: int) -> None:
         # check and book in one transaction, the table locked: two launchers never both win
         with closing(self._connect()) as conn, conn.transaction(lock="bookings"):
             live = self._repair(conn)

@@ -6,16 +6,23 @@ saving ranks owned (`shard_<p>.bin`, raw fp32, and `meta_<p>.json`, written last
 each rank's new slice from whichever old slices overlap it, so `--resume` works on another plan
 (other devices, shard fractions or ZeRO stage); another model, sequence length or global batch is
 refused. `latest.json` names a step only once every position's files are whole. Slices are written
-and read in place (memory-mapped), never a whole file in memory.
+and read in place (memory-mapped), never a whole file in memory. Before a save every rank checks the
+folder's free space against the checkpoint's size (`check_free_space`); a full disk, found there or
+while writing, raises DiskFull naming the folder, and the previous checkpoint stays the one to resume.
+With `keep` N > 0 the newest N checkpoints are kept: older ones go once latest.json names a newer one.
 
 The file format and the save/load protocol: docs/executor.md ("Checkpoints").
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,38 @@ LATEST = "latest.json"
 FORMAT = "gpumix-logical-1"  # latest.json's "format": DCP checkpoints of older versions have none
 FIELDS = ("master", "exp_avg", "exp_avg_sq")  # per unit, in this order in shard_<p>.bin
 DTYPE = np.dtype("<f4")  # fp32 masters and moments, little-endian on disk whatever the host
+STEP_DIR = re.compile(r"step_(\d+)$")
+# a save's bytes beyond the shards: every position's meta (a few kB per unit) and latest.json
+META_MARGIN_BYTES = 4 * 2**20
+
+
+class DiskFull(OSError):
+    """No room for a checkpoint: found before the save, or ENOSPC while writing it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:  # the message alone: it becomes the run's failure reason
+        return self.strerror
+
+
+class CheckpointIncomplete(RuntimeError):
+    """Position 0 does not see every position's files: latest.json does not name the save."""
+
+
+def checkpoint_bytes(plan: Plan) -> int:
+    """The bytes one checkpoint of `plan` takes, every position's together: each unit's master and
+    two AdamW moments once (the positions' slices tile the units), fp32, plus the metas."""
+    return sum(plan_units(plan).values()) * len(FIELDS) * DTYPE.itemsize + META_MARGIN_BYTES
+
+
+def check_free_space(run_dir: str, need_bytes: int, step: int) -> None:
+    """DiskFull when the checkpoint folder's filesystem has less than `need_bytes` free."""
+    folder = os.path.join(run_dir, CKPT_DIR)
+    free = shutil.disk_usage(folder if os.path.isdir(folder) else run_dir).free
+    if free < need_bytes:
+        raise DiskFull(f"disk full: the checkpoint of step {step} needs {need_bytes / 2**20:.1f} MiB "
+                       f"in {folder}, {free / 2**20:.1f} MiB free (the previous checkpoint is kept)")
 
 
 def shard_path(ckpt_path: str, position: int) -> str:
@@ -183,31 +222,110 @@ def _complete(ckpt_path: str, step: int, num_positions: int, fingerprint: str) -
     return missing
 
 
-def save(run_dir: str, runtime: Any, position: int, step: int, plan: Plan) -> str:
+def _all_agree(ok: bool) -> bool:
+    """Whether every rank says ok (a collective under torch.distributed; else `ok`): a save refused on
+    one rank must be refused on all, or the others wait in its barriers forever."""
+    if not _distributed():
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save(run_dir: str, runtime: Any, position: int, step: int, plan: Plan, keep: int = 0) -> str:
     """Write this position's shard and meta for `step`; collective (every rank calls it). Position 0
-    names the checkpoint in latest.json once every position's files are complete. Without
-    torch.distributed (one process saving for several positions, as tests do) whichever call
-    completes the set writes latest.json. Returns the checkpoint folder."""
+    names the checkpoint in latest.json once every position's files are complete, then removes the
+    checkpoints older than the newest `keep` (0: none). Without torch.distributed (one process saving
+    for several positions, as tests do) whichever call completes the set writes latest.json.
+    DiskFull (every rank alike) when the folder lacks the room: the save is not started. Returns the
+    checkpoint folder."""
     run_dir = os.path.abspath(run_dir)
+    os.makedirs(os.path.join(run_dir, CKPT_DIR), exist_ok=True)
     path = os.path.join(run_dir, CKPT_DIR, f"step_{step:06d}")
-    os.makedirs(path, exist_ok=True)
+    try:
+        check_free_space(run_dir, checkpoint_bytes(plan) - _bytes_in(path), step)
+        room = None
+    except DiskFull as e:
+        room = e
+    if not _all_agree(room is None):
+        raise room or DiskFull(f"disk full: another rank has no room for the checkpoint of step {step}")
     meta = checkpoint_meta(plan, step, path)
-    units = _write_shard(path, runtime, position)
-    _write_atomic_json(meta_path(path, position), {
-        "step": step, "position": position, "num_positions": meta["num_positions"],
-        "plan_fingerprint": meta["plan_fingerprint"], "dtype": DTYPE.str, "units": units,
-        "scalar_state": runtime.scalar_state()})
+    try:
+        os.makedirs(path, exist_ok=True)
+        units = _write_shard(path, runtime, position)
+        _write_atomic_json(meta_path(path, position), {
+            "step": step, "position": position, "num_positions": meta["num_positions"],
+            "plan_fingerprint": meta["plan_fingerprint"], "dtype": DTYPE.str, "units": units,
+            "scalar_state": runtime.scalar_state()})
+    except OSError as e:
+        # numpy's tofile reports a full disk as a short write, without errno
+        if e.errno != errno.ENOSPC and shutil.disk_usage(path).free > META_MARGIN_BYTES:
+            raise
+        _remove_position(path, position)  # room for the store and the logs to say what happened
+        raise DiskFull(f"disk full while writing the checkpoint of step {step} to {path}: "
+                       f"{e.strerror or e} (the previous checkpoint is kept)") from None
     _barrier()  # every rank's meta is on disk before position 0 looks
     distributed = _distributed()
+    incomplete = None
     if position == 0 or not distributed:
         missing = _complete(path, step, meta["num_positions"], meta["plan_fingerprint"])
         if not missing:
             _write_atomic_json(os.path.join(run_dir, CKPT_DIR, LATEST), meta)
             log.info("checkpoint of step %d saved to %s", step, path)
+            if keep > 0:
+                prune(run_dir, keep)
         elif distributed:
-            raise RuntimeError(f"checkpoint of step {step}: positions {missing} wrote no complete meta in {path}")
+            incomplete = CheckpointIncomplete(f"checkpoint of step {step}: positions {missing} wrote no complete "
+                                              f"meta in {path} (a run folder not shared by every node?)")
     _barrier()  # nobody goes on (and maybe dies) before latest.json names this checkpoint
+    if incomplete is not None:  # raised past the barrier: the other ranks are not left waiting in it
+        raise incomplete
     return path
+
+
+def _bytes_in(folder: str) -> int:
+    """Bytes of the files already in `folder` (a retried save overwrites them in place)."""
+    if not os.path.isdir(folder):
+        return 0
+    with os.scandir(folder) as entries:
+        return sum(e.stat().st_size for e in entries if e.is_file())
+
+
+def _remove_position(path: str, position: int) -> None:
+    for f in (shard_path(path, position), f"{shard_path(path, position)}.tmp", meta_path(path, position),
+              f"{meta_path(path, position)}.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+
+
+def saved_steps(run_dir: str) -> list[int]:
+    """The steps of the checkpoint folders in the run folder (whole or not), ascending."""
+    try:
+        names = os.listdir(os.path.join(run_dir, CKPT_DIR))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, names) if m)
+
+
+def prune(run_dir: str, keep: int) -> list[int]:
+    """Remove the checkpoints older than the newest `keep` up to the one latest.json names (never that
+    one, never a newer folder: a save in progress); the steps removed."""
+    meta = latest(run_dir)
+    if meta is None or keep < 1:
+        return []
+    newest = int(meta["step"])
+    older = [s for s in saved_steps(run_dir) if s <= newest]
+    gone = older[:-keep] if len(older) > keep else []
+    for s in gone:
+        shutil.rmtree(os.path.join(run_dir, CKPT_DIR, f"step_{s:06d}"), ignore_errors=True)
+    if gone:
+        log.info("checkpoints of steps %s removed (keeping the newest %d)", gone, keep)
+    return gone
 
 
 # ---- load --------------------------------------------------------------------------------

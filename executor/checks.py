@@ -5,7 +5,9 @@ anything is written to the run folder's store: the plan's devices exist here (`c
 a plan on several nodes runs here only as emulated datacenters (`check_emulate_wan`), emulated
 links need a one-node CPU plan of at least 2 ranks and root (`check_emulate_links`), the
 `init_from` folder holds the plan's model (`check_init_from`), the run folder has no live run
-(`check_not_running`). The settings' own values (steps, seed, ...) are RunConfig's to check
+(`check_not_running`) and no earlier run unless resumed or overwritten (`check_folder_reuse`), a
+multi-node run keeps SQLite off a network filesystem (`check_store_safe`). The plan's own fields
+are checked when it is read (contracts/plan.py), the settings' (steps, seed, ...) by RunConfig
 (contracts/run.py); `check_run` and `check_local` are what the backends call (executor/backend.py).
 """
 from __future__ import annotations
@@ -19,7 +21,13 @@ from contracts.plan import Plan
 from contracts.run import RunConfig
 from executor import booking, links, netns, wan
 from executor.rank_commands import plan_nodes
-from executor.store import has_run, read_metrics
+from executor.checkpoint import CKPT_DIR
+from executor.store import has_run, read_metrics, read_run_row
+
+# filesystems every node of a cluster may mount, where SQLite's locks and WAL index do not work
+# (sqlite.org/wal.html: "WAL does not work over a network filesystem")
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "beegfs", "ceph", "glusterfs",
+                       "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "9p", "afs", "panfs", "wekafs", "orangefs")
 
 
 def runs_here(plan: Plan) -> bool:
@@ -124,11 +132,17 @@ def check_init_from(plan: Plan, init_from: str | None) -> str | None:
 
 
 def check_run(plan: Plan, config: RunConfig) -> RunConfig:
-    """What every backend checks: the plan uses a device, `init_from` holds its model. Returns the
-    config with its paths absolute (the launcher's and the ranks' working folders differ)."""
+    """What every backend checks: the plan uses a device, `init_from` holds its model, the run folder
+    holds no earlier run unless resumed or overwritten, a run on several machines keeps its SQLite
+    store off a network filesystem. Returns the config with its
+    paths absolute (the launcher's and the ranks' working folders differ)."""
     if not plan.used:
         raise ValueError("plan uses no device")
     run_dir = None if config.run_dir is None else os.path.abspath(config.run_dir)
+    if run_dir is not None:
+        check_folder_reuse(replace(config, run_dir=run_dir))
+        if not (config.emulate_wan or runs_here(plan)):
+            check_store_safe(plan, run_dir)
     return replace(config, run_dir=run_dir, init_from=check_init_from(plan, config.init_from))
 
 
@@ -153,3 +167,69 @@ def check_not_running(run_dir: str) -> None:
             # start_run (our parent) writes the row before we run: that one is ours
             if m["status"] == "running" and m["launcher_pid"] not in (os.getpid(), os.getppid()):
                 raise ValueError(f"run folder {run_dir} has a running run (launcher pid {m['launcher_pid']})")
+
+
+def _ours(run: dict) -> bool:
+    """The run row is this launch's: written by start_run (our parent) or by us, still running."""
+    return run.get("status") == "running" and run.get("launcher_pid") in (os.getpid(), os.getppid())
+
+
+def folder_in_use(run_dir: str) -> str | None:
+    """What makes `run_dir` hold an earlier run (its metrics, its checkpoints), or None."""
+    ckpts = os.path.join(run_dir, CKPT_DIR)
+    if os.path.isdir(ckpts) and os.listdir(ckpts):
+        return "checkpoints"
+    if has_run(run_dir):
+        with contextlib.suppress(ValueError):
+            if _ours(read_run_row(run_dir)):
+                return None
+        return "metrics"
+    return None
+
+
+def check_folder_reuse(config: RunConfig) -> None:
+    """A run folder holding an earlier run is refused unless the run resumes it or overwrites it:
+    a fresh run there would wipe its metrics and keep its checkpoints, which a later resume splices.
+    A live run there is refused whatever the config says."""
+    check_not_running(config.run_dir)
+    if config.resume or config.overwrite:
+        return
+    what = folder_in_use(config.run_dir)
+    if what is not None:
+        raise ValueError(f"run folder {config.run_dir} holds an earlier run ({what}): pass --resume to continue "
+                         "it, --overwrite to replace it, or choose another --run-dir")
+
+
+def filesystem_type(path: str, mounts_file: str = "/proc/mounts") -> str | None:
+    """The type of the filesystem holding `path` (the longest mount point above it), or None."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open(mounts_file, encoding="utf-8") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        return None
+    return kind
+
+
+def check_store_safe(plan: Plan, run_dir: str) -> None:
+    """A run on several machines writes its store from every node: the run folder's SQLite file is
+    refused when it sits on a network filesystem (SQLite's locking and WAL need one host)."""
+    from executor import db
+
+    url = db.configured()
+    if len(plan_nodes(plan)) < 2 or (url is not None and url.dialect != "sqlite"):
+        return
+    path = run_dir if url is None else url.target  # the run folder's own file, or GPUMIX_DB's SQLite file
+    kind = filesystem_type(path)
+    if kind in NETWORK_FILESYSTEMS:
+        raise ValueError(f"{path} is on a network filesystem ({kind}): the nodes of a multi-node run cannot share "
+                         f"a SQLite store there; set {db.ENV_DB}=postgresql://... (a PostgreSQL store) or keep "
+                         "the run folder on a local disk")

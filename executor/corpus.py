@@ -6,7 +6,8 @@ Python standard library's sources by default, a folder or file of text or JSON L
 pre-tokenized `.npy` / `.bin` token files (used as given, memory-mapped). Text is tokenized in
 parallel by executor.tokenizing, an end-of-document id after each document; the validation split
 is by whole documents. The cache under `<data_dir>/corpus/<key>/` is keyed by the inputs' content
-and built once under a lock, atomically. `GlobalSampler`: (seed, step) -> the global batch's window
+and built once under a lock, atomically; it is bounded (GPUMIX_CORPUS_CACHE_GB, default 20 GiB: least
+recently used entries go first). `GlobalSampler`: (seed, step) -> the global batch's window
 starts, the same for any plan, which a plan only cuts into rank / micro-batch pieces.
 
 Sources, the split rule, the cache layout and its key: docs/executor.md ("The corpus").
@@ -39,6 +40,12 @@ MIN_VAL_TOKENS = 8192  # NUM_VAL_WINDOWS (8) disjoint windows of seq 1024
 # 8 MiB of source is ~8M byte tokens: far more than a tiny model sees in a demo run,
 # small enough to build in a second and to memory-map from every rank.
 DEFAULT_MAX_BYTES = 8 * 2**20
+# the corpus cache's bound: entries least recently used go once the cache holds more (GiB; a
+# tokenized corpus is about 2-4 bytes per token, so 20 GiB keeps a few billion tokens)
+ENV_CACHE_GB = "GPUMIX_CORPUS_CACHE_GB"
+DEFAULT_CACHE_GB = 20.0
+# an entry used this recently is never evicted: a launcher may have just handed it to its ranks
+RECENT_USE_S = 600.0
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".toml", ".cfg", ".ini", ".html", ".csv")
 JSONL_SUFFIXES = (".jsonl",)
 TOKEN_SUFFIXES = (".bin", ".npy")
@@ -159,8 +166,11 @@ def build_corpus(source: str | None = None, tokenizer: str | None = None, progre
                          meta["train"]["num_tokens"], meta["val"]["num_tokens"], meta["num_docs"]["train"],
                          meta["num_docs"]["val"], src.root, tok.name if tok else "ids as given",
                          meta["build_s"], final)
-    elif progress is not None:
-        progress(1.0, f"cached: {final}")
+    else:
+        _touch(manifest)  # the cache evicts least recently used entries first
+        if progress is not None:
+            progress(1.0, f"cached: {final}")
+    evict_cache(cache_dir, keep=final)
     if vocab_size is not None:
         with open(manifest, encoding="utf-8") as fh:
             have = json.load(fh)["vocab_size"]
@@ -168,6 +178,70 @@ def build_corpus(source: str | None = None, tokenizer: str | None = None, progre
             raise ValueError(f"data {source} uses token ids up to {have - 1}, outside the model's "
                              f"vocabulary of {vocab_size}")
     return manifest
+
+
+# ---- the cache's bound -------------------------------------------------------------------------
+
+
+def cache_limit_bytes() -> int:
+    """The corpus cache's bound: GPUMIX_CORPUS_CACHE_GB (GiB, > 0), default DEFAULT_CACHE_GB."""
+    raw = os.environ.get(ENV_CACHE_GB, "").strip()
+    try:
+        gb = float(raw) if raw else DEFAULT_CACHE_GB
+    except ValueError:
+        gb = -1.0
+    if not 0 < gb < float("inf"):
+        raise ValueError(f"{ENV_CACHE_GB}={raw!r}: expected the corpus cache's size in GiB, a number > 0")
+    return int(gb * 2**30)
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a cache on a read-only filesystem: nothing to record, nothing to evict
+        pass
+
+
+def _entry_bytes(folder: str) -> int:
+    total = 0
+    for dirpath, _, filenames in os.walk(folder):
+        for f in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def evict_cache(cache_dir: str, keep: str | None = None, limit_bytes: int | None = None) -> list[str]:
+    """Remove whole cache entries, least recently used first, until the cache holds at most
+    `limit_bytes` (default: cache_limit_bytes()); never `keep` nor an entry used in the last
+    RECENT_USE_S. The entries removed. Token files used in place are the user's: never counted."""
+    limit = cache_limit_bytes() if limit_bytes is None else limit_bytes
+    entries = []
+    for name in os.listdir(cache_dir):
+        folder = os.path.join(cache_dir, name)
+        try:
+            used_s = os.stat(os.path.join(folder, MANIFEST)).st_mtime
+        except OSError:
+            continue  # no manifest: a build in progress (its .tmp folder) or a lock file
+        entries.append((used_s, folder, _entry_bytes(folder)))
+    total = sum(e[2] for e in entries)
+    removed: list[str] = []
+    now = time.time()
+    for used_s, folder, size in sorted(entries):
+        if total <= limit:
+            break
+        if folder == keep or now - used_s < RECENT_USE_S:
+            continue
+        with open(f"{folder}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # not while a build of the same key holds it
+            shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        removed.append(folder)
+        log.info("corpus cache over %.1f GiB: removed %s (%.1f MiB, least recently used)", limit / 2**30,
+                 folder, size / 2**20)
+    return removed
 
 
 # ---- pre-tokenized token files ----------------------------------------------------------------

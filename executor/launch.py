@@ -7,13 +7,15 @@ LocalBackend (executor/local.py) here, SlurmBackend (executor/slurm.py) for `--b
 `multinode_commands` prints the per-node torchrun lines of a plan spanning machines.
 
 Read in this order: checks.py (plan + config against this machine), rank_commands.py (the
-command lines), supervise.py (start, watch, stop, failure reasons), local.py and slurm.py (the
-backends). docs/ARCHITECTURE.md (the executor) has the process tree.
+command lines), supervise.py (start, watch, stop, failure reasons; stall.py its watchdog,
+lifeline.py the parent-death signal), local.py and slurm.py (the backends). docs/ARCHITECTURE.md
+(the executor) has the process tree.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING
 
 from contracts.plan import Plan
@@ -25,8 +27,9 @@ from executor.local import EMULATION_FILE, LocalBackend, emulation_limits, sleep
 from executor.rank_commands import (DEFAULT_RDZV_PORT, default_optim, free_port,  # noqa: F401
                                     local_torchrun_command, node_command_lines, run_id_of)
 from executor.slurm import SlurmBackend
-from executor.store import MetricsStore, has_run, read_metrics
-from executor.supervise import RunHandle, still_running, stop_escalated
+from executor.store import MetricsStore, has_run, read_metrics, read_run_row
+from executor.supervise import (RunHandle, record_vanished, still_running, stop_elsewhere, stop_escalated,
+                                verified_launcher)
 
 if TYPE_CHECKING:  # models.optim imports torch; the dashboard imports this module
     from models.optim import OptimConfig
@@ -50,25 +53,27 @@ def _plan(plan: Plan | str) -> Plan:
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
                tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
-               prefill: dict | None = None, emulate_links_gbps: float | None = None) -> str:
+               prefill: dict | None = None, emulate_links_gbps: float | None = None,
+               stall_timeout_s: float | None = None) -> str:
     """Run `plan` for `steps` global steps with torchrun here; block until it ends. Returns the final
     status: "done" | "failed" | "stopped". ValueError on bad input. The settings: RunConfig's."""
     config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
                         corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from, emulate_wan=emulate_wan,
-                        prefill=prefill, emulate_links_gbps=emulate_links_gbps)
+                        prefill=prefill, emulate_links_gbps=emulate_links_gbps, stall_timeout_s=stall_timeout_s)
     return LocalBackend().launch(_plan(plan), config)
 
 
 def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
               tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
-              prefill: dict | None = None, emulate_links_gbps: float | None = None) -> RunHandle:
+              prefill: dict | None = None, emulate_links_gbps: float | None = None,
+              stall_timeout_s: float | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
     folder under contracts.paths.runs_dir()."""
     config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
                         corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from, emulate_wan=emulate_wan,
-                        prefill=prefill, emulate_links_gbps=emulate_links_gbps)
+                        prefill=prefill, emulate_links_gbps=emulate_links_gbps, stall_timeout_s=stall_timeout_s)
     return LocalBackend().start(_plan(plan), config)
 
 
@@ -86,17 +91,25 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
     """Stop the run: ask the launcher through the store; if it does not end the run within
     `timeout_s` (or is gone, leaving torchrun and the ranks behind), kill the launcher,
     torchrun's group and every rank, end what the backends left (emulated datacenters, cgroups,
-    a SLURM job), and record "stopped". Returns the final status."""
+    a SLURM job), and record "stopped". Only verified processes are signalled: a run recorded on
+    another host is asked through the store alone, and a recorded pid that is now another process
+    (start time or command line not the launcher's) is a ValueError. Returns the final status."""
     if not has_run(run_dir):
         raise ValueError(f"no run at {run_dir}")
-    m = read_metrics(run_dir)
-    launcher = m["launcher_pid"] if m["launcher_pid"] != os.getpid() else None
-    backends = (LocalBackend(), SlurmBackend())
+    row = read_run_row(run_dir)
     store = MetricsStore(run_dir)
     try:
+        if row["host"] and row["host"] != socket.gethostname():
+            return stop_elsewhere(run_dir, row["host"], store, timeout_s)
+        pid = row["launcher_pid"]
+        launcher = verified_launcher(run_dir, pid, store) if pid != os.getpid() else None
+        backends = (LocalBackend(), SlurmBackend())
         left = still_running(run_dir, launcher, store) or any(b.leftovers(run_dir) for b in backends)
-        if m["status"] != "running" and not left:
-            return m["status"]
+        if not left and pid != os.getpid():  # a launcher gone without a word, nothing of it left
+            record_vanished(store, pid, row["host"])
+            return read_metrics(run_dir)["status"]
+        if not left and store.status() != "running":
+            return store.status()
         stop_escalated(run_dir, launcher, store, timeout_s)
         for b in backends:
             b.remove_leftovers(run_dir)
@@ -106,4 +119,3 @@ def stop_run(run_dir: str, timeout_s: float = 30.0) -> str:
         store.close()
     booking.Ledger().release(run_dir)  # everything of the run is gone now
     return read_metrics(run_dir)["status"]
-

@@ -6,8 +6,10 @@ Process tree (every arrow is an argument list, never a shell):
         --new session--> python -m torch.distributed.run ... -m executor.worker   (torchrun)
             --own session each (torchrun's choice)--> python -m executor.worker   (rank r)
 
-The launcher builds the corpus cache, writes plan.json, run.json and the run row, starts torchrun
-and watches it (executor/supervise.py); at the end it kills what is left and records the status.
+torchrun and the ranks die with their parent (executor/lifeline.py); SIGTERM, SIGINT, SIGHUP stop
+the run. The launcher builds the corpus cache, writes plan.json, run.json and the run row, starts
+torchrun and watches it (executor/supervise.py, executor/stall.py); at the end it kills what is
+left and records the status.
 Emulated devices run under per-rank cgroups (profiler/cgroups.py) or sleep where there are none;
 emulated datacenters put each plan node's torchrun agent in its own network namespace
 (executor/wan.py), emulated links each rank's (executor/links.py). More: docs/executor.md, docs/emulated_wan.md.
@@ -29,12 +31,13 @@ from contracts.catalog import GIB
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan
 from contracts.run import RunConfig
-from executor import booking, links, netns, wan
+from executor import booking, lifeline, links, netns, wan
 from executor.backend import prepare_data, prepare_folder, resume_step
 from executor.checks import check_local, check_run
 from executor.rank_commands import (DEFAULT_RDZV_PORT, agent_torchrun_command, free_port, local_torchrun_command,
                                     node_torchrun_command, plan_nodes, rank_env, run_id_of, worker_args)
 from executor.store import MetricsStore
+from executor.stall import stall_bound_s
 from executor.supervise import (RunHandle, exit_code, failure_reason, kill_everything, record_launch,
                                 start_launcher, stop_on_signals, watch)
 from profiler import cgroups
@@ -131,10 +134,12 @@ def oom_reason(emu: Emulation) -> tuple[str, int] | None:
 
 
 def start_agent(cmd: list[str], env: dict[str, str], log_path: str) -> subprocess.Popen:
+    """A torchrun agent in its own session (the group kill_everything ends), killed by the kernel
+    if this launcher dies first (called from the thread that watches it to the end)."""
     log.info("starting %s", shlex.join(cmd))
     with open(log_path, "ab") as out:
-        return subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(lifeline.command(cmd), cwd=PROJECT_ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _agent_log(run_dir: str, i: int) -> str:
@@ -241,8 +246,10 @@ def _merge_agent_logs(run_dir: str, n: int, dest: str) -> None:
 # ---- the launcher ------------------------------------------------------------------------
 
 
-def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int | None) -> str:
-    """Start the agents, watch them, end everything, record the status."""
+def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int | None,
+         stop: threading.Event) -> str:
+    """Start the agents (none when a stop signal came while the run was prepared), watch them, end
+    everything, record the status."""
     run_dir = config.run_dir
     if emu.mode == "sleep":
         plan = sleep_fallback_plan(plan)
@@ -254,34 +261,38 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
         store.add_event("emulation", f"{emu.mode}: {emu.reason}")
     if plan.dtype != "fp32" and all(a.type == "cpu" for a in plan.used):
         store.add_event("note", f"plan dtype {plan.dtype}: CPU ranks train in fp32 (autocast is for GPUs)")
-    wargs = worker_args(plan_path, config, tokens_path=tokens)
+    wargs = lifeline.python_args(worker_args(plan_path, config, tokens_path=tokens))  # a rank dies with torchrun
     wargs = cgroups.exec_command(wargs) if emu.mode == "cgroup" else wargs
     env = rank_env(os.path.join(run_dir, EMULATION_FILE) if emu.mode == "cgroup" else None)
     torchrun_log = os.path.join(run_dir, "logs", "torchrun.log")
-    stop = threading.Event()
     agents: list[subprocess.Popen] = []
     setup: wan.WanSetup | links.LinksSetup | None = None
     guard: subprocess.Popen | None = None
-    status, reason, failed_rank = "failed", None, None
+    status, reason, failed_rank, stall = "failed", None, None, None
     try:
-        with stop_on_signals(stop):
-            if config.emulate_wan:
-                setup, guard = _start_wan(plan, run_dir, store)
-                agents = _start_wan_agents(setup, plan, wargs, env, run_dir)
-            elif config.emulate_links_gbps is not None:
-                setup, guard = _start_links(plan, config.emulate_links_gbps, run_dir, store)
-                agents = _start_link_agents(setup, wargs, env, run_dir)
-            else:
-                agents = [start_agent(local_torchrun_command(len(plan.used), free_port(), wargs), env, torchrun_log)]
+        if stop.is_set():  # a stop signal came while the run was prepared: start nothing
+            pass
+        elif config.emulate_wan:
+            setup, guard = _start_wan(plan, run_dir, store)
+            agents = _start_wan_agents(setup, plan, wargs, env, run_dir)
+        elif config.emulate_links_gbps is not None:
+            setup, guard = _start_links(plan, config.emulate_links_gbps, run_dir, store)
+            agents = _start_link_agents(setup, wargs, env, run_dir)
+        else:
+            agents = [start_agent(local_torchrun_command(len(plan.used), free_port(), wargs), env, torchrun_log)]
+        if agents:
             with open(os.path.join(run_dir, "torchrun.pid"), "w") as fh:
                 fh.write(str(agents[0].pid))  # the rendezvous host's agent
-            watch(agents, store, stop)
+        stall = watch(agents, store, stop, stall_bound_s(plan, config.stall_timeout_s))
         rc = exit_code(agents)
-        kill_everything(agents, store.worker_pids())
+        kill_everything(agents, store.worker_pids(), run_dir)
         if setup is not None:
             _merge_agent_logs(run_dir, len(agents), torchrun_log)
         if stop.is_set() or store.stop_requested():
             status, reason = "stopped", "stopped on request"
+        elif stall is not None:
+            reason, failed_rank = stall.reason, stall.rank
+            store.add_event("stall", stall.reason, stall.rank)
         elif store.last_step() == config.steps and (rc == 0 or store.all_ranks_done()):
             status = "done"  # all_ranks_done: this launch's ranks, not a resumed run's earlier ones
             if rc != 0:  # every rank said it finished; one crashed on its way out
@@ -290,7 +301,7 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
             reason, failed_rank = oom_reason(emu) or failure_reason(store, torchrun_log, rc)
     except BaseException as e:
         reason = f"launcher error: {type(e).__name__}: {e}"
-        kill_everything(agents, store.worker_pids())
+        kill_everything(agents, store.worker_pids(), run_dir)
         raise
     finally:
         if setup is not None:  # torn down before the run's end is recorded: "done" means nothing is left
@@ -321,18 +332,21 @@ class LocalBackend:
         return config
 
     def launch(self, plan: Plan, config: RunConfig) -> str:
-        config = prepare_folder(self.check(plan, config))
-        book_devices(plan, config.run_dir)  # start booked already: the launcher takes the booking over
-        try:
-            step = resume_step(plan, config)
-            tokens = prepare_data(plan, config)
-            emu = setup_emulation(plan, config.run_dir)
+        """Run it here; a stop signal (SIGTERM, SIGINT, SIGHUP) from the first check on stops it."""
+        stop = threading.Event()
+        with stop_on_signals(stop):
+            config = prepare_folder(self.check(plan, config))
+            book_devices(plan, config.run_dir)  # start booked already: the launcher takes the booking over
             try:
-                return _run(plan, config, tokens, emu, step)
+                step = resume_step(plan, config)
+                tokens = prepare_data(plan, config)
+                emu = setup_emulation(plan, config.run_dir)
+                try:
+                    return _run(plan, config, tokens, emu, step, stop)
+                finally:
+                    remove_emulation(emu)
             finally:
-                remove_emulation(emu)
-        finally:
-            booking.Ledger().release(config.run_dir)
+                booking.Ledger().release(config.run_dir)
 
     def start(self, plan: Plan, config: RunConfig) -> RunHandle:
         """The launcher in a new session; the prefill object travels as the run folder's prefill.json."""
@@ -354,8 +368,9 @@ class LocalBackend:
         return RunHandle(config.run_dir, proc.pid)
 
     def leftovers(self, run_dir: str) -> bool:
-        run_id = run_id_of(run_dir)  # a killed launcher's datacenters or links
-        return bool(netns.find(wan.run_prefix(run_id)) or netns.find(links.run_prefix(run_id)))
+        run_id = run_id_of(run_dir)  # a killed launcher's datacenters, links or cgroups
+        return bool(netns.find(wan.run_prefix(run_id)) or netns.find(links.run_prefix(run_id))
+                    or cgroups.find(cgroups.run_prefix(run_id)))
 
     def remove_leftovers(self, run_dir: str) -> None:
         """A killed launcher's emulated datacenters or links (if its guard has not removed them yet)

@@ -75,6 +75,7 @@ def worker_args(plan_path: str, config: RunConfig, tokens_path: str | None = Non
     Without `tokens_path` each node builds (and caches) its own token file."""
     args = ["-m", "executor.worker", "--plan", plan_path, "--steps", str(config.steps), "--run-dir", config.run_dir,
             "--seed", str(config.seed), "--checkpoint-every", str(config.checkpoint_every),
+            "--keep-checkpoints", str(config.keep_checkpoints),
             "--optim", json.dumps(default_optim(config.steps, config.optim).to_dict())]
     if tokens_path:
         args += ["--tokens", tokens_path]
@@ -143,7 +144,8 @@ def launcher_command(plan_path: str, config: RunConfig, extra_args: Sequence[str
     """`python -m executor launch ...` reproducing `config` (`extra_args`: the backend's own flags;
     the prefill object travels as a file, so the caller passes `--prefill FILE` among them)."""
     cmd = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(config.steps),
-           "--run-dir", config.run_dir, "--seed", str(config.seed), "--checkpoint-every", str(config.checkpoint_every)]
+           "--run-dir", config.run_dir, "--seed", str(config.seed), "--checkpoint-every", str(config.checkpoint_every),
+           "--keep-checkpoints", str(config.keep_checkpoints)]
     if config.resume:
         cmd.append("--resume")
     for value, flag in ((config.corpus_dir, "--data"), (config.tokenizer, "--tokenizer"),
@@ -156,6 +158,8 @@ def launcher_command(plan_path: str, config: RunConfig, extra_args: Sequence[str
         cmd.append("--emulate-wan")
     if config.emulate_links_gbps is not None:
         cmd += ["--emulate-links", repr(config.emulate_links_gbps)]
+    if config.stall_timeout_s is not None:
+        cmd += ["--stall-timeout", repr(config.stall_timeout_s)]
     return cmd + list(extra_args)
 
 

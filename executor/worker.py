@@ -1,7 +1,7 @@
 """The training worker: one process per used device, started by torchrun.
 
     python -m torch.distributed.run --nproc_per_node=R -m executor.worker --plan P --steps N \
-        --run-dir D --tokens T.npy [--seed K] [--resume] [--checkpoint-every K]
+        --run-dir D --tokens T.npy [--seed K] [--resume] [--checkpoint-every K] [--keep-checkpoints N]
 
 Rank r trains the plan's r-th used assignment (on several nodes: the LOCAL_RANK-th used device of
 the node named by GPUMIX_NODE). One step: the global sampler gives the step's windows, the same for
@@ -10,7 +10,7 @@ runtime (models/sharded.py) trains them at the plan's ZeRO stage and uneven shar
 runs models/pipeline.py instead (the rank's stage and rows; `--timeline-step`, `--prefill` with
 executor/prefill.py). Rank 0 gathers every rank's figures and peak memory each step into the store,
 with the runtime's `comm_wait_s` and, on emulated links (executor/links.py), the TCP payload the
-rank sent on its link during the step.
+rank sent on its link during the step. The last step is always checkpointed (executor/checkpoint.py).
 Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep
 (`slowdown`) and check the measured peak against `memory_gb`. More: docs/executor.md,
 docs/models/pipeline_simulation.md.
@@ -37,6 +37,7 @@ from executor import checkpoint as ckpt
 from executor.links import ENV_LINK_IF, LinkCounter
 from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from profiler.memtrack import PeakMemory
+from executor.stall import collective_timeout
 from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
@@ -72,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init-from", help="a Hugging Face model folder: each rank reads its own slices")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also a checkpoint every K steps (the last: always)")
+    p.add_argument("--keep-checkpoints", type=int, default=0, help="keep the newest N checkpoints (0: every one)")
     p.add_argument("--val-every", type=int, default=50, help="validation loss every K steps (and at the last)")
     p.add_argument("--optim", default=None, help="OptimConfig as JSON (models/optim.py); default: its defaults")
     p.add_argument("--measure-memory-every", type=int, default=0,
@@ -161,7 +163,7 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(1)  # one core per rank: ranks must not fight over threads
-        dist.init_process_group("nccl" if self.cuda else "gloo")
+        dist.init_process_group("nccl" if self.cuda else "gloo", timeout=collective_timeout(plan, args.run_dir))
         self.position = my_position(plan, rank)
         owners: list[int] = [0] * world
         dist.all_gather_object(owners, self.position)
@@ -359,6 +361,20 @@ class Trainer:
         self.store.record_steps_of_all_ranks(step, ranks, lead["loss"], lead["step_s"], self.plan.global_batch,
                                              self.plan.seq, lead["val_loss"])
 
+    def save_checkpoint(self, step: int, required: bool) -> None:
+        """Save `step`'s checkpoint (executor/checkpoint.py). The final one nobody asked for does not
+        fail a run whose nodes keep separate run folders (each sees only its own positions' files)."""
+        try:
+            ckpt.save(self.args.run_dir, self._checkpointable(save=True), self.position, step, self.plan,
+                      keep=self.args.keep_checkpoints)
+        except ckpt.CheckpointIncomplete as e:
+            if required:
+                raise
+            self.store.add_event("note", f"final {e}", self.rank)
+            return
+        if self.position == 0:
+            self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
+
     # ---- the loop ------------------------------------------------------------------------
     def run(self) -> None:
         args = self.args
@@ -382,10 +398,9 @@ class Trainer:
             figures = self.gather_figures(m, val)
             if self.rank == 0:
                 self.record(step, figures)
-            if args.checkpoint_every > 0 and step % args.checkpoint_every == 0:
-                ckpt.save(args.run_dir, self._checkpointable(save=True), self.position, step, self.plan)
-                if lead:
-                    self.store.add_event("checkpoint", f"checkpoint of step {step}", self.rank)
+            asked = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
+            if asked or step == args.steps:  # the last step's state is always kept: export, continue
+                self.save_checkpoint(step, required=asked)
         if self.prefill is not None:
             self.prefill.write_summary(args.run_dir, self.rank)
         dist.barrier()
@@ -405,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         if cg is not None:
             store.add_event("emulation", f"rank {rank}: cgroup {cg.name}: {cg.limits.describe()}"
                             + (f" (baseline {baseline / 2**20:.0f} MiB)" if baseline is not None else ""), rank)
-        plan = Plan.load(args.plan)
+        plan = Plan.load(args.plan)  # validated as it is read (contracts/plan.py), as the launcher did
         trainer = Trainer(args, plan, rank, world, store)
         if cg is not None and cg.memory_dir is not None:
             trainer.memory_limit_bytes = None  # the kernel enforces memory_gb: no measured-peak check

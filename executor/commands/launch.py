@@ -1,10 +1,13 @@
-"""`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume] [--checkpoint-every K]
+"""`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume | --overwrite] [--checkpoint-every K]
+[--keep-checkpoints N] [--stall-timeout S]
 [--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan | --emulate-links GBPS]
 [--prefill FILE]
 [--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
 
-Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed). The flags become
-one RunConfig (contracts/run.py), checked before anything starts and kept as the run folder's run.json.
+Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed; 2: refused before any
+rank starts: a bad plan or flag, a run folder holding an earlier run without --resume or --overwrite).
+The flags become one RunConfig (contracts/run.py), checked before anything starts and kept as the run
+folder's run.json.
 `local` (the default): torchrun here; a plan spanning several nodes prints the per-node
 torchrun commands instead, or with `--emulate-wan` runs here with each node a datacenter in its
 own network namespace behind links shaped to the plan's `wan` (executor/wan.py); `--emulate-links
@@ -28,7 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="run folder: plan.json, logs/, metrics.sqlite, checkpoints/")
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0: never)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="checkpoint every K steps (0: only the final one; a finished run always keeps it)")
+    p.add_argument("--keep-checkpoints", type=int, default=0, metavar="N",
+                   help="keep the newest N checkpoints, removing an older one only once a newer one is whole "
+                        "(default 0: keep every one)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="the run folder holds an earlier run: remove its checkpoints, logs and metrics first "
+                        "(without it or --resume such a folder is refused)")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="S",
+                   help="fail the run, naming the rank, when no step completes for S seconds (default: derived "
+                        "from the plan's predicted step time)")
     p.add_argument("--data", "--corpus", dest="corpus", default=None, metavar="PATH",
                    help="training data: a folder of text files, a JSON Lines file with a 'text' field, or "
                         "pre-tokenized token files (default: the Python standard library's sources)")
@@ -148,7 +161,8 @@ def run_config_of(args: argparse.Namespace):
     config = RunConfig(steps=args.steps, run_dir=args.run_dir, seed=args.seed, resume=args.resume,
                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, tokenizer=args.tokenizer,
                        init_from=args.init_from, emulate_wan=args.emulate_wan,
-                       emulate_links_gbps=args.emulate_links)  # the numbers first: optim uses steps
+                       emulate_links_gbps=args.emulate_links, keep_checkpoints=args.keep_checkpoints,
+                       overwrite=args.overwrite, stall_timeout_s=args.stall_timeout)  # the numbers first: optim uses steps
     optim = optim_from_args(args)
     return replace(config, optim=None if optim is None else optim.to_dict(), prefill=read_prefill(args.prefill))
 
@@ -156,6 +170,7 @@ def run_config_of(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from contracts.cli import print_json
     from contracts.plan import Plan
+    from executor.checks import check_store_safe
     from executor.launch import backend_for, node_command_lines, runs_here
 
     config = run_config_of(args)  # on every path, multi-node included
@@ -165,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     backend = backend_for(args.backend, slurm_settings(args) if args.backend == "slurm" else None)
     if args.backend == "local" and not runs_here(plan) and not args.emulate_wan:
         run_dir = os.path.abspath(args.run_dir)
+        check_store_safe(plan, run_dir)  # every node's ranks write the store
         os.makedirs(run_dir, exist_ok=True)
         plan_path = os.path.join(run_dir, "plan.json")
         plan.save(plan_path)

@@ -89,21 +89,15 @@ def test_two_sessions_on_the_same_devices_the_second_is_refused_with_the_first_r
     wait_until(lambda: not _zombie_children(), 10, "the launcher to be reaped")
 
 
-def test_a_sigkilled_launcher_keeps_its_devices_while_torchrun_lives_then_they_are_released(data_dir, tmp_path):
+def test_a_sigkilled_launcher_takes_its_run_along_and_its_devices_are_released(data_dir, tmp_path):
     h = start_run(two_cpu_plan(), LONG, str(tmp_path / "killed"), seed=0)
     wait_until(lambda: len(read_metrics(h.run_dir)["steps"]) >= 1, 150, "a step")
     os.kill(h.pid, signal.SIGKILL)
-    wait_until(lambda: read_metrics(h.run_dir)["status"] == "failed", 10, "the store to notice")
-    # torchrun and the ranks still run on the devices: still booked
-    assert [b.run_dir for b in booking.Ledger().live()] == [h.run_dir]
-    with pytest.raises(ValueError, match="in use by run"):
-        booking.Ledger().book(str(tmp_path / "other"), booking.plan_device_keys(two_cpu_plan()))
-    torchrun = int(open(os.path.join(h.run_dir, "torchrun.pid")).read())
-    os.killpg(torchrun, signal.SIGKILL)  # everything of the run dies without a word
-    wait_until(lambda: not psutil.pid_exists(torchrun) or psutil.Process(torchrun).status() == psutil.STATUS_ZOMBIE,
-          10, "torchrun to die")
+    # torchrun and the ranks die with their launcher (executor/lifeline.py)
+    wait_until(lambda: processes_with_data_dir(data_dir) == [], 10, "torchrun and the ranks to die with it")
     assert booking.Ledger().live() == []  # repaired from the processes alive
     booking.Ledger().book(str(tmp_path / "other"), booking.plan_device_keys(two_cpu_plan()))
     booking.Ledger().release(str(tmp_path / "other"))
-    stop_run(h.run_dir, timeout_s=5)  # the ranks left behind
-    wait_until(lambda: processes_with_data_dir(data_dir) == [], 30, "every process to end")
+    m = read_metrics(h.run_dir)
+    assert m["status"] == "failed" and m["reason"].startswith("launcher vanished"), m["reason"]
+    assert stop_run(h.run_dir, timeout_s=5) == "failed"  # nothing of it left to stop
