@@ -1,18 +1,15 @@
 """The planner's cost model: time and memory of one device, and the coefficient tables the ILP consumes.
 
 What one optimizer step costs on the executor's sharded runtime (models/sharded.py) at ZeRO stage z:
-n micro-batches of `α + β·m` (the device kind's profile, planner/core/profiles.py, times its emulated
-`slowdown`; recompute="full" where layer-wise accumulation recomputes), AdamW over its shard, and the
-collectives `contracts.units.step_collectives` lists, priced by planner/costmodel/collectives.py in
-the plan's `param_dtype` (gathers) and `reduce_dtype` (reduce-scatters). What compute can hide
-(prefetched gathers, reduce-scatters left in flight: `reduce_in_flight` 1) overlaps it; the first
-gather and the last reduce-scatter stay exposed, and every reduce-scatter where `reduce_in_flight`
-is 0: `T = max_i (E + max(compute_i, H) + optimizer_i)` (`StepComm`).
-Memory is the memory model's for the actual (m, n, f), the plan's dtypes, prefetch depth and
-reduce-scatters in flight; the
-tables hold each candidate's largest shard that fits (`Choice.max_share`). Candidates do not grow
-with the global batch: a `Choice` per micro-batch at n = 1 and exact `AccumBand`s over n, which
-planner/hetero/solve.py counts in total.
+n micro-batches of `α + β·m` (the device kind's profile times its emulated `slowdown`), AdamW over
+its shard, and the collectives `contracts.units.step_collectives` lists, priced by
+planner/costmodel/collectives.py in the plan's `param_dtype` and `reduce_dtype`. What compute can
+hide (prefetched gathers, reduce-scatters left in flight) overlaps it; the rest stays exposed. The
+optimizer runs between two barriers (the gradient-norm all-reduce, the next step's first gather), so
+a step is a max-plus chain: `T = max_i (E + max(compute_i, H)) + max_i optimizer_i` (`StepComm`).
+Memory is the memory model's for the actual (m, n, f) and the plan's runtime settings; the tables
+hold each candidate's largest shard that fits (`Choice.max_share`): a `Choice` per micro-batch at
+n = 1 and exact `AccumBand`s over n, which planner/hetero/solve.py counts in total.
 
 The formulas, the overlap, the candidates and why a band is exact: docs/models/cost.md.
 """
@@ -96,8 +93,9 @@ class StepComm:
         return t_s - self.exposed_s
 
     def bound_s(self, fluid_s: float) -> float:
-        """A lower bound on a step whose compute and optimizer need at least fluid_s:
-        exposed + max(fluid, hidden) (each rank's max(c, hidden) + opt ≥ max(c + opt, hidden))."""
+        """A lower bound on a step whose compute (and optimizer) need at least fluid_s:
+        exposed + max(fluid, hidden) (max_i max(c_i, hidden) + max_i opt_i ≥ max(c + opt, hidden)
+        for every rank)."""
         return self.exposed_s + max(fluid_s, self.hidden_s)
 
 MemoryFn = Callable[[int, int, float], float]  # (micro_batch, accum_steps, shard_fraction) -> peak bytes
@@ -703,28 +701,41 @@ class CostModel:
 
     def estimate_iteration_s(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[float, list[float]]:
         """Predicted iteration time of `(micro_batch, accum_steps, shard_fraction)` per device of
-        the cluster (ClusterSpec.devices() order), and each used device's step time (0 if unused):
-        per device StepComm.end_s(its compute) plus its optimizer."""
+        the cluster (ClusterSpec.devices() order), and each used device's own work in a step (0 if
+        unused): StepComm.end_s(its compute) plus its optimizer on its shard.
+
+        The iteration is the max-plus chain the sharded runtime runs (docs/models/cost.md, "The
+        step's structure"): every rank's compute and collectives, a barrier (the all-reduce of the
+        gradient norm), every rank's optimizer on its shard, a barrier again (the next step's first
+        gather needs every owner's update): max_i end_s(compute_i) + max_i optimizer_i·f_i, not
+        max_i (end_s + optimizer·f). The iteration minus a device's own work is its wait at the
+        two barriers."""
         devices = self.cluster.devices()
         used, comm = self._used_comm(per_device)
         step = comm.step(len(used))
         steps = [0.0] * len(devices)
+        end_s = optimizer_s = 0.0
         for i in used:
             m, n, f = per_device[i]
             c = self.coeffs[devices[i][1]]
-            steps[i] = step.end_s(c.compute_s(m, n)) + c.optimizer_s * f
-        return max(steps[i] for i in used), steps
+            end_i, opt_i = step.end_s(c.compute_s(m, n)), c.optimizer_s * f
+            steps[i] = end_i + opt_i
+            end_s, optimizer_s = max(end_s, end_i), max(optimizer_s, opt_i)
+        return end_s + optimizer_s, steps
 
     def estimate_comm(self, per_device: Sequence[tuple[int, int, float]]) -> tuple[int, float]:
         """(bytes the step puts on the network, every rank together; the communication the slowest
-        rank waits for, s): the plan file's predicted_wire_bytes_per_step and predicted_exposed_comm_s."""
+        rank waits for, s): the plan file's predicted_wire_bytes_per_step and predicted_exposed_comm_s.
+        The slowest rank is the one whose compute and collectives end last (it sets the barrier
+        before the optimizer; ties: the most work in all), so its exposed communication is on the
+        iteration's critical path."""
         devices = self.cluster.devices()
         used, comm = self._used_comm(per_device)
         step = comm.step(len(used))
         _, steps = self.estimate_iteration_s(per_device)
-        slowest = max(used, key=lambda i: steps[i])
-        m, n, _ = per_device[slowest]
-        exposed_s = step.exposed_of_s(self.coeffs[devices[slowest][1]].compute_s(m, n))
+        computes = {i: self.coeffs[devices[i][1]].compute_s(*per_device[i][:2]) for i in used}
+        slowest = max(used, key=lambda i: (step.end_s(computes[i]), steps[i]))
+        exposed_s = step.exposed_of_s(computes[slowest])
         if self.spec is None:
             return comm.wire_bytes(len(used)), exposed_s
         backend = "gloo" if any(devices[i][1].type == CPU_TYPE for i in used) else "nccl"

@@ -3,10 +3,12 @@ the sharded training state, or nothing; no device over its memory; the shortest 
 
 The cost model (planner/costmodel/training.py) builds the coefficient tables; this module only
 consumes them. Devices are counted per class, so the ILP grows with types × choices, not devices.
-For a fixed iteration time T the problem is linear (each choice's share capped by its memory and by
-T), so the least T is found by bisection, each probe asking its LP relaxation (a weak-duality proof)
-before CBC and a greedy plan before either; world sizes are searched by branch and bound over
-ranges priced at their cheapest collectives; `solve_plan(zero="auto")` tries ZeRO 1, 2, 3 in order.
+A step is T1 + T2 (every rank's compute and collectives, then every rank's optimizer). For a fixed
+optimizer budget T2 and compute end T1 the problem is linear (each share capped by memory and by
+T2/opt), so per budget the least T1 is found by bisection, each probe asking its LP relaxation (a
+weak-duality proof) before CBC and a greedy plan before either, and the budgets are walked down from
+the largest useful one; world sizes are searched by branch and bound over ranges priced at their
+cheapest collectives; `solve_plan(zero="auto")` tries ZeRO 1, 2, 3 in order.
 The search starts from the best baseline (planner/hetero/baselines.py) as its incumbent.
 
 The formulation, the band rows, the bounds and why each is valid: docs/models/ilp.md.
@@ -68,6 +70,9 @@ PARAM_DTYPE_CHOICES = (PARAM_DTYPE_AUTO, *DTYPES)
 # world-size ranges a scope's bound before its table may look at (its ranges split while they could
 # still beat the incumbent): a few dozen cost no memory evaluation, the table thousands
 PRE_TABLE_RANGES = 16
+# optimizer budgets one scope's search may try (solve_scope); each is a whole search over world sizes.
+# Past it the answer is a plan, not proven optimal (a walk this long has not been seen)
+MAX_BUDGET_SOLVES = 32
 
 
 @dataclass(frozen=True)
@@ -127,16 +132,31 @@ CBC_GRACE_S = 0.5  # beyond the probe's share of the time limit, for CBC to star
 MAX_PROBE_VARIABLES = 20_000
 
 
-def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm: StepComm) -> float:
-    """The most state one device of `cls` on choice ch can hold and still end by t_s:
-    min(max_share, (t_s − comm.end_s(compute))/opt); negative when the choice itself is too slow."""
-    slack_s = t_s - comm.end_s(ch.compute_s)
-    if slack_s < 0:
-        if slack_s < -1e-12 * abs(t_s):
-            return -1.0
-        slack_s = 0.0  # t_s = the end of compute and collectives, up to float round-off
-    opt_s = cls.coeffs.optimizer_s
-    return ch.max_share if opt_s <= 0 else min(ch.max_share, slack_s / opt_s)
+@dataclass(frozen=True)
+class StepBudget(StepComm):
+    """A step's collectives (StepComm) and the optimizer budget T2 a probe allows: every device's
+    optimizer on its shard ends within `optimizer_budget_s` of the barrier after the collectives."""
+
+    optimizer_budget_s: float = math.inf
+
+
+def with_budget(comm: StepComm, budget_s: float) -> StepBudget:
+    return StepBudget(comm.exposed_s, comm.hidden_s, budget_s)
+
+
+def optimizer_cap(max_share: float, opt_s: float, budget_s: float) -> float:
+    """The most state a device may hold: its memory's max_share and, where its optimizer takes
+    time, budget_s/opt (its optimizer on the shard within the budget)."""
+    return max_share if opt_s <= 0 else min(max_share, budget_s / opt_s)
+
+
+def share_cap(cls: ClassTable, ch: Choice, t_s: float, comm: StepBudget) -> float:
+    """The most state one device of `cls` on choice ch can hold in a step whose compute and
+    collectives end by t_s (T1) and whose optimizer takes comm.optimizer_budget_s (T2):
+    min(max_share, T2/opt); negative when the choice's compute and collectives end after t_s."""
+    if comm.end_s(ch.compute_s) - t_s > 1e-12 * abs(t_s):  # beyond float round-off
+        return -1.0
+    return optimizer_cap(ch.max_share, cls.coeffs.optimizer_s, comm.optimizer_budget_s)
 
 
 class BoundedCBC(pulp.PULP_CBC_CMD):
@@ -169,22 +189,18 @@ class BoundedCBC(pulp.PULP_CBC_CMD):
             os.unlink(wrapper)
 
 
-def band_rows(band: AccumBand, opt_s: float, slack_s: float, n_top: int,
-              hidden_s: float = 0.0) -> list[tuple[float, float]]:
+def band_rows(band: AccumBand, opt_s: float, budget_s: float, n_top: int) -> list[tuple[float, float]]:
     """Rows (a, s) with F ≤ a·x + s·N that say exactly how much state x devices of a band can hold
-    with N accumulation steps in total by the time t (slack_s = t − exposed comm, for compute and
-    optimizer; a device's compute counts as at least `hidden_s`, the comm it hides): one row per line
-    of the concave ℓ̂ (the room, the time room, the flat time room where the hidden comm outlasts
-    the compute, the chord wherever two of them cross between whole counts). Why these rows are
-    exact: docs/models/ilp.md ("Accumulation bands")."""
+    with N accumulation steps in total when each device's optimizer must end within budget_s (T2;
+    the counts' compute is bounded by n_top): one row per line of the concave ℓ̂ (the memory room,
+    the flat optimizer room budget/opt, the chord wherever the two cross between whole counts). Why
+    these rows are exact: docs/models/ilp.md ("Accumulation bands")."""
     a1, s1 = band.room_line()
     lines = [(a1, s1)]
-    if opt_s <= 0:  # no optimizer time: only memory bounds the share
+    if opt_s <= 0 or math.isinf(budget_s):  # no optimizer time, or none asked of it: only memory bounds the share
         return lines
-    # the time room (slack − max(n·step, hidden))/opt: a falling line, and a flat one while hidden > n·step
-    lines.append((slack_s / opt_s, -band.step_s / opt_s))
-    if hidden_s > 0:
-        lines.append(((slack_s - hidden_s) / opt_s, 0.0))
+    # the optimizer room budget/opt: flat in n (the optimizer runs after every rank's compute)
+    lines.append((budget_s / opt_s, 0.0))
     rows = list(lines)
 
     def envelope(n: int) -> float:
@@ -224,9 +240,9 @@ class _BandVar:
     rows: list[tuple[float, float]]
 
 
-def probe_entries(table: ScopeTable, global_batch: int, comm: StepComm, t_s: float) -> list[_ChoiceVar | _BandVar]:
-    """What the probe at t_s may give each class: the choices fast enough (per batch the roomiest)
-    and the bands' counts that end by t_s."""
+def probe_entries(table: ScopeTable, global_batch: int, comm: StepBudget, t_s: float) -> list[_ChoiceVar | _BandVar]:
+    """What the probe at t_s (T1; the budget T2 in comm) may give each class: the choices whose
+    compute and collectives end by t_s (per batch the roomiest) and the bands' counts that do."""
     out: list[_ChoiceVar | _BandVar] = []
     for g, cls in enumerate(table.classes):
         # at a fixed t_s two choices of one batch differ only in their share room: keep the roomiest
@@ -247,17 +263,17 @@ def probe_entries(table: ScopeTable, global_batch: int, comm: StepComm, t_s: flo
             if ub >= 1:
                 out.append(_ChoiceVar(g, c, ch, cap, ub))
         for b, band in enumerate(cls.bands):
-            if comm.compute_room_s(t_s) < 0:
+            room_s = comm.compute_room_s(t_s)
+            if room_s < 0:
                 break  # the collectives alone end after t_s
-            slack_s = t_s - comm.exposed_s  # what one device of the band has for compute + optimizer
             # the most steps one device may take by t_s (a device at n needs n·step ≤ t − exposed)
-            n_top = min(band.hi, int(slack_s / band.step_s) if band.step_s > 0 else band.hi)
+            n_top = min(band.hi, int(room_s / band.step_s) if band.step_s > 0 else band.hi)
             if n_top < band.lo:
                 continue
             ub = min(cls.count, global_batch // (band.micro_batch * band.lo))
             if ub >= 1:
                 out.append(_BandVar(g, b, band, n_top, ub,
-                                    band_rows(band, cls.coeffs.optimizer_s, slack_s, n_top, comm.hidden_s)))
+                                    band_rows(band, cls.coeffs.optimizer_s, comm.optimizer_budget_s, n_top)))
     return out
 
 
@@ -375,7 +391,7 @@ def relaxation_value(entries: Sequence[_ChoiceVar | _BandVar], counts: Sequence[
     return min(least, dual(lams[lo_i]))
 
 
-def relaxation_bound_at(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepComm,
+def relaxation_bound_at(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepBudget,
                         t_s: float) -> float:
     """`relaxation_value` of the probe at t_s (−inf where it offers nothing): below
     1 − RELAXATION_MARGIN it proves the probe infeasible, no CBC run."""
@@ -389,11 +405,13 @@ def _rejects(table: ScopeTable, offered: Sequence[_ChoiceVar | _BandVar], global
     return not offered or relaxation_infeasible(offered, [cls.count for cls in table.classes], global_batch, world)
 
 
-def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepComm, t_s: float,
+def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepBudget, t_s: float,
           time_limit_s: float, threads: int | None = None, relaxed: bool = False) -> Config | None:
-    """The ILP at a fixed iteration time t_s: a configuration whose devices all end by t_s (up to
-    the bands' 2·AFFINE_TOL of room: the caller prices it exactly), or None, which proves that no
-    plan of the scope's world sizes ends by t_s (by the LP relaxation where it suffices, else CBC).
+    """The ILP at a fixed compute end t_s (T1) and optimizer budget (T2, in comm): a configuration
+    whose devices all end their compute and collectives by t_s and hold the state with each
+    optimizer within the budget (up to the bands' 2·AFFINE_TOL of room: the caller prices it
+    exactly), or None, which proves that no plan of the scope's world sizes does (by the LP
+    relaxation where it suffices, else CBC).
     relaxed: the caller has found that the relaxation does not reject t_s, so CBC decides at once."""
     if time_limit_s <= 0:
         raise ProbeTimeout(f"no time left to decide t = {t_s:.6g} s")
@@ -415,7 +433,7 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: St
                 x = pulp.LpVariable(f"x_{g}_{e.c}", lowBound=0, upBound=e.ub, cat="Integer")
                 # F[g,c]: the state share those devices hold together (F = x·f, f their equal per-device share)
                 F = pulp.LpVariable(f"F_{g}_{e.c}", lowBound=0)
-                # memory and time at t_s: each device's f ≤ cap(t_s), so F ≤ cap·x
+                # memory and optimizer budget: each device's f ≤ cap = min(max_share, T2/opt), so F ≤ cap·x
                 prob += F <= e.cap * x, f"cap_{g}_{e.c}"
                 entries.append((g, e.choice, x, F))
             else:
@@ -468,14 +486,14 @@ def probe(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: St
     raise ProbeTimeout(f"CBC stopped ({pulp.LpStatus[prob.status]}) before deciding t = {t_s:.6g} s")
 
 
-def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepComm,
+def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], comm: StepBudget,
                   t_s: float) -> Config | None:
     """A configuration for the probe at t_s found without CBC, or None: each device on the largest
     batch it computes by t_s (a choice, or a band's most whole steps), the devices with the largest
     batches taken until they reach the batch (within the world range), then the surplus trimmed in
-    whole steps, first where a trimmed sample frees the most optimizer time per share of state
-    (step / (m · opt)). The caller prices it exactly (price_config): a plan like any other, which
-    proves nothing about the probe; CBC decides where it is not good enough."""
+    whole steps, first on the devices with the longest steps (which end last). The caller prices it
+    exactly (price_config): a plan like any other, which proves nothing about the probe; CBC
+    decides where it is not good enough."""
     slack_s = comm.compute_room_s(t_s)
     if slack_s < 0:
         return None  # the collectives alone end after t_s
@@ -503,8 +521,7 @@ def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], 
     surplus = total - global_batch
     if surplus < 0 or len(taken) < world[0]:
         return None
-    opt = [table.classes[d[1]].coeffs.optimizer_s for d in taken]
-    order = sorted(range(len(taken)), key=lambda i: -(taken[i][5] / (taken[i][2] * opt[i]) if opt[i] > 0 else 0.0))
+    order = sorted(range(len(taken)), key=lambda i: -taken[i][5])
     for i in order:
         _, g, m, n, least, _ = taken[i]
         cut = min(surplus // m, n - least)
@@ -518,14 +535,18 @@ def greedy_config(table: ScopeTable, global_batch: int, world: tuple[int, int], 
     return [(g, table.classes[g].choice(m, n), x) for (g, m, n), x in sorted(counts.items())]
 
 
-def price_config(table: ScopeTable, config: Config, comm: StepComm) -> tuple[float, list[float]] | None:
-    """The least iteration time of a configuration and each entry's per-device share: water-filling,
-    the least t with Σ x·cap(t) ≥ 1 (cap grows with t), by bisection. None if the state cannot fit."""
-    def capacity(t_s: float) -> float:
-        return sum(x * max(share_cap(table.classes[g], ch, t_s, comm), 0.0) for g, ch, x in config)
+def price_config(table: ScopeTable, config: Config, comm: StepBudget) -> tuple[float, float, list[float]] | None:
+    """A configuration's step: (T1, the end of its compute and collectives; T2, its least optimizer
+    time; each entry's per-device share). T2 by water-filling: the least budget b with
+    Σ x·min(max_share, b/opt) ≥ 1 (the capacity grows with b), by bisection. None if the state
+    cannot fit within comm's budget."""
+    def capacity(budget_s: float) -> float:
+        return sum(x * optimizer_cap(ch.max_share, table.classes[g].coeffs.optimizer_s, budget_s)
+                   for g, ch, x in config)
 
-    lo = max(comm.end_s(ch.compute_s) for _, ch, _ in config)
-    hi = lo + max(table.classes[g].coeffs.optimizer_s for g, _, _ in config)
+    t1 = max(comm.end_s(ch.compute_s) for _, ch, _ in config)
+    lo = 0.0
+    hi = min(comm.optimizer_budget_s, max(table.classes[g].coeffs.optimizer_s * ch.max_share for g, ch, _ in config))
     if capacity(hi) < 1 - 1e-12:
         return None
     if capacity(lo) < 1:
@@ -533,25 +554,26 @@ def price_config(table: ScopeTable, config: Config, comm: StepComm) -> tuple[flo
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if capacity(mid) >= 1 else (mid, hi)
         lo = hi
-    caps = [max(share_cap(table.classes[g], ch, lo, comm), 0.0) for g, ch, _ in config]
+    caps = [optimizer_cap(ch.max_share, table.classes[g].coeffs.optimizer_s, lo) for g, ch, _ in config]
     total = sum(x * cap for (_, _, x), cap in zip(config, caps))
-    return lo, [cap / total for cap in caps]
+    return t1, lo, [cap / total for cap in caps]
 
 
 def _breakpoints(table: ScopeTable, comm: StepComm, lo_s: float, hi_s: float) -> list[float]:
-    """Iteration times at which the set of fast-enough choices changes, inside (lo_s, hi_s)."""
+    """Compute ends (T1) at which the set of fast-enough choices changes, inside (lo_s, hi_s)."""
     pts = {comm.end_s(ch.compute_s) for cls in table.classes for ch in cls.choices}
     return sorted(t for t in pts if lo_s < t < hi_s)
 
 
 class _Bisection:
-    """The interval [lo, hi] known to hold the least iteration time of one scope and bucket, and the
-    best configuration found (its exact time is hi)."""
+    """The interval [lo, hi] known to hold the least compute end T1 of one scope and bucket at one
+    optimizer budget, and the best configuration found (its exact T1 is hi)."""
 
     def __init__(self, table: ScopeTable, global_batch: int, world: tuple[int, int], lo_s: float, hi_s: float,
-                 deadline: float, comm_k: int | None = None):
+                 deadline: float, comm_k: int | None = None, budget_s: float = math.inf):
         self.table, self.global_batch, self.world, self.deadline = table, global_batch, world, deadline
-        self.comm = table.step_comm(world[1] if comm_k is None else comm_k)
+        self.budget_s = budget_s
+        self.comm = with_budget(table.step_comm(world[1] if comm_k is None else comm_k), budget_s)
         # how much more the range's largest world size pays for its collectives than comm, at most
         self.spread_s = max(table.step_comm(world[1]).total_s - self.comm.total_s, 0.0)
         self.lo, self.hi = lo_s, hi_s
@@ -640,7 +662,8 @@ class _Bisection:
     def improves(self, target_s: float) -> bool:
         """Whether the best configuration, priced at its own world size, ends before target_s."""
         config = self.best[1]
-        priced = price_config(self.table, config, self.table.step_comm(sum(x for _, _, x in config)))
+        priced = price_config(self.table, config,
+                              with_budget(self.table.step_comm(sum(x for _, _, x in config)), self.budget_s))
         return priced is not None and priced[0] < target_s
 
     def settled(self, tol: float) -> bool:
@@ -653,9 +676,11 @@ class _Bisection:
 
 
 def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], lower_s: float, upper_s: float,
-                 deadline: float, tol: float, comm_k: int | None = None) -> tuple[float, Config | None, bool] | None:
-    """Least iteration time with k in `world` by bisection on T, below `upper_s` (an incumbent),
-    the collectives priced at `comm_k` devices (default: world's top). Returns (bound, the best
+                 deadline: float, tol: float, comm_k: int | None = None,
+                 budget_s: float = math.inf) -> tuple[float, Config | None, bool] | None:
+    """Least compute end T1 with k in `world` and every optimizer within `budget_s` (T2), by
+    bisection on T1, below `upper_s` (an incumbent's T1), the collectives priced at `comm_k` devices
+    (default: world's top). Returns (bound, the best
     configuration, proven) or None if nothing beats upper_s: bound is the least time within tol
     when the interval closed, else the proven lower end of a range the caller must split (its
     collectives' spread, comm(top) − comm(comm_k), is wider than what the bisection could still resolve,
@@ -664,10 +689,10 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
     comm_k = world[1] if comm_k is None else comm_k
     top_s = upper_s
     if math.isinf(top_s):  # no incumbent: the slowest choice bounds every plan
-        top_s = max([ch.compute_s + cls.coeffs.optimizer_s for cls in table.classes for ch in cls.choices]
-                    + [b.hi * b.step_s + cls.coeffs.optimizer_s for cls in table.classes for b in cls.bands])
+        top_s = max([ch.compute_s for cls in table.classes for ch in cls.choices]
+                    + [b.hi * b.step_s for cls in table.classes for b in cls.bands])
         top_s += table.step_comm(comm_k).total_s  # exposed + max(c, hidden) ≤ c + every collective
-    search = _Bisection(table, global_batch, world, lower_s, top_s, deadline, comm_k)
+    search = _Bisection(table, global_batch, world, lower_s, top_s, deadline, comm_k, budget_s)
     cap_s = top_s if math.isinf(upper_s) else upper_s * (1 - tol)  # is there any plan at all below it?
     try:
         # the relaxation's free proofs lift lo to just below the least t it admits; CBC starts
@@ -726,7 +751,93 @@ def solve_bucket(table: ScopeTable, global_batch: int, world: tuple[int, int], l
 
 def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: float,
                 upper_s: float = math.inf) -> ScopeSolution | None:
-    """The best plan of one scope over every world size k, or None if none beats upper_s.
+    """The best plan of one scope, T1 + T2 least over every optimizer budget T2 and world size, or
+    None if none beats upper_s.
+
+    T1(b), the least compute end of the plans whose optimizers all end within b, is non-increasing
+    in b; the search walks b down from the largest useful budget (`_budget_range`). Each step asks
+    least_compute_end at b (to tol/2) for T1(b) and a configuration c, whose own least budget T2(c)
+    ≤ b prices it at T1(c) + T2(c): every budget in [T2(c), b] is then settled (T1 is T1(c) there,
+    within tol/2). The next b lies tol/2 of the incumbent below T2(c) (the budgets skipped cannot
+    beat it by more than tol); the walk stops where T1(b)·(1 − tol/2) + the least budget at which
+    the state fits at all reaches the incumbent. So the answer is within tol of the best over every
+    budget, in one step per level of T1 that could still win (docs/models/ilp.md, "The optimizer
+    budget")."""
+    budgets = _budget_range(table)
+    if budgets is None:
+        return None  # the state does not fit on the scope's devices
+    least_b, budget_s = budgets
+    half = tol / 2
+    best: tuple[float, Config, int] | None = None
+    proven = True
+    floor_s = 0.0  # T1 at every budget not yet settled is at least this
+
+    def settled() -> bool:
+        incumbent = best[0] if best else upper_s
+        return floor_s * (1 - half) + least_b >= incumbent * (1 - tol) or budget_s < least_b
+
+    for _ in range(MAX_BUDGET_SOLVES):
+        incumbent = best[0] if best else upper_s
+        if settled():
+            break
+        if time.monotonic() >= deadline:
+            proven = False
+            break
+        # only a T1 below incumbent − least_b can still beat the incumbent at some budget ≤ budget_s
+        found = least_compute_end(table, global_batch, deadline, half, incumbent - least_b, budget_s)
+        if found is None:
+            break
+        t1_s, config, k, ok = found
+        proven = proven and ok
+        _, t2_s, _ = price_config(table, config, with_budget(table.step_comm(k), budget_s))
+        if t1_s + t2_s < incumbent:
+            best = (t1_s + t2_s, config, k)
+            incumbent = t1_s + t2_s
+        floor_s = max(floor_s, t1_s)
+        budget_s = t2_s - half * incumbent
+    else:
+        proven = proven and settled()  # MAX_BUDGET_SOLVES ran out: proven only if nothing is left
+    if best is None:
+        return None
+    t_s, config, k = best
+    config = fewest_steps(table, config)
+    t1_s, t2_s, shares = price_config(table, config, with_budget(table.step_comm(k), math.inf))
+    per_device: dict[int, tuple[int, int, float]] = {}
+    free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
+    for (g, ch, x), share in zip(config, shares):
+        for _ in range(x):
+            per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
+    return ScopeSolution("optimal" if proven else "feasible", t1_s + t2_s, per_device)
+
+
+def _budget_range(table: ScopeTable) -> tuple[float, float] | None:
+    """(the least optimizer budget at which the scope's devices can hold the state at all, each at
+    its class's largest room; the largest budget that still caps a share: max over classes of
+    opt·room), None where even every device at its room cannot hold it. Every plan's T2 lies in it."""
+    rooms = [(max([ch.max_share for ch in cls.choices] + [max(b.max_share_lo, b.max_share_hi) for b in cls.bands],
+                  default=-1.0), cls.count, cls.coeffs.optimizer_s) for cls in table.classes]
+    rooms = [(min(room, 1.0), count, opt_s) for room, count, opt_s in rooms if room > 0]
+
+    def capacity(budget_s: float) -> float:
+        return sum(count * optimizer_cap(room, opt_s, budget_s) for room, count, opt_s in rooms)
+
+    hi = max((room * opt_s for room, _, opt_s in rooms), default=0.0)
+    if capacity(hi) < 1 - 1e-12:
+        return None
+    lo = 0.0
+    if capacity(lo) < 1:
+        for _ in range(WATER_FILL_STEPS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if capacity(mid) >= 1 else (mid, hi)
+        lo = hi
+    return lo, max(lo, max(room * opt_s for room, _, opt_s in rooms))
+
+
+def least_compute_end(table: ScopeTable, global_batch: int, deadline: float, tol: float, upper_s: float,
+                      budget_s: float) -> tuple[float, Config, int, bool] | None:
+    """The least compute end T1 of one scope's plans whose optimizers all end within budget_s (T2),
+    over every world size k: (T1, the configuration, its k, proven), or None if none beats upper_s
+    (a T1).
 
     Branch and bound over ranges [lo, hi] of k, starting with all of them: a range is solved with
     its collectives priced at lo, the cheapest any k of it pays (comm grows with k), so its optimum
@@ -734,7 +845,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
     is a real plan (the incumbent when faster). A range whose bound cannot beat the incumbent is
     closed; a single k is exact; any other range is split in two. So no world size is skipped and
     "optimal" means the plan is within the tolerance of the best over all k."""
-    fluid_s = _lower_bound_s(table, global_batch)
+    fluid_s = _lower_bound_s(table, global_batch, compute_only=True)
     reach = _table_reach(table)
     best: tuple[float, Config, int] | None = None
     proven = True
@@ -756,7 +867,8 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
             proven = False
             break
         try:
-            found = solve_bucket(table, global_batch, (lo, hi), lower_s, incumbent, deadline, tol, comm_k=lo)
+            found = solve_bucket(table, global_batch, (lo, hi), lower_s, incumbent, deadline, tol, comm_k=lo,
+                                 budget_s=budget_s)
         except ProbeTimeout:  # this range stays undecided: whatever is returned is not proven optimal
             proven = False
             continue
@@ -767,7 +879,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
         k = hi  # no configuration (the relaxation's bound alone): the upper half first
         if config is not None:
             k = sum(x for _, _, x in config)
-            priced = price_config(table, config, table.step_comm(k))
+            priced = price_config(table, config, with_budget(table.step_comm(k), budget_s))
             if priced is not None and priced[0] < incumbent:
                 best = (priced[0], config, k)
                 incumbent = priced[0]
@@ -779,14 +891,7 @@ def solve_scope(table: ScopeTable, global_batch: int, deadline: float, tol: floa
     if best is None:
         return None
     t_s, config, k = best
-    config = fewest_steps(table, config)
-    _, shares = price_config(table, config, table.step_comm(k))
-    per_device: dict[int, tuple[int, int, float]] = {}
-    free = {g: list(cls.device_indices) for g, cls in enumerate(table.classes)}
-    for (g, ch, x), share in zip(config, shares):
-        for _ in range(x):
-            per_device[free[g].pop(0)] = (ch.micro_batch, ch.accum_steps, share)
-    return ScopeSolution("optimal" if proven else "feasible", t_s, per_device)
+    return t_s, config, k, proven
 
 
 def world_segments(num_devices: int) -> list[tuple[int, int]]:
@@ -852,9 +957,9 @@ def _table_reach(table: ScopeTable) -> list[tuple[Callable[[float], float], int]
 
 
 def _range_bound_s(table: ScopeTable, global_batch: int, lo: int, hi: int) -> float:
-    """No plan with lo ≤ k ≤ hi devices is faster than the hi fastest devices' fluid bound with the
-    collectives of lo devices (StepComm.bound_s)."""
-    return table.step_comm(lo).bound_s(_lower_bound_s(table, global_batch, hi))
+    """No plan with lo ≤ k ≤ hi devices ends its compute and collectives (T1) before the hi fastest
+    devices' fluid bound with the collectives of lo devices (StepComm.bound_s)."""
+    return table.step_comm(lo).bound_s(_lower_bound_s(table, global_batch, hi, compute_only=True))
 
 
 def fewest_steps(table: ScopeTable, config: Config) -> Config:
@@ -892,8 +997,11 @@ def _table_rates(table: ScopeTable) -> tuple[Rates, bool]:
     return [(_best_rate(cls), cls.count, cls.coeffs.optimizer_s) for cls in table.classes], state_only
 
 
-def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None) -> float:
-    return _fluid_bound_s(*_table_rates(table), global_batch, max_devices)
+def _lower_bound_s(table: ScopeTable, global_batch: int, max_devices: int | None = None,
+                   compute_only: bool = False) -> float:
+    """_fluid_bound_s of the table; compute_only: of the compute alone (a bound on T1), B / R."""
+    rates, state_only = _table_rates(table)
+    return _fluid_bound_s(rates, state_only or compute_only, global_batch, max_devices)
 
 
 def _fluid_bound_s(per_class: Rates, state_only: bool, global_batch: int, max_devices: int | None = None) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
 
 import pytest
 
@@ -19,7 +18,7 @@ from planner.costmodel.training import (AccumBand, CommModel, CostModel, DeviceC
                                         build_comm_model, step_wire_bytes)
 from planner.hetero.solve import band_rows, solve_with_cost_model
 from tests.unit.test_hetero import GB, affine_memory, plan_time
-from tests.unit.test_ilp_exact import MICRO_BATCHES, _most_state, every_choice
+from tests.unit.test_ilp_exact import MICRO_BATCHES, every_choice, least_step_at
 
 GPU = DeviceSpec("A100-80GB")
 GBPS = 100.0
@@ -184,18 +183,18 @@ def test_step_comm_bounds_and_rooms():
     assert s.exposed_of_s(2.0) == 2.0 and s.exposed_of_s(5.0) == 1.0
 
 
-@pytest.mark.parametrize("hidden_s", [0.0, 0.35, 1.3, 5.0])
-def test_band_rows_are_the_interpolated_room_at_whole_counts(hidden_s):
-    """F ≤ a·x + s·N per row is exact: at whole counts the least row is min(memory room, time room with the
-    hidden comm as the compute's floor), and between them the chord (x devices on the even split)."""
+@pytest.mark.parametrize("budget_s", [0.1, 0.9, 1.5, math.inf])
+def test_band_rows_are_the_interpolated_room_at_whole_counts(budget_s):
+    """F ≤ a·x + s·N per row is exact: at whole counts the least row is min(memory room, optimizer room
+    budget/opt), and between them the chord (x devices on the even split)."""
     band = AccumBand(micro_batch=2, lo=2, hi=40, step_s=0.1, max_share_lo=0.9, max_share_hi=0.2)
-    opt_s, slack_s = 2.0, 3.0
+    opt_s = 2.0
     a1, s1 = band.room_line()
 
     def room(n: float) -> float:
-        return min(a1 + s1 * n, (slack_s - max(n * band.step_s, hidden_s)) / opt_s)
+        return min(a1 + s1 * n, budget_s / opt_s)
 
-    rows = band_rows(band, opt_s, slack_s, 30, hidden_s)
+    rows = band_rows(band, opt_s, budget_s, 30)
     least = lambda n: min(a + s * n for a, s in rows)  # noqa: E731
     for n in range(band.lo, 31):
         assert least(n) == pytest.approx(room(n), abs=1e-12)
@@ -221,27 +220,19 @@ def overlap_cost(nodes, table, bandwidth, hop_s, inter_factor, exposed_share):
 
 
 def exhaustive_overlap_best(cost, global_batch: int) -> float:
-    """Per scope and world size k: the least τ = T − exposed(k) at which k devices take the batch and hold
-    the state, each choice's compute raised to the hidden comm (max(c, hidden)): bisection on τ over the
-    exact dynamic program of tests/unit/test_ilp_exact.py."""
+    """Per scope and world size k: the least T1 + T2 at which k devices take the batch and hold the
+    state, each choice ending at exposed(k) + max(c, hidden(k)): tests/unit/test_ilp_exact.py's search
+    over every compute end and the least optimizer budget at it."""
     best = math.inf
     devices_all = cost.cluster.devices()
     for _, multi, members in cost.scopes():
         idx = [i for _, ix in members for i in ix]
         comm = cost.comm_model({devices_all[i][1] for i in idx}, multi)
+        devs = [(every_choice(cost.coeffs[devices_all[i][1]], global_batch, MICRO_BATCHES),
+                 cost.coeffs[devices_all[i][1]].optimizer_s) for i in idx]
         for k in range(1 if not multi else 2, len(idx) + 1):
             step = comm.step(k)
-            devs = [([replace(ch, compute_s=max(ch.compute_s, step.hidden_s))
-                      for ch in every_choice(cost.coeffs[devices_all[i][1]], global_batch, MICRO_BATCHES)],
-                     cost.coeffs[devices_all[i][1]].optimizer_s) for i in idx]
-            top = max(ch.compute_s for chs, _ in devs for ch in chs) + max(o for _, o in devs) + 1.0
-            if _most_state(devs, top, global_batch)[k, global_batch] < 1 - 1e-12:
-                continue
-            lo, hi = 0.0, top
-            while hi - lo > 1e-12 * hi:
-                mid = 0.5 * (lo + hi)
-                lo, hi = (lo, mid) if _most_state(devs, mid, global_batch)[k, global_batch] >= 1 - 1e-12 else (mid, hi)
-            best = min(best, hi + step.exposed_s)
+            best = least_step_at(devs, k, global_batch, step.end_s, best)
     return best
 
 
