@@ -70,5 +70,33 @@ def _mask_pair(pair: str) -> str:
 def mask_secrets(text: str) -> str:
     """Every URL in `text` passed through `mask_url`, and every `password=…` of a libpq
     key=value string masked too."""
-    text = _URL_RE.sub(lambda m: mask_url(m.group(0)), text)
-    return _KEYWORD_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
+    text = _URL_RE.sub(lambda m: _mask_in_text(text[:m.start()], m.group(0)), text)
+    return _KEYWORD_RE.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}{_trailing(text[:m.start()], m.group(3))}", text)
+
+
+def _mask_in_text(before: str, url: str) -> str:
+    end = _trailing(before, url)
+    return mask_url(url[:len(url) - len(end)]) + end
+
+
+_CLOSERS = {")": "(", "]": "[", "}": "{", ">": "<"}
+
+
+def _trailing(before: str, value: str) -> str:
+    """The punctuation that ends `value` in its text rather than belonging to it: a closing
+    bracket whose opener stands before the keyword ("(password=x)"), or a comma or semicolon
+    after it ("password=x, user=y"). Only these stay visible."""
+    if value.startswith("'"):
+        return ""
+    opened = {o: before.count(o) - before.count(c) for c, o in _CLOSERS.items()}
+    kept = ""
+    while len(value) - len(kept) > 1:
+        ch = value[len(value) - len(kept) - 1]
+        if ch in ",;":
+            kept = ch + kept
+        elif ch in _CLOSERS and opened[_CLOSERS[ch]] > 0:
+            opened[_CLOSERS[ch]] -= 1
+            kept = ch + kept
+        else:
+            break
+    return kept

@@ -406,6 +406,10 @@ PRESETS: dict[str, ModelSpec] = {
     "gpt2-medium": _gpt2("gpt2-medium", 24, 1024, 16),
     "gpt2-large": _gpt2("gpt2-large", 36, 1280, 20),
     "gpt2-xl": _gpt2("gpt2-xl", 48, 1600, 25),
+    # OPT-350 as Sailor's heterogeneous scenario trains it (shared/sailor training_config_opt_350.json:
+    # 24 layers, hidden 1024, 16 heads, vocab 50272, seq 2048, embedding and head untied; 407.4 M)
+    "opt-350": ModelSpec("opt-350", "gpt2", 24, 1024, 16, 16, 4096, 50272, 2048,
+                         tied_embeddings=False, linear_bias=True),
     # GPT-3 2.7B shape (Brown et al. 2020, table 2.1): Cephalo's 2.7B GPT
     "gpt-2.7b": _gpt2("gpt-2.7b", 32, 2560, 32, seq=2048),
     "tinyllama-1.1b": _llama("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000, 2048),

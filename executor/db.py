@@ -16,7 +16,9 @@ meanwhile (`Database.columns`). Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import sqlite3
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -125,12 +127,13 @@ class Database:
     conn: Any = field(init=False)
 
     def __post_init__(self) -> None:
+        _note_open(self)
         try:
             self.conn = _open_sqlite(self.url.target, self.readonly) if self.url.dialect == "sqlite" \
                 else _open_pg(self.url.target)
-        except sqlite3.Error as e:
-            raise ValueError(f"{self.what} {self.url.describe()}: {e}") from None
-        except Exception as e:  # psycopg.Error, or psycopg missing
+        except Exception as e:  # sqlite3.Error, psycopg.Error, or psycopg missing
+            if disk_full(e):  # a fresh file's WAL on a full disk
+                raise DiskFull(self.url, error_line(e)) from None
             raise ValueError(f"{self.what} {self.url.describe()}: {error_line(e)}") from None
 
     @property
@@ -146,7 +149,20 @@ class Database:
         return text if self.dialect == "sqlite" else text.replace("%", "%%").replace("?", "%s")
 
     def execute(self, text: str, params: Sequence[Any] = ()) -> Any:
-        return self.conn.execute(self.sql(text), tuple(params))
+        with self.naming_full_disk():
+            return self.conn.execute(self.sql(text), tuple(params))
+
+    @contextlib.contextmanager
+    def naming_full_disk(self) -> Iterator[None]:
+        """A write refused for want of space leaves as DiskFull, naming this store and its disk."""
+        try:
+            yield
+        except DiskFull:
+            raise
+        except (*errors(), OSError) as e:
+            if not disk_full(e):
+                raise
+            raise DiskFull(self.url, error_line(e)) from None
 
     def one(self, text: str, params: Sequence[Any] = ()) -> Any:
         return self.execute(text, params).fetchone()
@@ -160,19 +176,21 @@ class Database:
         and a write that must not interleave: SQLite's BEGIN IMMEDIATE locks the whole file).
         `writes_only` (statements whose results nobody reads): PostgreSQL gets them all, BEGIN
         to COMMIT, in one round trip (psycopg's pipeline mode) instead of one each."""
-        if self.dialect == "sqlite":
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
+        with self.naming_full_disk():
+            if self.dialect == "sqlite":
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self
+                except BaseException:
+                    if self.conn.in_transaction:  # SQLite may have rolled back already (a full disk)
+                        self.conn.execute("ROLLBACK")
+                    raise
+                self.conn.execute("COMMIT")
+                return
+            with self.conn.pipeline() if writes_only else contextlib.nullcontext(), self.conn.transaction():
+                if lock:
+                    self.conn.execute(f"LOCK TABLE {lock} IN SHARE ROW EXCLUSIVE MODE")
                 yield self
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-            self.conn.execute("COMMIT")
-            return
-        with self.conn.pipeline() if writes_only else contextlib.nullcontext(), self.conn.transaction():
-            if lock:
-                self.conn.execute(f"LOCK TABLE {lock} IN SHARE ROW EXCLUSIVE MODE")
-            yield self
 
     def columns(self, table: str) -> list[str]:
         """The column names of `table` (empty when there is no such table)."""
@@ -188,6 +206,58 @@ class Database:
 
     def close(self) -> None:
         self.conn.close()
+
+
+ENV_OPENS_LOG = "GPUMIX_DEBUG_STORE_OPENS"  # a file: every connection made appends "pid mode target"
+
+
+def _note_open(db: "Database") -> None:
+    """Tests' view of who opens which store (the multi-node run: rank 0 and the launcher alone)."""
+    path = os.environ.get(ENV_OPENS_LOG)
+    if path:
+        line = f"{os.getpid()} {'ro' if db.readonly else 'rw'} {db.url.describe()}\n".encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)  # one write of one line: whole lines from every process
+        finally:
+            os.close(fd)
+
+
+SQLITE_FULL = 13  # sqlite3.Error.sqlite_errorcode of "database or disk is full"
+PG_DISK_FULL = "53100"  # PostgreSQL's SQLSTATE disk_full
+
+
+class DiskFull(OSError):
+    """A store write refused for want of space: "disk full: cannot write <store>: <driver's
+    words> (<free> free on <its filesystem>)", one line; not a ValueError (no bad input: the
+    run fails, exit 1)."""
+
+    def __init__(self, url: StoreURL, detail: str):
+        where = url.describe()
+        text = f"disk full: cannot write {where}: {detail}"
+        if url.dialect == "sqlite":
+            folder = os.path.dirname(os.path.abspath(url.target))
+            with contextlib.suppress(OSError):
+                text += f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free on the disk of {folder})"
+        else:
+            text += " (the database server's disk)"
+        super().__init__(errno.ENOSPC, text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def disk_full(e: BaseException) -> bool:
+    """`e` says the store's disk (or SQLite's database) is full: SQLITE_FULL, PostgreSQL's
+    disk_full, or ENOSPC."""
+    if isinstance(e, DiskFull):
+        return True
+    if isinstance(e, sqlite3.Error):
+        return getattr(e, "sqlite_errorcode", None) == SQLITE_FULL or "database or disk is full" in str(e)
+    if getattr(e, "sqlstate", None) == PG_DISK_FULL:
+        return True
+    return isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left on device" in str(e)
 
 
 def errors() -> tuple[type[BaseException], ...]:

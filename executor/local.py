@@ -31,7 +31,7 @@ from contracts.catalog import GIB
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan
 from contracts.run import RunConfig
-from executor import booking, lifeline, links, netns, wan
+from executor import booking, db, lifeline, links, netns, wan
 from executor.backend import prepare_data, prepare_folder, resume_step
 from executor.checks import check_local, check_run
 from executor.rank_commands import (DEFAULT_RDZV_PORT, agent_torchrun_command, free_port, local_torchrun_command,
@@ -256,6 +256,7 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
     plan_path = os.path.join(run_dir, "plan.json")
     plan.save(plan_path)
     store = MetricsStore(run_dir)
+    store.keep_room()  # the run's end is recorded even on a disk its steps filled
     record_launch(store, plan, config, step)
     if emu.mode != "none":
         store.add_event("emulation", f"{emu.mode}: {emu.reason}")
@@ -269,6 +270,7 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
     setup: wan.WanSetup | links.LinksSetup | None = None
     guard: subprocess.Popen | None = None
     status, reason, failed_rank, stall = "failed", None, None, None
+    full: db.DiskFull | None = None  # the store's disk filled: the run's end, then the launcher's error
     try:
         if stop.is_set():  # a stop signal came while the run was prepared: start nothing
             pass
@@ -299,6 +301,11 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
                 store.add_event("exit", f"torchrun exit code {rc} after every rank reported all steps done")
         else:
             reason, failed_rank = oom_reason(emu) or failure_reason(store, torchrun_log, rc)
+            if "disk full" not in reason:  # a rank that died writing a full disk could not say so
+                full = store.disk_full()
+    except db.DiskFull as e:  # one of this launcher's own writes: end the run, then say so
+        full = e
+        kill_everything(agents, store.worker_pids(), run_dir)
     except BaseException as e:
         reason = f"launcher error: {type(e).__name__}: {e}"
         kill_everything(agents, store.worker_pids(), run_dir)
@@ -306,9 +313,16 @@ def _run(plan: Plan, config: RunConfig, tokens: str, emu: Emulation, step: int |
     finally:
         if setup is not None:  # torn down before the run's end is recorded: "done" means nothing is left
             _stop_netns(lambda: (wan.remove if isinstance(setup, wan.WanSetup) else links.remove)(setup), guard)
-        store.finish(status, reason, failed_rank)
+        if full is not None:
+            status, reason, failed_rank = "failed", str(full), None
+        try:
+            store.finish(status, reason, failed_rank)
+        except db.DiskFull as e:  # the end cannot be recorded: the launcher's error says it
+            full = full or e
         store.close()
         log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
+    if full is not None:
+        raise full
     return status
 
 

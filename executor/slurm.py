@@ -5,11 +5,13 @@ job, watched until it ends.
 
 The launcher (on the submit host) checks the plan's nodes against `scontrol show node -o`, writes
 the run store as the local launcher does, and submits the job (executor/slurm_job.py) with `sbatch`;
-on each node an agent (executor/slurm_agent.py) starts torchrun with the node's ranks and records
-`node_up` / `node_exit` events. What `scontrol show job -o` says is the truth the launcher follows;
-a stop is `scancel`; a dead node fails the run with the node and the reason recorded. The job id is
-in the events and in `slurm.json`. Every node needs this repository and the run folder at the same
-paths (a shared filesystem), as torchrun's multi-node runs do.
+on each node an agent (executor/slurm_agent.py) starts torchrun with the node's ranks and reports
+`node_up` / `node_exit` (the first node in the store, the others through the job's output file,
+recorded in the store at the end: only rank 0, the first node and the launcher write it). What
+`scontrol show job -o` says is the truth the launcher follows; a stop is `scancel`; a dead node
+fails the run with the node and the reason recorded. The job id is in the events and `slurm.json`.
+Every node needs this repository and the run folder at the same paths (a shared filesystem), as
+torchrun's multi-node runs do.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from executor.rank_commands import plan_nodes, project_pythonpath, worker_args
 from executor.slurm_job import (JOB_FILE, Component, JobState, SlurmSettings, batch_script, cancel_job, job_state,
                                 node_requests, rdzv_port, read_job_file, run_id_of, sbatch_command,
                                 slurm_device_keys)
+from executor.slurm_agent import REPORT_MARK
 from executor.store import MetricsStore
 from executor.supervise import RunHandle, failure_reason, record_launch, start_launcher, stop_on_signals
 from profiler.slurm_inventory import SlurmNode, check_name, read_nodes
@@ -77,6 +80,7 @@ class SlurmBackend:
             plan.save(plan_path)
             tokens = prepare_data(plan, config)
             store = MetricsStore(config.run_dir)
+            store.keep_room()  # the run's end is recorded even on a disk its steps filled
             try:
                 record_launch(store, plan, config, step)
                 wargs = worker_args(plan_path, config, tokens_path=tokens)
@@ -137,25 +141,38 @@ def _submit(run_dir: str, plan: Plan, settings: SlurmSettings, components: list[
     return r.stdout.strip().split(";")[0]
 
 
-def _events(store: MetricsStore, kind: str) -> list[str]:
-    return [e["message"] for e in store.events(kind)]
+def _events(store: MetricsStore, kind: str, job_log: str | None = None) -> list[str]:
+    """The agents' `kind` reports: the first node's events in the store, the other nodes' lines
+    in the job's output file (executor/slurm_agent.py)."""
+    out = [e["message"] for e in store.events(kind)]
+    if job_log is not None:
+        mark = f"{REPORT_MARK}{kind} "
+        with contextlib.suppress(OSError), open(job_log, encoding="utf-8", errors="replace") as fh:
+            out += [line[line.index(mark) + len(mark):].rstrip("\n") for line in fh if mark in line]
+    return out
 
 
-def _agent_nodes(store: MetricsStore) -> tuple[set[str], dict[str, int]]:
-    """(nodes whose agent started, node -> its torchrun's exit code) from the agents' events."""
-    up = {m.split(":", 1)[0].removeprefix("node ") for m in _events(store, "node_up")}
+def job_log_of(run_dir: str, job_id: str | None) -> str | None:
+    """The job's output file (sbatch --output), where srun brings every agent's output."""
+    return None if job_id is None else os.path.join(run_dir, "logs", f"slurm-{job_id}.out")
+
+
+def _agent_nodes(store: MetricsStore, job_log: str | None = None) -> tuple[set[str], dict[str, int]]:
+    """(nodes whose agent started, node -> its torchrun's exit code) from the agents' reports."""
+    up = {m.split(":", 1)[0].removeprefix("node ") for m in _events(store, "node_up", job_log)}
     exits = {}
-    for m in _events(store, "node_exit"):
+    for m in _events(store, "node_exit", job_log):
         node, _, rest = m.partition(":")
         code = re.search(r"exit code (-?\d+)", rest)
         exits[node.removeprefix("node ")] = int(code.group(1)) if code else 1
     return up, exits
 
 
-def dead_nodes(store: MetricsStore, job_nodes: list[str], gres_name: str) -> list[tuple[str, str]]:
+def dead_nodes(store: MetricsStore, job_nodes: list[str], gres_name: str,
+               job_log: str | None = None) -> list[tuple[str, str]]:
     """(node, why) for each node of the job that died: SLURM reports it down, or its agent started
     and vanished without an exit while another agent failed."""
-    up, exits = _agent_nodes(store)
+    up, exits = _agent_nodes(store, job_log)
     out = []
     try:
         states = {n.name: n for n in read_nodes(gres_name, job_nodes)} if job_nodes else {}
@@ -204,8 +221,10 @@ def _follow(store: MetricsStore, plan: Plan, config: RunConfig, settings: SlurmS
                 now = time.monotonic()
                 if not cancelled and now - last_node_check > NODE_CHECK_S:
                     last_node_check = now
-                    _, exits = _agent_nodes(store)
-                    down = [d for d in dead_nodes(store, job_nodes, settings.gres_name) if "SLURM reports" in d[1]]
+                    job_log = job_log_of(run_dir, job_id)
+                    _, exits = _agent_nodes(store, job_log)
+                    down = [d for d in dead_nodes(store, job_nodes, settings.gres_name, job_log)
+                            if "SLURM reports" in d[1]]
                     if any(c != 0 for c in exits.values()):
                         agent_failed_since = agent_failed_since or now
                     if down or (agent_failed_since and now - agent_failed_since > AGENT_FAIL_GRACE_S):
@@ -232,6 +251,10 @@ def _verdict(store: MetricsStore, config: RunConfig, settings: SlurmSettings, st
     """(status, reason, failed rank) of the ended job; `cancelled`: the launcher scancelled it."""
     job_id = state.job_id
     what = f"SLURM job {job_id}: {state.state}" + (f", {state.reason}" if state.reason else "")
+    job_log = job_log_of(config.run_dir, job_id)
+    for kind in ("node_up", "node_exit"):  # the other nodes' reports join the first node's in the store
+        for message in _events(store, kind, job_log)[len(store.events(kind)):]:
+            store.add_event(kind, message)
     store.add_event("slurm_end", what)
     if stopped:
         return "stopped", f"stopped on request (scancel of SLURM job {job_id})", None
@@ -240,7 +263,7 @@ def _verdict(store: MetricsStore, config: RunConfig, settings: SlurmSettings, st
     if store.last_step() == config.steps and (state.state in ("COMPLETED", "COMPLETING", "UNKNOWN")
                                               or store.all_ranks_done()):
         return "done", None, None
-    dead = dead_nodes(store, job_nodes, settings.gres_name)
+    dead = dead_nodes(store, job_nodes, settings.gres_name)  # the store holds every node's reports now
     if dead:
         node, why = dead[0]
         ranks = store.registered_ranks(node=node)

@@ -6,9 +6,10 @@
 It finds its node (SLURMD_NODENAME) in the plan and starts torchrun with that node's share of
 the ranks and a c10d rendezvous hosted by the first plan node: `is_host` said explicitly (a
 node's name or address need not match its hostname), `--local-addr` the node's SLURM address,
-gloo bound to the interface holding that address. It records `node_up` and `node_exit` in the
-run store (a node whose agent never says `node_exit` died), forwards SIGTERM to torchrun
-(scancel), and exits 1 when torchrun failed.
+gloo bound to the interface holding that address. It reports `node_up` and `node_exit` (a node
+whose agent never says `node_exit` died): the first node's agent in the run store, the others on
+their output, which the job's output file collects (only rank 0 and the first node write the
+store); it forwards SIGTERM to torchrun (scancel), and exits 1 when torchrun failed.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ from executor.rank_commands import plan_nodes
 from executor.store import MetricsStore
 from contracts.paths import PROJECT_ROOT
 from contracts.plan import Plan
+
+REPORT_MARK = "gpumix-agent-event: "  # a line of an agent's output: "<mark><kind> <message>"
+
 
 def interface_of(addr: str) -> str | None:
     """The network interface holding `addr` here (gloo binds to it), or None."""
@@ -56,9 +60,9 @@ def agent_main(argv: list[str]) -> int:
     nodes = plan_nodes(plan)
     k = sum(1 for a in plan.used if a.node == node)
     addrs = dict(a.split("=", 1) for a in args.node_addr)
-    store = MetricsStore(args.run_dir)
+    say = _reporter(args.run_dir, node == args.first_node)
     if k == 0 or node not in addrs:
-        store.add_event("node_exit", f"node {node}: exit code 2, the plan has no devices on this node")
+        say("node_exit", f"node {node}: exit code 2, the plan has no devices on this node")
         return 2
     env = dict(os.environ, GPUMIX_NODE=node, GPUMIX_LAUNCHED="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     iface = interface_of(addrs[node])
@@ -69,7 +73,7 @@ def agent_main(argv: list[str]) -> int:
            f"--rdzv-conf=is_host={1 if node == args.first_node else 0}", f"--local-addr={addrs[node]}",
            "--max-restarts=0", *wargs]
     proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT)
-    store.add_event("node_up", f"node {node}: agent pid {os.getpid()}, torchrun pid {proc.pid}, {k} rank(s), "
+    say("node_up", f"node {node}: agent pid {os.getpid()}, torchrun pid {proc.pid}, {k} rank(s), "
                                f"address {addrs[node]}" + (f" ({iface})" if iface else ""))
 
     def forward(sig, _frame):
@@ -79,9 +83,24 @@ def agent_main(argv: list[str]) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, forward)
     rc = proc.wait()
-    store.add_event("node_exit", f"node {node}: torchrun exit code {rc}")
-    store.close()
+    say("node_exit", f"node {node}: torchrun exit code {rc}")
     return 0 if rc == 0 else 1
+
+
+def _reporter(run_dir: str, writes: bool):
+    """How this agent reports node_up / node_exit: the first node's agent in the run store, the
+    others as REPORT_MARK lines on their output, which srun brings to the job's output file
+    (executor/slurm.py reads both): only the first node writes the store."""
+    if not writes:
+        return lambda kind, message: print(f"{REPORT_MARK}{kind} {message}", flush=True)
+
+    def say(kind: str, message: str) -> None:
+        store = MetricsStore(run_dir)
+        try:
+            store.add_event(kind, message)
+        finally:
+            store.close()
+    return say
 
 
 if __name__ == "__main__":

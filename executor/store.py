@@ -3,16 +3,20 @@
 Where (executor.db): by default one SQLite file per run folder (`metrics.sqlite`, run key ''); with
 GPUMIX_DB one shared store keyed by the run folder's absolute path, the name every writer and
 reader gives the run on any machine. Writers: the launcher (the `run` row, events), every rank once
-(its `ranks` row, its end), and rank 0 each step: the step's row and every rank's figures in one
-transaction, so a reader never sees a step without its ranks. Readers (the CLI, the dashboard)
-never write. Status is "running" | "done" | "failed" | "stopped" (DESIGN.md); "running" with the
-launcher gone reads as "failed".
+(its `ranks` row, its end; on several nodes rank 0 writes them for all), and rank 0 each step: the
+step's row and every rank's figures in one transaction, so a reader never sees a step without its
+ranks. Readers (the CLI, the dashboard) never write. Status is "running" | "done" | "failed" |
+"stopped" (DESIGN.md); "running" with the launcher gone reads as "failed". A write refused for
+want of space raises db.DiskFull, one line naming the store and its disk; what was written before
+stays readable.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -25,6 +29,9 @@ from contracts.plan import Plan
 log = logging.getLogger(__name__)
 
 DB_NAME = "metrics.sqlite"
+ROOM_FILE = ".store-room"  # MetricsStore.keep_room's reserve
+ROOM_BYTES = 1 << 20
+FULL_BELOW_BYTES = 1 << 20  # a SQLite store's disk with less left is full (a step's rows: a few KiB)
 LINKS_FILE = "links.json"  # a run with emulated links: executor.links.LinksSetup
 STATUSES = ("running", "done", "failed", "stopped")
 
@@ -158,6 +165,7 @@ class MetricsStore:
         self.url, self.key = store_of(run_dir)
         self.db = db.connect(self.url, RUNS, "run store")
         self._rank_step_columns: tuple[str, ...] | None = None
+        self._room = False  # keep_room's reserve is this store's to give back
 
     @property
     def conn(self) -> Any:
@@ -170,6 +178,47 @@ class MetricsStore:
 
     def close(self) -> None:
         self.db.close()
+        self._free_room()
+
+    def keep_room(self) -> None:
+        """The launcher's room for the run's end: ROOM_BYTES taken beside the run folder's own
+        store, given back when a write finds the disk full, so that the end is still recorded."""
+        if self.url.shared:
+            return
+        path = os.path.join(self.run_dir, ROOM_FILE)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"\0" * ROOM_BYTES)  # written, not sparse: the blocks are really taken
+            finally:
+                os.close(fd)
+            self._room = True
+        except OSError:  # no room even for that: the end may go unrecorded, said by the launcher
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+    def _free_room(self) -> bool:
+        """Give back the room this store kept (keep_room); False when it kept none."""
+        if not self._room:
+            return False
+        self._room = False
+        try:
+            os.remove(os.path.join(self.run_dir, ROOM_FILE))
+            return True
+        except OSError:
+            return False
+
+    def disk_full(self) -> db.DiskFull | None:
+        """The store's disk as a run's failure reason: a SQLite store whose filesystem has less
+        than FULL_BELOW_BYTES left (a rank that died writing it could not say so), else None (a
+        PostgreSQL server's disk is its own: its writers' errors say so)."""
+        if self.url.dialect != "sqlite":
+            return None
+        try:
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(self.url.target))).free
+        except OSError:
+            return None
+        return db.DiskFull(self.url, "no space left on device") if free < FULL_BELOW_BYTES else None
 
     # ---- the launcher ------------------------------------------------------------------
     def init_run(self, plan: Plan, steps_target: int, seed: int, backend: str, resume: bool = False,
@@ -209,9 +258,14 @@ class MetricsStore:
         if status not in STATUSES:
             raise ValueError(f"unknown run status {status!r}")
         now = time.time()
-        self.db.execute(
-            "UPDATE run SET status = ?, phase = 'ended', reason = ?, failed_rank = ?, ended_s = ?, updated_s = ?"
-            " WHERE run_key = ?", (status, reason, failed_rank, now, now, self.key))
+        end = ("UPDATE run SET status = ?, phase = 'ended', reason = ?, failed_rank = ?, ended_s = ?, updated_s = ?"
+               " WHERE run_key = ?", (status, reason, failed_rank, now, now, self.key))
+        try:
+            self.db.execute(*end)
+        except db.DiskFull:
+            if not self._free_room():  # the launcher's room, kept for this write
+                raise
+            self.db.execute(*end)
 
     def request_stop(self) -> None:
         self.db.execute("UPDATE run SET stop_requested = 1, updated_s = ? WHERE run_key = ?", (time.time(), self.key))
@@ -269,6 +323,19 @@ class MetricsStore:
         """A rank is up: its pid, and the plan device it trains (a multi-node rendezvous may order
         ranks differently from the plan, so the rank's own row is rewritten from its assignment)."""
         self.db.execute(_UPSERT_RANK, self._rank_row(rank, position, a, shard_numel, pid, time.time(), memory_method))
+
+    def record_relayed(self, rows: Sequence[tuple[dict[str, Any], Any]],
+                       events: Sequence[tuple[float, int | None, str, str]]) -> None:
+        """Rank 0's write of other ranks' one-time rows (a multi-node run, executor/worker.py's
+        Trainer.relay): `rows` (ranks row as RelayedStore keeps it, its plan assignment), `events`
+        (time_s, rank, kind, message), one transaction."""
+        with self.db.transaction(writes_only=True):
+            for r, a in rows:
+                self.db.execute(_UPSERT_RANK, self._rank_row(r["rank"], r["position"], a, r["shard_numel"], r["pid"],
+                                                             r["started_s"], r["memory_method"]))
+            for e in events:
+                self.db.execute("INSERT INTO events (run_key, time_s, rank, kind, message) VALUES (?, ?, ?, ?, ?)",
+                                (self.key, *e))
 
     def rank_step_columns(self) -> tuple[str, ...]:
         """The rank_steps columns this store has (an older store may lack the optional ones)."""
@@ -594,6 +661,14 @@ def _summary(run_dir: str, run: dict[str, Any], steps_recorded: int) -> dict[str
     }
 
 
+# a list's step count: the run's last step less its first, plus one: two lookups in the steps'
+# primary key (a COUNT would read every row of every run at each refresh of a history page);
+# steps are recorded in order and a resume keeps those up to its checkpoint: none is missing
+_STEP_SPAN = ("COALESCE((SELECT MAX(step) FROM steps WHERE run_key = {k}) - "
+              "(SELECT MIN(step) FROM steps WHERE run_key = {k}) + 1, 0)")
+_LAST_STEP = "SELECT " + _STEP_SPAN.format(k="?")
+
+
 def _list_folder_runs(root: str) -> list[dict[str, Any]]:
     out = []
     for d in _iter_run_dirs(root):
@@ -601,7 +676,7 @@ def _list_folder_runs(root: str) -> list[dict[str, Any]]:
             store = db.connect(db.StoreURL("sqlite", db_path(d), False), RUNS, "run store", readonly=True)
             try:
                 row = store.one("SELECT * FROM run")
-                n = store.one("SELECT COUNT(*) FROM steps")[0]
+                n = store.one(_LAST_STEP, (row["run_key"],) * 2)[0] if row is not None else 0
             finally:
                 store.close()
         except (ValueError, *db.errors()) as e:
@@ -615,8 +690,7 @@ def _list_folder_runs(root: str) -> list[dict[str, Any]]:
 def _list_shared_runs(url: db.StoreURL, root: str | None) -> list[dict[str, Any]]:
     store = db.connect(url, RUNS, "run store", readonly=True)
     try:
-        rows = store.all("SELECT run.*, (SELECT COUNT(*) FROM steps WHERE steps.run_key = run.run_key) AS n_steps"
-                         " FROM run")
+        rows = store.all(f"SELECT run.*, {_STEP_SPAN.format(k='run.run_key')} AS n_steps FROM run")
     except db.errors() as e:
         raise ValueError(f"run store {url.describe()}: {db.error_line(e)}") from None
     finally:
@@ -626,7 +700,7 @@ def _list_shared_runs(url: db.StoreURL, root: str | None) -> list[dict[str, Any]
     for row in rows:
         if row["run_key"].startswith(prefix):
             run = _run_dict(row)
-            out.append(_summary(row["run_key"], run, int(run.pop("n_steps"))))
+            out.append(_summary(row["run_key"], run, int(run.pop("n_steps") or 0)))
     return out
 
 
@@ -634,7 +708,9 @@ def list_runs(root: str | None = None) -> list[dict[str, Any]]:
     """Every run under `root` (default: contracts.paths.runs_dir(); with a shared store
     GPUMIX_DB, default: every run the store holds, from any machine), newest first:
     `[{"run_dir", "name", "status", "reason", "started_s", "ended_s", "steps_recorded",
-    "steps_target", "model", "world_size", "emulated"}]`. Unreadable per-folder stores are skipped."""
+    "steps_target", "model", "world_size", "emulated"}]`. Unreadable per-folder stores are skipped.
+    Its cost does not grow with the runs' lengths: "steps_recorded" is read from the steps' index
+    (the span from the first step to the last)."""
     shared = db.configured()
     out = _list_shared_runs(shared, root) if shared else _list_folder_runs(root or runs_dir())
     out.sort(key=lambda r: r["started_s"] or 0.0, reverse=True)

@@ -42,6 +42,7 @@ from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
 from models.pipeline import PipelineRuntime
+from models.runtime import use_tf32_as_priced
 from models.sharded import ShardedRuntime
 from contracts.attention import select_kernel
 from contracts.catalog import GIB
@@ -60,6 +61,41 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 class EmulatedOutOfMemory(RuntimeError):
     pass
+
+
+def relays() -> bool:
+    """A multi-node run (every agent names its node): only rank 0's process writes the store; the
+    other ranks' one-time rows reach it through torch.distributed (Trainer.relay)."""
+    return bool(os.environ.get(ENV_NODE))
+
+
+class RelayedStore:
+    """The store of a rank that does not write it (a multi-node run's ranks but rank 0): its
+    ranks row and events wait here until rank 0 gathers them (Trainer.relay). An event of a
+    rank that dies before the next gather is lost: the launcher's failure path names the rank."""
+
+    def __init__(self) -> None:
+        self.row: dict | None = None
+        self.events: list[tuple[float, int | None, str, str]] = []
+
+    def register_rank(self, rank: int, position: int, a: Assignment, pid: int, shard_numel: int,
+                      memory_method: str) -> None:
+        self.row = {"rank": rank, "position": position, "pid": pid, "shard_numel": shard_numel,
+                    "started_s": time.time(), "memory_method": memory_method}
+
+    def add_event(self, kind: str, message: str, rank: int | None = None) -> None:
+        self.events.append((time.time(), rank, kind, message))
+
+    def take(self) -> dict:
+        out = {"row": self.row, "events": self.events}
+        self.row, self.events = None, []
+        return out
+
+    def finish(self, *args, **kwargs) -> None:  # rank 0 or the launcher records the end
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,6 +190,7 @@ class Trainer:
         if self.cuda:
             self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
+            use_tf32_as_priced()
             if plan.dtype == "bf16" and not torch.cuda.is_bf16_supported():
                 # never train silently in another precision than the plan says
                 raise ValueError(f"plan dtype bf16 but {torch.cuda.get_device_name(self.device)} has no bf16: "
@@ -206,6 +243,7 @@ class Trainer:
                            prefill_ranks=False)
         store.register_rank(rank, self.position, self.a, os.getpid(), shard,
                             PeakMemory(self.device).method)
+        self.relay()  # a multi-node run: every rank's row written by rank 0 before the first step
         where = "" if self.pipe is None else f", pipeline stage {self.runtime.stage} dp {self.runtime.dp_index}"
         log.info("rank %d = plan device %d (%s, micro_batch %d x %d, zero %d, %d of %d parameters%s)%s", rank,
                  self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, plan.zero, shard,
@@ -361,6 +399,25 @@ class Trainer:
         self.store.record_steps_of_all_ranks(step, ranks, lead["loss"], lead["step_s"], self.plan.global_batch,
                                              self.plan.seq, lead["val_loss"])
 
+    def relay(self, done: bool = False) -> None:
+        """A multi-node run (relays()): gather every rank's waiting rows (its ranks row, its
+        events; `done`: its "rank_done" too) to rank 0, which writes them in one transaction. A
+        collective: every rank calls it at the same points (start, checkpoint steps, the end)."""
+        if not relays():
+            return
+        if done and isinstance(self.store, RelayedStore):
+            self.store.add_event("rank_done", f"rank {self.rank}: all steps done", self.rank)
+        mine = self.store.take() if isinstance(self.store, RelayedStore) else {"row": None, "events": []}
+        got = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(mine, got, dst=0)
+        if self.rank != 0:
+            return
+        rows = [(g["row"], self.plan.used[g["row"]["position"]]) for g in got if g and g["row"]]
+        events = [e for g in got if g for e in g["events"]]
+        if done:
+            events.append((time.time(), 0, "rank_done", "rank 0: all steps done"))
+        self.store.record_relayed(rows, events)
+
     def save_checkpoint(self, step: int, required: bool) -> None:
         """Save `step`'s checkpoint (executor/checkpoint.py). The final one nobody asked for does not
         fail a run whose nodes keep separate run folders (each sees only its own positions' files)."""
@@ -401,8 +458,11 @@ class Trainer:
             asked = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
             if asked or step == args.steps:  # the last step's state is always kept: export, continue
                 self.save_checkpoint(step, required=asked)
+                if step != args.steps:
+                    self.relay()  # its events (a position-0 rank need not be rank 0)
         if self.prefill is not None:
             self.prefill.write_summary(args.run_dir, self.rank)
+        self.relay(done=True)
         dist.barrier()
         if self.standalone and self.rank == 0:
             self.store.finish("done")
@@ -414,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     _redirect_output(args.run_dir, rank)
     _exit_when_orphaned()
-    store = MetricsStore(args.run_dir)
+    store = RelayedStore() if relays() and rank != 0 else MetricsStore(args.run_dir)
     try:
         cg, baseline = cgroups.start_rank(rank)  # before anything is built: the memory limit's baseline
         if cg is not None:
@@ -425,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         if cg is not None and cg.memory_dir is not None:
             trainer.memory_limit_bytes = None  # the kernel enforces memory_gb: no measured-peak check
         trainer.run()
-        store.add_event("rank_done", f"rank {rank}: all steps done", rank)
+        if not relays():  # else written with every rank's by Trainer.relay
+            store.add_event("rank_done", f"rank {rank}: all steps done", rank)
     except BaseException as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         log.exception("rank %d failed", rank)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contracts.catalog import FP32_MATMULS_IN_TF32
+
 
 def shard_bounds(numel: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
     """Contiguous [start, end) slices covering [0, numel), one per fraction.
@@ -51,3 +53,11 @@ def micro_batch_loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tens
     # CE in fp32 (autocast would do the same); log_softmax keeps its (B*T, V) output for backward
     loss = F.cross_entropy(logits.float().view(-1, V), targets.reshape(-1), reduction="sum")
     return loss / token_normalizer
+
+
+def use_tf32_as_priced() -> None:
+    """fp32 matmuls and convolutions on the TF32 tensor cores of GPUs that have them, as the roofline
+    prices fp32 steps (contracts.catalog.FP32_MATMULS_IN_TF32) and as Megatron-LM and DeepSpeed train;
+    the worker and the step profiler call it on CUDA, so runs and their profiles agree."""
+    torch.backends.cuda.matmul.allow_tf32 = FP32_MATMULS_IN_TF32
+    torch.backends.cudnn.allow_tf32 = FP32_MATMULS_IN_TF32

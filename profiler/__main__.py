@@ -7,6 +7,7 @@ COMMANDS = {
     "inventory": "profiler.commands.inventory",
     "bench": "profiler.commands.bench",
     "profile": "profiler.commands.profile",
+    "import": "profiler.commands.import_profiles",
 }
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from profiler import cgroups
 from models.collectives import LocalCollectives
 from models.decoder import build_model
-from models.runtime import micro_batch_loss
+from models.runtime import micro_batch_loss, use_tf32_as_priced
 from models.sharded import ShardedRuntime
 from contracts.catalog import GIB
 from contracts.cluster import profile_key
@@ -410,6 +410,8 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     run_spec = _model_for(spec, seq)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        use_tf32_as_priced()  # as the worker trains
     workers = workers if dev.type == "cpu" else 1
     device_type, device_name = local_device_type(dev)
     limits = _limits(dev, cpu_share, memory_gb, companion_cpu_share if workers > 1 else None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 
 HELP = "run a plan for real with torchrun (uneven batches and shards); blocks until it ends"
@@ -194,7 +195,14 @@ def run(args: argparse.Namespace) -> int:
     backend.check(plan, config)  # before the tokenizing: a refused launch says so at once
     if args.corpus or args.tokenizer:
         tokenize_with_progress(args.corpus, args.tokenizer, plan.model)  # once; the launch then hits the cache
-    return _report(args, backend.launch(plan, config))
+    from executor.db import DiskFull
+
+    try:
+        status = backend.launch(plan, config)
+    except DiskFull as e:  # the run ended (ranks stopped, booking released) without room to record it
+        print(f"run {os.path.abspath(config.run_dir)}: failed ({e})", file=sys.stderr)
+        return 1
+    return _report(args, status)
 
 
 def _report(args: argparse.Namespace, status: str) -> int:

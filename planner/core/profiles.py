@@ -5,8 +5,9 @@ Cephalo's time model: on one device kind, forward+backward of a micro-batch of `
 `get_step_profile` *estimates* α, β (a GPU type from planner/core/roofline.py, the CPU from FLOPs ÷
 (peak × calibrated efficiency)), and every `StepProfile` says which it is (`measured`, `source`).
 Profiles are JSON files under `contracts.paths.profiles_dir()` (steps/ and bench/), keyed by device
-kind (a CPU-quota kind such as `cpu@share0.333` is measured under its own quota); an emulated
-device's `slowdown` is applied by the cost model, never here. Pure Python (no torch).
+kind (a CPU-quota kind such as `cpu@share0.333` is measured under its own quota) and tensor-parallel
+degree (`tp`, one rank's share; imported profiles carry it); an emulated device's `slowdown` is
+applied by the cost model, never here. Pure Python (no torch).
 
 The store layout and the estimates' constants with their sources: docs/models/cost.md.
 """
@@ -83,6 +84,9 @@ class StepProfile:
     # matmul weights of the profiled model (ModelSpec.matmul_params): identifies the architecture
     # (a longer position table, with_max_seq, does not change it)
     num_matmul_params: int = 0
+    # tensor-parallel degree: the times are one rank's of a group of `tp` splitting every layer, and
+    # flops_per_sample and num_params are that rank's share
+    tp: int = 1
 
     def matches(self, spec: ModelSpec) -> bool:
         """Same model name and, when recorded, the same architecture."""
@@ -219,8 +223,9 @@ def _safe(part: str) -> str:
 
 
 def step_profile_path(device_type: str, model: str, seq: int, dtype: str, recompute: str,
-                      store_dir: str | None = None) -> str:
-    name = "__".join(_safe(p) for p in (device_type, model, f"s{seq}", dtype, recompute)) + ".json"
+                      store_dir: str | None = None, tp: int = 1) -> str:
+    parts = (device_type, model, f"s{seq}", dtype, recompute) + ((f"tp{tp}",) if tp != 1 else ())
+    name = "__".join(_safe(p) for p in parts) + ".json"
     return os.path.join(store_root(store_dir), "steps", name)
 
 
@@ -253,7 +258,7 @@ def _read_json(path: str) -> dict[str, Any] | None:
 def save_step_profile(profile: StepProfile, store_dir: str | None = None) -> str:
     """Write a (measured) profile; it replaces the one with the same key."""
     path = step_profile_path(profile.device_type, profile.model, profile.seq, profile.dtype, profile.recompute,
-                             store_dir)
+                             store_dir, profile.tp)
     return _write_json(path, profile.to_dict())
 
 
@@ -328,14 +333,15 @@ def get_collective_profile(device_type: str, store_dir: str | None = None) -> Co
 
 def peak_tflops(device_type: str, dtype: str, store_dir: str | None = None) -> float:
     """The peak an efficiency refers to: the datasheet's, except for `cpu`, whose catalog entry
-    is a placeholder: there the best single-thread matmul `profiler bench` measured, if any."""
+    is a placeholder: there the best single-thread matmul `profiler bench` measured, if any. fp32 on a
+    part with TF32 refers to the TF32 peak its matmuls run at (catalog.FP32_MATMULS_IN_TF32)."""
     if device_type == CPU_TYPE:
         bench = get_device_bench(CPU_TYPE, store_dir)
         if bench and bench.num_threads == 1:
             rate = bench.best_tflops("fp32" if dtype not in ("bf16", "fp16") else dtype) or bench.best_tflops("fp32")
             if rate:
                 return rate
-    return get_gpu_type(device_type).peak_tflops(dtype)
+    return get_gpu_type(device_type).matmul_peak_tflops(dtype)
 
 
 def _is_cpu(device_type: str) -> bool:
@@ -365,7 +371,7 @@ def calibration(device_type: str, dtype: str, store_dir: str | None = None,
     profiles = load_step_profiles(store_dir) if profiles is None else profiles
     # a CPU-quota kind (contracts.cluster.profile_key) is a throttled core, not its type's speed
     measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.flops_per_sample > 0
-                and split_profile_key(p.device_type)[1] is None]
+                and split_profile_key(p.device_type)[1] is None and p.tp == 1]
     same_type = [p for p in measured if p.device_type == device_type]
     same_dtype = [p for p in same_type if p.dtype == dtype]
     same_class = [p for p in measured if _is_cpu(p.device_type) == _is_cpu(device_type)]
@@ -417,8 +423,9 @@ def _check_args(seq: int, dtype: str, recompute: str) -> None:
 
 
 def find_measured(device_type: str, spec: ModelSpec, seq: int, dtype: str, recompute: str = "none",
-                  store_dir: str | None = None) -> StepProfile | None:
-    path = step_profile_path(device_type, spec.name, seq, dtype, recompute, store_dir)
+                  store_dir: str | None = None, tp: int = 1) -> StepProfile | None:
+    """The measured profile of one key (a rank of a `tp`-way tensor-parallel group), or None."""
+    path = step_profile_path(device_type, spec.name, seq, dtype, recompute, store_dir, tp)
     d = _read_json(path)
     if d is None:
         return None
@@ -456,7 +463,7 @@ def get_step_profile(device_type: str, spec: ModelSpec, seq: int, dtype: str, re
                               f"its quota (`python -m profiler profile --cpu-share {cpu_share:g}`); {p.source}")
     profiles = load_step_profiles(store_dir)
     counted = [p for p in profiles if p.measured and p.matches(spec) and p.seq == seq
-               and p.recompute == recompute and p.flops_per_sample > 0]
+               and p.recompute == recompute and p.flops_per_sample > 0 and p.tp == 1]
     if counted:
         flops, flops_src = counted[0].flops_per_sample, "counted FLOPs"
     else:
@@ -482,7 +489,7 @@ def _roofline_estimate(device_type: str, spec: ModelSpec, seq: int, dtype: str, 
     GPU profiles of the same model correct it by the median of measured β over the roofline's β on
     their own type (same type first): the roofline's error on real hardware, not a ratio of peaks."""
     est = roofline.estimate_step_roofline(device_type, spec, seq, dtype, recompute)
-    gpu_measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.matches(spec)
+    gpu_measured = [p for p in profiles if p.measured and p.beta_s > 0 and p.matches(spec) and p.tp == 1
                     and not _is_cpu(split_profile_key(p.device_type)[0])]
     pool = [p for p in gpu_measured if p.device_type == device_type] or gpu_measured
     factor, basis = 1.0, "no GPU profile of this model measured, uncorrected"

@@ -4,7 +4,8 @@ Every kernel the runtime launches for one sample (matmuls, the attention kernel 
 says torch picks, elementwise ops, per-micro-batch casts and accumulation, AdamW) is priced by what
 bounds it, max(FLOPs / sustained FLOP/s, bytes / sustained bandwidth), summed in launch order. Rates
 are sustained: a measured matmul rate where one is published (contracts/catalog.py), else the peak
-times the measured parts' median efficiency. Pure Python, no torch.
+times the measured parts' median efficiency. fp32 matmuls run in TF32 on parts that have it
+(contracts/catalog.FP32_MATMULS_IN_TF32). Pure Python, no torch.
 
 The kernels by kind and the rates: docs/models/cost.md ("The roofline"); checked in
 tests/unit/test_roofline.py and printed by bench/roofline_ratios.py.
@@ -18,7 +19,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from contracts.attention import select_kernel
-from contracts.catalog import CPU_TYPE, MEASURED_MATMUL_TFLOPS, device_dtype, get_gpu_type
+from contracts.catalog import CPU_TYPE, FP32_MATMULS_IN_TF32, MEASURED_MATMUL_TFLOPS, device_dtype, get_gpu_type
 from contracts.constants import DTYPE_BYTES, FP32_BYTES, RECOMPUTE
 from contracts.specs import ModelSpec
 
@@ -27,8 +28,9 @@ TFLOPS = 1e12
 # For a part without its own measurement (catalog.MEASURED_MATMUL_TFLOPS): the datasheet peak times
 # the median measured efficiency. Half precision: the median of MAMF / peak over the NVIDIA rows of
 # the MAMF table the catalog cites (A100 SXM 86.9 %, GH200 83.8 %, A100 PCIe 81.1 %, H100 SXM 80.3 %,
-# B300 78.6 %, B200 77.6 %, GB200 72.9 %): 80.3 %. fp32 (no tensor cores; torch leaves TF32 off for
-# matmuls): the median of measured / peak over the catalog's fp32 rows (A100 40GB 18.11/19.5,
+# B300 78.6 %, B200 77.6 %, GB200 72.9 %): 80.3 %; TF32 runs on the same tensor cores and takes the same
+# figure (the one measured TF32 row, H100 SXM 403.74 of 494.7, is 81.6 %). fp32 on the vector units (parts
+# without TF32): the median of measured / peak over the catalog's fp32 rows (A100 40GB 18.11/19.5,
 # A100 80GB 19.18/19.5, H100 52.11/67, H200 51.34/67, RTX 3090 24.79/35.6, RTX 4090 54.72/82.6,
 # A6000 23.92/38.7, L40S 46.88/91.6, T4 4.30/8.1, P40 10.07/11.8): 73 %. Either carries the shortfall
 # from boost clocks and kernel efficiency that the measured parts show.
@@ -55,6 +57,10 @@ MEMORY_EFFICIENCY = 0.85
 # clip `g.mul_(coef)` (8): 108 bytes per parameter, every one a streaming kernel.
 OPTIMIZER_BYTES_PER_PARAM = 80 + 20 + 8
 BACKWARD_ELEMENTWISE_FACTOR = 2.0  # backward traffic of an elementwise op over its forward traffic
+# torch's memory-efficient attention keeps fp32 exact on Ampere and newer by "3xTF32"
+# (gemm_kernel_utils.h: DefaultGemmType<Sm80+, float> uses OpMultiplyAddFastF32, three TF32 MMAs per
+# product), whatever allow_tf32 says: a third of the TF32 rate.
+FAST_FP32_MMAS_PER_PRODUCT = 3
 
 
 @dataclass(frozen=True)
@@ -77,17 +83,27 @@ def sustained_rates(gpu_type: str, dtype: str) -> SustainedRates:
         raise ValueError("the roofline is for GPU types; the CPU worker is priced from its measured bench")
     real = device_dtype(gpu_type, dtype)
     measured = MEASURED_MATMUL_TFLOPS.get(gpu.name, {})
-    fp32 = measured.get("fp32", gpu.fp32_tflops * DEFAULT_FP32_EFFICIENCY) * TFLOPS
-    if real in measured:
+    tf32 = FP32_MATMULS_IN_TF32 and gpu.supports_tf32
+    if tf32:  # every fp32 matmul (Linear, the math path's bmm) runs on the TF32 tensor cores
+        fp32 = measured.get("tf32", gpu.tf32_tflops * DEFAULT_MATMUL_EFFICIENCY) * TFLOPS
+        fp32_basis = (f"measured tf32 matmul {measured['tf32']:g} TFLOP/s" if "tf32" in measured else
+                      f"tf32 peak {gpu.tf32_tflops:g} TFLOP/s x {DEFAULT_MATMUL_EFFICIENCY:.3f}")
+    else:
+        fp32 = measured.get("fp32", gpu.fp32_tflops * DEFAULT_FP32_EFFICIENCY) * TFLOPS
+        fp32_basis = (f"measured fp32 matmul {measured['fp32']:g} TFLOP/s" if "fp32" in measured else
+                      f"fp32 peak {gpu.fp32_tflops:g} TFLOP/s x {DEFAULT_FP32_EFFICIENCY:.2f}")
+    if real == "fp32":
+        matmul, basis = fp32, fp32_basis
+    elif real in measured:
         matmul, basis = measured[real] * TFLOPS, f"measured {real} matmul {measured[real]:g} TFLOP/s"
-    elif real == "fp32":
-        matmul, basis = fp32, f"fp32 peak {gpu.fp32_tflops:g} TFLOP/s x {DEFAULT_FP32_EFFICIENCY:.2f}"
     else:
         peak = gpu.peak_tflops(real)
         matmul = peak * DEFAULT_MATMUL_EFFICIENCY * TFLOPS
         basis = f"{real} peak {peak:g} TFLOP/s x {DEFAULT_MATMUL_EFFICIENCY:.3f}"
-    return SustainedRates(gpu.name, real, matmul, fp32, matmul * FUSED_ATTENTION_FRACTION_OF_MATMUL,
-                          gpu.memory_bytes_per_s * MEMORY_EFFICIENCY, basis)
+    attention = matmul * FUSED_ATTENTION_FRACTION_OF_MATMUL
+    if real == "fp32" and tf32:
+        attention /= FAST_FP32_MMAS_PER_PRODUCT
+    return SustainedRates(gpu.name, real, matmul, fp32, attention, gpu.memory_bytes_per_s * MEMORY_EFFICIENCY, basis)
 
 
 @dataclass(frozen=True)
@@ -211,12 +227,19 @@ def _fixed_bytes(spec: ModelSpec, width: int) -> float:
     return n * (3 * width + cast + width + 2 * FP32_BYTES)
 
 
-def training_kernels(spec: ModelSpec, seq: int, dtype: str, recompute: str, gpu_type: str) -> tuple[list[Kernel], str]:
+def training_kernels(spec: ModelSpec, seq: int, dtype: str, recompute: str, gpu_type: str,
+                     attention_kernel: str | None = None) -> tuple[list[Kernel], str]:
     """Every kernel of one sample's forward + backward on `gpu_type` (a block's kernels once, with
-    `count` = num_layers), and the attention kernel's name."""
+    `count` = num_layers), and the attention kernel's name. `attention_kernel` ("math", "efficient",
+    "flash") prices another runtime's attention (Megatron-LM's unfused softmax is "math") instead of
+    the SDPA kernel torch picks for GPUMix's decoder."""
     real = device_dtype(gpu_type, dtype)
     width = DTYPE_BYTES[real]
     attn = select_kernel(gpu_type, real, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    if attention_kernel is not None:
+        if attention_kernel not in ("math", "efficient", "flash"):
+            raise ValueError(f"attention_kernel must be math, efficient or flash, got {attention_kernel!r}")
+        attn = replace(attn, name=attention_kernel, expand_kv=False)
     block = _block_forward(spec, seq, width, attn.name, attn.expand_kv)
     head = _head_forward(spec, seq, width)
     blocks_fwd = [replace(k, count=spec.num_layers) for k in block]
@@ -228,14 +251,15 @@ def training_kernels(spec: ModelSpec, seq: int, dtype: str, recompute: str, gpu_
 
 @lru_cache(maxsize=4096)  # pure in its arguments (ModelSpec is frozen); planners ask for the same keys often
 def estimate_step_roofline(gpu_type: str, spec: ModelSpec, seq: int, dtype: str,
-                           recompute: str = "none") -> StepRoofline:
-    """The roofline step of `spec` at `seq` tokens per sample on `gpu_type` (docs/models/cost.md)."""
+                           recompute: str = "none", attention_kernel: str | None = None) -> StepRoofline:
+    """The roofline step of `spec` at `seq` tokens per sample on `gpu_type` (docs/models/cost.md);
+    `attention_kernel`: see `training_kernels`."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
     if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
         raise ValueError(f"seq must be a positive integer, got {seq!r}")
     rates = sustained_rates(gpu_type, dtype)
-    kernels, attn_name = training_kernels(spec, seq, dtype, recompute, gpu_type)
+    kernels, attn_name = training_kernels(spec, seq, dtype, recompute, gpu_type, attention_kernel)
     by_kind: dict[str, float] = {}
     for k in kernels:
         by_kind[k.kind] = by_kind.get(k.kind, 0.0) + k.time_s(rates)

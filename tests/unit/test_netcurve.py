@@ -1,0 +1,99 @@
+"""Measured bandwidth curves (planner/costmodel/netcurve.py) against hand-computed values of their polynomial,
+the ring collectives priced with them, and Sailor's bandwidth files imported into the store."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from contracts.cli import main
+from planner.costmodel.netcurve import (BandwidthCurve, NetworkProfile, all_reduce_time_s, list_network_profiles,
+                                        load_network_profile, ring_time_s, save_network_profile)
+from profiler.__main__ import COMMANDS
+
+SAILOR_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "sailor")
+# bandwidth(x MB) = 0.5·log2(x)² + 2·log2(x) + 10 GB/s, capped at 40 GB/s
+CURVE = BandwidthCurve("A100-40GB", 4, "A100-40GB", 4, (0.5, 2.0, 10.0), 40e9)
+
+
+def test_bandwidth_is_the_polynomial_in_log2_megabytes():
+    # 4 MB: x = 2 -> 0.5·4 + 2·2 + 10 = 16 GB/s
+    assert CURVE.bandwidth_bytes_per_s(4e6) == pytest.approx(16e9)
+    assert CURVE.bandwidth_gbps(4e6) == pytest.approx(128.0)  # Gbit/s, as cluster files quote links
+    # 2 MB: x = 1 -> 12.5 GB/s; 1 MB: the constant term
+    assert CURVE.bandwidth_bytes_per_s(2e6) == pytest.approx(12.5e9)
+    assert CURVE.bandwidth_bytes_per_s(1e6) == pytest.approx(10e9)
+    # below the fit's 1 MB floor: the 1 MB bandwidth
+    assert CURVE.bandwidth_bytes_per_s(1e3) == pytest.approx(10e9)
+    # 64 MB: x = 6 -> 18 + 12 + 10 = 40 GB/s; 256 MB: x = 8 -> 58 GB/s, capped at the measured 40
+    assert CURVE.bandwidth_bytes_per_s(64e6) == pytest.approx(40e9)
+    assert CURVE.bandwidth_bytes_per_s(256e6) == pytest.approx(40e9)
+    assert CURVE.message_time_s(4e6) == pytest.approx(4e6 / 16e9)
+
+
+def test_ring_collectives_send_chunks_of_n_over_k_at_the_chunk_bandwidth():
+    # 8 MB over 4 GPUs: chunks of 2 MB at 12.5 GB/s = 160 µs each
+    chunk_s = 2e6 / 12.5e9
+    assert ring_time_s("all_reduce", 8e6, 4, CURVE) == pytest.approx(2 * 3 * chunk_s)
+    assert ring_time_s("all_gather", 8e6, 4, CURVE) == pytest.approx(3 * chunk_s)
+    assert ring_time_s("reduce_scatter", 8e6, 4, CURVE) == pytest.approx(3 * chunk_s)
+    assert ring_time_s("all_reduce", 8e6, 1, CURVE) == 0.0
+    # a mixed ring runs at its slowest link
+    slow = BandwidthCurve("V100-16GB", 4, "V100-16GB", 4, (0.0, 0.0, 5.0), 40e9)
+    assert ring_time_s("all_reduce", 8e6, 4, [CURVE, slow]) == pytest.approx(6 * 2e6 / 5e9)
+    # 20 MB in 8 MB buckets: two full buckets and one of 4 MB (1 MB chunks at 10 GB/s)
+    assert all_reduce_time_s(20e6, 4, CURVE, bucket_bytes=8e6) == pytest.approx(2 * 6 * chunk_s + 6 * 1e6 / 10e9)
+    with pytest.raises(ValueError, match="op must be one of"):
+        ring_time_s("broadcast", 8e6, 4, CURVE)
+
+
+def test_a_curve_without_positive_bandwidth_is_refused():
+    with pytest.raises(ValueError, match="no positive bandwidth at 1 MB"):
+        BandwidthCurve("A100-40GB", 1, "A100-40GB", 1, (1.0, -3.0), 1e9)
+    with pytest.raises(ValueError, match="maximum bandwidth must be > 0"):
+        BandwidthCurve("A100-40GB", 1, "A100-40GB", 1, (1.0,), 0.0)
+
+
+def test_network_profile_store_round_trip():
+    profile = NetworkProfile("lab", "intra_node", "test curves", (CURVE,))
+    save_network_profile(profile)
+    assert list_network_profiles() == ["lab"] and load_network_profile("lab") == profile
+    assert profile.curve("A100-40GB", 4) == CURVE
+    with pytest.raises(ValueError, match="no curve for V100-16GBx4"):
+        profile.curve("V100-16GB", 4)
+
+
+def test_sailor_style_file_import(tmp_path, capsys):
+    inter = {"zone-a": {"A100-40": {"4": {"zone-a": {"A100-40": {"4": [[0.5, 2.0, 10.0], 40e9]},
+                                                     "V100-16": {"4": [[0.0, 1.0, 3.0], 9e9]}}}}}}
+    path = tmp_path / "net.json"
+    path.write_text(json.dumps(inter))
+    assert main("python -m profiler", COMMANDS, ["import", "--format", "sailor", "--network", str(path)]) == 0
+    profile = load_network_profile("net")
+    assert profile.kind == "inter_node" and len(profile.curves) == 2 and "imported from Sailor net.json" in profile.source
+    c = profile.curve("A100-40GB", 4, "V100-16GB", 4, zone_a="zone-a")
+    assert c.bandwidth_bytes_per_s(8e6) == pytest.approx(6e9)  # x = 3 -> 3 + 3 GB/s
+    path.write_text(json.dumps({"zone-a": {"A100-40": {"4": {"zone-a": {"A100-40": {"4": [[1.0], "fast"]}}}}}}))
+    assert main("python -m profiler", COMMANDS, ["import", "--format", "sailor", "--network", str(path)]) == 2
+    assert "expected [[coefficients...], maximum bytes/s]" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(SAILOR_DIR, "multizone_bandwidths_het.json")),
+                    reason="Sailor's data (../shared/sailor) is not here")
+def test_sailor_measured_curves_priced_as_their_polynomial():
+    for name in ("multizone_bandwidths_het", "intra_node_bandwidths"):
+        assert main("python -m profiler", COMMANDS, ["import", "--format", "sailor", "--network",
+                                                     os.path.join(SAILOR_DIR, name + ".json")]) == 0
+    with open(os.path.join(SAILOR_DIR, "multizone_bandwidths_het.json")) as fh:
+        raw = json.load(fh)
+    coeffs, cap = raw["us-central1-a"]["A100-40"]["4"]["us-central1-a"]["V100-16"]["4"]
+    inter = load_network_profile("multizone_bandwidths_het")
+    c = inter.curve("A100-40GB", 4, "V100-16GB", 4, zone_a="us-central1-a")
+    x = math.log2(125e6 / 1e6)  # a 500 MB bucket over a ring of 4: 125 MB chunks
+    expected = min(sum(k * x ** (len(coeffs) - 1 - i) for i, k in enumerate(coeffs)) * 1e9, cap)
+    assert c.bandwidth_bytes_per_s(125e6) == pytest.approx(expected)
+    assert ring_time_s("all_reduce", 500e6, 4, c) == pytest.approx(6 * 125e6 / expected)
+    intra = load_network_profile("intra_node_bandwidths")
+    assert intra.kind == "intra_node" and intra.curve("A100-40GB", 4).max_bytes_per_s == pytest.approx(243214602913.5)

@@ -1,0 +1,79 @@
+"""fp32 on parts with TF32 (planner/core/roofline.py, contracts/catalog.py): the matmuls run on the TF32 tensor
+cores, and the A100:V100 fp32 step-time ratio on OPT-350 (seq 2048) set beside the one Sailor measured.
+
+Sailor's ratio is of Megatron-DeepSpeed steps, whose fp32 attention is unfused (scores, mask, softmax and dropout
+over the S×S square in memory): priced with the same roofline and that attention ("math") it is 4.33x against the
+measured 3.37x (+28 %; the flat fp32 estimate gave 1.58x, −53 %). GPUMix's own decoder runs fused SDPA, so its
+estimate is faster still on the A100 (6.4x). Pure Python, no torch."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from contracts.catalog import CATALOG, FP32_MATMULS_IN_TF32
+from planner.core import roofline
+from planner.core.profiles import get_step_profile
+from profiler.importer import SAILOR_MODELS
+
+SAILOR_PROFILES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "sailor", "profiles_tmp.json")
+OPT = SAILOR_MODELS["OPT-350"]
+MICRO_BATCH = 4  # the largest the V100-16GB holds at TP 1 in Sailor's table
+# Σ over OPT-350's 26 layers of forward + backward at micro-batch 4, TP 1, in Sailor's profiles_tmp.json:
+# V100-16 2.609743 s / A100-40 0.773872 s, from
+#   python -c "import json; d=json.load(open('../shared/sailor/profiles_tmp.json'))['OPT-350'];
+#   t=lambda g: sum(f+b for f,b,_ in d[g]['4']['1'].values()); print(t('V100-16')/t('A100-40'))"
+SAILOR_A100_V100_RATIO = 3.3720
+RATIO_WITHOUT_TF32 = 1.58  # the estimate before TF32 was modelled (matmuls at the 18.11 TF fp32 rate)
+
+
+def _ratio(attention_kernel: str | None) -> float:
+    a, v = (roofline.estimate_step_roofline(t, OPT, 2048, "fp32", attention_kernel=attention_kernel)
+            for t in ("A100-40GB", "V100-16GB"))
+    return (v.fixed_s + MICRO_BATCH * v.per_sample_s) / (a.fixed_s + MICRO_BATCH * a.per_sample_s)
+
+
+def test_fp32_matmuls_run_at_the_tf32_rate_where_the_part_has_it():
+    assert FP32_MATMULS_IN_TF32
+    a100 = roofline.sustained_rates("A100-40GB", "fp32")
+    assert a100.matmul_flops_per_s == pytest.approx(156e12 * roofline.DEFAULT_MATMUL_EFFICIENCY)
+    assert a100.fp32_flops_per_s == a100.matmul_flops_per_s  # the math path's bmm too
+    # torch's fused fp32 attention keeps fp32 accuracy with three TF32 products per product
+    assert a100.attention_flops_per_s == pytest.approx(
+        a100.matmul_flops_per_s * roofline.FUSED_ATTENTION_FRACTION_OF_MATMUL / 3)
+    assert roofline.sustained_rates("H100-SXM", "fp32").matmul_flops_per_s == pytest.approx(403.74e12)  # measured
+    v100 = roofline.sustained_rates("V100-16GB", "fp32")  # Volta: no TF32, the vector rate
+    assert CATALOG["V100-16GB"].tf32_tflops == 0
+    assert v100.matmul_flops_per_s == pytest.approx(15.7e12 * roofline.DEFAULT_FP32_EFFICIENCY)
+    # half precision is untouched
+    assert roofline.sustained_rates("A100-40GB", "bf16").matmul_flops_per_s == pytest.approx(271.2e12)
+
+
+def test_a100_v100_fp32_ratio_beside_sailors_measurement():
+    megatron_kernels = _ratio("math")
+    gpumix_kernels = _ratio(None)
+    a, v = (get_step_profile(t, OPT, 2048, "fp32") for t in ("A100-40GB", "V100-16GB"))
+    planner_estimate = v.step_time_s(MICRO_BATCH) / a.step_time_s(MICRO_BATCH)
+    print(f"A100:V100 fp32 OPT-350 seq 2048 micro-batch {MICRO_BATCH}: Sailor measured {SAILOR_A100_V100_RATIO:.2f}x; "
+          f"roofline with Megatron's unfused attention {megatron_kernels:.2f}x; GPUMix's decoder (fused SDPA) "
+          f"{gpumix_kernels:.2f}x, as the planner estimates it {planner_estimate:.2f}x; before TF32 {RATIO_WITHOUT_TF32}x")
+    # the measured runtime's kernels: within 30 % (the rest: Megatron's S×S dropout and mask passes, not modelled)
+    assert abs(megatron_kernels / SAILOR_A100_V100_RATIO - 1) < 0.30
+    assert abs(megatron_kernels / SAILOR_A100_V100_RATIO - 1) < abs(RATIO_WITHOUT_TF32 / SAILOR_A100_V100_RATIO - 1) / 1.5
+    # GPUMix's fused attention keeps the S×S square off memory: the A100 gains more than under Megatron
+    assert gpumix_kernels > megatron_kernels > SAILOR_A100_V100_RATIO
+
+
+@pytest.mark.skipif(not os.path.exists(SAILOR_PROFILES), reason="Sailor's data (../shared/sailor) is not here")
+def test_recorded_ratio_is_what_sailors_file_says():
+    with open(SAILOR_PROFILES) as fh:
+        opt = json.load(fh)["OPT-350"]
+
+    def step_s(gpu: str) -> float:
+        return sum(f + b for f, b, _ in opt[gpu][str(MICRO_BATCH)]["1"].values())
+
+    measured = step_s("V100-16") / step_s("A100-40")
+    print(f"Sailor's A100-40:V100-16 OPT-350 ratio at micro-batch {MICRO_BATCH}, TP 1: {measured:.4f}")
+    assert measured == pytest.approx(SAILOR_A100_V100_RATIO, abs=1e-4)
+    assert abs(_ratio("math") / measured - 1) < 0.30
