@@ -401,14 +401,16 @@ class ShardedRuntime:
                 p.grad = None
         unit.full_grad = full
 
-    def _reduce(self, unit: UnitState) -> None:
+    def _reduce(self, unit: UnitState, last: bool = False) -> None:
         """Reduce-scatter the unit's full gradient, cast to reduce_dtype, into the owners' slices
         and drop it. The first reduce of the step writes the fp32 slice `grad` (directly when
         reduce_dtype is fp32), a second one (a tied embedding) adds to it. It is issued async and
         left in flight (`reduce_in_flight` 1): the previous one is waited first, before
         this one's buffers exist, the last ones when the step's gradients are needed (`_drain_reduces`). The slice's gradient
         exists from the unit's first reduce of the step to the update."""
-        while len(self._reduces) >= max(self.reduce_depth, 1):  # before any new buffer exists
+        # before any new buffer exists; the step's last reduce (the embedding's) does not wait for the one
+        # before it when reduces stay in flight: both are drained together for the update
+        while len(self._reduces) >= max(self.reduce_depth, 1) and not (last and self.reduce_depth):
             self._complete(self._reduces.pop(0))
         self._flatten_grads(unit)
         full, unit.full_grad = unit.full_grad, None
@@ -655,7 +657,7 @@ class ShardedRuntime:
                     grad[V_h:V_h + x.shape[1] * h].view(-1, h).add_(dx.sum(0))
         self._timed(embed_bwd)
         del dxs
-        self._reduce(embed)
+        self._reduce(embed, last=True)
         return total
 
     def _finish_step(self, loss: float | torch.Tensor, lr: float, scale: float) -> StepResult:

@@ -522,7 +522,9 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # it lands in the fp32 slice directly (the second reduce of a tied embedding adds to the slice)
         "embed_reduce": (0, inputs_all + shared + late + gw * embed + (rb * embed if gw != rb else 0)
                          + (0 if tied else FP32_BYTES * shards[0])
-                         + (rb * shards[0] if tied or rb != FP32_BYTES else 0)),
+                         + (rb * shards[0] if tied or rb != FP32_BYTES else 0)
+                         # the first block's reduce, still in flight beside it (the step's last reduce waits for none)
+                         + (in_flight(block, shards[1]) if L else 0)),
         # the update: with prefetch the next step's first unit (the embedding, updated first) is
         # gathered beside the rest of it
         "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads + (g(embed) if k else 0)),
