@@ -155,6 +155,11 @@ def _cases():
         rng, ["--model", rng.choice(["tiny", "gpt2", "nope", "{huge.json}"]), "--json", "--no-save"],
         ["--seq", "--repeats", "--workers"], bad_only=True) if i % 2 else
         ["--model", "tiny", "--micro-batches", rng.choice(["1,2", "0,1,2,3", "1,2,3,100000", "a,b", "", "-1"])])
+    add("profiler", "import", 8, lambda i: [
+        "--format", rng.choice(["sailor", "gpumix", "csv", ""]),
+        "--profiles", rng.choice(["{missing.json}", "{malformed.json}", "{huge.json}", "{dir}"]),
+        "--model", rng.choice(["OPT-350", "nope", "{malformed.json}"])]
+        + (["--network", rng.choice(["{missing.json}", "{malformed.json}"])] if i % 2 else []))
     add("executor", "launch", 12, lambda i: _mutate(
         rng, ["--plan", rng.choice([f"{{{f}}}" for f in BAD_FILES] + ["{plan_bad.json}"]), "--run-dir", "{dir}/run",
               "--steps", rng.choice(NUMBERS_BAD + NUMBERS_BIG)], ["--seed", "--lr", "--warmup-steps"]) if i % 2 else
