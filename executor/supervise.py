@@ -220,12 +220,21 @@ def recorded_launcher(store: MetricsStore) -> tuple[int, str, float, list[str]] 
     return None
 
 
+EXITING_GRACE_S = 2.0  # how long a process with an empty command line is given to finish exiting
+
+
 def verified_launcher(run_dir: str, pid: int | None, store: MetricsStore) -> int | None:
     """`pid`, the store's launcher, when it is alive and is this run's launcher: the start time and
     command line it recorded, or (before it recorded them) an `executor launch` of this run folder
     (rank 0 of a run without a launcher writes its own pid); None when it is gone. ValueError (one
     line) when the pid is now another process's."""
     now = process_identity(pid)
+    deadline = time.monotonic() + EXITING_GRACE_S
+    while now is not None and not now[1] and time.monotonic() < deadline:
+        # an empty command line: a process in the middle of exiting (its memory already gone,
+        # not yet a zombie), e.g. a launcher just SIGKILLed; give it a moment to be gone
+        time.sleep(0.05)
+        now = process_identity(pid)
     if now is None:
         return None
     rec = recorded_launcher(store)
