@@ -30,7 +30,7 @@ from typing import Sequence
 BACKENDS = ("gloo", "nccl")
 # gloo: one broadcast / reduce per non-empty owner, the whole buffer all-reduced (one call), or
 # ("direct") each owner's slice sent to it point to point and summed there
-GLOO_GATHER_METHODS = ("broadcast", "allreduce", "padded", "direct")
+GLOO_GATHER_METHODS = ("broadcast", "allreduce", "padded")
 GLOO_REDUCE_SCATTER_METHODS = ("reduce", "allreduce", "padded", "direct")
 # nccl: the native tensor form (even split in rank order), or torch's uneven list form, which NCCL runs as
 # one group of broadcasts / reduces (one call, no padding)
@@ -68,14 +68,12 @@ def _native_even(sizes: list[int], ranks: list[int]) -> bool:
 
 def gather_method(sizes: Sequence[int], elem_bytes: int, world: int, backend: str,
                   position_to_rank: Sequence[int] | None = None) -> str:
-    """gloo: on 2 ranks "direct" (each rank sends its slice to the other while receiving the other's:
-    the bytes of the broadcasts, both directions at once, where gloo runs the owners' broadcasts one
-    after the other); on 3+ "broadcast" (fewest bytes, no scratch, fastest in the bench at every split
-    and size). nccl: "native" for an even split in rank order, else "grouped". (`elem_bytes` does not
-    change the choice; it is taken so every function of this module has the same leading arguments.)"""
+    """gloo: "broadcast" (fewest bytes, no scratch, fastest in the bench at every split and size);
+    nccl: "native" for an even split in rank order, else "grouped". (`elem_bytes` does not change the
+    choice; it is taken so every function of this module has the same leading arguments.)"""
     sizes, ranks = _check(sizes, elem_bytes, world, backend, position_to_rank)
     if backend == "gloo":
-        return "direct" if world == 2 else "broadcast"
+        return "broadcast"
     return "native" if _native_even(sizes, ranks) else "grouped"
 
 
@@ -185,14 +183,6 @@ def _gloo_direct(sizes: list[int], elem: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _gloo_direct_gather(sizes: list[int], elem: int) -> list[tuple[int, int, int]]:
-    """models/collectives.py's "direct" all-gather (gloo send/recv): position p sends its non-empty
-    slice to every other rank, one message each, and receives one from every other non-empty owner."""
-    k = len(sizes)
-    return [((k - 1) * n * elem, (k - 1) if n else 0, sum(1 for q, m in enumerate(sizes) if q != p and m))
-            for p, n in enumerate(sizes)]
-
-
 def _wire(per_rank: list[tuple[int, int, int]]) -> list[int]:
     return [b + GLOO_SEND_FRAMING_BYTES * s + GLOO_RECV_FRAMING_BYTES * r for b, s, r in per_rank]
 
@@ -253,8 +243,6 @@ def gather_send_bytes(sizes: Sequence[int], elem_bytes: int, world: int, backend
         per_rank = _per_owner(sizes, ranks, lambda nbytes, root: _gloo_broadcast(nbytes, root, world), elem_bytes)
     elif method == "allreduce":
         per_rank = _wire(_gloo_allreduce(sum(sizes) * elem_bytes, elem_bytes, world))
-    elif method == "direct":  # per position already
-        return _wire(_gloo_direct_gather(sizes, elem_bytes))
     else:
         per_rank = _wire(_gloo_allgather(max(sizes) * elem_bytes, world))
     return _by_position(per_rank, ranks)

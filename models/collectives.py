@@ -10,8 +10,7 @@ ranks of the process group through `position_to_rank`, so the plan's order need 
 
 The method per call is contracts.wire's rule (`gather_method`, `reduce_scatter_method`), chosen by
 bench/uneven_collectives.py's measurement (docs/models/cost.md):
-  gloo gather: on 2 ranks "direct" (each rank sends its slice to the other and receives the other's
-    into its view of `full`, both ways at once); else one async broadcast per non-empty owner;
+  gloo gather: one async broadcast per non-empty owner into views of `full`;
   gloo reduce-scatter: on 2 ranks "direct" (each rank sends the other's slice, point to point, and
     adds its own to what it receives: every byte once); else one async reduce per non-empty owner,
     or, where it sends fewer bytes from the busiest rank, one all_reduce of `full` (both clobber `full`);
@@ -216,27 +215,11 @@ class ProcessGroupCollectives(Collectives):
             works = [ALL_GATHER_SINGLE(full, full[s:e], group=self.group, async_op=async_op)]
         elif method == "grouped":
             works = [dist.all_gather(self._rank_views(full, bounds), full[s:e], group=self.group, async_op=async_op)]
-        elif method == "direct":  # own slice to every peer, theirs into their views: both ways at once
-            tag = self._next_p2p_tag()
-            works = [dist.isend(full[s:e], group_dst=self.position_to_rank[p], group=self.group, tag=tag)
-                     for p in range(self.world) if p != self.position and e > s]
-            works += [dist.irecv(full[a:b], group_src=self.position_to_rank[p], group=self.group, tag=tag)
-                      for p, (a, b) in enumerate(bounds) if p != self.position and b > a]
-            work = Work(works)
-            if not async_op:
-                work.wait()
-            return work
-        else:  # "broadcast"
+        else:  # "broadcast": the rule never picks another method on gloo
             works = [dist.broadcast(full[a:b], group_src=self.position_to_rank[p], group=self.group,
                                     async_op=async_op)
                      for p, (a, b) in enumerate(bounds) if b > a]
         return Work(works if async_op else [])
-
-    def _next_p2p_tag(self) -> int:
-        """A send/recv tag per call, the same on every rank (they issue the same calls in the same
-        order), so calls in flight at once are kept apart."""
-        self._p2p_tag = (getattr(self, "_p2p_tag", 0) + 1) % P2P_TAG_WRAP
-        return self._p2p_tag
 
     def _reduce_scatter(self, shard_out, full, bounds, async_op) -> Work:
         s, e = bounds[self.position]
@@ -266,9 +249,12 @@ class ProcessGroupCollectives(Collectives):
 
     def _direct_reduce_scatter(self, shard_out, full, bounds, async_op) -> Work:
         """Every other owner's slice of `full` sent to it; the peers' parts of this rank's slice
-        received (the first into shard_out, the others into buffers), then this rank's own added."""
+        received (the first into shard_out, the others into buffers), then this rank's own added.
+        A tag per call, the same on every rank (they issue the same calls in the same order), keeps
+        calls in flight at once apart."""
         s, e = bounds[self.position]
-        tag = self._next_p2p_tag()
+        self._p2p_tag = (getattr(self, "_p2p_tag", 0) + 1) % P2P_TAG_WRAP
+        tag = self._p2p_tag
         works = [dist.isend(full[a:b], group_dst=self.position_to_rank[p], group=self.group, tag=tag)
                  for p, (a, b) in enumerate(bounds) if p != self.position and b > a]
         received = []
