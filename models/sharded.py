@@ -704,9 +704,10 @@ class ShardedRuntime:
                 if scaled:
                     u.grad.mul_(coef)
                 adamw_step_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, self.step_count, lr, self.optim, u.decay)
-            if i == 0 and self.zero == 3 and self.prefetch:
-                # the next step's first gather (the embedding, updated first) runs beside the rest
-                # of the update instead of before the next forward; the unit stays gathered until then
+            if self.zero == 3 and i <= min(self.prefetch, len(self.units) - 2):
+                # the next step's first gathers (the embedding, updated first, and the `prefetch`
+                # blocks after it) run beside the rest of the update instead of before the next
+                # forward; those units stay gathered until then
                 self._start_gather(u)
         if ev is not None:
             ev[1].record()

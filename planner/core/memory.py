@@ -503,6 +503,14 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         a, o = one[k]
         return a + act, o + other + extra_inputs + shared - model_shared
 
+    def update_peak() -> int:
+        """The most the update holds beyond the slice gradients: while unit j is updated, AdamW's
+        chunk buffer beside the prefetched units gathered before it; after the last, those units."""
+        ahead = [g(u.numel) for u in units[:min(k, len(units) - 2) + 1]] if k else []
+        during = [(FP32_BYTES * min(sh, STEP_CHUNK_NUMEL) if sh else 0) + sum(ahead[:j])
+                  for j, sh in enumerate(shards)]
+        return max(during + [sum(ahead)])
+
     phases = {
         "loss": plus("loss", others, gathers_head + grad_bufs_head),
         "head": plus("head", others, gathers_head + grad_bufs_head),
@@ -525,9 +533,10 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
                          + (rb * shards[0] if tied or rb != FP32_BYTES else 0)
                          # the first block's reduce, still in flight beside it (the step's last reduce waits for none)
                          + (in_flight(block, shards[1]) if L else 0)),
-        # the update: with prefetch the next step's first unit (the embedding, updated first) is
-        # gathered beside the rest of it
-        "step": (one["step"][0], one["step"][1] + step_temps + extra_inputs + slice_grads + (g(embed) if k else 0)),
+        # the update: the global norm's temporaries, then AdamW unit by unit (its one chunk buffer);
+        # with prefetch the next step's first units (the embedding, updated first, and the
+        # `prefetch` blocks after it) are each gathered right after its update, beside the rest of it
+        "step": (one["step"][0], one["step"][1] + extra_inputs + slice_grads + max(step_temps, update_peak())),
     }
     if not cfg.micro_batch:  # no activations: the unit buffers of the moments alone
         phases = {key: (0, o) for key, (a, o) in phases.items()}
