@@ -2,7 +2,8 @@
 
 `plan_job` is what `python -m planner plan` does: the hetero ILP's data-parallel plan
 (planner/hetero/solve.py), then on a cluster of two or more nodes the best pipeline beside it and
-the faster of the two (planner/geo/cluster_plan.py). The Plan page, the dashboard's default plan,
+the faster of the two (planner/geo/cluster_plan.py), and on a cluster of SCALE_MIN_NODES or more the joint search
+over pipeline stages × uneven data parallelism × tensor parallelism (planner/geo/scale/). The Plan page, the dashboard's default plan,
 the queue's orchestrator and the CLI all call it, so the same inputs give the same plan everywhere.
 Beside it, what the executor asks of the planner: a job's plan on the devices the scheduler picked
 (`plan_on_devices`), and the even or proportional split of a plan's devices that a run is
@@ -13,14 +14,15 @@ Read docs/ARCHITECTURE.md for who calls what; the models behind each plan are in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contracts.cluster import ClusterSpec, NodeSpec
 from contracts.constants import MEMORY_HEADROOM
-from contracts.plan import DEFAULT_PREFETCH, Assignment, Plan
+from contracts.plan import DEFAULT_PREFETCH, Assignment, BaselineResult, Plan
 from contracts.specs import get_model, with_max_seq
 from planner.costmodel.training import PARAM_DTYPE_AUTO, CostModel
 from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
+from planner.geo.scale.job import DEFAULT_MAX_TP, applies, solve_job_at_scale
 from planner.hetero.baselines import fastest_fitting_split, split_by_weights
 from planner.hetero.solve import DEFAULT_MAX_SEQ, ZERO_AUTO, evaluate_plan, solve_plan
 
@@ -34,8 +36,16 @@ PROPORTIONAL = "proportional"
 class PlanResult:
     status: str  # "optimal" | "feasible" (the ILP's time limit ran out before its search closed)
     reason: str  # why not proven optimal ("" when it is)
-    plan: Plan
-    solve_s: float  # the whole planning: the ILP and the pipeline search
+    plan: Plan  # the fastest plan the runtime runs (every TP degree 1)
+    solve_s: float  # the whole planning: the ILP, the pipeline search and the joint search
+    # the plan file to write where it is not `plan.to_dict()`: the joint search's plan with its stage / tp /
+    # tp_group keys, or a faster plan with tensor parallelism (`"tensor_parallel": true`, which the runtime
+    # does not run yet); None: write `plan.to_dict()`
+    plan_file: dict | None = None
+
+    def plan_dict(self) -> dict:
+        """The plan file this result writes (`planner plan --json` / `--out`)."""
+        return self.plan_file if self.plan_file is not None else self.plan.to_dict()
 
 
 def default_seq(model: str) -> int:
@@ -47,9 +57,13 @@ def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | 
              recompute: str = "none", zero: int | str = ZERO_AUTO, headroom: float = MEMORY_HEADROOM,
              time_limit_s: float = DEFAULT_TIME_LIMIT_S, pipeline: bool = True,
              profiles_dir: str | None = None, param_dtype: str = PARAM_DTYPE_AUTO,
-             reduce_dtype: str = "fp32") -> PlanResult:
+             reduce_dtype: str = "fp32", max_tp: int = DEFAULT_MAX_TP) -> PlanResult:
     """The fastest plan of `model` on `cluster` at `global_batch` (module docstring). `pipeline`:
-    price pipeline stages on a multi-node cluster (False: pure data parallelism). `param_dtype`,
+    price pipeline stages on a multi-node cluster (False: pure data parallelism); on a cluster of
+    SCALE_MIN_NODES or more nodes of one GPU type each, the joint search over stages × uneven data
+    parallelism × tensor parallelism up to `max_tp` (planner/geo/scale/, docs/models/scale.md), kept
+    where it predicts a shorter iteration; a faster plan with tp > 1 is returned as `plan_file` only
+    (`plan` stays the fastest the runtime runs). `param_dtype`,
     `reduce_dtype`: the runtime's mixed precision (planner.hetero.solve.solve_plan; the plan file
     records them resolved, with the prefetch depth and reduce-scatters in flight the ILP chose). Raises ValueError on bad input
     and when no plan fits, naming why."""
@@ -60,7 +74,41 @@ def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | 
     if pipeline and len(cluster.nodes) > 1:
         option = solve_cluster_pipeline(cluster, model, global_batch, plan.seq, dtype, profiles_dir=profiles_dir)
         plan = choose_plan(plan, option)
-    return PlanResult(result.status, result.reason, plan, plan.solve_s)
+    plan_file, solve_s = None, plan.solve_s
+    if pipeline and dtype == "fp32" and recompute == "none" and applies(cluster):
+        plan, plan_file, solve_s = _joint(cluster, model, global_batch, plan, dtype, headroom, time_limit_s,
+                                          profiles_dir, max_tp)
+    return PlanResult(result.status, result.reason, plan, solve_s, plan_file)
+
+
+def _joint(cluster: ClusterSpec, model: str, global_batch: int, plan: Plan, dtype: str, headroom: float,
+           time_limit_s: float, profiles_dir: str | None, max_tp: int) -> tuple[Plan, dict | None, float]:
+    """The joint search beside `plan`: (the plan to run, the plan file when it is not that plan's own, the
+    whole solve time). The joint plans are priced in fp32 without recomputation (the per-layer tables'
+    setting), so only such jobs ask it."""
+    spec = with_max_seq(get_model(model), plan.seq)
+    try:
+        outcome = solve_job_at_scale(cluster, spec, model, global_batch, plan.seq, dtype, max_tp=max_tp,
+                                     time_limit_s=time_limit_s, headroom=headroom, profiles_dir=profiles_dir)
+    except ValueError as e:  # nothing of the joint families fits: the ILP's plan stands
+        note = f"joint search: {e}"
+        return replace(plan, notes=plan.notes + (note,)), None, plan.solve_s
+    solve_s = plan.solve_s + outcome.result.solve_s
+    joint_s = outcome.result.plan.iteration_s
+    beside = f"joint search: {joint_s:.4g} s/iteration vs {plan.predicted_iteration_s:.4g} s"
+    if joint_s >= plan.predicted_iteration_s:
+        return replace(plan, notes=plan.notes + (beside + " (not faster: kept the plan above)",),
+                       solve_s=solve_s), None, solve_s
+    if outcome.plan is None:  # faster with tp > 1: the file says so; the runtime's plan stays
+        runnable = replace(plan, notes=plan.notes + (beside + " with tensor parallelism (plan file only: the "
+                                                              "runtime does not run tp > 1 yet)",), solve_s=solve_s)
+        d = dict(outcome.plan_dict, solve_s=solve_s)
+        return runnable, d, solve_s
+    joint = replace(outcome.plan, solve_s=solve_s, baselines={**plan.baselines, "data_parallel_or_geo": BaselineResult(
+        plan.predicted_iteration_s, False, "the ILP's / geo search's plan")}, notes=outcome.plan.notes + (beside,))
+    d = dict(outcome.plan_dict)
+    d.update(solve_s=solve_s, baselines={k: v.to_dict() for k, v in joint.baselines.items()}, notes=list(joint.notes))
+    return joint, d, solve_s
 
 
 # ---- the executor's questions ---------------------------------------------------------------

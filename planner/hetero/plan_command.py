@@ -14,7 +14,10 @@ from contracts.cli import print_json, print_table
 from contracts.cluster import ClusterSpec
 from contracts.constants import DTYPES, GIB, MEMORY_HEADROOM, RECOMPUTE
 from contracts.plan import REDUCE_DTYPES, Plan
+from contracts.jsonio import save_json_file
 from planner.entry import DEFAULT_TIME_LIMIT_S, plan_job
+from planner.geo.scale.job import DEFAULT_MAX_TP
+from planner.geo.scale.search import TP_DEGREES
 from planner.hetero.solve import PARAM_DTYPE_CHOICES, ZERO_AUTO, ZERO_CHOICES
 
 HELP = "choose per-device micro-batch, accumulation steps and state shard (Cephalo's ILP)"
@@ -41,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="solver time limit (s)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="do not price pipeline stages on a multi-node cluster (pure data parallelism)")
+    p.add_argument("--max-tp", type=int, choices=TP_DEGREES, default=DEFAULT_MAX_TP,
+                   help="the largest tensor-parallel degree the joint search of large clusters (7+ nodes) tries "
+                        f"(default {DEFAULT_MAX_TP}: the runtime does not run tp > 1 yet; a faster tp > 1 plan is "
+                        "written as a plan file marked tensor_parallel, which the executor refuses)")
     p.add_argument("--json", action="store_true", help="print the plan file as one JSON object")
     p.add_argument("--out", metavar="P", help="also write the plan file here")
 
@@ -86,14 +93,18 @@ def run(args: argparse.Namespace) -> int:
     result = plan_job(cluster, args.model, args.global_batch, seq=args.seq, dtype=args.dtype,
                       recompute=args.recompute, headroom=args.headroom, time_limit_s=args.time_limit,
                       zero=args.zero if args.zero == ZERO_AUTO else int(args.zero), pipeline=not args.no_pipeline,
-                      param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+                      param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, max_tp=args.max_tp)
     plan = result.plan
     if args.out:
-        plan.save(args.out)
+        save_json_file(args.out, result.plan_dict())
     if args.json:
-        print_json(plan.to_dict())
+        print_json(result.plan_dict())
     else:
         print_plan(plan)
+        if result.plan_file is not None and result.plan_file.get("tensor_parallel"):
+            print(f"note: a plan with tensor parallelism is faster "
+                  f"({result.plan_file['predicted_iteration_s']:.4g} s/iteration); it is the plan file written "
+                  "(--out / --json), marked tensor_parallel: the runtime does not run it yet")
         if result.status != "optimal":
             print(f"note: the plan is feasible, {result.reason}")
         if args.out:

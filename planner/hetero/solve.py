@@ -969,6 +969,9 @@ def fewest_steps(table: ScopeTable, config: Config) -> Config:
     out = []
     for g, ch, x in config:
         cls = table.classes[g]
+        if ch.batch == 0:  # a state-only entry computes nothing: no micro-batch to enlarge (0 divides by any)
+            out.append((g, ch, x))
+            continue
         sizes = {c.micro_batch for c in cls.choices} | {b.micro_batch for b in cls.bands}
         for m in sorted((m for m in sizes if m > ch.micro_batch and ch.batch % m == 0), reverse=True):
             alt = cls.choice(m, ch.batch // m)
@@ -1320,7 +1323,9 @@ def build_plan(cost: CostModel, model: str, global_batch: int, seq: int, dtype: 
     shares = [f if f > SHARE_EPS else 0.0 for _, _, f in per_device]
     total = sum(shares)
     shares = [f / total for f in shares] if total > 0 else shares
-    per_device = [(m, n, f) for (m, n, _), f in zip(per_device, shares)]
+    # a device without samples runs no micro-batch: (0, 0), whatever (m, 0) or (0, n) it was given, so its
+    # memory is its shard and state alone and its step has no compute
+    per_device = [((m, n) if m * n > 0 else (0, 0)) + (f,) for (m, n, _), f in zip(per_device, shares)]
     iteration_s, steps = cost.estimate_iteration_s(per_device)
     assignments = []
     for i, ((node, dev), (m, n, f)) in enumerate(zip(devices, per_device)):
@@ -1505,7 +1510,7 @@ def solve_plan(cluster: ClusterSpec, model: str, global_batch: int, seq: int | N
         costs = [CostModel.build(cluster, spec, seq, dtype, recompute, headroom, profiles_dir, zero=z,
                                  profile_cache=profile_cache, param_dtype=st.param_dtype,
                                  reduce_dtype=st.reduce_dtype, prefetch=st.prefetch,
-                                 reduce_in_flight=st.reduce_in_flight)
+                                 reduce_in_flight=st.reduce_in_flight, step_tokens=global_batch * seq)
                  for st in step_candidates(z, param_dtype, reduce_dtype)]
         found, errors = solve_candidates(costs, global_batch, deadline, gap, micro_batches,
                                          best.iteration_s if best else math.inf)
@@ -1555,7 +1560,8 @@ def evaluate_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profiles_dir: s
     spec = with_max_seq(get_model(plan.model), plan.seq)
     cost = CostModel.build(plan.cluster, spec, plan.seq, plan.dtype, plan.recompute, headroom, profiles_dir,
                            zero=plan.zero, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
-                           prefetch=plan.prefetch, reduce_in_flight=plan.reduce_in_flight)
+                           prefetch=plan.prefetch, reduce_in_flight=plan.reduce_in_flight,
+                           step_tokens=plan.global_batch * plan.seq)
     per_device = [(a.micro_batch, a.accum_steps, a.shard_fraction) for a in plan.assignments]
     notes = plan_notes(cost, plan.dtype)
     fits = True
