@@ -217,6 +217,7 @@ def run(job: dict) -> dict:
     for s in job["systems"]:
         if s["kind"] == "ours":
             systems[s["name"]] = Ours(spec, s, rank, world, optim, job["seed"], dtype)
+            systems[s["name"]].rt.set_batch_split(s["batches"], seq)  # the plan's split of the global batch
             notes[s["name"]] = {"runtime_lacks": systems[s["name"]].missing}
         else:
             init = next((o.full_params() for o in systems.values() if isinstance(o, Ours)), None)

@@ -7,7 +7,7 @@
 1. Memory, time, no host sync. One GPU stands in for rank 0 of a 4-rank run holding a quarter of
    the state (models.collectives.LocalCollectives: the same allocations as a real rank), bf16
    autocast, for ZeRO 1, 2, 3 (fp32 gathers, as before) and ZeRO 3 with bf16 gathers at prefetch 1
-   and 2. Per configuration `--steps` steps: the second-to-last measures
+   and 2, and at prefetch 1 with the embedding's gradient sent as the step's rows (set_batch_split). Per configuration `--steps` steps: the second-to-last measures
    `torch.cuda.max_memory_allocated` against planner/core/memory.py's prediction (independent code
    paths) and the median step time against the planner's step-time profile; the last is issued
    under `torch.cuda.set_sync_debug_mode("error")` (testkit.fsdp2.no_host_sync): any host
@@ -58,8 +58,9 @@ from testkit.fsdp2 import Fsdp2Reference, no_host_sync  # noqa: E402
 TOL_PCT = 3.0
 FSDP2_LOSS_REL = 1e-2
 BF16 = torch.bfloat16
-# (zero, gathered parameter dtype, prefetch) of part 1
-CONFIGS = ((1, torch.float32, 1), (2, torch.float32, 1), (3, torch.float32, 1), (3, BF16, 1), (3, BF16, 2))
+# (zero, gathered parameter dtype, prefetch, the embedding's gradient as rows) of part 1
+CONFIGS = ((1, torch.float32, 1, False), (2, torch.float32, 1, False), (3, torch.float32, 1, False),
+           (3, BF16, 1, False), (3, BF16, 2, False), (3, BF16, 1, True))
 
 
 class ZeroedOthers(LocalCollectives):
@@ -120,12 +121,15 @@ def synced_step(rt: ShardedRuntime, batches, normalizer: int, device: torch.devi
 
 
 def check_stage(spec, gpu: str, device: torch.device, zero: int, param_dtype: torch.dtype, prefetch: int,
-                micro_batch: int, seq: int, steps: int) -> dict:
+                rows: bool, micro_batch: int, seq: int, steps: int) -> dict:
     """Part 1 for one configuration (module docstring)."""
     kernel = select_kernel(gpu, "bf16", spec.num_heads, spec.num_kv_heads, spec.head_dim)
     rt = ShardedRuntime(spec, zero=zero, fractions=[0.25] * 4, position=0, comm=ZeroedOthers(0, 4),
                         device=device, autocast_dtype=BF16, expand_kv=kernel.expand_kv, param_dtype=param_dtype,
                         prefetch=prefetch)
+    if rows:  # the runtime sends the embedding's gradient as rows where contracts.wire's rule says so
+        rt.set_batch_split([micro_batch] * 4, seq)
+    rows = rows and rt._rows_exchange()
     gen = torch.Generator(device=device).manual_seed(0)
     normalizer = micro_batch * seq * 4
     times, peak = [], None
@@ -139,7 +143,8 @@ def check_stage(spec, gpu: str, device: torch.device, zero: int, param_dtype: to
         peak = peak_bytes(device)
     sync_s, sync_error = synced_step(rt, random_batch(spec, micro_batch, seq, device, gen), normalizer, device)
     cfg = MemoryConfig(micro_batch=micro_batch, seq=seq, dtype="bf16", dp=4, zero=zero, shard_fraction=0.25,
-                       device_type=gpu, param_dtype=DTYPE_NAMES[param_dtype], prefetch=prefetch)
+                       device_type=gpu, param_dtype=DTYPE_NAMES[param_dtype], prefetch=prefetch,
+                       step_tokens=4 * micro_batch * seq if rows else 0)
     pred = estimate_memory(spec, cfg).peak_bytes
     from planner.core.profiles import get_step_profile
 
@@ -148,7 +153,7 @@ def check_stage(spec, gpu: str, device: torch.device, zero: int, param_dtype: to
     del rt
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"zero": zero, "param_dtype": DTYPE_NAMES[param_dtype], "prefetch": prefetch,
+    return {"zero": zero, "param_dtype": DTYPE_NAMES[param_dtype], "prefetch": prefetch, "rows": rows,
             "measured_peak_bytes": peak, "predicted_peak_bytes": int(pred),
             "memory_err_pct": None if peak is None else 100.0 * (pred - peak) / peak,
             "kernel": kernel.name, "expand_kv": kernel.expand_kv,
@@ -297,7 +302,8 @@ def print_stage(r: dict) -> None:
         print(f"zero {r['zero']} gather {r['param_dtype']} prefetch {r['prefetch']}: FAILED: {r['error']}")
         return
     err = "" if r["memory_err_pct"] is None else f" ({r['memory_err_pct']:+.2f} %)"
-    print(f"zero {r['zero']} gather {r['param_dtype']} prefetch {r['prefetch']}: peak measured "
+    print(f"zero {r['zero']} gather {r['param_dtype']} prefetch {r['prefetch']}"
+          f"{', embedding gradient as rows' if r.get('rows') else ''}: peak measured "
           f"{_gib(r['measured_peak_bytes'])}, predicted {_gib(r['predicted_peak_bytes'])}{err}; step measured "
           f"{r['median_step_s'] * 1e3:.1f} ms, profile {r['profile_step_s'] * 1e3:.1f} ms "
           f"({'measured' if r['profile_measured'] else 'estimated'} profile); SDPA {r['kernel']}; "
@@ -368,8 +374,8 @@ def main(argv=None) -> int:
     print(f"{gpu} ({name}), torch {torch.__version__}, {a.model} x {a.layers} blocks, bf16 autocast, "
           f"mb {a.micro_batch}, seq {a.seq}, rank 0 of 4 (shard 1/4)", flush=True)
     rows = []
-    for z, pd, k in CONFIGS:
-        rows.append(guarded(check_stage, spec, gpu, device, z, pd, k, a.micro_batch, a.seq, a.steps,
+    for z, pd, k, as_rows in CONFIGS:
+        rows.append(guarded(check_stage, spec, gpu, device, z, pd, k, as_rows, a.micro_batch, a.seq, a.steps,
                             zero=z, param_dtype=DTYPE_NAMES[pd], prefetch=k))
         print_stage(rows[-1])
     fsdp = guarded(compare_fsdp2, spec, device, a.micro_batch, a.seq, a.fsdp_steps)

@@ -7,6 +7,8 @@ the scratch it allocates: pure functions of the slice sizes, for the cost model 
     reduce_scatter_send_bytes(sizes, elem_bytes, world, backend, position_to_rank=None, method=None) -> list[int]
     gather_scratch_bytes(sizes, elem_bytes, world, backend, position_to_rank=None, method=None) -> int
     reduce_scatter_scratch_bytes(sizes, elem_bytes, world, backend, position_to_rank=None, method=None) -> int
+    token_rows_exchange(tokens, table_numel, hidden, elem_bytes, world) -> bool
+    token_rows_send_bytes(token_sizes, hidden, elem_bytes, world, backend, position_to_rank=None) -> list[int]
 
 `sizes[p]` is plan position p's slice in elements (0 allowed), `elem_bytes` the element size (4 fp32, 2
 bf16), `world == len(sizes)`, `backend` "gloo" or "nccl", `position_to_rank[p]` the process-group rank of
@@ -226,6 +228,32 @@ def _nccl_reduce_scatter(sizes: list[int], elem: int, ranks: list[int], method: 
 
 
 # ---- the public functions ------------------------------------------------------------------------------
+
+
+TOKEN_ID_BYTES = 8  # an int64 token id
+
+
+def token_rows_exchange(tokens: int, table_numel: int, hidden: int, elem_bytes: int, world: int) -> bool:
+    """The rule models/sharded.py follows for the embedding unit's gradient at the end of a layer-wise
+    step (zero 2/3) on `world` > 1 ranks: True sends the step's rows instead of the table, when the
+    `tokens` rows of the step (`hidden` elements of `elem_bytes` each, the reduce dtype) and their ids
+    are fewer bytes than the unit's `table_numel` elements. Each rank then all-gathers every rank's ids
+    and rows (two uneven all_gathers, `token_rows_send_bytes`) and adds the rows that land in its own
+    slice; otherwise the table is reduce-scattered. Both move, per rank, the payload they name once
+    to every other rank, so the comparison does not depend on the world or the split."""
+    if world <= 1 or tokens <= 0:
+        return False
+    return tokens * (hidden * elem_bytes + TOKEN_ID_BYTES) < table_numel * elem_bytes
+
+
+def token_rows_send_bytes(token_sizes: Sequence[int], hidden: int, elem_bytes: int, world: int, backend: str,
+                          position_to_rank: Sequence[int] | None = None) -> list[int]:
+    """Bytes each position's rank sends for the rows exchange (`token_rows_exchange`): the all_gather
+    of the ids (`token_sizes[p]` int64 each) and the all_gather of the rows (`hidden` elements each)."""
+    ids = gather_send_bytes(token_sizes, TOKEN_ID_BYTES, world, backend, position_to_rank)
+    rows = gather_send_bytes([t * hidden for t in token_sizes], elem_bytes, world, backend, position_to_rank)
+    return [a + b for a, b in zip(ids, rows)]
+
 
 
 def gather_send_bytes(sizes: Sequence[int], elem_bytes: int, world: int, backend: str,

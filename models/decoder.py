@@ -7,6 +7,8 @@ attention, an explicit head_dim, optional q/k/v biases (Qwen2), q/k/v/o and MLP 
 (Llama's attention_bias / mlp_bias), an untied or tied head. This is the code the executor
 trains and the profiler traces, so planner/core/memory.py models exactly the tensors it keeps for
 backward: change a line here and the memory model (and its accuracy test) must follow.
+Tensor parallelism (models/tensor.apply_tp) swaps in parallel Linears and embeddings and sets the
+`tp_enter` hooks, identity here, at the input of attention, of the MLP and of the head.
 
 Given the same weights it computes what `transformers` computes for the same config
 (tests/unit/test_hf_parity.py: logits within 1e-5 in fp32); `hf_state_dict_to_decoder` and
@@ -46,6 +48,13 @@ class RMSNorm(nn.Module):
         return (x * r) * self.weight
 
 
+def no_tp(x: torch.Tensor) -> torch.Tensor:
+    """The `tp_enter` hook of attention, the MLP and the head without tensor parallelism: identity.
+    models/tensor.apply_tp sets it to Megatron's f operator (identity forward, the input gradient
+    all-reduced over the TP group in backward)."""
+    return x
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -68,9 +77,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=spec.linear_bias or spec.o_bias)
+        self.tp_enter = no_tp
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, C = x.shape
+        x = self.tp_enter(x)  # tensor parallel: num_heads, num_kv_heads are this rank's (models/tensor.py)
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
@@ -103,8 +114,10 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(h, f, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, f, bias=b)
         self.down_proj = nn.Linear(f, h, bias=b)
+        self.tp_enter = no_tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp_enter(x)
         if self.swiglu:  # Shazeer 2020: down(silu(gate x) * up x)
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))  # GPT-2's gelu_new
@@ -142,6 +155,7 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList(Block(spec, expand_kv) for _ in range(spec.num_layers))
         self.norm = _norm(spec)
         self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+        self.tp_enter = no_tp  # tensor parallel: f before the (vocabulary-parallel) head
         if spec.positional == "rope":
             self.register_buffer("inv_freq", self._inv_freq(torch.device("cpu")), persistent=False)
         self.apply(_init_weights)
@@ -178,9 +192,9 @@ class Decoder(nn.Module):
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, h) last block output -> (B, T, V) logits (final norm, then the head)."""
-        x = self.norm(x)
+        x = self.tp_enter(self.norm(x))
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)  # (B, T, V)
+        return F.linear(x, weight)  # (B, T, V); tensor parallel: this rank's (B, T, V_r) slice
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(idx)

@@ -7,7 +7,8 @@ stage splits a micro-batch's rows over its ranks, which exchange the intersectin
 neighbouring stages; inside a stage ZeRO-1 with the plan's uneven shards. Schedules "gpipe" and
 "1f1b" (contracts/pipeline_order.py); receives are posted one op ahead so a transfer overlaps
 compute, and a pending receive calls `idle()` (BubbleTea's prefill worker). `timeline=True` records
-every op's start and end.
+every op's start and end. Tensor parallel (tp_size > 1): each (stage, DP index) is a TP group
+(models/tensor.py), the ranks of one TP index a pipeline of their own (docs/models/tensor_parallel.md).
 
 Why each choice, and how the planner predicts this runtime: docs/models/pipeline_simulation.md
 ("The runtime being modelled"); its memory: docs/models/memory.md.
@@ -26,7 +27,9 @@ from torch.utils.checkpoint import checkpoint
 
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig
-from models.sharded import ShardedRuntime, StepResult, UnitState, host_float
+from models.sharded import StepResult, UnitState, host_float
+from models.tensor import TensorParallel
+from models.tensor_runtime import TensorParallelRuntime
 from contracts.plan import PIPELINE_SCHEDULES, PipelineSpec
 from contracts.specs import ModelSpec
 from contracts.pipeline_order import schedule_in_flight, schedule_order
@@ -143,40 +146,60 @@ class PipelineStepResult(StepResult):
     ops: tuple[dict, ...] = ()  # the timeline: {"op", "mb", "start_s", "end_s"} (time.time())
 
 
-class PipelineRuntime(ShardedRuntime):
+class PipelineRuntime(TensorParallelRuntime):
     """One rank (stage, dp_index) of a pipeline plan (docs/models/pipeline_simulation.md). `stage_ranks[s]` are the global
-    ranks of stage s in data-parallel order; every rank must construct it (it creates process groups)."""
+    ranks of stage s in data-parallel order; every rank must construct it (it creates process groups).
+
+    Tensor parallel (tp_size t > 1, docs/models/tensor_parallel.md): each (stage, dp index) is a TP group
+    of t ranks, `stage_ranks[s][j]` the list of its t global ranks by TP index (increasing), this rank
+    its `tp_index`-th. The ranks of TP index k form a pipeline of their own (DP groups, point-to-point
+    peers and the tied embedding's group per k); the activations sent between stages are the full
+    (rows, T, h) residual stream, the same on every TP rank."""
 
     def __init__(self, spec: ModelSpec, pipeline: PipelineSpec, *, stage: int, dp_index: int,
-                 stage_ranks: Sequence[Sequence[int]], fractions: Sequence[float], device: torch.device,
-                 seq: int, recompute: str = "none", autocast_dtype: torch.dtype | None = None,
+                 stage_ranks: Sequence[Sequence[int] | Sequence[Sequence[int]]], fractions: Sequence[float],
+                 device: torch.device, seq: int, recompute: str = "none", autocast_dtype: torch.dtype | None = None,
                  optim: OptimConfig | None = None, seed: int = 0, loss_scaling: bool = False,
-                 materialize: bool = True, expand_kv: bool = False):
+                 materialize: bool = True, expand_kv: bool = False, tp_size: int = 1, tp_index: int = 0):
         S = len(pipeline.stages)
         if len(stage_ranks) != S or any(len(r) != len(st.devices) for r, st in zip(stage_ranks, pipeline.stages)):
             raise ValueError("stage_ranks must list one rank per device of every pipeline stage")
+        if not 0 <= tp_index < tp_size:
+            raise ValueError(f"tp_index {tp_index} is not in a TP group of {tp_size}")
+        if tp_size > 1 and any(len(g) != tp_size for r in stage_ranks for g in r):
+            raise ValueError(f"with tp_size {tp_size} every stage_ranks[s][j] lists the {tp_size} ranks of a TP group")
         if pipeline.num_layers != spec.num_layers:
             raise ValueError(f"pipeline stages cover {pipeline.num_layers} layers, model {spec.name} has "
                              f"{spec.num_layers}")
         if not 0 <= stage < S or not 0 <= dp_index < len(stage_ranks[stage]):
             raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in this pipeline")
         self.pipeline, self.stage, self.dp_index, self.num_stages = pipeline, stage, dp_index, S
-        self.stage_ranks = [list(r) for r in stage_ranks]
+        # by TP index k: the ranks of every (stage, dp index) with that index (tp 1: stage_ranks itself)
+        by_k = [[list(r) for r in stage_ranks]] if tp_size == 1 else \
+            [[[g[k] for g in r] for r in stage_ranks] for k in range(tp_size)]
+        self.stage_ranks = by_k[tp_index]  # this rank's pipeline: its peers have its TP index
         self.seq = seq
         self.first, self.last = stage == 0, stage == S - 1
         self.replica = self.last and not self.first and spec.tied_embeddings
-        # every rank creates every group, in the same order (torch.distributed requires it)
-        groups = [dist.new_group(r) for r in self.stage_ranks]
-        tied = sorted(set(self.stage_ranks[0]) | set(self.stage_ranks[-1]))
-        tied_group = dist.new_group(tied) if spec.tied_embeddings and S > 1 else None
-        self.tied_group = tied_group if (self.first or self.last) else None
-        group = groups[stage]
+        # every rank creates every group, in the same order (torch.distributed requires it): per TP index
+        # the stages' DP groups and the tied embedding's group, then the TP groups
+        tied_groups, dp_groups = [], []
+        for ranks in by_k:
+            dp_groups.append([dist.new_group(r) for r in ranks])
+            tied = sorted(set(ranks[0]) | set(ranks[-1]))
+            tied_groups.append(dist.new_group(tied) if spec.tied_embeddings and S > 1 else None)
+        tp = None
+        if tp_size > 1:
+            tp_groups = [[dist.new_group(list(g)) for g in r] for r in stage_ranks]
+            tp = TensorParallel(tp_size, tp_index, tp_groups[stage][dp_index])
+        self.tied_group = tied_groups[tp_index] if (self.first or self.last) else None
+        group = dp_groups[tp_index][stage]
         order = sorted(self.stage_ranks[stage])
         comm = ProcessGroupCollectives(dp_index, [order.index(r) for r in self.stage_ranks[stage]], group=group)
         self._unit_ids = stage_unit_indices(spec, pipeline, stage)
         super().__init__(spec, zero=1, fractions=fractions, position=dp_index, comm=comm, device=device,
                          recompute=recompute, autocast_dtype=autocast_dtype, optim=optim, seed=seed,
-                         loss_scaling=loss_scaling, materialize=materialize, expand_kv=expand_kv)
+                         loss_scaling=loss_scaling, materialize=materialize, expand_kv=expand_kv, tp=tp)
         st = pipeline.stages[stage]
         self.rows = st.rows[dp_index]
         self.my_rows = (row_offsets(st.rows)[dp_index], self.rows)
@@ -358,13 +381,17 @@ class PipelineRuntime(ShardedRuntime):
         self._note("optimizer", -1, self.comm_done, time.time())  # AdamW and the all-gather
         return PipelineStepResult(**r.__dict__)
 
-    def _norm_units(self) -> list[UnitState]:
-        """The global norm counts the tied replica once: on the first stage, not on the last."""
-        return [u for u in self.units if not (self.replica and u.index == 0)]
+    def _norm_units(self) -> list:
+        """The global norm counts the tied replica once: on the first stage, not on the last (and, tensor
+        parallel, the replicated parameters once per TP group)."""
+        return self._tp_norm_views([u for u in self.units if not (self.replica and u.index == 0)])
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
         """The step's (squared norm, overflow flag, loss) summed over the WORLD: every stage's squares
-        and the last stage's losses (the all-gathers of the updated slices stay inside the stage)."""
+        and the last stage's losses (the all-gathers of the updated slices stay inside the stage); every
+        rank of a TP group computed the same loss, TP index 0 adds it."""
+        if self.tp is not None and self.tp.rank:
+            stats[2].zero_()
         dist.all_reduce(stats)
         self.comm_done = time.time()
         self._note("grad_sync", -1, self._t_sync, self.comm_done)
@@ -375,13 +402,16 @@ class PipelineRuntime(ShardedRuntime):
         stage's own with their slices, the others (and, when saving, the tied replica: the first stage
         saves that unit) as empty slices; so a pipeline's checkpoint is the same logical checkpoint as a
         data-parallel run's, and either resumes the other."""
+        if self.tp is not None:
+            raise NotImplementedError("checkpoints of a tensor-parallel pipeline are not implemented")
         return _CheckpointView(self, save)
 
     # ---- evaluation ---------------------------------------------------------------------------------
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Mean next-token loss of one batch through the pipeline (collective: every rank calls it; the
-        data-parallel index 0 rank of each stage computes, the others only join the final all-reduce)."""
+        data-parallel index 0 rank(s: its TP group) of each stage computes, the others only join the final
+        all-reduce)."""
         out = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.dp_index == 0:
             B, T = targets.shape
@@ -400,7 +430,8 @@ class PipelineRuntime(ShardedRuntime):
                 else:
                     logits = self.model.head_logits(h)
             if self.last:
-                out += float(self._loss(logits, targets, targets.numel()))
+                loss = float(self._loss(logits, targets, targets.numel()))
+                out += loss if self.tp is None or self.tp.rank == 0 else 0.0
         dist.all_reduce(out)
         return float(out)
 

@@ -51,6 +51,8 @@ from models.decoder import Decoder, build_model
 from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coefficient_t, decay_ranges,
                           global_grad_norm_sq)
 from models.runtime import shard_bounds
+from models.tensor import TensorParallel, apply_tp, full_weight_init, tp_unit_numels
+from contracts import wire
 from contracts.plan import check_step_dtypes
 from contracts.specs import ModelSpec
 from contracts.constants import check_zero
@@ -121,6 +123,19 @@ class _InFlightReduce:
     first: bool  # the unit's first reduce of the step: `out` overwrites `grad`, else adds to it
 
 
+@dataclass
+class _InFlightRows:
+    """The embedding unit's rows exchange (contracts.wire.token_rows_exchange) issued and not yet
+    waited: this rank's ids and rows (the gathers' inputs) and everyone's (their outputs)."""
+    unit: UnitState
+    works: list
+    ids: torch.Tensor | None  # (tokens,) int64, this rank's token ids
+    rows: torch.Tensor | None  # (tokens * hidden,) reduce_dtype, their gradient rows
+    ids_full: torch.Tensor | None  # every rank's ids, in plan-position order
+    rows_full: torch.Tensor | None
+    first: bool
+
+
 @dataclass(frozen=True)
 class StepResult:
     loss: float  # the step's global mean loss (all ranks, all micro-batches)
@@ -179,13 +194,19 @@ class ShardedRuntime:
         return (f"ShardedRuntime({self.spec.name!r}, zero={self.zero}, position={self.position} of "
                 f"{len(self.fractions)}, {self.shard_numel()} of {self.spec.num_params} parameters)")
 
+    _batch_split: tuple[list[int], int] | None = None  # set_batch_split: samples per position, seq
+
     def __init__(self, spec: ModelSpec, *, zero: int, fractions: Sequence[float], position: int,
                  comm: Collectives, device: torch.device, recompute: str = "none",
                  autocast_dtype: torch.dtype | None = None, optim: OptimConfig | None = None,
                  seed: int = 0, loss_scaling: bool = False, materialize: bool = True, expand_kv: bool = False,
                  param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                 prefetch: int = 1, reduce_in_flight: int = 0):
+                 prefetch: int = 1, reduce_in_flight: int = 0, tp: TensorParallel | None = None):
         check_zero(zero)
+        if tp is not None and tp.size > 1 and zero != 1:
+            # the layer-wise step (zero 2/3) scatters the embedding's gradient by token id into the full
+            # vocabulary; a vocabulary-parallel embedding holds V/t rows (docs/models/tensor_parallel.md)
+            raise ValueError(f"tensor parallelism (tp {tp.size}) runs at zero 1 only, got zero {zero}")
         check_runtime_options(zero, param_dtype, reduce_dtype, prefetch)
         if param_dtype != torch.float32 and autocast_dtype != param_dtype:
             raise ValueError(f"param_dtype {DTYPE_NAMES[param_dtype]} needs autocast_dtype {DTYPE_NAMES[param_dtype]} "
@@ -218,6 +239,10 @@ class ShardedRuntime:
             # expand_kv: repeat K/V to every head where GQA alone would fall back to SDPA's math
             # kernel on this device (planner/attention.select_kernel decides; the memory model follows)
             self.model: Decoder = build_model(spec, recompute, expand_kv=expand_kv)
+            # tensor parallel: this rank's part of every block, embedding and head (models/tensor.py)
+            self.tp = tp if tp is not None and tp.size > 1 else None
+            if self.tp is not None:
+                apply_tp(self.model, self.tp)
         self.model.init_buffers(device)
         self.units = self._build_units(seed, materialize)
         self._work_clock: Callable[[], float] = (time.perf_counter if device.type == "cuda" else time.thread_time)
@@ -235,8 +260,16 @@ class ShardedRuntime:
         return list(range(len(runtime_units(self.spec))))
 
     def _build_units(self, seed: int, materialize: bool) -> list[UnitState]:
-        layout, groups = runtime_units(self.spec), self._unit_modules()
+        layout, groups = self._unit_layout(), self._unit_modules()
         return [self._build_unit(i, layout[i], groups[i], seed, materialize) for i in self._unit_indices()]
+
+    def _unit_layout(self) -> tuple[Unit, ...]:
+        """contracts/units.py's units; tensor parallel: their sizes on this TP rank (models/tensor.py)."""
+        layout = runtime_units(self.spec)
+        if self.tp is None:
+            return layout
+        numels = tp_unit_numels(self.spec, self.tp.size, self.tp.rank)
+        return tuple(Unit(u.name, n) for u, n in zip(layout, numels))
 
     def _build_unit(self, i: int, lu: Unit, mods: list[nn.Module], seed: int, materialize: bool) -> UnitState:
         """Unit i (layout entry `lu`, its modules `mods`): one flat fp32 buffer whose views become the
@@ -294,11 +327,12 @@ class ShardedRuntime:
 
     @torch.no_grad()
     def _init_unit(self, mods: list[nn.Module], gen: torch.Generator) -> None:
-        # GPT-2 / Llama: N(0, 0.02) for every matrix and embedding, zero biases, unit norm gains
+        # GPT-2 / Llama: N(0, 0.02) for every matrix and embedding, zero biases, unit norm gains; a
+        # tensor-parallel module draws its full weight and keeps its slice (the one-rank numbers)
         for mod in mods:
             for sub in mod.modules():
                 if isinstance(sub, (nn.Linear, nn.Embedding)):
-                    sub.weight.normal_(0.0, INIT_STD, generator=gen)
+                    full_weight_init(sub, INIT_STD, gen)
                     if getattr(sub, "bias", None) is not None:
                         sub.bias.zero_()
                 elif isinstance(sub, nn.LayerNorm):
@@ -430,7 +464,10 @@ class ShardedRuntime:
         if self.reduce_depth == 0:
             self._drain_reduces()
 
-    def _complete(self, r: _InFlightReduce) -> None:
+    def _complete(self, r: _InFlightReduce | _InFlightRows) -> None:
+        if isinstance(r, _InFlightRows):
+            self._complete_rows(r)
+            return
         self._wait(r.work)
         if r.out is not r.unit.grad:
             if r.first:
@@ -643,6 +680,12 @@ class ShardedRuntime:
             self._reduce(unit)
             self._free(unit)
 
+        if self._rows_exchange():  # fewer bytes as rows than as the table (contracts.wire)
+            ids, rows = self._timed(lambda: self._token_rows(batches, dxs))
+            del dxs
+            self._exchange_rows(embed, ids, rows)
+            return total
+
         # the embedding's gradient needs only the token ids: scatter-add, no gather
         grad = self._grad_buffer(embed)
 
@@ -659,6 +702,114 @@ class ShardedRuntime:
         del dxs
         self._reduce(embed, last=True)
         return total
+
+    # ---- the embedding's gradient as rows -----------------------------------------------------
+    def set_batch_split(self, samples: Sequence[int] | None, seq: int | None = None) -> None:
+        """Every plan position's samples per step and their length, as the plan splits the global
+        batch (every rank of the run must be given the same). With them a layer-wise step (zero 2/3)
+        sends the embedding unit's gradient as the step's rows, when contracts.wire's
+        `token_rows_exchange` says that is fewer bytes than the table; None: always the table."""
+        if samples is None:
+            self._batch_split = None
+            return
+        samples = [int(b) for b in samples]
+        if len(samples) != self.comm.world or any(b < 0 for b in samples):
+            raise ValueError(f"set_batch_split: {len(samples)} sample counts for {self.comm.world} positions, "
+                             f"each >= 0 expected, got {samples}")
+        if seq is None or seq < 1:
+            raise ValueError(f"set_batch_split: seq must be a positive integer, got {seq!r}")
+        self._batch_split = (samples, int(seq))
+
+    def _rows_exchange(self) -> bool:
+        split = self._batch_split
+        pos = self.model.pos_embed
+        if split is None or (pos is not None and split[1] > pos.num_embeddings):
+            return False
+        table_rows = self.spec.vocab_size + (pos.num_embeddings if pos is not None else 0)
+        if self.units[0].numel != table_rows * self.spec.hidden:  # a unit that is not only the tables
+            return False
+        samples, seq = split
+        return wire.token_rows_exchange(sum(samples) * seq, self.units[0].numel, self.spec.hidden,
+                                        self.reduce_dtype.itemsize, self.comm.world)
+
+    def _token_rows(self, batches, dxs) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's token ids and their gradient rows (the reduce dtype), in micro-batch order."""
+        samples, seq = self._batch_split
+        mine = sum(x.shape[0] for x, _ in batches)
+        if mine != samples[self.position] or any(x.shape[1] != seq for x, _ in batches):
+            raise ValueError(f"set_batch_split gave position {self.position} {samples[self.position]} samples of "
+                             f"{seq} tokens, the step has {[tuple(x.shape) for x, _ in batches]}")
+        h = self.spec.hidden
+        ids = torch.empty(mine * seq, dtype=torch.long, device=self.device)
+        rows = torch.empty(mine * seq * h, dtype=self.reduce_dtype, device=self.device)
+        o = 0
+        for (x, _), dx in zip(batches, dxs):
+            k = x.numel()
+            ids[o:o + k].copy_(x.reshape(-1))
+            rows[o * h:(o + k) * h].view(k, h).copy_(dx.reshape(k, h))
+            o += k
+        return ids, rows
+
+    def _exchange_rows(self, unit: UnitState, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Issue the all_gathers of every rank's ids and rows (each rank's piece in plan-position
+        order); `_complete_rows` adds the rows into the slice. Left in flight like the last reduce."""
+        samples, seq = self._batch_split
+        h = self.spec.hidden
+        bounds, o = [], 0
+        for b in samples:
+            bounds.append((o, o + b * seq))
+            o += b * seq
+        st = unit.grad.untyped_storage()
+        if st.nbytes() == 0:
+            st.resize_(unit.grad.numel() * unit.grad.element_size())
+        first = unit.grad_fresh
+        unit.grad_fresh = False
+        ids_full = torch.empty(o, dtype=torch.long, device=self.device)
+        rows_full = torch.empty(o * h, dtype=rows.dtype, device=self.device)
+        works = [self.comm.all_gather(ids_full, ids, bounds, async_op=True),
+                 self.comm.all_gather(rows_full, rows, [(s * h, e * h) for s, e in bounds], async_op=True)]
+        self._reduces.append(_InFlightRows(unit, works, ids, rows, ids_full, rows_full, first))
+        if self.reduce_depth == 0:
+            self._drain_reduces()
+
+    def _complete_rows(self, r: _InFlightRows) -> None:
+        """Wait for the rows exchange and add into the unit's fp32 slice the rows that land in it:
+        the unit is a table of (vocab + positions) rows of `hidden` (the token table, then GPT-2's
+        position table), row `id` for a token, row vocab + p for position p (a row's place in its
+        sample). A table of the slice's rows (fp32, one spare row that takes every row landing
+        elsewhere) is filled by index_add_, then copied (a tied embedding: added) into the slice."""
+        for w in r.works:
+            self._wait(w)
+        r.works, r.ids, r.rows = [], None, None  # this rank's pieces are sent
+        unit, h = r.unit, self.spec.hidden
+        seq = self._batch_split[1]
+        tokens = r.ids_full.numel()
+        r0 = unit.start // h
+        nrows = -(-unit.end // h) - r0
+        table = torch.zeros(nrows + 1, h, dtype=torch.float32, device=self.device)
+        src = r.rows_full.view(tokens, h)
+        if src.dtype != torch.float32:
+            src = src.float()
+
+        def add(idx: torch.Tensor) -> None:
+            idx.masked_fill_((idx < 0) | (idx >= nrows), nrows)
+            table.index_add_(0, idx, src)
+
+        idx = r.ids_full - r0
+        r.ids_full = None
+        add(idx)
+        if self.model.pos_embed is not None:  # row r of the step is position r % seq of its sample
+            del idx
+            idx = torch.arange(tokens, device=self.device)
+            idx.remainder_(seq).add_(self.spec.vocab_size - r0)
+            add(idx)
+        del idx, src
+        r.rows_full = None
+        part = table.view(-1)[unit.start - r0 * h:unit.end - r0 * h]
+        if r.first:
+            unit.grad.copy_(part)
+        else:
+            unit.grad.add_(part)
 
     def _finish_step(self, loss: float | torch.Tensor, lr: float, scale: float) -> StepResult:
         """The step's end (`_update`) and its statistics read (models/pipeline.py's entry)."""

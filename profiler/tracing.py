@@ -87,6 +87,16 @@ def trace_memory(spec: ModelSpec, cfg: MemoryConfig, fake: bool = False, seed: i
                                 autocast_dtype=_AUTOCAST[cfg.dtype], seed=seed, materialize=not fake,
                                 **runtime_options(cfg))
         n = cfg.accum_steps if cfg.micro_batch > 0 else 0
+        if cfg.step_tokens and zero >= 2:  # the other positions' samples: the rest of the step, anywhere
+            mine = n * cfg.micro_batch
+            total, left = divmod(cfg.step_tokens, seq)
+            if left or total < mine:
+                raise ValueError(f"step_tokens {cfg.step_tokens} is not a whole number of samples of {seq} "
+                                 f"tokens holding this rank's {mine}")
+            rest = [(total - mine) // max(len(fractions) - 1, 1)] * (len(fractions) - 1)
+            if rest:
+                rest[0] += total - mine - sum(rest)
+            rt.set_batch_split([mine, *rest], seq)
         batches = [(torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq)),  # (B, T) tokens
                     torch.randint(0, spec.vocab_size, (cfg.micro_batch, seq)))  # (B, T) targets
                    for _ in range(n)]

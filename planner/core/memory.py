@@ -6,9 +6,10 @@ models/decoder.py: the state between steps, the gradients within one, the activa
 saves (per attention kernel, contracts/attention.py), the loss, autocast's copies, ZeRO 3's
 gathered units and the runtime's gather/reduce options (half gathered parameters, the reduce dtype,
 prefetch, reduce-scatters left in flight). The peak is the largest of a few moments of the step (`estimate_peak_phases`),
-each affine in the micro-batch and the shard fraction. Tensor parallelism and the `--pp` shortcut
-are analytic only; pipeline stages have their exact model in planner/core/stage_memory.py, built
-from the public pieces at the end of this module.
+each affine in the micro-batch and the shard fraction. Tensor parallelism (models/tensor.py) is exact
+at zero <= 1 (`tp_units`, the local widths, `loss_bytes`, `tp_embedding_saved_bytes`); at zero 2/3
+(which the runtime refuses) and the `--pp` shortcut it is analytic only; pipeline stages have their
+exact model in planner/core/stage_memory.py, built from the public pieces of this module.
 
 Every term, the moments and how the model is checked against traces (bench/memory_accuracy.py):
 docs/models/memory.md.
@@ -22,7 +23,8 @@ from typing import Any
 from contracts.attention import AttentionKernel, attention_saved_bytes, select_kernel
 from contracts.plan import check_step_dtypes
 from contracts.specs import ModelSpec
-from contracts.units import runtime_units
+from contracts.units import Unit, runtime_units
+from contracts.wire import token_rows_exchange
 from contracts.constants import (DTYPE_BYTES, DTYPES, FP32_BYTES, HALF_BYTES, INT64_BYTES, MODELLED_ZERO_STAGES, RECOMPUTE,
                                  STEP_CHUNK_NUMEL, check_zero)
 
@@ -57,6 +59,9 @@ class MemoryConfig:
     # reduce-scatters left in flight (0 or 1): 1 keeps each unit's (cast) full gradient alive through
     # the next unit's backward, 0 waits for each as it is issued
     reduce_in_flight: int = 0
+    # tokens in one optimizer step over every rank (global batch x seq; 0: not given). With them a
+    # layer-wise step sends the embedding unit's gradient as rows where contracts.wire says it pays
+    step_tokens: int = 0
 
     def __post_init__(self) -> None:
         def is_int(v: Any) -> bool:
@@ -91,6 +96,8 @@ class MemoryConfig:
         if isinstance(self.reduce_in_flight, bool) or self.reduce_in_flight not in (0, 1):
             raise ValueError(f"reduce_in_flight must be 0 or 1 (reduce-scatters left in flight), "
                              f"got {self.reduce_in_flight!r}")
+        if not is_int(self.step_tokens) or self.step_tokens < 0:
+            raise ValueError(f"step_tokens must be an integer >= 0, got {self.step_tokens!r}")
 
     @property
     def fraction(self) -> float:
@@ -301,14 +308,15 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     dy = r * h * tokens  # gradient of the residual stream
     recompute = (recompute or cfg.recompute) == "full"
     kept = (r * h * tokens if recompute else layer_all) * L  # checkpoint keeps each block's input
+    # tensor parallel (models/tensor.py): the vocabulary-parallel embedding saves its local ids and mask
+    kept += tp_embedding_saved_bytes(cfg.tp, tokens)
     kept_copies = 0 if recompute else L * block_copies  # checkpointed blocks drop their copies after forward
 
     in_block = _in_block_backward(spec, s, d, tokens, grads_made)
     phases = {
         # backward starts: log_softmax's saved output, the grad of nll_loss and the grad of the
         # logits, (B·T, V) fp32 each (the logits themselves were freed after the loss)
-        "loss": (kept + final * tokens, inputs + shared + kept_copies + head_copy
-                 + 3 * FP32_BYTES * V * tokens),
+        "loss": (kept + final * tokens, inputs + shared + kept_copies + head_copy + loss_bytes(cfg.tp, V, tokens)),
         # the untied head's weight grad: fp32, the grad of the logits (B·T, V) is still held,
         # with the grad of the head's input (B·T, h) and the weight grad (V, h); autocast: the
         # logits' grads and the head's weight copy are gone, the weight grad exists as a w-byte
@@ -338,6 +346,29 @@ def _phases(spec: ModelSpec, cfg: MemoryConfig, seq: int, recompute: str | None 
     return phases
 
 
+# the vocabulary-parallel cross-entropy's (N,) temporaries beside its two (N, V_r) tensors, bytes per token:
+# the row max (fp32), the target mask (bool), the local target ids (int64), the picked logit (fp32, a
+# gathered (N, 1)), the sum of exponentials (fp32) and their stacked copy for the all-reduce (2 fp32)
+TP_CE_BYTES_PER_TOKEN = FP32_BYTES + 1 + INT64_BYTES + FP32_BYTES + FP32_BYTES + 2 * FP32_BYTES
+
+
+def loss_bytes(tp: int, vocab_rows: int, tokens: int) -> int:
+    """The loss's largest moment beyond the saved activations (the logits of `vocab_rows` columns): one
+    rank, backward starts with log_softmax's saved output, the grad of nll_loss and the grad of the
+    logits, (N, V) fp32 each; tensor parallel (models/tensor._VocabCrossEntropy) the forward holds the
+    logit slice and its shifted copy (exponentiated and normalized in place: the saved softmax, which
+    backward turns into the logits' gradient in place) and the (N,) statistics."""
+    if tp == 1:
+        return 3 * FP32_BYTES * vocab_rows * tokens
+    return 2 * FP32_BYTES * vocab_rows * tokens + TP_CE_BYTES_PER_TOKEN * tokens
+
+
+def tp_embedding_saved_bytes(tp: int, tokens: int) -> int:
+    """What the vocabulary-parallel embedding saves for backward per micro-batch: its local ids (int64)
+    and the mask of the ids outside its rows (bool); 0 without tensor parallelism."""
+    return (INT64_BYTES + 1) * tokens if tp > 1 else 0
+
+
 def _head_saved_per_token(s: _Shape, d: _Widths) -> int:
     """Bytes per token the head keeps for backward: the last block's output x_L (the final norm's
     input), the norm's statistics and the head's input (the norm's output, a w-byte copy under autocast;
@@ -362,27 +393,57 @@ def _in_block_backward(spec: ModelSpec, s: _Shape, d: _Widths, tokens: int, grad
                0 if s.gpt2 else 2 * w * s.f * tokens + made)
 
 
-def _shard_numels(spec: ModelSpec, f: float) -> list[int]:
+def _shard_numels(spec: ModelSpec, f: float, tp: int = 1) -> list[int]:
     """This GPU's slice of every runtime unit: round-half-up of f·numel (models/runtime.shard_bounds
     for the first position; a later position's slice differs by at most one element)."""
     out: list[int] = []
-    for numel, count in _unit_runs(spec):
+    for numel, count in _unit_runs(spec, tp):
         out += [int(math.floor(numel * f + 0.5))] * count
     return out
 
 
-def _unit_runs(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+def tp_vocab_rows(vocab: int, tp: int) -> int:
+    """Vocabulary rows of TP rank 0, the most of any (models/tensor.vocab_bounds: V // t each, the first
+    V % t ranks one more)."""
+    return vocab // tp + (1 if vocab % tp else 0)
+
+
+def tp_units(spec: ModelSpec, tp: int) -> tuple[Unit, ...]:
+    """The runtime's units on TP rank 0 of a group of `tp` (models/tensor.tp_unit_numels, the same
+    formula): Megatron's split parameters ÷ tp (q/k/v and up/gate rows, o/down columns, the vocabulary
+    rows of the embedding and an untied head), the replicated ones whole (norms, o_proj's and down_proj's
+    biases, learned positions). tp 1: contracts/units.py's."""
+    memo = _memo(spec)
+    key = ("units", tp)
+    if key not in memo:
+        units = runtime_units(spec)
+        if tp > 1:
+            h, Vr = spec.hidden, tp_vocab_rows(spec.vocab_size, tp)
+            norm = spec.final_norm_params()
+            row_bias = h * ((1 if spec.linear_bias or spec.o_bias else 0)  # o_proj's and down_proj's biases
+                            + (1 if spec.linear_bias or spec.mlp_bias else 0))
+            replicated = 2 * norm + row_bias
+            block = (spec.block_params() - replicated) // tp + replicated
+            pos = spec.max_seq * h if spec.positional == "learned" else 0
+            head = norm + (0 if spec.tied_embeddings else Vr * h)
+            numels = [Vr * h + pos, *[block] * spec.num_layers, head]
+            units = tuple(Unit(u.name, n) for u, n in zip(units, numels))
+        memo[key] = units
+    return memo[key]
+
+
+def _unit_runs(spec: ModelSpec, tp: int = 1) -> tuple[tuple[int, int], ...]:
     """runtime_units' sizes in order as (numel, how many in a row): every block has one size, so
     a slice is rounded once per run, not once per unit."""
     memo = _memo(spec)
-    if "runs" not in memo:
-        memo["runs"] = _runs_of(spec)
-    return memo["runs"]
+    if ("runs", tp) not in memo:
+        memo[("runs", tp)] = _runs_of(spec, tp)
+    return memo[("runs", tp)]
 
 
-def _runs_of(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+def _runs_of(spec: ModelSpec, tp: int) -> tuple[tuple[int, int], ...]:
     runs: list[list[int]] = []
-    for u in runtime_units(spec):
+    for u in tp_units(spec, tp):
         if runs and runs[-1][0] == u.numel:
             runs[-1][1] += 1
         else:
@@ -413,13 +474,10 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     for the head and its gradient reduced right after it), a reduce-scatter left in flight; and each
     unit's reduce as a moment of its own (docs/models/memory.md)."""
     f = cfg.fraction
-    shards = _shard_numels(spec, f)
+    shards = _shard_numels(spec, f, cfg.tp)
     owned = sum(shards)
-    memo = _memo(spec)
-    if "units" not in memo:
-        memo["units"] = runtime_units(spec)
-    units = memo["units"]
-    P = spec.num_params
+    units = tp_units(spec, cfg.tp)
+    P = sum(u.numel for u in units) if cfg.tp > 1 else spec.num_params
     resident = {"params_bytes": FP32_BYTES * (owned if cfg.zero >= 3 else P),
                 # zero 1: the full gradients, alive from the first micro-batch to their reduce
                 "grads_bytes": FP32_BYTES * P if cfg.zero <= 1 else 0,
@@ -477,6 +535,13 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
     # make each parameter's gradient (already counted in `_phases`) and flattens it after the unit
     grad_bufs_head = 0 if keep else gw * (head + (embed if tied else 0))
 
+    # the embedding unit's gradient as the step's rows (models/sharded.py `set_batch_split`, the rule of
+    # contracts.wire.token_rows_exchange at the step's tokens): this rank's ids and rows, then everyone's
+    rows = cfg.step_tokens > 0 and token_rows_exchange(cfg.step_tokens, embed, h, rb, cfg.dp)
+    every = cfg.step_tokens
+    own_rows = n * cfg.micro_batch * seq * (INT64_BYTES + h * rb)
+    every_rows = every * (INT64_BYTES + h * rb)
+
     def in_flight(numel: int, shard: int, first: bool = True) -> int:
         """A unit's reduce-scatter left in flight (reduce_in_flight 1) while the next unit computes: its full
         gradient in the reduce dtype and, unless it lands in the fp32 slice directly, its slice's result."""
@@ -518,7 +583,7 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # while the incoming one is still listed
         "last_block": plus("last_block", bd if keep else ((L + 1) * (n - 1) + 1) * bd,
                            gathers_block + (0 if keep else gw * block) - pending + early + flight_last),
-        "embed_backward": (n * bd, gw * embed + inputs_all + shared + late
+        "embed_backward": (n * bd, (own_rows if rows else gw * embed) + inputs_all + shared + late
                            + (in_flight(block, shards[1]) if L else 0)),
         # the first block's backward: the fewest boundaries (or graphs) left, the most slice
         # gradients made (every block above it reduced); the middle blocks lie between the two ends
@@ -528,9 +593,9 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # the embedding's reduce: its flat gradient (still referenced by the step until it returns), its
         # cast to the reduce dtype, the slice gradient made by a first reduce and the slice's result unless
         # it lands in the fp32 slice directly (the second reduce of a tied embedding adds to the slice)
-        "embed_reduce": (0, inputs_all + shared + late + gw * embed + (rb * embed if gw != rb else 0)
-                         + (0 if tied else FP32_BYTES * shards[0])
-                         + (rb * shards[0] if tied or rb != FP32_BYTES else 0)
+        "embed_reduce": (0, inputs_all + shared + late + (0 if tied else FP32_BYTES * shards[0])
+                         + (own_rows + every_rows if rows else
+                            gw * embed + (rb * embed if gw != rb else 0) + (rb * shards[0] if tied or rb != FP32_BYTES else 0))
                          # the first block's reduce, still in flight beside it (the step's last reduce waits for none)
                          + (in_flight(block, shards[1]) if L else 0)),
         # the update: the global norm's temporaries, then AdamW unit by unit (its one chunk buffer);
@@ -538,6 +603,14 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # `prefetch` blocks after it) are each gathered right after its update, beside the rest of it
         "step": (one["step"][0], one["step"][1] + extra_inputs + slice_grads + max(step_temps, update_peak())),
     }
+    if rows:
+        # the rows exchange waited (the first block's reduce before it, freed): every rank's rows (and an
+        # fp32 copy of them unless fp32), the slice's rows table (fp32, a spare row; the slice may start
+        # and end inside a row: at most one row more than its length), everyone's ids and their offsets
+        table_rows = -(-shards[0] // h) + 2
+        phases["embed_rows_add"] = (0, inputs_all + shared + slice_grads + every * h * rb
+                                    + (every * h * FP32_BYTES if rb != FP32_BYTES else 0)
+                                    + table_rows * h * FP32_BYTES + 2 * INT64_BYTES * every)
     if not cfg.micro_batch:  # no activations: the unit buffers of the moments alone
         phases = {key: (0, o) for key, (a, o) in phases.items()}
 
@@ -610,18 +683,20 @@ def estimate_peak_phases(spec: ModelSpec, cfg: MemoryConfig) -> dict[str, int]:
 def estimate_with_phases(spec: ModelSpec, cfg: MemoryConfig) -> tuple[MemoryBreakdown, dict[str, int]]:
     """estimate_memory and estimate_peak_phases from one evaluation."""
     seq = validate_for(spec, cfg)
-    if cfg.tp == 1 and cfg.pp == 1:
+    # the runtime: models/sharded.py; tensor parallel at zero 1 (models/tensor_runtime.py, TP rank 0)
+    if cfg.pp == 1 and (cfg.tp == 1 or cfg.zero <= 1):
         resident, phases = _runtime_phases(spec, cfg, seq)
         states = sum(resident.values())
         act, other = max(phases.values(), key=lambda ao: ao[0] + ao[1])
-        breakdown = MemoryBreakdown(num_params=spec.num_params, **resident, activations_bytes=act, other_bytes=other,
+        num = spec.num_params if cfg.tp == 1 else sum(u.numel for u in tp_units(spec, cfg.tp))
+        breakdown = MemoryBreakdown(num_params=num, **resident, activations_bytes=act, other_bytes=other,
                                     peak_bytes=states + act + other)
         return breakdown, {k: states + a + o for k, (a, o) in phases.items()}
     return _estimate_analytic(spec, cfg, seq)
 
 
 def _estimate_analytic(spec: ModelSpec, cfg: MemoryConfig, seq: int) -> tuple[MemoryBreakdown, dict[str, int]]:
-    """Tensor and pipeline parallelism: analytic only (the runtime runs neither)."""
+    """The `--pp` shortcut and tensor parallelism at zero 2/3: analytic only (the runtime runs neither)."""
     n = spec.num_params
     local = _local_params(spec, cfg)
     f = cfg.fraction

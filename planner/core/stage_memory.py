@@ -6,6 +6,9 @@ of each micro-batch. The model walks that order (`schedule_order`, the one the r
 1F1B `walk_order`'s first cycles) and takes, at every op, each moment (forward end, loss, head, last
 block, embedding backward, optimizer step) with the micro-batches then in flight and the receive and
 send buffers then alive; the peak is the largest. The per-layer pieces are planner/core/memory.py's.
+Tensor parallel (`tp`): the rank is TP rank 0 of its (stage, DP index)'s group, with that rank's units,
+widths, vocabulary rows, loss and embedding (docs/models/tensor_parallel.md; measured in
+tests/e2e/test_tensor_parallel_runs.py).
 
 Every term and moment: docs/models/memory.md ("One rank of a pipeline stage"); the measured check is
 tests/e2e/test_stage_memory.py.
@@ -17,11 +20,11 @@ from dataclasses import asdict, dataclass
 
 from contracts.constants import RECOMPUTE, STEP_CHUNK_NUMEL
 from planner.core.memory import (FP32_BYTES, INT64_BYTES, MemoryConfig, block_backward_transient_bytes,
-                                 block_saved_bytes, block_weight_copy_bytes, head_saved_bytes_per_token)
+                                 block_saved_bytes, block_weight_copy_bytes, head_saved_bytes_per_token, loss_bytes,
+                                 tp_embedding_saved_bytes, tp_units, tp_vocab_rows)
 from contracts.plan import PIPELINE_SCHEDULES, PipelineSpec, Plan
 from contracts.specs import ModelSpec, get_model, with_max_seq
 from contracts.pipeline_order import schedule_in_flight, schedule_order
-from contracts.units import runtime_units
 
 
 def walk_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
@@ -65,8 +68,9 @@ def _owned(numel: int, fraction: float) -> int:
 
 def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, dp_index: int, shard_fraction: float,
                           seq: int, dtype: str = "fp32", recompute: str = "none",
-                          device_type: str = "cpu") -> StageMemory:
-    """Peak bytes of rank (stage, dp_index) of `pipeline` training `spec` (docs/models/memory.md)."""
+                          device_type: str = "cpu", tp: int = 1) -> StageMemory:
+    """Peak bytes of rank (stage, dp_index) of `pipeline` training `spec` (docs/models/memory.md); `tp`: each
+    rank of the stage is TP rank 0 of a group of tp (docs/models/tensor_parallel.md)."""
     S, M = len(pipeline.stages), pipeline.num_microbatches
     if not 0 <= stage < S or not 0 <= dp_index < len(pipeline.stages[stage].rows):
         raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in a pipeline of {S} stages")
@@ -78,9 +82,10 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
     st = pipeline.stages[stage]
     first, last = stage == 0, stage == S - 1
     b = st.rows[dp_index]
-    N, h, V, T = b * seq, spec.hidden, spec.vocab_size, seq
-    cfg = MemoryConfig(micro_batch=b, seq=seq, dtype=dtype, device_type=device_type)
-    units = runtime_units(spec)
+    # tensor parallel: V is this rank's vocabulary rows (logits, the head, the embedding's gradient)
+    N, h, V, T = b * seq, spec.hidden, tp_vocab_rows(spec.vocab_size, tp), seq
+    cfg = MemoryConfig(micro_batch=b, seq=seq, dtype=dtype, device_type=device_type, tp=tp)
+    units = tp_units(spec, tp)
     replica = last and not first and spec.tied_embeddings
     mine = ([units[0]] if first or replica else []) + list(units[1 + st.first_layer:1 + st.first_layer + st.num_layers]) \
         + ([units[-1]] if last else [])
@@ -100,7 +105,9 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
     # autocast weight copies are rebuilt
     rebuilt = saved - piece + copies if full else 0
     positions = INT64_BYTES * T if first and spec.positional == "learned" else 0
+    positions += tp_embedding_saved_bytes(tp, N) if first else 0  # TP: the embedding's local ids and mask
     out = 0 if last else FP32_BYTES * N * h
+    # log_softmax's saved output (TP: the vocabulary-parallel CE's saved softmax, the same N·V_r fp32)
     head = head_saved_bytes_per_token(spec, cfg) * N + FP32_BYTES * N * V if last else 0
     per_mb = blocks + positions + out + head
     F = schedule_in_flight(pipeline.schedule, S, stage, M)
@@ -129,14 +136,16 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
             continue
         act = live * per_mb  # the micro-batch being run still whole
         if last:
-            moment("loss", (act, ahead + pending, 2 * FP32_BYTES * N * V))
+            # one rank: the grad of nll and of the logits; TP: the CE's forward (the logit slice, its statistics)
+            moment("loss", (act, ahead + pending, loss_bytes(tp, V, N) - FP32_BYTES * N * V))
             # log_softmax's saved output is gone; the grad of the logits takes its place (both 4·N·V)
             moment("head", (act, ahead + pending, FP32_BYTES * (N * h + V * h)))
         if L:  # + the incoming gradient: the receive buffer (the head's input gradient on the last stage)
             moment("last_block", (act - head + rebuilt, ahead + pending + piece, in_block))
         if first:
             # the embedding's backward: its dense (V, h) gradient (and the positions' (T, h)), the input gradient
-            moment("embed_backward", (act - per_mb, ahead, dense + piece))
+            # (TP: and the masked copy of the incoming gradient, (rows, T, h) fp32)
+            moment("embed_backward", (act - per_mb, ahead, dense + piece + (piece if tp > 1 else 0)))
         live -= 1
         backs += 1
     largest_slice = max(owned[1:] if replica else owned)  # the norm leaves out the tied replica
@@ -155,8 +164,9 @@ def estimate_plan_stage_memory(plan: Plan, device_index: int, device_type: str =
     s, i = plan.pipeline.stage_of(device_index)
     a = next(x for x in plan.assignments if x.device_index == device_index)
     spec = with_max_seq(get_model(plan.model), plan.seq)
+    # the assignment's tensor-parallel degree (docs/DESIGN.md "Plans at scale"; 1 on a plan without it)
     return estimate_stage_memory(spec, plan.pipeline, s, i, a.shard_fraction, plan.seq, plan.dtype, plan.recompute,
-                                 device_type)
+                                 device_type, tp=getattr(a, "tp", None) or 1)
 
 
 __all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory"]

@@ -26,8 +26,9 @@ from contracts.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSp
 from contracts.plan import DEFAULT_PREFETCH, check_step_dtypes
 from contracts.specs import ModelSpec
 from contracts.units import runtime_units, step_collectives
-from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, bytes_per_s,
-                                          ring_wire_bytes, sharded_step_comm_s)
+from contracts.wire import TOKEN_ID_BYTES
+from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, all_reduce_s,
+                                          bytes_per_s, ring_wire_bytes, sharded_step_comm_s)
 from contracts.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH, check_zero
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class StepConfig:
     reduce_dtype: str = "fp32"
     prefetch: int = DEFAULT_PREFETCH
     reduce_in_flight: int = 0
+    # the step's tokens over every rank (global batch x seq; 0: not given): at zero 2/3 the embedding
+    # unit's gradient goes out as rows where contracts.wire.token_rows_exchange says so
+    step_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -426,7 +430,8 @@ def runtime_memory_fns(spec: ModelSpec, seq: int, dtype: str, recompute: str, wo
             cfg = MemoryConfig(micro_batch=m, accum_steps=n, seq=seq, dtype=dtype, recompute=recompute,
                                dp=max(world_size, 1), zero=zero, shard_fraction=f, device_type=device_type,
                                param_dtype=step.param_dtype, reduce_dtype=step.reduce_dtype,
-                               prefetch=step.prefetch, reduce_in_flight=step.reduce_in_flight)
+                               prefetch=step.prefetch, reduce_in_flight=step.reduce_in_flight,
+                               step_tokens=step.step_tokens)
             breakdown, phases = estimate_with_phases(spec, cfg)
             known[key] = float(breakdown.peak_bytes), tuple(float(phases[k]) for k in sorted(phases))
         return known[key]
@@ -517,13 +522,23 @@ def slice_sizes(numel: int, fractions: Sequence[float]) -> list[int]:
     return out
 
 
-def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Sequence[float], backend: str) -> int:
+def rows_exchange(spec: ModelSpec, zero: int, step: StepConfig, world: int) -> bool:
+    """Whether the runtime sends the embedding unit's gradient as the step's rows
+    (contracts.wire.token_rows_exchange at the step's tokens; zero 2/3 only)."""
+    from contracts.wire import token_rows_exchange
+
+    return zero >= 2 and step.step_tokens > 0 and token_rows_exchange(
+        step.step_tokens, runtime_units(spec)[0].numel, spec.hidden, DTYPE_BYTES[step.reduce_dtype], world)
+
+
+def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Sequence[float], backend: str,
+                    token_sizes: Sequence[int] | None = None) -> int:
     """Bytes one optimizer step puts on the network, every rank's sends together, at the shard
     fractions of the plan's positions: each collective contracts.units.step_collectives counts (zero
     1/2: every unit gathered and reduced once; zero 3: each block gathered twice; a tied embedding unit
     gathered once more for the head at zero 3 and reduced once more at zero 2 and 3), priced by contracts.wire as
     models/collectives.py runs it on `backend` ("gloo": its framing included; "nccl": ring payload)."""
-    from contracts.wire import gather_send_bytes, reduce_scatter_send_bytes
+    from contracts.wire import gather_send_bytes, reduce_scatter_send_bytes, token_rows_send_bytes
 
     k = len(fractions)
     if k <= 1:
@@ -542,8 +557,15 @@ def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Seq
         if zero >= 2:  # layer-wise steps reduce it after the head and again after the embedding
             reduces[tied] = reduces.get(tied, 0) + 1
     pbytes, rbytes = DTYPE_BYTES[step.param_dtype], DTYPE_BYTES[step.reduce_dtype]
-    total = sum(calls * sum(gather_send_bytes(slice_sizes(numel, fractions), pbytes, k, backend))
-                for numel, calls in gathers.items() if numel)
+    rows = 0
+    if rows_exchange(spec, zero, step, k):  # the embedding's last reduce goes out as rows
+        if token_sizes is None or len(token_sizes) != k or sum(token_sizes) != step.step_tokens:
+            raise ValueError(f"the rows exchange needs every rank's tokens summing to {step.step_tokens}, "
+                             f"got {token_sizes}")
+        reduces[units[0].numel] -= 1
+        rows = sum(token_rows_send_bytes(token_sizes, spec.hidden, rbytes, k, backend))
+    total = rows + sum(calls * sum(gather_send_bytes(slice_sizes(numel, fractions), pbytes, k, backend))
+                       for numel, calls in gathers.items() if numel)
     total += sum(calls * sum(reduce_scatter_send_bytes(slice_sizes(numel, fractions), rbytes, k, backend))
                  for numel, calls in reduces.items() if numel)
     return total
@@ -604,6 +626,16 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
     hidden = step_overlap(spec, zero, step.prefetch, step.reduce_in_flight)
     exposed = {} if hidden is None else {"exposed_gather_bytes": hidden[0] * pbytes,
                                          "exposed_reduce_bytes": hidden[1] * rbytes, "exposed_calls": hidden[2]}
+    # the embedding's last reduce-scatter sent as the step's rows instead (two all-gathers, priced as
+    # the gathers are; the rule holds for any world of 2 or more, and one rank sends nothing anyway)
+    if rows_exchange(spec, zero, step, 2):
+        rows_bytes = float(step.step_tokens * (TOKEN_ID_BYTES + spec.hidden * rbytes))
+        table_bytes = float(runtime_units(spec)[0].numel * rbytes)
+        gather_bytes, reduce_bytes, calls = gather_bytes + rows_bytes, reduce_bytes - table_bytes, calls + 1
+        if exposed:  # the last reduce is exposed in every mode: the rows take its place
+            exposed = {"exposed_gather_bytes": exposed["exposed_gather_bytes"] + rows_bytes,
+                       "exposed_reduce_bytes": exposed["exposed_reduce_bytes"] - table_bytes,
+                       "exposed_calls": exposed["exposed_calls"] + 1}
     types = {d.type for d in devices}
     if not multi_node and types == {CPU_TYPE}:
         from planner.core.profiles import collective_set_key, get_collective_profile
@@ -643,8 +675,10 @@ class CostModel:
 
     def __init__(self, cluster: ClusterSpec, num_params: int, coeffs: dict[DeviceSpec, DeviceCoeffs],
                  comm_for: Callable[[Sequence[DeviceSpec], bool], CommModel], zero: int = RUNTIME_ZERO_STAGE,
-                 share_step: float = 0.0, step: StepConfig = StepConfig(), spec: ModelSpec | None = None):
+                 share_step: float = 0.0, step: StepConfig = StepConfig(), spec: ModelSpec | None = None,
+                 seq: int | None = None):
         self.cluster = cluster
+        self.seq = seq  # each rank's tokens per step, micro-batch x micro-batches x seq (the rows exchange's)
         self.spec = spec  # for the wire bytes of a plan's own shards (None: the ring's, CommModel.wire_bytes)
         self.num_params = num_params
         # the room curve's own roughness: each unit's slice is a whole number of parameters (rounded),
@@ -664,15 +698,16 @@ class CostModel:
     def build(cls, cluster: ClusterSpec, spec: ModelSpec, seq: int, dtype: str, recompute: str,
               headroom: float, profiles_dir: str | None = None, zero: int = RUNTIME_ZERO_STAGE,
               profile_cache: dict | None = None, param_dtype: str = PARAM_DTYPE_AUTO, reduce_dtype: str = "fp32",
-              prefetch: int = DEFAULT_PREFETCH, reduce_in_flight: int = 0) -> "CostModel":
+              prefetch: int = DEFAULT_PREFETCH, reduce_in_flight: int = 0, step_tokens: int = 0) -> "CostModel":
         """The cost model of `spec` on `cluster` at ZeRO stage `zero`, the runtime gathering in
         `param_dtype` (`auto`: resolve_param_dtype over the cluster's devices), reducing in
-        `reduce_dtype`, `prefetch` units ahead, `reduce_in_flight` reduce-scatters left in flight.
-        ValueError on a combination the runtime refuses."""
+        `reduce_dtype`, `prefetch` units ahead, `reduce_in_flight` reduce-scatters left in flight,
+        `step_tokens` tokens a step over every rank (global batch x seq; 0: the embedding's gradient
+        priced as the table, never as rows). ValueError on a combination the runtime refuses."""
         validate_zero(zero)
         kinds = sorted({d for _, d in cluster.devices()}, key=lambda d: (d.type, d.slowdown, d.memory_gb or 0))
         step = StepConfig(resolve_param_dtype(param_dtype, zero, dtype, (d.type for d in kinds)), reduce_dtype,
-                          prefetch, reduce_in_flight)
+                          prefetch, reduce_in_flight, step_tokens)
         check_step_dtypes(zero, step.param_dtype, step.reduce_dtype, step.prefetch, what="cost model",
                           reduce_in_flight=step.reduce_in_flight)
         coeffs = {d: build_device_coeffs(d, spec, seq, dtype, recompute, headroom, cluster.num_devices, profiles_dir,
@@ -683,7 +718,7 @@ class CostModel:
             return build_comm_model(devices, multi_node, cluster, spec, zero, dtype, profiles_dir, step)
 
         return cls(cluster, spec.num_params, coeffs, comm_for, zero,
-                   share_step=len(runtime_units(spec)) / spec.num_params, step=step, spec=spec)
+                   share_step=len(runtime_units(spec)) / spec.num_params, step=step, spec=spec, seq=seq)
 
     def comm_model(self, devices: Iterable[DeviceSpec], multi_node: bool) -> CommModel:
         key = (frozenset(devices), multi_node)
@@ -742,7 +777,8 @@ class CostModel:
         fractions = [per_device[i][2] for i in used]
         if sum(fractions) <= 0:
             fractions = [1.0] * len(used)
-        return step_wire_bytes(self.spec, self.zero, self.step, fractions, backend), exposed_s
+        tokens = [per_device[i][0] * per_device[i][1] * self.seq for i in used] if self.seq else None
+        return step_wire_bytes(self.spec, self.zero, self.step, fractions, backend, tokens), exposed_s
 
     def estimate_memory_bytes(self, device: DeviceSpec, micro_batch: int, accum_steps: int,
                               shard_fraction: float) -> float:
@@ -873,3 +909,44 @@ class CostModel:
                        self.bands(d, global_batch, micro_batches, max_compute_s))
             for d, ix in by_kind.items())
         return ScopeTable(name, multi_node, classes, self.comm_model(by_kind, multi_node))
+
+
+# ---- tensor parallelism: the TP group's all-reduces (models/tensor.py) ------------------------------------
+@dataclass(frozen=True)
+class TensorParallelComm:
+    """The all-reduces one micro-batch issues inside a TP group (Megatron: 2 of (b, s, h) per block in
+    forward, 2 in backward), as models/tensor.py issues them: `calls` = ((buffer_bytes, count), ...).
+    They run on the critical path (each waits before the next matmul), so none is hidden."""
+
+    calls: tuple[tuple[int, int], ...]
+
+    @property
+    def num_calls(self) -> int:
+        return sum(n for _, n in self.calls)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes all-reduced per micro-batch (the buffers, before the ring's 2·(t−1)/t)."""
+        return sum(b * n for b, n in self.calls)
+
+    def comm_s(self, tp: int, link: Link) -> float:
+        """Seconds of the micro-batch's all-reduces on a TP group of `tp` ranks (ring, collectives.py)."""
+        return sum(n * all_reduce_s(b, tp, link) for b, n in self.calls)
+
+
+def estimate_tp_comm(spec: ModelSpec, micro_batch: int, seq: int, dtype: str = "fp32",
+                     recompute: str = "none") -> TensorParallelComm:
+    """The TP all-reduces of one micro-batch of `micro_batch` rows through the whole model (a pipeline
+    stage: scale the per-block part by its share of the layers). N = b·s tokens, h hidden, w the compute
+    dtype's bytes (autocast: the row-parallel matmuls' outputs are w-byte; the input gradients, of fp32
+    norm outputs, and the embedding's fp32 lookups are 4-byte):
+      forward: 2 per block (o_proj, down_proj: g) of N·h·w, the vocabulary-parallel embedding's N·h·4;
+      backward: 2 per block (f at the attention's and the MLP's input) of N·h·4, the head's f of N·h·4;
+      recompute "full": each block's forward again in its backward (2 more per block);
+      the cross-entropy's statistics: the row max (N fp32) and the target logit with the sum of
+      exponentials (2·N fp32)."""
+    N, h, L = micro_batch * seq, spec.hidden, spec.num_layers
+    w = DTYPE_BYTES[dtype] if dtype in DTYPE_BYTES else FP32_BYTES
+    forwards = 2 * L * (2 if recompute == "full" else 1)
+    calls = ((N * h * w, forwards), (N * h * FP32_BYTES, 2 * L + 2), (N * FP32_BYTES, 1), (2 * N * FP32_BYTES, 1))
+    return TensorParallelComm(tuple(c for c in calls if c[1]))
