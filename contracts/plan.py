@@ -23,6 +23,7 @@ from contracts.jsonio import dumps, load_json_file, save_json_file
 from contracts.constants import DTYPES, RECOMPUTE, check_zero
 
 PLAN_VERSION = 1
+REBALANCE_MODES = ("auto", "off")  # Plan.rebalance: re-split the batch live from measured rates, or never
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 # the dtypes the sharded runtime reduce-scatters gradients in (fp32 unless asked: bf16 halves the wire
 # bytes and rounds the summed gradient)
@@ -286,6 +287,9 @@ class Plan:
     # the communication no compute hides on the slowest rank (s per step); None: not predicted
     predicted_wire_bytes_per_step: int | None = None
     predicted_exposed_comm_s: float | None = None
+    # live rebalancing (executor/rebalance.py): "auto" re-splits the batch at a step boundary when
+    # measured rates depart from the profiles; "off" keeps this split for the whole run
+    rebalance: str = "auto"
 
     def __post_init__(self) -> None:
         check_count(self.global_batch, "plan: global_batch", 1)
@@ -295,6 +299,8 @@ class Plan:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"plan: recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         self._check_devices()
+        if self.rebalance not in REBALANCE_MODES:
+            raise ValueError(f"plan: rebalance must be one of {', '.join(REBALANCE_MODES)}, got {self.rebalance!r}")
         check_zero(self.zero, what="plan: zero")
         check_step_dtypes(self.zero, self.param_dtype, self.reduce_dtype, self.prefetch,
                           reduce_in_flight=self.reduce_in_flight)
@@ -383,6 +389,7 @@ class Plan:
             "reduce_in_flight": self.reduce_in_flight,
             "predicted_wire_bytes_per_step": self.predicted_wire_bytes_per_step,
             "predicted_exposed_comm_s": self.predicted_exposed_comm_s,
+            "rebalance": self.rebalance,
             "assignments": [a.to_dict() for a in self.assignments],
             "predicted_iteration_s": self.predicted_iteration_s,
             "predicted_samples_per_s": self.predicted_samples_per_s,
@@ -440,6 +447,7 @@ class Plan:
                 reduce_in_flight=d.get("reduce_in_flight", 0),
                 predicted_wire_bytes_per_step=_optional(d.get("predicted_wire_bytes_per_step"), int),
                 predicted_exposed_comm_s=_optional(d.get("predicted_exposed_comm_s"), float),
+                rebalance=d.get("rebalance", "auto"),  # a plan file written before live rebalancing: auto
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None

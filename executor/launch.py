@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from contracts.plan import Plan
@@ -46,35 +47,38 @@ def backend_for(name: str = "local", settings=None) -> Backend:
     raise ValueError(f"backend must be local or slurm, got {name!r}")
 
 
-def _plan(plan: Plan | str) -> Plan:
-    return plan if isinstance(plan, Plan) else Plan.load(plan)
+def _plan(plan: Plan | str, rebalance: str | None = None) -> Plan:
+    """The plan (a Plan or a plan file), its `rebalance` replaced when given ("auto" | "off")."""
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    return plan if rebalance is None else replace(plan, rebalance=rebalance)
 
 
 def launch_run(plan: Plan | str, steps: int, run_dir: str, seed: int = 0, resume: bool = False,
                checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
                tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
                prefill: dict | None = None, emulate_links_gbps: float | None = None,
-               stall_timeout_s: float | None = None) -> str:
+               stall_timeout_s: float | None = None, rebalance: str | None = None) -> str:
     """Run `plan` for `steps` global steps with torchrun here; block until it ends. Returns the final
-    status: "done" | "failed" | "stopped". ValueError on bad input. The settings: RunConfig's."""
+    status: "done" | "failed" | "stopped". ValueError on bad input. The settings: RunConfig's;
+    `rebalance` ("auto" | "off") replaces the plan's own (executor/rebalance.py)."""
     config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
                         corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from, emulate_wan=emulate_wan,
                         prefill=prefill, emulate_links_gbps=emulate_links_gbps, stall_timeout_s=stall_timeout_s)
-    return LocalBackend().launch(_plan(plan), config)
+    return LocalBackend().launch(_plan(plan, rebalance), config)
 
 
 def start_run(plan: Plan | str, steps: int, run_dir: str | None = None, seed: int = 0, resume: bool = False,
               checkpoint_every: int = 0, corpus_dir: str | None = None, optim: OptimConfig | None = None,
               tokenizer: str | None = None, init_from: str | None = None, emulate_wan: bool = False,
               prefill: dict | None = None, emulate_links_gbps: float | None = None,
-              stall_timeout_s: float | None = None) -> RunHandle:
+              stall_timeout_s: float | None = None, rebalance: str | None = None) -> RunHandle:
     """Start `python -m executor launch ...` in a new session and return at once. The run
     survives the caller (a browser reload, an app restart). `run_dir` defaults to a new
-    folder under contracts.paths.runs_dir()."""
+    folder under contracts.paths.runs_dir(); `rebalance` as launch_run's."""
     config = run_config(steps, run_dir, optim, seed=seed, resume=resume, checkpoint_every=checkpoint_every,
                         corpus_dir=corpus_dir, tokenizer=tokenizer, init_from=init_from, emulate_wan=emulate_wan,
                         prefill=prefill, emulate_links_gbps=emulate_links_gbps, stall_timeout_s=stall_timeout_s)
-    return LocalBackend().start(_plan(plan), config)
+    return LocalBackend().start(_plan(plan, rebalance), config)
 
 
 def multinode_commands(plan_path: str, plan: Plan, steps: int, run_dir: str, seed: int = 0, resume: bool = False,

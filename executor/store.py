@@ -64,7 +64,7 @@ _RANK_STEPS_DDL = """
 CREATE TABLE IF NOT EXISTS rank_steps (
     run_key TEXT NOT NULL, rank {int} NOT NULL, step {int} NOT NULL,
     compute_s {real}, emulated_delay_s {real}, optimizer_s {real}, wait_s {real}, peak_memory_bytes {int},
-    comm_wait_s {real}, link_tx_bytes {int},
+    comm_wait_s {real}, link_tx_bytes {int}, predicted_compute_s {real}, predicted_wait_s {real},
     PRIMARY KEY (run_key, rank, step)
 )"""
 _EVENTS_DDL = """
@@ -85,11 +85,19 @@ def _upgrade_from_0(store: db.Database) -> None:
 
 # rank_steps columns newer than schema version 1's tables: a store without them reads NULL
 # (`db upgrade` adds them); comm_wait_s: the runtime's wall seconds waiting on communication;
-# link_tx_bytes: TCP payload the rank sent on its emulated link (executor/links.py)
-OPTIONAL_RANK_STEP_COLUMNS = ("comm_wait_s", "link_tx_bytes")
+# link_tx_bytes: TCP payload the rank sent on its emulated link (executor/links.py);
+# predicted_compute_s / predicted_wait_s: the profile's compute of the rank's micro-batches that step
+# and the wait the cost model gives it (executor/straggler.py)
+OPTIONAL_RANK_STEP_COLUMNS = ("comm_wait_s", "link_tx_bytes", "predicted_compute_s", "predicted_wait_s")
 RUNS = db.Part("runs", ";".join(_TABLES.values()) + ";CREATE INDEX IF NOT EXISTS events_run ON events (run_key, id)",
                tuple(_TABLES), {0: _upgrade_from_0},
-               (("rank_steps", "comm_wait_s", "{real}"), ("rank_steps", "link_tx_bytes", "{int}")))
+               (("rank_steps", "comm_wait_s", "{real}"), ("rank_steps", "link_tx_bytes", "{int}"),
+                ("rank_steps", "predicted_compute_s", "{real}"), ("rank_steps", "predicted_wait_s", "{real}")))
+# events that carry a step and a structured detail (add_step_event): the run's timeline of plans
+# (rebalance from executor/rebalance.py; replan, resume, node_lost, node_joined from the elastic
+# launcher) and the straggler's naming and clearing (executor/straggler.py)
+TIMELINE_KINDS = ("rebalance", "replan", "resume", "node_lost", "node_joined")
+STRAGGLER_KINDS = ("straggler", "straggler_end")
 
 _RANK_COLUMNS = ("run_key", "rank", "position", "device_index", "node", "type", "micro_batch", "accum_steps", "batch",
                  "shard_fraction", "shard_numel", "slowdown", "memory_gb", "emulated", "predicted_memory_bytes",
@@ -139,6 +147,8 @@ class RankStep:
     peak_memory_bytes: int | None
     comm_wait_s: float | None = None  # wall seconds the compute waited on communication
     link_tx_bytes: int | None = None  # TCP payload sent on the rank's emulated link (executor/links.py)
+    predicted_compute_s: float | None = None  # the profile's compute of this step's micro-batches
+    predicted_wait_s: float | None = None  # the cost model's iteration less this rank's compute and optimizer
 
     def values(self, columns: Sequence[str]) -> list:
         return [getattr(self, c) for c in columns]
@@ -278,6 +288,12 @@ class MetricsStore:
         self.db.execute("INSERT INTO events (run_key, time_s, rank, kind, message) VALUES (?, ?, ?, ?, ?)",
                         (self.key, time.time(), rank, kind, message))
 
+    def add_step_event(self, kind: str, step: int | None, detail: Any, message: str, rank: int | None = None) -> None:
+        """An event that belongs to a step, with a structured `detail` (JSON-able; a rebalance's old and
+        new split and its reason): kept in the events table's message as one JSON object, which the
+        readers (read_metrics, read_events) take apart again into `message`, `step` and `detail`."""
+        self.add_event(kind, encode_step_event(step, detail, message), rank)
+
     def truncate_after(self, step: int) -> None:
         """Resume: rows of steps after the checkpoint are recomputed, drop the old ones."""
         with self.db.transaction():
@@ -302,7 +318,7 @@ class MetricsStore:
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         """[{"rank", "kind", "message"}] in the order written; only those of `kind` if given."""
         where, args = ("AND kind = ?", (self.key, kind)) if kind is not None else ("", (self.key,))
-        return [{"rank": r[0], "kind": r[1], "message": r[2]} for r in self.db.all(
+        return [_event({"rank": r[0], "kind": r[1], "message": r[2]}) for r in self.db.all(
             f"SELECT rank, kind, message FROM events WHERE run_key = ? {where} ORDER BY id", args)]
 
     def all_ranks_done(self) -> bool:
@@ -323,6 +339,14 @@ class MetricsStore:
         """A rank is up: its pid, and the plan device it trains (a multi-node rendezvous may order
         ranks differently from the plan, so the rank's own row is rewritten from its assignment)."""
         self.db.execute(_UPSERT_RANK, self._rank_row(rank, position, a, shard_numel, pid, time.time(), memory_method))
+
+    def set_rank_split(self, pieces: dict[int, tuple[int, int]]) -> None:
+        """A live rebalance (executor/rebalance.py): rank -> its new (micro_batch, accum_steps), the
+        ranks rows rewritten in one transaction (their batch = the product)."""
+        with self.db.transaction(writes_only=True):
+            for rank, (m, n) in pieces.items():
+                self.db.execute("UPDATE ranks SET micro_batch = ?, accum_steps = ?, batch = ? WHERE run_key = ? "
+                                "AND rank = ?", (m, n, m * n, self.key, rank))
 
     def record_relayed(self, rows: Sequence[tuple[dict[str, Any], Any]],
                        events: Sequence[tuple[float, int | None, str, str]]) -> None:
@@ -391,6 +415,39 @@ class MetricsStore:
 
 def _emulated(a: Any) -> bool:
     return bool(a.emulated or a.slowdown != 1.0 or a.memory_gb is not None)
+
+
+_STEP_EVENT_TAG = "gpumix_step_event"  # marks a message written by add_step_event
+
+
+def encode_step_event(step: int | None, detail: Any, message: str) -> str:
+    """The events table's message of a step event: {"gpumix_step_event": 1, "step", "detail", "text"}."""
+    return json.dumps({_STEP_EVENT_TAG: 1, "step": step, "detail": detail, "text": message}, separators=(",", ":"))
+
+
+def _event(row: dict[str, Any]) -> dict[str, Any]:
+    """An event row with `step` and `detail` added: those add_step_event wrote (its `message` back
+    to the human line), else step None and the message as the detail."""
+    msg = row.get("message")
+    if isinstance(msg, str) and msg.startswith("{") and _STEP_EVENT_TAG in msg:
+        try:
+            d = json.loads(msg)
+        except ValueError:
+            d = None
+        if isinstance(d, dict) and d.get(_STEP_EVENT_TAG) == 1:
+            return {**row, "message": d.get("text", ""), "step": d.get("step"), "detail": d.get("detail")}
+    return {**row, "step": None, "detail": msg}
+
+
+def straggler_of(events: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The straggler named now: the detail of the last `straggler` event unless a `straggler_end`
+    came after it (events in the order written, as _event returns them)."""
+    for e in reversed(events):
+        if e["kind"] == "straggler":
+            return e["detail"] if isinstance(e["detail"], dict) else None
+        if e["kind"] == "straggler_end":
+            return None
+    return None
 
 
 # ---- readers -----------------------------------------------------------------------------
@@ -489,15 +546,18 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
     "steps": [{"step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s"}],
     "ranks": [{"rank", "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s",
     "median_wait_s", "predicted_step_s", "type", "node", "emulated", "slowdown", "memory_gb", ...}],
-    "rank_steps": [...], "events": [...], "steps_recorded"}`. Raises ValueError when there is no run
-    there. Every row of a long run: a live view reads executor/live.py's RunFollower instead."""
+    "rank_steps": [...], "events": [{"time_s", "rank", "kind", "message", "step", "detail"}],
+    "straggler": null | {"rank", "device", "slowdown", "since_step", "cost_s", ...}, "steps_recorded"}`.
+    Each rank also has its median predicted compute and wait beside the measured ones and
+    `compute_vs_profile` (executor/straggler.py). Raises ValueError when there is no run there. Every
+    row of a long run: a live view reads executor/live.py's RunFollower instead."""
     store, key = _open_reader(run_dir)
     try:
         run, ranks = read_run_and_ranks(store, key, run_dir)
         steps = [dict(r) for r in store.all(
             f"SELECT {', '.join(STEP_FIELDS)} FROM steps WHERE run_key = ? ORDER BY step", (key,))]
         rank_steps = read_rank_steps(store, key)
-        events = [dict(r) for r in store.all(
+        events = [_event(dict(r)) for r in store.all(
             "SELECT time_s, rank, kind, message FROM events WHERE run_key = ? ORDER BY id", (key,))]
     except db.errors() as e:
         raise ValueError(f"run store {store.url.describe()}: {db.error_line(e)}") from None
@@ -506,6 +566,7 @@ def read_metrics(run_dir: str) -> dict[str, Any]:
     return metrics_of(run_dir, run, steps, ranks, rank_steps, events, len(steps))
 
 
+RECENT_STEPS = 5  # the newest steps a rank's compute_vs_profile is the median of
 STEP_FIELDS = ("step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s", "time_s")
 
 
@@ -548,6 +609,11 @@ def metrics_of(run_dir: str, run: dict[str, Any], steps: list[dict[str, Any]], r
         r["median_emulated_delay_s"] = _median([x["emulated_delay_s"] for x in rows])
         r["median_wait_s"] = _median([x["wait_s"] for x in rows])
         r["comm_wait_s"] = _median([x["comm_wait_s"] for x in rows])
+        r["median_predicted_compute_s"] = _median([x.get("predicted_compute_s") for x in rows])
+        r["median_predicted_wait_s"] = _median([x.get("predicted_wait_s") for x in rows])
+        recent = [x["compute_s"] / x["predicted_compute_s"] for x in rows[-RECENT_STEPS:]
+                  if x.get("predicted_compute_s") and x["compute_s"] is not None]
+        r["compute_vs_profile"] = _median(recent)  # measured / the profile's, over the newest steps
         r["emulated"] = bool(r["emulated"])
         r["steps_recorded"] = before_n + len(rows)
     status, reason = _effective_status(run)
@@ -563,7 +629,22 @@ def metrics_of(run_dir: str, run: dict[str, Any], steps: list[dict[str, Any]], r
         "median_step_s": _median([s["step_s"] for s in steps[1:]] or [s["step_s"] for s in steps]),
         "links": _links(run_dir, rank_steps), "steps_recorded": steps_recorded,
         "steps": steps, "ranks": ranks, "rank_steps": rank_steps, "events": events,
+        "straggler": straggler_of(events),
     }
+
+
+def read_events(run_dir: str, kinds: Sequence[str] = TIMELINE_KINDS + STRAGGLER_KINDS) -> list[dict[str, Any]]:
+    """The run's events of `kinds` in the order written, each with `step` and `detail` (a live page
+    reads these few beside executor/live.py's bounded rows). ValueError when there is no store."""
+    store, key = _open_reader(run_dir)
+    try:
+        return [_event(dict(r)) for r in store.all(
+            f"SELECT time_s, rank, kind, message FROM events WHERE run_key = ? AND kind IN "
+            f"({', '.join('?' * len(kinds))}) ORDER BY id", (key, *kinds))]
+    except db.errors() as e:
+        raise ValueError(f"run store {store.url.describe()}: {db.error_line(e)}") from None
+    finally:
+        store.close()
 
 
 def links_gbps(run_dir: str) -> float | None:

@@ -10,7 +10,10 @@ runtime (models/sharded.py) trains them at the plan's ZeRO stage and uneven shar
 runs models/pipeline.py instead (the rank's stage and rows; `--timeline-step`, `--prefill` with
 executor/prefill.py). Rank 0 gathers every rank's figures and peak memory each step into the store,
 with the runtime's `comm_wait_s` and, on emulated links (executor/links.py), the TCP payload the
-rank sent on its link during the step. The last step is always checkpointed (executor/checkpoint.py).
+rank sent on its link during the step, and (a data-parallel plan) each rank's predicted compute and
+wait beside them; rank 0 names a straggler (executor/straggler.py) and, with the plan's `rebalance`
+auto, decides a new batch split from the measured rates, which every rank applies at the next step
+(executor/rebalance.py). The last step is always checkpointed (executor/checkpoint.py).
 Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep
 (`slowdown`) and check the measured peak against `memory_gb`. More: docs/executor.md,
 docs/models/pipeline_simulation.md.
@@ -26,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -207,6 +211,7 @@ class Trainer:
         if sorted(owners) != list(range(world)):
             raise ValueError(f"ranks claim plan positions {owners}: each used device must be taken once")
         self.owner = {pos: r for r, pos in enumerate(owners)}  # plan position -> rank
+        self.position_of = dict(enumerate(owners))  # rank -> plan position
         self.a = used[self.position]
         self.batches = [u.batch for u in used]
 
@@ -250,6 +255,60 @@ class Trainer:
                  spec.num_params, where, " EMULATED" if _is_emulated(self.a) else "")
         self.prefill = self._build_prefill(args) if args.prefill else None
         self.link = LinkCounter(os.environ.get(ENV_LINK_IF))  # emulated links: what this rank sends per step
+        # live rebalancing (executor/rebalance.py): data-parallel plans of two ranks or more
+        self.rebalance = plan.rebalance == "auto" and self.pipe is None and world > 1
+        self.monitor = self._build_monitor(world) if rank == 0 else None
+
+    def _build_monitor(self, world: int):
+        """Rank 0's SplitMonitor (predictions, straggler, rebalancing) of a data-parallel plan; None
+        for a pipeline plan or one rank, or when the plan's cost model cannot be built (said in an
+        event: the run goes on without them)."""
+        if self.pipe is not None or world < 2:
+            return None
+        from executor.rebalance import SplitMonitor
+
+        try:
+            return SplitMonitor(self.plan, self.args.run_dir, self.store, self.owner, auto=self.rebalance)
+        except (ValueError, KeyError, OSError) as e:
+            self.store.add_event("note", f"no straggler detection or rebalancing: the plan's cost model: {e}", 0)
+            if self.rebalance:
+                raise ValueError(f"--rebalance auto needs the plan's cost model ({e}); launch with --rebalance off")
+            return None
+
+    def apply_split(self, pieces: list[tuple[int, int]]) -> None:
+        """Train the next steps on a new split (every rank the same, at the same step): each position's
+        (micro_batch, accum_steps); the shards, the global batch and the sample order stay."""
+        self.batches = [m * n for m, n in pieces]
+        m, n = pieces[self.position]
+        self.a = replace(self.a, micro_batch=m, accum_steps=n, batch=m * n)
+        self.slices = batch_slices(self.batches, self.position, m) if self.a.batch else []
+        if self.pipe is None:  # the runtime sends the embedding's gradient as rows by this split
+            self.runtime.set_batch_split(self.batches, self.plan.seq)
+
+    def agree_split(self, step: int, figures: list[dict[str, float | None]], observe: bool = True) -> None:
+        """Rank 0 decides (SplitMonitor.observe; not on a step that measured memory, slowed by the
+        tracker) and broadcasts whether, and to what, the split changes from the next step; every rank
+        applies the same split at the same step boundary."""
+        world = len(self.plan.used)
+        t = torch.zeros(1 + 2 * world, dtype=torch.int64, device=self.device)
+        if self.rank == 0 and self.monitor is not None and observe:
+            decision = self.monitor.observe(step, self._computes(figures), figures[self.owner[0]]["step_s"])
+            if decision is not None:
+                t[0] = 1
+                t[1:] = torch.tensor([v for p in decision.pieces for v in p], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        if int(t[0]):
+            flat = t[1:].tolist()
+            self.apply_split([(flat[2 * p], flat[2 * p + 1]) for p in range(world)])
+            log.info("step %d: new split from step %d: batches %s", step, step + 1, self.batches)
+
+    def _computes(self, figures: list[dict[str, float | None]]) -> list[float | None]:
+        """Each position's measured compute of the step: the runtime's compute plus any emulated sleep."""
+        out = []
+        for p in range(len(self.plan.used)):
+            f = figures[self.owner[p]]
+            out.append(None if f["compute_s"] is None else f["compute_s"] + (f["emulated_delay_s"] or 0.0))
+        return out
 
     def _build_sharded(self, args, spec, expand_kv: bool, loss_scaling: bool, comm) -> None:
         plan, used = self.plan, self.plan.used
@@ -259,6 +318,8 @@ class Trainer:
                                       seed=args.seed, loss_scaling=loss_scaling, expand_kv=expand_kv,
                                       materialize=not (args.resume or args.init_from),  # both overwrite every slice
                                       **runtime_precision(plan))
+        # the plan's split of the global batch: the embedding's gradient goes out as rows where that pays
+        self.runtime.set_batch_split([u.batch for u in used], plan.seq)
 
     def _build_pipeline(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
         """This rank's (stage, data-parallel index) of the plan's pipeline (models/pipeline.py)."""
@@ -390,10 +451,17 @@ class Trainer:
 
     def record(self, step: int, figures: list[dict[str, float | None]]) -> None:
         """Rank 0: every rank's row and the step's row (the lead rank's loss, step time and
-        validation loss), one transaction."""
+        validation loss), one transaction; with the monitor, each rank's predicted compute and wait
+        of the split it trained (before any change this step decides)."""
+        pred_compute = pred_wait = [None] * len(figures)
+        if self.monitor is not None:
+            by_position = self.monitor.predictions()
+            pred_compute = [by_position[0][self.position_of[r]] for r in range(len(figures))]
+            pred_wait = [by_position[1][self.position_of[r]] for r in range(len(figures))]
         ranks = [RankStep(r, f["compute_s"], f["emulated_delay_s"], f["optimizer_s"], f["wait_s"],
                           None if f["peak_memory_bytes"] is None else int(f["peak_memory_bytes"]), f["comm_wait_s"],
-                          None if f["link_tx_bytes"] is None else int(f["link_tx_bytes"]))
+                          None if f["link_tx_bytes"] is None else int(f["link_tx_bytes"]), pred_compute[r],
+                          pred_wait[r])
                  for r, f in enumerate(figures)]
         lead = figures[self.owner[0]]
         self.store.record_steps_of_all_ranks(step, ranks, lead["loss"], lead["step_s"], self.plan.global_batch,
@@ -455,6 +523,10 @@ class Trainer:
             figures = self.gather_figures(m, val)
             if self.rank == 0:
                 self.record(step, figures)
+            if self.rebalance:  # a collective: every rank learns the split of the next step
+                self.agree_split(step, figures, observe=not measure)
+            elif self.monitor is not None and not measure:  # rank 0 alone: the straggler, no change of split
+                self.monitor.observe(step, self._computes(figures), figures[self.owner[0]]["step_s"])
             asked = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
             if asked or step == args.steps:  # the last step's state is always kept: export, continue
                 self.save_checkpoint(step, required=asked)

@@ -6,7 +6,11 @@ and an app restart: the page finds it again from the SQLite store (ui.state.curr
 The live panel is an `st.fragment(run_every=1 s)` that reads the store through the session's
 executor.live.RunFollower: only the rows newer than it holds, its charts at most a few hundred
 points a series, so a refresh costs the same at any run length (bench/live_panel.py). Measured
-figures sit beside the plan's predictions; emulated devices are marked.
+figures sit beside the plan's predictions; emulated devices are marked. The straggler (which rank,
+on which device, how much slower than its profile, what it costs the step: executor/straggler.py),
+each rank's measured compute and wait beside the predicted ones, and the run's timeline of splits
+(the plan's, then each live rebalance: executor/rebalance.py, drawn as a vertical marker on the
+throughput chart) come from the run's step events (executor.store.read_events).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ BACKENDS = ("local", "slurm")  # executor launch --backend
 COMPARE_WATCH_S = 30.0  # the even-split run's default length, at most, at its predicted step
 MIN_COMPARE_STEPS = 20  # and at least this many steps
 MANY_MICRO_BATCHES = 8  # per step: where an unpriced per-micro-batch cost shows (gap_reasons)
+SPLIT_MARKER_COLOR = "#7b3294"  # the throughput chart's markers of a change of split
 
 
 def _store():
@@ -260,9 +265,23 @@ def throughput_figure(m: dict[str, Any]) -> Any:
 
     xs, ys = points(m, "samples_per_s")
     pred = m.get("predicted_samples_per_s")
-    return line_chart({"each step (measured)": (xs, ys)}, "step", "throughput (samples/s)",
-                      "Throughput (measured, predicted)", smooth=SMOOTH_STEPS,
-                      hlines={"predicted": pred} if pred and xs else None)
+    fig = line_chart({"each step (measured)": (xs, ys)}, "step", "throughput (samples/s)",
+                     "Throughput (measured, predicted)", smooth=SMOOTH_STEPS,
+                     hlines={"predicted": pred} if pred and xs else None)
+    return with_step_markers(fig, m.get("split_changes") or [])
+
+
+def with_step_markers(fig: dict[str, Any], changes: list[dict[str, Any]]) -> dict[str, Any]:
+    """`fig` with a dotted vertical line at each change of split (`{"step", "kind"}`: the first step
+    trained on the new split), labelled with its kind at the top."""
+    shapes = list(fig["layout"].get("shapes", []))
+    for c in changes:
+        shapes.append({"type": "line", "xref": "x", "x0": c["step"], "x1": c["step"], "yref": "paper", "y0": 0,
+                       "y1": 1, "line": {"color": SPLIT_MARKER_COLOR, "dash": "dot", "width": 2},
+                       "label": {"text": f"{c['kind']} (step {c['step']})", "textposition": "end",
+                                 "font": {"size": 10, "color": SPLIT_MARKER_COLOR}}})
+    fig["layout"]["shapes"] = shapes
+    return fig
 
 
 def loss_figure(m: dict[str, Any]) -> Any:
@@ -615,7 +634,7 @@ def render_numbers(m: dict[str, Any]) -> None:
                       help=f"global batch {m['global_batch']} / median step time")
 
 
-CHART_INPUTS = ("history", "ranks", "predicted_samples_per_s")
+CHART_INPUTS = ("history", "ranks", "predicted_samples_per_s", "split_changes")
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -629,7 +648,7 @@ def figure_specs(chart_json: str) -> tuple[dict, dict, dict, dict]:
 
 def chart_figures(m: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
     """figure_specs of a live view (RunFollower.refresh)."""
-    return figure_specs(json.dumps({k: m[k] for k in CHART_INPUTS}))
+    return figure_specs(json.dumps({k: m.get(k) for k in CHART_INPUTS}))
 
 
 def render_charts(m: dict[str, Any]) -> None:
@@ -658,6 +677,89 @@ def render_charts(m: dict[str, Any]) -> None:
     common.show_table(ranks_frame(m), key="launch_ranks_table")
 
 
+# ---- the straggler, per-rank predictions, the timeline of splits -------------------------------
+
+
+def split_text(rows: list[dict[str, Any]]) -> str:
+    """"rank 0: 12 (4×3), rank 1: 20 (4×5)" of a split's rows ({"rank", "batch", "micro_batch", "accum_steps"})."""
+    return ", ".join(f"rank {r['rank']}: {r['batch']} ({r['micro_batch']}×{r['accum_steps']})" for r in rows)
+
+
+def timeline_rows(plan: Plan | None, events: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The run's plans in order: the plan it started with, then each step event of
+    executor.store.TIMELINE_KINDS (a rebalance's new split and reason; the others' message)."""
+    rows = []
+    if plan is not None:
+        devices = plan.cluster.devices()
+        used = plan.used
+        rows.append({"from step": "1", "change": "plan", "devices": ", ".join(
+            f"rank {r}: {devices[a.device_index][1].profile_key} on {a.node}" for r, a in enumerate(used)),
+            "split": split_text([{"rank": r, "batch": a.batch, "micro_batch": a.micro_batch,
+                                  "accum_steps": a.accum_steps} for r, a in enumerate(used)]),
+            "why": f"the plan (predicted step {common.fmt_seconds(plan.predicted_iteration_s)})"
+                   if plan.predicted_iteration_s else "the plan"})
+    for e in events:
+        if e["kind"] not in _store().TIMELINE_KINDS:
+            continue
+        d = e["detail"] if isinstance(e["detail"], dict) else {}
+        if e["kind"] == "rebalance" and d.get("new_split"):
+            why = (f"{d.get('reason', '')}; predicted step {common.fmt_seconds(d.get('predicted_step_s_before'))} "
+                   f"→ {common.fmt_seconds(d.get('predicted_step_s'))}")
+            rows.append({"from step": str(e["step"]), "change": "rebalance", "devices": "unchanged",
+                         "split": split_text(d["new_split"]), "why": why})
+        else:
+            rows.append({"from step": "?" if e["step"] is None else str(e["step"]), "change": e["kind"],
+                         "devices": "", "split": "", "why": e["message"]})
+    return rows
+
+
+def straggler_line(s: dict[str, Any]) -> str:
+    """The straggler as the page says it: which rank, on which device, how much slower, its cost."""
+    return (f"Straggler: **rank {s['rank']}** on **{s['device']}** is **{s['slowdown']:.2f}× slower than its "
+            f"profile** (against how the other ranks match theirs; {s.get('compute_vs_profile', 0):.2f}× its "
+            f"profile's compute) since step {s['since_step']}; it costs each step "
+            f"**{common.fmt_seconds(s.get('cost_s'))}** (measured).")
+
+
+def prediction_frame(m: dict[str, Any]) -> pd.DataFrame:
+    """Per rank: measured compute and wait (medians) beside the predicted ones, and compute ÷ profile."""
+    def secs(x: float | None) -> str:
+        return common.fmt_cell(x, common.fmt_seconds)
+
+    rows = []
+    for r in m["ranks"]:
+        compute = None if r.get("median_compute_s") is None else (
+            r["median_compute_s"] + (r.get("median_emulated_delay_s") or 0.0))
+        rows.append({"rank": str(r["rank"]), "split now": f"{r['micro_batch']} × {r['accum_steps']}",
+                     "compute (measured)": secs(compute), "compute (predicted)": secs(r.get("median_predicted_compute_s")),
+                     "wait (measured)": secs(r.get("median_wait_s")),
+                     "wait (predicted)": secs(r.get("median_predicted_wait_s")),
+                     "compute ÷ profile (newest steps)": common.fmt_cell(r.get("compute_vs_profile"),
+                                                                           lambda x: f"{x:.2f}×")})
+    return pd.DataFrame(rows)
+
+
+def render_adaptive(run_dir: str, m: dict[str, Any]) -> None:
+    """The straggler, the per-rank predictions and the timeline of splits; sets m["split_changes"]
+    (the throughput chart's markers)."""
+    try:
+        events = _store().read_events(run_dir)
+    except ValueError:
+        events = []
+    m["split_changes"] = [{"step": e["step"], "kind": e["kind"]} for e in events
+                          if e["kind"] in _store().TIMELINE_KINDS and e["step"] is not None]
+    s = _store().straggler_of(events)
+    if s is not None:
+        st.warning(straggler_line(s), icon=":material/speed:")
+    if any(r.get("median_predicted_compute_s") is not None for r in m["ranks"]):
+        with st.expander("Per rank: measured compute and wait beside the predicted ones", expanded=s is not None):
+            common.show_table(prediction_frame(m), key="launch_prediction_table")
+    rows = timeline_rows(run_plan(m), events)
+    if rows:
+        st.markdown("**Timeline of plans** (which devices, which split, why it changed)")
+        common.show_table(pd.DataFrame(rows), key="launch_timeline_table")
+
+
 def render_monitor(run_dir: str) -> None:
     live = run_is_live(run_dir)
 
@@ -680,6 +782,7 @@ def render_monitor(run_dir: str) -> None:
             m = live_metrics(run_dir)
         render_status(m)
         render_numbers(m)
+        render_adaptive(run_dir, m)
         render_gap(m)
         render_compare(run_dir, m)
         render_charts(m)

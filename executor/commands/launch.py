@@ -1,7 +1,7 @@
 """`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume | --overwrite] [--checkpoint-every K]
 [--keep-checkpoints N] [--stall-timeout S]
 [--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan | --emulate-links GBPS]
-[--prefill FILE]
+[--prefill FILE] [--rebalance auto|off]
 [--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
 
 Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed; 2: refused before any
@@ -68,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with tc to GBPS Gbit/s each way (CPU ranks on this machine; needs root, ip, tc, nsenter)")
     p.add_argument("--prefill", default=None, metavar="FILE",
                    help="a JSON object passed to every rank as --prefill (prefill work in pipeline bubbles)")
+    p.add_argument("--rebalance", choices=("auto", "off"), default=None,
+                   help="auto: re-split the batch at a step boundary when a rank's measured rate departs from its "
+                        "profile (no restart; same samples, same losses); off: keep the plan's split (default: the "
+                        "plan's 'rebalance' field, itself auto)")
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
     add_backend_arguments(p)
 
@@ -178,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     if args.emulate_links is not None and args.backend != "local":
         raise ValueError(f"--emulate-links runs every rank on this machine; not with --backend {args.backend}")
     plan = Plan.load(args.plan)
+    if args.rebalance is not None:
+        plan = replace(plan, rebalance=args.rebalance)
     backend = backend_for(args.backend, slurm_settings(args) if args.backend == "slurm" else None)
     if args.backend == "local" and not runs_here(plan) and not args.emulate_wan:
         run_dir = os.path.abspath(args.run_dir)

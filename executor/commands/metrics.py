@@ -1,4 +1,6 @@
-"""`python -m executor metrics --run-dir R [--json]`: the run's status, steps and ranks."""
+"""`python -m executor metrics --run-dir R [--json]`: the run's status, steps and ranks, each rank's
+measured compute and wait beside its predicted ones, the straggler (executor/straggler.py) and the
+run's timeline of splits (rebalance events, executor/rebalance.py)."""
 from __future__ import annotations
 
 import argparse
@@ -12,8 +14,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--last", type=int, default=20, help="table mode: show the last N steps")
 
 
+def _straggler_line(s: dict) -> str:
+    return (f"rank {s['rank']} on {s['device']}, {s['slowdown']:.2f}x slower than its profile (against the other "
+            f"ranks) since step {s['since_step']}, costing the step {s.get('cost_s', 0.0):.3f} s (measured)")
+
+
 def run(args: argparse.Namespace) -> int:
-    from executor.store import read_metrics
+    from executor.store import TIMELINE_KINDS, read_metrics
     from contracts.cli import print_json, print_table
 
     if args.last < 1:
@@ -29,8 +36,14 @@ def run(args: argparse.Namespace) -> int:
     print_table(m["steps"][-args.last:], ["step", "loss", "val_loss", "samples_per_s", "tokens_per_s", "step_s"])
     print()
     print_table(m["ranks"], ["rank", "type", "emulated", "micro_batch", "accum_steps", "shard_fraction",
-                             "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s", "median_wait_s",
-                             "comm_wait_s", "predicted_step_s"])
+                             "peak_memory_bytes", "predicted_memory_bytes", "median_compute_s",
+                             "median_predicted_compute_s", "median_wait_s", "median_predicted_wait_s",
+                             "compute_vs_profile", "comm_wait_s", "predicted_step_s"])
+    s = m["straggler"]
+    print(f"straggler: {'none' if s is None else _straggler_line(s)}")
+    for e in m["events"]:
+        if e["kind"] in TIMELINE_KINDS:
+            print(f"step {e['step'] if e['step'] is not None else '?'}: {e['kind']}: {e['message']}")
     if m["links"] is not None:
         gbps, sent = m["links"]["gbps"], m["links"]["bytes_per_step"]
         print(f"emulated links: {'?' if gbps is None else f'{gbps:g}'} Gbit/s each way per rank; "
