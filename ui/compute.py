@@ -7,7 +7,7 @@ from planner.schedule.trace import DEMO_CLUSTERS, generate_trace, mixed_cluster
 
 HOUR_S = 3600.0
 # GPUMix's policy first, then the baselines a practitioner would use, strongest kinds first
-POLICIES = ("gpumix", "sjf", "fifo-backfill-sized", "frenzy", "fifo-backfill", "fifo")
+POLICIES = ("gpumix", "srtf", "las", "gavel", "sjf", "fifo-backfill-sized", "frenzy", "fifo-backfill", "fifo")
 BASELINES = POLICIES[1:]
 
 

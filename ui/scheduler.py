@@ -1,5 +1,5 @@
 """Scheduler: submit models without choosing devices; the queue, its runs over time; GPUMix's policy
-against every baseline in one simulator.
+against every baseline in one simulator, with how many of its jobs ran on mixed-type gangs (marked in the Gantt).
 
 Widgets -> one library call -> render: executor.queue.JobQueue (submit, list),
 executor.orchestrator.Orchestrator.tick (one scheduler pass on this machine's devices),
@@ -24,6 +24,7 @@ from ui.state import default_local_cluster
 LOCAL_MODELS = ("tiny", "tiny-llama", "small", "gpt2")  # what a CPU machine trains in minutes
 AUTO_TICK_S = 2.0
 SIM_JOB = "schedule-simulation"  # this page's background job (ui/background.py)
+MIXED_MARK = "[mixed gang]"  # how the Gantt's tooltip names a job that ran on devices of several types
 
 
 def gantt(rows: list[dict], title: str, x_title: str):
@@ -161,6 +162,8 @@ def show_simulation(res: dict) -> None:
                   (f"p99 JCT vs {strongest}",
                    fmt_percent(100 * (ours["p99_jct_s"] / ref["p99_jct_s"] - 1.0), signed=True), PREDICTED)]
     cards.append(("gpumix decision time", f"{ours['scheduling_overhead_ms_per_job']:.2f} ms/job", MEASURED))
+    cards.append(("gpumix jobs on mixed-type gangs", f"{ours.get('num_mixed_gang_jobs', 0)} of {ours['num_jobs']}",
+                  PREDICTED))
     for col, (label, value, kind) in zip(st.columns(len(cards)), cards):
         with col:
             metric(label, value, kind)
@@ -169,11 +172,17 @@ def show_simulation(res: dict) -> None:
                    "makespan (h, predicted)": d["makespan_s"] / HOUR_S,
                    "GPU utilization (predicted)": d["gpu_utilization"],
                    "decision time (ms/job, measured)": d["scheduling_overhead_ms_per_job"],
+                   "jobs on mixed gangs": d.get("num_mixed_gang_jobs", 0),
                    "failed jobs": d["num_failed"]}
                   for p, d in ((p, res[p]["summary"]) for p in POLICIES)], hide_index=True, key="sched_sim_table")
     policy = st.radio("Gantt of", POLICIES, horizontal=True, key="sched_gantt_policy")
-    show_figure(gantt(res[policy]["rows"], f"{policy}: devices over time (predicted)", "time (h)"),
-                key="sched_sim_gantt")
+    mixed = set(res[policy]["summary"].get("mixed_gang_job_ids", ()))
+    rows = [{**r, "job": f"{r['job']} {MIXED_MARK}" if r["job"] in mixed else r["job"]} for r in res[policy]["rows"]]
+    show_figure(gantt(rows, f"{policy}: devices over time (predicted)", "time (h)"), key="sched_sim_gantt")
+    if mixed:
+        st.caption(f"{MIXED_MARK} marks the {len(mixed)} jobs that ran on a mixed-type gang (devices of several "
+                   f"types at once, batch and state split unevenly): {', '.join(sorted(mixed)[:20])}"
+                   f"{' …' if len(mixed) > 20 else ''}")
 
 
 page_header("Scheduler", "Submit a model, not a GPU request: GPUMix predicts what fits where and places the job.")

@@ -6,6 +6,8 @@
 * `sjf` — shortest predicted job first (its fastest option's predicted duration), the same
   sizing, the same backfilling.
 
+Every sized policy's options include mixed gangs (planner/schedule/sizing.py) unless `mixed` is off.
+
 Each decision walks the queue in order and starts every job that fits. The first job that
 does not fit gets the one reservation: the option that can start (and so finish) earliest as
 running jobs end at their predicted times, counting the jobs started in this same pass. A
@@ -28,11 +30,11 @@ ORDERS = ("arrival", "sjf")
 
 class BackfillPolicy:
     def __init__(self, cluster: ClusterSpec, dtype: str = "bf16", order: str = "arrival",
-                 user_requests: bool = False, name: str | None = None) -> None:
+                 user_requests: bool = False, name: str | None = None, mixed: bool = True) -> None:
         if order not in ORDERS:
             raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
         self.order = order
-        self.sizing = Sizing(cluster, dtype, user_requests=user_requests)
+        self.sizing = Sizing(cluster, dtype, user_requests=user_requests, mixed=mixed)
         self.name = name or ("sjf" if order == "sjf" else "fifo-backfill" if user_requests else "fifo-backfill-sized")
         self.reservation = Reservation()  # the last pass's
 
@@ -46,9 +48,16 @@ class BackfillPolicy:
 
     def decide(self, now: float, waiting: Sequence[JobSpec], free: dict[Pool, int],
                running: Sequence[Running]) -> list[Decision]:
+        self.sizing.new_decision()
         todo = sorted((j for j in waiting if self.sizing.entries(j)), key=self._key)
         out, self.reservation = easy_pass(self.sizing, now, todo, free, running)
         return out
+
+
+def running_view(sizing: Sizing, job_id: str, o, need, end_s: float, remaining: float = 1.0) -> Running:
+    """A job started in this pass as the running jobs are seen (its parts by pool)."""
+    mix = tuple((sizing.pools[k], n) for k, n in need) if o.mix else ()
+    return Running(job_id, sizing.pools[need[0][0]], o.num_gpus, end_s, o, remaining, mix)
 
 
 def easy_pass(sizing: Sizing, now: float, todo: Sequence[JobSpec], free: dict[Pool, int],
@@ -64,15 +73,15 @@ def easy_pass(sizing: Sizing, now: float, todo: Sequence[JobSpec], free: dict[Po
     for job in todo:
         if not any(free_n):
             break
-        pick = sizing.choose(job, free_n, lambda k, o: res.blocks(k, now + job.steps * o.iteration_s, o.num_gpus))
+        pick = sizing.choose(job, free_n, lambda need, o: res.blocks(need, now + job.steps * o.iteration_s))
         if pick is not None:
-            k, o = pick
+            need, o = pick
             o = replace(o, duration_s=o.iteration_s * job.steps)
-            free_n[k] -= o.num_gpus
-            res.take(k, now + o.duration_s, o.num_gpus)
+            sizing.take(free_n, need)
+            res.take(need, now + o.duration_s)
             out.append(Decision(job, o))
             if count_started:
-                started.append(Running(job.job_id, sizing.pools[k], o.num_gpus, now + o.duration_s, o))
+                started.append(running_view(sizing, job.job_id, o, need, now + o.duration_s))
         elif res.job_id is None and may_reserve(job):
             res = sizing.reserve(job, free_n, [*running, *started], now)
     return out, res

@@ -10,10 +10,11 @@ from planner.schedule.simulate import ERROR_SIGMA, MAX_ERROR_SIGMA, POLICIES, PO
 from contracts.jsonio import check_file_size
 from planner.schedule.trace import MAX_TRACE_JOBS, generate_trace, load_trace, save_trace
 
-HELP = "simulate a job trace (CSV, or --generate) on a cluster under a scheduling policy (gpumix, frenzy, baselines)"
+HELP = ("simulate a job trace (CSV, or --generate) on a cluster under a scheduling policy (gpumix, frenzy, "
+        "baselines); jobs may run on mixed-type gangs unless --no-mixed")
 MAX_LOAD = 1000.0  # requested GPU-seconds per device-second: past this the queue only grows
 SUMMARY_KEYS = ("policy", "num_jobs", "num_failed", "avg_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization",
-                "scheduling_overhead_ms_per_job", "num_restarts")
+                "scheduling_overhead_ms_per_job", "num_restarts", "num_mixed_gang_jobs")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-trace", metavar="CSV", help="with --generate: also write the trace here")
     p.add_argument("--policy", choices=POLICIES, default="gpumix",
                    help="; ".join(f"{name}: {what}" for name, (what, _) in POLICY_TABLE.items()))
+    p.add_argument("--no-mixed", action="store_true",
+                   help="one pool per job for every policy (the ablation of mixed-type gangs)")
     p.add_argument("--error-sigma", type=float_arg(0.0, MAX_ERROR_SIGMA), default=ERROR_SIGMA,
                    help="sigma of the lognormal error between predicted and simulated durations (0: exact predictions)")
     p.add_argument("--error-seed", type=int_arg(0, 2**63 - 1), default=0,
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:
                 raise ValueError(f"cannot write --save-trace {args.save_trace}: {e.strerror}") from None
     result = simulate_schedule(jobs, cluster, args.policy, dtype=args.dtype, error_sigma=args.error_sigma,
-                               error_seed=args.error_seed)
+                               error_seed=args.error_seed, mixed=not args.no_mixed)
     if args.json:
         print_json(result.to_dict(jobs=True))
         return 0

@@ -26,13 +26,15 @@ class FrenzyPolicy:
 
     def __init__(self, cluster: ClusterSpec, dtype: str = "bf16", cheap_slack: float = 1.25,
                  min_efficiency: float = 0.7, reserve_after_s: float = 0.0, order: str = "hrrn",
-                 user_requests: bool = False) -> None:
+                 user_requests: bool = False, mixed: bool = False) -> None:
         if order not in ("hrrn", "arrival"):
             raise ValueError(f"order must be 'hrrn' or 'arrival', got {order!r}")
         self.cluster, self.dtype = cluster, dtype
         self.reserve_after_s, self.order = reserve_after_s, order
-        # user_requests: ablation, frenzy's queueing (order, reservation, backfill) over the users' own requests
-        self.sizing = Sizing(cluster, dtype, cheap_slack, min_efficiency, user_requests)
+        # user_requests: ablation, frenzy's queueing (order, reservation, backfill) over the users' own requests.
+        # mixed: offer mixed-type gangs; off by default because executor/orchestrator.py (which builds this
+        # policy) launches one pool per job; the simulator turns it on (simulate.POLICY_TABLE)
+        self.sizing = Sizing(cluster, dtype, cheap_slack, min_efficiency, user_requests, mixed=mixed)
 
     def options(self, job: JobSpec) -> list[ResourceOption]:
         """The job's usable options (planner/schedule/sizing.py)."""
@@ -50,6 +52,7 @@ class FrenzyPolicy:
     def decide(self, now: float, waiting: Sequence[JobSpec], free: dict[Pool, int],
                running: Sequence[Running]) -> list[Decision]:
         sizing = self.sizing
+        sizing.new_decision()
         todo = [j for j in waiting if sizing.entries(j)]
         todo.sort(key=lambda j: self._rank(now, j))
         # The oldest job goes first; if it cannot start it holds the one reservation (EASY).

@@ -2,9 +2,12 @@
 aging, moldable sizing by expected cost to the mean JCT, EASY backfilling, and elastic jobs:
 preemption and growth through checkpoint and resume.
 
-Each decision: (1) order the waiting jobs by predicted remaining work aged by their wait (a job
-waiting `starve_after_s` goes first); (2) start each on the option of the Pareto front
-(planner/schedule/options.py) of least expected cost to the mean JCT (`_cost`); (3) give the first
+Each decision: (1) order the waiting jobs by predicted remaining work aged by their wait; a job
+whose predicted slowdown so far reaches `slowdown_bound` goes ahead, the highest slowdown first
+(bounded slowdown: under overload the short jobs, whose slowdown grows fastest, still go first —
+never a first-come-first-served collapse); (2) start each on the option of the Pareto front
+(planner/schedule/options.py), mixed gangs included (planner/schedule/mixed.py), of least
+expected cost to the mean JCT (`_cost`); (3) give the first
 job that cannot start the one EASY reservation; (4) preempt jobs with far more work left that hold
 its devices when the wait saved exceeds their restart cost (at most `max_preemptions` times each);
 (5) when nobody waits, grow the longest running jobs onto faster options. Every figure it decides on
@@ -20,12 +23,19 @@ from typing import Sequence
 
 from contracts.cluster import ClusterSpec
 from contracts.jobs import JobSpec
+from planner.schedule.backfill import running_view
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import Reservation, Sizing
 from planner.schedule.state import ERROR_SIGMA, Decision, Running, checkpoint_save_s, restart_s
 
 AGING_S = 6 * 3600.0  # a job that waited this long ranks as if it had half its work left
-STARVE_AFTER_S = 24 * 3600.0  # a job that waited this long goes ahead of every other, oldest first
+# Bounded slowdown: a job whose predicted slowdown if it started now, (wait + work left) / its whole
+# work (at least SLOWDOWN_FLOOR_S), reaches SLOWDOWN_BOUND goes ahead of the others, the highest
+# slowdown first. Its wait is so bounded in proportion to its own length: a 10-minute job waits
+# about an hour and a half at most for its turn, a 100-hour one ~30 days, not a fixed day for all
+# (the rule it replaces, "a job waiting 24 h goes first, oldest first", became FIFO under overload).
+SLOWDOWN_BOUND = 10.0
+SLOWDOWN_FLOOR_S = 600.0  # the ITP traces' shortest job: shorter ones count as this long
 # Preempt when the predicted sum of JCTs falls: the wait saved exceeds the delay put on the
 # preempted jobs (PREEMPT_GAIN 1); only jobs with at least twice the starter's work left
 # (shortest remaining work first, with a margin for the prediction's error), each at most
@@ -49,16 +59,16 @@ class GpumixPolicy:
                  preempt_gain: float = PREEMPT_GAIN, preempt_ratio: float = PREEMPT_RATIO,
                  max_preemptions: int = MAX_PREEMPTIONS, queue_weight: float = 1.0,
                  arrival_weight: float = 3.0, min_efficiency: float = 0.0,
-                 starve_after_s: float = STARVE_AFTER_S, whole_pools: bool = True, grow_top: int = GROW_TOP,
-                 grow_gain: float = GROW_GAIN, max_grows: int = MAX_GROWS) -> None:
+                 slowdown_bound: float = SLOWDOWN_BOUND, whole_pools: bool = True, grow_top: int = GROW_TOP,
+                 grow_gain: float = GROW_GAIN, max_grows: int = MAX_GROWS, mixed: bool = True) -> None:
         self.cluster, self.dtype = cluster, dtype
         self.aging_s, self.preempt_gain, self.preempt_ratio = aging_s, preempt_gain, preempt_ratio
-        self.max_preemptions, self.starve_after_s = max_preemptions, starve_after_s
+        self.max_preemptions, self.slowdown_bound = max_preemptions, slowdown_bound
         self.grow_top, self.grow_gain, self.max_grows = grow_top, grow_gain, max_grows
         self._grown: dict[str, int] = {}
         self.queue_weight, self.arrival_weight = queue_weight, arrival_weight
         # every Pareto option (min_efficiency 0): the expected-cost rule of _choose sizes the jobs
-        self.sizing = Sizing(cluster, dtype, min_efficiency=min_efficiency, whole_pools=whole_pools)
+        self.sizing = Sizing(cluster, dtype, min_efficiency=min_efficiency, whole_pools=whole_pools, mixed=mixed)
         self.total_price = sum(self.sizing.entry_price(p, p.count) for p in self.sizing.pools)
         self._first_s = math.inf
         self._left: dict[str, float] = {}  # share of steps left of each suspended job
@@ -74,15 +84,20 @@ class GpumixPolicy:
     def _work_s(self, job: JobSpec) -> float:
         return self._left.get(job.job_id, 1.0) * self.sizing.ref_s(job)
 
+    def slowdown(self, now: float, job: JobSpec) -> float:
+        """Predicted slowdown if it started now: (wait so far + work left) / its whole work."""
+        return (now - job.submit_s + self._work_s(job)) / max(self.sizing.ref_s(job), SLOWDOWN_FLOOR_S)
+
     def _key(self, now: float, job: JobSpec) -> tuple:
-        wait_s = now - job.submit_s
-        if wait_s >= self.starve_after_s:  # waited too long: first come first served, ahead of the rest
-            return (-job.priority, 0, job.submit_s, job.job_id)
-        return (-job.priority, 1, self._work_s(job) / (1.0 + wait_s / self.aging_s), job.job_id)
+        slowdown = self.slowdown(now, job)
+        if slowdown >= self.slowdown_bound:  # waited too long for its length: ahead, worst slowdown first
+            return (-job.priority, 0, -slowdown, job.job_id)
+        return (-job.priority, 1, self._work_s(job) / (1.0 + (now - job.submit_s) / self.aging_s), job.job_id)
 
     def decide(self, now: float, waiting: Sequence[JobSpec], free: dict[Pool, int],
                running: Sequence[Running]) -> list[Decision]:
         sizing = self.sizing
+        sizing.new_decision()
         free_n = [free.get(p, 0) for p in sizing.pools]
         for j in waiting:
             if j.job_id not in self._jobs:
@@ -101,15 +116,15 @@ class GpumixPolicy:
             if not any(free_n) and head is not None:
                 break
             left = self._left.get(job.job_id, 1.0)
-            pick = self._choose(job, left, free_n, lambda k, o: res.blocks(k, now + left * job.steps * o.iteration_s,
-                                                                           o.num_gpus), len(todo) - i - 1, rate)
+            pick = self._choose(job, left, free_n, lambda need, o: res.blocks(need, now + left * job.steps * o.iteration_s),
+                                len(todo) - i - 1, rate)
             if pick is not None:
-                k, o = pick
+                need, o = pick
                 o = replace(o, duration_s=o.iteration_s * job.steps)
-                free_n[k] -= o.num_gpus
-                res.take(k, now + left * o.duration_s, o.num_gpus)
+                sizing.take(free_n, need)
+                res.take(need, now + left * o.duration_s)
                 out.append(Decision(job, o))
-                started.append(Running(job.job_id, sizing.pools[k], o.num_gpus, now + left * o.duration_s, o, left))
+                started.append(running_view(sizing, job.job_id, o, need, now + left * o.duration_s, left))
                 self._left.pop(job.job_id, None)
             elif head is None:
                 head = job
@@ -122,7 +137,8 @@ class GpumixPolicy:
                         self._left[r.job_id] = r.remaining
                         self._preempted[r.job_id] = self._preempted.get(r.job_id, 0) + 1
                         out.append(Decision(self._jobs[r.job_id], r.option, suspend=True))
-                        free_n[k] += r.num_gpus
+                        for pool, n in r.parts:
+                            free_n[sizing.index[pool.device]] += n
                     o = replace(o, duration_s=o.iteration_s * job.steps)
                     free_n[k] -= o.num_gpus
                     out.append(Decision(job, o))
@@ -142,8 +158,8 @@ class GpumixPolicy:
 
     def _grow(self, now: float, free_n: list[int], running: Sequence[Running], rate: float) -> list[Decision]:
         """Nobody waits and devices idle: move the running jobs with the most predicted time left
-        to a faster option (checkpoint and resume) where its expected cost (`_cost`, the restart
-        included) falls by more than `grow_gain` restarts."""
+        to a faster option, one pool or a mixed gang (checkpoint and resume), where its expected cost
+        (`_cost`, the restart included) falls by more than `grow_gain` restarts."""
         out = []
         longest = sorted((r for r in running if r.option is not None and r.job_id in self._jobs
                           and self._grown.get(r.job_id, 0) < self.max_grows),
@@ -151,40 +167,40 @@ class GpumixPolicy:
         for r in longest:
             job = self._jobs[r.job_id]
             restart = restart_s(job)
-            mine = self.sizing.index[r.pool.device]
+            held = [(self.sizing.index[p.device], n) for p, n in r.parts]
+            self.sizing.give(free_n, held)  # what it could move to: the free devices and its own
             now_cost = self._cost(r.end_s - now, self.sizing.entry(r.option)[2], 0, rate)
             best = None
-            for k, o, price in self.sizing.entries(job):
-                have = free_n[k] + (r.num_gpus if k == mine else 0)
-                if have < o.num_gpus or o.num_gpus <= (r.num_gpus if k == mine else 0) \
-                        or o.iteration_s >= r.option.iteration_s:
-                    continue  # a move must be predicted faster and, on its own pool, take more devices
+            for (k, o, price), need in self.sizing.candidates(job, free_n):
+                if o.iteration_s >= r.option.iteration_s or all(n <= dict(held).get(q, 0) for q, n in need):
+                    continue  # a move must be predicted faster and take devices it does not hold
                 new_s = r.remaining * job.steps * o.iteration_s
                 if new_s * GROW_SPEEDUP > r.end_s - now:
                     continue  # not faster by more than the prediction's error
                 new_cost = self._cost(new_s + restart, price, 0, rate)
                 if now_cost - new_cost > self.grow_gain * restart and (best is None or new_cost < best[0]):
-                    best = (new_cost, k, o)
+                    best = (new_cost, need, o)
             if best is None:
+                self.sizing.take(free_n, held)
                 continue
-            _, k, o = best
-            free_n[mine] += r.num_gpus
-            free_n[k] -= o.num_gpus
+            _, need, o = best
+            self.sizing.take(free_n, need)
             self._grown[r.job_id] = self._grown.get(r.job_id, 0) + 1
             out.append(Decision(job, replace(o, duration_s=o.iteration_s * job.steps), resize=True))
         return out
 
     def _choose(self, job: JobSpec, left: float, free_n: list[int], blocked, queued: int,
-                rate: float) -> tuple[int, ResourceOption] | None:
-        """The option that fits now (and that `blocked` allows) with the least expected cost to the
-        mean JCT (`_cost`): queued jobs behind it, arrivals while it runs."""
+                rate: float) -> tuple[tuple, ResourceOption] | None:
+        """The option that fits now (one pool or a mixed gang, and that `blocked` allows) with the least
+        expected cost to the mean JCT (`_cost`): queued jobs behind it, arrivals while it runs.
+        Returns (what it takes, the option of one step)."""
         best = None
-        for k, o, price in self.sizing.entries(job):
-            if free_n[k] < o.num_gpus or blocked(k, o):
+        for (k, o, price), need in self.sizing.candidates(job, free_n):
+            if blocked(need, o):
                 continue
             cost = self._cost(left * job.steps * o.iteration_s, price, queued, rate)
             if best is None or cost < best[0]:
-                best = (cost, k, o)
+                best = (cost, need, o)
         return None if best is None else best[1:]
 
     def _preempt(self, now: float, job: JobSpec, free_n: list[int], running: Sequence[Running],
@@ -198,7 +214,7 @@ class GpumixPolicy:
             if wait_s <= self.preempt_gain * d:
                 continue  # not worth the trouble even with no one delayed
             pool = self.sizing.pools[k]
-            victims = sorted((r for r in running if r.pool == pool and r.option is not None
+            victims = sorted((r for r in running if r.option is not None and r.count_on(pool)
                               and self._preempted.get(r.job_id, 0) < self.max_preemptions
                               and r.job_id in self._jobs
                               and r.end_s - now > self.preempt_ratio * d),
@@ -208,7 +224,7 @@ class GpumixPolicy:
                 if have >= o.num_gpus:
                     break
                 chosen.append(r)
-                have += r.num_gpus
+                have += r.count_on(pool)
             if have < o.num_gpus or not chosen:
                 continue
             # the victims wait out the starter and their restarts; the starter, their checkpoints' save

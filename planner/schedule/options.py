@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ResourceOption:
-    """One way to run a job: `num_gpus` devices of one pool, data parallel."""
+    """One way to run a job, data parallel: `num_gpus` devices of one pool or, for a *mixed gang*
+    (`mix` not empty), devices of several pools at once, each part a (pool, count), the batch and
+    the state split unevenly over them by the heterogeneous planner (planner/schedule/mixed.py)."""
 
     pool: DeviceSpec  # the device kind (type + emulation)
     num_gpus: int  # data-parallel degree
@@ -50,23 +52,54 @@ class ResourceOption:
     inter_node_gbps: float | None = None  # the override it was priced with (None: the cluster file's)
     max_per_node: int = 0  # how many of the pool one node holds (0: all on one node)
     network: NetworkSpec = field(default_factory=NetworkSpec)
+    # a mixed gang: every part (pool, count) in the order its devices are laid out (and `per_device`
+    # listed); empty for an option of one pool. `pool` is then the first part's device kind.
+    mix: tuple[tuple["Pool", int], ...] = ()
+    # a mixed gang's Plan (contracts.plan.Plan: the heterogeneous planner's, on the gang's devices in
+    # the parts' order): what a launcher runs. None for an option of one pool (option_plan builds it).
+    gang_plan: object = field(default=None, compare=False, repr=False)
 
     @property
     def gpu_type(self) -> str:
+        """The device type; a mixed gang's types joined by '+' (`parts` names each)."""
+        if self.mix:
+            return "+".join(p.device.type for p, _ in self.mix)
         return self.pool.type
+
+    @property
+    def is_mixed(self) -> bool:
+        return bool(self.mix)
+
+    @property
+    def parts(self) -> tuple[tuple[DeviceSpec, int], ...]:
+        """(device kind, count) of every part: one for an option of one pool."""
+        if self.mix:
+            return tuple((p.device, n) for p, n in self.mix)
+        return ((self.pool, self.num_gpus),)
 
     @property
     def gpu_seconds(self) -> float:
         return self.num_gpus * self.duration_s
 
     def to_dict(self) -> dict:
-        return {
-            "gpu_type": self.pool.type, "device": self.pool.label, "num_gpus": self.num_gpus, "zero": self.zero,
+        """One pool: `gpu_type, device, num_gpus`; a mixed gang: `pools` (per part `gpu_type, device,
+        num_gpus`), `num_gpus` (all parts) and `per_device` (per device, in the parts' order: `gpu_type,
+        micro_batch, accum_steps, shard_fraction`), what a launcher needs beside option_plan's Plan."""
+        d = {"gpu_type": self.pool.type, "device": self.pool.label, "num_gpus": self.num_gpus}
+        if self.mix:
+            d = {"pools": [{"gpu_type": p.device.type, "device": p.device.label, "num_gpus": n} for p, n in self.mix],
+                 "num_gpus": self.num_gpus,
+                 "per_device": [{"gpu_type": t, "micro_batch": m, "accum_steps": a, "shard_fraction": f}
+                                for t, (m, a, f) in zip((p.device.type for p, n in self.mix for _ in range(n)),
+                                                        self.per_device)]}
+        d.update({
+            "zero": self.zero,
             "recompute": self.recompute, "micro_batch": self.micro_batch, "accum_steps": self.accum_steps,
             "dtype": self.dtype, "predicted_memory_bytes": self.peak_memory_bytes,
             "capacity_bytes": self.capacity_bytes, "predicted_iteration_s": self.iteration_s,
             "predicted_duration_s": self.duration_s, "predicted_samples_per_s": self.samples_per_s,
-        }
+        })
+        return d
 
 
 @dataclass(frozen=True)
@@ -123,6 +156,8 @@ def _fastest_split(cost: CostModel, device: DeviceSpec, batch: int, share: float
 
 # per (model, seq, profiles) the step-profile look-ups shared by every CostModel built here
 _PROFILE_CACHES: dict[tuple, dict] = {}
+# planner/schedule/mixed.py's priced gangs: (model, seq, batch, dtype, parts, inter-node Gb/s, headroom) -> Plan | None
+GANG_PLANS: dict[tuple, object] = {}
 
 
 @lru_cache(maxsize=None)
@@ -172,8 +207,14 @@ def estimate_option(job: JobSpec, pool: Pool, n: int, dtype: str = "bf16", inter
 
 def option_plan(job: JobSpec, option: ResourceOption, dtype: str = "bf16"):
     """The option as the Plan the executor launches: its devices (`pool_cluster`), its stage and
-    per-device (m, n, f), every prediction from the same cost model."""
+    per-device (m, n, f), every prediction from the same cost model. A mixed gang's Plan is the
+    heterogeneous planner's on its parts (planner/schedule/mixed.py)."""
     from planner.hetero.solve import build_plan, plan_notes
+
+    if option.mix:
+        if option.gang_plan is None:
+            raise ValueError("a mixed gang's option carries its plan (planner/schedule/mixed.py); this one has none")
+        return option.gang_plan
 
     pool = Pool(option.pool, option.num_gpus, option.max_per_node or option.num_gpus, option.network)
     sub = pool_cluster(pool, option.num_gpus, option.inter_node_gbps)
@@ -216,3 +257,4 @@ def clear_caches() -> None:
     """Forget cached memory and profile figures (after new profiles were measured)."""
     _best_config.cache_clear()
     _PROFILE_CACHES.clear()
+    GANG_PLANS.clear()

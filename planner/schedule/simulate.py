@@ -2,11 +2,13 @@
 is a decision point.
 
 Policies (POLICIES, by name): `gpumix` (planner/schedule/gpumix.py), `frenzy`
-(planner/schedule/frenzy.py), and the baselines `fifo`, `fifo-backfill`, `fifo-backfill-sized` and
-`sjf` (planner/schedule/fifo.py, backfill.py). A policy decides on *predicted* durations; the
-simulated job runs for the prediction times a seeded lognormal error per (job, GPU type)
-(`error_factor`), the same for every policy, so comparisons are paired. A resized or suspended job
-keeps its steps done and pays planner.schedule.state.restart_s before it computes again.
+(planner/schedule/frenzy.py), and the baselines `fifo`, `fifo-backfill`, `fifo-backfill-sized`,
+`sjf` (planner/schedule/fifo.py, backfill.py), `srtf`, `las` and `gavel` (preemptive.py). A policy
+decides on *predicted* durations; the simulated job runs for the prediction times a seeded
+lognormal error per (job, GPU type) (`error_factor`), the same for every policy, so comparisons are
+paired; a mixed gang runs at its slowest type's error (`gang_factor`: its devices step together). A
+resized or suspended job keeps its steps done and pays planner.schedule.state.restart_s before it
+computes again. `mixed=False` restricts every policy to one pool per job.
 
 The error model and the restart rules: docs/models/scheduling.md ("The simulator").
 """
@@ -27,19 +29,27 @@ from planner.schedule.fifo import FifoPolicy
 from planner.schedule.frenzy import FrenzyPolicy
 from planner.schedule.gpumix import GpumixPolicy
 from planner.schedule.options import ResourceOption
+from planner.schedule.preemptive import GavelPolicy, LasPolicy, SrtfPolicy
 from planner.schedule.state import ERROR_SIGMA, ClusterState, Policy, Running, checkpoint_save_s, restart_s
 
 log = logging.getLogger(__name__)
 
-# every policy by name, once: what it is (the CLI's help) and how it is built on a cluster at a dtype
+# every policy by name, once: what it is (the CLI's help) and how it is built on a cluster at a dtype,
+# with or without mixed gangs (`mixed`; the users' own requests are one type anyway)
 POLICY_TABLE = {
-    "gpumix": ("GPUMix's own", GpumixPolicy),
-    "frenzy": ("the paper's", FrenzyPolicy),
-    "fifo": ("baseline, strict first-come", FifoPolicy),
+    "gpumix": ("GPUMix's own", lambda c, d, m: GpumixPolicy(c, d, mixed=m)),
+    "frenzy": ("the paper's", lambda c, d, m: FrenzyPolicy(c, d, mixed=m)),
+    "fifo": ("baseline, strict first-come", lambda c, d, m: FifoPolicy(c, d)),
     "fifo-backfill": ("baseline, EASY over the users' requests",
-                      lambda c, d: BackfillPolicy(c, d, order="arrival", user_requests=True)),
-    "fifo-backfill-sized": ("baseline, EASY sized by GPUMix", lambda c, d: BackfillPolicy(c, d, order="arrival")),
-    "sjf": ("baseline, shortest job first", lambda c, d: BackfillPolicy(c, d, order="sjf")),
+                      lambda c, d, m: BackfillPolicy(c, d, order="arrival", user_requests=True)),
+    "fifo-backfill-sized": ("baseline, EASY sized by GPUMix",
+                            lambda c, d, m: BackfillPolicy(c, d, order="arrival", mixed=m)),
+    "sjf": ("baseline, shortest job first", lambda c, d, m: BackfillPolicy(c, d, order="sjf", mixed=m)),
+    "srtf": ("baseline, preemptive shortest remaining predicted time", lambda c, d, m: SrtfPolicy(c, d, mixed=m)),
+    "las": ("baseline, Tiresias' least attained service (preemptive, no durations)",
+            lambda c, d, m: LasPolicy(c, d, mixed=m)),
+    "gavel": ("baseline, Gavel-style throughput-normalised LAS and placement",
+              lambda c, d, m: GavelPolicy(c, d, mixed=m)),
 }
 POLICIES = tuple(POLICY_TABLE)
 BASELINES = POLICIES[1:]  # every policy but GPUMix's own
@@ -54,10 +64,16 @@ def error_factor(seed: int, job_id: str, gpu_type: str, sigma: float = ERROR_SIG
     return math.exp(sigma * random.Random(f"{seed}:{job_id}:{gpu_type}").gauss(0.0, 1.0))
 
 
-def build_policy(name: str, cluster: ClusterSpec, dtype: str = "bf16") -> Policy:
+def gang_factor(factor, job_id: str, option: ResourceOption) -> float:
+    """measured / predicted duration of `job_id` on `option`: a mixed gang's devices step together, so
+    its slowest type's error sets the pace (`factor(job_id, gpu_type)` per type)."""
+    return max(factor(job_id, d.type) for d, _ in option.parts)
+
+
+def build_policy(name: str, cluster: ClusterSpec, dtype: str = "bf16", mixed: bool = True) -> Policy:
     if name not in POLICY_TABLE:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return POLICY_TABLE[name][1](cluster, dtype)
+    return POLICY_TABLE[name][1](cluster, dtype, mixed)
 
 
 @dataclass(frozen=True)
@@ -79,11 +95,16 @@ class JobRecord:
     def jct_s(self) -> float | None:
         return None if self.end_s is None else self.end_s - self.job.submit_s
 
+    @property
+    def mixed_gang(self) -> bool:
+        """Did it run on a mixed gang (any placement)?"""
+        return bool((self.option and self.option.mix) or (self.final_option and self.final_option.mix))
+
     def to_dict(self) -> dict:
         d = {"job_id": self.job.job_id, "model": self.job.model, "status": self.status,
              "submit_s": self.job.submit_s, "start_s": self.start_s, "end_s": self.end_s, "jct_s": self.jct_s,
              "devices": list(self.devices), "request_adjusted": self.request_adjusted, "reason": self.reason,
-             "error_factor": self.error_factor, "num_restarts": self.num_restarts}
+             "error_factor": self.error_factor, "num_restarts": self.num_restarts, "mixed_gang": self.mixed_gang}
         if self.option:
             d["option"] = self.option.to_dict()
         if self.num_restarts and self.final_option:
@@ -104,10 +125,15 @@ class ScheduleResult:
     num_decisions: int = 0
     error_sigma: float = ERROR_SIGMA
     error_seed: int = 0
+    mixed: bool = True  # mixed gangs allowed
 
     @property
     def num_failed(self) -> int:
         return sum(r.status == "failed" for r in self.records)
+
+    @property
+    def num_mixed_gang_jobs(self) -> int:
+        return sum(r.mixed_gang for r in self.records)
 
     def to_dict(self, jobs: bool = True) -> dict:
         d = {"policy": self.policy, "num_jobs": len(self.records), "num_failed": self.num_failed,
@@ -115,6 +141,8 @@ class ScheduleResult:
              "makespan_s": self.makespan_s, "gpu_utilization": self.gpu_utilization,
              "scheduling_overhead_ms_per_job": self.scheduling_overhead_ms_per_job,
              "num_decisions": self.num_decisions, "num_restarts": sum(r.num_restarts for r in self.records),
+             "num_mixed_gang_jobs": self.num_mixed_gang_jobs, "mixed_allowed": self.mixed,
+             "mixed_gang_job_ids": [r.job.job_id for r in self.records if r.mixed_gang],
              "error_sigma": self.error_sigma, "error_seed": self.error_seed}
         if jobs:
             d["jobs"] = [r.to_dict() for r in self.records]
@@ -163,15 +191,18 @@ class _Run:
     def done_at(self, t: float) -> float:
         return min(1.0, self.done + max(0.0, t - self.compute_from_s) / self.actual_s)
 
-    def view(self, pool, now: float) -> Running:
+    def view(self, pool_of: dict, now: float) -> Running:
         predicted_end = self.compute_from_s + (1.0 - self.done) * self.option.duration_s
-        return Running(self.job.job_id, pool, self.option.num_gpus, max(now, predicted_end), self.option,
-                       1.0 - self.done_at(now))
+        mix = tuple((pool_of[p.device], n) for p, n in self.option.mix)
+        return Running(self.job.job_id, pool_of[self.option.pool], self.option.num_gpus, max(now, predicted_end),
+                       self.option, 1.0 - self.done_at(now), mix)
 
 
 def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str | Policy = "frenzy",
-                      dtype: str = "bf16", error_sigma: float = ERROR_SIGMA, error_seed: int = 0) -> ScheduleResult:
-    """Replay `jobs` on `cluster` under a policy (a name of POLICIES or an object)."""
+                      dtype: str = "bf16", error_sigma: float = ERROR_SIGMA, error_seed: int = 0,
+                      mixed: bool = True) -> ScheduleResult:
+    """Replay `jobs` on `cluster` under a policy (a name of POLICIES, built with or without mixed
+    gangs, or an object)."""
     if not jobs:
         raise ValueError("the trace has no jobs")
     ids = [j.job_id for j in jobs]
@@ -179,7 +210,7 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
         raise ValueError("job ids in the trace are not unique")
     if not (math.isfinite(error_sigma) and 0 <= error_sigma <= MAX_ERROR_SIGMA):
         raise ValueError(f"error_sigma must be within [0, {MAX_ERROR_SIGMA:g}], got {error_sigma}")
-    pol = build_policy(policy, cluster, dtype) if isinstance(policy, str) else policy
+    pol = build_policy(policy, cluster, dtype, mixed) if isinstance(policy, str) else policy
     state = ClusterState(cluster)
     pool_of = {p.device: p for p in state.pools}
     by_id = {j.job_id: j for j in jobs}
@@ -218,7 +249,7 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
                 del running[ev.job_id]
             else:
                 waiting.append(by_id[ev.job_id])
-        views = [r.view(pool_of[r.option.pool], now) for r in running.values()]
+        views = [r.view(pool_of, now) for r in running.values()]
         t0 = time.thread_time()  # CPU time of this thread: other processes on a shared machine do not count
         chosen = pol.decide(now, waiting, state.free_counts(), views)
         decide_s += time.thread_time() - t0
@@ -232,8 +263,8 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
                 state.release(d.job.job_id)
                 busy[d.job.job_id] = busy.get(d.job.job_id, 0.0) + run.option.num_gpus * (now - run.held_from_s)
                 if d.suspend:  # its devices write its checkpoint first: whoever takes them computes after
-                    pool = run.option.pool
-                    saving[pool] = max(saving.get(pool, now), now + checkpoint_save_s(d.job))
+                    for pool, _ in run.option.parts:
+                        saving[pool] = max(saving.get(pool, now), now + checkpoint_save_s(d.job))
                     suspended[d.job.job_id] = replace(run, done=run.done_at(now), version=run.version + 1)
                     del running[d.job.job_id]
                     restarts[d.job.job_id] = restarts.get(d.job.job_id, 0) + 1
@@ -243,10 +274,12 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
             if d.suspend:
                 continue
             job_id = d.job.job_id
-            devices = state.pick(pool_of[d.option.pool], d.option.num_gpus)
+            devices: tuple[int, ...] = ()
+            for device, n in d.option.parts:  # a mixed gang: n devices of each part's pool
+                devices += state.pick(pool_of[device], n)
             state.assign(job_id, devices)
-            f = factor(job_id, d.option.pool.type)
-            ready_s = saving.get(d.option.pool, now)
+            f = gang_factor(factor, job_id, d.option)
+            ready_s = max(saving.get(device, now) for device, _ in d.option.parts)
             if d.resize or job_id in suspended:
                 if d.resize:
                     old, done = running[job_id], running[job_id].done_at(now)
@@ -275,7 +308,7 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
     for job_id, (start, devices, option, adjusted) in first.items():
         end, final = ended[job_id]
         records[job_id] = JobRecord(by_id[job_id], "done", start, end, devices, option, adjusted,
-                                    error_factor=factor(job_id, option.pool.type),
+                                    error_factor=gang_factor(factor, job_id, option),
                                     num_restarts=restarts.get(job_id, 0), final_option=final,
                                     busy_gpu_s=busy[job_id])
     for job_id, reason in pol.failed().items():
@@ -293,5 +326,5 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
         avg_jct_s=sum(jcts) / len(jcts) if jcts else math.nan, p99_jct_s=percentile(jcts, 99),
         makespan_s=makespan, gpu_utilization=held / (cluster.num_devices * makespan) if makespan > 0 else 0.0,
         scheduling_overhead_ms_per_job=1000.0 * decide_s / len(jobs), num_decisions=decisions,
-        error_sigma=error_sigma, error_seed=error_seed,
+        error_sigma=error_sigma, error_seed=error_seed, mixed=mixed,
     )

@@ -2,7 +2,8 @@
 
 * `ClusterState` — which job holds each device. Allocating a held device raises (no double
   booking, ever).
-* `Running` — a running job as a policy sees it (its pool, its count, its *predicted* end).
+* `Running` — a running job as a policy sees it (its pool or, for a mixed gang, its parts, its
+  count, its *predicted* end).
 * `Decision` — start (or resume) a waiting job on an option, move a running job to another
   option through checkpoint and resume (`resize`), or checkpoint it and put it back in the
   queue (`suspend`, preemption).
@@ -134,6 +135,16 @@ class Running:
     end_s: float
     option: ResourceOption | None = None  # what it runs (None where the caller does not know)
     remaining: float = 1.0  # share of its steps still to run, as observed
+    mix: tuple[tuple[Pool, int], ...] = ()  # a mixed gang's parts (pool, count); empty: `num_gpus` of `pool`
+
+    @property
+    def parts(self) -> tuple[tuple[Pool, int], ...]:
+        """(pool, count) of every part it holds."""
+        return self.mix or ((self.pool, self.num_gpus),)
+
+    def count_on(self, pool: Pool) -> int:
+        """How many of `pool`'s devices it holds."""
+        return sum(n for p, n in self.parts if p == pool)
 
 
 @dataclass(frozen=True)

@@ -236,3 +236,141 @@ def _parse_rows(reader: csv.DictReader, source: str) -> list[JobSpec]:
 
 def load_trace(path: str) -> list[JobSpec]:
     return parse_trace_csv(read_text_file(path, "trace file"), source=path)
+
+
+# --- public traces (Microsoft ITP via ElasticFlow: job_id, submission_time, duration, num_gpu) ---
+
+PUBLIC_COLUMNS = ("job_id", "submission_time", "duration", "num_gpu")
+# The public traces name no model. Models are drawn by the GPU count a job asked for: people ask
+# for more GPUs for bigger models (MODEL_MIX's 124M-13B), each bucket its own weights.
+MODELS_BY_GPUS: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = (
+    (1, (("gpt2", 0.4), ("gpt2-medium", 0.35), ("gpt2-large", 0.25))),
+    (4, (("gpt2-large", 0.3), ("gpt2-xl", 0.35), ("tinyllama-1.1b", 0.35))),
+    (8, (("gpt2-xl", 0.2), ("tinyllama-1.1b", 0.2), ("gpt-2.7b", 0.3), ("llama2-7b", 0.3))),
+    (10**6, (("gpt-2.7b", 0.2), ("llama2-7b", 0.35), ("mistral-7b", 0.2), ("llama2-13b", 0.25))),
+)
+MAX_PUBLIC_DURATION_S = 10**9
+
+
+@dataclass(frozen=True)
+class PublicJob:
+    """One row of a public trace: what the cluster recorded."""
+
+    job_id: str
+    submit_s: float
+    duration_s: float  # how long it ran, on what it asked for
+    num_gpus: int
+
+
+def parse_public_trace(text: str, source: str = "trace") -> list[PublicJob]:
+    """Rows of a public trace CSV (`job_id,submission_time,duration,num_gpu`); any bad cell raises
+    ValueError naming the line and the column."""
+    try:
+        reader = csv.DictReader(io.StringIO(text))
+        header = tuple(h.strip() for h in (reader.fieldnames or ()))
+        if header[:len(PUBLIC_COLUMNS)] != PUBLIC_COLUMNS:
+            raise ValueError(f"{source}: bad header {','.join(header)[:80] or '(empty)'!r}; "
+                             f"expected {','.join(PUBLIC_COLUMNS)}")
+        rows: list[PublicJob] = []
+        seen: set[str] = set()
+        for row in reader:
+            where = f"{source}: line {reader.line_num}"
+            if None in row or any(row.get(c) is None for c in PUBLIC_COLUMNS):
+                raise ValueError(f"{where}: expected {len(PUBLIC_COLUMNS)} columns")
+            job_id = row["job_id"].strip()
+            if not job_id or job_id in seen:
+                raise ValueError(f"{where}, column 'job_id': {'duplicate id ' + repr(job_id) if job_id else 'empty'}")
+            seen.add(job_id)
+            vals = {}
+            for col, low in (("submission_time", 0.0), ("duration", 0.0)):
+                raw = row[col].strip()
+                try:
+                    v = float(raw)
+                except ValueError:
+                    v = math.nan
+                if not math.isfinite(v) or v < low or v > MAX_PUBLIC_DURATION_S or (col == "duration" and v <= 0):
+                    raise ValueError(f"{where}, column {col!r}: expected a number "
+                                     f"{'> 0' if col == 'duration' else '>= 0'}, got {raw[:40]!r}")
+                vals[col] = v
+            raw = row["num_gpu"].strip()
+            if not raw.isdigit() or int(raw) <= 0 or int(raw) > CELL_LIMITS["requested_gpus"]:
+                raise ValueError(f"{where}, column 'num_gpu': expected a positive integer, got {raw[:40]!r}")
+            rows.append(PublicJob(job_id, vals["submission_time"], vals["duration"], int(raw)))
+    except csv.Error as e:
+        raise ValueError(f"{source}: malformed CSV: {e}") from None
+    if not rows:
+        raise ValueError(f"{source}: no jobs after the header")
+    return rows
+
+
+def convert_public_trace(rows: Sequence[PublicJob], cluster: ClusterSpec, seed: int, start_s: float = 0.0,
+                         end_s: float = math.inf, dtype: str = "bf16") -> list[JobSpec]:
+    """GPUMix jobs from the public rows submitted in [start_s, end_s): arrivals (from start_s), GPU
+    counts and durations the trace's; per job (seeded) a model drawn by its GPU count
+    (MODELS_BY_GPUS), a sequence length and global batch from MODEL_MIX, a requested type in
+    proportion to how many the cluster has (the biggest-memory type twice as often, as
+    `generate_trace`) among those with enough devices where the model fits on the count asked;
+    steps so that the job on its requested devices lasts its recorded duration. A count above every
+    pool is capped at the largest pool; a model that fits on no type at the count is redrawn from
+    the smaller buckets."""
+    if end_s <= start_s:
+        raise ValueError(f"empty window: start {start_s} >= end {end_s}")
+    rng = random.Random(seed)
+    pools = sorted(cluster_pools(cluster), key=lambda p: -p.count)
+    famous = max(pools, key=lambda p: (p.device.memory_bytes, get_gpu_type(p.device.type).peak_tflops(dtype)))
+    mixes = {m.model: m for m in MODEL_MIX}
+    net = cluster.network.inter_node_gbps
+    jobs: list[JobSpec] = []
+    for row in sorted(rows, key=lambda r: (r.submit_s, r.job_id)):
+        if not start_s <= row.submit_s < end_s:
+            continue
+        n = min(row.num_gpus, pools[0].count)
+        buckets = [b for b in MODELS_BY_GPUS if b[0] >= n][:1] + [b for b in reversed(MODELS_BY_GPUS) if b[0] < n]
+        drawn = None
+        for _, models in buckets:
+            names = [m for m, _ in models]
+            order = []
+            while names:  # a weighted draw without replacement: the first that fits wins
+                pick = rng.choices(names, weights=[w for m, w in models if m in names])[0]
+                order.append(pick)
+                names.remove(pick)
+            for model in order:
+                mix = mixes[model]
+                seq = rng.choice(mix.seqs)
+                batch = rng.choice([b for b in mix.global_batches if b >= n] or [max(mix.global_batches[-1], n)])
+                probe = JobSpec("draft", model, batch, seq, 1, 0.0)
+                fits = [(p, o) for p in pools if p.count >= n
+                        for o in [estimate_option(probe, p, n, dtype, net)] if o is not None]
+                if fits:
+                    drawn = (model, seq, batch, fits)
+                    break
+            if drawn:
+                break
+        if drawn is None:
+            raise ValueError(f"job {row.job_id}: no model of MODEL_MIX fits on {n} GPUs of any type of {cluster.name}")
+        model, seq, batch, fits = drawn
+        weights = [p.count * (FAMOUS_TYPE_PREFERENCE if p == famous else 1.0) for p, _ in fits]
+        pool, opt = rng.choices(fits, weights=weights)[0]
+        steps = max(1, round(row.duration_s / opt.iteration_s))
+        jobs.append(JobSpec(row.job_id, model, batch, seq, steps, round(row.submit_s - start_s, 3),
+                            requested_type=pool.device.type, requested_gpus=n))
+    if not jobs:
+        raise ValueError(f"no job submitted in [{start_s:g}, {end_s:g}) s")
+    return jobs
+
+
+def load_public_trace(path: str, cluster: ClusterSpec, seed: int, start_s: float = 0.0, end_s: float = math.inf,
+                      dtype: str = "bf16") -> list[JobSpec]:
+    """`convert_public_trace` of a public trace file (read, never copied)."""
+    return convert_public_trace(parse_public_trace(read_text_file(path, "trace file"), source=path), cluster, seed,
+                                start_s, end_s, dtype)
+
+
+def request_duration_s(job: JobSpec, cluster: ClusterSpec, dtype: str = "bf16") -> float:
+    """The job's predicted duration on its user's request (inf where that fits nowhere)."""
+    pools = [p for p in cluster_pools(cluster) if p.device.type == job.requested_type]
+    if not pools or job.requested_gpus is None:
+        return math.inf
+    pool = max(pools, key=lambda p: p.count)
+    o = estimate_option(job, pool, job.requested_gpus, dtype, cluster.network.inter_node_gbps)
+    return math.inf if o is None else o.duration_s

@@ -13,6 +13,7 @@ CLUSTER = ClusterSpec.from_dict({"name": "mix", "nodes": [
     {"name": "v0", "gpus": {"V100-32GB": 8}}, {"name": "v1", "gpus": {"V100-32GB": 8}},
     {"name": "t0", "gpus": {"T4": 8}}, {"name": "t1", "gpus": {"T4": 8}}]})
 DEVICES = [d for _, d in CLUSTER.devices()]
+PREEMPTIVE = ("gpumix", "srtf", "las", "gavel")  # they suspend jobs: a start may wait out a checkpoint's save
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def test_every_job_finishes_after_it_arrives(results, trace, policy):
         assert rec.status == "done"
         assert rec.job.submit_s <= rec.start_s < rec.end_s
         run_s = rec.job.steps * rec.option.iteration_s * rec.error_factor  # the prediction times the job's error
-        if rec.num_restarts == 0 and policy != "gpumix":
+        if rec.num_restarts == 0 and policy not in PREEMPTIVE:
             assert rec.end_s - rec.start_s == pytest.approx(run_s)
         elif rec.num_restarts == 0:  # it may first wait out a preempted job's checkpoint save on its devices
             assert run_s - 1e-6 <= rec.end_s - rec.start_s <= run_s + max(checkpoint_save_s(j) for j in trace) + 1e-6
@@ -49,7 +50,7 @@ def test_no_device_is_double_booked(results, policy):
         if rec.num_restarts:
             continue  # it left its first devices when suspended (test_schedule_policies checks those runs)
         for i in rec.devices:
-            assert DEVICES[i].type == rec.option.gpu_type  # the devices are of the option's type
+            assert DEVICES[i].type in {d.type for d, _ in rec.option.parts}  # of the option's type(s)
             by_device.setdefault(i, []).append((rec.start_s, rec.end_s))
     for spans in by_device.values():
         spans.sort()
@@ -60,8 +61,15 @@ def test_no_device_is_double_booked(results, policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_placement_fits_in_memory(results, policy):
     memory = pytest.importorskip("planner.core.memory")
+    from planner.schedule.options import option_plan
+
     for rec in results[policy].records:
         o = rec.option
+        if o.mix:  # a mixed gang: the heterogeneous planner's plan, each device's own prediction
+            plan = option_plan(rec.job, o)
+            for a, i in zip(plan.assignments, rec.devices):
+                assert a.type == DEVICES[i].type and a.predicted_memory_bytes <= DEVICES[i].memory_bytes
+            continue
         # the options are priced as planner plan runs them: zero 3 gathers in the compute dtype (auto)
         cfg = memory.MemoryConfig(micro_batch=o.micro_batch, accum_steps=o.accum_steps, seq=rec.job.seq,
                                   dtype=o.dtype, recompute=o.recompute, dp=o.num_gpus, zero=o.zero,
@@ -133,8 +141,17 @@ def test_cli_schedule_json_keeps_the_design_keys_for_every_policy(tmp_path, caps
     for row in out["jobs"]:
         for key in ("job_id", "model", "status", "submit_s", "start_s", "end_s", "jct_s"):
             assert key in row
-        for key in ("gpu_type", "num_gpus", "zero", "micro_batch", "accum_steps", "dtype"):
+        for key in ("num_gpus", "zero", "micro_batch", "accum_steps", "dtype"):
             assert key in row["option"]
+        placements = [row["option"]] + ([row["final_option"]] if "final_option" in row else [])
+        for o in placements:  # a mixed gang names its parts, one pool option its type
+            if "pools" in o:
+                assert len(o["pools"]) >= 2 and sum(p["num_gpus"] for p in o["pools"]) == o["num_gpus"]
+                assert {"gpu_type", "num_gpus"} <= set(o["pools"][0]) and "gpu_type" not in o
+            else:
+                assert "gpu_type" in o
+        assert row["mixed_gang"] == any("pools" in o for o in placements)  # first or final placement
+    assert out["num_mixed_gang_jobs"] == sum(row["mixed_gang"] for row in out["jobs"])
 
 
 def test_cli_schedule_bad_trace(tmp_path, capsys):

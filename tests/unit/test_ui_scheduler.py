@@ -59,7 +59,8 @@ def test_simulation_compares_gpumix_with_every_baseline():
     settle(at)
     assert not at.error
     table = at.dataframe[-1].value  # the simulation table (the queue is empty)
-    assert list(table["policy"]) == ["gpumix", "sjf", "fifo-backfill-sized", "frenzy", "fifo-backfill", "fifo"]
+    assert list(table["policy"]) == ["gpumix", "srtf", "las", "gavel", "sjf", "fifo-backfill-sized", "frenzy",
+                                     "fifo-backfill", "fifo"]
     assert (table["avg JCT (h, predicted)"] > 0).all() and (table["failed jobs"] == 0).all()
     jct = dict(zip(table["policy"], table["avg JCT (h, predicted)"]))
     strongest = min((p for p in jct if p != "gpumix"), key=jct.get)
@@ -72,7 +73,14 @@ def test_simulation_compares_gpumix_with_every_baseline():
     assert (bars["type"], bars["orientation"]) == ("bar", "h")
     assert fig["layout"]["xaxis"]["title"]["text"] == "time (h)" and fig["layout"]["yaxis"]["title"]["text"] == "device"
     assert bars["base"] and all(w >= 0 for w in bars["x"]) and all(s >= 0 for s in bars["base"])
-    assert {job for job, _, _ in bars["customdata"]} <= {f"j{j:05d}" for j in range(60)}  # the trace's 60 jobs
+    from ui.scheduler import MIXED_MARK
+
+    jobs = {job for job, _, _ in bars["customdata"]}
+    assert {j.removesuffix(f" {MIXED_MARK}") for j in jobs} <= {f"j{j:05d}" for j in range(60)}  # the trace's 60 jobs
+    # the jobs gpumix ran on mixed-type gangs: counted in the table and the card, marked in the Gantt
+    mixed = dict(zip(table["policy"], table["jobs on mixed gangs"]))["gpumix"]
+    assert sum(j.endswith(MIXED_MARK) for j in jobs) == mixed
+    assert f"{mixed} of 60" in " ".join(str(m.value) for m in at.metric)
 
 
 def test_cancel_stops_the_simulation(monkeypatch):
