@@ -26,7 +26,7 @@ from contracts.jobs import JobSpec
 from planner.schedule.backfill import running_view
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import Reservation, Sizing
-from planner.schedule.state import ERROR_SIGMA, Decision, Running, checkpoint_save_s, restart_s
+from planner.schedule.state import ERROR_SIGMA, Decision, Running, checkpoint_save_s, restart_s, take_victims
 
 AGING_S = 6 * 3600.0  # a job that waited this long ranks as if it had half its work left
 # Bounded slowdown: a job whose predicted slowdown if it started now, (wait + work left) / its whole
@@ -219,13 +219,8 @@ class GpumixPolicy:
                               and r.job_id in self._jobs
                               and r.end_s - now > self.preempt_ratio * d),
                              key=lambda r: -(r.end_s - now))
-            chosen, have = [], free_n[k]
-            for r in victims:
-                if have >= o.num_gpus:
-                    break
-                chosen.append(r)
-                have += r.count_on(pool)
-            if have < o.num_gpus or not chosen:
+            chosen = take_victims(victims, free_n[k], o.num_gpus, pool)
+            if chosen is None:
                 continue
             # the victims wait out the starter and their restarts; the starter, their checkpoints' save
             save_s = max(checkpoint_save_s(self._jobs[r.job_id]) for r in chosen)

@@ -37,7 +37,7 @@ from contracts.jobs import JobSpec
 from planner.schedule.backfill import running_view
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import MIN_SHARE, Need, Reservation, Sizing
-from planner.schedule.state import Decision, Running
+from planner.schedule.state import Decision, Running, take_victims
 
 from planner.schedule.gpumix import MAX_PREEMPTIONS, PREEMPT_RATIO  # the same bounds on every policy
 
@@ -159,13 +159,8 @@ class PreemptivePolicy:
                               and self._preempted.get(r.job_id, 0) < self.max_preemptions
                               and self.may_preempt(now, key, rkeys[r.job_id], d, r)),
                              key=lambda r: rkeys[r.job_id], reverse=True)  # the lowest priority first
-            chosen, have = [], free_n[k]
-            for r in victims:
-                if have >= o.num_gpus:
-                    break
-                chosen.append(r)
-                have += r.count_on(pool)
-            if have < o.num_gpus or not chosen:
+            chosen = take_victims(victims, free_n[k], o.num_gpus, pool)
+            if chosen is None:
                 continue
             taken = sum(r.num_gpus for r in chosen)
             if best is None or (taken, o.iteration_s) < best[0]:

@@ -147,6 +147,18 @@ class Running:
         return sum(n for p, n in self.parts if p == pool)
 
 
+def take_victims(victims: Sequence[Running], free: int, need: int, pool: Pool) -> list[Running] | None:
+    """The running jobs to suspend, in `victims`' order, until `free` and what they hold on `pool`
+    reach `need` devices; None where all of them would not, or where none is needed."""
+    chosen, have = [], free
+    for r in victims:
+        if have >= need:
+            break
+        chosen.append(r)
+        have += r.count_on(pool)
+    return chosen if have >= need and chosen else None
+
+
 @dataclass(frozen=True)
 class Decision:
     job: JobSpec
