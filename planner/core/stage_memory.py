@@ -10,6 +10,9 @@ Tensor parallel (`tp`): the rank is TP rank 0 of its (stage, DP index)'s group, 
 widths, vocabulary rows, loss and embedding (docs/models/tensor_parallel.md; measured in
 tests/e2e/test_tensor_parallel_runs.py).
 
+`estimate_rank_memory` is the same model asked from the rank's geometry alone (stage position, blocks, rows),
+for a caller that prices stages before a PipelineSpec exists: the joint search (planner/geo/scale/memory.py).
+
 Every term and moment: docs/models/memory.md ("One rank of a pipeline stage"); the measured check is
 tests/e2e/test_stage_memory.py.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from contracts.constants import RECOMPUTE, STEP_CHUNK_NUMEL
 from planner.core.memory import (FP32_BYTES, INT64_BYTES, MemoryConfig, block_backward_transient_bytes,
@@ -62,6 +66,16 @@ class StageMemory:
         return asdict(self)
 
 
+@lru_cache(maxsize=4096)
+def _layer_pieces(spec: ModelSpec, rows: int, seq: int, dtype: str, device_type: str, tp: int) -> tuple[int, int, int, int]:
+    """planner/core/memory.py's per-layer pieces for `rows` rows: (a block's saved bytes, its autocast weight
+    copies, its backward transient, the head's saved bytes per token). Cached: the joint search asks the
+    same rank shape thousands of times with other shares and positions (planner/geo/scale/memory.py)."""
+    cfg = MemoryConfig(micro_batch=rows, seq=seq, dtype=dtype, device_type=device_type, tp=tp)
+    return (block_saved_bytes(spec, cfg, rows, seq), block_weight_copy_bytes(spec, cfg),
+            block_backward_transient_bytes(spec, cfg, rows * seq), head_saved_bytes_per_token(spec, cfg))
+
+
 def _owned(numel: int, fraction: float) -> int:
     return int(math.floor(numel * fraction + 0.5))  # round half up, as models/runtime.shard_bounds
 
@@ -71,23 +85,44 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
                           device_type: str = "cpu", tp: int = 1) -> StageMemory:
     """Peak bytes of rank (stage, dp_index) of `pipeline` training `spec` (docs/models/memory.md); `tp`: each
     rank of the stage is TP rank 0 of a group of tp (docs/models/tensor_parallel.md)."""
-    S, M = len(pipeline.stages), pipeline.num_microbatches
+    S = len(pipeline.stages)
     if not 0 <= stage < S or not 0 <= dp_index < len(pipeline.stages[stage].rows):
         raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in a pipeline of {S} stages")
     if pipeline.num_layers != spec.num_layers:
         raise ValueError(f"pipeline stages cover {pipeline.num_layers} layers, model {spec.name} has {spec.num_layers}")
+    st = pipeline.stages[stage]
+    return estimate_rank_memory(spec, pipeline.schedule, S, pipeline.num_microbatches, stage, st.first_layer,
+                                st.num_layers, st.rows[dp_index], shard_fraction, seq, dtype, recompute, device_type, tp)
+
+
+def estimate_rank_memory(spec: ModelSpec, schedule: str, num_stages: int, num_microbatches: int, stage: int,
+                         first_layer: int, num_layers: int, rows: int, shard_fraction: float, seq: int,
+                         dtype: str = "fp32", recompute: str = "none", device_type: str = "cpu",
+                         tp: int = 1) -> StageMemory:
+    """`estimate_stage_memory` from the rank's geometry alone: stage `stage` of `num_stages` holding blocks
+    [first_layer, first_layer + num_layers) and `rows` rows of each of `num_microbatches` micro-batches. For a
+    caller that prices stages before a PipelineSpec exists (the joint search, planner/geo/scale/memory.py)."""
+    S, M = num_stages, num_microbatches
+    if not 0 <= stage < S:
+        raise ValueError(f"no stage {stage} in a pipeline of {S} stages")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+    if rows < 1 or num_layers < 1 or M < 1:
+        raise ValueError(f"a stage rank needs rows, layers and micro-batches >= 1, got {rows}, {num_layers}, {M}")
+    if first_layer < 0 or first_layer + num_layers > spec.num_layers:
+        raise ValueError(f"blocks [{first_layer}, {first_layer + num_layers}) are not within model {spec.name}'s "
+                         f"{spec.num_layers}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     full = recompute == "full"
-    st = pipeline.stages[stage]
     first, last = stage == 0, stage == S - 1
-    b = st.rows[dp_index]
+    b = rows  # this rank's rows of every micro-batch
     # tensor parallel: V is this rank's vocabulary rows (logits, the head, the embedding's gradient)
     N, h, V, T = b * seq, spec.hidden, tp_vocab_rows(spec.vocab_size, tp), seq
-    cfg = MemoryConfig(micro_batch=b, seq=seq, dtype=dtype, device_type=device_type, tp=tp)
+    saved, copies, in_block, head_per_token = _layer_pieces(spec, b, seq, dtype, device_type, tp)
     units = tp_units(spec, tp)
     replica = last and not first and spec.tied_embeddings
-    mine = ([units[0]] if first or replica else []) + list(units[1 + st.first_layer:1 + st.first_layer + st.num_layers]) \
+    mine = ([units[0]] if first or replica else []) + list(units[1 + first_layer:1 + first_layer + num_layers]) \
         + ([units[-1]] if last else [])
     numel = sum(u.numel for u in mine)
     owned = [_owned(u.numel, shard_fraction) for u in mine]
@@ -96,9 +131,8 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
     inputs = INT64_BYTES * N * M * ((1 if first else 0) + (1 if last else 0))
 
     # one micro-batch in flight
-    L = st.num_layers
+    L = num_layers
     piece = FP32_BYTES * N * h  # one receive buffer, one input gradient, one block input: (rows, T, h) fp32
-    saved, copies = block_saved_bytes(spec, cfg, b, seq), block_weight_copy_bytes(spec, cfg)
     # full recomputation (a checkpoint per block): each block keeps only its fp32 input
     blocks = L * (piece if full else saved + copies)
     # in the backward of a checkpointed block its saved tensors (less its input, already kept) and its
@@ -108,9 +142,9 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
     positions += tp_embedding_saved_bytes(tp, N) if first else 0  # TP: the embedding's local ids and mask
     out = 0 if last else FP32_BYTES * N * h
     # log_softmax's saved output (TP: the vocabulary-parallel CE's saved softmax, the same N·V_r fp32)
-    head = head_saved_bytes_per_token(spec, cfg) * N + FP32_BYTES * N * V if last else 0
+    head = head_per_token * N + FP32_BYTES * N * V if last else 0
     per_mb = blocks + positions + out + head
-    F = schedule_in_flight(pipeline.schedule, S, stage, M)
+    F = schedule_in_flight(schedule, S, stage, M)
     dense = FP32_BYTES * (V * h + (spec.max_seq * h if spec.positional == "learned" else 0))
 
     # Walk the schedule's order: each op's moments with what is alive then (activations, buffers,
@@ -121,8 +155,8 @@ def estimate_stage_memory(spec: ModelSpec, pipeline: PipelineSpec, stage: int, d
         if name not in phases or sum(parts) > sum(phases[name]):
             phases[name] = parts
 
-    order = walk_order(pipeline.schedule, S, stage, M)
-    in_block = block_backward_transient_bytes(spec, cfg, N) if L else 0  # the same in every backward
+    order = walk_order(schedule, S, stage, M)
+    in_block = in_block if L else 0  # the same in every backward
     live = backs = 0
     for i, (op, _) in enumerate(order):
         nxt = order[i + 1][0] if i + 1 < len(order) else None
@@ -169,4 +203,4 @@ def estimate_plan_stage_memory(plan: Plan, device_index: int, device_type: str =
                                  device_type, tp=getattr(a, "tp", None) or 1)
 
 
-__all__ = ["StageMemory", "estimate_stage_memory", "estimate_plan_stage_memory"]
+__all__ = ["StageMemory", "estimate_stage_memory", "estimate_rank_memory", "estimate_plan_stage_memory"]
