@@ -79,14 +79,12 @@ def even_plan(args: argparse.Namespace):
 
 
 def set_share(run_dir: str, rank: int, share: float) -> None:
-    """Rank `rank`'s CPU quota to `share` of a core, its cgroup found through emulation.json (a dict
-    by rank, or a list of {"rank", "cpu_cgroup"})."""
+    """Rank `rank`'s CPU quota to `share` of a core, its cgroup found through emulation.json
+    (`{"ranks": [{"rank", "cpu_cgroup", ...}]}`)."""
     from executor.launch import EMULATION_FILE
 
     with open(os.path.join(run_dir, EMULATION_FILE), encoding="utf-8") as fh:
-        ranks = json.load(fh)["ranks"]
-    entry = ranks[str(rank)] if isinstance(ranks, dict) else next(r for r in ranks if r["rank"] == rank)
-    d = entry.get("cpu_dir") or entry["cpu_cgroup"]
+        d = next(r["cpu_cgroup"] for r in json.load(fh)["ranks"] if r["rank"] == rank)
     with open(os.path.join(d, "cpu.cfs_period_us"), encoding="utf-8") as fh:
         period = int(fh.read())
     with open(os.path.join(d, "cpu.cfs_quota_us"), "w", encoding="utf-8") as fh:

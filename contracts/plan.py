@@ -10,6 +10,16 @@ its rows over its devices (`rows`), so stages may have different numbers of devi
 stage s has `micro_batch = rows[i]`, `accum_steps = num_microbatches`, and a `shard_fraction` of the
 STAGE's state: batches and shard fractions sum per stage. Any plan may carry `wan` (the links
 `executor launch --emulate-wan` shapes) and `connections` (TCP connections per transfer per link).
+
+Tensor parallelism (DESIGN.md "Plans at scale"; planner/geo/scale/plan_file.py writes it): every
+assignment may carry `stage` (its pipeline stage, null for a device left out), `tp` (its TP degree) and
+`tp_group` (the first device index of its TP group). The `tp` devices of one group sit on one node and
+carry the group's `micro_batch`, `accum_steps` and `shard_fraction` (each holds that share of its 1/tp
+slice): they are ONE data-parallel position, so batches and shard fractions sum over the groups, each
+counted once. The file's pipeline lists every device of a stage's groups, each with the group's rows;
+in memory `Plan.pipeline` lists one entry per TP group (its first device, its rows), the runtime's view,
+and `to_dict` writes the file's form back. A top-level `"tensor_parallel"` says whether any tp > 1.
+A plan file without these keys reads exactly as before (tp 1 everywhere).
 """
 from __future__ import annotations
 
@@ -33,6 +43,10 @@ DEFAULT_PREFETCH = 1
 # reduce-scatters left in flight: 0 waits each as it is issued (the runtime's default and an old plan
 # file's), 1 waits it at the start of the next one, so it overlaps the next unit's backward
 REDUCE_IN_FLIGHT = (0, 1)
+# the tensor-parallel degrees a plan may give a device (a TP group lives inside one node)
+TP_DEGREES = (1, 2, 4, 8)
+# Assignment keys a plan file written before tensor parallelism lacks, with their defaults
+TP_KEYS = {"stage": None, "tp": 1, "tp_group": None}
 
 
 def check_step_dtypes(zero: int, param_dtype: str, reduce_dtype: str, prefetch: int, what: str = "plan",
@@ -100,6 +114,9 @@ class Assignment:
     emulated: bool = False
     slowdown: float = 1.0
     memory_gb: float | None = None
+    stage: int | None = None  # pipeline stage (None: no pipeline, or a device left out)
+    tp: int = 1  # tensor-parallel degree of the device's TP group
+    tp_group: int | None = None  # device_index of the group's first device (None: a group of one)
 
     def __post_init__(self) -> None:
         """Each field's type and range: a negative micro-batch × accumulation pair, a NaN fraction or a
@@ -125,13 +142,37 @@ class Assignment:
             check_real(self.memory_gb, f"{what}: memory_gb", 0.0, low_open=True)
         if not isinstance(self.node, str) or not isinstance(self.type, str):
             raise ValueError(f"{what}: node and type must be strings, got {self.node!r} and {self.type!r}")
+        if isinstance(self.tp, bool) or self.tp not in TP_DEGREES:
+            raise ValueError(f"{what}: tp must be one of {', '.join(map(str, TP_DEGREES))}, got {self.tp!r}")
+        if self.stage is not None:
+            check_count(self.stage, f"{what}: stage")
+        if self.tp_group is not None:
+            check_count(self.tp_group, f"{what}: tp_group")
+        if self.tp > 1 and self.used and self.tp_group is None:
+            raise ValueError(f"{what}: tp {self.tp} needs tp_group (the first device index of its TP group)")
+        if self.tp == 1 and self.tp_group not in (None, self.device_index):
+            raise ValueError(f"{what}: tp 1 is a group of one, so tp_group must be the device itself "
+                             f"({self.device_index}) or null, got {self.tp_group}")
 
     @property
     def used(self) -> bool:
         return self.batch > 0 or self.shard_fraction > 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def leader(self) -> int:
+        """The device index of this device's TP group's first device (itself at tp 1)."""
+        return self.device_index if self.tp_group is None else self.tp_group
+
+    def to_dict(self, tp_keys: bool | None = None) -> dict[str, Any]:
+        """The file's object; `stage`, `tp`, `tp_group` only when asked (None: when any is not its
+        default), so a plan without tensor parallelism writes what it always did."""
+        d = asdict(self)
+        if tp_keys is None:
+            tp_keys = any(d[k] != v for k, v in TP_KEYS.items())
+        if not tp_keys:
+            for k in TP_KEYS:
+                del d[k]
+        return d
 
 
 @dataclass(frozen=True)
@@ -253,6 +294,30 @@ class PipelineSpec:
                    stages=stages, simulated_ops=tuple(dict(o) for o in d.get("simulated_ops", ())))
 
 
+def _pipeline_by_group(d: Any, assignments: tuple[Assignment, ...]) -> Any:
+    """The file's pipeline (every device of a stage's TP groups, each with its group's rows) as the
+    contracts hold it: one entry per TP group, its first device with its rows. A plan without TP
+    groups comes back unchanged. ValueError naming the device whose entry disagrees with its group."""
+    leader = {a.device_index: a.leader for a in assignments}
+    if not isinstance(d, dict) or all(leader[i] == i for i in leader):
+        return d
+    stages = []
+    for s, st in enumerate(d["stages"]):
+        devices, rows, rows_of = [], [], {}
+        for x, r in zip(st["devices"], st["rows"]):
+            g = leader.get(int(x), int(x))
+            if g in rows_of:
+                if rows_of[g] != r:
+                    raise ValueError(f"plan: pipeline stage {s} gives device {x} rows {r}, its TP group (device {g}) "
+                                     f"rows {rows_of[g]}: a TP group's devices take the same rows")
+                continue
+            rows_of[g] = r
+            devices.append(g)
+            rows.append(r)
+        stages.append({**st, "devices": devices, "rows": rows})
+    return {**d, "stages": stages}
+
+
 @dataclass(frozen=True)
 class Plan:
     cluster: ClusterSpec
@@ -290,6 +355,8 @@ class Plan:
     # live rebalancing (executor/rebalance.py): "auto" re-splits the batch at a step boundary when
     # measured rates depart from the profiles; "off" keeps this split for the whole run
     rebalance: str = "auto"
+    # any assignment with tp > 1 (the file's "tensor_parallel"; a TP group is one data-parallel position)
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_count(self.global_batch, "plan: global_batch", 1)
@@ -315,7 +382,10 @@ class Plan:
         for k, c in self.connections.items():
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 raise ValueError(f"plan: connections[{k!r}] must be a positive integer, got {c!r}")
-        groups = [self.assignments] if self.pipeline is None else self._stage_assignments()
+        self._check_tp_groups()
+        # each TP group counted once: its first device stands for it (a pipeline stage lists only those)
+        groups = [[a for a in self.assignments if a.leader == a.device_index]] if self.pipeline is None \
+            else self._stage_assignments()
         for g, group in enumerate(groups):
             where = "" if self.pipeline is None else f"pipeline stage {g}: "
             total = sum(a.batch for a in group)
@@ -343,6 +413,72 @@ class Plan:
                 raise ValueError(f"plan: device {a.device_index} is a {a.type} on node {a.node!r} in the assignment, "
                                  f"a {dev.type} on node {node.name!r} in the cluster")
 
+    def _check_tp_groups(self) -> None:
+        """The TP groups: `tp` devices of one node sharing `tp_group` (their first device's index), with
+        one micro_batch, accum_steps and shard_fraction; `tensor_parallel` says whether any tp > 1;
+        `stage` names the stage the device's group is in. One-line ValueError naming device and rule."""
+        if not isinstance(self.tensor_parallel, bool):
+            raise ValueError(f"plan: tensor_parallel must be true or false, got {self.tensor_parallel!r}")
+        wide = next((a for a in self.assignments if a.tp > 1), None)
+        if self.tensor_parallel != (wide is not None):
+            raise ValueError(f"plan: tensor_parallel is false but device {wide.device_index} has tp {wide.tp}"
+                             if wide is not None else "plan: tensor_parallel is true but every device has tp 1")
+        by_index = {a.device_index: a for a in self.assignments}
+        members: dict[int, list[Assignment]] = {}
+        for a in self.assignments:
+            if a.tp_group is not None:
+                members.setdefault(a.tp_group, []).append(a)
+        for g, group in sorted(members.items()):
+            head = by_index.get(g)
+            for a in group:
+                what = f"plan: device {a.device_index} (tp_group {g})"
+                if head is None or head.tp_group != g:
+                    raise ValueError(f"{what}: tp_group must be the index of the group's first device, and device "
+                                     f"{g} is {'not in the plan' if head is None else 'not in that group'}")
+                if a.device_index < g:
+                    raise ValueError(f"{what}: tp_group must be the group's first (lowest) device index")
+                if a.tp != head.tp or len(group) != head.tp:
+                    raise ValueError(f"{what}: a TP group of tp {head.tp} needs exactly {head.tp} devices with "
+                                     f"that tp, got {len(group)} device(s) {[b.device_index for b in group]} "
+                                     f"with tp {sorted({b.tp for b in group})}")
+                if a.node != head.node:
+                    raise ValueError(f"{what}: a TP group lives on one node: it is on {a.node!r}, device {g} on "
+                                     f"{head.node!r}")
+                if (a.micro_batch, a.accum_steps, a.shard_fraction) != (head.micro_batch, head.accum_steps,
+                                                                         head.shard_fraction):
+                    raise ValueError(f"{what}: the devices of a TP group carry the same micro_batch, accum_steps "
+                                     f"and shard_fraction (one data-parallel position): {a.micro_batch} × "
+                                     f"{a.accum_steps}, {a.shard_fraction:g} here, {head.micro_batch} × "
+                                     f"{head.accum_steps}, {head.shard_fraction:g} on device {g}")
+                if a.stage != head.stage:
+                    raise ValueError(f"{what}: the devices of a TP group are in one stage: stage {a.stage} here, "
+                                     f"{head.stage} on device {g}")
+        for a in self.assignments:
+            if a.stage is None or not a.used:
+                continue
+            if self.pipeline is None:
+                if a.stage != 0:
+                    raise ValueError(f"plan: device {a.device_index} has stage {a.stage}, but the plan has no "
+                                     "pipeline (stage 0 or null)")
+            elif a.leader in by_index:
+                want = next((s for s, st in enumerate(self.pipeline.stages) if a.leader in st.devices), None)
+                if want is not None and a.stage != want:
+                    raise ValueError(f"plan: device {a.device_index} has stage {a.stage}, but the pipeline lists its "
+                                     f"TP group (device {a.leader}) in stage {want}")
+
+    def tp_groups(self) -> list[list[Assignment]]:
+        """The used devices by TP group (a group of one at tp 1), each by device index, the groups by
+        their first device: group p is data-parallel position p of a plan without a pipeline."""
+        groups: dict[int, list[Assignment]] = {}
+        for a in self.used:
+            groups.setdefault(a.leader, []).append(a)
+        return [sorted(g, key=lambda a: a.device_index) for _, g in sorted(groups.items())]
+
+    @property
+    def tp_degree(self) -> int:
+        """The largest TP degree of a used device (1: no tensor parallelism)."""
+        return max((a.tp for a in self.used), default=1)
+
     def _stage_assignments(self) -> list[list[Assignment]]:
         p = self.pipeline
         assert p is not None
@@ -352,8 +488,10 @@ class Plan:
         by_index = {a.device_index: a for a in self.assignments}
         staged = {d for st in p.stages for d in st.devices}
         for a in self.assignments:
-            if a.used and a.device_index not in staged:
-                raise ValueError(f"plan: device {a.device_index} is used but in no pipeline stage")
+            if a.used and a.leader not in staged:
+                raise ValueError(f"plan: device {a.device_index} is used but in no pipeline stage"
+                                 + (f" (its TP group, device {a.leader}, is in none)" if a.leader != a.device_index
+                                    else ""))
         groups = []
         for s, st in enumerate(p.stages):
             group = []
@@ -373,7 +511,20 @@ class Plan:
     def used(self) -> list[Assignment]:
         return [a for a in self.assignments if a.used]
 
+    def _pipeline_file_dict(self) -> dict[str, Any]:
+        """The pipeline as the file writes it: every device of each stage's TP groups, with the group's rows."""
+        assert self.pipeline is not None
+        d = self.pipeline.to_dict()
+        groups = {g[0].device_index: g for g in self.tp_groups()}
+        for st in d["stages"]:
+            devs = [[b.device_index for b in groups.get(x, ())] or [x] for x in st["devices"]]
+            st["rows"] = [r for ds, r in zip(devs, st["rows"]) for _ in ds]
+            st["devices"] = [x for ds in devs for x in ds]
+        return d
+
     def to_dict(self) -> dict[str, Any]:
+        # a plan that read `stage`, `tp`, `tp_group` writes them on every assignment; an old one: never
+        tp_keys = self.tensor_parallel or any(a.to_dict(None).keys() >= TP_KEYS.keys() for a in self.assignments)
         return {
             "version": PLAN_VERSION,
             "cluster": self.cluster.to_dict(),
@@ -390,14 +541,15 @@ class Plan:
             "predicted_wire_bytes_per_step": self.predicted_wire_bytes_per_step,
             "predicted_exposed_comm_s": self.predicted_exposed_comm_s,
             "rebalance": self.rebalance,
-            "assignments": [a.to_dict() for a in self.assignments],
+            "assignments": [a.to_dict(tp_keys) for a in self.assignments],
             "predicted_iteration_s": self.predicted_iteration_s,
             "predicted_samples_per_s": self.predicted_samples_per_s,
             "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
             "solve_s": self.solve_s,
             "notes": list(self.notes),
             "zero_candidates": {str(z): c.to_dict() for z, c in sorted(self.zero_candidates.items())},
-            **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
+            **({"pipeline": self._pipeline_file_dict()} if self.pipeline is not None else {}),
+            **({"tensor_parallel": self.tensor_parallel} if tp_keys else {}),
             **({"wan": [w.to_dict() for w in self.wan]} if self.wan else {}),
             **({"connections": dict(self.connections)} if self.connections else {}),
         }
@@ -419,6 +571,9 @@ class Plan:
         try:
             afields = {f.name for f in fields(Assignment)}
             assignments = tuple(Assignment(**{k: v for k, v in a.items() if k in afields}) for a in d["assignments"])
+            pipeline = None
+            if d.get("pipeline") is not None:
+                pipeline = PipelineSpec.from_dict(_pipeline_by_group(d["pipeline"], assignments))
             return cls(
                 cluster=ClusterSpec.from_dict(d["cluster"], f"{source}: cluster"),
                 model=str(d["model"]),
@@ -434,7 +589,7 @@ class Plan:
                 notes=tuple(d.get("notes", ())),
                 zero=d.get("zero", 1),
                 zero_candidates={int(z): ZeroCandidate(**c) for z, c in d.get("zero_candidates", {}).items()},
-                pipeline=PipelineSpec.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
+                pipeline=pipeline,
                 wan=tuple(WanLink(str(w["a"]), str(w["b"]), float(w["gbps"]), float(w.get("rtt_ms", 0.0)),
                                   None if w.get("per_connection_gbps") is None else float(w["per_connection_gbps"]))
                           for w in d.get("wan", ())),
@@ -448,6 +603,8 @@ class Plan:
                 predicted_wire_bytes_per_step=_optional(d.get("predicted_wire_bytes_per_step"), int),
                 predicted_exposed_comm_s=_optional(d.get("predicted_exposed_comm_s"), float),
                 rebalance=d.get("rebalance", "auto"),  # a plan file written before live rebalancing: auto
+                # written before tensor parallelism: none (a file with tp keys but no flag: any tp > 1)
+                tensor_parallel=d.get("tensor_parallel", any(a.tp > 1 for a in assignments)),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None

@@ -5,11 +5,20 @@ A checkpoint holds the logical training state, not one plan's layout: for every 
 saving ranks owned (`shard_<p>.bin`, raw fp32, and `meta_<p>.json`, written last). Loading fills
 each rank's new slice from whichever old slices overlap it, so `--resume` works on another plan
 (other devices, shard fractions or ZeRO stage); another model, sequence length or global batch is
-refused. `latest.json` names a step only once every position's files are whole. Slices are written
-and read in place (memory-mapped), never a whole file in memory. Before a save every rank checks the
-folder's free space against the checkpoint's size (`check_free_space`); a full disk, found there or
-while writing, raises DiskFull naming the folder, and the previous checkpoint stays the one to resume.
-With `keep` N > 0 the newest N checkpoints are kept: older ones go once latest.json names a newer one.
+refused. Slices are read in place (memory-mapped), never a whole file in memory.
+
+A save is written into `step_NNNNNN.tmp/`; once every position's files are there and fsynced,
+position 0 renames the folder to `step_NNNNNN/` and then names it in `latest.json` (the commit):
+`--resume` reads only the checkpoint latest.json names, so a save cut short (a rank killed, a full
+disk) loses nothing committed before it; its leftovers are removed at the next start
+(`remove_uncommitted`). `AsyncSaver` (the worker's) copies the rank's slices to host memory on the
+calling thread, then writes and commits on a background thread while training goes on: one save in
+flight per rank, so one host copy of the rank's shard at a time. `save` does the same in one call.
+
+Before a save every rank checks the folder's free space against the checkpoint's size
+(`check_free_space`); a full disk, found there or while writing, raises DiskFull naming the folder,
+and the previous checkpoint stays the one to resume. With `keep` N > 0 the newest N checkpoints are
+kept: older ones go once latest.json names a newer one.
 
 The file format and the save/load protocol: docs/executor.md ("Checkpoints").
 """
@@ -23,7 +32,10 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -39,7 +51,13 @@ LATEST = "latest.json"
 FORMAT = "gpumix-logical-1"  # latest.json's "format": DCP checkpoints of older versions have none
 FIELDS = ("master", "exp_avg", "exp_avg_sq")  # per unit, in this order in shard_<p>.bin
 DTYPE = np.dtype("<f4")  # fp32 masters and moments, little-endian on disk whatever the host
-STEP_DIR = re.compile(r"step_(\d+)$")
+STEP_DIR = re.compile(r"step_(\d+)$")  # a committed (or, newer than latest.json, uncommitted) checkpoint
+TMP_SUFFIX = ".tmp"  # step_NNNNNN.tmp/: a save being written, never read by a resume
+TMP_DIR = re.compile(r"step_(\d+)\.tmp$")
+# tests only (tests/e2e/test_async_checkpoint.py): "<step>:<position>" makes that position's background
+# writer of that step stop halfway through its shard, write `paused_<position>` (its pid) into the
+# save's folder and sleep, so a test can kill the rank while the save is in flight. Unset: no effect.
+ENV_TEST_PAUSE = "GPUMIX_TEST_CHECKPOINT_PAUSE"
 # a save's bytes beyond the shards: every position's meta (a few kB per unit) and latest.json
 META_MARGIN_BYTES = 4 * 2**20
 
@@ -155,6 +173,11 @@ def check_resumable(run_dir: str, plan: Plan) -> dict[str, Any]:
 # ---- save --------------------------------------------------------------------------------
 
 
+def step_folder(run_dir: str, step: int) -> str:
+    """The committed checkpoint of `step` (absolute): `<run_dir>/checkpoints/step_NNNNNN`."""
+    return os.path.join(os.path.abspath(run_dir), CKPT_DIR, f"step_{step:06d}")
+
+
 def _write_atomic_json(path: str, doc: dict[str, Any]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -164,33 +187,82 @@ def _write_atomic_json(path: str, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _host_array(t: Any) -> np.ndarray:
-    """The tensor's values as a contiguous little-endian fp32 array (no copy for a CPU fp32 tensor)."""
-    arr = t.detach().to("cpu").contiguous().numpy()
+def _fsync_dir(path: str) -> None:
+    """Make a rename or a new file in `path` durable (POSIX: the directory entry is the folder's data)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class HostShard:
+    """One position's part of a checkpoint, copied off the runtime: the per-unit entries of its meta
+    (bounds; offsets are filled as it is written) with their fp32 host arrays, and the scalar state."""
+
+    step: int
+    position: int
+    units: list[tuple[dict[str, Any], tuple[np.ndarray, ...]]] = field(default_factory=list)
+    scalar_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, arrays in self.units for a in arrays)
+
+
+def _host_copy(t: Any) -> np.ndarray:
+    """A private contiguous little-endian fp32 host copy of the tensor's values: training goes on
+    changing the tensor in place while the copy is written."""
+    arr = t.detach().to("cpu", copy=True).contiguous().numpy()
     return np.ascontiguousarray(arr, dtype=DTYPE)
 
 
-def _write_shard(ckpt_path: str, runtime: Any, position: int) -> list[dict[str, Any]]:
+def snapshot(runtime: Any, position: int, step: int) -> HostShard:
+    """This position's slices and scalar state copied to host memory (the synchronous part of a save:
+    a device-to-host copy of the rank's shard, 12 bytes per parameter it owns)."""
+    shard = HostShard(step, position, scalar_state=runtime.scalar_state())
+    for u in runtime.units:
+        if not 0 <= u.start <= u.end <= u.numel:
+            raise ValueError(f"unit {u.name!r}: slice [{u.start}, {u.end}) is not inside [0, {u.numel})")
+        arrays = tuple(_host_copy(getattr(u, f)) for f in FIELDS)
+        for f, arr in zip(FIELDS, arrays):
+            if arr.shape != (u.end - u.start,):
+                raise ValueError(f"unit {u.name!r}: {f} has shape {tuple(arr.shape)}, the slice "
+                                 f"[{u.start}, {u.end}) needs ({u.end - u.start},)")
+        shard.units.append(({"name": u.name, "numel": u.numel, "start": u.start, "end": u.end}, arrays))
+    return shard
+
+
+def _test_pause(folder: str, shard: HostShard) -> None:
+    """ENV_TEST_PAUSE (tests only): stop this save halfway, say so in the folder, sleep until killed."""
+    want = os.environ.get(ENV_TEST_PAUSE)
+    if not want or want != f"{shard.step}:{shard.position}":
+        return
+    with open(os.path.join(folder, f"paused_{shard.position}"), "w", encoding="utf-8") as fh:
+        fh.write(str(os.getpid()))
+    log.warning("%s=%s: the checkpoint writer of step %d pauses mid-save", ENV_TEST_PAUSE, want, shard.step)
+    time.sleep(3600)
+
+
+def _write_shard(folder: str, shard: HostShard) -> list[dict[str, Any]]:
     """shard_<p>.bin, fsynced; returns the per-unit bounds and byte offsets for the meta."""
     units, offset = [], 0
-    tmp = f"{shard_path(ckpt_path, position)}.tmp"
+    tmp = f"{shard_path(folder, shard.position)}.tmp"
     with open(tmp, "wb") as fh:
-        for u in runtime.units:
-            if not 0 <= u.start <= u.end <= u.numel:
-                raise ValueError(f"unit {u.name!r}: slice [{u.start}, {u.end}) is not inside [0, {u.numel})")
-            entry: dict[str, Any] = {"name": u.name, "numel": u.numel, "start": u.start, "end": u.end, "offsets": {}}
-            for field in FIELDS:
-                arr = _host_array(getattr(u, field))
-                if arr.shape != (u.end - u.start,):
-                    raise ValueError(f"unit {u.name!r}: {field} has shape {tuple(arr.shape)}, the slice "
-                                     f"[{u.start}, {u.end}) needs ({u.end - u.start},)")
-                entry["offsets"][field] = offset
+        for i, (bounds, arrays) in enumerate(shard.units):
+            if i == len(shard.units) // 2:
+                fh.flush()
+                _test_pause(folder, shard)
+            entry = dict(bounds, offsets={})
+            for f, arr in zip(FIELDS, arrays):
+                entry["offsets"][f] = offset
                 arr.tofile(fh)
                 offset += arr.nbytes
             units.append(entry)
         fh.flush()
         os.fsync(fh.fileno())
-    os.replace(tmp, shard_path(ckpt_path, position))
+    os.replace(tmp, shard_path(folder, shard.position))
     return units
 
 
@@ -200,11 +272,11 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if _distributed():
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _complete(ckpt_path: str, step: int, num_positions: int, fingerprint: str) -> list[int]:
@@ -222,7 +294,7 @@ def _complete(ckpt_path: str, step: int, num_positions: int, fingerprint: str) -
     return missing
 
 
-def _all_agree(ok: bool) -> bool:
+def _all_agree(ok: bool, group: Any = None) -> bool:
     """Whether every rank says ok (a collective under torch.distributed; else `ok`): a save refused on
     one rank must be refused on all, or the others wait in its barriers forever."""
     if not _distributed():
@@ -231,61 +303,146 @@ def _all_agree(ok: bool) -> bool:
     import torch.distributed as dist
 
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def save(run_dir: str, runtime: Any, position: int, step: int, plan: Plan, keep: int = 0) -> str:
-    """Write this position's shard and meta for `step`; collective (every rank calls it). Position 0
-    names the checkpoint in latest.json once every position's files are complete, then removes the
-    checkpoints older than the newest `keep` (0: none). Without torch.distributed (one process saving
-    for several positions, as tests do) whichever call completes the set writes latest.json.
-    DiskFull (every rank alike) when the folder lacks the room: the save is not started. Returns the
-    checkpoint folder."""
-    run_dir = os.path.abspath(run_dir)
-    os.makedirs(os.path.join(run_dir, CKPT_DIR), exist_ok=True)
-    path = os.path.join(run_dir, CKPT_DIR, f"step_{step:06d}")
+def prepare(run_dir: str, step: int, plan: Plan) -> None:
+    """The free-space check before a save, agreed by every rank (collective): DiskFull on every rank
+    alike when any lacks the room; nothing is written then."""
+    os.makedirs(os.path.join(os.path.abspath(run_dir), CKPT_DIR), exist_ok=True)
+    tmp = step_folder(run_dir, step) + TMP_SUFFIX
     try:
-        check_free_space(run_dir, checkpoint_bytes(plan) - _bytes_in(path), step)
+        check_free_space(run_dir, checkpoint_bytes(plan) - _bytes_in(tmp), step)
         room = None
     except DiskFull as e:
         room = e
     if not _all_agree(room is None):
         raise room or DiskFull(f"disk full: another rank has no room for the checkpoint of step {step}")
-    meta = checkpoint_meta(plan, step, path)
+
+
+def _commit(run_dir: str, tmp: str, meta: dict[str, Any], keep: int) -> None:
+    """Rename the whole save's folder to its step folder, then name it in latest.json (the commit)."""
+    final = meta["path"]
+    if os.path.isdir(final):  # an uncommitted leftover of an earlier attempt (renamed, latest.json not written)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    _write_atomic_json(os.path.join(os.path.abspath(run_dir), CKPT_DIR, LATEST), meta)
+    _fsync_dir(os.path.dirname(final))
+    log.info("checkpoint of step %d saved to %s", meta["step"], final)
+    if keep > 0:
+        prune(run_dir, keep)
+
+
+def write_and_commit(run_dir: str, shard: HostShard, plan: Plan, keep: int = 0, group: Any = None) -> str:
+    """Write this position's part of the save into `step_NNNNNN.tmp/` (fsynced), agree with every rank
+    (collective on `group`) that all parts are written, and let position 0 commit. Without
+    torch.distributed (one process saving for several positions, as tests do) whichever call completes
+    the set commits. DiskFull on every rank when one ran out of room while writing; CheckpointIncomplete
+    on position 0 when it does not see every position's files. The committed folder, or the .tmp one
+    while the set is not complete (no torch.distributed)."""
+    meta = checkpoint_meta(plan, shard.step, step_folder(run_dir, shard.step))
+    tmp = meta["path"] + TMP_SUFFIX
+    failed: BaseException | None = None
     try:
-        os.makedirs(path, exist_ok=True)
-        units = _write_shard(path, runtime, position)
-        _write_atomic_json(meta_path(path, position), {
-            "step": step, "position": position, "num_positions": meta["num_positions"],
+        os.makedirs(tmp, exist_ok=True)
+        units = _write_shard(tmp, shard)
+        _write_atomic_json(meta_path(tmp, shard.position), {
+            "step": shard.step, "position": shard.position, "num_positions": meta["num_positions"],
             "plan_fingerprint": meta["plan_fingerprint"], "dtype": DTYPE.str, "units": units,
-            "scalar_state": runtime.scalar_state()})
+            "scalar_state": shard.scalar_state})
+        _fsync_dir(tmp)
     except OSError as e:
         # numpy's tofile reports a full disk as a short write, without errno
-        if e.errno != errno.ENOSPC and shutil.disk_usage(path).free > META_MARGIN_BYTES:
-            raise
-        _remove_position(path, position)  # room for the store and the logs to say what happened
-        raise DiskFull(f"disk full while writing the checkpoint of step {step} to {path}: "
-                       f"{e.strerror or e} (the previous checkpoint is kept)") from None
-    _barrier()  # every rank's meta is on disk before position 0 looks
+        if e.errno != errno.ENOSPC and shutil.disk_usage(tmp if os.path.isdir(tmp) else run_dir).free > META_MARGIN_BYTES:
+            failed = e
+        else:
+            _remove_position(tmp, shard.position)  # room for the store and the logs to say what happened
+            failed = DiskFull(f"disk full while writing the checkpoint of step {shard.step} to {tmp}: "
+                              f"{e.strerror or e} (the previous checkpoint is kept)")
+    except Exception as e:  # noqa: BLE001 - agreed with the other ranks first, raised below
+        failed = e
+    if not _all_agree(failed is None, group):  # every rank's part is on disk before position 0 looks
+        raise failed or DiskFull(f"another rank could not write its part of the checkpoint of step {shard.step} "
+                                 f"(the previous checkpoint is kept)")
     distributed = _distributed()
-    incomplete = None
-    if position == 0 or not distributed:
-        missing = _complete(path, step, meta["num_positions"], meta["plan_fingerprint"])
+    refused: BaseException | None = None
+    path = tmp
+    if shard.position == 0 or not distributed:
+        missing = _complete(tmp, shard.step, meta["num_positions"], meta["plan_fingerprint"])
         if not missing:
-            _write_atomic_json(os.path.join(run_dir, CKPT_DIR, LATEST), meta)
-            log.info("checkpoint of step %d saved to %s", step, path)
-            if keep > 0:
-                prune(run_dir, keep)
+            try:
+                _commit(run_dir, tmp, meta, keep)
+                path = meta["path"]
+            except OSError as e:
+                refused = e
         elif distributed:
-            incomplete = CheckpointIncomplete(f"checkpoint of step {step}: positions {missing} wrote no complete "
-                                              f"meta in {path} (a run folder not shared by every node?)")
-    _barrier()  # nobody goes on (and maybe dies) before latest.json names this checkpoint
-    if incomplete is not None:  # raised past the barrier: the other ranks are not left waiting in it
-        raise incomplete
-    return path
+            refused = CheckpointIncomplete(f"checkpoint of step {shard.step}: positions {missing} wrote no "
+                                           f"complete meta in {tmp} (a run folder not shared by every node?)")
+    _barrier(group)  # nobody reports the save done before latest.json names it
+    if refused is not None:  # raised past the barrier: the other ranks are not left waiting in it
+        raise refused
+    return meta["path"] if distributed else path
+
+
+def save(run_dir: str, runtime: Any, position: int, step: int, plan: Plan, keep: int = 0) -> str:
+    """Save `step` and return when it is committed (or, without torch.distributed, written): the
+    free-space check, the host copy, the write and the commit in one call; collective (every rank
+    calls it). AsyncSaver does the same with the write in the background. Returns the folder."""
+    prepare(run_dir, step, plan)
+    return write_and_commit(run_dir, snapshot(runtime, position, step), plan, keep)
+
+
+class AsyncSaver:
+    """One rank's checkpoints, written while training goes on. `start` (collective, every rank at the
+    same step) waits for the previous save (one host copy of the shard at a time), checks the room,
+    copies the slices to host memory and returns; a background thread writes them and joins the other
+    ranks' threads on a process group of its own (gloo, made at the first save) to commit. `wait`
+    blocks until the save in flight is committed and raises its failure (DiskFull,
+    CheckpointIncomplete, ...) on the calling thread."""
+
+    def __init__(self, run_dir: str, position: int, plan: Plan, keep: int = 0,
+                 timeout: timedelta | None = None) -> None:
+        self.run_dir, self.position, self.plan, self.keep, self.timeout = run_dir, position, plan, keep, timeout
+        self._group: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.step: int | None = None  # the save in flight, or the last one waited for
+
+    def start(self, runtime: Any, step: int) -> None:
+        self.wait()
+        prepare(self.run_dir, step, self.plan)
+        shard = snapshot(runtime, self.position, step)
+        if self._group is None and _distributed():
+            import torch.distributed as dist
+
+            # collective (every rank makes it at its first save); gloo: CPU barriers off the training's stream
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        self.step = step
+        self._thread = threading.Thread(target=self._write, args=(shard,), name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, shard: HostShard) -> None:
+        try:
+            write_and_commit(self.run_dir, shard, self.plan, self.keep, self._group)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = e
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def wait(self) -> None:
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def _bytes_in(folder: str) -> int:
@@ -304,7 +461,8 @@ def _remove_position(path: str, position: int) -> None:
 
 
 def saved_steps(run_dir: str) -> list[int]:
-    """The steps of the checkpoint folders in the run folder (whole or not), ascending."""
+    """The steps of the renamed (whole) checkpoint folders in the run folder, ascending; saves still
+    being written (`step_NNNNNN.tmp/`) are not among them."""
     try:
         names = os.listdir(os.path.join(run_dir, CKPT_DIR))
     except FileNotFoundError:
@@ -325,6 +483,29 @@ def prune(run_dir: str, keep: int) -> list[int]:
         shutil.rmtree(os.path.join(run_dir, CKPT_DIR, f"step_{s:06d}"), ignore_errors=True)
     if gone:
         log.info("checkpoints of steps %s removed (keeping the newest %d)", gone, keep)
+    return gone
+
+
+def remove_uncommitted(run_dir: str) -> list[str]:
+    """Remove what saves cut short left (a start's cleaning, before anything is saved): every
+    `step_NNNNNN.tmp/`, and step folders newer than the one latest.json names (renamed, never
+    committed). The names removed, logged."""
+    root = os.path.join(run_dir, CKPT_DIR)
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    meta = latest(run_dir)
+    newest = int(meta["step"]) if meta is not None else -1
+    gone = []
+    for name in names:
+        done = STEP_DIR.match(name)
+        if TMP_DIR.match(name) or (done and int(done.group(1)) > newest):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(name)
+    if gone:
+        log.info("uncommitted checkpoint folders removed from %s: %s (a save cut short; the committed "
+                 "checkpoint is %s)", root, gone, f"step {newest}" if meta is not None else "none")
     return gone
 
 

@@ -6,7 +6,8 @@ a plan on several nodes runs here only as emulated datacenters (`check_emulate_w
 links need a one-node CPU plan of at least 2 ranks and root (`check_emulate_links`), the
 `init_from` folder holds the plan's model (`check_init_from`), the run folder has no live run
 (`check_not_running`) and no earlier run unless resumed or overwritten (`check_folder_reuse`), a
-multi-node run keeps SQLite off a network filesystem (`check_store_safe`). The plan's own fields
+multi-node run keeps SQLite off a network filesystem (`check_store_safe`), a tensor-parallel plan asks
+only for what the TP runtime runs (`check_tensor_parallel`). The plan's own fields
 are checked when it is read (contracts/plan.py), the settings' (steps, seed, ...) by RunConfig
 (contracts/run.py); `check_run` and `check_local` are what the backends call (executor/backend.py).
 """
@@ -131,6 +132,32 @@ def check_init_from(plan: Plan, init_from: str | None) -> str | None:
     return folder
 
 
+def check_tensor_parallel(plan: Plan, *, init_from: str | None = None, resume: bool = False,
+                          checkpoint_every: int = 0) -> None:
+    """A plan with tp > 1 (docs/executor.md "Tensor-parallel plans"): one TP degree for every group, zero 1,
+    and none of what a TP runtime cannot do yet: start from Hugging Face weights, or write and read
+    checkpoints (their logical format has no TP layout). One-line ValueError saying why; the worker
+    asks the same of a multi-node run started without the launcher."""
+    degrees = sorted({a.tp for a in plan.used})
+    if degrees == [1]:
+        return
+    if len(degrees) > 1:
+        raise ValueError(f"the plan's TP groups have degrees {', '.join(map(str, degrees))}: the runtime runs one TP "
+                         "degree for every group; re-plan with one --max-tp")
+    t = degrees[0]
+    if plan.zero != 1:
+        raise ValueError(f"a tensor-parallel plan (tp {t}) runs at zero 1 only, this one says zero {plan.zero}: the "
+                         "zero 2/3 step scatters the embedding's gradient by token id into the full vocabulary, "
+                         "which a vocabulary-parallel embedding does not hold; re-plan with --zero 1")
+    if init_from is not None:
+        raise ValueError(f"--init-from: a tensor-parallel plan (tp {t}) cannot start from Hugging Face weights yet "
+                         "(the TP runtime has no load of them); start from random weights or plan with tp 1")
+    if resume or checkpoint_every:
+        flag = "--resume" if resume else "--checkpoint-every"
+        raise ValueError(f"{flag}: a tensor-parallel plan (tp {t}) writes no checkpoints yet (their format has no "
+                         "TP layout), so it can neither save nor resume one; run it without checkpoints")
+
+
 def check_run(plan: Plan, config: RunConfig) -> RunConfig:
     """What every backend checks: the plan uses a device, `init_from` holds its model, the run folder
     holds no earlier run unless resumed or overwritten, a run on several machines keeps its SQLite
@@ -138,6 +165,8 @@ def check_run(plan: Plan, config: RunConfig) -> RunConfig:
     paths absolute (the launcher's and the ranks' working folders differ)."""
     if not plan.used:
         raise ValueError("plan uses no device")
+    check_tensor_parallel(plan, init_from=config.init_from, resume=config.resume,
+                          checkpoint_every=config.checkpoint_every)
     run_dir = None if config.run_dir is None else os.path.abspath(config.run_dir)
     if run_dir is not None:
         check_folder_reuse(replace(config, run_dir=run_dir))

@@ -8,14 +8,16 @@ the node named by GPUMIX_NODE). One step: the global sampler gives the step's wi
 any plan, and this rank takes its consecutive piece in `accum_steps` micro-batches; the sharded
 runtime (models/sharded.py) trains them at the plan's ZeRO stage and uneven shards. A pipeline plan
 runs models/pipeline.py instead (the rank's stage and rows; `--timeline-step`, `--prefill` with
-executor/prefill.py). Rank 0 gathers every rank's figures and peak memory each step into the store,
-with the runtime's `comm_wait_s` and, on emulated links (executor/links.py), the TCP payload the
-rank sent on its link during the step, and (a data-parallel plan) each rank's predicted compute and
-wait beside them; rank 0 names a straggler (executor/straggler.py) and, with the plan's `rebalance`
-auto, decides a new batch split from the measured rates, which every rank applies at the next step
-(executor/rebalance.py). The last step is always checkpointed (executor/checkpoint.py).
-Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep
-(`slowdown`) and check the measured peak against `memory_gb`. More: docs/executor.md,
+executor/prefill.py). A tensor-parallel plan (tp > 1) runs models/tensor_runtime.py, or the pipeline
+with its TP groups: every TP group is one data-parallel position whose t ranks take its rows
+(docs/executor.md "Tensor-parallel plans"). Rank 0 gathers every rank's figures and peak memory each
+step into the store, with the runtime's `comm_wait_s` and, on emulated links (executor/links.py), the
+TCP payload the rank sent on its link during the step, and (a data-parallel plan) each rank's predicted
+compute and wait beside them; rank 0 names a straggler (executor/straggler.py) and, with the plan's
+`rebalance` auto, decides a new batch split from the measured rates, which every rank applies at the
+next step (executor/rebalance.py). The last step is always checkpointed (executor/checkpoint.py).
+Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep (`slowdown`)
+and check the measured peak against `memory_gb`. More: docs/executor.md,
 docs/models/pipeline_simulation.md.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from profiler import cgroups
 from executor import checkpoint as ckpt
+from executor.checks import check_tensor_parallel
 from executor.links import ENV_LINK_IF, LinkCounter
 from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from profiler.memtrack import PeakMemory
@@ -46,6 +49,7 @@ from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.optim import OptimConfig, lr_at
 from models.pipeline import PipelineRuntime
+from models.tensor_runtime import TensorParallelRuntime, build_groups
 from models.runtime import use_tf32_as_priced
 from models.sharded import ShardedRuntime
 from contracts.attention import select_kernel
@@ -214,6 +218,10 @@ class Trainer:
         self.position_of = dict(enumerate(owners))  # rank -> plan position
         self.a = used[self.position]
         self.batches = [u.batch for u in used]
+        # tensor parallel: a TP group of `tp` ranks is one data-parallel position (set by _build_tensor_parallel)
+        self.tp, self.dp_position = plan.tp_degree, self.position
+        check_tensor_parallel(plan, init_from=args.init_from, resume=args.resume,
+                              checkpoint_every=args.checkpoint_every)  # a multi-node run has no launcher's door
 
         spec = with_max_seq(get_model(plan.model), plan.seq)
         self.optim = OptimConfig.from_dict(json.loads(args.optim)) if args.optim else OptimConfig()
@@ -223,6 +231,8 @@ class Trainer:
         self.pipe = plan.pipeline
         if self.pipe is not None:
             self._build_pipeline(args, spec, kernel.expand_kv, loss_scaling)
+        elif self.tp > 1:
+            self._build_tensor_parallel(args, spec, kernel.expand_kv, loss_scaling)
         else:
             self._build_sharded(args, spec, kernel.expand_kv, loss_scaling, comm)
         if args.init_from and not args.resume:  # each rank reads only its slices (a pipeline's replica too)
@@ -235,7 +245,7 @@ class Trainer:
         self.train_tokens, self.val_tokens = corpus.train, corpus.val
         self.sampler = GlobalSampler(int(self.train_tokens.size), plan.seq, plan.global_batch, args.seed)
         if self.pipe is None:
-            self.slices = batch_slices(self.batches, self.position, self.a.micro_batch) if self.a.batch else []
+            self.slices = batch_slices(self.batches, self.dp_position, self.a.micro_batch) if self.a.batch else []
         else:  # micro-batch k = windows [k·mb, (k+1)·mb) of the step; this rank takes its rows of each
             off, mb = self.runtime.my_rows[0], self.pipe.micro_batch
             self.slices = [slice(k * mb + off, k * mb + off + self.a.micro_batch)
@@ -250,20 +260,25 @@ class Trainer:
                             PeakMemory(self.device).method)
         self.relay()  # a multi-node run: every rank's row written by rank 0 before the first step
         where = "" if self.pipe is None else f", pipeline stage {self.runtime.stage} dp {self.runtime.dp_index}"
+        if self.tp > 1:
+            where += f", tp {self.runtime.tp.rank} of {self.tp} (data-parallel position {self.dp_position})"
         log.info("rank %d = plan device %d (%s, micro_batch %d x %d, zero %d, %d of %d parameters%s)%s", rank,
                  self.a.device_index, self.a.type, self.a.micro_batch, self.a.accum_steps, plan.zero, shard,
                  spec.num_params, where, " EMULATED" if _is_emulated(self.a) else "")
         self.prefill = self._build_prefill(args) if args.prefill else None
         self.link = LinkCounter(os.environ.get(ENV_LINK_IF))  # emulated links: what this rank sends per step
         # live rebalancing (executor/rebalance.py): data-parallel plans of two ranks or more
-        self.rebalance = plan.rebalance == "auto" and self.pipe is None and world > 1
+        self.rebalance = plan.rebalance == "auto" and self.pipe is None and world > 1 and self.tp == 1
+        if plan.rebalance == "auto" and self.tp > 1 and rank == 0:
+            log.info("no live rebalancing: a tensor-parallel plan's split is per TP group, which the rebalancer "
+                     "(one rank per position) does not move")
         self.monitor = self._build_monitor(world) if rank == 0 else None
 
     def _build_monitor(self, world: int):
         """Rank 0's SplitMonitor (predictions, straggler, rebalancing) of a data-parallel plan; None
         for a pipeline plan or one rank, or when the plan's cost model cannot be built (said in an
         event: the run goes on without them)."""
-        if self.pipe is not None or world < 2:
+        if self.pipe is not None or world < 2 or self.tp > 1:  # TP: its cost model prices one rank per position
             return None
         from executor.rebalance import SplitMonitor
 
@@ -321,20 +336,46 @@ class Trainer:
         # the plan's split of the global batch: the embedding's gradient goes out as rows where that pays
         self.runtime.set_batch_split([u.batch for u in used], plan.seq)
 
+    def _tp_ranks(self) -> dict[int, list[int]]:
+        """Each TP group's global ranks, increasing (= TP index order), by the group's first device."""
+        position_of = {a.device_index: p for p, a in enumerate(self.plan.used)}
+        return {g[0].device_index: sorted(self.owner[position_of[a.device_index]] for a in g)
+                for g in self.plan.tp_groups()}
+
+    def _build_tensor_parallel(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
+        """TP × uneven DP (models/tensor_runtime.py): layout[p] = the ranks of position p's TP group, every
+        position's t ranks with its rows and its share of their TP index's parameters."""
+        plan = self.plan
+        groups = plan.tp_groups()
+        ranks = self._tp_ranks()
+        layout = [ranks[g[0].device_index] for g in groups]
+        self.dp_position, tp, comm = build_groups(layout, dist.get_rank())
+        self.batches = [g[0].batch for g in groups]  # per data-parallel position (TP group)
+        self.runtime = TensorParallelRuntime(
+            spec, zero=1, fractions=[g[0].shard_fraction for g in groups], position=self.dp_position, comm=comm,
+            device=self.device, recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
+            seed=args.seed, loss_scaling=loss_scaling, expand_kv=expand_kv, tp=tp, **runtime_precision(plan))
+
     def _build_pipeline(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
-        """This rank's (stage, data-parallel index) of the plan's pipeline (models/pipeline.py)."""
+        """This rank's (stage, data-parallel index) of the plan's pipeline (models/pipeline.py); with tensor
+        parallelism each stage entry is a TP group (its first device), stage_ranks[s][j] its ranks."""
         plan, pipe = self.plan, self.pipe
         if plan.zero != 1:
             raise ValueError(f"pipeline plans run ZeRO-1 inside each stage; this plan says zero {plan.zero}")
-        position_of = {a.device_index: p for p, a in enumerate(plan.used)}
         by_index = {a.device_index: a for a in plan.used}
-        stage_ranks = [[self.owner[position_of[d]] for d in st.devices] for st in pipe.stages]
-        s, i = pipe.stage_of(self.a.device_index)
+        ranks = self._tp_ranks()
+        s, i = pipe.stage_of(self.a.leader)
+        tp_kw = {}
+        if self.tp > 1:
+            stage_ranks = [[ranks[d] for d in st.devices] for st in pipe.stages]
+            tp_kw = {"tp_size": self.tp, "tp_index": stage_ranks[s][i].index(self.rank)}
+        else:
+            stage_ranks = [[ranks[d][0] for d in st.devices] for st in pipe.stages]
         self.runtime = PipelineRuntime(
             spec, pipe, stage=s, dp_index=i, stage_ranks=stage_ranks,
             fractions=[by_index[d].shard_fraction for d in pipe.stages[s].devices], device=self.device,
             seq=plan.seq, recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim, seed=args.seed,
-            loss_scaling=loss_scaling, expand_kv=expand_kv, materialize=not (args.resume or args.init_from))
+            loss_scaling=loss_scaling, expand_kv=expand_kv, materialize=not (args.resume or args.init_from), **tp_kw)
 
     def _checkpointable(self, save: bool):
         """What executor/checkpoint.py saves and loads: the runtime, or a pipeline rank's view of all units."""
@@ -487,13 +528,26 @@ class Trainer:
         self.store.record_relayed(rows, events)
 
     def save_checkpoint(self, step: int, required: bool) -> None:
-        """Save `step`'s checkpoint (executor/checkpoint.py). The final one nobody asked for does not
-        fail a run whose nodes keep separate run folders (each sees only its own positions' files)."""
+        """Start `step`'s checkpoint (executor/checkpoint.py's AsyncSaver): the previous save is waited
+        for first (one host copy of the shard at a time), the slices are copied to host memory, and a
+        background thread writes and commits them while the next steps train. The last step's save is
+        waited for here: the run reports done only once it is committed."""
+        self.finish_checkpoint()
+        self.saver.start(self._checkpointable(save=True), step)
+        self._checkpoint_required = required
+        if step == self.args.steps:
+            self.finish_checkpoint()
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the save in flight, if any, and raise its failure. The final one nobody asked for
+        does not fail a run whose nodes keep separate run folders (each sees only its own positions' files)."""
+        if not self.saver.in_flight:
+            return
+        step = self.saver.step
         try:
-            ckpt.save(self.args.run_dir, self._checkpointable(save=True), self.position, step, self.plan,
-                      keep=self.args.keep_checkpoints)
+            self.saver.wait()
         except ckpt.CheckpointIncomplete as e:
-            if required:
+            if self._checkpoint_required:
                 raise
             self.store.add_event("note", f"final {e}", self.rank)
             return
@@ -504,11 +558,15 @@ class Trainer:
     def run(self) -> None:
         args = self.args
         first = 1
+        self.saver = ckpt.AsyncSaver(args.run_dir, self.position, self.plan, keep=args.keep_checkpoints,
+                                     timeout=collective_timeout(self.plan, args.run_dir))
+        self._checkpoint_required = False
         if args.resume:
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one per node: what saves cut short left
+                ckpt.remove_uncommitted(args.run_dir)
             done = ckpt.load(args.run_dir, self._checkpointable(save=False), self.position)
             first = done + 1
             log.info("resumed from the checkpoint of step %d", done)
-        lead = self.position == 0
         for step in range(first, args.steps + 1):
             every = args.measure_memory_every
             measure = step == first or (every > 0 and step % every == 0)
@@ -518,8 +576,9 @@ class Trainer:
                 self.write_timeline(step, *m.pop("timeline"))
             val = None
             if (step == args.steps or (args.val_every > 0 and step % args.val_every == 0)) and (
-                    lead or self.plan.zero == 3 or self.pipe is not None):
-                val = self.val_loss()  # zero 3 gathers the units, a pipeline passes stages: every rank takes part
+                    self.dp_position == 0 or self.plan.zero == 3 or self.pipe is not None):
+                # zero 3 gathers the units, a pipeline passes stages: every rank takes part; TP: position 0's group
+                val = self.val_loss()
             figures = self.gather_figures(m, val)
             if self.rank == 0:
                 self.record(step, figures)
@@ -528,10 +587,15 @@ class Trainer:
             elif self.monitor is not None and not measure:  # rank 0 alone: the straggler, no change of split
                 self.monitor.observe(step, self._computes(figures), figures[self.owner[0]]["step_s"])
             asked = args.checkpoint_every > 0 and step % args.checkpoint_every == 0
-            if asked or step == args.steps:  # the last step's state is always kept: export, continue
+            if step == args.steps and self.tp > 1:  # the door refuses asked ones (check_tensor_parallel)
+                if self.position == 0:
+                    self.store.add_event("note", "no final checkpoint: a tensor-parallel run writes none yet "
+                                         "(the checkpoint format has no TP layout)", self.rank)
+            elif asked or step == args.steps:  # the last step's state is always kept: export, continue
                 self.save_checkpoint(step, required=asked)
                 if step != args.steps:
                     self.relay()  # its events (a position-0 rank need not be rank 0)
+        self.finish_checkpoint()  # a resumed run with no step left saved nothing; else already waited for
         if self.prefill is not None:
             self.prefill.write_summary(args.run_dir, self.rank)
         self.relay(done=True)

@@ -270,16 +270,21 @@ def run_prefix(run_id: str) -> str:
 
 
 def save_table(path: str, mode: str, reason: str, ranks: dict[int, Cgroup]) -> None:
-    """emulation.json: how this run emulates (`cgroup` | `sleep`, and why) and each rank's cgroups."""
+    """emulation.json (docs/DESIGN.md): how this run emulates (`cgroup` | `sleep`, and why) and each
+    rank's cgroups, `{"ranks": [{"rank": 0, "cpu_cgroup": dir | null, "memory_cgroup": dir | null,
+    "name", "limits"}, ...]}` in rank order."""
+    rows = [{"rank": r, "cpu_cgroup": c.cpu_dir, "memory_cgroup": c.memory_dir, "name": c.name,
+             "limits": asdict(c.limits)} for r, c in sorted(ranks.items())]
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"mode": mode, "reason": reason, "ranks": {str(r): c.to_dict() for r, c in ranks.items()}}, fh,
-                  indent=2)
+        json.dump({"mode": mode, "reason": reason, "ranks": rows}, fh, indent=2)
 
 
 def load_table(path: str) -> tuple[str, dict[int, Cgroup]]:
+    """(mode, {rank: its cgroups}) of a table save_table wrote."""
     with open(path, encoding="utf-8") as fh:
         d = json.load(fh)
-    return d["mode"], {int(r): Cgroup.from_dict(c) for r, c in d["ranks"].items()}
+    return d["mode"], {int(row["rank"]): Cgroup(row["name"], Limits(**row["limits"]), row["cpu_cgroup"],
+                                                row["memory_cgroup"]) for row in d["ranks"]}
 
 
 def rank_cgroup(rank: int) -> Cgroup | None:

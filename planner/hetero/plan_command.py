@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not price pipeline stages on a multi-node cluster (pure data parallelism)")
     p.add_argument("--max-tp", type=int, choices=TP_DEGREES, default=DEFAULT_MAX_TP,
                    help="the largest tensor-parallel degree the joint search of large clusters (7+ nodes) tries "
-                        f"(default {DEFAULT_MAX_TP}: the runtime does not run tp > 1 yet; a faster tp > 1 plan is "
-                        "written as a plan file marked tensor_parallel, which the executor refuses)")
+                        f"(default {DEFAULT_MAX_TP}: plans that checkpoint and resume; a faster tp > 1 plan is "
+                        "written as the plan file, marked tensor_parallel: executor launch runs it at zero 1, "
+                        "without checkpoints)")
     p.add_argument("--json", action="store_true", help="print the plan file as one JSON object")
     p.add_argument("--out", metavar="P", help="also write the plan file here")
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         if result.plan_file is not None and result.plan_file.get("tensor_parallel"):
             print(f"note: a plan with tensor parallelism is faster "
                   f"({result.plan_file['predicted_iteration_s']:.4g} s/iteration); it is the plan file written "
-                  "(--out / --json), marked tensor_parallel: the runtime does not run it yet")
+                  "(--out / --json), marked tensor_parallel: executor launch runs it (zero 1, no checkpoints)")
         if result.status != "optimal":
             print(f"note: the plan is feasible, {result.reason}")
         if args.out:

@@ -79,7 +79,8 @@ def test_a_run_under_cgroups_records_it_and_leaves_none_behind(tmp_path):
         in emulation[0]
     assert any("rank 1: cgroup" in e and "baseline" in e for e in emulation)  # the rank measured its baseline
     table = json.load(open(os.path.join(run, EMULATION_FILE)))
-    assert table["mode"] == "cgroup" and set(table["ranks"]) == {"0", "1"}
+    assert table["mode"] == "cgroup" and [r["rank"] for r in table["ranks"]] == [0, 1]
+    assert table["ranks"][1]["cpu_cgroup"] and table["ranks"][1]["memory_cgroup"]  # the contract's paths
     assert cgroups.find(cgroups.run_prefix(run_id_of(run))) == []
 
 

@@ -51,11 +51,9 @@ def even_plan(rebalance: str) -> Plan:
 
 
 def cpu_dir_of(run_dir: str, rank: int) -> str:
-    """Rank `rank`'s CPU cgroup from emulation.json (a dict by rank, or a list of {"rank", "cpu_cgroup"})."""
+    """Rank `rank`'s CPU cgroup from emulation.json (`{"ranks": [{"rank", "cpu_cgroup", ...}]}`)."""
     with open(os.path.join(run_dir, EMULATION_FILE), encoding="utf-8") as fh:
-        ranks = json.load(fh)["ranks"]
-    entry = ranks[str(rank)] if isinstance(ranks, dict) else next(r for r in ranks if r["rank"] == rank)
-    return entry.get("cpu_dir") or entry["cpu_cgroup"]
+        return next(r["cpu_cgroup"] for r in json.load(fh)["ranks"] if r["rank"] == rank)
 
 
 def set_share(run_dir: str, rank: int, share: float) -> None:

@@ -23,9 +23,11 @@ def test_keep_n_prunes_older_checkpoints_once_a_newer_one_is_whole(tmp_path):
         for p in range(2):
             ckpt.save(run, FakeRuntime(units, FRACTIONS, p, whole_state(units, step)), p, step, plan, keep=2)
     assert ckpt.saved_steps(run) == [2, 3]
-    # position 0 of step 4 written, position 1 not yet: latest still names 3, nothing pruned
+    # position 0 of step 4 written, position 1 not yet: latest still names 3, nothing pruned, and the
+    # save in progress is its .tmp folder, not yet a step folder
     ckpt.save(run, FakeRuntime(units, FRACTIONS, 0, whole_state(units, 4)), 0, 4, plan, keep=1)
-    assert ckpt.latest(run)["step"] == 3 and ckpt.saved_steps(run) == [2, 3, 4]
+    assert ckpt.latest(run)["step"] == 3 and ckpt.saved_steps(run) == [2, 3]
+    assert os.path.isdir(os.path.join(run, ckpt.CKPT_DIR, "step_000004" + ckpt.TMP_SUFFIX))
     ckpt.save(run, FakeRuntime(units, FRACTIONS, 1, whole_state(units, 4)), 1, 4, plan, keep=1)
     assert ckpt.latest(run)["step"] == 4 and ckpt.saved_steps(run) == [4]
     rt = FakeRuntime(units, FRACTIONS, 1)

@@ -159,8 +159,8 @@ def test_tp_plan_file_groups(solved):
         heads = [g[0] for g in groups.values() if g[0]["stage"] == s]
         assert sum(a["batch"] for a in heads) == BATCH
         assert sum(a["shard_fraction"] for a in heads) == pytest.approx(1.0)
-    with pytest.raises(ValueError):  # today's contracts refuse it (the executor's door with them)
-        Plan.from_dict(d)
+    p = Plan.from_dict(d)  # the contracts read its TP groups, and write the same file back
+    assert p.tensor_parallel and p.tp_degree == 2 and Plan.from_dict(p.to_dict()) == p
 
 
 def test_bad_input_is_refused():

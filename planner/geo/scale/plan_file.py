@@ -9,8 +9,8 @@ sum to the global batch and to 1 over the TP groups, each group counted once.
 
 At tp 1 everywhere that is today's pipeline plan (contracts/plan.py validates and the executor runs
 it; the three keys ride along in the JSON, ignored by today's reader): `to_plan` builds it. A plan
-with tp > 1 exists only as its JSON (`to_plan_dict`, `"tensor_parallel": true`): the contracts do not
-read TP groups yet, and the runtime does not run them; docs/models/scale.md says what they need.
+with tp > 1 is written as its JSON (`to_plan_dict`, `"tensor_parallel": true`), which contracts/plan.py
+reads (TP groups) and `executor launch` runs at zero 1 (docs/executor.md, "Tensor-parallel plans").
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from contracts.cluster import ClusterSpec
 from contracts.plan import DEFAULT_PREFETCH, PLAN_VERSION, Assignment, PipelineSpec, PipelineStage, Plan
 from planner.geo.scale.price import PricedPlan
 
-TP_NOTE = ("tensor parallel plan (tp > 1): the runtime does not run tensor parallelism yet; the executor must "
-           "refuse this plan until it does")
+TP_NOTE = ("tensor parallel plan (tp > 1): executor launch runs it at zero 1 without checkpoints, resume or "
+           "--init-from (docs/executor.md, \"Tensor-parallel plans\")")
 
 
 def _datacenter(cluster: ClusterSpec, nodes: set[int]) -> str:
