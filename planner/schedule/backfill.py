@@ -60,6 +60,18 @@ def running_view(sizing: Sizing, job_id: str, o, need, end_s: float, remaining: 
     return Running(job_id, sizing.pools[need[0][0]], o.num_gpus, end_s, o, remaining, mix)
 
 
+def start_job(sizing: Sizing, res: Reservation, free_n: list[int], job: JobSpec, o, need, now: float,
+              left: float = 1.0) -> tuple[Decision, Running]:
+    """Start `job` (`left` of its steps still to run) on option `o` taking `need`: the devices leave
+    `free_n`, the reservation counts them until the job's predicted end; its decision and its view
+    as a running job."""
+    o = replace(o, duration_s=o.iteration_s * job.steps)
+    end_s = now + left * o.duration_s
+    sizing.take(free_n, need)
+    res.take(need, end_s)
+    return Decision(job, o), running_view(sizing, job.job_id, o, need, end_s, left)
+
+
 def easy_pass(sizing: Sizing, now: float, todo: Sequence[JobSpec], free: dict[Pool, int],
               running: Sequence[Running], may_reserve: Callable[[JobSpec], bool] = lambda job: True,
               count_started: bool = True) -> tuple[list[Decision], Reservation]:
@@ -75,13 +87,10 @@ def easy_pass(sizing: Sizing, now: float, todo: Sequence[JobSpec], free: dict[Po
             break
         pick = sizing.choose(job, free_n, lambda need, o: res.blocks(need, now + job.steps * o.iteration_s))
         if pick is not None:
-            need, o = pick
-            o = replace(o, duration_s=o.iteration_s * job.steps)
-            sizing.take(free_n, need)
-            res.take(need, now + o.duration_s)
-            out.append(Decision(job, o))
+            decision, view = start_job(sizing, res, free_n, job, pick[1], pick[0], now)
+            out.append(decision)
             if count_started:
-                started.append(running_view(sizing, job.job_id, o, need, now + o.duration_s))
+                started.append(view)
         elif res.job_id is None and may_reserve(job):
             res = sizing.reserve(job, free_n, [*running, *started], now)
     return out, res

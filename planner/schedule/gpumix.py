@@ -23,7 +23,7 @@ from typing import Sequence
 
 from contracts.cluster import ClusterSpec
 from contracts.jobs import JobSpec
-from planner.schedule.backfill import running_view
+from planner.schedule.backfill import start_job
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import Reservation, Sizing
 from planner.schedule.state import ERROR_SIGMA, Decision, Running, checkpoint_save_s, restart_s, take_victims
@@ -119,12 +119,9 @@ class GpumixPolicy:
             pick = self._choose(job, left, free_n, lambda need, o: res.blocks(need, now + left * job.steps * o.iteration_s),
                                 len(todo) - i - 1, rate)
             if pick is not None:
-                need, o = pick
-                o = replace(o, duration_s=o.iteration_s * job.steps)
-                sizing.take(free_n, need)
-                res.take(need, now + left * o.duration_s)
-                out.append(Decision(job, o))
-                started.append(running_view(sizing, job.job_id, o, need, now + left * o.duration_s, left))
+                decision, view = start_job(sizing, res, free_n, job, pick[1], pick[0], now, left)
+                out.append(decision)
+                started.append(view)
                 self._left.pop(job.job_id, None)
             elif head is None:
                 head = job

@@ -34,7 +34,7 @@ from typing import Sequence
 
 from contracts.cluster import ClusterSpec
 from contracts.jobs import JobSpec
-from planner.schedule.backfill import running_view
+from planner.schedule.backfill import start_job
 from planner.schedule.options import Pool, ResourceOption
 from planner.schedule.sizing import MIN_SHARE, Need, Reservation, Sizing
 from planner.schedule.state import Decision, Running, take_victims
@@ -137,13 +137,10 @@ class PreemptivePolicy:
                     res = sizing.reserve(replace(job, steps=max(1, round(left * job.steps))), free_n,
                                          [*(r for r in running if r.job_id not in gone), *started], now)
                 continue
-            need, o = pick
-            o = replace(o, duration_s=o.iteration_s * job.steps)
-            sizing.take(free_n, need)
-            res.take(need, now + left * o.duration_s)
-            out.append(Decision(job, o))
-            started.append(running_view(sizing, job.job_id, o, need, now + left * o.duration_s, left))
-            self._seen[job.job_id] = (now, o.num_gpus)
+            decision, view = start_job(sizing, res, free_n, job, pick[1], pick[0], now, left)
+            out.append(decision)
+            started.append(view)
+            self._seen[job.job_id] = (now, decision.option.num_gpus)
             self._left.pop(job.job_id, None)
         return out
 

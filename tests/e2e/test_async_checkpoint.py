@@ -1,4 +1,4 @@
-"""Asynchronous, atomic checkpoints (executor/checkpoint.py's AsyncSaver, issue 29 part 3).
+"""Asynchronous, atomic checkpoints (executor/checkpoint.py's AsyncSaver; docs/executor.md, "Checkpoints").
 
 In one process (no torch.distributed, the fake runtime of the checkpoint tests): `start` returns
 before the write ends and what it saves is the state at `start` (a host copy), not the state the

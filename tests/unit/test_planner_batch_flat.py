@@ -1,4 +1,4 @@
-"""Issue 17: the heterogeneous planner's cost does not grow with the global batch, and its plans
+"""The heterogeneous planner's cost does not grow with the global batch, and its plans
 stay within the solver's guarantee (relative gap 1e-4) of the exact optimum.
 
 EXACT_S: the least iteration times, gpt2-xl, bf16, recompute full, seq 1024, no measured profiles,

@@ -174,7 +174,7 @@ def _main(argv):
 
 
 def test_cli_schedule_json_is_strict_with_null_when_every_job_fails(tmp_path, capsys):
-    """Issue 17: with no job done the mean and p99 JCT are undefined; the JSON says null, not NaN."""
+    """With no job done the mean and p99 JCT are undefined; the JSON says null, not NaN."""
     import json
 
     cluster_path, trace_path = str(tmp_path / "c.json"), str(tmp_path / "t.csv")
