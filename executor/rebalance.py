@@ -6,7 +6,8 @@ when a rank's ratio departs from the one the current split assumed by more than
 DEPARTURE_THRESHOLD (relative to the other ranks, median over WINDOW_STEPS steps), it re-solves
 the split (`solve_split`) with the measured rates and, when that is predicted at least MIN_GAIN
 faster, every rank takes the new split at the next step (rank 0 decides, executor/worker.py
-broadcasts it).
+broadcasts it). A new split is a trial: its first window's measured step must beat the split it
+replaced, or the split before it comes back.
 
 What changes and what does not:
 - only each rank's batch and its micro-batch × accumulation steps; the shard fractions stay (the
@@ -188,13 +189,22 @@ class Rebalancer:
     rates it assumed (measured compute / profile compute, 1.0 each for the plan's own split), and the
     newest measured steps. `observe` each step; a Decision when a new split is to be applied.
 
+    Every new split is a trial judged by measurement: its first window (after its first step) gives
+    its median step time and each rank's rate on its own shapes (a profile's error differs from one
+    micro-batch to another, so the rates a split assumes are those measured on it). Measured no
+    faster than the split before it, the trial is undone (one more change, back to the previous
+    split and its rates); faster, it is kept, and the split is re-solved once more with the rates
+    measured on it (a window that straddled the slowdown under-measured it); when that finds nothing
+    better, the split halfway back is probed once (`_probe`). So the run never keeps a split that
+    measured slower than the one it replaced.
+
     `compute_s(i, m, n)`, `fits(i, m, n)`: position i's profile compute and memory check
     (planner/costmodel's DeviceCoeffs at its kind and shard); `devices[i]`: how events name it."""
 
     def __init__(self, global_batch: int, pieces: Sequence[tuple[int, int]], devices: Sequence[str],
                  compute_s: Callable[[int, int, int], float], fits: Callable[[int, int, int], bool],
                  micro_batches: Sequence[int], threshold: float = DEPARTURE_THRESHOLD, min_gain: float = MIN_GAIN,
-                 window: int = WINDOW_STEPS, mode: Callable[[int, int, int], str] | None = None):
+                 window: int = WINDOW_STEPS):
         if threshold <= 1.0 or not 0.0 <= min_gain < 1.0 or window < 1:
             raise ValueError(f"rebalancer: need threshold > 1, 0 <= min_gain < 1, window >= 1; got {threshold}, "
                              f"{min_gain}, {window}")
@@ -205,16 +215,11 @@ class Rebalancer:
         self.micro_batches = sorted(micro_batches)
         self.threshold, self.min_gain, self.window = threshold, min_gain, window
         self.assumed = [1.0] * len(self.pieces)
-        # (step, ratios, the slowest rank's non-compute seconds per unit of its rate)
+        # (step, ratios, the slowest rank's non-compute seconds per unit of its rate, step seconds)
         self.history: collections.deque = collections.deque(maxlen=window)
         self.skip_next = False
         self.changes = 0
-        # how position i runs (m, n): a layer-wise plan (zero >= 2) recomputes every unit's forward when
-        # it accumulates, priced by another profile whose error may differ from the plain one's, so a
-        # rank whose mode a new split changes has its assumed rate measured again (calibrated) on the
-        # new split's first window instead of read as a departure
-        self.mode = mode or (lambda i, m, n: "plain")
-        self.calibrate: set[int] = set()
+        self.trial: Trial | None = None  # the split being judged, and what it replaced
 
     def predicted(self, pieces: Sequence[tuple[int, int]] | None = None) -> list[float]:
         """The profile's compute (s) of each position's micro-batches (the current split by default)."""
@@ -222,7 +227,7 @@ class Rebalancer:
 
     def observe(self, step: int, computes: Sequence[float], step_s: float) -> Decision | None:
         """Step `step`'s measured compute per position and its step time; a Decision to train step
-        `step` + 1 on when the measured rates call for a new split."""
+        `step` + 1 on when the measured rates call for a new split (or a trial split is undone)."""
         if self.skip_next:  # the first step of a new split (new shapes) does not count
             self.skip_next = False
             return None
@@ -231,39 +236,87 @@ class Rebalancer:
             return None
         ratios = [c / p for c, p in zip(computes, pred)]
         slowest = max(range(len(computes)), key=lambda i: computes[i])
-        self.history.append((step, ratios, max(0.0, step_s - computes[slowest]) / ratios[slowest]))
+        self.history.append((step, ratios, max(0.0, step_s - computes[slowest]) / ratios[slowest], step_s))
         if len(self.history) < self.window:
             return None
-        rates = [statistics.median(h[1][i] for h in self.history) for i in range(len(ratios))]
+        history = list(self.history)
+        self.history.clear()  # the next decision rests on new steps, whatever this one is
+        if self.trial is not None:
+            return self._judge(step, history)
+        rates = _median_rates(history)
         from executor.straggler import slowdowns  # each rank against the median of the others
-
-        if self.calibrate:  # ranks whose mode changed: their rate on the new split, as the others match theirs
-            kept = [r / a for i, (r, a) in enumerate(zip(rates, self.assumed)) if i not in self.calibrate]
-            scale = statistics.median(kept) if kept else 1.0
-            for i in self.calibrate:
-                self.assumed[i] = rates[i] / scale
-            self.calibrate.clear()
-            self.history.clear()
-            return None
 
         departures = slowdowns([r / a for r, a in zip(rates, self.assumed)])
         # the rank furthest off; of two as far (two ranks: reciprocal departures), the slower one
         worst = max(range(len(departures)),
                     key=lambda i: (round(max(departures[i], 1 / departures[i]), 6), departures[i]))
-        if max(departures[worst], 1 / departures[worst]) < self.threshold:
+        d = departures[worst]
+        if max(d, 1 / d) < self.threshold:
+            self.history.extend(history[1:])  # a sliding window while nothing departs
             return None
-        # each rank's own non-compute time (its collectives' CPU work, its optimizer): measured on the
-        # slowest rank of each step (the step's time beyond its compute, where it waits for no one),
-        # per unit of its rate, and scaled to each rank's rate (a slowed device is slowed throughout)
-        per_rate_s = statistics.median(h[2] for h in self.history)
-        decision = self._decide(step, rates, departures, worst, [per_rate_s * r for r in rates])
-        self.history.clear()  # the next decision rests on new steps, whatever this one was
-        return decision
+        # the rates and step time of the window's newer half: a slowdown that began inside the window
+        # is measured whole there, where the window's median would see it in part
+        recent = history[len(history) // 2:]
+        reason = (f"rank {worst} on {self.devices[worst]} measured {max(d, 1 / d):.2f}x "
+                  f"{'slower' if d > 1 else 'faster'} than its split assumed (relative to the other ranks, "
+                  f"median of steps {history[0][0]}-{step})")
+        return self._decide(step, _median_rates(recent), _overheads(history, _median_rates(recent)),
+                            statistics.median(h[3] for h in recent), reason, worst, departure=d)
 
-    def _decide(self, step: int, rates: list[float], departures: list[float], worst: int,
-                overhead_s: list[float]) -> Decision | None:
-        """Re-solve with rank i's step = rates[i] × its profile compute + overhead_s[i]; a Decision when
-        the best split is new and predicted MIN_GAIN faster than the current one under the same rates."""
+    def _judge(self, step: int, history: list) -> Decision | None:
+        """The trial split's first window measured: undone when no faster than the split before it,
+        else kept with the rates measured on it and re-solved with them."""
+        trial, self.trial = self.trial, None
+        rates = _median_rates(history)
+        now_s = statistics.median(h[3] for h in history)
+        if now_s >= trial.before_s:
+            reason = (f"the new split measured {now_s:.4f} s a step (median of steps {history[0][0]}-{step}), "
+                      f"the split before it {trial.before_s:.4f} s: back to that split")
+            overhead = _overheads(history, trial.rates)
+            before = max(r * c + o for r, c, o in zip(rates, self.predicted(), overhead))
+            back = max(r * c + o for r, c, o in zip(trial.rates, self.predicted(trial.pieces), overhead))
+            return self._apply(step, trial.pieces, trial.rates, reason, None, before, back,
+                               {"rank": trial.rank, "undone": True, "measured_step_s": round(now_s, 6)})
+        self.assumed = list(rates)
+        if trial.probe:
+            return None
+        overhead = _overheads(history, rates)
+        reason = (f"the new split measured {now_s:.4f} s a step against {trial.before_s:.4f} s before it: "
+                  f"re-solved with the rates measured on it (steps {history[0][0]}-{step})")
+        follow = self._decide(step, rates, overhead, now_s, reason, trial.rank)
+        return follow if follow is not None else self._probe(step, trial, rates, overhead, now_s)
+
+    def _probe(self, step: int, trial: Trial, rates: list[float], overhead_s: list[float],
+               now_s: float) -> Decision | None:
+        """The split halfway between the one just kept and the one it replaced, tried once: the
+        profile prices a rank's compute at other micro-batches only as well as its α and β fit, and a
+        split measured on both sides of a move finds an optimum the model misplaces (kept only when
+        it measures faster, like every trial)."""
+        want = [(m * n + pm * pn) / 2 for (m, n), (pm, pn) in zip(self.pieces, trial.pieces)]
+        tables = []
+        for i, w in enumerate(want):
+            fast = best_pieces(lambda m, n, i=i: rates[i] * self.compute_s(i, m, n) + overhead_s[i],
+                               lambda m, n, i=i: self.fits(i, m, n), self.global_batch, self.micro_batches)
+            tables.append([None if x is None else (abs(b - w), x[1], x[2]) for b, x in enumerate(fast)])
+        try:
+            mid = solve_split(self.global_batch, tables, [round(w) for w in want])
+        except ValueError:
+            return None
+        if list(mid.pieces) in (self.pieces, [tuple(p) for p in trial.pieces]):
+            return None
+        old_s = max(r * c + o for r, c, o in zip(rates, self.predicted(), overhead_s))
+        new_s = max(r * c + o for r, c, o in zip(rates, self.predicted(mid.pieces), overhead_s))
+        reason = (f"a probe halfway back towards the split before (batches {[m * n for m, n in trial.pieces]}): "
+                  f"kept only if it measures faster than {now_s:.4f} s a step")
+        return self._apply(step, mid.pieces, rates, reason, Trial(tuple(self.pieces), list(rates), now_s, trial.rank,
+                                                                  probe=True),
+                           old_s, new_s, {"rank": trial.rank, "probe": True, "measured_step_s_before": round(now_s, 6)})
+
+    def _decide(self, step: int, rates: list[float], overhead_s: list[float], before_s: float, reason: str,
+                rank: int, departure: float | None = None) -> Decision | None:
+        """Re-solve with rank i's step = rates[i] × its profile compute + overhead_s[i]; a trial
+        Decision when the best split is new and predicted MIN_GAIN faster than the current one under
+        the same rates (`before_s`: the current split's measured step, what the trial must beat)."""
         tables = [best_pieces(lambda m, n, i=i: rates[i] * self.compute_s(i, m, n) + overhead_s[i],
                               lambda m, n, i=i: self.fits(i, m, n), self.global_batch, self.micro_batches)
                   for i in range(len(rates))]
@@ -277,32 +330,61 @@ class Rebalancer:
         new_s = result.makespan_s
         if list(result.pieces) == self.pieces or new_s > (1.0 - self.min_gain) * old_s:
             log.info("rebalance at step %d: kept the split (predicted %.3f s, best %.3f s)", step, old_s, new_s)
+            self.assumed = list(rates)
             return None
-        d = departures[worst]
-        reason = (f"rank {worst} on {self.devices[worst]} measured {max(d, 1 / d):.2f}x "
-                  f"{'slower' if d > 1 else 'faster'} than its split assumed (relative to the other ranks, "
-                  f"median of steps {step - self.window + 1}-{step})")
-        detail = {
-            "reason": reason, "rank": worst, "departure": round(d, 4),
-            "old_split": [{"rank": i, "batch": m * n, "micro_batch": m, "accum_steps": n} for i, (m, n) in
-                          enumerate(self.pieces)],
-            "new_split": [{"rank": i, "batch": m * n, "micro_batch": m, "accum_steps": n} for i, (m, n) in
-                          enumerate(result.pieces)],
-            "rates_vs_profile": [round(r, 4) for r in rates],
-            "predicted_step_s_before": round(old_s, 6), "predicted_step_s": round(new_s, 6),
-            "predicted_compute_s": [round(c - o, 6) for c, o in zip(result.compute_s, overhead_s)],
-            "overhead_s": [round(o, 6) for o in overhead_s],
-            "solve_s": round(result.solve_time_s, 6), "from_step": step + 1,
-        }
-        message = (f"rebalance from step {step + 1}: batches {old_batches} -> {result.batches} ({reason}); "
+        trial = Trial(tuple(self.pieces), list(rates), before_s, rank)
+        extra = {"rank": rank, "predicted_compute_s": [round(c - o, 6) for c, o in zip(result.compute_s, overhead_s)],
+                 "overhead_s": [round(o, 6) for o in overhead_s], "solve_s": round(result.solve_time_s, 6),
+                 "measured_step_s_before": round(before_s, 6)}
+        if departure is not None:
+            extra["departure"] = round(departure, 4)
+        return self._apply(step, result.pieces, rates, reason, trial, old_s, new_s, extra)
+
+    def _apply(self, step: int, pieces: Sequence[tuple[int, int]], rates: list[float], reason: str,
+               trial: Trial | None, old_s: float, new_s: float, extra: dict) -> Decision:
+        """Take `pieces` from step + 1 on, assuming `rates`; the rebalance event's detail and message."""
+        old_batches = [m * n for m, n in self.pieces]
+        new_batches = [m * n for m, n in pieces]
+        detail = dict(extra, reason=reason,
+                      old_split=[{"rank": i, "batch": m * n, "micro_batch": m, "accum_steps": n}
+                                 for i, (m, n) in enumerate(self.pieces)],
+                      new_split=[{"rank": i, "batch": m * n, "micro_batch": m, "accum_steps": n}
+                                 for i, (m, n) in enumerate(pieces)],
+                      rates_vs_profile=[round(r, 4) for r in rates], predicted_step_s_before=round(old_s, 6),
+                      predicted_step_s=round(new_s, 6), from_step=step + 1)
+        message = (f"rebalance from step {step + 1}: batches {old_batches} -> {new_batches} ({reason}); "
                    f"predicted step {old_s:.3f} s -> {new_s:.3f} s")
-        self.calibrate = {i for i, (old, new) in enumerate(zip(self.pieces, result.pieces))
-                          if self.mode(i, *old) != self.mode(i, *new)}
-        self.pieces = [tuple(p) for p in result.pieces]
+        self.pieces = [tuple(p) for p in pieces]
         self.assumed = list(rates)
+        self.trial = trial
         self.skip_next = True
         self.changes += 1
         return Decision(step + 1, tuple(self.pieces), detail, message)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """A split on trial: the one it replaced (`pieces`, its measured `rates`, its measured step
+    `before_s`) and the rank whose departure started it."""
+
+    pieces: tuple[tuple[int, int], ...]
+    rates: list[float]
+    before_s: float
+    rank: int
+    probe: bool = False  # a probe (Rebalancer._probe): judged, then the search ends
+
+
+def _median_rates(history: Sequence[tuple]) -> list[float]:
+    """Each position's median ratio of measured to profile compute over `history`'s steps."""
+    return [statistics.median(h[1][i] for h in history) for i in range(len(history[0][1]))]
+
+
+def _overheads(history: Sequence[tuple], rates: Sequence[float]) -> list[float]:
+    """Each rank's own non-compute time (its collectives' CPU work, its optimizer): measured on the
+    slowest rank of each step (the step's time beyond its compute, where it waits for no one), per
+    unit of its rate, and scaled to each rank's rate (a slowed device is slowed throughout)."""
+    per_rate_s = statistics.median(h[2] for h in history)
+    return [per_rate_s * r for r in rates]
 
 
 def kind_rates(kinds: Sequence[str], rates: Sequence[float]) -> dict[str, float]:
@@ -362,14 +444,9 @@ class SplitMonitor:
             plan.global_batch, [(a.micro_batch, a.accum_steps) for a in used], self.names,
             compute_s=lambda i, m, n: self.coeffs[i].compute_s(m, n),
             fits=lambda i, m, n: self.coeffs[i].fits(m, n, self.shards[i]),
-            micro_batches=self.cost.micro_batch_candidates(plan.global_batch, None), mode=self._mode)
+            micro_batches=self.cost.micro_batch_candidates(plan.global_batch, None))
         self._cluster_index = [a.device_index for a in used]
         self._predicted: tuple | None = None  # (split, compute, wait) of the last split asked
-
-    def _mode(self, i: int, m: int, n: int) -> str:
-        """"recompute" where position i's (m, n) is priced by the recompute profile (DeviceCoeffs.compute_s)."""
-        c = self.coeffs[i]
-        return "recompute" if c.layerwise and n > 1 and c.recompute_alpha_s is not None else "plain"
 
     @property
     def pieces(self) -> list[tuple[int, int]]:

@@ -85,7 +85,7 @@ def test_a_departure_for_the_window_gives_one_new_split_from_the_next_step():
     assert pred == [pytest.approx(0.1), pytest.approx(0.1)]
     for step in (1, 2, 3):  # both ranks 2x their profile: no departure between them
         assert rb.observe(step, [0.2, 0.2], 0.25) is None
-    decisions = [rb.observe(step, [0.2, 0.6], 0.65) for step in (4, 5)]
+    decisions = [rb.observe(step, [0.2, 0.6], 0.65) for step in (4, 5)]  # step: slowest compute + 0.05 s
     assert decisions[0] is None and decisions[1] is not None  # the window's median: 2 of its 3 steps
     d = decisions[1]
     assert d.step == 6 and sum(m * n for m, n in d.pieces) == 16
@@ -96,8 +96,19 @@ def test_a_departure_for_the_window_gives_one_new_split_from_the_next_step():
     assert rb.observe(6, [0.2, 0.6], 0.65) is None  # the new split's first step is skipped
     # the same rates on the new split (2x and 6x its profile): no departure from what it assumes
     pred = rb.predicted()
-    assert all(rb.observe(s, [2 * pred[0], 6 * pred[1]], 0.4) is None for s in (7, 8, 9, 10))
-    assert rb.changes == 1
+    computes = [2 * pred[0], 6 * pred[1]]
+    kept = list(rb.pieces)
+    assert [rb.observe(s, computes, max(computes) + 0.05) for s in (7, 8)] == [None, None]
+    # faster than the 0.65 s measured before it: kept, and the split halfway back is probed once
+    probe = rb.observe(9, computes, max(computes) + 0.05)
+    assert rb.changes == 2 and probe.detail["probe"] and [r["batch"] for r in probe.detail["old_split"]] == \
+        [m * n for m, n in kept]
+    assert 8 < probe.detail["new_split"][0]["batch"] < d.detail["new_split"][0]["batch"]
+    rb.observe(10, [1.0, 1.0], 9.9)  # the probe's first step: skipped
+    back = [rb.observe(s, computes, 0.9) for s in (11, 12, 13)]  # the probe measured slower
+    assert back[2] is not None and list(back[2].pieces) == kept and back[2].detail["undone"]
+    assert all(rb.observe(s, computes, max(computes) + 0.05) is None for s in range(14, 30))
+    assert rb.changes == 3 and rb.trial is None
 
 
 def test_a_new_split_not_worth_min_gain_is_not_applied():
@@ -129,21 +140,61 @@ def test_the_plan_carries_rebalance_auto_by_default_and_refuses_others():
         Plan.from_dict(dict(d, rebalance="sometimes"))
 
 
-def test_a_rank_whose_mode_changes_is_calibrated_not_read_as_a_departure():
-    """Layer-wise accumulation (n > 1) is priced by another profile: after a split that moves rank 0
-    from n = 2 to n = 1, its ratio to the profile changes with no change of speed; the first window
-    on the new split measures it again instead of moving the split back."""
-    rb = rebalancer(mode=lambda i, m, n: "recompute" if n > 1 else "plain")
-    for step in (1, 2, 3):
-        assert rb.observe(step, [0.3, 0.1], 0.35) is None or rb.changes == 1
-    assert rb.changes == 1 and rb.calibrate  # rank 0 slowed 3x: it took fewer samples
-    changed = {i for i, (m, n) in enumerate(rb.pieces) if n == 1}
-    assert rb.calibrate == changed
+def _slow_rank_0(rb: Rebalancer, steps) -> list:
+    """Rank 0 at 3x its profile, rank 1 at 1x, the step time the slower rank's compute + 0.05 s."""
+    out = []
+    for step in steps:
+        pred = rb.predicted()
+        computes = [3 * pred[0], pred[1]]
+        out.append(rb.observe(step, computes, max(computes) + 0.05))
+    return out
+
+
+def test_a_profile_error_at_the_new_shapes_is_measured_not_read_as_a_departure():
+    """The new split's first window measures every rank's rate on its own shapes: rank 0 reading
+    3.3x its profile there instead of 3x (the profile's error at the new micro-batches, not a change
+    of speed) moves nothing once the trial measured faster."""
+    rb = rebalancer()
+    first = _slow_rank_0(rb, (1, 2, 3))
+    assert first[-1] is not None and rb.changes == 1 and rb.trial is not None
+    assert first[-1].detail["new_split"][0]["batch"] < 8
+    rb.observe(4, [1.0, 1.0], 9.9)  # the new split's first step: skipped
     pred = rb.predicted()
-    rb.observe(4, [9 * p if i == 0 else 1.0 * p for i, p in enumerate(pred)], 0.3)  # first step: skipped
-    # rank 0 now reads 9x its (plain) profile, not 3x: its mode's own error, not a change of speed
-    for step in (5, 6, 7):
-        assert rb.observe(step, [9 * pred[0], pred[1]], 0.3) is None
-    for step in (8, 9, 10):
-        assert rb.observe(step, [9 * pred[0], pred[1]], 0.3) is None
-    assert rb.changes == 1
+    computes = [3.3 * pred[0], pred[1]]
+    for step in range(5, 7):
+        assert rb.observe(step, computes, max(computes) + 0.05) is None
+    probe = rb.observe(7, computes, max(computes) + 0.05)  # kept (faster than 0.35 s): a probe, no re-solve
+    assert probe is not None and probe.detail["probe"] and rb.assumed[0] == pytest.approx(3.3)
+    rb.observe(8, [1.0, 1.0], 9.9)
+    pred = rb.predicted()
+    computes = [3.3 * pred[0], pred[1]]
+    for step in range(9, 30):  # the probe measured faster still: kept, and the search ends
+        assert rb.observe(step, computes, 0.1) is None
+    assert rb.trial is None and rb.changes == 2 and rb.pieces == list(probe.pieces)
+
+
+def test_a_trial_split_measured_slower_is_undone():
+    rb = rebalancer()
+    old = list(rb.pieces)
+    d = _slow_rank_0(rb, (1, 2, 3))[-1]
+    before = d.detail["measured_step_s_before"]
+    assert before == pytest.approx(0.35)
+    rb.observe(4, [1.0, 1.0], 9.9)
+    pred = rb.predicted()
+    back = [rb.observe(step, [pred[0], pred[1]], before * 1.2) for step in (5, 6, 7)]
+    assert back[:2] == [None, None] and back[2] is not None
+    assert list(back[2].pieces) == old and rb.pieces == old and rb.changes == 2
+    assert back[2].detail["undone"] and "back to that split" in back[2].detail["reason"]
+    assert rb.assumed == pytest.approx([3.0, 1.0])  # the rates measured on that split
+    # the old split at the speeds that made it: no departure, nothing moves again
+    assert all(x is None for x in _slow_rank_0(rb, range(8, 20)))
+    assert rb.changes == 2
+
+
+def test_a_window_that_straddles_the_slowdown_is_measured_on_its_newer_half():
+    rb = rebalancer(window=4)
+    for step in (1, 2):
+        assert rb.observe(step, [0.1, 0.1], 0.15) is None
+    d = _slow_rank_0(rb, (3, 4))[-1]
+    assert d is not None and d.detail["rates_vs_profile"] == [3.0, 1.0]
+    assert d.detail["measured_step_s_before"] == pytest.approx(0.35)
