@@ -91,10 +91,11 @@ class Ours:
     def resident(self):
         return self.rt.resident_tensors()
 
-    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, float | None, float | None]:
-        """(global loss, seconds compute waited on communication, seconds of compute)."""
+    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, float | None, float | None, dict | None]:
+        """(global loss, seconds compute waited on communication, seconds of compute, the waits by
+        site: gather / reduce / tail)."""
         r = self.rt.train_step(mbs, normalizer, lr)
-        return r.loss, getattr(r, "comm_wait_s", None), r.compute_s
+        return r.loss, getattr(r, "comm_wait_s", None), r.compute_s, getattr(r, "comm_wait_by", None)
 
     def full_params(self):
         return self.rt.full_state_dict()
@@ -146,7 +147,7 @@ class Fsdp2:
             out += [v for v in st.values() if isinstance(v, torch.Tensor)]
         return out
 
-    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, None, None]:
+    def step(self, mbs, normalizer: int, lr: float) -> tuple[float, None, None, None]:
         total = 0.0
         for i, (x, y) in enumerate(mbs):
             if self.sync == "last":
@@ -166,7 +167,7 @@ class Fsdp2:
         self.opt.zero_grad(set_to_none=True)
         t = torch.tensor(total, dtype=torch.float64)  # this rank's part; ours' loss is already global
         dist.all_reduce(t)
-        return float(t), None, None
+        return float(t), None, None, None
 
     def full_params(self):
         return {n: p.full_tensor() for n, p in self.model.named_parameters()}
@@ -227,7 +228,8 @@ def run(job: dict) -> dict:
             notes[s["name"]] = {}
     cfg = {s["name"]: s for s in job["systems"]}
     normalizer = job["global_batch"] * seq  # the global token count
-    out = {k: {"step_s": [], "comm_wait_s": [], "compute_s": [], "wire_bytes": [], "losses": [], "peak_bytes": None,
+    out = {k: {"step_s": [], "comm_wait_s": [], "comm_wait_by": [], "compute_s": [], "wire_bytes": [], "losses": [],
+               "peak_bytes": None,
                **notes[k]} for k in systems}
     from executor.links import ENV_LINK_IF, LinkCounter
     counter = LinkCounter(os.environ.get(ENV_LINK_IF))  # the bytes this rank sends on its emulated link
@@ -240,17 +242,18 @@ def run(job: dict) -> dict:
             dist.barrier()  # both ranks start the system's step together
             if step == job["warmup"]:  # the last warm-up step: memory (the tracker slows it)
                 with LocalLiveTensorBytes(systems[name].resident()) as mode:
-                    loss, _, _ = systems[name].step(mbs, normalizer, lr)
+                    loss = systems[name].step(mbs, normalizer, lr)[0]
                 out[name]["peak_bytes"] = mode.peak_bytes
             else:
                 counter.start()
                 t0 = time.perf_counter()
-                loss, wait, compute = systems[name].step(mbs, normalizer, lr)
+                loss, wait, compute, wait_by = systems[name].step(mbs, normalizer, lr)
                 dt = time.perf_counter() - t0
                 sent = counter.stop()
                 if step > job["warmup"]:
                     out[name]["step_s"].append(dt)
                     out[name]["comm_wait_s"].append(wait)
+                    out[name]["comm_wait_by"].append(wait_by)
                     out[name]["compute_s"].append(compute)
                     out[name]["wire_bytes"].append(sent)
             out[name]["losses"].append(loss)

@@ -188,6 +188,11 @@ def system_figures(ranks: list[dict], name: str, global_batch: int) -> dict:
         out["comm_wait_s"] = [max(ws) for ws in waits]
         out["exposed_share"] = median([w / s for w, s in zip(out["comm_wait_s"], step_s)])
         out["median_comm_wait_s"] = median(out["comm_wait_s"])
+        by = [[p["comm_wait_by"][i] for p in per] for i in range(n)] if all(p.get("comm_wait_by") for p in per) else []
+        if by and all(b for bs in by for b in bs):
+            # where the exposed wait was: the sites of the rank that waited most in each step
+            most = [bs[max(range(len(ws)), key=lambda r: ws[r])] for bs, ws in zip(by, waits)]
+            out["comm_wait_by_site_s"] = {k: median([b[k] for b in most]) for k in most[0]}
     comp = [[p["compute_s"][i] for p in per] for i in range(n)] if all("compute_s" in p for p in per) else []
     if comp and all(c is not None for cs in comp for c in cs):
         out["median_compute_s"] = median([max(cs) for cs in comp])  # the busiest rank's compute
@@ -526,6 +531,10 @@ def print_report(r: dict) -> None:
         val = f"{ec['value']:.1%}" if ec["value"] is not None else "not measured (the runtime reports no comm_wait_s)"
         print(f"  communication left exposed (GPUMix, measured): {val} of the step (target <= {EXPOSED_COMM_MAX:.0%}"
               f"{'' if ec['applies'] else '; n/a: communication exceeds compute'}) {_verdict(ec)}")
+        sites = h["gpumix"].get("comm_wait_by_site_s")
+        if sites:
+            print("    where (median s per step, the rank that waited most): "
+                  + ", ".join(f"{k} {v:.4f}" for k, v in sites.items()))
         if "losses_equal" in c:
             print(f"  fp32 losses GPUMix vs FSDP2: max rel diff {h['max_loss_rel_diff']:.2e} (target <= {LOSS_REL_MAX:g}) "
                   f"{_verdict(c['losses_equal'])}; final parameters max |diff| {h['param_max_abs_diff']:.2e}")

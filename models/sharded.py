@@ -148,6 +148,20 @@ class StepResult:
     # wall seconds compute waited on communication (gathers and reduce-scatters) in the step:
     # on CPU time blocked in Work.wait(), on CUDA the compute stream's stall measured by events
     comm_wait_s: float = 0.0
+    # comm_wait_s by where compute waited (WAIT_SITES): a gather, a reduce-scatter inside backward,
+    # or the reduces drained for the update (the step's tail)
+    comm_wait_by: dict[str, float] = field(default_factory=dict)
+
+
+WAIT_SITES = ("gather", "reduce", "tail")
+
+
+def _by_site(waits: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """Seconds summed per wait site, every site of WAIT_SITES present."""
+    out = dict.fromkeys(WAIT_SITES, 0.0)
+    for site, s in waits:
+        out[site] += s
+    return out
 
 
 class PendingStep:
@@ -156,9 +170,11 @@ class PendingStep:
     once more, before the update, to skip it)."""
 
     def __init__(self, stats: torch.Tensor, scale_used: float, skipped: bool, clock: list[float],
-                 comm_wait_s: float, compute_ev: list, wait_ev: list, optimizer_ev: Any, optimizer_s: float):
+                 comm_wait_s: float, compute_ev: list, wait_ev: list, optimizer_ev: Any, optimizer_s: float,
+                 waits: Sequence[tuple[str, float]] = ()):
         self._stats, self._scale, self._skipped = stats, scale_used, skipped
         self._clock, self._wait_s, self._compute_ev, self._wait_ev = clock, comm_wait_s, compute_ev, wait_ev
+        self._waits = list(waits)  # (site, wall seconds) on CPU
         self._optimizer_ev, self._optimizer_s = optimizer_ev, optimizer_s
         self._result: StepResult | None = None
 
@@ -167,18 +183,21 @@ class PendingStep:
             return self._result
         sq, flag, loss = host_floats(self._stats)
         compute_s, work_s = self._clock
-        wait_s, optimizer_s = self._wait_s, self._optimizer_s
+        wait_s, optimizer_s, waits = self._wait_s, self._optimizer_s, self._waits
         if self._compute_ev or self._wait_ev or self._optimizer_ev is not None:  # CUDA: done once stats are read
             compute_s = work_s = _elapsed_s(self._compute_ev)
-            wait_s = _elapsed_s(self._wait_ev)
+            waits = [(site, a.elapsed_time(b) / 1e3) for a, b, site in self._wait_ev]
+            wait_s = sum(w for _, w in waits)
             optimizer_s = _elapsed_s([self._optimizer_ev] if self._optimizer_ev is not None else [])
         if self._skipped:
-            self._result = StepResult(loss, float("nan"), True, compute_s, work_s, self._scale, 0.0, wait_s)
+            self._result = StepResult(loss, float("nan"), True, compute_s, work_s, self._scale, 0.0, wait_s,
+                                      _by_site(waits))
             return self._result
         if flag > 0 or not math.isfinite(sq):
             raise FloatingPointError("non-finite gradient (no loss scaling in this dtype): the run diverged")
         norm = math.sqrt(sq) / self._scale
-        self._result = StepResult(loss, norm, False, compute_s, work_s, self._scale, optimizer_s, wait_s)
+        self._result = StepResult(loss, norm, False, compute_s, work_s, self._scale, optimizer_s, wait_s,
+                                  _by_site(waits))
         return self._result
 
 
@@ -228,8 +247,9 @@ class ShardedRuntime:
         self._cuda = device.type == "cuda"
         self._clock = [0.0, 0.0]
         self._comm_wait_s = 0.0
+        self._waits: list[tuple[str, float]] = []  # (site, seconds) of the step's waits on CPU
         self._compute_ev: list = []
-        self._wait_ev: list = []
+        self._wait_ev: list = []  # CUDA: (start, end, site) event triples
         self._order: list[UnitState] = []
         self.optim = optim or OptimConfig()
         self.scaler = DynamicLossScaler(enabled=loss_scaling)
@@ -349,20 +369,22 @@ class ShardedRuntime:
         unit.held = False
 
     # ---- waiting on communication -------------------------------------------------------------
-    def _wait(self, work: Any) -> None:
-        """Wait for a collective and count how long compute waited: wall seconds on CPU; on CUDA a
-        pair of events around Work.wait(), which makes the compute stream wait without blocking
-        the host (the pair is read after the step)."""
+    def _wait(self, work: Any, site: str) -> None:
+        """Wait for a collective and count how long compute waited, by `site` (WAIT_SITES): wall
+        seconds on CPU; on CUDA a pair of events around Work.wait(), which makes the compute stream
+        wait without blocking the host (the pair is read after the step)."""
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             work.wait()
             end.record()
-            self._wait_ev.append((start, end))
+            self._wait_ev.append((start, end, site))
             return
         t0 = time.perf_counter()
         work.wait()
-        self._comm_wait_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self._comm_wait_s += dt
+        self._waits.append((site, dt))
 
     # ---- gathers (zero 3) ----------------------------------------------------------------------
     def _start_gather(self, unit: UnitState | None) -> None:
@@ -382,7 +404,7 @@ class ShardedRuntime:
         if self.zero != 3 or unit.held:
             return
         self._start_gather(unit)
-        self._wait(unit.pending)
+        self._wait(unit.pending, "gather")
         unit.pending = None
         unit.held = True
 
@@ -445,7 +467,7 @@ class ShardedRuntime:
         # before any new buffer exists; the step's last reduce (the embedding's) does not wait for the one
         # before it when reduces stay in flight: both are drained together for the update
         while len(self._reduces) >= max(self.reduce_depth, 1) and not (last and self.reduce_depth):
-            self._complete(self._reduces.pop(0))
+            self._complete(self._reduces.pop(0), "reduce")
         self._flatten_grads(unit)
         full, unit.full_grad = unit.full_grad, None
         for p in unit.params:
@@ -462,23 +484,23 @@ class ShardedRuntime:
         work = self.comm.reduce_scatter(out, sent, unit.bounds, async_op=True)
         self._reduces.append(_InFlightReduce(unit, work, sent, out, first))
         if self.reduce_depth == 0:
-            self._drain_reduces()
+            self._drain_reduces("reduce")
 
-    def _complete(self, r: _InFlightReduce | _InFlightRows) -> None:
+    def _complete(self, r: _InFlightReduce | _InFlightRows, site: str) -> None:
         if isinstance(r, _InFlightRows):
-            self._complete_rows(r)
+            self._complete_rows(r, site)
             return
-        self._wait(r.work)
+        self._wait(r.work, site)
         if r.out is not r.unit.grad:
             if r.first:
                 r.unit.grad.copy_(r.out)
             else:
                 r.unit.grad.add_(r.out)
 
-    def _drain_reduces(self) -> None:
+    def _drain_reduces(self, site: str) -> None:
         """Wait for every reduce-scatter in flight, oldest first (their buffers die with them)."""
         while self._reduces:
-            self._complete(self._reduces.pop(0))
+            self._complete(self._reduces.pop(0), site)
 
     # ---- one step ----------------------------------------------------------------------------
     def _autocast(self):
@@ -507,6 +529,7 @@ class ShardedRuntime:
         if token_normalizer <= 0:
             raise ValueError(f"token_normalizer must be > 0, got {token_normalizer}")
         self._clock, self._comm_wait_s, self._compute_ev, self._wait_ev = [0.0, 0.0], 0.0, [], []
+        self._waits = []
         scale = self.scaler.scale
         for u in self.units:
             u.grad_fresh = True
@@ -770,16 +793,16 @@ class ShardedRuntime:
                  self.comm.all_gather(rows_full, rows, [(s * h, e * h) for s, e in bounds], async_op=True)]
         self._reduces.append(_InFlightRows(unit, works, ids, rows, ids_full, rows_full, first))
         if self.reduce_depth == 0:
-            self._drain_reduces()
+            self._drain_reduces("reduce")
 
-    def _complete_rows(self, r: _InFlightRows) -> None:
+    def _complete_rows(self, r: _InFlightRows, site: str) -> None:
         """Wait for the rows exchange and add into the unit's fp32 slice the rows that land in it:
         the unit is a table of (vocab + positions) rows of `hidden` (the token table, then GPT-2's
         position table), row `id` for a token, row vocab + p for position p (a row's place in its
         sample). A table of the slice's rows (fp32, one spare row that takes every row landing
         elsewhere) is filled by index_add_, then copied (a tied embedding: added) into the slice."""
         for w in r.works:
-            self._wait(w)
+            self._wait(w, site)
         r.works, r.ids, r.rows = [], None, None  # this rank's pieces are sent
         unit, h = r.unit, self.spec.hidden
         seq = self._batch_split[1]
@@ -821,7 +844,7 @@ class ShardedRuntime:
         slices, all on the device: the overflow flag (torch.isfinite) and the clip coefficient
         (clamp) are tensors, read only by PendingStep.result. fp16 with loss scaling reads the
         stats here, before the update, to skip it on overflow: its one sync."""
-        self._drain_reduces()
+        self._drain_reduces("tail")
         sq = global_grad_norm_sq(u.grad for u in self._norm_units()).to(self.device)  # fp64 scalar
         if not isinstance(loss, torch.Tensor):  # models/pipeline.py sums on the host
             loss = torch.full((), float(loss), dtype=torch.float64, device=self.device)
@@ -830,8 +853,8 @@ class ShardedRuntime:
         self._reduce_stats(stats)
         scale_used = self.scaler.scale
         timers = dict(clock=list(self._clock), comm_wait_s=self._comm_wait_s, compute_ev=self._compute_ev,
-                      wait_ev=self._wait_ev)
-        self._comm_wait_s, self._compute_ev, self._wait_ev = 0.0, [], []
+                      wait_ev=self._wait_ev, waits=self._waits)
+        self._comm_wait_s, self._compute_ev, self._wait_ev, self._waits = 0.0, [], [], []
         if self.scaler.enabled:
             sq_host, flag, _ = host_floats(stats)
             found_inf = flag > 0 or not math.isfinite(sq_host)

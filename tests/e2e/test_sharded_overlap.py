@@ -55,12 +55,13 @@ def normalizer(n: int) -> int:
 
 
 def _train(rt: ShardedRuntime, rank: int, steps: int, n: int) -> dict:
-    losses, waits = [], []
+    losses, waits, by = [], [], []
     for step in range(1, steps + 1):
         r = rt.train_step(batches(step, rank, n), normalizer(n), LR)
         losses.append(r.loss)
         waits.append(r.comm_wait_s)
-    return {"losses": losses, "comm_wait_s": waits}
+        by.append(r.comm_wait_by)
+    return {"losses": losses, "comm_wait_s": waits, "comm_wait_by": by}
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -147,3 +148,7 @@ def test_comm_wait_is_reported(ranks):
         for config in ("prefetch1", "prefetch2", "bf16"):
             waits = r[config]["comm_wait_s"]
             assert all(w >= 0 for w in waits) and sum(waits) > 0, (config, waits)
+            # by site: gathers, reduces inside backward, the tail drained for the update; they add up
+            for w, by in zip(waits, r[config]["comm_wait_by"]):
+                assert set(by) == {"gather", "reduce", "tail"} and sum(by.values()) == pytest.approx(w)
+            assert sum(by["gather"] for by in r[config]["comm_wait_by"]) > 0  # zero 3 gathers every unit
