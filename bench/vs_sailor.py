@@ -215,7 +215,7 @@ def _counts(xs) -> dict[str, int]:
     return out
 
 
-def run(sailor_dir: str, max_tp: int, time_limit_s: float) -> dict:
+def run(sailor_dir: str, max_tp: int, time_limit_s: float, reading: str = "flows") -> dict:
     sc = read_scenario(sailor_dir)
     job = sc["job"]
     layers, spec = read_sailor_profiles(os.path.join(sailor_dir, "profiles_tmp.json"), job["model"],
@@ -230,6 +230,7 @@ def run(sailor_dir: str, max_tp: int, time_limit_s: float) -> dict:
         cluster = build_cluster(counts, sc["gpus_per_node"], f"sailor-{num_gpus}")
         costs = ScaleCosts.for_cluster(cluster, spec, job["sequence_length"], "fp32", tables, inter, intra,
                                        zone=sc["zone"], source=layers.source)
+        costs.network_reading = reading
         t0 = time.perf_counter()
         result = solve_scale(cluster, costs, job["global_batch_size"], max_tp=max_tp, time_limit_s=time_limit_s)
         solve_s = time.perf_counter() - t0
@@ -251,11 +252,17 @@ def run(sailor_dir: str, max_tp: int, time_limit_s: float) -> dict:
             "structure": structure_of(plan),
         })
     return {"sizes": rows, "sailor_source": SAILOR_RECORDED_SOURCE, "profiles_source": layers.source,
-            "max_tp": max_tp}
+            "max_tp": max_tp, "network": reading}
+
+
+NETWORK_READINGS = {"flows": "GPUMix's: a node's traffic as one flow per GPU, at the curve of its GPUs per node",
+                    "sailor": "Sailor's: a ring one flow at the one-GPU curve, each replica's point-to-point its own "
+                              "flow at the one-GPU curve"}
 
 
 def print_table(report: dict) -> None:
     print(f"GPUMix's joint plan vs Sailor (OPT-350, batch 1024, seq 2048, fp32, Adam; max tp {report['max_tp']})")
+    print(f"network curves read as {NETWORK_READINGS[report['network']]}")
     print(f"Sailor's figures are RECORDED: {report['sailor_source']}")
     print(f"{'GPUs':>6} {'GPUMix it/s':>12} {'Sailor it/s':>12} {'ratio':>7} {'GPUMix@Sailor-pricing':>22} "
           f"{'flat it/s':>10} {'bound it/s':>11} {'solve s':>8}")
@@ -281,12 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sailor-dir", default=DEFAULT_SAILOR_DIR, help="Sailor's data folder (default ../shared/sailor)")
     p.add_argument("--max-tp", type=int, choices=(1, 2, 4, 8), default=8, help="the largest TP degree searched")
     p.add_argument("--time-limit", type=float, default=TARGET_SOLVE_S, help="the search's time limit per size (s)")
+    p.add_argument("--network", choices=tuple(NETWORK_READINGS), default="flows",
+                   help="how GPUMix plans and prices with the inter-node curves: flows (default: a node's traffic "
+                        "one flow per GPU) or sailor (as Sailor's simulator reads them)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--check", action="store_true",
                    help=f"exit 1 unless every ratio >= {TARGET_RATIO} and every solve <= {TARGET_SOLVE_S:g} s")
     args = p.parse_args(argv)
     try:
-        report = run(args.sailor_dir, args.max_tp, args.time_limit)
+        report = run(args.sailor_dir, args.max_tp, args.time_limit, args.network)
     except (ValueError, OSError) as e:
         print(f"vs_sailor: {e}", file=sys.stderr)
         return 2

@@ -97,3 +97,20 @@ def test_sailor_measured_curves_priced_as_their_polynomial():
     assert ring_time_s("all_reduce", 500e6, 4, c) == pytest.approx(6 * 125e6 / expected)
     intra = load_network_profile("intra_node_bandwidths")
     assert intra.kind == "intra_node" and intra.curve("A100-40GB", 4).max_bytes_per_s == pytest.approx(243214602913.5)
+
+
+def test_scale_costs_read_the_inter_node_curves_per_gpu_flows_or_as_sailor_does():
+    """"flows": a node's traffic as one flow per GPU at the curve of that many GPUs (their aggregate);
+    "sailor": a ring step one flow at the one-GPU curve, point-to-point one flow per replica at it."""
+    from contracts.specs import get_model
+    from planner.geo.scale.costs import ScaleCosts
+
+    flat = lambda n, gbs: BandwidthCurve("A100-40GB", n, "A100-40GB", n, (gbs,), 100e9, "z", "z")  # noqa: E731
+    inter = NetworkProfile("lab", "inter_node", "test curves", (flat(1, 2.0), flat(4, 6.0)))
+    costs = ScaleCosts(get_model("tiny"), 32, "fp32", {}, inter, None, "z")
+    gb = 1e9
+    assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb) == pytest.approx(2.0)  # 12 GB at 6 GB/s
+    assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb, ring=True) == pytest.approx(2.0)
+    costs.network_reading = "sailor"
+    assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb, ring=True) == pytest.approx(6.0)  # one flow, 2 GB/s
+    assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb) == pytest.approx(1.5)  # 4 flows of 3 GB at 2 GB/s

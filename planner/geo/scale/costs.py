@@ -158,6 +158,10 @@ class ScaleCosts:
     intra_gbps: float = 300.0
     headroom: float = MEMORY_HEADROOM
     source: str = ""
+    # how the inter-node curves are read (NETWORK_READINGS): "flows", a node's traffic as one flow per
+    # GPU at the curve of that many GPUs per node; "sailor", as Sailor's simulator reads them: a ring
+    # one flow at the one-GPU curve, each replica's point-to-point its own flow at the one-GPU curve
+    network_reading: str = "flows"
     _mem: dict = field(default_factory=dict, repr=False)
     _curves: dict = field(default_factory=dict, repr=False)
 
@@ -245,19 +249,28 @@ class ScaleCosts:
         return self._mem[key]
 
     # --- network ---
-    def inter_s(self, type_a: str, type_b: str, flows: int, total_bytes: float) -> float:
+    def inter_s(self, type_a: str, type_b: str, flows: int, total_bytes: float, ring: bool = False) -> float:
         """`total_bytes` between a node of type a and one of type b as `flows` concurrent GPU flows (one
         per GPU of the node): the measured curve of that many GPUs per node gives their aggregate
-        bandwidth at each flow's message size (docs/models/scale.md, "Network")."""
+        bandwidth at each flow's message size (docs/models/scale.md, "Network"). Read as Sailor does
+        (`network_reading` "sailor"): a ring step (`ring`) is one flow at the one-GPU curve, other
+        traffic `flows` flows in parallel, each at the one-GPU curve."""
         if total_bytes <= 0:
             return 0.0
         if self.inter is None:
             return FlatCurve(self.inter_gbps).message_time_s(total_bytes)
+        if self.network_reading == "sailor":
+            one = self._curve(type_a, type_b, 1)
+            per = total_bytes if ring else total_bytes / flows
+            return per / one.bandwidth_bytes_per_s(per)
+        return total_bytes / self._curve(type_a, type_b, flows).bandwidth_bytes_per_s(total_bytes / flows)
+
+    def _curve(self, type_a: str, type_b: str, flows: int) -> BandwidthCurve:
         key = (type_a, type_b, flows)
         curve = self._curves.get(key)
         if curve is None:
             curve = self._curves[key] = _curve(self.inter, type_a, type_b, flows, self.zone)
-        return total_bytes / curve.bandwidth_bytes_per_s(total_bytes / flows)
+        return curve
 
     def intra_s(self, device_type: str, flows: int, total_bytes: float) -> float:
         """The same inside one node: the intra-node curve of `flows` GPUs."""
@@ -275,6 +288,9 @@ class ScaleCosts:
     def boundary_bytes(self, rows: int) -> int:
         """One boundary's activation (and, backward, its gradient) of `rows` rows: rows·seq·hidden fp32."""
         return rows * self.seq * self.spec.hidden * WIRE_BYTES
+
+
+NETWORK_READINGS = ("flows", "sailor")
 
 
 def _curve(profile: NetworkProfile, a: str, b: str, flows: int, zone: str) -> BandwidthCurve:

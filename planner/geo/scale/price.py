@@ -169,13 +169,13 @@ def simulate(c, st: Structure, stages: list[PricedStage]) -> tuple[float, bool]:
         hop_names.append(f"hop{s}")
     world = sum(r.tp for ps in stages for r in ps.replicas)
     types = sorted({r.device_type for ps in stages for r in ps.replicas})
-    world_s = 2 * (world - 1) * max(c.inter_s(a, b, 1, STATS_BYTES / world)
+    world_s = 2 * (world - 1) * max(c.inter_s(a, b, 1, STATS_BYTES / world, ring=True)
                                     for a in types for b in types) if world > 1 else 0.0
     tied_s = 0.0
     if c.spec.tied_embeddings and S > 1:  # the embedding's full fp32 gradient all-reduced over both end stages
         k = len(stages[0].replicas) + len(stages[-1].replicas)
         gpus = min(p.gpus_per_node for ps in (stages[0], stages[-1]) for p in ps.layout.parts)
-        tied_s = 2 * (k - 1) * max(c.inter_s(a, b, gpus, c.embed_bytes() / k) for a in types for b in types)
+        tied_s = 2 * (k - 1) * max(c.inter_s(a, b, gpus, c.embed_bytes() / k, ring=True) for a in types for b in types)
     job = PipelineJob(
         stages=tuple(Stage(ps.forward_s, ps.backward_s, ps.reduce_s, label=ps.layout.label,
                            optimizer_s=ps.update_s + ps.gather_s) for ps in stages),

@@ -311,7 +311,7 @@ def ring_s(costs: ScaleCosts, layout: StageLayout, k: int, fmax: float, total_by
     if layout.num_nodes == 1:
         return (k - 1) * costs.intra_s(layout.parts[0].device_type, flows, step)
     types = [p.device_type for p in layout.parts]
-    return (k - 1) * max(costs.inter_s(a, b, flows, step) for a in types for b in types)
+    return (k - 1) * max(costs.inter_s(a, b, flows, step, ring=True) for a in types for b in types)
 
 
 def _node_rows(layout: StageLayout, split: RowSplit | None) -> list[tuple[str, int, int]]:
