@@ -9,7 +9,9 @@ on each node an agent (executor/slurm_agent.py) starts torchrun with the node's 
 `node_up` / `node_exit` (the first node in the store, the others through the job's output file,
 recorded in the store at the end: only rank 0, the first node and the launcher write it). What
 `scontrol show job -o` says is the truth the launcher follows; a stop is `scancel`; a dead node
-fails the run with the node and the reason recorded. The job id is in the events and `slurm.json`.
+fails the run with the node and the reason recorded, or, with `--elastic` (SlurmSettings.elastic),
+the run goes on on the nodes left from its last checkpoint in a new job (executor/elastic.py).
+The job id (the newest job's) is in the events and `slurm.json`.
 Every node needs this repository and the run folder at the same paths (a shared filesystem), as
 torchrun's multi-node runs do.
 """
@@ -24,11 +26,11 @@ import shlex
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from contracts.plan import Plan
 from contracts.run import RunConfig
-from executor import booking
+from executor import booking, elastic
 from executor.backend import prepare_data, prepare_folder, resume_step, run_config
 from executor.checks import check_run
 from executor.rank_commands import plan_nodes, project_pythonpath, worker_args
@@ -64,6 +66,8 @@ class SlurmBackend:
             raise ValueError("--emulate-wan emulates the datacenters on this machine: use it with --backend local")
         if config.prefill is not None:
             raise ValueError("--prefill runs with --backend local")
+        if self.settings.elastic:
+            elastic.check_elastic(plan, config)
         return check_run(plan, config)
 
     def launch(self, plan: Plan, config: RunConfig) -> str:
@@ -83,8 +87,7 @@ class SlurmBackend:
             store.keep_room()  # the run's end is recorded even on a disk its steps filled
             try:
                 record_launch(store, plan, config, step)
-                wargs = worker_args(plan_path, config, tokens_path=tokens)
-                return _follow(store, plan, config, self.settings, components, nodes, wargs)
+                return _follow(store, plan, config, self.settings, components, nodes, tokens)
             finally:
                 store.close()
         finally:
@@ -121,9 +124,11 @@ def launch_slurm(plan: Plan | str, steps: int, run_dir: str, settings: SlurmSett
 
 
 def _submit(run_dir: str, plan: Plan, settings: SlurmSettings, components: list[Component],
-            nodes: dict[str, SlurmNode], wargs: list[str]) -> str:
+            nodes: dict[str, SlurmNode], wargs: list[str], attempt: int = 0) -> str:
+    """sbatch the job; its id. `attempt` > 0: an elastic run's next job, with a rendezvous of its own
+    (another id and port than the ended job's, whose store may linger on the port)."""
     first = components[0].nodes[0]
-    run_id = run_id_of(run_dir)
+    run_id = run_id_of(run_dir) + (f"-r{attempt}" if attempt else "")
     addrs = [f"{n}={check_name(nodes[n].addr, 'node address')}" for n in plan_nodes(plan)]
     agent = ["--plan", os.path.join(run_dir, "plan.json"), "--run-dir", run_dir, "--first-node", first,
              "--rdzv-endpoint", f"{nodes[first].addr}:{rdzv_port(run_id, settings)}", "--rdzv-id", run_id,
@@ -141,10 +146,14 @@ def _submit(run_dir: str, plan: Plan, settings: SlurmSettings, components: list[
     return r.stdout.strip().split(";")[0]
 
 
-def _events(store: MetricsStore, kind: str, job_log: str | None = None) -> list[str]:
-    """The agents' `kind` reports: the first node's events in the store, the other nodes' lines
-    in the job's output file (executor/slurm_agent.py)."""
-    out = [e["message"] for e in store.events(kind)]
+AGENT_KINDS = ("node_up", "node_exit")  # what the agents report (executor/slurm_agent.py)
+
+
+def _events(store: MetricsStore, kind: str, job_log: str | None = None, skip: Mapping[str, int] | None = None
+            ) -> list[str]:
+    """The agents' `kind` reports: the first node's events in the store (less the first skip[kind]:
+    an earlier job's), the other nodes' lines in the job's output file (executor/slurm_agent.py)."""
+    out = [e["message"] for e in store.events(kind)][(skip or {}).get(kind, 0):]
     if job_log is not None:
         mark = f"{REPORT_MARK}{kind} "
         with contextlib.suppress(OSError), open(job_log, encoding="utf-8", errors="replace") as fh:
@@ -157,22 +166,23 @@ def job_log_of(run_dir: str, job_id: str | None) -> str | None:
     return None if job_id is None else os.path.join(run_dir, "logs", f"slurm-{job_id}.out")
 
 
-def _agent_nodes(store: MetricsStore, job_log: str | None = None) -> tuple[set[str], dict[str, int]]:
+def _agent_nodes(store: MetricsStore, job_log: str | None = None, skip: Mapping[str, int] | None = None
+                 ) -> tuple[set[str], dict[str, int]]:
     """(nodes whose agent started, node -> its torchrun's exit code) from the agents' reports."""
-    up = {m.split(":", 1)[0].removeprefix("node ") for m in _events(store, "node_up", job_log)}
+    up = {m.split(":", 1)[0].removeprefix("node ") for m in _events(store, "node_up", job_log, skip)}
     exits = {}
-    for m in _events(store, "node_exit", job_log):
+    for m in _events(store, "node_exit", job_log, skip):
         node, _, rest = m.partition(":")
         code = re.search(r"exit code (-?\d+)", rest)
         exits[node.removeprefix("node ")] = int(code.group(1)) if code else 1
     return up, exits
 
 
-def dead_nodes(store: MetricsStore, job_nodes: list[str], gres_name: str,
-               job_log: str | None = None) -> list[tuple[str, str]]:
+def dead_nodes(store: MetricsStore, job_nodes: list[str], gres_name: str, job_log: str | None = None,
+               skip: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
     """(node, why) for each node of the job that died: SLURM reports it down, or its agent started
-    and vanished without an exit while another agent failed."""
-    up, exits = _agent_nodes(store, job_log)
+    and vanished without an exit while another agent failed (`skip`: as _events')."""
+    up, exits = _agent_nodes(store, job_log, skip)
     out = []
     try:
         states = {n.name: n for n in read_nodes(gres_name, job_nodes)} if job_nodes else {}
@@ -189,88 +199,127 @@ def dead_nodes(store: MetricsStore, job_nodes: list[str], gres_name: str,
     return out
 
 
+class Verdict(NamedTuple):
+    """How a job ended: the run's status, reason and failed rank, and its nodes found dead."""
+
+    status: str
+    reason: str | None
+    failed_rank: int | None
+    dead: list[tuple[str, str]]
+
+
 def _follow(store: MetricsStore, plan: Plan, config: RunConfig, settings: SlurmSettings,
-            components: list[Component], nodes: dict[str, SlurmNode], wargs: list[str]) -> str:
-    run_dir = config.run_dir
+            components: list[Component], nodes: dict[str, SlurmNode], tokens: str) -> str:
+    """Follow the run's job until it ends and record the run's end; with settings.elastic a job
+    that lost nodes is followed by the next one on the nodes left (executor/elastic.py)."""
+    plan_path = os.path.join(config.run_dir, "plan.json")
     stop = threading.Event()
+    v = Verdict("failed", None, None, [])
+    try:
+        with stop_on_signals(stop):
+            attempt = 0
+            while True:
+                wargs = worker_args(plan_path, config, tokens_path=tokens)
+                v = _follow_job(store, plan, config, settings, components, nodes, wargs, stop, attempt)
+                if not (settings.elastic and v.status == "failed" and v.dead) or stop.is_set() or \
+                        store.stop_requested():
+                    break
+                try:
+                    r = elastic.resumption_after(store, plan, config, v.dead)
+                    nodes = {n.name: n for n in read_nodes(settings.gres_name, plan_nodes(r.plan))}
+                    components = node_requests(r.plan, nodes, settings)
+                except ValueError as e:
+                    v = v._replace(reason=f"{v.reason}; --elastic cannot go on: {e}")
+                    break
+                elastic.begin_resume(store, r, plan_path)
+                plan, config, attempt = r.plan, r.config, attempt + 1
+    except BaseException as e:
+        v = Verdict("failed", f"launcher error: {type(e).__name__}: {e}", None, [])
+        raise
+    finally:
+        store.finish(v.status, v.reason, v.failed_rank)
+        log.info("run %s ended: %s%s", config.run_dir, v.status, f" ({v.reason})" if v.reason else "")
+    return v.status
+
+
+def _follow_job(store: MetricsStore, plan: Plan, config: RunConfig, settings: SlurmSettings,
+                components: list[Component], nodes: dict[str, SlurmNode], wargs: list[str], stop: threading.Event,
+                attempt: int = 0) -> Verdict:
+    """Submit one job of the run and follow it until it ends, nothing of it left in SLURM; how it
+    ended."""
+    run_dir = config.run_dir
     cancelled = False
-    status, reason, failed_rank = "failed", None, None
     job_id: str | None = None
     state: JobState | None = None
     job_nodes = [n for c in components for n in c.nodes]
+    before = {kind: len(store.events(kind)) for kind in AGENT_KINDS}  # an earlier job's reports
     try:
-        with stop_on_signals(stop):
-            job_id = _submit(run_dir, plan, settings, components, nodes, wargs)
-            with open(os.path.join(run_dir, JOB_FILE), "w") as fh:
-                json.dump({"job_id": job_id, "nodes": job_nodes, "gres_name": settings.gres_name,
-                           "launcher_pid": os.getpid(), "submitted_s": time.time()}, fh)
-            store.add_event("slurm_job", f"SLURM job {job_id} submitted: " + " : ".join(
-                f"{','.join(c.nodes)} {c.gres_arg(settings.gres_name)}" for c in components))
-            last_node_check, agent_failed_since, phase = 0.0, None, None
-            while True:
-                state = job_state(job_id)
-                if not state.active:
-                    break
-                if state.state == "PENDING" and phase != state.reason:
-                    phase = state.reason
-                    store.set_phase(f"queued in SLURM ({state.reason or 'pending'})")
-                if (stop.is_set() or store.stop_requested()) and not cancelled:
-                    stop.set()
+        job_id = _submit(run_dir, plan, settings, components, nodes, wargs, attempt)
+        with open(os.path.join(run_dir, JOB_FILE), "w") as fh:
+            json.dump({"job_id": job_id, "nodes": job_nodes, "gres_name": settings.gres_name,
+                       "launcher_pid": os.getpid(), "submitted_s": time.time()}, fh)
+        store.add_event("slurm_job", f"SLURM job {job_id} submitted: " + " : ".join(
+            f"{','.join(c.nodes)} {c.gres_arg(settings.gres_name)}" for c in components))
+        last_node_check, agent_failed_since, phase = 0.0, None, None
+        while True:
+            state = job_state(job_id)
+            if not state.active:
+                break
+            if state.state == "PENDING" and phase != state.reason:
+                phase = state.reason
+                store.set_phase(f"queued in SLURM ({state.reason or 'pending'})")
+            if (stop.is_set() or store.stop_requested()) and not cancelled:
+                stop.set()
+                cancel_job(job_id)
+                cancelled = True
+            now = time.monotonic()
+            if not cancelled and now - last_node_check > NODE_CHECK_S:
+                last_node_check = now
+                job_log = job_log_of(run_dir, job_id)
+                _, exits = _agent_nodes(store, job_log, before)
+                down = [d for d in dead_nodes(store, job_nodes, settings.gres_name, job_log, before)
+                        if "SLURM reports" in d[1]]
+                if any(c != 0 for c in exits.values()):
+                    agent_failed_since = agent_failed_since or now
+                if down or (agent_failed_since and now - agent_failed_since > AGENT_FAIL_GRACE_S):
+                    log.warning("job %s: %s; cancelling", job_id, down or "an agent failed")
                     cancel_job(job_id)
                     cancelled = True
-                now = time.monotonic()
-                if not cancelled and now - last_node_check > NODE_CHECK_S:
-                    last_node_check = now
-                    job_log = job_log_of(run_dir, job_id)
-                    _, exits = _agent_nodes(store, job_log)
-                    down = [d for d in dead_nodes(store, job_nodes, settings.gres_name, job_log)
-                            if "SLURM reports" in d[1]]
-                    if any(c != 0 for c in exits.values()):
-                        agent_failed_since = agent_failed_since or now
-                    if down or (agent_failed_since and now - agent_failed_since > AGENT_FAIL_GRACE_S):
-                        log.warning("job %s: %s; cancelling", job_id, down or "an agent failed")
-                        cancel_job(job_id)
-                        cancelled = True
-                time.sleep(JOB_POLL_S)
+            time.sleep(JOB_POLL_S)
         state = _settle(state)
-        status, reason, failed_rank = _verdict(store, config, settings, state, job_nodes,
-                                               stop.is_set() or store.stop_requested(), cancelled)
-    except BaseException as e:
-        reason = f"launcher error: {type(e).__name__}: {e}"
-        raise
+        return _verdict(store, config, settings, state, job_nodes, stop.is_set() or store.stop_requested(),
+                        cancelled, before)
     finally:
         if job_id is not None:
             _cleanup(job_id)
-        store.finish(status, reason, failed_rank)
-        log.info("run %s ended: %s%s", run_dir, status, f" ({reason})" if reason else "")
-    return status
 
 
 def _verdict(store: MetricsStore, config: RunConfig, settings: SlurmSettings, state: JobState,
-             job_nodes: list[str], stopped: bool, cancelled: bool) -> tuple[str, str | None, int | None]:
-    """(status, reason, failed rank) of the ended job; `cancelled`: the launcher scancelled it."""
+             job_nodes: list[str], stopped: bool, cancelled: bool, before: Mapping[str, int] | None = None) -> Verdict:
+    """How the ended job ended; `cancelled`: the launcher scancelled it; `before`: the agents'
+    reports in the store that are an earlier job's (kind -> count)."""
     job_id = state.job_id
     what = f"SLURM job {job_id}: {state.state}" + (f", {state.reason}" if state.reason else "")
     job_log = job_log_of(config.run_dir, job_id)
-    for kind in ("node_up", "node_exit"):  # the other nodes' reports join the first node's in the store
+    for kind in AGENT_KINDS:  # the other nodes' reports join the first node's in the store
         for message in _events(store, kind, job_log)[len(store.events(kind)):]:
             store.add_event(kind, message)
     store.add_event("slurm_end", what)
     if stopped:
-        return "stopped", f"stopped on request (scancel of SLURM job {job_id})", None
+        return Verdict("stopped", f"stopped on request (scancel of SLURM job {job_id})", None, [])
     if state.state == "CANCELLED" and not cancelled:
-        return "stopped", f"SLURM job {job_id} was cancelled outside GPUMix (scancel)", None
+        return Verdict("stopped", f"SLURM job {job_id} was cancelled outside GPUMix (scancel)", None, [])
     if store.last_step() == config.steps and (state.state in ("COMPLETED", "COMPLETING", "UNKNOWN")
                                               or store.all_ranks_done()):
-        return "done", None, None
-    dead = dead_nodes(store, job_nodes, settings.gres_name)  # the store holds every node's reports now
+        return Verdict("done", None, None, [])
+    dead = dead_nodes(store, job_nodes, settings.gres_name, skip=before)  # the store holds every node's reports now
     if dead:
         node, why = dead[0]
         ranks = store.registered_ranks(node=node)
-        return "failed", f"node {node} died: {why} ({what})", (ranks[0] if ranks else None)
+        return Verdict("failed", f"node {node} died: {why} ({what})", (ranks[0] if ranks else None), dead)
     logs = os.path.join(config.run_dir, "logs", f"slurm-{job_id}.out")
     reason, rank = failure_reason(store, logs, None)
-    return "failed", f"{reason} ({what})", rank
+    return Verdict("failed", f"{reason} ({what})", rank, [])
 
 
 def _settle(state: JobState) -> JobState:

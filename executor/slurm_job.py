@@ -35,13 +35,15 @@ RDZV_PORT_SPAN = 10_000  # the rendezvous port: base + a hash of the run id with
 class SlurmSettings:
     """How this site's SLURM is asked: the GRES name of its accelerators (`gpu`, or the count-only
     name the site uses), a partition, a time limit, the rendezvous port base, GRES type names that
-    are not catalog names (type_map)."""
+    are not catalog names (type_map), and whether a run that loses a node goes on on the nodes left
+    (elastic, executor/elastic.py)."""
 
     gres_name: str = field(default_factory=default_gres_name)
     partition: str | None = None
     time_limit_min: int | None = None
     rdzv_port_base: int = DEFAULT_RDZV_PORT
     type_map: tuple[tuple[str, str], ...] = ()
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         check_name(self.gres_name, "GRES name")
@@ -52,6 +54,8 @@ class SlurmSettings:
         if not 1024 <= self.rdzv_port_base <= 65535 - RDZV_PORT_SPAN:
             raise ValueError(f"rendezvous port base must be in [1024, {65535 - RDZV_PORT_SPAN}], "
                              f"got {self.rdzv_port_base}")
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"elastic must be true or false, got {self.elastic!r}")
 
     def to_args(self) -> list[str]:
         """`executor launch` flags that reproduce these settings."""
@@ -60,7 +64,7 @@ class SlurmSettings:
         out += ["--time-limit", str(self.time_limit_min)] if self.time_limit_min else []
         for k, v in self.type_map:
             out += ["--type-map", f"{k}={v}"]
-        return out
+        return out + (["--elastic"] if self.elastic else [])
 
 
 @dataclass(frozen=True)

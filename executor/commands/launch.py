@@ -2,7 +2,7 @@
 [--keep-checkpoints N] [--stall-timeout S]
 [--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan | --emulate-links GBPS]
 [--prefill FILE] [--rebalance auto|off]
-[--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG]]`
+[--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG] [--elastic]]`
 
 Runs the plan and returns when the run ends (exit 0: done or stopped, 1: failed; 2: refused before any
 rank starts: a bad plan or flag, a run folder holding an earlier run without --resume or --overwrite).
@@ -14,7 +14,8 @@ own network namespace behind links shaped to the plan's `wan` (executor/wan.py);
 GBPS` puts every rank in its own namespace behind a link of GBPS each way (executor/links.py), so
 communication takes wire time on CPU ranks. `--prefill FILE`:
 a JSON object every rank gets as `--prefill` (executor.prefill). `slurm`: the plan as one SLURM job (executor/slurm.py), one
-torchrun agent per node, followed until SLURM says it ended.
+torchrun agent per node, followed until SLURM says it ended; with `--elastic` (and `--checkpoint-every`) a
+run that loses a node goes on on the nodes left from its last checkpoint (executor/elastic.py).
 """
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "plan's 'rebalance' field, itself auto)")
     p.add_argument("--json", action="store_true", help="print the final metrics as one JSON object")
     add_backend_arguments(p)
+    p.add_argument("--elastic", action="store_true", default=None,
+                   help="slurm: a run that loses a node goes on on the nodes left, re-split, from its last "
+                        "checkpoint (needs --checkpoint-every; executor/elastic.py)")
 
 
 def add_backend_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,7 +103,7 @@ def slurm_settings(args: argparse.Namespace):
     from profiler.slurm_inventory import parse_type_map
 
     kw = {"gres_name": args.gres_name, "partition": args.partition, "time_limit_min": args.time_limit,
-          "rdzv_port_base": args.rdzv_port,
+          "rdzv_port_base": args.rdzv_port, "elastic": getattr(args, "elastic", None),
           "type_map": tuple(sorted(parse_type_map(args.type_map).items())) or None}
     return SlurmSettings(**{k: v for k, v in kw.items() if v is not None})
 
@@ -181,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
     config = run_config_of(args)  # on every path, multi-node included
     if args.emulate_links is not None and args.backend != "local":
         raise ValueError(f"--emulate-links runs every rank on this machine; not with --backend {args.backend}")
+    if args.elastic and args.backend != "slurm":
+        raise ValueError("--elastic goes on after a lost node on the nodes SLURM still has: use it with "
+                         "--backend slurm")
     plan = Plan.load(args.plan)
     if args.rebalance is not None:
         plan = replace(plan, rebalance=args.rebalance)
