@@ -164,6 +164,8 @@ MEASURED_MATMUL_TFLOPS: dict[str, dict[str, float]] = {
     "A6000": {"fp16": 120.49, "bf16": 123.34, "fp32": 23.92},
     "L40S": {"fp16": 264.02, "bf16": 269.15, "fp32": 46.88},
     "P40": {"fp16": 10.02, "fp32": 10.07},
+    # zzc0721/torch-performance-test-data database.md at 53db858, its one "Tesla V100-SXM2-16GB" row
+    "V100-16GB": {"fp16": 94.84, "fp32": 14.06},
 }
 
 # The local CPU worker (one core, one torch thread: what an executor rank uses).

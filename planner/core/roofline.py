@@ -2,7 +2,8 @@
 
 Every kernel the runtime launches for one sample (matmuls, the attention kernel contracts/attention.py
 says torch picks, elementwise ops, per-micro-batch casts and accumulation, AdamW) is priced by what
-bounds it, max(FLOPs / sustained FLOP/s, bytes / sustained bandwidth), summed in launch order. Rates
+bounds it, max(FLOPs / sustained FLOP/s, bytes / sustained bandwidth), summed in launch order; another
+runtime's attention (Megatron-LM's unfused one, whose steps Sailor measured) can be priced instead. Rates
 are sustained: a measured matmul rate where one is published (contracts/catalog.py), else the peak
 times the measured parts' median efficiency. fp32 matmuls run in TF32 on parts that have it
 (contracts/catalog.FP32_MATMULS_IN_TF32). Pure Python, no torch.
@@ -61,6 +62,10 @@ BACKWARD_ELEMENTWISE_FACTOR = 2.0  # backward traffic of an elementwise op over 
 # (gemm_kernel_utils.h: DefaultGemmType<Sm80+, float> uses OpMultiplyAddFastF32, three TF32 MMAs per
 # product), whatever allow_tf32 says: a third of the TF32 rate.
 FAST_FP32_MMAS_PER_PRODUCT = 3
+BOOL_BYTES = 1  # a torch.bool mask element
+# Attention another runtime may run, to price its steps (`training_kernels`): torch's SDPA kernels forced,
+# or Megatron-LM's CoreAttention ("megatron", `_megatron_attention`).
+OTHER_RUNTIME_ATTENTION = ("math", "efficient", "flash", "megatron")
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class Kernel:
     moved_bytes: float  # bytes read + written in memory
     rate: str = "matmul"  # "matmul" | "fp32" | "attention": the FLOP/s that applies
     count: int = 1  # how many times it runs per sample (once per layer for a block's kernels)
+    backward_bytes: float | None = None  # bytes its backward moves, where `_backward`'s rule does not hold
 
     def time_s(self, r: SustainedRates) -> float:
         """Seconds of all `count` runs: each bound by its FLOPs or its bytes, whichever is slower."""
@@ -153,6 +159,38 @@ def _ew(name: str, elements: float, passes_bytes: float) -> Kernel:
     return Kernel(name, "elementwise", 0.0, elements * passes_bytes)
 
 
+def _ew_passes(name: str, elements: float, forward_bytes: float, backward_bytes: float) -> Kernel:
+    """An elementwise kernel whose backward moves a known number of bytes per value."""
+    return Kernel(name, "elementwise", 0.0, elements * forward_bytes, backward_bytes=elements * backward_bytes)
+
+
+def _megatron_attention(spec: ModelSpec, seq: int, width: int) -> list[Kernel]:
+    """Megatron-LM's CoreAttention (megatron/model/transformer.py) for one sample: every (B, H, S, S)
+    tensor goes through memory. Bytes per element of the square, forward | backward:
+      baddbmm(Q, Kᵀ) writes the scores 4 | dQ = dS·K and dK = dSᵀ·Q read dS twice 8 (the matmul kernels);
+      16-bit: one fused scale+mask+softmax kernel (ScaledUpperTriangMaskedSoftmax) r+w 2w | r dP, P, w dS 3w;
+      fp32 (the fused kernel takes 16-bit inputs only, FusedScaleMaskSoftmax.forward_torch_softmax):
+        × layer number (apply_query_key_layer_scaling, on by default) r+w 8 | 8,
+        masked_fill_ with the bool causal mask r+w 8 + mask 1 | grad.masked_fill(mask, 0) 9,
+        torch softmax r+w 8 | r dP, P, w dS 12;
+      attention dropout (p 0.1 by default; native_dropout) r 4, w 4 + bool mask 1 | r dP, mask, w 9;
+      bmm(P, V) reads P 4 | dP = dO·Vᵀ writes dP, dV = Pᵀ·dO reads P 8 (the matmul kernels);
+    then the context's permute(2, 0, 1, 3).contiguous() r+w over S × q."""
+    s, q = seq, spec.q_width
+    kv, sq, act = spec.num_heads * spec.head_dim, spec.num_heads * s * s, width  # K, V at num_heads
+    out = [Kernel("scores", "attention", 2.0 * s * s * q, act * (s * (q + kv) + sq), "fp32")]
+    if width < FP32_BYTES:
+        out.append(_ew_passes("scale_mask_softmax_fused", sq, 2 * width, 3 * width))
+    else:
+        out += [_ew_passes("layer_scale", sq, 2 * FP32_BYTES, 2 * FP32_BYTES),
+                _ew_passes("masked_fill", sq, 2 * FP32_BYTES + BOOL_BYTES, 2 * FP32_BYTES + BOOL_BYTES),
+                _ew_passes("softmax", sq, 2 * FP32_BYTES, 3 * FP32_BYTES)]
+    out += [_ew_passes("attention_dropout", sq, 2 * act + BOOL_BYTES, 2 * act + BOOL_BYTES),
+            Kernel("p_v", "attention", 2.0 * s * s * q, act * (sq + s * kv + s * q), "fp32"),
+            _ew_passes("context_permute", s * q, 2 * act, 2 * act)]
+    return out
+
+
 def _block_forward(spec: ModelSpec, seq: int, width: int, kernel_name: str, expand_kv: bool) -> list[Kernel]:
     """The kernels of one block's forward for one sample (seq tokens), in models/decoder.py's order."""
     s, h, q, f = seq, spec.hidden, spec.q_width, spec.ffn_hidden
@@ -169,7 +207,9 @@ def _block_forward(spec: ModelSpec, seq: int, width: int, kernel_name: str, expa
         out.append(_ew("rope", s * (q + kvh * hd), 5 * 2 * width))
     if expand_kv and kvh != heads:
         out.append(_ew("repeat_kv", s * 2 * heads * hd, 2 * width))
-    if kernel_name == "math":
+    if kernel_name == "megatron":
+        out += _megatron_attention(spec, s, width)
+    elif kernel_name == "math":
         # fp32 upcast of q, k, v, scores (B, H, S, S) written, masked, softmaxed, read by P @ V;
         # both bmm over the full square in fp32 (attention.py: math upcasts 16-bit inputs)
         sq = heads * s * s
@@ -207,7 +247,9 @@ def _head_forward(spec: ModelSpec, seq: int, width: int) -> list[Kernel]:
 def _backward(kernels: list[Kernel]) -> list[Kernel]:
     out = []
     for k in kernels:
-        if k.kind == "matmul":  # dgrad and wgrad: twice the FLOPs, about twice the bytes
+        if k.backward_bytes is not None:
+            out.append(replace(k, name=k.name + "_bwd", flops=2 * k.flops, moved_bytes=k.backward_bytes))
+        elif k.kind == "matmul":  # dgrad and wgrad: twice the FLOPs, about twice the bytes
             out.append(replace(k, name=k.name + "_bwd", flops=2 * k.flops, moved_bytes=2 * k.moved_bytes))
         elif k.kind == "attention" and k.rate == "attention":
             out.append(replace(k, name=k.name + "_bwd", flops=FUSED_ATTENTION_BACKWARD_FLOPS * k.flops,
@@ -230,15 +272,16 @@ def _fixed_bytes(spec: ModelSpec, width: int) -> float:
 def training_kernels(spec: ModelSpec, seq: int, dtype: str, recompute: str, gpu_type: str,
                      attention_kernel: str | None = None) -> tuple[list[Kernel], str]:
     """Every kernel of one sample's forward + backward on `gpu_type` (a block's kernels once, with
-    `count` = num_layers), and the attention kernel's name. `attention_kernel` ("math", "efficient",
-    "flash") prices another runtime's attention (Megatron-LM's unfused softmax is "math") instead of
-    the SDPA kernel torch picks for GPUMix's decoder."""
+    `count` = num_layers), and the attention kernel's name. `attention_kernel` (OTHER_RUNTIME_ATTENTION:
+    an SDPA kernel forced, or Megatron-LM's unfused CoreAttention, "megatron") prices another runtime's
+    attention instead of the SDPA kernel torch picks for GPUMix's decoder."""
     real = device_dtype(gpu_type, dtype)
     width = DTYPE_BYTES[real]
     attn = select_kernel(gpu_type, real, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     if attention_kernel is not None:
-        if attention_kernel not in ("math", "efficient", "flash"):
-            raise ValueError(f"attention_kernel must be math, efficient or flash, got {attention_kernel!r}")
+        if attention_kernel not in OTHER_RUNTIME_ATTENTION:
+            raise ValueError(f"attention_kernel must be one of {', '.join(OTHER_RUNTIME_ATTENTION)}, "
+                             f"got {attention_kernel!r}")
         attn = replace(attn, name=attention_kernel, expand_kv=False)
     block = _block_forward(spec, seq, width, attn.name, attn.expand_kv)
     head = _head_forward(spec, seq, width)

@@ -6,8 +6,10 @@ schedule, devices and links) with planner/geo/pipeline_sim and the stage cost mo
 same links. Every term follows the runtime (models/pipeline.py, models/sharded.py): the profiled
 compute, fp32 boundary transfers posted one op ahead, fairly shared WAN links with their RTT (or
 without, where the emulation cannot add delay), the step's syncs, the optimizer and the exact stage
-memory. What the simulator cannot describe (uneven stages or rows, mixed kinds in a stage, a stage
-across nodes) is refused, never approximated. bench/geo_real.py measures runs against it.
+memory. Stages of identical replicas run as that many pipelines; any other plan (uneven rows or
+stage widths, mixed kinds in a stage, a stage across nodes) as one pipeline of each stage's slowest
+replica (`build_replica_job`, the rule planner/geo/scale prices by). bench/geo_real.py and
+tests/e2e/test_pipeline_span_nodes.py measure runs against it.
 
 Every term, and what is not modelled: docs/models/pipeline_simulation.md ("The prediction of a given plan").
 """
@@ -18,12 +20,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.catalog import CPU_TYPE
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.constants import BITS_PER_BYTE, GBIT
 from contracts.plan import Plan, WanLink as PlanWanLink, link_key
 from contracts.specs import ModelSpec, get_model, with_max_seq
 from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, Link, all_reduce_s, bytes_per_s,
                                           sharded_step_comm_s)
+from planner.core.profiles import collective_set_key, get_collective_profile
 from planner.core.stage_memory import estimate_plan_stage_memory
 from planner.costmodel.pipeline import PipelineCostModel, base_type, tied_sync_s
 from planner.costmodel.training import CostModel, build_comm_model
@@ -86,23 +90,20 @@ def node_channel(plan: Plan, a: str, b: str, rtt: bool) -> Channel:
     return Channel(name, latency, per_transfer, w.gbps, "fair")
 
 
-def _stage_layout(plan: Plan) -> tuple[int, int, list[tuple[NodeSpec, DeviceSpec]]]:
-    """(replicas d, rows per replica, each stage's node and device kind); ValueError for a plan the
-    simulator cannot describe exactly (docs/models/pipeline_simulation.md)."""
+def _stage_layout(plan: Plan) -> tuple[int, int, list[tuple[NodeSpec, DeviceSpec]]] | None:
+    """(replicas d, rows per replica, each stage's node and device kind) of a plan whose stages are d
+    identical replicas each (one node, one kind, equal rows: the simulator runs d pipelines); None for
+    any other plan (`build_replica_job` prices it by its slowest replicas)."""
     p = plan.pipeline
     assert p is not None
     devices = plan.cluster.devices()
     d = len(p.stages[0].devices)
     out = []
-    for s, st in enumerate(p.stages):
-        if len(st.devices) != d or len(set(st.rows)) != 1:
-            raise ValueError(f"plan: pipeline stage {s} has {len(st.devices)} devices with rows {list(st.rows)}; "
-                             f"the simulator prices stages of {d} devices with equal rows only")
+    for st in p.stages:
         nodes = {devices[i][0].name for i in st.devices}
         kinds = {devices[i][1] for i in st.devices}
-        if len(nodes) != 1 or len(kinds) != 1:
-            raise ValueError(f"plan: pipeline stage {s} spans nodes {sorted(nodes)} or mixes device kinds "
-                             f"({', '.join(sorted(k.label for k in kinds))}); not simulated")
+        if len(st.devices) != d or len(set(st.rows)) != 1 or len(nodes) != 1 or len(kinds) != 1:
+            return None
         out.append(devices[st.devices[0]])
     return d, p.micro_batch // d, out
 
@@ -147,8 +148,11 @@ def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True
     p = plan.pipeline
     if p is None:
         raise ValueError("plan: not a pipeline plan (no 'pipeline' section); use predict_dp_plan")
+    uniform = _stage_layout(plan)
+    if uniform is None:
+        return build_replica_job(plan, profiles_dir, rtt)
     spec = model_spec(plan)
-    d, rows, layout = _stage_layout(plan)
+    d, rows, layout = uniform
     num = len(p.stages)
     model = PipelineCostModel(spec, plan.seq, rows, plan.dtype, p.schedule, profiles_dir)
     by_index = {a.device_index: a for a in plan.assignments}
@@ -195,6 +199,159 @@ def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True
     return job, memory
 
 
+def _measured_kinds(plan: Plan, ranks: list[int], profiles_dir: str | None) -> list[DeviceSpec] | None:
+    """The kinds whose collectives were measured for `ranks` (CPU ranks): the ranks' own, else those of
+    all the plan's ranks (profiler/run_profile.py times a run's devices together, each under its CPU
+    quota: a throttled rank slows every call it joins); None when neither was measured."""
+    devices = plan.cluster.devices()
+    for group in (ranks, [a.device_index for a in plan.used]):
+        kinds = [devices[i][1] for i in group]
+        key = collective_set_key(d.profile_key for d in kinds)
+        if all(d.type == CPU_TYPE for d in kinds) and get_collective_profile(key, profiles_dir) is not None:
+            return kinds
+    return None
+
+
+def _ranks_links(plan: Plan, ranks: list[int], node: NodeSpec, spec: ModelSpec,
+                 profiles_dir: str | None) -> tuple[Link, Link]:
+    """(all-gather, reduce-scatter) links among `ranks` inside `node`: from their measured collectives
+    (`_measured_kinds`), else `_collective_links` of the node's kinds among them."""
+    kinds = _measured_kinds(plan, ranks, profiles_dir)
+    if kinds is not None:
+        comm = build_comm_model(kinds, False, plan.cluster, spec, 1, plan.dtype, profiles_dir)
+        return comm.gather_link, comm.reduce_link
+    devices = plan.cluster.devices()
+    here = sorted({devices[i][1] for i in ranks if devices[i][0].name == node.name}, key=lambda k: k.label)
+    return _collective_links(plan.cluster, node, here, spec, plan.dtype, profiles_dir)
+
+
+def _ring_all_reduce_s(plan: Plan, ranks: list[int], nbytes: float, spec: ModelSpec, profiles_dir: str | None,
+                       rtt: bool) -> float:
+    """One all-reduce of `nbytes` over `ranks`: where the ranks' all-reduce was measured, one call of it
+    (its latency, the bytes at the slower of its bandwidth and the ring's slowest edge, `_ring_links`),
+    else a reduce-scatter and an all-gather over the ring (`all_reduce_s`)."""
+    link = _ring_links(plan, ranks, spec, profiles_dir, rtt)[0]
+    kinds = _measured_kinds(plan, ranks, profiles_dir)
+    fit = None if kinds is None else get_collective_profile(
+        collective_set_key(d.profile_key for d in kinds), profiles_dir).fit("all_reduce")
+    if fit is None or len(ranks) < 2:
+        return all_reduce_s(nbytes, len(ranks), link)
+    ring_bw = link.bandwidth_bytes_per_s / (2 * (len(ranks) - 1) / len(ranks))  # algorithm bandwidth of the ring
+    return fit.latency_s + nbytes / min(fit.bandwidth_bytes_per_s, ring_bw)
+
+
+def _ring_links(plan: Plan, ranks: list[int], spec: ModelSpec, profiles_dir: str | None,
+                rtt: bool) -> tuple[Link, Link]:
+    """(all-gather, reduce-scatter) links of a ring over `ranks` (device indices) that may span nodes
+    and mix kinds: inside each node `_ranks_links`, across nodes the channels between them (`ring_link`)."""
+    devices = plan.cluster.devices()
+    gathers, reduces = {}, {}
+    for name in dict.fromkeys(devices[i][0].name for i in ranks):
+        node = next(n for n in plan.cluster.nodes if n.name == name)
+        gathers[name], reduces[name] = _ranks_links(plan, ranks, node, spec, profiles_dir)
+    return ring_link(plan, ranks, gathers, rtt), ring_link(plan, ranks, reduces, rtt)
+
+
+def _piece_s(plan: Plan, a: int, b: int, nbytes: float, spec: ModelSpec, profiles_dir: str | None,
+             rtt: bool) -> tuple[float, float]:
+    """(one-way latency s, seconds on the wire) of `nbytes` sent from device `a` to device `b`: inside a
+    node at the bandwidth of the two ranks' collective link (`_ranks_links`) and its hop latency, not a
+    collective call's (a measured call waits for throttled ranks' next quota period, as a step-end
+    collective does; a receive posted one op ahead lands while its rank computes), across nodes on
+    `node_channel`."""
+    devices = plan.cluster.devices()
+    (na, _), (nb, _) = devices[a], devices[b]
+    if na.name == nb.name:
+        gather, _ = _ranks_links(plan, [a, b], na, spec, profiles_dir)
+        return gather.hop_latency_s, nbytes / gather.bandwidth_bytes_per_s
+    ch = node_channel(plan, na.name, nb.name, rtt)
+    return ch.latency_s, nbytes * BITS_PER_BYTE / (ch.per_transfer_gbps * GBIT)
+
+
+def _hop_channel(plan: Plan, j: int, row_bytes: float, spec: ModelSpec, profiles_dir: str | None,
+                 rtt: bool) -> Channel:
+    """Boundary j as one dedicated channel: each rank of stage j sends every rank of stage j+1 the rows
+    their ranges share (models/pipeline.row_pieces), pieces on one path sharing it; the channel carries
+    one micro-batch in the slowest path's time (its latency, then its pieces' bytes at its rate)."""
+    p = plan.pipeline
+    here, there = p.stages[j], p.stages[j + 1]
+    paths: dict[tuple[str, str], tuple[float, float]] = {}  # path -> (latency, seconds on the wire)
+    devices = plan.cluster.devices()
+    for a, (a0, ra) in zip(here.devices, _ranges(here.rows)):
+        for b, (b0, rb) in zip(there.devices, _ranges(there.rows)):
+            shared = min(a0 + ra, b0 + rb) - max(a0, b0)
+            if shared <= 0:
+                continue
+            lat, wire_s = _piece_s(plan, a, b, shared * row_bytes, spec, profiles_dir, rtt)
+            na, nb = devices[a][0].name, devices[b][0].name
+            key = (f"device {a}", f"device {b}") if na == nb else (na, nb)  # inside a node: a path per pair
+            old = paths.get(key, (0.0, 0.0))
+            paths[key] = (max(old[0], lat), old[1] + wire_s)
+    lat, wire_s = max(paths.values(), key=lambda v: v[0] + v[1])
+    gbps = p.micro_batch * row_bytes * BITS_PER_BYTE / max(wire_s, 1e-12) / GBIT
+    return Channel(f"hop{j}", lat, gbps, gbps, "dedicated")
+
+
+def _ranges(rows: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(first row, rows) of each rank of a stage: consecutive ranges in data-parallel order."""
+    out, first = [], 0
+    for r in rows:
+        out.append((first, r))
+        first += r
+    return out
+
+
+def build_replica_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[PipelineJob, dict]:
+    """The simulator's job of a pipeline plan whose stages are not identical replicas (different device
+    counts, uneven rows, mixed kinds, a stage across nodes), and each device's predicted memory. Every
+    replica of a stage runs the stage's schedule on its own rows and the stage after waits for all of
+    their pieces, so the stage enters the simulator as one pipeline at its slowest replica's forward and
+    backward; its reduce-scatters and all-gathers are rings over all its ranks (across nodes where it
+    spans them), its update the slowest rank's AdamW at its shard; a boundary is `_hop_channel`."""
+    p = plan.pipeline
+    spec = model_spec(plan)
+    devices = plan.cluster.devices()
+    by_index = {a.device_index: a for a in plan.assignments}
+    models: dict[int, PipelineCostModel] = {}
+
+    def model_of(rows: int) -> PipelineCostModel:
+        if rows not in models:
+            models[rows] = PipelineCostModel(spec, plan.seq, rows, plan.dtype, p.schedule, profiles_dir)
+        return models[rows]
+
+    num, whole = len(p.stages), model_of(p.micro_batch)
+    stages, memory = [], {}
+    for j, st in enumerate(p.stages):
+        first, last = j == 0, j == num - 1
+        fwd = bwd = update = 0.0
+        for i, rows in zip(st.devices, st.rows):
+            node, dev = devices[i]
+            f, b = model_of(rows).compute_s(dev.profile_key, plan.recompute, st.num_layers, first, last)
+            _, _, state_params, _ = whole.runtime_state(st.num_layers, j, num)
+            adamw = whole.profile(dev.profile_key, plan.recompute).optimizer_time_s(
+                state_params * by_index[i].shard_fraction)
+            fwd, bwd = max(fwd, f * dev.slowdown), max(bwd, b * dev.slowdown)
+            update = max(update, adamw * dev.slowdown)
+            memory[i] = device_memory_bytes(plan, i, dev.profile_key)
+        gather, reduce = _ring_links(plan, list(st.devices), spec, profiles_dir, rtt)
+        rs_s, ag_s = whole.runtime_sync_parts_s(devices[st.devices[0]][1].profile_key, st.num_layers, j, num,
+                                                len(st.devices), gather, reduce)
+        where = "+".join(dict.fromkeys(f"{devices[i][0].name} {devices[i][1].label}" for i in st.devices))
+        stages.append(Stage(fwd, bwd, rs_s, f"{where} L{st.first_layer}-{st.first_layer + st.num_layers - 1}",
+                            update + ag_s))
+    row_bytes = whole.boundary_bytes() / p.micro_batch
+    channels = tuple(_hop_channel(plan, j, row_bytes, spec, profiles_dir, rtt) for j in range(num - 1))
+    tied = 0.0
+    if num > 1 and whole.tied_bytes():
+        ends = sorted(p.stages[0].devices + p.stages[-1].devices)
+        tied = _ring_all_reduce_s(plan, ends, whole.tied_bytes(), spec, profiles_dir, rtt)  # as tied_sync_s
+    world = sorted(i for st in p.stages for i in st.devices)
+    stats = _ring_all_reduce_s(plan, world, STATS_BYTES, spec, profiles_dir, rtt)
+    job = PipelineJob(tuple(stages), tuple(c.name for c in channels), channels, 1, p.num_microbatches,
+                      whole.boundary_bytes(), p.schedule, "fifo", tied, runtime_step=True, world_sync_s=stats)
+    return job, memory
+
+
 def timeline_rows(sim: SimResult) -> tuple[dict[str, Any], ...]:
     """The simulation as plan rows {"stage", "replica", "op", "mb", "start_s", "end_s"} in the measured
     timeline's op names; each transfer is a send on its sender (from its first byte on the wire) and a
@@ -226,7 +383,9 @@ def simulate_plan(plan: Plan, profiles_dir: str | None = None, rtt: bool = True)
     else:
         sim = simulate_pipeline(job)
         ends, rows, iteration = sim.worker_end_s(), timeline_rows(sim), sim.iteration_s
-    step = {dev: ends[(r, j)] for j, st in enumerate(p.stages) for r, dev in enumerate(st.devices)}
+    # one pipeline per replica, or one for the whole plan (build_replica_job: each stage at its slowest replica)
+    step = {dev: ends[(r if job.num_pipelines > 1 else 0, j)] for j, st in enumerate(p.stages)
+            for r, dev in enumerate(st.devices)}
     return PlanSimulation(iteration, rows, step, memory, sim)
 
 
