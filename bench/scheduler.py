@@ -13,7 +13,10 @@ big-job windows, 1-GPU-dominated ones and overloaded ones (requested load > 1), 
 Each runs under three seeds (the conversion's draws and the duration errors' seed). Every policy
 (`gpumix`, `frenzy`, `fifo`, `fifo-backfill`, `fifo-backfill-sized`, `sjf`, `srtf`, `las`, `gavel`)
 replays the same jobs in the same simulator (planner/schedule/simulate.py) with the same seeded
-lognormal errors, and `gpumix --no-mixed` beside it: the gain of mixed-type gangs.
+lognormal errors, and `gpumix --no-mixed` beside it: the gain of mixed-type gangs. Every replay
+simulates the runs as launched (`rebalance=True`: a gang whose types' errors differ re-splits its
+batch live, executor/rebalance.py); each window prints the share of time its free devices were
+fragmented across types under `gpumix --no-mixed` (simulate.fragmented).
 
 Targets (the real windows, each policy's figures the mean over the seeds): gpumix's average JCT
 >= 12 % below the strongest baseline's (lowest average JCT) on the median window and never more
@@ -89,6 +92,7 @@ def summary(result, jobs, cluster) -> dict:
     d["short_slowdown_max"] = max(sd, default=math.nan)
     d["short_slowdown_p99"] = percentile(sd, 99)
     d["mixed_gang_share"] = result.num_mixed_gang_jobs / len(jobs)
+    d.setdefault("fragmented_share", math.nan)  # measured on the gpumix --no-mixed replay only
     return d
 
 
@@ -100,8 +104,9 @@ def run_window(name: str, day: int, seed: int, policies=POLICY_ORDER) -> dict:
     rows = {}
     clear_caches()  # every window starts cold: which gangs a decision may price does not depend on the run order
     for policy in policies:
-        rows[policy] = summary(simulate_schedule(jobs, cluster, policy, error_seed=seed), jobs, cluster)
-    rows[NO_MIXED] = summary(simulate_schedule(jobs, cluster, "gpumix", error_seed=seed, mixed=False), jobs, cluster)
+        rows[policy] = summary(simulate_schedule(jobs, cluster, policy, error_seed=seed, rebalance=True), jobs, cluster)
+    rows[NO_MIXED] = summary(simulate_schedule(jobs, cluster, "gpumix", error_seed=seed, mixed=False,
+                                               fragmentation=True, rebalance=True), jobs, cluster)
     return {"num_jobs": len(jobs), "policies": rows}
 
 
@@ -112,7 +117,7 @@ def mean_of(runs: list[dict], policy: str, key: str) -> float:
 def window_result(name: str, day: int, what: str, seeds) -> dict:
     runs = [run_window(name, day, s) for s in seeds]
     keys = ("avg_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization", "scheduling_overhead_ms_per_job",
-            "num_restarts", "mixed_gang_share", "short_slowdown_max", "short_slowdown_p99")
+            "num_restarts", "mixed_gang_share", "short_slowdown_max", "short_slowdown_p99", "fragmented_share")
     pol = {p: {k: mean_of(runs, p, k) for k in keys} for p in (*POLICY_ORDER, NO_MIXED)}
     strongest = min(BASELINES, key=lambda b: pol[b]["avg_jct_s"])
     g, s = pol["gpumix"], pol[strongest]
@@ -135,12 +140,13 @@ def run_scenario(seed: int, num_jobs: int, num_gpus: int, load: float, error_see
     for name in POLICY_ORDER:
         if cold:
             clear_caches()
-        r = simulate_schedule(jobs, cluster, name, error_seed=error_seed)
+        r = simulate_schedule(jobs, cluster, name, error_seed=error_seed, rebalance=True)
         rows[name] = r.to_dict(jobs=False)
     overheads = [rows["gpumix"]["scheduling_overhead_ms_per_job"]]
     for _ in range(repeats - 1):  # the same replay again, cold: the decision time's median
         clear_caches()
-        overheads.append(simulate_schedule(jobs, cluster, "gpumix", error_seed=error_seed).scheduling_overhead_ms_per_job)
+        overheads.append(simulate_schedule(jobs, cluster, "gpumix", error_seed=error_seed,
+                                           rebalance=True).scheduling_overhead_ms_per_job)
     strongest = min(BASELINES, key=lambda b: rows[b]["avg_jct_s"])
     g, s = rows["gpumix"], rows[strongest]
     return {"seed": seed, "num_devices": cluster.num_devices, "num_jobs": num_jobs, "load": load,
@@ -207,7 +213,8 @@ def print_windows(windows: list[dict]) -> None:
         print(f"      gpumix vs strongest baseline ({w['strongest_baseline']}, *): avg JCT "
               f"{-100 * w['avg_jct_gain']:+.1f} %, p99 x{w['p99_ratio']:.3f}, makespan x{w['makespan_ratio']:.3f}; "
               f"mixed gangs: {100 * w['policies']['gpumix']['mixed_gang_share']:.1f} % of jobs, avg JCT "
-              f"{-100 * w['mixed_gain']:+.1f} % against gpumix --no-mixed")
+              f"{-100 * w['mixed_gain']:+.1f} % against gpumix --no-mixed (free devices fragmented across types "
+              f"{100 * w['policies'][NO_MIXED]['fragmented_share']:.1f} % of the time under it)")
 
 
 def print_synthetic(results: list[dict]) -> None:

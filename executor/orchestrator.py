@@ -3,9 +3,12 @@
 One pass (`tick`): poll every running job's run store (a run that ended marks its job done or
 failed and frees its devices; the queue row holds the run folder and launcher pid, so a restarted
 orchestrator re-attaches); rebuild the device ledger (planner.schedule.state.ClusterState); ask the
-`frenzy` policy the simulator uses which queued jobs start on which devices; plan each on those
-devices through planner.entry.plan_on_devices (the same planning as `python -m planner plan`) and
-start it (executor.launch.start_run). A launch that fails marks the job failed with the reason.
+`frenzy` policy the simulator uses which queued jobs start on which devices (one pool, or a mixed
+gang: devices of two kinds at once, planner/schedule/mixed.py); plan each on exactly those devices
+through planner.entry.plan_on_devices (the same planning as `python -m planner plan`: a mixed
+gang's plan is the uneven split and shards its option was priced with, `gang_mismatch` says where not) and
+start it (executor.launch.start_run: each rank in its own device's cgroup kind). A launch that
+fails marks the job failed with the reason.
 `run_forever(poll_s)` repeats `tick`; a file lock beside the database lets one pass run at a time,
 so the dashboard and the CLI can both drive it. The policies: docs/models/scheduling.md.
 """
@@ -25,12 +28,14 @@ from executor import booking
 from executor.queue import JobQueue, QueuedJob
 from planner.entry import plan_on_devices
 from planner.schedule.frenzy import FrenzyPolicy
+from planner.schedule.options import ResourceOption
 from planner.schedule.state import ClusterState, Running
 
 log = logging.getLogger(__name__)
 
 LOCAL_DTYPE = "fp32"  # CPU workers train in fp32 (gloo); a GPU cluster file may ask for bf16
 BOOKED_ELSEWHERE = "booked by another run"  # the ClusterState owner of devices the ledger gives to others
+SHARD_TOLERANCE = 1e-6  # shard fractions that differ by less are the same split (the ILP's rounding)
 
 
 @dataclass
@@ -151,24 +156,23 @@ class Orchestrator:
                 continue
             state.assign(str(job.id), held)  # raises on a double booking
             end = (job.started_s or origin) - origin + (job.predicted_duration_s or 0.0)
-            views.append(Running(str(job.id), state.pool_of(held[0]), len(held), max(end, now)))
+            views.append(running_view(state, str(job.id), held, max(end, now)))
         self._hold_booked_elsewhere(state, running)
         by_id = {str(j.id): j for j in queued}
-        policy = FrenzyPolicy(self.cluster, self.dtype)
+        policy = FrenzyPolicy(self.cluster, self.dtype, mixed=True)
         decisions = policy.decide(now, [j.job_spec(origin) for j in queued], state.free_counts(), views)
         for job_id, reason in policy.failed().items():
             if self.queue.finish(int(job_id), "failed", f"does not fit: {reason}"):
                 report.finished.append((int(job_id), "failed"))
         picked = []
         for d in decisions:  # reserve every decision's devices first: what is left is idle this pass
-            pool = next(p for p in state.pools if p.device == d.option.pool)
-            devices = state.pick(pool, d.option.num_gpus)
+            devices = pick_devices(state, d.option)
             state.assign(d.job.job_id, devices)
             picked.append((d, devices))
         for d, devices in picked:
             job = by_id[d.job.job_id]
             try:
-                self._launch(job, devices, state)
+                self._launch(job, devices, state, d.option)
             except (ValueError, RuntimeError, OSError) as e:
                 log.warning("job %d failed to launch: %s", job.id, e)
                 state.release(d.job.job_id)
@@ -191,14 +195,23 @@ class Orchestrator:
         """The ledger's names of the cluster's devices `devices` (all by default)."""
         return booking.cluster_device_keys(self.cluster, devices)
 
-    def _launch(self, job: QueuedJob, devices: tuple[int, ...], state: ClusterState) -> None:
-        """Plan on the policy's devices, with the idle devices of other kinds this pass offered to the
-        planner (it mixes types when that is clearly faster). The job then holds only the devices its
-        plan uses."""
+    def _launch(self, job: QueuedJob, devices: tuple[int, ...], state: ClusterState,
+                option: ResourceOption | None = None) -> None:
+        """Plan on the policy's devices. A mixed gang is planned on exactly its devices (a plan that
+        differs from the split its option was priced with, `gang_mismatch`, is logged: the planner
+        saw the devices' real links, the pricing a layout of its pools); an option of one pool is planned
+        with the idle devices of other kinds this pass offered to the planner (it mixes types when
+        that is clearly faster). The job then holds only the devices its plan uses."""
+        mixed = option is not None and option.is_mixed
         pools = {state.pool_of(i) for i in devices}
-        idle = tuple(i for i, owner in enumerate(state.owner) if owner is None and state.pool_of(i) not in pools)
+        idle = () if mixed else tuple(i for i, owner in enumerate(state.owner)
+                                      if owner is None and state.pool_of(i) not in pools)
         plan, used = plan_on_devices(self.cluster, devices, job.model, job.global_batch, seq=job.seq,
                                      dtype=self.dtype, name=f"{self.cluster.name}-job{job.id}", idle=idle)
+        if mixed:
+            problem = gang_mismatch(plan, option)
+            if problem is not None:
+                log.warning("mixed gang %s of job %d: %s", option.gpu_type, job.id, problem)
         if used != devices:
             state.release(str(job.id))
             state.assign(str(job.id), used)
@@ -229,6 +242,44 @@ class Orchestrator:
             from executor.launch import stop_run
 
             stop_run(handle.run_dir)
+
+
+def pick_devices(state: ClusterState, option: ResourceOption) -> tuple[int, ...]:
+    """Free devices of the cluster for `option`: per part (one for an option of one pool), its
+    count of that pool's devices (ClusterState.pick), in the parts' order."""
+    out: list[int] = []
+    for device, n in option.parts:
+        pool = next(p for p in state.pools if p.device == device)
+        out += state.pick(pool, n)
+    return tuple(out)
+
+
+def running_view(state: ClusterState, job_id: str, held: tuple[int, ...], end_s: float) -> Running:
+    """A running job as the policy sees it: one pool, or a mixed gang's parts (pool, count)."""
+    counts: dict = {}
+    for i in held:
+        counts[state.pool_of(i)] = counts.get(state.pool_of(i), 0) + 1
+    mix = tuple(counts.items()) if len(counts) > 1 else ()
+    return Running(job_id, state.pool_of(held[0]), len(held), end_s, mix=mix)
+
+
+def gang_mismatch(plan, option: ResourceOption) -> str | None:
+    """How a mixed gang's plan differs from the split its option was priced with (None: it does not):
+    per device kind, the sorted (micro-batch, accumulation steps, shard fraction) of its devices;
+    every device used, no pipeline."""
+    if plan.pipeline is not None:
+        return "the planner chose a pipeline; the option was priced as data parallelism"
+    if not all(a.used for a in plan.assignments):
+        return "the planner leaves a device of the gang idle"
+    kinds = [d for d, n in option.parts for _ in range(n)]
+    priced = sorted(zip((d.label for d in kinds), option.per_device))
+    devices = plan.cluster.devices()
+    planned = sorted((devices[a.device_index][1].label, (a.micro_batch, a.accum_steps, a.shard_fraction))
+                     for a in plan.assignments)
+    same = len(priced) == len(planned) and all(
+        ka == kb and a[:2] == b[:2] and abs(a[2] - b[2]) <= SHARD_TOLERANCE
+        for (ka, a), (kb, b) in zip(priced, planned))
+    return None if same else f"planned on its devices as {planned}, priced as {priced}"
 
 
 # ---- the orchestrator on SLURM -----------------------------------------------------------

@@ -6,9 +6,14 @@ Policies (POLICIES, by name): `gpumix` (planner/schedule/gpumix.py), `frenzy`
 `sjf` (planner/schedule/fifo.py, backfill.py), `srtf`, `las` and `gavel` (preemptive.py). A policy
 decides on *predicted* durations; the simulated job runs for the prediction times a seeded
 lognormal error per (job, GPU type) (`error_factor`), the same for every policy, so comparisons are
-paired; a mixed gang runs at its slowest type's error (`gang_factor`: its devices step together). A
+paired; a mixed gang runs at its slowest type's error (`gang_factor`: its devices step together), or,
+with `rebalance`, where the errors differ enough for the run's live rebalancing to re-split it, at
+its parts' summed rates. A
 resized or suspended job keeps its steps done and pays planner.schedule.state.restart_s before it
-computes again. `mixed=False` restricts every policy to one pool per job.
+computes again. `mixed=False` restricts every policy to one pool per job. The replay also measures
+how long the free devices were fragmented across types (`fragmented`): the share of its span during
+which a waiting job fitted on no pool's free devices, though all pools' free devices together
+numbered one of its options' count.
 
 The error model and the restart rules: docs/models/scheduling.md ("The simulator").
 """
@@ -64,10 +69,40 @@ def error_factor(seed: int, job_id: str, gpu_type: str, sigma: float = ERROR_SIG
     return math.exp(sigma * random.Random(f"{seed}:{job_id}:{gpu_type}").gauss(0.0, 1.0))
 
 
-def gang_factor(factor, job_id: str, option: ResourceOption) -> float:
-    """measured / predicted duration of `job_id` on `option`: a mixed gang's devices step together, so
-    its slowest type's error sets the pace (`factor(job_id, gpu_type)` per type)."""
-    return max(factor(job_id, d.type) for d, _ in option.parts)
+# executor/rebalance.py's DEPARTURE_THRESHOLD: a run re-splits its batch live once a rank's measured
+# rate departs this much from what the split assumed (relative to the others)
+REBALANCE_DEPARTURE = 1.25
+
+
+def gang_factor(factor, job_id: str, option: ResourceOption, rebalance: bool = False) -> float:
+    """measured / predicted duration of `job_id` on `option` (`factor(job_id, gpu_type)` per type). A
+    mixed gang's devices step together: at the split it was planned with, its slowest type's error
+    sets the pace. With `rebalance`, where its types' errors differ by more than REBALANCE_DEPARTURE,
+    the run's live rebalancing (executor/rebalance.py, on by default in a launch) re-splits the batch
+    by the measured rates, so the gang runs at its parts' summed measured rates: 1 / Σ share_i /
+    factor_i, share_i the part's planned share of the global batch. Not modelled: the few steps
+    before the re-split, and memory or the fixed shards capping how far a batch can move."""
+    factors = [factor(job_id, d.type) for d, _ in option.parts]
+    slowest = max(factors)
+    if not rebalance or len(factors) < 2 or slowest <= REBALANCE_DEPARTURE * min(factors):
+        return slowest
+    batches, i = [], 0
+    for _, n in option.parts:  # per_device lists the parts' devices in order
+        batches.append(sum(m * a for m, a, _ in option.per_device[i:i + n]))
+        i += n
+    return 1.0 / sum(b / sum(batches) / f for b, f in zip(batches, factors))
+
+
+def fragmented(free: dict, waiting: Sequence[JobSpec], options) -> bool:
+    """Are the free devices fragmented across types for a waiting job: does one wait that none of
+    its one-pool options (`options(job)`) fits on the free devices of its pool, while the free
+    devices of all pools together number at least one option's count?"""
+    total = sum(free.values())
+    for job in waiting:
+        counts = [(o.pool, o.num_gpus) for o in options(job) if not o.mix]
+        if counts and all(free.get(d, 0) < n for d, n in counts) and any(n <= total for _, n in counts):
+            return True
+    return False
 
 
 def build_policy(name: str, cluster: ClusterSpec, dtype: str = "bf16", mixed: bool = True) -> Policy:
@@ -126,6 +161,9 @@ class ScheduleResult:
     error_sigma: float = ERROR_SIGMA
     error_seed: int = 0
     mixed: bool = True  # mixed gangs allowed
+    # share of the replay's span (first arrival to last event) with the free devices fragmented
+    # across types for a waiting job (`fragmented`), after each decision's placements; None: not measured
+    fragmented_share: float | None = None
 
     @property
     def num_failed(self) -> int:
@@ -144,6 +182,8 @@ class ScheduleResult:
              "num_mixed_gang_jobs": self.num_mixed_gang_jobs, "mixed_allowed": self.mixed,
              "mixed_gang_job_ids": [r.job.job_id for r in self.records if r.mixed_gang],
              "error_sigma": self.error_sigma, "error_seed": self.error_seed}
+        if self.fragmented_share is not None:
+            d["fragmented_share"] = self.fragmented_share
         if jobs:
             d["jobs"] = [r.to_dict() for r in self.records]
         return d
@@ -200,9 +240,11 @@ class _Run:
 
 def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str | Policy = "frenzy",
                       dtype: str = "bf16", error_sigma: float = ERROR_SIGMA, error_seed: int = 0,
-                      mixed: bool = True) -> ScheduleResult:
+                      mixed: bool = True, fragmentation: bool = False, rebalance: bool = False) -> ScheduleResult:
     """Replay `jobs` on `cluster` under a policy (a name of POLICIES, built with or without mixed
-    gangs, or an object)."""
+    gangs, or an object). `fragmentation`: measure `fragmented_share` (a look at every waiting
+    job's options after each decision; 0 when off or where the policy has no `options`).
+    `rebalance`: gangs re-split their batch live as launched runs do (`gang_factor`)."""
     if not jobs:
         raise ValueError("the trace has no jobs")
     ids = [j.job_id for j in jobs]
@@ -235,8 +277,12 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
     busy: dict[str, float] = {}
     ended: dict[str, tuple[float, ResourceOption]] = {}
     decide_s, decisions = 0.0, 0
+    frag_s, frag_since = 0.0, None  # fragmented seconds so far; since when it is now (None: it is not)
+    options = getattr(pol, "options", None) if fragmentation else None  # a job's options (none: not measured)
     while events:
         now = events[0].time_s
+        if frag_since is not None:
+            frag_s += now - frag_since
         while events and events[0].time_s == now:
             ev = heapq.heappop(events)
             if ev.order == 0:
@@ -278,7 +324,7 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
             for device, n in d.option.parts:  # a mixed gang: n devices of each part's pool
                 devices += state.pick(pool_of[device], n)
             state.assign(job_id, devices)
-            f = gang_factor(factor, job_id, d.option)
+            f = gang_factor(factor, job_id, d.option, rebalance)
             ready_s = max(saving.get(device, now) for device, _ in d.option.parts)
             if d.resize or job_id in suspended:
                 if d.resize:
@@ -302,13 +348,16 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
             seq += 1
         failed = pol.failed()
         waiting = [j for j in waiting if j.job_id not in started and j.job_id not in failed] + back
+        if options is not None:
+            free = {p.device: n for p, n in state.free_counts().items()}
+            frag_since = now if fragmented(free, waiting, options) else None
     if suspended:
         raise RuntimeError(f"policy {pol.name} never resumed suspended jobs {sorted(suspended)[:5]}")
     records: dict[str, JobRecord] = {}
     for job_id, (start, devices, option, adjusted) in first.items():
         end, final = ended[job_id]
         records[job_id] = JobRecord(by_id[job_id], "done", start, end, devices, option, adjusted,
-                                    error_factor=gang_factor(factor, job_id, option),
+                                    error_factor=gang_factor(factor, job_id, option, rebalance),
                                     num_restarts=restarts.get(job_id, 0), final_option=final,
                                     busy_gpu_s=busy[job_id])
     for job_id, reason in pol.failed().items():
@@ -321,10 +370,12 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
     start0 = min(j.submit_s for j in jobs)
     makespan = max((r.end_s for r in done), default=start0) - start0
     held = sum(r.busy_gpu_s for r in done)
+    span = max(makespan, now - start0)
     return ScheduleResult(
         policy=pol.name, num_devices=cluster.num_devices, records=tuple(records[j.job_id] for j in jobs),
         avg_jct_s=sum(jcts) / len(jcts) if jcts else math.nan, p99_jct_s=percentile(jcts, 99),
         makespan_s=makespan, gpu_utilization=held / (cluster.num_devices * makespan) if makespan > 0 else 0.0,
         scheduling_overhead_ms_per_job=1000.0 * decide_s / len(jobs), num_decisions=decisions,
         error_sigma=error_sigma, error_seed=error_seed, mixed=mixed,
+        fragmented_share=None if options is None else frag_s / span if span > 0 else 0.0,
     )

@@ -230,3 +230,47 @@ def test_trace_cells_past_their_limits_and_huge_files_are_refused(tmp_path, caps
         fh.truncate(200 * 2**20)
     assert _main(["schedule", "--cluster", cluster_path, "--trace", str(big_csv)]) == 2
     assert "over the limit" in capsys.readouterr().err
+
+
+def test_fragmented_free_devices_are_those_no_pool_alone_holds_for_a_waiting_job():
+    from dataclasses import dataclass
+
+    from planner.schedule.simulate import fragmented
+
+    @dataclass(frozen=True)
+    class Opt:  # what `fragmented` reads of an option
+        pool: str
+        num_gpus: int
+        mix: tuple = ()
+
+    job = JobSpec("j", "tiny", 8, 32, 1, 0.0)
+    four_a = lambda j: [Opt("A", 4)]  # noqa: E731 - the job's one option: 4 devices of pool A
+    assert fragmented({"A": 2, "B": 2}, [job], four_a)  # 4 free, none of the pools holds 4
+    assert not fragmented({"A": 4, "B": 0}, [job], four_a)  # it fits: nothing to mix
+    assert not fragmented({"A": 1, "B": 2}, [job], four_a)  # 3 free: no gang of 4 either
+    assert not fragmented({"A": 2, "B": 2}, [], four_a)  # nobody waits
+    both = lambda j: [Opt("A", 4), Opt("B", 2)]  # noqa: E731
+    assert not fragmented({"A": 2, "B": 2}, [job], both)  # its option on B fits now
+    gang_only = lambda j: [Opt("A", 4, mix=(("A", 2), ("B", 2)))]  # noqa: E731
+    assert not fragmented({"A": 2, "B": 2}, [job], gang_only)  # only one-pool options count
+
+
+def test_a_gang_that_rebalances_runs_at_its_parts_summed_rates():
+    from dataclasses import dataclass
+
+    from contracts.cluster import DeviceSpec
+    from planner.schedule.simulate import gang_factor
+
+    @dataclass(frozen=True)
+    class Gang:  # what `gang_factor` reads of an option
+        parts: tuple
+        per_device: tuple
+
+    a, b = DeviceSpec("A100-80GB"), DeviceSpec("V100-32GB")
+    gang = Gang(((a, 1), (b, 1)), ((3, 1, 0.7), (1, 1, 0.3)))  # batches 3 and 1: shares 3/4, 1/4
+    far = {"A100-80GB": 1.0, "V100-32GB": 2.0}.get
+    assert gang_factor(lambda j, t: far(t), "j", gang) == 2.0  # the planned split: the slowest sets the pace
+    # re-split by the measured rates: 1 / (3/4 / 1 + 1/4 / 2) = 8/7
+    assert gang_factor(lambda j, t: far(t), "j", gang, rebalance=True) == pytest.approx(8 / 7)
+    near = {"A100-80GB": 1.0, "V100-32GB": 1.2}.get  # within the rebalancer's threshold: no re-split
+    assert gang_factor(lambda j, t: near(t), "j", gang, rebalance=True) == 1.2
