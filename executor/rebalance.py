@@ -194,8 +194,8 @@ class Rebalancer:
     micro-batch to another, so the rates a split assumes are those measured on it). Measured no
     faster than the split before it, the trial is undone (one more change, back to the previous
     split and its rates); faster, it is kept, and the split is re-solved once more with the rates
-    measured on it (a window that straddled the slowdown under-measured it); when that finds nothing
-    better, the split halfway back is probed once (`_probe`). So the run never keeps a split that
+    measured on it (a window that straddled the slowdown under-measured it), a new trial only where
+    the model's split is MIN_GAIN faster than the step measured. So the run never keeps a split that
     measured slower than the one it replaced.
 
     `compute_s(i, m, n)`, `fits(i, m, n)`: position i's profile compute and memory check
@@ -254,14 +254,14 @@ class Rebalancer:
         if max(d, 1 / d) < self.threshold:
             self.history.extend(history[1:])  # a sliding window while nothing departs
             return None
-        # the rates and step time of the window's newer half: a slowdown that began inside the window
-        # is measured whole there, where the window's median would see it in part
+        # the step time the new split must beat: the window's newer half (a slowdown that began inside
+        # the window is measured whole there)
         recent = history[len(history) // 2:]
         reason = (f"rank {worst} on {self.devices[worst]} measured {max(d, 1 / d):.2f}x "
                   f"{'slower' if d > 1 else 'faster'} than its split assumed (relative to the other ranks, "
                   f"median of steps {history[0][0]}-{step})")
-        return self._decide(step, _median_rates(recent), _overheads(history, _median_rates(recent)),
-                            statistics.median(h[3] for h in recent), reason, worst, departure=d)
+        return self._decide(step, rates, _overheads(history, rates), statistics.median(h[3] for h in recent),
+                            reason, worst, departure=d)
 
     def _judge(self, step: int, history: list) -> Decision | None:
         """The trial split's first window measured: undone when no faster than the split before it,
@@ -278,45 +278,17 @@ class Rebalancer:
             return self._apply(step, trial.pieces, trial.rates, reason, None, before, back,
                                {"rank": trial.rank, "undone": True, "measured_step_s": round(now_s, 6)})
         self.assumed = list(rates)
-        if trial.probe:
-            return None
-        overhead = _overheads(history, rates)
         reason = (f"the new split measured {now_s:.4f} s a step against {trial.before_s:.4f} s before it: "
                   f"re-solved with the rates measured on it (steps {history[0][0]}-{step})")
-        follow = self._decide(step, rates, overhead, now_s, reason, trial.rank)
-        return follow if follow is not None else self._probe(step, trial, rates, overhead, now_s)
-
-    def _probe(self, step: int, trial: Trial, rates: list[float], overhead_s: list[float],
-               now_s: float) -> Decision | None:
-        """The split halfway between the one just kept and the one it replaced, tried once: the
-        profile prices a rank's compute at other micro-batches only as well as its α and β fit, and a
-        split measured on both sides of a move finds an optimum the model misplaces (kept only when
-        it measures faster, like every trial)."""
-        want = [(m * n + pm * pn) / 2 for (m, n), (pm, pn) in zip(self.pieces, trial.pieces)]
-        tables = []
-        for i, w in enumerate(want):
-            fast = best_pieces(lambda m, n, i=i: rates[i] * self.compute_s(i, m, n) + overhead_s[i],
-                               lambda m, n, i=i: self.fits(i, m, n), self.global_batch, self.micro_batches)
-            tables.append([None if x is None else (abs(b - w), x[1], x[2]) for b, x in enumerate(fast)])
-        try:
-            mid = solve_split(self.global_batch, tables, [round(w) for w in want])
-        except ValueError:
-            return None
-        if list(mid.pieces) in (self.pieces, [tuple(p) for p in trial.pieces]):
-            return None
-        old_s = max(r * c + o for r, c, o in zip(rates, self.predicted(), overhead_s))
-        new_s = max(r * c + o for r, c, o in zip(rates, self.predicted(mid.pieces), overhead_s))
-        reason = (f"a probe halfway back towards the split before (batches {[m * n for m, n in trial.pieces]}): "
-                  f"kept only if it measures faster than {now_s:.4f} s a step")
-        return self._apply(step, mid.pieces, rates, reason, Trial(tuple(self.pieces), list(rates), now_s, trial.rank,
-                                                                  probe=True),
-                           old_s, new_s, {"rank": trial.rank, "probe": True, "measured_step_s_before": round(now_s, 6)})
+        return self._decide(step, rates, _overheads(history, rates), now_s, reason, trial.rank, measured_s=now_s)
 
     def _decide(self, step: int, rates: list[float], overhead_s: list[float], before_s: float, reason: str,
-                rank: int, departure: float | None = None) -> Decision | None:
+                rank: int, departure: float | None = None, measured_s: float | None = None) -> Decision | None:
         """Re-solve with rank i's step = rates[i] × its profile compute + overhead_s[i]; a trial
         Decision when the best split is new and predicted MIN_GAIN faster than the current one under
-        the same rates (`before_s`: the current split's measured step, what the trial must beat)."""
+        the same rates, and than `measured_s` where given (a split measured on its own shapes: the
+        model's gain must hold against the measured step, not only against its own price of it).
+        `before_s`: the current split's measured step, what the trial must beat."""
         tables = [best_pieces(lambda m, n, i=i: rates[i] * self.compute_s(i, m, n) + overhead_s[i],
                               lambda m, n, i=i: self.fits(i, m, n), self.global_batch, self.micro_batches)
                   for i in range(len(rates))]
@@ -328,7 +300,8 @@ class Rebalancer:
             return None
         old_s = max(r * c + o for r, c, o in zip(rates, self.predicted(), overhead_s))
         new_s = result.makespan_s
-        if list(result.pieces) == self.pieces or new_s > (1.0 - self.min_gain) * old_s:
+        if list(result.pieces) == self.pieces or new_s > (1.0 - self.min_gain) * min(
+                old_s, measured_s if measured_s is not None else old_s):
             log.info("rebalance at step %d: kept the split (predicted %.3f s, best %.3f s)", step, old_s, new_s)
             self.assumed = list(rates)
             return None
@@ -371,7 +344,6 @@ class Trial:
     rates: list[float]
     before_s: float
     rank: int
-    probe: bool = False  # a probe (Rebalancer._probe): judged, then the search ends
 
 
 def _median_rates(history: Sequence[tuple]) -> list[float]:
