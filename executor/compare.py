@@ -6,7 +6,8 @@ practitioner would run it, launched as a normal run, and the two runs' median st
 by side. The planner builds that even plan (planner.entry.even_plan); this module names the even
 runs of a planned run and compares two runs as executor.store.read_metrics returns them
 (`step_median`, `compare_runs`). The dashboard's Launch page and bench/hetero_speedup.py both use
-it. Nothing here imports torch.
+it. `predicted_vs_measured` sets one run against its own plan file (`executor metrics`). Nothing here
+imports torch.
 
 Medians are over steps SKIP_STEPS + 1 onwards: step 1 carries the warm-up and the memory
 tracker, step 2 the allocator's warm-up; what remains is what a long run repeats.
@@ -149,3 +150,78 @@ def compare_runs(planned: dict[str, Any], even: dict[str, Any], skip: int = SKIP
     return Comparison(medians[0], medians[1], len(step_times(planned, skip)), len(step_times(even, skip)),
                       planned.get("predicted_iteration_s"), even.get("predicted_iteration_s"))
 
+
+
+# ---- measured against predicted: `executor metrics` ----------------------------------------------
+# The prediction is the plan file's (the planner's cost model, written before the run); the
+# measurement is the run store's rows (the workers' timers): two independent code paths.
+
+PREDICTION_SKIP_STEPS = 3  # warm-up, the memory-tracked step, the allocator settling
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _gap_or_none(measured: float | None, predicted: float | None) -> float | None:
+    return prediction_gap(measured, predicted) if measured is not None and predicted else None
+
+
+def rank_step_s(row: dict[str, Any]) -> float | None:
+    """A rank's whole step from its rank_steps row: compute + emulated delay + optimizer + wait (the
+    worker's split of the step it timed), None when a part is missing."""
+    parts = [row.get("compute_s"), row.get("emulated_delay_s") or 0.0, row.get("optimizer_s"), row.get("wait_s")]
+    return None if any(p is None for p in parts) else sum(parts)
+
+
+def profile_of_kind(plan: Plan, kind: str) -> str:
+    """The plan's note naming the step profile `kind` was priced by (planner.entry.profile_notes), or
+    why there is none: a plan written before plans named their profiles."""
+    prefix = f"profile {kind}:"
+    return next((n[len("profile "):] for n in plan.notes if n.startswith(prefix)),
+                f"{kind}: not named in the plan (planned before plans named their profiles)")
+
+
+def predicted_vs_measured(metrics: dict[str, Any], plan: Plan, skip: int = PREDICTION_SKIP_STEPS) -> dict[str, Any]:
+    """The run's measured medians (steps skip + 1 onwards) against the plan's predictions: the
+    iteration, each rank (its device, kind, the profile its prediction came from) and, where the
+    plan has pipeline stages, each stage (its slowest rank). `error` = (measured − predicted) /
+    predicted; None where either is missing."""
+    devices = plan.cluster.devices()
+    by_index = {a.device_index: a for a in plan.assignments}
+    rows_of: dict[int, list[float]] = {}
+    for row in metrics.get("rank_steps", []):
+        t = rank_step_s(row)
+        if row["step"] > skip and t is not None:
+            rows_of.setdefault(row["rank"], []).append(t)
+    ranks = []
+    for r in metrics["ranks"]:
+        a = by_index.get(r["device_index"])
+        dev = devices[r["device_index"]][1] if r["device_index"] < len(devices) else None
+        kind = dev.profile_key if dev is not None else r.get("type", "?")
+        measured = _median_or_none(rows_of.get(r["rank"], []))
+        predicted = a.predicted_step_s if a is not None else None
+        ranks.append({"rank": r["rank"], "device_index": r["device_index"], "device": dev.label if dev else kind,
+                      "kind": kind, "measured_step_s": measured, "predicted_step_s": predicted,
+                      "error": _gap_or_none(measured, predicted), "profile": profile_of_kind(plan, kind)})
+    measured_it = _median_or_none(step_times(metrics, skip))
+    return {"skip_steps": skip, "steps": len(step_times(metrics, skip)),
+            "iteration": {"measured_s": measured_it, "predicted_s": plan.predicted_iteration_s,
+                          "error": _gap_or_none(measured_it, plan.predicted_iteration_s)},
+            "ranks": ranks, "stages": _stages(plan, ranks)}
+
+
+def _stages(plan: Plan, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pipeline stage: its slowest rank's measured and predicted step ([] without stages)."""
+    if plan.pipeline is None:
+        return []
+    out = []
+    for s, stage in enumerate(plan.pipeline.stages):
+        mine = [r for r in ranks if r["device_index"] in stage.devices]
+        measured = [r["measured_step_s"] for r in mine if r["measured_step_s"] is not None]
+        predicted = [r["predicted_step_s"] for r in mine if r["predicted_step_s"] is not None]
+        m, p = (max(measured) if measured else None), (max(predicted) if predicted else None)
+        out.append({"stage": s, "layers": f"{stage.first_layer}-{stage.first_layer + stage.num_layers - 1}",
+                    "ranks": [r["rank"] for r in mine], "measured_step_s": m, "predicted_step_s": p,
+                    "error": _gap_or_none(m, p)})
+    return out

@@ -19,7 +19,7 @@ import torch
 
 from planner.core.profiles import DeviceBench, MatmulResult, StepProfile, save_device_bench
 from profiler.collectives import DEFAULT_SIZES_BYTES, benchmark_collectives
-from profiler.step_profile import executor_threads, local_device_type, profile_local, step_clock
+from profiler.step_profile import executor_threads, local_device_type, step_clock
 
 log = logging.getLogger(__name__)
 
@@ -122,20 +122,17 @@ def run_bench(device: str | None = None, dtypes: Sequence[str] | None = None,
 
 def profile_machine(model: str, seq: int, dtype: str = "fp32", collectives: bool = False,
                     progress: Progress | None = None, store_dir: str | None = None) -> tuple[DeviceBench, StepProfile]:
-    """What the dashboard's "Profile now" does: the micro-benchmarks (collectives only if asked:
-    they spawn processes), then the step profile of `model`; both saved to the store.
-    Returns (DeviceBench, StepProfile).
+    """What the Inventory page's "Profile now" does: the micro-benchmarks (collectives only if asked:
+    they spawn processes), then the step profile of `model` on this machine's devices as a run on
+    them trains (profiler.run_profile.profile_devices, the one profiling path: on a CPU its workers
+    all timed together); both saved to the store. Returns (DeviceBench, the first device's StepProfile)."""
+    from profiler.inventory import build_local_cluster
+    from profiler.run_profile import cluster_devices, profile_devices
 
-    On a CPU the step profile runs under as many concurrent workers as the local cluster has
-    `cpu` devices: that is how the executor's ranks share the cores (contention included)."""
     progress = progress or _noop
     bench = run_bench(collective_sizes_bytes=DEFAULT_SIZES_BYTES if collectives else None,
                       progress=lambda f, m: progress(0.4 * f, m), store_dir=store_dir)
-    workers = 1
-    if not torch.cuda.is_available():  # profile_local picks the GPU when there is one
-        from profiler.inventory import build_local_cluster
-
-        workers = sum(1 for _, d in build_local_cluster().devices() if d.type == "cpu")
-    profile = profile_local(model, seq, dtype, progress=lambda f, m: progress(0.4 + 0.6 * f, m),
-                            store_dir=store_dir, workers=max(1, workers))
-    return bench, profile
+    devices = cluster_devices(build_local_cluster())
+    result = profile_devices(model, seq, dtype, devices, collectives=False, store_dir=store_dir,
+                             progress=lambda f, m: progress(0.4 + 0.6 * f, m))
+    return bench, result.profiles[0]

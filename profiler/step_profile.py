@@ -40,7 +40,7 @@ from contracts.catalog import GIB
 from contracts.cluster import profile_key
 from contracts.constants import PROFILE_MICRO_BATCHES
 from contracts.paths import PROJECT_ROOT
-from planner.core.profiles import StepProfile, fit_line, peak_tflops, save_step_profile
+from planner.core.profiles import HOW_ALONE, HOW_TOGETHER, StepProfile, fit_line, peak_tflops, save_step_profile
 from contracts.specs import ModelSpec, get_model, with_max_seq
 
 log = logging.getLogger(__name__)
@@ -251,10 +251,13 @@ def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
                     micro_batches: Sequence[int], repeats: int, warmup: int, device: torch.device,
                     autocast: torch.dtype | None, progress: Progress, span: tuple[float, float],
                     workers: int = 1, limited: bool = False,
-                    more: Callable[[int], bool] | None = None) -> dict[int, list[float]]:
+                    more: Callable[[int], bool] | None = None, pause_factor: float = 0.0) -> dict[int, list[float]]:
     """Seconds of forward+backward per micro-batch size: `repeats` interleaved rounds after
     `warmup` untimed ones, then more rounds while `more(rounds timed)` says so (at most
-    MAX_ROUNDS_FACTOR × repeats). Gradients accumulate in the parameters' .grad, as in a real step."""
+    MAX_ROUNDS_FACTOR × repeats). Gradients accumulate in the parameters' .grad, as in a real step.
+    `pause_factor`: after each timed call, sleep that many times its duration (a device emulated by
+    `slowdown` s sleeps s − 1 times its compute, as the worker does), so the machine carries the
+    load the run will put on it."""
     clock = step_clock(device, workers, limited)
     gen = torch.Generator().manual_seed(0)
     batches = {m: (torch.randint(0, spec.vocab_size, (m, seq), generator=gen).to(device),
@@ -279,8 +282,11 @@ def time_step_sizes(model: torch.nn.Module, spec: ModelSpec, seq: int,
             t0 = clock()
             micro_batch_loss(model, tokens, targets, m * seq, autocast).backward()
             _sync(device)
+            elapsed = clock() - t0
             if r >= warmup:
-                times[m].append(clock() - t0)
+                times[m].append(elapsed)
+            if pause_factor > 0:
+                time.sleep(pause_factor * elapsed)
         progress(lo + (hi - lo) * min(1.0, (r + 1) / rounds),
                  f"{'warm-up' if r < warmup else 'timing'} round {r + 1}/{rounds}")
     return times
@@ -304,13 +310,13 @@ def time_optimizer_step(rt: ShardedRuntime, repeats: int, device: torch.device, 
 
 def _measure(run_spec: ModelSpec, seq: int, sizes: Sequence[int], recompute: str, dtype: str, repeats: int,
              warmup: int, dev: torch.device, progress: Progress, workers: int = 1,
-             limited: bool = False, more: Callable[[int], bool] | None = None,
+             limited: bool = False, more: Callable[[int], bool] | None = None, pause_factor: float = 0.0,
              ) -> tuple[dict[int, list[float]], float, ShardedRuntime]:
     """(seconds of forward+backward per size, seconds of the optimizer step, the one-rank runtime timed)."""
     rt = one_rank_runtime(run_spec, recompute, dev)
     net = rt.model
     times = time_step_sizes(net, run_spec, seq, sizes, repeats, warmup, dev, AUTOCAST[dtype], progress, (0.1, 0.9),
-                            workers, limited, more)
+                            workers, limited, more, pause_factor)
     progress(0.9, "timing the optimizer step")
     for p in net.parameters():  # the timed forward/backward left their gradients here
         p.grad = None
@@ -360,7 +366,8 @@ def _limited_child(job_path: str) -> int:
             return not (os.path.exists(os.path.join(control, STOP_FILE)) or gone())
 
     times, opt_s, rt = _measure(spec, job["seq"], job["sizes"], job["recompute"], job["dtype"], job["repeats"],
-                                job["warmup"], torch.device("cpu"), _noop, limited=True, more=more)
+                                job["warmup"], torch.device("cpu"), _noop, limited=job.get("limited", True),
+                                more=more, pause_factor=max(0.0, float(job.get("slowdown", 1.0)) - 1.0))
     _write_atomic(job["out"], json.dumps({"times": {str(m): t for m, t in times.items()}, "optimizer_s": opt_s}))
     if control is not None:  # the others may still be timing: go on loading the machine as a rank would
         compute_until(rt, spec, job["seq"], job["sizes"], job["dtype"], gone)
@@ -395,11 +402,13 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                   repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, device: str | None = None,
                   progress: Progress | None = None, store_dir: str | None = None, save: bool = True,
                   workers: int = 1, cpu_share: float | None = None, memory_gb: float | None = None,
-                  companion_cpu_share: float | None = None) -> StepProfile:
+                  companion_cpu_share: float | None = None, wall_clock: bool = False) -> StepProfile:
     """Measure the step profile of `model` on a local device and (by default) save it to the store.
 
     `workers`: how many local CPU workers will train at once on this machine; > 1 times under
     that many concurrent processes, by wall time (docs/models/cost.md). Ignored on a GPU.
+    `wall_clock`: a CPU timed by wall time even alone, so the share of the cores the rest of the
+    machine leaves it is in the profile (profiler.run_profile times a run's lone device so).
     `cpu_share` / `memory_gb`: profile an emulated CPU device under those cgroup limits, saved
     under its kind (docs/models/cost.md); `companion_cpu_share`: the companions' CPU quota.
     `progress(fraction, message)` is called as the work advances (fraction in [0, 1])."""
@@ -417,6 +426,7 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
     limits = _limits(dev, cpu_share, memory_gb, companion_cpu_share if workers > 1 else None)
     kind = profile_key(device_type, cpu_share)
 
+    load = machine_load()  # before this profile's own processes start
     progress(0.0, f"counting FLOPs of {spec.name}")
     flops_per_sample = count_flops(spec, seq, 1, recompute, dtype)
     progress(0.05, f"building {spec.name} on {device_name}")
@@ -431,7 +441,7 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                                                     warmup)
                 else:
                     times, opt_s, _ = _measure(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev,
-                                               progress, workers)
+                                               progress, workers, limited=wall_clock)
                 medians, alpha, beta, r2 = _fit(times, sizes)
                 if beta > 0:
                     break
@@ -445,9 +455,11 @@ def profile_local(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                     "the timings are dominated by noise: profile larger micro-batches or on a quieter machine")
     under = f" under cgroup limits ({limits.describe()})" if limits.any else ""
     companions = f", companions at {companion_cpu_share:g} of a core" if companion_cpu_share and workers > 1 else ""
-    how = f"{clock_name(dev, workers, limits.cpu_share is not None)}{companions}, medians of {repeats}"
+    how = f"{clock_name(dev, workers, limits.cpu_share is not None or wall_clock)}{companions}, medians of {repeats}"
+    provenance = _provenance(HOW_ALONE, cpu_share, memory_gb, load, [times], sizes)
     return _build_profile(kind, spec, run_spec, seq, dtype, recompute, sizes, medians, alpha, beta, r2, opt_s,
-                          flops_per_sample, dev, device_type, device_name, under, how, store_dir, save, progress)
+                          flops_per_sample, dev, device_type, device_name, under, how, store_dir, save, progress,
+                          provenance)
 
 
 def _fit(times: dict[int, list[float]], sizes: Sequence[int]) -> tuple[list[float], float, float, float]:
@@ -458,12 +470,48 @@ def _fit(times: dict[int, list[float]], sizes: Sequence[int]) -> tuple[list[floa
     return medians, alpha, beta, r2
 
 
+def machine_load() -> tuple[float | None, int]:
+    """(1-minute load average, CPU count) of this machine now; the load is None where the platform
+    has none."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = None
+    return load, os.cpu_count() or 0
+
+
+def round_spread(runs: Sequence[dict[int, list[float]]], sizes: Sequence[int]) -> tuple[float | None, float | None]:
+    """How noisy the timing was: each device's round r (one time per size) fitted alone to α_r + β_r·m,
+    then (IQR / median of the β_r, IQR of the α_r in seconds); (None, None) with fewer than 2 rounds."""
+    xs = [float(m) for m in sizes]
+    alphas, betas = [], []
+    for times in runs:
+        for r in range(min(len(times[m]) for m in sizes)):
+            a, b, _ = fit_line(xs, [times[m][r] for m in sizes])
+            alphas.append(a)
+            betas.append(b)
+    if len(betas) < 2:
+        return None, None
+    qa, qb, med = statistics.quantiles(alphas, n=4), statistics.quantiles(betas, n=4), statistics.median(betas)
+    return ((qb[2] - qb[0]) / med if med > 0 else None), qa[2] - qa[0]
+
+
+def _provenance(how: str, cpu_share: float | None, memory_gb: float | None, load: tuple[float | None, int],
+                runs: Sequence[dict[int, list[float]]], sizes: Sequence[int],
+                together_with: Sequence[str] = ()) -> dict:
+    """The StepProfile provenance fields of a measurement (planner.core.profiles.StepProfile)."""
+    noise, noise_alpha_s = round_spread(runs, sizes)
+    return {"how": how, "cpu_share": cpu_share, "memory_gb": memory_gb, "load_avg": load[0], "num_cpus": load[1],
+            "noise": noise, "noise_alpha_s": noise_alpha_s, "together_with": tuple(together_with)}
+
+
 def _build_profile(kind: str, spec: ModelSpec, run_spec: ModelSpec, seq: int, dtype: str, recompute: str,
                    sizes: Sequence[int], medians: Sequence[float], alpha: float, beta: float, r2: float, opt_s: float,
                    flops_per_sample: float, dev: torch.device, device_type: str, device_name: str, under: str,
-                   how: str, store_dir: str | None, save: bool, progress: Progress) -> StepProfile:
-    """The measured StepProfile (`under`, `how`: its source's words for the limits and the clock), saved
-    to the store unless `save` is False."""
+                   how: str, store_dir: str | None, save: bool, progress: Progress,
+                   provenance: dict) -> StepProfile:
+    """The measured StepProfile (`under`, `how`: its source's words for the limits and the clock;
+    `provenance`: _provenance's fields), saved to the store unless `save` is False."""
     peak = peak_tflops(device_type, dtype, store_dir)  # the type's: a quota kind reaches a fraction of it
     efficiency = flops_per_sample / beta / 1e12 / peak if beta > 0 else None
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -473,7 +521,7 @@ def _build_profile(kind: str, spec: ModelSpec, run_spec: ModelSpec, seq: int, dt
         kind, spec.name, seq, dtype, recompute, alpha, beta, opt_s / run_spec.num_params, r2, True,
         f"measured on {host} ({device_name}, {threads}){under} at {now}: {how} at m={list(sizes)}, R²={r2:.3f}",
         flops_per_sample, spec.num_params, spec.num_layers, tuple(sizes), tuple(medians), efficiency, peak, host,
-        now, num_matmul_params=spec.matmul_params())
+        now, num_matmul_params=spec.matmul_params(), **provenance)
     log.info("profile %s on %s: alpha=%.4g s beta=%.4g s R2=%.4f", spec.name, kind, alpha, beta, r2)
     if save:
         save_step_profile(profile, store_dir)
@@ -482,44 +530,57 @@ def _build_profile(kind: str, spec: ModelSpec, run_spec: ModelSpec, seq: int, dt
 
 
 def profile_together(model: str | ModelSpec, seq: int, dtype: str = "fp32",
-                     devices: Sequence[tuple[float, float | None]] = (),
+                     devices: Sequence[tuple[float | None, float | None]] = (),
                      micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, recompute: str = "none",
                      repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP, progress: Progress | None = None,
-                     store_dir: str | None = None, save: bool = True) -> list[StepProfile]:
-    """Profile the emulated CPU devices of one run together, as they will train: one timed child per
-    device (`devices`: (cpu_share, memory_gb) per rank), each inside its own cgroups, all at once. So
+                     store_dir: str | None = None, save: bool = True,
+                     slowdowns: Sequence[float] | None = None) -> list[StepProfile]:
+    """Profile the CPU devices of one run together, as they will train: one timed child per
+    device (`devices`: (cpu_share, memory_gb) per rank), each inside its own cgroups, all at once.
+    Either every device has a cpu_share (emulated devices, each under its quota) or none has (the
+    machine's plain CPU workers sharing its cores, each child limited only by its memory_gb, if any);
+    `slowdowns` (one per device, default 1): a device emulated by sleeping sleeps as its rank will. So
     each device is timed beside the others' real loops under their own limits (its companions are the
     run's other ranks, not stand-ins), at the same moment and under the same load from the rest of
     the machine: profiled one after the other, a load that came or went in between (another job, the
     dashboard drawing) skewed one kind against the other, and the plan balances on that ratio. A
     device done with its `repeats` rounds times more until every device has, so each median covers
     the same window of time; then it times its optimizer step and keeps computing until all are
-    done. Wall time (the quota stretches it). One profile per distinct kind, in the order of
-    `devices` (devices of one kind pool their rounds), saved under the kind."""
+    done. A CPU-quota device is timed by wall time (the quota stretches it); a plain worker by its
+    thread's CPU time, the work of one core: a run's rank computes in bursts between collectives, and
+    the kernel's scheduler runs a thread that slept at once, so the share of the cores other processes
+    take shows in the rank's waits (priced by the collectives timed beside the same load,
+    profiler.run_profile), not in its compute (docs/profiler.md). One profile per distinct kind, in
+    the order of `devices` (devices of one kind pool their rounds), saved under the kind."""
     spec = get_model(model) if isinstance(model, str) else model
     progress = progress or _noop
     sizes = _checked_sizes(micro_batches, dtype, repeats, warmup)
     dev = torch.device("cpu")
     if len(devices) < 2:
         raise ValueError(f"profile_together needs the run's devices (two or more), got {list(devices)}")
+    slowdowns = [1.0] * len(devices) if slowdowns is None else [float(x) for x in slowdowns]
+    if len(slowdowns) != len(devices) or any(not x >= 1.0 for x in slowdowns):
+        raise ValueError(f"slowdowns: one per device, each >= 1, got {slowdowns} for {len(devices)} devices")
     limits = [_limits(dev, share, memory_gb, None) for share, memory_gb in devices]
-    if any(lim.cpu_share is None for lim in limits):
-        raise ValueError("profile_together times CPU-quota devices (each its cpu_share); profile others with "
-                         "profile_local")
+    if len({lim.cpu_share is None for lim in limits}) > 1:
+        raise ValueError("profile_together times either CPU-quota devices (each its cpu_share) or plain CPU "
+                         f"workers, not a mix of both: got cpu_shares {[lim.cpu_share for lim in limits]}")
     run_spec = _model_for(spec, seq)
     device_type, device_name = local_device_type(dev)
     kinds = [profile_key(device_type, share) for share, _ in devices]
+    load = machine_load()  # before this profile's own processes start
     progress(0.0, f"counting FLOPs of {spec.name}")
     flops_per_sample = count_flops(spec, seq, 1, recompute, dtype)
     for _ in range(1 + NOISY_RETRIES):
-        progress(0.05, f"timing {len(devices)} devices at once, each in a child process under its cgroup limits")
-        results = _measure_together(limits, kinds, run_spec, seq, sizes, recompute, dtype, repeats, warmup, progress)
+        progress(0.05, f"timing {len(devices)} devices at once, each in a child process under its own limits")
+        results = _measure_together(limits, kinds, run_spec, seq, sizes, recompute, dtype, repeats, warmup, progress,
+                                    slowdowns)
         fits = {}
         for kind in dict.fromkeys(kinds):
             mine = [r for k, r in zip(kinds, results) if k == kind]
             times = {m: [t for r in mine for t in r[0][m]] for m in sizes}
-            fits[kind] = (times, statistics.median(r[1] for r in mine), _fit(times, sizes))
-        noisy = [k for k, (_, _, (medians, _, beta, _)) in fits.items() if beta <= 0]
+            fits[kind] = (times, statistics.median(r[1] for r in mine), _fit(times, sizes), [r[0] for r in mine])
+        noisy = [k for k, (_, _, (medians, _, beta, _), _) in fits.items() if beta <= 0]
         if not noisy:
             break
         log.warning("profile %s on %s: per-sample time not positive, timing again", spec.name, ", ".join(noisy))
@@ -530,13 +591,17 @@ def profile_together(model: str | ModelSpec, seq: int, dtype: str = "fp32",
                            "larger micro-batches or on a quieter machine")
     profiles = []
     together = " + ".join(f"{k}" for k in kinds)
-    for kind, (times, opt_s, (medians, alpha, beta, r2)) in fits.items():
-        lim = limits[kinds.index(kind)]
+    for kind, (times, opt_s, (medians, alpha, beta, r2), runs) in fits.items():
+        at = kinds.index(kind)
+        lim = limits[at]
         rounds = min(len(times[m]) for m in sizes)
-        how = f"wall time, profiled together with the run's devices ({together}, each under its limits), medians of {rounds}"
+        how = (f"{clock_name(dev, 1, lim.cpu_share is not None)}, profiled together with the run's devices "
+               f"({together}, each under its limits), medians of {rounds}")
+        under = f" under cgroup limits ({lim.describe()})" if lim.any else ""
+        provenance = _provenance(HOW_TOGETHER, devices[at][0], devices[at][1], load, runs, sizes, kinds)
         profiles.append(_build_profile(kind, spec, run_spec, seq, dtype, recompute, sizes, medians, alpha, beta, r2,
                                        opt_s, flops_per_sample, dev, device_type, device_name,
-                                       f" under cgroup limits ({lim.describe()})", how, store_dir, save, _noop))
+                                       under, how, store_dir, save, _noop, provenance))
     progress(1.0, "done: " + "; ".join(f"{p.device_type} α={p.alpha_s * 1e3:.2f} ms, β={p.beta_s * 1e3:.2f} ms/sample"
                                         for p in profiles))
     return profiles
@@ -544,27 +609,33 @@ def profile_together(model: str | ModelSpec, seq: int, dtype: str = "fp32",
 
 def _measure_together(limits: Sequence[cgroups.Limits], kinds: Sequence[str], run_spec: ModelSpec, seq: int,
                       sizes: Sequence[int], recompute: str, dtype: str, repeats: int, warmup: int,
-                      progress: Progress) -> list[tuple[dict[int, list[float]], float]]:
+                      progress: Progress, slowdowns: Sequence[float]) -> list[tuple[dict[int, list[float]], float]]:
     """Each device's (seconds of forward+backward per size, seconds of the optimizer step), timed by
-    children started at once inside their cgroups (profile_together)."""
+    children started at once, each inside its cgroups where it has limits (profile_together)."""
     with tempfile.TemporaryDirectory(prefix="gpumix-profile-") as tmp, contextlib.ExitStack() as stack:
         control = os.path.join(tmp, "control")
         os.mkdir(control)
         procs, outs, groups = [], [], []
         try:
             for i, lim in enumerate(limits):
-                cg = stack.enter_context(cgroups.created(f"{cgroups.PREFIX}profile-{os.getpid()}-d{i}", lim))
                 table, job, out = (os.path.join(tmp, f"{n}{i}.json") for n in ("cgroups", "job", "out"))
-                cgroups.save_table(table, "cgroup", f"profile of {kinds[i]} (device {i})", {0: cg})
+                env = dict(os.environ, RANK="0", OMP_NUM_THREADS="1",
+                           PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+                env.pop(cgroups.ENV_CGROUPS, None)
+                argv = ["-m", "profiler.step_profile", job]
+                cg = None
+                if lim.any:  # a plain worker runs as a plain rank does: in no cgroup of its own
+                    cg = stack.enter_context(cgroups.created(f"{cgroups.PREFIX}profile-{os.getpid()}-d{i}", lim))
+                    cgroups.save_table(table, "cgroup", f"profile of {kinds[i]} (device {i})", {0: cg})
+                    env[cgroups.ENV_CGROUPS] = table
+                    argv = cgroups.exec_command(argv)
                 with open(job, "w", encoding="utf-8") as fh:
                     json.dump({"spec": run_spec.to_dict(), "seq": seq, "sizes": list(sizes), "recompute": recompute,
-                               "dtype": dtype, "repeats": repeats, "warmup": warmup, "out": out, "control": control},
-                              fh)
-                env = dict(os.environ, RANK="0", OMP_NUM_THREADS="1", **{cgroups.ENV_CGROUPS: table},
-                           PYTHONPATH=os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p))
+                               "dtype": dtype, "repeats": repeats, "warmup": warmup, "out": out, "control": control,
+                               "slowdown": slowdowns[i], "limited": lim.cpu_share is not None}, fh)
                 with open(out + ".err", "w", encoding="utf-8") as err:  # a file: a pipe nobody reads can fill
                     procs.append(subprocess.Popen(
-                        [sys.executable, *cgroups.exec_command(["-m", "profiler.step_profile", job])], cwd=PROJECT_ROOT,
+                        [sys.executable, *argv], cwd=PROJECT_ROOT,
                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err))
                 outs.append(out)
                 groups.append(cg)
@@ -597,15 +668,15 @@ def _measure_together(limits: Sequence[cgroups.Limits], kinds: Sequence[str], ru
     return results
 
 
-def _child_failed(stderr: str, returncode: int, cg: cgroups.Cgroup, limits: cgroups.Limits, kind: str,
+def _child_failed(stderr: str, returncode: int, cg: cgroups.Cgroup | None, limits: cgroups.Limits, kind: str,
                   sizes: Sequence[int], seq: int) -> None:
     """Raise why a timed child ended without its result: the kernel's OOM killer (by name), or its last line."""
-    if cgroups.oom_kills(cg):
+    if cg is not None and cgroups.oom_kills(cg):
         raise ValueError(f"profiling {kind} ran out of memory: the kernel's OOM killer ended it under "
                          f"{limits.describe()} (micro-batch {max(sizes)} at seq {seq} does not fit; "
                          "profile smaller micro-batches)")
     last = (stderr.strip().splitlines() or [f"exit code {returncode}"])[-1]
-    raise RuntimeError(f"profiling {kind} under its cgroup limits failed: {last}")
+    raise RuntimeError(f"profiling {kind}{' under its cgroup limits' if cg is not None else ''} failed: {last}")
 
 
 def _limits(dev: torch.device, cpu_share: float | None, memory_gb: float | None,

@@ -41,10 +41,6 @@ JOB = "plan"  # this page's background job (ui/background.py)
 REQUEST = "plan_request"  # session key: the compute_plan arguments asked for and not yet answered
 FAILED = "plan_failed"  # session key: the last request ended in an error (no plan shown)
 AUTO_STARTED = "plan_auto_started"  # the first open asked for a default plan once (not again after Cancel)
-# "Profile now" on emulated devices: the step profile takes this share of the progress bar, the
-# collectives between the devices (1 KiB to 16 MiB, about 10 s under a third of a core) the rest
-STEP_SHARE = 0.75
-COLLECTIVE_SIZES = tuple(1024 * 4**i for i in range(8))
 
 
 @st.cache_data(show_spinner="Solving the plan…", max_entries=32)
@@ -223,53 +219,15 @@ def render_estimated(plan: Plan) -> None:
             st.rerun()
 
 
-def profile_collectives_together(used: list, progress) -> None:
-    """The collectives between the run's emulated devices, one rank per device, each under its own
-    CPU quota and memory limit as the run's ranks will be (a throttled rank slows every collective it
-    takes part in): what the plan prices its all-reduces and all-gathers by, instead of the cluster
-    file's bandwidth (planner/costmodel/training.py: build_comm_model)."""
-    from profiler import cgroups
-    from contracts.catalog import GIB
-    from planner.core.profiles import collective_set_key, save_collective_profile
-    from profiler.collectives import benchmark_collectives
-
-    progress(0.0, f"timing all-reduce and all-gather between the {len(used)} devices, each under its CPU quota")
-    limits = [cgroups.Limits(d.cpu_share, None if d.memory_gb is None else int(d.memory_gb * GIB)) for d in used]
-    save_collective_profile(benchmark_collectives(len(used), COLLECTIVE_SIZES, ops=("all_reduce", "all_gather"),
-                                                  device_type=collective_set_key(d.profile_key for d in used),
-                                                  limits=limits))
-    progress(1.0, "collectives timed")
-
-
 def profile_kinds(plan: Plan, kinds: list[str], progress) -> None:
-    """Measure each device kind as the run will use it. A run whose devices are all emulated CPU
-    shares: all of them at once, each under its cgroup limits beside the others (profile_together:
-    every kind of the run measured in one window of time, under one load). Otherwise kind by kind:
-    a plain type with the machine's micro-benchmarks (profile_machine), an emulated CPU share under
-    its cgroup limits beside companions at the other devices' share (profile_local), as many
-    workers as the plan runs."""
-    from profiler.microbench import profile_machine  # torch: only when asked
-    from profiler.step_profile import profile_local, profile_together
+    """Measure the plan's devices of these kinds as the run will use them, through the profiler's one
+    path (profiler.run_profile.profile_devices, what `profiler profile --plan` runs too); a CPU kind
+    with every CPU device of the plan, the window the run's CPU devices share."""
+    from profiler.run_profile import plan_devices, profile_devices  # torch: only when asked
 
-    devices = plan.cluster.devices()
-    used = [devices[a.device_index][1] for a in plan.assignments if a.used]
-    if len(used) > 1 and all(d.cpu_share is not None for d in used):
-        profile_together(plan.model, plan.seq, plan.dtype, [(d.cpu_share, d.memory_gb) for d in used],
-                         progress=lambda f, m: progress(STEP_SHARE * f, m))
-        profile_collectives_together(used, lambda f, m: progress(STEP_SHARE + (1 - STEP_SHARE) * f, m))
-        return
-    for i, kind in enumerate(kinds):
-        def part(f: float, m: str, i: int = i) -> None:
-            progress((i + f) / len(kinds), f"{kind}: {m}")
-
-        at = next(j for j, d in enumerate(used) if d.profile_key == kind)
-        device = used[at]
-        if device.cpu_share is None:
-            profile_machine(plan.model, plan.seq, plan.dtype, progress=part)
-            continue
-        others = {d.cpu_share for j, d in enumerate(used) if j != at}
-        profile_local(plan.model, plan.seq, plan.dtype, progress=part, workers=len(used), cpu_share=device.cpu_share,
-                      memory_gb=device.memory_gb, companion_cpu_share=others.pop() if len(others) == 1 else None)
+    cpu = any(split_profile_key(k)[0] == "cpu" for k in kinds)
+    devices = [d for d in plan_devices(plan) if d.profile_key in kinds or (cpu and d.type == "cpu")]
+    profile_devices(plan.model, plan.seq, plan.dtype, devices, recompute=plan.recompute, progress=progress)
 
 
 def render(plan: Plan) -> None:

@@ -31,6 +31,13 @@ from contracts.constants import RECOMPUTE
 log = logging.getLogger(__name__)
 
 TFLOPS = 1e12
+HOW_TOGETHER = "together"  # StepProfile.how: timed at once with the run's other devices
+HOW_ALONE = "alone"  # StepProfile.how: timed by itself (with stand-in companions at most)
+# A profile taken at a 1-minute load average that differs from the machine's now by more than this
+# many runnable processes was measured under visibly different contention (`load_changed`): one
+# more busy process on a core shifts the average by ~1 within a minute.
+LOAD_CHANGE_FLAG = 1.0
+PROFILE_AGAIN = "profile the plan's devices (python -m profiler profile --plan PLAN_FILE), then plan again"
 
 # ---- Estimates -------------------------------------------------------------------------------
 # Used only where nothing was measured; each measured profile in the store replaces them
@@ -87,6 +94,18 @@ class StepProfile:
     # tensor-parallel degree: the times are one rank's of a group of `tp` splitting every layer, and
     # flops_per_sample and num_params are that rank's share
     tp: int = 1
+    # ---- provenance of a measurement (ProfileProvenance's fields; a profile saved before they
+    # existed reads the defaults: how "" = not recorded)
+    how: str = ""  # HOW_TOGETHER: timed beside the run's other devices in one window; HOW_ALONE: by itself
+    cpu_share: float | None = None  # the CPU quota it was timed under (None: none)
+    memory_gb: float | None = None  # the memory limit over the baseline it was timed under (None: none)
+    load_avg: float | None = None  # os.getloadavg()[0] of the machine when the timing started
+    num_cpus: int = 0  # CPUs the machine had then (os.cpu_count())
+    # relative spread of β: IQR / median of the per-round slopes (each round's sizes fitted alone)
+    noise: float | None = None
+    noise_alpha_s: float | None = None  # IQR of the per-round intercepts α, seconds
+    # the kinds of every device timed in the same window (one entry per device; () when alone)
+    together_with: tuple[str, ...] = ()
 
     def matches(self, spec: ModelSpec) -> bool:
         """Same model name and, when recorded, the same architecture."""
@@ -105,6 +124,23 @@ class StepProfile:
         return "measured" if self.measured else "estimated"
 
     @property
+    def taken_at(self) -> str:
+        """UTC ISO time the measurement was taken ("" when estimated): the `created` field."""
+        return self.created
+
+    def describe(self) -> str:
+        """One line naming the profile: its kind, when, how, under which limits and load, how noisy."""
+        if not self.measured:
+            return f"{self.device_type}: estimated, not measured"
+        limits = ", ".join(x for x in (f"cpu_share {self.cpu_share:g}" if self.cpu_share is not None else "",
+                                       f"memory +{self.memory_gb:g} GiB" if self.memory_gb is not None else "") if x)
+        load = f"load {self.load_avg:.2f} on {self.num_cpus} CPUs" if self.load_avg is not None else "load not recorded"
+        noise = (f"β noise {self.noise:.1%} (IQR/median of per-round slopes)" if self.noise is not None
+                 else "noise not recorded")
+        when, how = self.taken_at or "(time not recorded)", self.how or "how not recorded"
+        return f"{self.device_type}: measured {when}, {how}{f', {limits}' if limits else ''}, {load}, {noise}"
+
+    @property
     def achieved_tflops(self) -> float:
         return self.flops_per_sample / self.beta_s / TFLOPS if self.beta_s > 0 else 0.0
 
@@ -112,6 +148,7 @@ class StepProfile:
         d = asdict(self)
         d["micro_batches"] = list(self.micro_batches)
         d["step_times_s"] = list(self.step_times_s)
+        d["together_with"] = list(self.together_with)
         return d
 
     @classmethod
@@ -120,6 +157,7 @@ class StepProfile:
         d = {k: v for k, v in d.items() if k in known}  # newer files may carry more
         d["micro_batches"] = tuple(int(x) for x in d.get("micro_batches", ()))
         d["step_times_s"] = tuple(float(x) for x in d.get("step_times_s", ()))
+        d["together_with"] = tuple(str(x) for x in d.get("together_with", ()))
         return cls(**d)
 
 
@@ -507,6 +545,44 @@ def _roofline_estimate(device_type: str, spec: ModelSpec, seq: int, dtype: str, 
                        spec.num_params, spec.num_layers, efficiency=flops / beta / (peak * TFLOPS), peak_tflops=peak)
 
 
+# ---- which profile a plan used ------------------------------------------------------------------
+
+
+def load_changed(profile: StepProfile, load_now: float | None) -> bool:
+    """The machine's 1-minute load average now differs from the one the profile recorded by more than
+    LOAD_CHANGE_FLAG (False when either is unknown)."""
+    if profile.load_avg is None or load_now is None:
+        return False
+    return abs(load_now - profile.load_avg) > LOAD_CHANGE_FLAG
+
+
+def other_devices(profile: StepProfile, run_cpu_kinds: Sequence[str] | None) -> bool:
+    """A CPU kind measured beside other devices than the run's CPU devices (`run_cpu_kinds`, one
+    entry per device): timed together with another set, or alone while the run shares the machine
+    between several. False when unknown (a profile without provenance, or no run given)."""
+    if run_cpu_kinds is None or not profile.how or not _is_cpu(split_profile_key(profile.device_type)[0]):
+        return False
+    window = profile.together_with if profile.how == HOW_TOGETHER else (profile.device_type,)
+    return sorted(window) != sorted(run_cpu_kinds)
+
+
+def profile_note(profile: StepProfile, load_now: float | None = None,
+                 run_cpu_kinds: Sequence[str] | None = None) -> str:
+    """A plan note naming the profile a device kind is priced by (StepProfile.describe), flagging a
+    measurement taken under visibly different load than `load_now` (load_changed) or beside other
+    devices than the run's CPU devices `run_cpu_kinds` (other_devices): then it says to profile again."""
+    note = f"profile {profile.describe()}"
+    if load_changed(profile, load_now):
+        note += (f"; profiled at load {profile.load_avg:.2f}, now {load_now:.2f}: the machine is visibly "
+                 "busier or quieter than when it was measured")
+    if other_devices(profile, run_cpu_kinds):
+        window = " + ".join(profile.together_with) if profile.how == HOW_TOGETHER else "alone"
+        note += f"; profiled beside other devices ({window}) than the run's ({' + '.join(run_cpu_kinds)})"
+    if load_changed(profile, load_now) or other_devices(profile, run_cpu_kinds):
+        note += f": {PROFILE_AGAIN}"
+    return note
+
+
 # ---- least squares (shared by the profiler's fits) --------------------------------------------------
 
 
@@ -539,5 +615,6 @@ __all__ = [
     "StepProfile", "CollectiveFit", "CollectiveProfile", "MatmulResult", "DeviceBench", "Calibration",
     "get_step_profile", "get_collective_profile", "get_device_bench", "save_step_profile", "save_device_bench",
     "load_step_profiles", "find_measured", "calibration", "peak_tflops", "analytic_flops_per_sample", "fit_line",
-    "step_profile_path", "bench_path", "store_root",
+    "step_profile_path", "bench_path", "store_root", "profile_note", "load_changed", "HOW_TOGETHER", "HOW_ALONE",
+    "LOAD_CHANGE_FLAG", "PROFILE_AGAIN", "other_devices",
 ]

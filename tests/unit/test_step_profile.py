@@ -92,7 +92,7 @@ def test_a_noise_dominated_fit_is_timed_again_then_refused(data_dir, monkeypatch
 
     calls = []
 
-    def fake(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress, workers=1):
+    def fake(run_spec, seq, sizes, recompute, dtype, repeats, warmup, dev, progress, workers=1, **kw):
         calls.append(repeats)
         slope = 1e-3 if len(calls) == 2 else -1e-4  # noise first, then a real slope
         return {m: [0.01 + slope * m] * repeats for m in sizes}, 0.001, None
