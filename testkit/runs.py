@@ -69,3 +69,21 @@ def fabricate_run(name: str, n_steps: int, status: str | None, slowdown: float =
     finally:
         store.close()
     return run_dir
+
+
+def one_cpu_rank_plan(model: str, global_batch: int, seq: int, micro_batch: int = 8) -> Any:
+    """`model` at `global_batch` on one unlimited CPU rank (micro-batch × accumulation): the
+    reference a parallel run's losses are compared with."""
+    from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+    from contracts.plan import Assignment, Plan
+
+    cluster = ClusterSpec("one", (NodeSpec("localhost", "local", (DeviceSpec("cpu"),)),))
+    asg = (Assignment(0, "localhost", "cpu", micro_batch, global_batch // micro_batch, global_batch, 1.0, 0, 0.0),)
+    return Plan(cluster, model, global_batch, seq, "fp32", "none", asg, 0.0, 0.0)
+
+
+def run_losses(run_dir: str) -> list[float]:
+    """The losses a run folder's store recorded, step by step."""
+    from executor.store import read_metrics
+
+    return [s["loss"] for s in read_metrics(run_dir)["steps"]]

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
-from contracts.plan import Assignment, Plan
+from contracts.cluster import ClusterSpec
+from contracts.plan import Plan
 from executor.launch import EMULATION_FILE, launch_run
 from executor.orchestrator import Orchestrator, gang_mismatch
 from executor.queue import JobQueue
@@ -20,6 +20,7 @@ from planner.entry import plan_on_devices
 from planner.schedule.frenzy import FrenzyPolicy
 from planner.schedule.state import ClusterState
 from profiler import cgroups
+from testkit.runs import one_cpu_rank_plan, run_losses
 from testkit.wait import wait_until
 
 needs_cgroups = pytest.mark.skipif(cgroups.unavailable_reason() is not None,
@@ -31,17 +32,6 @@ TWO_KINDS = ClusterSpec.from_dict({"name": "local-two-kinds",
                                    "network": {"intra_node_gbps": 40, "inter_node_gbps": 10}})
 # the gang is predicted ~1.3x faster than the whole core alone: frenzy's pick (within 1.25x of the fastest)
 GLOBAL_BATCH, SEQ, STEPS = 32, 128, 3
-
-
-def one_rank_plan() -> Plan:
-    """The same job on one unlimited CPU rank: the reference losses."""
-    cluster = ClusterSpec("one", (NodeSpec("localhost", "local", (DeviceSpec("cpu"),)),))
-    asg = (Assignment(0, "localhost", "cpu", 8, GLOBAL_BATCH // 8, GLOBAL_BATCH, 1.0, 0, 0.0),)
-    return Plan(cluster, "tiny", GLOBAL_BATCH, SEQ, "fp32", "none", asg, 0.0, 0.0)
-
-
-def losses(run_dir: str) -> list[float]:
-    return [s["loss"] for s in read_metrics(run_dir)["steps"]]
 
 
 def test_the_gang_planned_on_its_devices_is_the_split_it_was_priced_with():
@@ -98,8 +88,8 @@ def test_a_mixed_gang_starts_on_two_kinds_and_trains_like_one_rank(tmp_path, cap
     emulation = " ".join(e["message"] for e in m["events"] if e["kind"] == "emulation")
     assert "CPU quota 0.333 of a core" in emulation and "CPU quota 1 of a core" in emulation, emulation
     one = str(tmp_path / "one")
-    assert launch_run(one_rank_plan(), STEPS, one) == "done", read_metrics(one)["reason"]
-    gang, ref = losses(job.run_dir), losses(one)
+    assert launch_run(one_cpu_rank_plan("tiny", GLOBAL_BATCH, SEQ), STEPS, one) == "done", read_metrics(one)["reason"]
+    gang, ref = run_losses(job.run_dir), run_losses(one)
     assert len(gang) == len(ref) == STEPS
     for a, b in zip(ref, gang):
         assert abs(a - b) / abs(a) <= 1e-5, (ref, gang)

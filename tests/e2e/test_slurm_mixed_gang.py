@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
+from contracts.cluster import ClusterSpec
 from contracts.jobs import JobSpec
-from contracts.plan import Assignment, Plan
+from contracts.plan import Plan
 from executor.launch import launch_run
 from executor.orchestrator import gang_mismatch
 from executor.slurm import launch_slurm
@@ -19,6 +19,7 @@ from models.optim import OptimConfig
 from planner.entry import plan_on_devices
 from planner.schedule.mixed import estimate_mixed_option
 from planner.schedule.options import cluster_pools
+from testkit.runs import one_cpu_rank_plan, run_losses
 from testkit.slurm import GRES_NAME
 
 pytestmark = pytest.mark.slow
@@ -50,16 +51,6 @@ def gang_plan() -> Plan:
     return plan
 
 
-def one_rank_plan() -> Plan:
-    cluster = ClusterSpec("one", (NodeSpec("localhost", "local", (DeviceSpec("cpu"),)),))
-    asg = (Assignment(0, "localhost", "cpu", 8, GLOBAL_BATCH // 8, GLOBAL_BATCH, 1.0, 0, 0.0),)
-    return Plan(cluster, "tiny", GLOBAL_BATCH, SEQ, "fp32", "none", asg, 0.0, 0.0)
-
-
-def losses(run_dir: str) -> list[float]:
-    return [s["loss"] for s in read_metrics(run_dir)["steps"]]
-
-
 def test_a_mixed_gang_runs_as_a_heterogeneous_job_and_trains_like_one_rank(slurm_cluster, settings, tmp_path):
     plan = gang_plan()
     batches = sorted(a.batch for a in plan.assignments)
@@ -74,8 +65,8 @@ def test_a_mixed_gang_runs_as_a_heterogeneous_job_and_trains_like_one_rank(slurm
     assert read_job_file(gang)["nodes"] == ["n1", "n2"]
     assert sorted(r["node"] for r in m["ranks"]) == ["n1", "n1", "n2"]
     one = str(tmp_path / "one")
-    assert launch_run(one_rank_plan(), STEPS, one, seed=SEED, optim=OPTIM) == "done", read_metrics(one)["reason"]
-    ref, got = losses(one), losses(gang)
+    assert launch_run(one_cpu_rank_plan("tiny", GLOBAL_BATCH, SEQ), STEPS, one, seed=SEED, optim=OPTIM) == "done", read_metrics(one)["reason"]
+    ref, got = run_losses(one), run_losses(gang)
     assert len(ref) == len(got) == STEPS
     for a, b in zip(ref, got):
         assert abs(a - b) / abs(a) <= 1e-5, (ref, got)
