@@ -97,6 +97,9 @@ class Ours:
         r = self.rt.train_step(mbs, normalizer, lr)
         return r.loss, getattr(r, "comm_wait_s", None), r.compute_s, getattr(r, "comm_wait_by", None)
 
+    def settle(self) -> None:
+        self.rt.settle()  # the next step's gathers, issued beside the last update
+
     def full_params(self):
         return self.rt.full_state_dict()
 
@@ -257,6 +260,9 @@ def run(job: dict) -> dict:
                     out[name]["compute_s"].append(compute)
                     out[name]["wire_bytes"].append(sent)
             out[name]["losses"].append(loss)
+    for system in systems.values():
+        if hasattr(system, "settle"):
+            system.settle()
     diff = None
     if len(systems) == 2 and job.get("compare_params"):
         a, b = (systems[n].full_params() for n in names)

@@ -408,6 +408,16 @@ class ShardedRuntime:
         unit.pending = None
         unit.held = True
 
+    def settle(self) -> None:
+        """Wait for the gathers left in flight (the next step's, issued beside the update): before the
+        process group is destroyed or the runtime dropped, when no next step will wait for them (a
+        gloo work still running at teardown aborts the process)."""
+        for unit in self.units:
+            if unit.pending is not None:
+                unit.pending.wait()
+                unit.pending = None
+                unit.held = True
+
     def _prefetch(self, pos: int) -> None:
         """Start the gathers of the `prefetch` units after position `pos` of the step's order of
         uses (`_use_order`); a unit held or already in flight is left as it is. The head and a tied

@@ -21,6 +21,7 @@ from executor import checkpoint as ckpt
 from executor.checkpoint import CKPT_DIR, LATEST, check_resumable, checkpoint_meta, latest, load, save
 from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.plan import Assignment, Plan
+from testkit.processes import leave_rank
 
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -282,6 +283,7 @@ def _two_rank_worker(rank: int, run: str, init_file: str) -> None:
         assert rt.after_load_calls == 1 and rt.loaded_scalar == {"step": 11}
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from models.sharded import ShardedRuntime
 from planner.core.memory import MemoryConfig, estimate_memory
 from profiler.memtrack import LiveTensorBytes
 from profiler.tracing import runtime_options, trace_memory
+from testkit.processes import leave_rank
 
 TOL_PCT = 0.5
 SEQ = 64
@@ -111,11 +112,13 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
         tokens = sum(mb * n for mb, n in BATCHES) * SEQ
         with LiveTensorBytes([*rt.resident_tensors(), *[t for b in batches for t in b]]) as step:
             rt.train_step(batches, tokens, lr=1e-4)
+        rt.settle()  # the next step's gathers, issued beside the update: done before this runtime goes
         peaks[f"{name}-{option}"] = int(step.peak_bytes)
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(peaks, f)
     dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

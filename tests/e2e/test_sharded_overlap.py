@@ -61,6 +61,7 @@ def _train(rt: ShardedRuntime, rank: int, steps: int, n: int) -> dict:
         losses.append(r.loss)
         waits.append(r.comm_wait_s)
         by.append(r.comm_wait_by)
+    rt.settle()
     return {"losses": losses, "comm_wait_s": waits, "comm_wait_by": by}
 
 

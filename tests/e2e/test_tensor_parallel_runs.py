@@ -31,6 +31,7 @@ from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
 from planner.core.memory import MemoryConfig, estimate_memory
 from planner.core.stage_memory import estimate_stage_memory
+from testkit.processes import leave_rank
 
 SEQ = 32
 STEPS = 3
@@ -135,6 +136,7 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
             json.dump(out, f)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 def _pipe_worker(rank: int, port: int, out_dir: str) -> None:
@@ -166,6 +168,7 @@ def _pipe_worker(rank: int, port: int, out_dir: str) -> None:
             json.dump({"losses": losses, "peak": peaks[-1], "stage": s, "dp_index": j, "tp_index": k}, f)
     finally:
         dist.destroy_process_group()
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             res[case] = {"rows": rt._rows_exchange(), "losses": [
                 rt.train_step(batches(name, s, rank, MICRO_BATCHES[rank]), NORMALIZER, LR).loss
                 for s in range(1, STEPS + 1)]}
+            rt.settle()
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
