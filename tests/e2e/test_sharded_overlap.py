@@ -15,7 +15,6 @@ several configurations from the same initial weights and saves every step's glob
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from executor.launch import free_port
 from models.collectives import LocalCollectives, ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
+from testkit.processes import leave_rank
 
 WORLD = 3
 SPEC = PRESETS["tiny"]
@@ -93,11 +93,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-    # leave without the interpreter's teardown: torch's gloo threads can abort in C++ static
-    # destructors at exit (bench/sharded_runtime.py notes the same)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
 
 
 @pytest.fixture(scope="module")

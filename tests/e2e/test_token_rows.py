@@ -7,7 +7,6 @@ contracts.wire's bytes for the collectives it issues."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from executor.launch import free_port
 from models.collectives import LocalCollectives, ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
+from testkit.processes import leave_rank
 
 WORLD = 3
 FRACTIONS = (0.5, 0.3, 0.2)
@@ -63,9 +63,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort in static destructors at exit
+    leave_rank()
 
 
 @pytest.fixture(scope="module")
