@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 # temporaries of one chunk (see adamw_step_ and global_grad_norm_sq).
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (no division by zero)
 CLIP_EPS = 1e-6
+# grad_norm_sq_in_place's fp32 dot products: chunks this long keep each one's rounding near 1e-7
+DOT_CHUNK_NUMEL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,23 @@ def decay_ranges(param_shapes: Sequence[tuple[int, ...]], start: int, end: int) 
 
 
 @torch.no_grad()
+def adamw_prepare_(param: Tensor, exp_avg_sq: Tensor, lr: float, cfg: OptimConfig,
+                   decay: Sequence[tuple[int, int]]) -> None:
+    """The two operations of `adamw_step_` that need no gradient, done ahead (while the step's last
+    gradients are still on the wire): param[decay] *= 1 - lr · wd, exp_avg_sq *= β2. The step then
+    runs with `prepared=True`. Each element sees the same operations in the same order, so the
+    update's values do not change."""
+    if cfg.weight_decay != 0:
+        factor = 1 - lr * cfg.weight_decay
+        for a, b in decay:
+            param[a:b].mul_(factor)
+    exp_avg_sq.mul_(cfg.betas[1])
+
+
+@torch.no_grad()
 def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: int, lr: float,
-                cfg: OptimConfig, decay: Sequence[tuple[int, int]], chunk_numel: int = STEP_CHUNK_NUMEL) -> None:
+                cfg: OptimConfig, decay: Sequence[tuple[int, int]], chunk_numel: int = STEP_CHUNK_NUMEL,
+                prepared: bool = False) -> None:
     """One AdamW update of a flat shard, in place: the math of torch.optim.AdamW(foreach=False,
     fused=False, capturable=False, amsgrad=False, maximize=False), torch/optim/adam.py
     `_single_tensor_adam`, operation by operation:
@@ -164,6 +181,9 @@ def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     bytes; no step tensor either. torch's own step makes two per tensor (sqrt(v) and
     sqrt(v) / c, alive together); sqrt(out=), div_ and add_ run the same kernels on the same
     values, so the result does not change.
+
+    `prepared`: `adamw_prepare_` already applied this step's two gradient-free operations (the decay
+    and exp_avg_sq *= β2); the rest runs as above, so the values are the same.
     """
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -189,13 +209,15 @@ def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
     for lo in range(0, n, chunk_numel):
         hi = min(lo + chunk_numel, n)
         p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]  # views
-        if cfg.weight_decay != 0:  # torch skips the multiply when wd == 0
+        if cfg.weight_decay != 0 and not prepared:  # torch skips the multiply when wd == 0
             for a, b in decay:
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
                     param[a:b].mul_(decay_factor)
         m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if not prepared:
+            v.mul_(beta2)
+        v.addcmul_(g, g, value=1 - beta2)
         denom = buf[: hi - lo]
         torch.sqrt(v, out=denom)
         denom.div_(bias_correction2_sqrt).add_(cfg.eps)
@@ -219,6 +241,23 @@ def global_grad_norm_sq(shards: Iterable[Tensor], chunk_numel: int = STEP_CHUNK_
             c = flat[lo:lo + chunk_numel].to(torch.float64)  # (chunk,) fp64
             total += torch.dot(c, c)
             del c
+    return total if total is not None else torch.zeros((), dtype=torch.float64)
+
+
+def grad_norm_sq_in_place(shards: Iterable[Tensor], chunk_numel: int = DOT_CHUNK_NUMEL) -> Tensor:
+    """`global_grad_norm_sq` of fp32 shards without its fp64 copies: fp32 dot products of chunks of
+    `chunk_numel` elements (a chunk's relative rounding stays near 1e-7), summed in fp64. It allocates
+    nothing but its scalars, so the runtime can compute it beside reduces still holding their buffers."""
+    total: Tensor | None = None
+    for shard in shards:
+        flat = shard.reshape(-1)
+        if flat.dtype != torch.float32:
+            raise ValueError(f"grad_norm_sq_in_place: shards are fp32 slice gradients, got {flat.dtype}")
+        if total is None:
+            total = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for lo in range(0, flat.numel(), chunk_numel):
+            c = flat[lo:lo + chunk_numel]  # a view
+            total += torch.dot(c, c).to(torch.float64)
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 

@@ -48,8 +48,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from models.collectives import Collectives
 from models.decoder import Decoder, build_model
-from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coefficient_t, decay_ranges,
-                          global_grad_norm_sq)
+from models.optim import (DynamicLossScaler, OptimConfig, adamw_prepare_, adamw_step_, clip_coefficient_t,
+                          decay_ranges, global_grad_norm_sq, grad_norm_sq_in_place)
 from models.runtime import shard_bounds
 from models.tensor import TensorParallel, apply_tp, full_weight_init, tp_unit_numels
 from contracts import wire
@@ -854,8 +854,13 @@ class ShardedRuntime:
         slices, all on the device: the overflow flag (torch.isfinite) and the clip coefficient
         (clamp) are tensors, read only by PendingStep.result. fp16 with loss scaling reads the
         stats here, before the update, to skip it on overflow: its one sync."""
-        self._drain_reduces("tail")
-        sq = global_grad_norm_sq(u.grad for u in self._norm_units()).to(self.device)  # fp64 scalar
+        # fp16 may skip the step on overflow: nothing changes before its stats are read
+        prepared = not self.scaler.enabled
+        if prepared:  # the update's gradient-free passes, while the last gradients travel
+            for u in self.units:
+                if u.end > u.start:
+                    adamw_prepare_(u.master, u.exp_avg_sq, lr, self.optim, u.decay)
+        sq = self._grad_norm_sq_beside_tail()  # fp64 scalar
         if not isinstance(loss, torch.Tensor):  # models/pipeline.py sums on the host
             loss = torch.full((), float(loss), dtype=torch.float64, device=self.device)
         # one all-reduce for the squared norm, the overflow flag and the step's loss
@@ -887,7 +892,8 @@ class ShardedRuntime:
             if u.end > u.start:
                 if scaled:
                     u.grad.mul_(coef)
-                adamw_step_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, self.step_count, lr, self.optim, u.decay)
+                adamw_step_(u.master, u.grad, u.exp_avg, u.exp_avg_sq, self.step_count, lr, self.optim, u.decay,
+                            prepared=prepared)
             if self.zero == 3 and i <= min(self.prefetch, len(self.units) - 2):
                 # the next step's first gathers (the embedding, updated first, and the `prefetch`
                 # blocks after it) run beside the rest of the update instead of before the next
@@ -902,6 +908,16 @@ class ShardedRuntime:
             for w in works:
                 w.wait()
         return PendingStep(stats, scale_used, False, optimizer_ev=ev, optimizer_s=optimizer_s, **timers)
+
+    def _grad_norm_sq_beside_tail(self) -> torch.Tensor:
+        """The local squared norm of `_norm_units`' gradients: the units whose reduces are done are
+        summed while those still in flight travel (grad_norm_sq_in_place: no buffer beside theirs),
+        then the tail is drained (`_drain_reduces`) and the rest added (global_grad_norm_sq)."""
+        units = self._norm_units()
+        busy = {id(r.unit) for r in self._reduces}
+        ready = grad_norm_sq_in_place(u.grad for u in units if id(u) not in busy).to(self.device)
+        self._drain_reduces("tail")
+        return ready + global_grad_norm_sq(u.grad for u in units if id(u) in busy).to(self.device)
 
     def _norm_units(self) -> list[UnitState]:
         """The units whose gradients the global norm counts on this rank (models/pipeline.py leaves out

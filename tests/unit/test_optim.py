@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.optim import (DynamicLossScaler, OptimConfig, adamw_step_, clip_coefficient, decay_ranges,
-                          global_grad_norm_sq, lr_at)
+from models.optim import (DynamicLossScaler, OptimConfig, adamw_prepare_, adamw_step_, clip_coefficient,
+                          decay_ranges, global_grad_norm_sq, grad_norm_sq_in_place, lr_at)
 
 
 def _model() -> nn.Module:
@@ -125,6 +125,41 @@ def test_grad_norm_temporaries_are_one_fp64_chunk():
     assert big and max(numel for numel, _ in big) == 10 and {d for _, d in big} == {torch.float64}
     assert got.dtype == torch.float64
     assert got.item() == pytest.approx(sum(float((s.double() ** 2).sum()) for s in shards), rel=1e-12)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_prepared_adamw_step_is_bitwise_the_same(wd):
+    """The runtime applies the decay and exp_avg_sq *= beta2 ahead (adamw_prepare_) while gradients
+    travel; the step that follows gives exactly the values of the step done in one go."""
+    cfg = OptimConfig(weight_decay=wd)
+    gen = torch.Generator().manual_seed(3)
+    p, g, m, v = (torch.rand(1000, generator=gen) for _ in range(4))
+    one = [t.clone() for t in (p, g, m, v)]
+    decay = [(0, 400), (600, 1000)]
+    adamw_step_(*one, 5, 3e-3, cfg, decay, chunk_numel=128)
+    two = [t.clone() for t in (p, g, m, v)]
+    adamw_prepare_(two[0], two[3], 3e-3, cfg, decay)
+    adamw_step_(*two, 5, 3e-3, cfg, decay, chunk_numel=128, prepared=True)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    # and the prepared step alone is not the whole step (the comparison can fail)
+    three = [t.clone() for t in (p, g, m, v)]
+    adamw_step_(*three, 5, 3e-3, cfg, decay, chunk_numel=128, prepared=True)
+    assert not torch.equal(three[3], one[3])
+
+
+def test_in_place_grad_norm_agrees_and_allocates_only_scalars():
+    gen = torch.Generator().manual_seed(5)
+    shards = [torch.randn(300_001, generator=gen), torch.randn(7, generator=gen), torch.zeros(0)]
+    with _Allocations() as rec:
+        got = grad_norm_sq_in_place(shards, chunk_numel=1 << 14)
+    assert rec.fresh and max(numel for numel, _ in rec.fresh) == 1
+    assert got.dtype == torch.float64
+    assert got.item() == pytest.approx(global_grad_norm_sq(shards).item(), rel=1e-6)
+    assert not math.isfinite(grad_norm_sq_in_place([torch.tensor([1.0, float("inf")])]).item())
+    assert grad_norm_sq_in_place([]).item() == 0.0
+    with pytest.raises(ValueError, match="fp32"):
+        grad_norm_sq_in_place([torch.ones(3, dtype=torch.float64)])
 
 
 def test_grad_norm_sees_inf_and_nan():
