@@ -20,6 +20,13 @@ counted once. The file's pipeline lists every device of a stage's groups, each w
 in memory `Plan.pipeline` lists one entry per TP group (its first device, its rows), the runtime's view,
 and `to_dict` writes the file's form back. A top-level `"tensor_parallel"` says whether any tp > 1.
 A plan file without these keys reads exactly as before (tp 1 everywhere).
+
+DiLoCo (DESIGN.md "Geo with low-communication training"; models/diloco.py): `"diloco"` names the
+groups (each a list of nodes, i.e. datacenters) that train H = `inner_steps` inner steps apart before
+an outer step, and its outer optimizer, fragments and wire compression. Each group holds a whole copy
+of the training state, so shard fractions sum to 1 PER GROUP; batches still sum to the global batch
+over every device. `"cuts"` names the kind of every cut between datacenters:
+`[{"a", "b", "kind": "pipeline"|"diloco"|"dp", "inner_steps": H}]` (H for "diloco" cuts only).
 """
 from __future__ import annotations
 
@@ -45,6 +52,9 @@ DEFAULT_PREFETCH = 1
 REDUCE_IN_FLIGHT = (0, 1)
 # the tensor-parallel degrees a plan may give a device (a TP group lives inside one node)
 TP_DEGREES = (1, 2, 4, 8)
+# DiLoCo's outer-exchange wire dtypes (models/diloco.py) and the kinds of a cut between datacenters
+DILOCO_COMPRESS = ("fp32", "bf16", "int8")
+CUT_KINDS = ("pipeline", "diloco", "dp")
 # Assignment keys a plan file written before tensor parallelism lacks, with their defaults
 TP_KEYS = {"stage": None, "tp": 1, "tp_group": None}
 
@@ -294,6 +304,125 @@ class PipelineSpec:
                    stages=stages, simulated_ops=tuple(dict(o) for o in d.get("simulated_ops", ())))
 
 
+@dataclass(frozen=True)
+class DilocoSpec:
+    """DiLoCo across the plan's groups (models/diloco.py): each group trains `inner_steps` steps on
+    its own, then an outer SGD step (Nesterov momentum) on the groups' averaged parameter deltas."""
+    groups: tuple[tuple[str, ...], ...]  # each group's nodes (datacenters), the groups in plan order
+    inner_steps: int  # H: inner steps between two outer steps of a fragment
+    # DiLoCo's defaults (Douillard et al. 2023, §3): outer Nesterov SGD, lr 0.7, momentum 0.9
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    fragments: int = 1  # streaming: the units in F fragments, synchronised in turn (F <= H)
+    compress: str = "fp32"  # the outer exchange's wire dtype: "fp32" | "bf16" | "int8"
+    # the exchange overlapped with the next inner step (needs H >= 2), then local and synced
+    # parameters merged: θ = merge_alpha · θ_local + (1 - merge_alpha) · θ_synced (0.5: an even mix)
+    overlap: bool = False
+    merge_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        what = "plan: diloco"
+        if not isinstance(self.groups, tuple) or not self.groups:
+            raise ValueError(f"{what}: groups must be a non-empty list of groups (each a list of node names)")
+        seen: set[str] = set()
+        for g, nodes in enumerate(self.groups):
+            if not isinstance(nodes, tuple) or not nodes or not all(isinstance(n, str) and n for n in nodes):
+                raise ValueError(f"{what}: groups[{g}] must be a non-empty list of node names, got {nodes!r}")
+            twice = seen.intersection(nodes)
+            if twice or len(set(nodes)) != len(nodes):
+                raise ValueError(f"{what}: node {sorted(twice or nodes)[0]!r} is in more than one group "
+                                 "(or twice in one)")
+            seen.update(nodes)
+        check_count(self.inner_steps, f"{what}: inner_steps", 1)
+        check_real(self.outer_lr, f"{what}: outer_lr", 0.0, low_open=True)
+        check_real(self.outer_momentum, f"{what}: outer_momentum", 0.0, 1.0)
+        if self.outer_momentum >= 1.0:
+            raise ValueError(f"{what}: outer_momentum must be below 1, got {self.outer_momentum!r}")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"{what}: nesterov must be true or false, got {self.nesterov!r}")
+        check_count(self.fragments, f"{what}: fragments", 1)
+        if self.fragments > self.inner_steps:
+            raise ValueError(f"{what}: fragments ({self.fragments}) must not exceed inner_steps "
+                             f"({self.inner_steps}): each fragment syncs at its own step of the H")
+        if self.compress not in DILOCO_COMPRESS:
+            raise ValueError(f"{what}: compress must be one of {', '.join(DILOCO_COMPRESS)}, got {self.compress!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"{what}: overlap must be true or false, got {self.overlap!r}")
+        if self.overlap and self.inner_steps < 2:
+            raise ValueError(f"{what}: overlap needs inner_steps >= 2 (an exchange completes one inner step after "
+                             f"it is issued, before its fragment's next sync), got {self.inner_steps}")
+        check_real(self.merge_alpha, f"{what}: merge_alpha", 0.0, 1.0)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def groups_nodes(self) -> set[str]:
+        """Every node of every group."""
+        return {n for g in self.groups for n in g}
+
+    def group_of(self, node: str) -> int:
+        """The index of the group holding `node`; ValueError when none does."""
+        for g, nodes in enumerate(self.groups):
+            if node in nodes:
+                return g
+        raise ValueError(f"plan: diloco: node {node!r} is in no group")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"groups": [list(g) for g in self.groups], "inner_steps": self.inner_steps,
+                "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
+                "fragments": self.fragments, "compress": self.compress, "overlap": self.overlap,
+                "merge_alpha": self.merge_alpha}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "DilocoSpec":
+        if not isinstance(d, dict):
+            raise ValueError("plan: diloco must be a JSON object")
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"plan: diloco: unknown field(s) {sorted(unknown)}")
+        if "groups" not in d or "inner_steps" not in d:
+            raise ValueError("plan: diloco needs groups and inner_steps")
+        groups = d["groups"]
+        if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+            raise ValueError(f"plan: diloco: groups must be a list of lists of node names, got {groups!r}")
+        return cls(**{**d, "groups": tuple(tuple(g) for g in groups)})
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The kind of one cut between two datacenters (nodes) of a geo plan."""
+    a: str
+    b: str
+    kind: str  # "pipeline" | "diloco" | "dp"
+    inner_steps: int | None = None  # H of a "diloco" cut; None for the others
+
+    def __post_init__(self) -> None:
+        what = f"plan: cut {self.a!r}–{self.b!r}"
+        if not isinstance(self.a, str) or not isinstance(self.b, str) or not self.a or not self.b or self.a == self.b:
+            raise ValueError(f"{what}: a and b must name two different nodes")
+        if self.kind not in CUT_KINDS:
+            raise ValueError(f"{what}: kind must be one of {', '.join(CUT_KINDS)}, got {self.kind!r}")
+        if self.kind == "diloco":
+            check_count(self.inner_steps, f"{what}: inner_steps (a diloco cut)", 1)
+        elif self.inner_steps is not None:
+            raise ValueError(f"{what}: inner_steps is for diloco cuts only, got {self.inner_steps!r} on a "
+                             f"{self.kind} cut")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "kind": self.kind, "inner_steps": self.inner_steps}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Cut":
+        if not isinstance(d, dict) or not {"a", "b", "kind"} <= set(d):
+            raise ValueError(f"plan: every cut is an object with a, b and kind, got {d!r}")
+        unknown = set(d) - {"a", "b", "kind", "inner_steps"}
+        if unknown:
+            raise ValueError(f"plan: cut: unknown field(s) {sorted(unknown)}")
+        return cls(d["a"], d["b"], d["kind"], d.get("inner_steps"))
+
+
 def _pipeline_by_group(d: Any, assignments: tuple[Assignment, ...]) -> Any:
     """The file's pipeline (every device of a stage's TP groups, each with its group's rows) as the
     contracts hold it: one entry per TP group, its first device with its rows. A plan without TP
@@ -316,6 +445,12 @@ def _pipeline_by_group(d: Any, assignments: tuple[Assignment, ...]) -> Any:
             rows.append(r)
         stages.append({**st, "devices": devices, "rows": rows})
     return {**d, "stages": stages}
+
+
+def _cuts(d: Any) -> tuple[Cut, ...]:
+    if not isinstance(d, list):
+        raise ValueError(f"plan: cuts must be a list, got {type(d).__name__}")
+    return tuple(Cut.from_dict(c) for c in d)
 
 
 @dataclass(frozen=True)
@@ -357,6 +492,10 @@ class Plan:
     rebalance: str = "auto"
     # any assignment with tp > 1 (the file's "tensor_parallel"; a TP group is one data-parallel position)
     tensor_parallel: bool = False
+    # DiLoCo across groups of nodes (None: every device in one synchronous step), and the kind of
+    # every cut between datacenters (DESIGN.md "Geo with low-communication training")
+    diloco: DilocoSpec | None = None
+    cuts: tuple[Cut, ...] = ()
 
     def __post_init__(self) -> None:
         check_count(self.global_batch, "plan: global_batch", 1)
@@ -383,6 +522,10 @@ class Plan:
             if isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 raise ValueError(f"plan: connections[{k!r}] must be a positive integer, got {c!r}")
         self._check_tp_groups()
+        self._check_cuts(nodes)
+        if self.diloco is not None:
+            self._check_diloco(nodes)
+            return
         # each TP group counted once: its first device stands for it (a pipeline stage lists only those)
         groups = [[a for a in self.assignments if a.leader == a.device_index]] if self.pipeline is None \
             else self._stage_assignments()
@@ -394,6 +537,71 @@ class Plan:
             frac = sum(a.shard_fraction for a in group)
             if abs(frac - 1.0) > 1e-6:
                 raise ValueError(f"plan: {where}shard fractions sum to {frac:.6f}, not 1")
+
+    def _check_cuts(self, nodes: set[str]) -> None:
+        """Every cut joins two nodes of the cluster, once; a diloco cut needs the diloco section (with
+        its H) and groups on either side, a pipeline cut the pipeline."""
+        if not isinstance(self.cuts, tuple) or not all(isinstance(c, Cut) for c in self.cuts):
+            raise ValueError("plan: cuts must be a list of Cut entries")
+        seen: set[tuple[str, ...]] = set()
+        for c in self.cuts:
+            what = f"plan: cut {c.a!r}–{c.b!r}"
+            if c.a not in nodes or c.b not in nodes:
+                raise ValueError(f"{what}: both ends must be nodes of the cluster ({', '.join(sorted(nodes))})")
+            key = tuple(sorted((c.a, c.b)))
+            if key in seen:
+                raise ValueError(f"{what}: named more than once")
+            seen.add(key)
+            if c.kind == "pipeline" and self.pipeline is None:
+                raise ValueError(f"{what}: kind pipeline, but the plan has no pipeline")
+            d = self.diloco
+            if c.kind == "diloco":
+                if d is None:
+                    raise ValueError(f"{what}: kind diloco, but the plan has no diloco section")
+                if c.inner_steps != d.inner_steps:
+                    raise ValueError(f"{what}: inner_steps {c.inner_steps}, but the plan's diloco runs "
+                                     f"inner_steps {d.inner_steps} (one H for every diloco cut)")
+            if d is not None and c.a in d.groups_nodes() and c.b in d.groups_nodes():
+                same = d.group_of(c.a) == d.group_of(c.b)
+                if c.kind == "diloco" and same:
+                    raise ValueError(f"{what}: kind diloco, but both nodes are in diloco group {d.group_of(c.a)}")
+                if c.kind == "dp" and not same:
+                    raise ValueError(f"{what}: kind dp, but the nodes are in different diloco groups "
+                                     f"({d.group_of(c.a)} and {d.group_of(c.b)})")
+
+    def _check_diloco(self, nodes: set[str]) -> None:
+        """A DiLoCo plan: sharded data parallelism (no pipeline, no tensor parallelism), every group's
+        nodes in the cluster, every used device's node in one group, every group with a used device
+        and shard fractions summing to 1 per group; batches sum to the global batch over all."""
+        d = self.diloco
+        if not isinstance(d, DilocoSpec):
+            raise ValueError("plan: diloco must be a DilocoSpec")
+        if self.pipeline is not None:
+            raise ValueError("plan: diloco runs groups of sharded data parallelism; a plan with a pipeline "
+                             "cannot have a diloco section yet")
+        if self.tensor_parallel:
+            raise ValueError("plan: diloco does not run tensor-parallel plans (every tp must be 1)")
+        for g, group in enumerate(d.groups):
+            for n in group:
+                if n not in nodes:
+                    raise ValueError(f"plan: diloco: groups[{g}] names node {n!r}, which is not in the cluster "
+                                     f"({', '.join(sorted(nodes))})")
+        used = self.used
+        for a in used:
+            if a.node not in d.groups_nodes():
+                raise ValueError(f"plan: diloco: device {a.device_index} is used but its node {a.node!r} is in no "
+                                 "group")
+        total = sum(a.batch for a in used)
+        if total != self.global_batch:
+            raise ValueError(f"plan: batches sum to {total}, not the global batch {self.global_batch}")
+        for g, group in enumerate(d.groups):
+            members = [a for a in used if a.node in group]
+            if not any(a.batch > 0 for a in members):
+                raise ValueError(f"plan: diloco: groups[{g}] ({', '.join(group)}) has no device with samples")
+            frac = sum(a.shard_fraction for a in members)
+            if abs(frac - 1.0) > 1e-6:
+                raise ValueError(f"plan: diloco: groups[{g}]'s shard fractions sum to {frac:.6f}, not 1 (each "
+                                 "group holds a whole copy of the training state)")
 
     def _check_devices(self) -> None:
         """Every assignment names a device of the plan's cluster, once, with that device's node and type."""
@@ -552,6 +760,8 @@ class Plan:
             **({"tensor_parallel": self.tensor_parallel} if tp_keys else {}),
             **({"wan": [w.to_dict() for w in self.wan]} if self.wan else {}),
             **({"connections": dict(self.connections)} if self.connections else {}),
+            **({"diloco": self.diloco.to_dict()} if self.diloco is not None else {}),
+            **({"cuts": [c.to_dict() for c in self.cuts]} if self.cuts else {}),
         }
 
     def to_json(self) -> str:
@@ -605,6 +815,8 @@ class Plan:
                 rebalance=d.get("rebalance", "auto"),  # a plan file written before live rebalancing: auto
                 # written before tensor parallelism: none (a file with tp keys but no flag: any tp > 1)
                 tensor_parallel=d.get("tensor_parallel", any(a.tp > 1 for a in assignments)),
+                diloco=None if d.get("diloco") is None else DilocoSpec.from_dict(d["diloco"]),
+                cuts=_cuts(d.get("cuts", [])),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing key {e.args[0]!r}") from None
@@ -614,3 +826,12 @@ class Plan:
     @classmethod
     def load(cls, path: str) -> "Plan":
         return cls.from_dict(load_json_file(path, "plan file"), source=path)
+
+
+def plan_nodes(plan: Plan) -> list[str]:
+    """The nodes with used devices, in plan order."""
+    out: list[str] = []
+    for a in plan.used:
+        if a.node not in out:
+            out.append(a.node)
+    return out

@@ -158,6 +158,17 @@ def check_tensor_parallel(plan: Plan, *, init_from: str | None = None, resume: b
                          "TP layout), so it can neither save nor resume one; run it without checkpoints")
 
 
+def check_diloco(plan: Plan, *, resume: bool, checkpoint_every: int | None) -> None:
+    """A DiLoCo plan's run cannot checkpoint or resume: ValueError naming the option."""
+    if plan.diloco is None:
+        return
+    for flag, value in (("--resume", resume), ("--checkpoint-every", checkpoint_every)):
+        if value:
+            raise ValueError(f"{flag}: a DiLoCo plan's run writes no checkpoint (its outer state, the synced "
+                             "parameters and outer momentum, has no place in the checkpoint format); run "
+                             "without it")
+
+
 def check_run(plan: Plan, config: RunConfig) -> RunConfig:
     """What every backend checks: the plan uses a device, `init_from` holds its model, the run folder
     holds no earlier run unless resumed or overwritten, a run on several machines keeps its SQLite
@@ -167,6 +178,7 @@ def check_run(plan: Plan, config: RunConfig) -> RunConfig:
         raise ValueError("plan uses no device")
     check_tensor_parallel(plan, init_from=config.init_from, resume=config.resume,
                           checkpoint_every=config.checkpoint_every)
+    check_diloco(plan, resume=config.resume, checkpoint_every=config.checkpoint_every)
     run_dir = None if config.run_dir is None else os.path.abspath(config.run_dir)
     if run_dir is not None:
         check_folder_reuse(replace(config, run_dir=run_dir))

@@ -4,10 +4,15 @@ While a training rank of a pipeline plan waits for a receive, the worker calls `
 over and over; each call does ONE bounded unit of chunked prefill (one decoder layer over one token
 chunk, with a KV cache per layer) and returns, so a receive that completes mid-call delays training
 by at most one unit. The chunk size follows the measured unit times, aiming at half the time box
-(`max_chunk_s`); every unit's duration is recorded. The inference model is a preset decoder with its
-own weights (drawn under `fork_rng`, so training is the same with and without prefill); requests
-come from the config (a geo scenario's `inference` keys: a Poisson rate or a backlog). Times are
-`time.perf_counter()`; `last_chunk` feeds the timeline's "prefill" ops.
+(`max_chunk_s`); every unit's duration is recorded. The worker never knows when the current wait
+ends. Told where each wait begins and ends (`gap_begin(key)` / `gap_end()`, the key naming the
+receive, stable across steps), it keeps each wait's measured length (planner.geo.bubbletea.GapForecast)
+and starts a unit only if its predicted time fits the wait's forecast from previous steps: the rule
+the simulator (planner/geo/bubbletea.py) prices. Without those calls it starts a unit whenever asked.
+The inference model is a preset decoder with its own weights (drawn under `fork_rng`, so training
+is the same with and without prefill); requests come from the config (a geo scenario's `inference`
+keys: a Poisson rate or a backlog). Times are `time.perf_counter()`; `last_chunk` feeds the
+timeline's "prefill" ops.
 
 The chunking, the controller, the config keys and how the simulator predicts it:
 docs/models/bubbletea.md.
@@ -28,13 +33,15 @@ import torch
 import torch.nn.functional as F
 
 from models.decoder import build_model, rotate_half
+from planner.geo.bubbletea import CHUNK_TARGET, DEFAULT_MAX_CHUNK_S, GapForecast
 from planner.geo.scenario import InferenceWorkload
 from contracts.specs import get_model
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CHUNK_S = 0.005  # a few ms: the most a training op may wait behind one step()
-CHUNK_TARGET = 0.5  # aim each unit at this fraction of the box: the next chunk has a longer context
+# DEFAULT_MAX_CHUNK_S (a few ms: the most a training op may wait behind one step()) and CHUNK_TARGET
+# (each unit aimed at this fraction of the box: the next chunk has a longer context) are the
+# simulator's, imported above, so both size units alike.
 STEP_BOUNDS = (0.5, 1.5)  # the most one chunk's timing may shrink or grow the next chunk's size
 CALIBRATION_CHUNKS = (4, 32)  # tokens of the two chunks timed at construction: a + b·tokens from both
 RUNTIME_KEYS = ("max_chunk_s", "num_requests", "stages", "dtype")
@@ -145,6 +152,10 @@ class PrefillWorker:
         self.last_ids: torch.Tensor | None = None  # (1, n) that request's prompt
         self._samples: list[tuple[int, float]] = []  # (tokens, seconds) of the last chunk's layer units
         self._chunk = 1  # tokens per chunk now (the controller's state)
+        self._fixed_s, self._per_token_s = 0.0, 0.0  # a layer unit ≈ fixed + per_token · tokens (calibrated)
+        self.forecast = GapForecast()  # each wait's measured lengths, by its key
+        self._gap: tuple[Any, float, float] | None = None  # the open wait: (key, start, deadline)
+        self.skipped_units = 0  # step() calls that started no unit because it would not fit the forecast
         self._calibrate()
 
     @classmethod
@@ -290,12 +301,45 @@ class PrefillWorker:
                              f"{(fixed + per_token) * 1e3:.2f} ms here, over the time box max_chunk_s "
                              f"{self.max_chunk_s * 1e3:.2f} ms")
         self._chunk = max(1, int((CHUNK_TARGET * self.max_chunk_s - fixed) / per_token))
+        self._fixed_s, self._per_token_s = fixed, per_token
+
+    # ---- what the worker knows of the waits ---------------------------------------------------------
+
+    def gap_begin(self, key: Any, now: float | None = None) -> float:
+        """A wait for receive `key` begins (now, perf_counter): its deadline is now + the forecast of
+        its length from previous steps (now when never measured: no unit this time). Returns it."""
+        now = time.perf_counter() if now is None else now
+        f = self.forecast.forecast_s(key)
+        deadline = now + (f if f is not None else 0.0)
+        self._gap = (key, now, deadline)
+        return deadline
+
+    def gap_end(self, now: float | None = None) -> None:
+        """The open wait ended (its receive completed): its length is measured for the next steps."""
+        if self._gap is None:
+            raise ValueError("prefill: gap_end() without gap_begin()")
+        now = time.perf_counter() if now is None else now
+        key, start, _ = self._gap
+        self.forecast.record(key, now - start)
+        self._gap = None
+
+    def predicted_unit_s(self) -> float:
+        """The next unit's time as the worker predicts it: the median of the last chunk's measured
+        layer units, else the calibrated fixed + per-token line at the current chunk size."""
+        if self._samples:
+            return statistics.median(t for _, t in self._samples)
+        return self._fixed_s + self._per_token_s * self._chunk
 
     # ---- the worker's calls -------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One unit of prefill work (under the time box), or False at once when no request is waiting."""
+        """One unit of prefill work (under the time box), or False at once when no request is waiting
+        or, inside a wait opened by gap_begin(), when the unit's predicted time does not fit before
+        the wait's forecast end."""
         now = time.perf_counter()
+        if self._gap is not None and now + self.predicted_unit_s() > self._gap[2]:
+            self.skipped_units += 1
+            return False
         if self.t0 is None:
             self.t0 = now
         if self._current is None:
@@ -341,6 +385,7 @@ class PrefillWorker:
             "num_chunks": len(self.unit_s), "chunk_max_s": max(self.unit_s, default=None),
             "chunk_p50_s": _percentile(self.unit_s, 0.50), "chunk_p99_s": _percentile(self.unit_s, 0.99),
             "chunks_over_box": sum(1 for u in self.unit_s if u > self.max_chunk_s),
+            "units_skipped_for_forecast": self.skipped_units,
             # CPU only: on CUDA the thread waits for the kernels, so its CPU time says nothing
             "chunks_over_box_cpu_time": (sum(1 for u in self.unit_cpu_s if u > self.max_chunk_s)
                                          if self.device.type == "cpu" else None),

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from contracts.paths import PROJECT_ROOT
-from contracts.plan import Plan
+from contracts.plan import Plan, plan_nodes
 from contracts.run import RunConfig
 from profiler import cgroups
 
@@ -94,15 +94,6 @@ def worker_args(plan_path: str, config: RunConfig, tokens_path: str | None = Non
 def local_torchrun_command(num_ranks: int, port: int, wargs: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_ranks}", "--nnodes=1",
             "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0", *wargs]
-
-
-def plan_nodes(plan: Plan) -> list[str]:
-    """The nodes with used devices, in plan order."""
-    out: list[str] = []
-    for a in plan.used:
-        if a.node not in out:
-            out.append(a.node)
-    return out
 
 
 def run_id_of(run_dir: str) -> str:

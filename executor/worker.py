@@ -17,8 +17,12 @@ compute and wait beside them; rank 0 names a straggler (executor/straggler.py) a
 `rebalance` auto, decides a new batch split from the measured rates, which every rank applies at the
 next step (executor/rebalance.py). The last step is always checkpointed (executor/checkpoint.py).
 Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py), or sleep (`slowdown`)
-and check the measured peak against `memory_gb`. More: docs/executor.md,
-docs/models/pipeline_simulation.md.
+and check the measured peak against `memory_gb`. A DiLoCo plan (`diloco`) runs models/diloco.py: each
+group of nodes trains on its own process group, normalising its loss by its own tokens, with an
+outer step every H inner steps (a `diloco_sync` event each) and one at the last step, so every group
+ends with the same parameters; the step's loss is the groups' token-weighted mean. It writes no
+checkpoint (the format holds one layout, not the outer state). More: docs/executor.md,
+docs/models/diloco.md, docs/models/pipeline_simulation.md.
 """
 from __future__ import annotations
 
@@ -40,13 +44,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from profiler import cgroups
 from executor import checkpoint as ckpt
-from executor.checks import check_tensor_parallel
+from executor.checks import check_diloco, check_tensor_parallel
 from executor.links import ENV_LINK_IF, LinkCounter
 from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from profiler.memtrack import PeakMemory
 from executor.stall import collective_timeout
 from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
+from models.diloco import DilocoRuntime
 from models.optim import OptimConfig, lr_at
 from models.pipeline import PipelineRuntime
 from models.tensor_runtime import TensorParallelRuntime, build_groups
@@ -177,6 +182,13 @@ def runtime_precision(plan: Plan) -> dict[str, object]:
             "prefetch": int(plan.prefetch), "reduce_in_flight": int(getattr(plan, "reduce_in_flight", 0))}
 
 
+DILOCO_NO_CHECKPOINT = ("no final checkpoint: a DiLoCo run writes none yet (the checkpoint format holds one "
+                        "layout of the state, not each group's slices nor the outer state: synced parameters "
+                        "and outer momentum)")
+
+
+
+
 def _is_emulated(a: Assignment) -> bool:
     return a.emulated or a.slowdown != 1.0 or a.memory_gb is not None
 
@@ -229,7 +241,13 @@ class Trainer:
         kernel = select_kernel(my_type if self.cuda else "cpu", plan.dtype if self.cuda else "fp32",
                                spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.pipe = plan.pipeline
-        if self.pipe is not None:
+        self.diloco = plan.diloco
+        self.global_tokens = plan.global_batch * plan.seq
+        self.step_tokens = self.global_tokens  # the loss normaliser of a step (DiLoCo: the group's tokens)
+        if self.diloco is not None:
+            check_diloco(plan, resume=args.resume, checkpoint_every=args.checkpoint_every)
+            self._build_diloco(args, spec, kernel.expand_kv, loss_scaling, comm)
+        elif self.pipe is not None:
             self._build_pipeline(args, spec, kernel.expand_kv, loss_scaling)
         elif self.tp > 1:
             self._build_tensor_parallel(args, spec, kernel.expand_kv, loss_scaling)
@@ -250,7 +268,6 @@ class Trainer:
             off, mb = self.runtime.my_rows[0], self.pipe.micro_batch
             self.slices = [slice(k * mb + off, k * mb + off + self.a.micro_batch)
                            for k in range(self.pipe.num_microbatches)]
-        self.global_tokens = plan.global_batch * plan.seq
         self.memory_limit_bytes = int(self.a.memory_gb * GIB) if self.a.memory_gb is not None else None
         self.standalone = os.environ.get(ENV_LAUNCHED) != "1"
         if self.standalone and rank == 0:  # no launcher on this node: rank 0 writes the run row
@@ -268,7 +285,8 @@ class Trainer:
         self.prefill = self._build_prefill(args) if args.prefill else None
         self.link = LinkCounter(os.environ.get(ENV_LINK_IF))  # emulated links: what this rank sends per step
         # live rebalancing (executor/rebalance.py): data-parallel plans of two ranks or more
-        self.rebalance = plan.rebalance == "auto" and self.pipe is None and world > 1 and self.tp == 1
+        self.rebalance = (plan.rebalance == "auto" and self.pipe is None and world > 1 and self.tp == 1
+                          and self.diloco is None)
         if plan.rebalance == "auto" and self.tp > 1 and rank == 0:
             log.info("no live rebalancing: a tensor-parallel plan's split is per TP group, which the rebalancer "
                      "(one rank per position) does not move")
@@ -278,8 +296,8 @@ class Trainer:
         """Rank 0's SplitMonitor (predictions, straggler, rebalancing) of a data-parallel plan; None
         for a pipeline plan or one rank, or when the plan's cost model cannot be built (said in an
         event: the run goes on without them)."""
-        if self.pipe is not None or world < 2 or self.tp > 1:  # TP: its cost model prices one rank per position
-            return None
+        if self.pipe is not None or world < 2 or self.tp > 1 or self.diloco is not None:
+            return None  # TP: its cost model prices one rank per position; DiLoCo: one copy of the state
         from executor.rebalance import SplitMonitor
 
         try:
@@ -335,6 +353,45 @@ class Trainer:
                                       **runtime_precision(plan))
         # the plan's split of the global batch: the embedding's gradient goes out as rows where that pays
         self.runtime.set_batch_split([u.batch for u in used], plan.seq)
+
+    def _build_diloco(self, args, spec, expand_kv: bool, loss_scaling: bool, world_comm) -> None:
+        """This rank's DiLoCo group (models/diloco.py): the uneven sharded runtime on the group's own
+        process group (its positions, in plan order, with their fractions and batches), the outer
+        exchange over the world. Every rank creates every group's process group, in group order."""
+        plan, d, used = self.plan, self.diloco, self.plan.used
+        world = len(used)
+        group_of = [d.group_of(a.node) for a in used]
+        pgs = [dist.new_group(sorted(self.owner[p] for p in range(world) if group_of[p] == g),
+                              timeout=collective_timeout(plan, args.run_dir)) for g in range(d.num_groups)]
+        g = group_of[self.position]
+        members = [p for p in range(world) if group_of[p] == g]
+        pg = pgs[g]
+        comm = ProcessGroupCollectives(members.index(self.position),
+                                       [dist.get_group_rank(pg, self.owner[p]) for p in members], group=pg)
+        inner = ShardedRuntime(spec, zero=plan.zero, fractions=[used[p].shard_fraction for p in members],
+                               position=members.index(self.position), comm=comm, device=self.device,
+                               recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim,
+                               seed=args.seed, loss_scaling=loss_scaling, expand_kv=expand_kv,
+                               materialize=not args.init_from, **runtime_precision(plan))
+        inner.set_batch_split([used[p].batch for p in members], plan.seq)
+        group_batch = sum(used[p].batch for p in members)
+        self.step_tokens = group_batch * plan.seq
+        self.group_weights = [sum(a.batch for a, h in zip(used, group_of) if h == k) / plan.global_batch
+                              for k in range(d.num_groups)]
+        self.group_leads = [next(p for p in range(world) if group_of[p] == k) for k in range(d.num_groups)]
+        self.runtime = DilocoRuntime(inner, d, group=g, weight=group_batch / plan.global_batch, outer=world_comm)
+
+    def _record_syncs(self, syncs) -> None:
+        """World rank 0: one `diloco_sync` event per outer step of a fragment, with its bytes and time."""
+        if self.rank != 0:
+            return
+        for o in syncs:
+            detail = {"fragment": o.fragment, "units": o.num_units, "payload_bytes": o.payload_bytes,
+                      "seconds": o.seconds, "ranks": len(self.plan.used), "compress": self.diloco.compress}
+            self.store.add_step_event("diloco_sync", o.step, detail,
+                                      f"outer step of fragment {o.fragment} ({o.num_units} units) after inner step "
+                                      f"{o.step}: {o.payload_bytes} bytes per rank ({self.diloco.compress}), "
+                                      f"{o.seconds:.3f} s", self.rank)
 
     def _tp_ranks(self) -> dict[int, list[int]]:
         """Each TP group's global ranks, increasing (= TP index order), by the group's first device."""
@@ -428,14 +485,20 @@ class Trainer:
         with tracker:
             batches = self._batches(starts)
             lr = lr_at(step, self.args.steps, self.optim)
-            if self.pipe is None:
+            if self.diloco is not None:
+                r = rt.train_step(batches, self.step_tokens, lr, after_compute=slow_down)
+                syncs = rt.syncs + (rt.sync_all() if step == self.args.steps else [])
+            elif self.pipe is None:
                 r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down)
             else:
                 t_start = time.time()
                 r = rt.train_step(batches, self.global_tokens, lr, after_compute=slow_down,
-                                  idle=self.prefill.step if self.prefill is not None else None, timeline=timeline)
+                                  idle=self.prefill.step if self.prefill is not None else None, timeline=timeline,
+                                  gaps=self.prefill)
         step_s = time.perf_counter() - t0
         link_tx_bytes = self.link.stop()
+        if self.diloco is not None:
+            self._record_syncs(syncs)
         peak = tracker.peak_bytes if measure_memory else None
         if peak is not None and self.memory_limit_bytes is not None and peak > self.memory_limit_bytes:
             raise EmulatedOutOfMemory(
@@ -505,7 +568,10 @@ class Trainer:
                           pred_wait[r])
                  for r, f in enumerate(figures)]
         lead = figures[self.owner[0]]
-        self.store.record_steps_of_all_ranks(step, ranks, lead["loss"], lead["step_s"], self.plan.global_batch,
+        loss = lead["loss"]
+        if self.diloco is not None:  # each group's loss is its own tokens' mean: weigh them by tokens
+            loss = sum(w * figures[self.owner[p]]["loss"] for w, p in zip(self.group_weights, self.group_leads))
+        self.store.record_steps_of_all_ranks(step, ranks, loss, lead["step_s"], self.plan.global_batch,
                                              self.plan.seq, lead["val_loss"])
 
     def relay(self, done: bool = False) -> None:
@@ -591,6 +657,9 @@ class Trainer:
                 if self.position == 0:
                     self.store.add_event("note", "no final checkpoint: a tensor-parallel run writes none yet "
                                          "(the checkpoint format has no TP layout)", self.rank)
+            elif step == args.steps and self.diloco is not None:  # asked ones: refused at start
+                if self.position == 0:
+                    self.store.add_event("note", DILOCO_NO_CHECKPOINT, self.rank)
             elif asked or step == args.steps:  # the last step's state is always kept: export, continue
                 self.save_checkpoint(step, required=asked)
                 if step != args.steps:

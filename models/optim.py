@@ -13,7 +13,12 @@ Nothing here reads a device value to the host: the norm, the overflow flag and t
 coefficient stay tensors (`clip_coefficient_t`); only the fp16 scaler's update needs a host bool.
     adamw_step_(p, g, m, v, step, lr_at(step, total_steps, cfg), cfg, decay_ranges(...))
 
-(`scale_used` is the scale the backward ran with.) Defaults (betas 0.9/0.95, weight decay 0.1 on
+(`scale_used` is the scale the backward ran with.) `OptimConfig.kind` "sgd" makes the same two
+entry points plain SGD (no momentum): adamw_prepare_ applies only the decay and adamw_step_ does
+param -= lr · g, torch.optim.SGD(momentum=0)'s update with its weight decay on the decay ranges
+(p - lr·(g + wd·p) = p·(1 - lr·wd) - lr·g). The sharded runtime keeps allocating the AdamW moments;
+SGD leaves them untouched. Its use: DiLoCo's inner optimizer (models/diloco.py), where H = 1 with an
+outer SGD of learning rate 1 is then exactly synchronous data parallelism. Defaults (betas 0.9/0.95, weight decay 0.1 on
 matrices only, clipping at 1.0, cosine to 10 % of the peak) follow GPT-3 (Brown et al. 2020, B.1)
 and Llama 2 (Touvron et al. 2023, §2.2).
 """
@@ -36,6 +41,8 @@ log = logging.getLogger(__name__)
 CLIP_EPS = 1e-6
 # grad_norm_sq_in_place's fp32 dot products: chunks this long keep each one's rounding near 1e-7
 DOT_CHUNK_NUMEL = 1 << 16
+# OptimConfig.kind: the update adamw_step_ applies to a slice
+OPTIMIZER_KINDS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,12 @@ class OptimConfig:
     # the step the cosine ends at; None: the run's --steps. Set it when a run is trained in
     # several launches (a preempted job, a resume on other GPUs) so the schedule stays one curve
     decay_steps: int | None = None
+    # "adamw", or "sgd": plain SGD without momentum (betas and eps unused), DiLoCo's exact-DP inner step
+    kind: str = "adamw"
 
     def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZER_KINDS:
+            raise ValueError(f"OptimConfig.kind must be one of {', '.join(OPTIMIZER_KINDS)}, got {self.kind!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"OptimConfig.lr must be a finite number > 0, got {self.lr!r}")
         betas = self.betas
@@ -151,12 +162,13 @@ def adamw_prepare_(param: Tensor, exp_avg_sq: Tensor, lr: float, cfg: OptimConfi
     """The two operations of `adamw_step_` that need no gradient, done ahead (while the step's last
     gradients are still on the wire): param[decay] *= 1 - lr · wd, exp_avg_sq *= β2. The step then
     runs with `prepared=True`. Each element sees the same operations in the same order, so the
-    update's values do not change."""
+    update's values do not change. SGD (cfg.kind "sgd"): the decay only."""
     if cfg.weight_decay != 0:
         factor = 1 - lr * cfg.weight_decay
         for a, b in decay:
             param[a:b].mul_(factor)
-    exp_avg_sq.mul_(cfg.betas[1])
+    if cfg.kind == "adamw":
+        exp_avg_sq.mul_(cfg.betas[1])
 
 
 @torch.no_grad()
@@ -184,7 +196,12 @@ def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
 
     `prepared`: `adamw_prepare_` already applied this step's two gradient-free operations (the decay
     and exp_avg_sq *= β2); the rest runs as above, so the values are the same.
+
+    cfg.kind "sgd": `sgd_step_` instead (the moments are neither read nor written).
     """
+    if cfg.kind == "sgd":
+        sgd_step_(param, grad, lr, cfg, decay, prepared=prepared)
+        return
     n = param.numel()
     for name, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dim() != 1 or t.numel() != n or t.dtype != torch.float32:
@@ -222,6 +239,29 @@ def adamw_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor
         torch.sqrt(v, out=denom)
         denom.div_(bias_correction2_sqrt).add_(cfg.eps)
         p.addcdiv_(m, denom, value=-step_size)
+
+
+@torch.no_grad()
+def sgd_step_(param: Tensor, grad: Tensor, lr: float, cfg: OptimConfig, decay: Sequence[tuple[int, int]],
+              prepared: bool = False) -> None:
+    """One SGD update of a flat fp32 shard, in place (torch.optim.SGD with momentum 0, its weight decay
+    applied only on the decay ranges, as AdamW's is):
+
+        param[decay] *= 1 - lr · wd        (skipped when `prepared`: adamw_prepare_ did it)
+        param -= lr · grad
+    """
+    n = param.numel()
+    for name, t in (("param", param), ("grad", grad)):
+        if t.dim() != 1 or t.numel() != n or t.dtype != torch.float32:
+            raise ValueError(f"sgd_step_: {name} must be a 1-D fp32 tensor of {n} elements, "
+                             f"got shape {tuple(t.shape)} {t.dtype}")
+    if any(not (0 <= a < b <= n) for a, b in decay):
+        raise ValueError(f"sgd_step_: decay ranges must lie in [0, {n}), got {list(decay)}")
+    if cfg.weight_decay != 0 and not prepared:
+        factor = 1 - lr * cfg.weight_decay
+        for a, b in decay:
+            param[a:b].mul_(factor)
+    param.add_(grad, alpha=-lr)
 
 
 def global_grad_norm_sq(shards: Iterable[Tensor], chunk_numel: int = STEP_CHUNK_NUMEL) -> Tensor:

@@ -257,12 +257,18 @@ class PipelineRuntime(TensorParallelRuntime):
         self._post(op, k)
         t = self._posted.pop((op, k))
         buf = t.keep
+        # the wait's begin and end, told to `gaps` (the prefill worker: it learns each wait's length)
+        opened = self._gaps is not None and not t.completed()
+        if opened:
+            self._gaps.gap_begin((op, k))
         while self._idle is not None and not t.completed():  # never starts a piece after completion
             t1 = time.time()
             if not self._idle():
                 break
             self._note("prefill", k, t1, time.time())  # one row per piece: each starts inside the wait
         t.wait()
+        if opened:
+            self._gaps.gap_end()
         self._note("recv_fwd" if op == "F" else "recv_bwd", k, t.start_s, t.done_at)
         return buf
 
@@ -318,7 +324,8 @@ class PipelineRuntime(TensorParallelRuntime):
 
     def train_step(self, batches: Sequence[tuple[torch.Tensor | None, torch.Tensor | None]], token_normalizer: int,
                    lr: float, after_compute: Callable[[float], None] | None = None,
-                   idle: Callable[[], bool] | None = None, timeline: bool = False) -> PipelineStepResult:
+                   idle: Callable[[], bool] | None = None, timeline: bool = False,
+                   gaps: Any = None) -> PipelineStepResult:
         """One optimizer step over the pipeline's micro-batches. `batches[k]` = (tokens, targets) of this
         rank's rows of micro-batch k (tokens on the first stage, targets on the last, else None);
         `token_normalizer` the GLOBAL token count; `idle` runs between polls of a pending receive."""
@@ -326,7 +333,7 @@ class PipelineRuntime(TensorParallelRuntime):
             raise ValueError(f"token_normalizer must be > 0, got {token_normalizer}")
         if len(batches) != self.pipeline.num_microbatches:
             raise ValueError(f"{len(batches)} micro-batches given, the pipeline runs {self.pipeline.num_microbatches}")
-        self._clock, self._ops, self._idle = [0.0, 0.0], ([] if timeline else None), idle
+        self._clock, self._ops, self._idle, self._gaps = [0.0, 0.0], ([] if timeline else None), idle, gaps
         self._sends: dict[tuple[str, int], _Transfer] = {}
         scale = self.scaler.scale
         for u in self.units:
@@ -354,7 +361,7 @@ class PipelineRuntime(TensorParallelRuntime):
         self._sync_grads()
         r = self._finish(total, lr, scale, t0)
         ops = tuple(self._ops or ())
-        self._ops, self._idle = None, None
+        self._ops, self._idle, self._gaps = None, None, None
         return r if not timeline else PipelineStepResult(**{**r.__dict__, "ops": ops})
 
     def _sync_grads(self) -> None:

@@ -4,18 +4,32 @@
 # The venv's bin/ goes first on PATH: subprocesses that start `python` (torchrun agents
 # of the SLURM backend) get the same interpreter and packages.
 #
-#   bash scripts/test.sh [pytest args]          the whole suite (CI's command)
-#   bash scripts/test.sh --fast [pytest args]   tests/unit only: no process started (731 tests,
-#                                               4 min 40 s on 2 cores with one busy beside them)
+#   bash scripts/test.sh                        the whole suite (CI's command): tests/unit on every
+#                                               core (pytest-xdist: they start no process and time
+#                                               nothing), then tests/e2e one test at a time (their
+#                                               runs are timed and use the cores themselves)
+#   bash scripts/test.sh [pytest args]          one pytest run of the arguments, one test at a time
+#   bash scripts/test.sh --fast [pytest args]   tests/unit only, on every core
 # Markers select by kind (pytest.ini): e.g. bash scripts/test.sh -m "not browser and not slurm".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-paths=(tests)
+fast=0
 if [[ "${1:-}" == "--fast" ]]; then
     shift
-    paths=(tests/unit)
+    fast=1
 fi
 bash scripts/install.sh
 VENV=$(realpath -m "${GPUMIX_VENV:-.venv}")
 export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
-exec "$VENV/bin/python" -m pytest "${paths[@]}" "$@"
+PY="$VENV/bin/python"
+if [[ $fast == 1 ]]; then
+    exec "$PY" -m pytest tests/unit -n auto "$@"
+fi
+if [[ $# -gt 0 ]]; then
+    exec "$PY" -m pytest "$@"
+fi
+# both parts always run; the suite fails if either does
+rc=0
+"$PY" -m pytest tests/unit -n auto || rc=$?
+"$PY" -m pytest tests/e2e || rc=$((rc ? rc : $?))
+exit "$rc"

@@ -61,3 +61,54 @@ def leave_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def rank_result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.pt")
+
+
+def save_rank_result(result: Any, out_dir: str, rank: int) -> None:
+    """A spawned rank's results (torch.save), for `spawn_ranks` to read back."""
+    import torch
+
+    torch.save(result, rank_result_path(out_dir, rank))
+
+
+def spawn_ranks(worker: Any, nprocs: int, out_dir: str) -> list[Any]:
+    """Run `worker(rank, port, out_dir)` in `nprocs` spawned processes (a fresh free port for their
+    process group), wait for all, and return what each saved with `save_rank_result`, by rank."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(free_port(), out_dir), nprocs=nprocs, start_method="spawn")
+    return [torch.load(rank_result_path(out_dir, r), weights_only=False) for r in range(nprocs)]
+
+
+def kill_rank_and_wait_teardown(handle: Any, rank: int, data_dir: str) -> dict:
+    """SIGKILL rank `rank` of the run `handle` (executor.launch.start_run) once it recorded 2 steps;
+    assert the run fails within 30 s naming that rank and the signal, and that every process of it
+    (the ranks, torchrun, the launcher) ends and none is left with the data folder. Returns the run's
+    metrics (executor.store.read_metrics)."""
+    import signal
+    import time
+
+    import psutil
+
+    from executor.store import read_metrics
+    from testkit.wait import wait_until
+
+    m = wait_until(lambda: (lambda m: m if len(m["steps"]) >= 2 else None)(read_metrics(handle.run_dir)), 150,
+                   "2 steps")
+    pids = {r["rank"]: r["pid"] for r in m["ranks"]}
+    with open(os.path.join(handle.run_dir, "torchrun.pid"), encoding="utf-8") as fh:
+        torchrun_pid = int(fh.read())
+    os.kill(pids[rank], signal.SIGKILL)
+    t0 = time.monotonic()
+    assert handle.wait(timeout_s=30) == "failed"
+    assert time.monotonic() - t0 < 30
+    m = read_metrics(handle.run_dir)
+    assert m["failed_rank"] == rank and f"rank {rank}" in m["reason"] and "SIGKILL" in m["reason"], m["reason"]
+    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                               for p in [*pids.values(), torchrun_pid, handle.pid]), 30, "every process to end")
+    assert processes_with_data_dir(data_dir) == []
+    return m

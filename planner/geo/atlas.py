@@ -4,9 +4,9 @@ Pipeline parallelism across datacenters, data parallelism inside each. The searc
 datacenters and GPU types in pipeline order, the data-parallel degree, the stages per unit, the
 layer split under each stage's memory, recomputation, the TCP connections per WAN transfer and the
 pipelines' turn order on each link. planner/geo/search.py ranks every structure by a closed-form
-1F1B estimate; the best few and the baselines' plans (planner/geo/evaluate.py) are simulated
-(`pipeline_sim.iteration_times`), and the simulated time decides. The winner's whole simulation
-(`AtlasResult.sim`, its Gantt) runs only when asked for.
+1F1B estimate; the best few are simulated (`pipeline_sim.iteration_times`), and the simulated time
+decides. The baselines (planner/geo/evaluate.py) are computed apart and compared with the result.
+The winner's whole simulation (`AtlasResult.sim`, its Gantt) runs only when asked for.
 
 The search, the estimate and the baselines: docs/models/pipeline_simulation.md ("Atlas's search").
 """
@@ -174,14 +174,11 @@ class AtlasResult:
 
 def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: str = "1f1b",
                 network: str = "atlas", all_datacenters: bool = False,
-                simulate_top: int = SIMULATE_TOP, prefill_bytes: int | None = None,
-                compare_with: tuple[GeoPlan, ...] = ()) -> AtlasResult:
+                simulate_top: int = SIMULATE_TOP, prefill_bytes: int | None = None) -> AtlasResult:
     """The fastest memory-feasible plan (by simulated iteration time) for `scenario`.
 
     `network="single_fair"` with `all_datacenters=True` is the pipeline baseline: the same
-    search, but one TCP connection per transfer, fair sharing, and every datacenter used.
-    `compare_with`: plans (the baselines') simulated beside the search's shortlist; the result is
-    the fastest of all, so it is never slower than any of them."""
+    search, but one TCP connection per transfer, fair sharing, and every datacenter used."""
     t0 = time.perf_counter()
     costs = costs or GeoCosts(scenario, schedule)
     if costs.schedule != schedule:
@@ -207,7 +204,7 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
     shortlist = [plan for _, plan in firsts + rest][:simulate_top]
     best: tuple[float, int, int] | None = None
     best_plan, best_job, unpriced = None, None, []
-    for plan in shortlist + list(compare_with):
+    for plan in shortlist:
         job = build_job(scenario, costs, plan, schedule)
         try:
             it = iteration_times(job, MAX_MICROBATCHES).iteration_s
@@ -231,6 +228,5 @@ def solve_atlas(scenario: GeoScenario, costs: GeoCosts | None = None, schedule: 
             best, best_plan, best_job = (it, *best[1:]), plan, job
     if unpriced:
         log.info("geo %s: %d candidates not priced (%s)", network, len(unpriced), unpriced[0])
-    log.info("geo %s: %d configurations, simulated %d (+%d compared), best %.3f s", network, considered,
-             len(shortlist), len(compare_with), best[0])
+    log.info("geo %s: %d configurations, simulated %d, best %.3f s", network, considered, len(shortlist), best[0])
     return AtlasResult(best_plan, best_job, best[0], considered, time.perf_counter() - t0, exact, top)

@@ -4,8 +4,12 @@ Given one simulated training iteration, prefill requests fill the GPU time train
 not use (bubbles and collective waits), on the GPUs whose stage leaves enough memory free for the
 inference model, or, in a split group, for its share of the layers; no training operation moves (the
 caller re-simulates with the prefill as reserved intervals to prove it). Prefill is chunked as
-executor/prefill.py runs it: one unit is one decoder layer over one token chunk, sized to the gap,
-priced from the profile store's forward time. Requests arrive as a seeded Poisson process or a
+executor/prefill.py runs it: one unit is one decoder layer over one token chunk, the chunk sized to
+the worker's time box (not to the gap), priced from the profile store's forward time. The worker
+does not know when the current gap ends: it starts a unit only if the unit fits the gap's
+*forecast* (`GapForecast`: the same gap's length measured in previous iterations), and a unit that
+runs past the gap's true end is counted as an overrun (`PrefillResult.overrun_s`), which delays
+training. Requests arrive as a seeded Poisson process or a
 backlog. `simulate_bubbletea` tries whole copies and each kind of split group and keeps the one
 serving the most prompt tokens.
 
@@ -19,6 +23,7 @@ import heapq
 import random
 import statistics
 from dataclasses import dataclass, field
+from typing import Hashable
 
 from planner.geo.scenario import InferenceWorkload
 from planner.geo.pipeline_sim import SimResult, simulate_pipeline
@@ -31,6 +36,45 @@ LOOKAHEAD = 32  # how far down the queue a free GPU looks for a request whose me
 MAX_PREFILL_REQUESTS = 100_000
 CHUNK_LADDER = (4096, 2048, 1024, 512, 256, 128, 64, 32, 16)  # chunk sizes (tokens) below a whole prompt
 COMPUTE_KINDS = ("F", "B", "OPT")  # the GPU's training compute; every other op (collectives) leaves it idle
+# The prefill worker's time box (executor/prefill.py imports these): a training op waits behind at
+# most one unit, and the worker's controller sizes each chunk so a unit takes CHUNK_TARGET of it.
+DEFAULT_MAX_CHUNK_S = 0.005
+CHUNK_TARGET = 0.5
+FORECAST_WINDOW = 3  # a gap's forecast: the shortest of its lengths in the last this many iterations
+
+
+class GapForecast:
+    """What a prefill worker can know of its GPU's idle gaps at run time: each gap's length as
+    measured in previous iterations (the schedule repeats every iteration), never the current gap's
+    end. A gap is named by a key stable across iterations (its index in the iteration here; the
+    receive it waits for in executor/prefill.py). `forecast_s(key)` is the shortest of the gap's last
+    FORECAST_WINDOW measured lengths (None before any measurement: the worker then starts no unit)."""
+
+    def __init__(self, window: int = FORECAST_WINDOW):
+        if window < 1:
+            raise ValueError(f"GapForecast: window must be >= 1, got {window}")
+        self.window = window
+        self._seen: dict[Hashable, list[float]] = {}
+
+    def record(self, key: Hashable, length_s: float) -> None:
+        """Gap `key` of the iteration just run lasted `length_s` (measured)."""
+        if length_s < 0:
+            raise ValueError(f"GapForecast: gap {key!r} measured {length_s} s long")
+        seen = self._seen.setdefault(key, [])
+        seen.append(length_s)
+        del seen[:-self.window]
+
+    def forecast_s(self, key: Hashable) -> float | None:
+        seen = self._seen.get(key)
+        return min(seen) if seen else None
+
+
+def chunk_for_box(units: "UnitTimes", lo: int, left: int, box_s: float = DEFAULT_MAX_CHUNK_S) -> int:
+    """The chunk the worker's controller settles on: the largest of (the rest of the prompt, the
+    CHUNK_LADDER sizes below it) whose layer unit at context `lo` takes at most CHUNK_TARGET × the
+    box; the smallest of them when none does. Independent of the gap it runs in."""
+    sizes = (left, *(k for k in CHUNK_LADDER if k < left))
+    return next((k for k in sizes if units.unit_s(lo, k) <= CHUNK_TARGET * box_s), sizes[-1])
 
 
 @dataclass(frozen=True)
@@ -60,6 +104,7 @@ class PrefillResult:
     note: str = ""
     fillable_s: float = 0.0  # compute-idle GPU time on the eligible GPUs (what prefill may take)
     split_groups: list = field(default_factory=list)  # [{"stages", "layers"}]: one model copy split per group
+    overrun_s: float = 0.0  # unit time past the true end of a gap (a forecast too long): training delayed
     queue_ran_dry: bool = False  # rate mode: every servable request offered was started
     # per split group (its members): ([(start, end, tokens)] of the requests it admitted, its token bound)
     group_logs: dict = field(default_factory=dict, repr=False)
@@ -72,8 +117,12 @@ class PrefillResult:
     def served(self) -> list[PrefillPlacement]:
         return [p for p in self.placements if p.done]
 
-    def gpu_utilization_with_prefill(self) -> float:
-        return (self.training_busy_s + self.prefill_busy_s) / (self.num_gpus * self.iteration_s)
+    def gpu_utilization_with_prefill(self, num_gpus: int | None = None) -> float:
+        """Training and prefill GPU time over `num_gpus` (default: the plan's) × the iteration."""
+        n = self.num_gpus if num_gpus is None else num_gpus
+        if n < self.num_gpus:
+            raise ValueError(f"utilization over {n} GPUs, fewer than the plan's {self.num_gpus}")
+        return (self.training_busy_s + self.prefill_busy_s) / (n * self.iteration_s)
 
     def prefill_tokens_per_s(self) -> float:
         """Tokens of the requests completed in the iteration per second (unfinished ones not counted)."""
@@ -104,6 +153,7 @@ class PrefillResult:
             "prefill_busy_s": self.prefill_busy_s,
             "prefill_fillable_s": self.fillable_s,
             "prefill_units": sum(p.units for p in self.placements),
+            "prefill_overrun_s": self.overrun_s,
             "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] if ttft else None,
             "eligible_stages": list(self.eligible_stages),
@@ -175,16 +225,22 @@ def compute_idle_gaps(sim: SimResult, pipeline: int, stage: int) -> list[tuple[f
 
 
 class _Gpu:
-    """One eligible GPU's walk through its gaps: `at` is the time it is free, inside gap `gi`."""
+    """One eligible GPU's walk through its gaps: `at` is the time it is free, inside gap `gi`. The
+    walk knows each gap's start (the worker is waiting) and its forecast end (`ends`), not its true
+    end; a unit past the true end is an overrun."""
 
-    def __init__(self, key: tuple[int, int], gaps: list[tuple[float, float]], units: UnitTimes, fits: set[int]):
+    def __init__(self, key: tuple[int, int], gaps: list[tuple[float, float]], units: UnitTimes, fits: set[int],
+                 ends: list[float] | None = None, box_s: float = DEFAULT_MAX_CHUNK_S):
         self.key, self.gaps, self.units, self.fits = key, gaps, units, fits
+        self.ends = [e for _, e in gaps] if ends is None else ends  # the forecast end of each gap
+        self.box_s = box_s
         self.gi, self.at = 0, gaps[0][0]
+        self.overrun_s = 0.0
 
     def seek(self, t: float) -> bool:
         """Move to the first free time >= t; False when the iteration's gaps are used up."""
         t = max(t, self.at)
-        while self.gi < len(self.gaps) and self.gaps[self.gi][1] <= t + 1e-12:
+        while self.gi < len(self.gaps) and min(self.gaps[self.gi][1], self.ends[self.gi]) <= t + 1e-12:
             self.gi += 1
         if self.gi >= len(self.gaps):
             return False
@@ -193,7 +249,8 @@ class _Gpu:
 
     def run(self, idx: int, n: int, arrival: float, out: list[PrefillPlacement]) -> None:
         """Prefill request idx (n tokens) from `at` on, unit by unit across gaps, to its end or the
-        iteration's; appends its pieces."""
+        iteration's; appends its pieces. A unit starts when it fits the gap's forecast rest; its
+        chunk is the box's (`chunk_for_box`)."""
         L = self.units.spec.num_layers
         lo, layer, c = 0, 0, 0
         piece_start, piece_units = None, 0
@@ -205,34 +262,56 @@ class _Gpu:
                                             done, piece_units))
             piece_start, piece_units = None, 0
 
+        def next_gap() -> bool:
+            close(False)
+            self.gi += 1
+            if self.gi >= len(self.gaps):
+                return False
+            self.at = self.gaps[self.gi][0]
+            return True
+
         while True:
-            rest = self.gaps[self.gi][1] - self.at
-            if layer == 0:  # a new chunk: the largest that fits the gap's rest
-                left = n - lo
-                c = next((k for k in (left, *(k for k in CHUNK_LADDER if k < left))
-                          if self.units.unit_s(lo, k) <= rest + 1e-12), 0)
-                took = self.units.unit_s(lo, c) if c else None
-            else:
-                took = self.units.unit_s(lo, c)
-                if took > rest + 1e-12:
-                    took = None
-            if took is None:  # nothing fits the rest of this gap: the next gap
-                close(False)
-                self.gi += 1
-                if self.gi >= len(self.gaps):
+            if layer == 0:  # a new chunk: the box's size, whatever the gap
+                c = chunk_for_box(self.units, lo, n - lo, self.box_s)
+            took = self.units.unit_s(lo, c)
+            if took > self.ends[self.gi] - self.at + 1e-12:  # not within the forecast: wait for the next gap
+                if not next_gap():
                     return
-                self.at = self.gaps[self.gi][0]
                 continue
             if piece_start is None:
                 piece_start = self.at
             self.at += took
             piece_units += 1
             layer += 1
+            over = self.at - self.gaps[self.gi][1]
             if layer == L:
                 lo, layer = lo + c, 0
+            if over > 1e-12:  # the gap really ended inside this unit: training waits for it
+                self.overrun_s += over
                 if lo >= n:
                     close(True)
                     return
+                if not next_gap():
+                    return
+                continue
+            if layer == 0 and lo >= n:
+                close(True)
+                return
+
+
+def forecast_gap_ends(gaps: list[tuple[float, float]], forecast: GapForecast | None) -> list[float]:
+    """Each gap's forecast end: its start plus `forecast`'s length for it. None: the steady state,
+    where the previous iterations' gaps are this one's (the simulated timeline repeats), so the
+    forecast is the gap's own length, fed to a GapForecast as the measurements it would have."""
+    if forecast is None:
+        forecast = GapForecast()
+        for i, (s, e) in enumerate(gaps):
+            forecast.record(i, e - s)
+    out = []
+    for i, (s, _) in enumerate(gaps):
+        f = forecast.forecast_s(i)
+        out.append(s if f is None else s + f)
+    return out
 
 
 SPLIT_CHUNK = 512  # tokens per chunk in a split group (its units cross GPUs whose gaps differ)
@@ -403,17 +482,23 @@ class _Group:
 
 def simulate_bubbletea(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
                        workload: InferenceWorkload, spec: ModelSpec, dtype: str = "bf16",
-                       seed: int = 0) -> PrefillResult:
+                       seed: int = 0, forecasts: dict[tuple[int, int], GapForecast] | None = None,
+                       box_s: float = DEFAULT_MAX_CHUNK_S) -> PrefillResult:
     """Prefill `workload`'s requests, chunked, in `sim`'s idle compute (one iteration). Where a
     stage cannot hold the whole inference model, also simulated with split groups (each run of a
     pipeline's stages inside one datacenter that has such a stage shares one copy, `_Group`); the
-    variant serving more prompt tokens is kept, the other named in the note."""
-    whole = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=None)
+    variant serving more prompt tokens is kept, the other named in the note. `forecasts`: per
+    (pipeline, stage) GPU what its worker knows of its gaps (default: the steady state's, each gap's
+    length in the previous iterations; `forecast_gap_ends`); `box_s`: the worker's time box."""
+    if box_s <= 0:
+        raise ValueError(f"bubbletea: the time box must be > 0 s, got {box_s}")
+    whole = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split=None,
+                      forecasts=forecasts, box_s=box_s)
     if set(whole.eligible_stages) == set(range(sim.job.num_stages)):
         return whole
     variants = [(whole, "whole copies only")]
     for how in SPLIT_MODES:
-        res = _steady(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, how)
+        res = _steady(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, how, forecasts)
         if res.split_groups and res.split_groups not in [v.split_groups for v, _ in variants]:
             variants.append((res, f"split groups ({how})"))
     keep, _ = max(variants, key=lambda v: v[0].prefill_tokens_per_s())  # the first of equals: whole copies
@@ -495,7 +580,9 @@ def _split_windows(runs: list[list[int]], whole: set[int], free: list[int], hold
 
 def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int],
               workload: InferenceWorkload, spec: ModelSpec, dtype: str, seed: int, split: str | None,
-              period: float | None = None, tails: dict | None = None) -> PrefillResult:
+              period: float | None = None, tails: dict | None = None,
+              forecasts: dict[tuple[int, int], GapForecast] | None = None,
+              box_s: float = DEFAULT_MAX_CHUNK_S) -> PrefillResult:
     T = sim.iteration_s
     lengths = sorted({t for t, _ in workload.prompt_tokens})
     need = {n: prefill_memory_bytes(spec, n, dtype) for n in lengths}
@@ -538,11 +625,17 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
         for j in sorted(fits):
             gaps = compute_idle_gaps(sim, r, j)
             if gaps:
-                gpus.append(_Gpu((r, j), gaps, units[stage_gpu_types[j]], fits[j]))
+                ends = forecast_gap_ends(gaps, (forecasts or {}).get((r, j)))
+                gpus.append(_Gpu((r, j), gaps, units[stage_gpu_types[j]], fits[j], ends, box_s))
     for members, layers, ns, hops in groups:
         lat, gbps = max(c.latency_s for c in hops), min(c.per_transfer_gbps for c in hops)
         act = spec.hidden * DTYPE_BYTES[dtype] * 8  # bits of one token's hidden state
-        gaps = [compute_idle_gaps(sim, r, j) for r, j in members]
+        # a split group's units go where the forecast and the gap agree (its overrun is not modelled)
+        gaps = []
+        for r, j in members:
+            true = compute_idle_gaps(sim, r, j)
+            ends = forecast_gap_ends(true, (forecasts or {}).get((r, j)))
+            gaps.append([(s, min(e, f)) for (s, e), f in zip(true, ends) if min(e, f) > s])
         if all(gaps[i] for i, n in enumerate(layers) if n):
             gpus.append(_Group(members, layers, gaps, [units[stage_gpu_types[j]] for _, j in members], ns,
                                lambda c, lat=lat, gbps=gbps, act=act: lat + c * act / (gbps * 1e9),
@@ -618,6 +711,7 @@ def _simulate(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list
         if g.seek(g.at):
             heapq.heappush(heap, (g.at, i))
     res.group_logs = {tuple(g.members): (g.log, g.kv_tokens) for g in gpus if isinstance(g, _Group)}
+    res.overrun_s = sum(g.overrun_s for g in gpus if isinstance(g, _Gpu))
     return res
 
 
@@ -625,7 +719,8 @@ WRAP_PASSES = 3  # simulations that look for a steady state of split groups runn
 
 
 def _steady(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[int], workload: InferenceWorkload,
-            spec: ModelSpec, dtype: str, seed: int, split: str) -> PrefillResult:
+            spec: ModelSpec, dtype: str, seed: int, split: str,
+            forecasts: dict[tuple[int, int], GapForecast] | None = None) -> PrefillResult:
     """`_simulate` with split groups whose requests may run past the iteration's end into the start of
     the next (iterations repeat back to back: the same free time, `_FreeList`). Those requests hold
     their caches at the next iteration's start too, so each pass admits requests beside the previous
@@ -633,11 +728,12 @@ def _steady(sim: SimResult, stage_gpu_types: list[str], stage_free_bytes: list[i
     than a group's bound (`_peak_tokens`); after WRAP_PASSES without, no group runs past the end."""
     T, tails = sim.iteration_s, {}
     for _ in range(WRAP_PASSES):
-        res = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split, T, tails)
+        res = _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split, T, tails,
+                        forecasts)
         if all(_peak_tokens(log, T) <= cap for log, cap in res.group_logs.values()):
             return res
         tails = {k: [(e - T, n) for _, e, n in log if e > T] for k, (log, _) in res.group_logs.items()}
-    return _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split)
+    return _simulate(sim, stage_gpu_types, stage_free_bytes, workload, spec, dtype, seed, split, forecasts=forecasts)
 
 
 def _peak_tokens(log: list[tuple[float, float, int]], period: float) -> int:

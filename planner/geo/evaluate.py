@@ -1,11 +1,15 @@
 """A geo scenario end to end: the Atlas plan, its baselines and BubbleTea, all simulated.
 
-Baselines, on the same cost tables and simulator: "dp_across_dcs" (a full replica per datacenter,
-gradients all-reduced over the WAN, priced generously), "pp_single_connection_fair" (one TCP
-connection per transfer, links shared fairly), "best_single_dc" and "even_layer_split" (the chosen
-stages, layers split evenly). The pipeline baselines are simulated beside the search's shortlist
-and the fastest kept, so the plan is never slower than any of them; a faster DP is named in the
-report's `slower_than`.
+Baselines, each computed by its own code apart from the search, on the same cost tables and
+simulator: "dp_across_dcs" (a full replica per datacenter, gradients all-reduced over the WAN in
+buckets overlapped with the backward, costs.estimate_overlapped_allreduce),
+"pp_single_connection_fair" (one TCP connection per transfer, links shared fairly),
+"best_single_dc" (each datacenter planned alone) and "even_layer_split" (the chosen stages, layers
+split evenly). No baseline's plan is a candidate of the search, so the comparison can fail: the
+report's `slower_than` names every baseline faster than the plan.
+
+Utilization is over every GPU of the scenario (a GPU the plan leaves out is idle), the plan's own
+GPUs' beside it (`*_plan_gpus`).
 
 Each baseline's model: docs/models/pipeline_simulation.md ("Atlas's search"); BubbleTea's:
 docs/models/bubbletea.md.
@@ -19,7 +23,7 @@ from typing import Any
 
 from planner.geo.bubbletea import PrefillResult, prefill_memory_bytes, simulate_bubbletea, training_unchanged
 from planner.geo.atlas import AtlasResult, GeoPlan, StagePlan, build_job, solve_atlas
-from planner.geo.costs import GeoCosts
+from planner.geo.costs import GeoCosts, estimate_best_bucketed_allreduce
 from planner.costmodel.collectives import Link, bytes_per_s
 from planner.geo.scenario import GeoScenario
 from planner.geo.pipeline_sim import SimResult, simulate_pipeline
@@ -32,15 +36,17 @@ log = logging.getLogger(__name__)
 class BaselineOutcome:
     name: str
     iteration_s: float | None  # None: infeasible
-    gpu_utilization: float | None
-    num_gpus: int
+    gpu_utilization: float | None  # over every GPU of the scenario
+    num_gpus: int  # the GPUs the baseline uses
     description: str
     note: str = ""
-    plan: GeoPlan | None = None  # pipeline baselines: the plan (a candidate of the final choice)
+    plan: GeoPlan | None = None  # pipeline baselines: their plan (never a candidate of the search)
     sim: SimResult | None = None
+    gpu_utilization_plan_gpus: float | None = None  # over the baseline's own GPUs
 
     def to_dict(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "gpu_utilization": self.gpu_utilization,
+                "gpu_utilization_plan_gpus": self.gpu_utilization_plan_gpus,
                 "num_gpus": self.num_gpus, "description": self.description, "note": self.note}
 
 
@@ -50,7 +56,9 @@ def _sub_scenario(scenario: GeoScenario, dc: str, global_batch: int) -> GeoScena
 
 
 def _widest_tree(scenario: GeoScenario, dcs: list[str], connections: int) -> tuple[float, float]:
-    """(bottleneck Gbit/s, largest one-way latency s) of the maximum spanning tree (Kruskal) joining `dcs`."""
+    """(bottleneck Gbit/s, largest one-way latency s) of the links joining `dcs` in the maximum
+    spanning tree (Kruskal) of the scenario's links: the tree pruned of the branches that lead to
+    no datacenter of `dcs`."""
     parent = {dc.name: dc.name for dc in scenario.datacenters}
 
     def find(x: str) -> str:
@@ -67,6 +75,14 @@ def _widest_tree(scenario: GeoScenario, dcs: list[str], connections: int) -> tup
             used.append(link)
     if len({find(d) for d in dcs}) > 1:
         raise ValueError(f"no wan links connect datacenters {dcs}: add links between them")
+    while True:  # drop leaves outside `dcs` until every leaf is one of them
+        degree: dict[str, int] = {}
+        for l in used:
+            degree[l.a], degree[l.b] = degree.get(l.a, 0) + 1, degree.get(l.b, 0) + 1
+        leaves = {x for x, k in degree.items() if k == 1 and x not in dcs}
+        if not leaves:
+            break
+        used = [l for l in used if l.a not in leaves and l.b not in leaves]
     return (min(l.throughput_gbps(connections) for l in used), max(l.one_way_latency_s for l in used))
 
 
@@ -81,10 +97,34 @@ def solve_each_dc(scenario: GeoScenario, schedule: str = "1f1b") -> dict[str, At
     return out
 
 
+def gradient_ready(costs: GeoCosts, result: AtlasResult) -> dict[int, tuple[float, int]]:
+    """layer -> (when its gradient is final, its parameters) in one datacenter's plan: the gradient of
+    a stage's layers is final during the stage's last backward (the last micro-batch's, over its
+    pipelines), the stage's later layers first, evenly over that backward; the first layer carries
+    the embedding, the last the head (costs.stage_params)."""
+    plan, sim = result.plan, result.sim
+    L, out = costs.spec.num_layers, {}
+    for j, st in enumerate(plan.stages):
+        last_b = max((o for o in sim.ops if o.stage == j and o.kind == "B"), key=lambda o: o.end_s)
+        span = last_b.end_s - last_b.start_s
+        for k in range(st.num_layers):
+            layer = st.first_layer + st.num_layers - 1 - k
+            params = costs.stage_params(1, layer == 0, layer == L - 1)
+            out[layer] = (last_b.start_s + span * (k + 1) / st.num_layers, params)
+    return out
+
+
 def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: list[str] | None = None,
                          alone: dict[str, AtlasResult] | None = None) -> BaselineOutcome:
-    """DP across `datacenters` (default: all of them); `alone` = solve_each_dc(scenario) if known."""
-    desc = "data parallel across datacenters, gradient all-reduce over the WAN"
+    """DP across `datacenters` (default: all of them); `alone` = solve_each_dc(scenario) if known.
+
+    Each DC runs its own best plan on its share of the batch (shares by throughput); the gradients
+    are all-reduced over the WAN as DDP does: in buckets issued as the last micro-batch's backward
+    finalizes them, layer by layer in every DC (`gradient_ready`), overlapped with that backward, at
+    the bucket size that ends first (costs.estimate_best_bucketed_allreduce). The step pays the
+    slowest DC's iteration plus what of the WAN all-reduce is left after the last backward (its
+    own syncs and optimizer step are not overlapped with that rest: a slight overestimate)."""
+    desc = "data parallel across datacenters, gradient all-reduce over the WAN overlapped with the backward"
     num_mb = scenario.global_batch // scenario.micro_batch
     names = datacenters or [dc.name for dc in scenario.datacenters]
     alone = solve_each_dc(scenario, costs.schedule) if alone is None else alone
@@ -105,25 +145,42 @@ def simulate_dp_baseline(scenario: GeoScenario, costs: GeoCosts, datacenters: li
             for n, mbs in share.items() if mbs}
     gpus = sum(r.plan.num_gpus for r in sims.values())
     compute_end = max(r.sim.iteration_s for r in sims.values())
-    wan_s = 0.0
+    exposed, comm, buckets = 0.0, 0.0, 0
     if len(sims) > 1:
         connections = min(r.plan.num_gpus for r in sims.values())  # one connection per GPU's shard
         gbps, lat = _widest_tree(scenario, list(sims), connections)
         D = len(sims)
         # a ring over the D datacenters: 2(D−1) steps, each paying the one-way latency once
         link = Link(bytes_per_s(gbps), lat, call_latency_s=2 * (D - 1) * lat)
-        wan_s = costs.wan_allreduce_s(costs.spec.num_params, D, link)
-    iteration = compute_end + wan_s
+        ready = [gradient_ready(costs, r) for r in sims.values()]
+        pieces = [(max(rd[layer][0] for rd in ready), costs.grad_bytes(ready[0][layer][1]))
+                  for layer in reversed(range(costs.spec.num_layers))]
+        est = estimate_best_bucketed_allreduce(pieces, D, link)
+        exposed, comm, buckets = est.exposed_s, est.total_comm_s, est.num_buckets
+    iteration = compute_end + exposed
     busy = sum(r.sim.compute_busy_s() for r in sims.values())
-    note = f"WAN all-reduce {wan_s:.3g} s after compute {compute_end:.3g} s over {', '.join(sims)}"
-    return BaselineOutcome("dp_across_dcs", iteration, busy / (gpus * iteration), gpus, desc, note)
+    note = (f"WAN all-reduce {comm:.3g} s in {buckets} buckets, {exposed:.3g} s of it after the backward, "
+            f"compute {compute_end:.3g} s over {', '.join(sims)}")
+    return BaselineOutcome("dp_across_dcs", iteration, busy / (scenario_gpus(scenario) * iteration), gpus, desc,
+                           note, gpu_utilization_plan_gpus=busy / (gpus * iteration))
 
 
-def _from_atlas(name: str, result: AtlasResult, desc: str) -> BaselineOutcome:
+def scenario_gpus(scenario: GeoScenario) -> int:
+    """Every GPU of the scenario: the denominator of its utilization."""
+    return sum(dc.num_gpus for dc in scenario.datacenters)
+
+
+def _outcome(name: str, scenario: GeoScenario, plan: GeoPlan, sim: SimResult, desc: str,
+             note: str) -> BaselineOutcome:
+    over_all = sim.compute_busy_s() / (scenario_gpus(scenario) * sim.iteration_s)
+    return BaselineOutcome(name, sim.iteration_s, over_all, plan.num_gpus, desc, note, plan, sim,
+                           sim.gpu_utilization())
+
+
+def _from_atlas(name: str, scenario: GeoScenario, result: AtlasResult, desc: str) -> BaselineOutcome:
     p = result.plan
     note = f"{'→'.join(p.chain)}, {p.num_pipelines} pipelines × {p.num_stages} stages"
-    return BaselineOutcome(name, result.sim.iteration_s, result.sim.gpu_utilization(), p.num_gpus, desc, note,
-                           p, result.sim)
+    return _outcome(name, scenario, p, result.sim, desc, note)
 
 
 def even_split_plan(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan) -> GeoPlan | None:
@@ -150,23 +207,25 @@ def simulate_even_split(scenario: GeoScenario, costs: GeoCosts, plan: GeoPlan) -
         return BaselineOutcome("even_layer_split", None, None, 0, desc, "an even split does not fit the GPUs' memory")
     sim = simulate_pipeline(build_job(scenario, costs, even, costs.schedule))
     note = "/".join(str(s.num_layers) for s in even.stages) + " layers per stage"
-    return BaselineOutcome("even_layer_split", sim.iteration_s, sim.gpu_utilization(), even.num_gpus, desc, note,
-                           even, sim)
+    return _outcome("even_layer_split", scenario, even, sim, desc, note)
 
 
 def simulate_baselines(scenario: GeoScenario, costs: GeoCosts) -> dict[str, BaselineOutcome]:
+    """The baselines that do not depend on the plan, each by its own code (none is given to the
+    search): DP across every datacenter, the fair one-connection pipeline, the best single DC."""
     alone = solve_each_dc(scenario, costs.schedule)
     out = {"dp_across_dcs": simulate_dp_baseline(scenario, costs, alone=alone)}
     desc = "pipeline across every datacenter, 1 TCP connection per transfer, fair sharing"
     try:
         out["pp_single_connection_fair"] = _from_atlas(
-            "pp_single_connection_fair",
+            "pp_single_connection_fair", scenario,
             solve_atlas(scenario, costs, costs.schedule, network="single_fair", all_datacenters=True), desc)
     except ValueError as e:
         out["pp_single_connection_fair"] = BaselineOutcome("pp_single_connection_fair", None, None, 0, desc, str(e))
     if alone:
         name = min(alone, key=lambda n: alone[n].sim.iteration_s)
-        out["best_single_dc"] = _from_atlas("best_single_dc", alone[name], f"best plan inside one datacenter ({name})")
+        out["best_single_dc"] = _from_atlas("best_single_dc", scenario, alone[name],
+                                            f"best plan inside one datacenter ({name})")
     else:
         out["best_single_dc"] = BaselineOutcome("best_single_dc", None, None, 0, "one datacenter only",
                                                 "the model fits no single datacenter")
@@ -183,11 +242,27 @@ class GeoReport:
     training_unchanged: bool | None  # re-simulated with prefill reserved: every training op identical
     solve_time_s: float
     num_candidates: int
-    chosen_from: str = "search"  # "search", or the pipeline baseline whose plan was fastest
+    chosen_from: str = "search"  # the plan is the search's; no baseline's plan is a candidate
     search_exact: bool = False  # every structure enumerated (planner/geo/search.py), not a reduced set
 
+    @property
+    def num_scenario_gpus(self) -> int:
+        return scenario_gpus(self.scenario)
+
+    def gpu_utilization(self) -> float:
+        """Forward/backward GPU time over every GPU of the scenario × the iteration (a GPU the plan
+        leaves out counts as idle)."""
+        return self.sim.compute_busy_s() / (self.num_scenario_gpus * self.sim.iteration_s)
+
+    def gpu_utilization_with_prefill(self) -> float:
+        """Training and prefill GPU time over every GPU of the scenario × the iteration."""
+        if self.prefill is None:
+            return self.gpu_utilization()
+        return self.prefill.gpu_utilization_with_prefill(self.num_scenario_gpus)
+
     def slower_than(self) -> list[str]:
-        """Baselines faster than the plan (to rounding): empty unless DP across datacenters wins."""
+        """Baselines faster than the plan (to rounding): the comparison the search can lose, since
+        no baseline's plan is one of its candidates."""
         t = self.sim.iteration_s
         return [k for k, v in self.baselines.items() if v.iteration_s is not None and v.iteration_s < t * (1 - 1e-9)]
 
@@ -198,16 +273,23 @@ class GeoReport:
         return dp.iteration_s if dp else None
 
     def to_dict(self) -> dict[str, Any]:
-        util = self.sim.gpu_utilization()
-        pre = self.prefill
+        util, pre = self.gpu_utilization(), self.prefill
         d: dict[str, Any] = {
             "scenario": self.scenario.name,
             "iteration_s": self.sim.iteration_s,
             "baseline_iteration_s": self.baseline_iteration_s,
             "baselines": {k: v.to_dict() for k, v in self.baselines.items()},
+            "num_scenario_gpus": self.num_scenario_gpus,
+            "num_plan_gpus": self.plan.num_gpus,
+            # over every GPU of the scenario; `*_plan_gpus`: over the plan's own GPUs
             "gpu_utilization": util,
             "gpu_utilization_training_only": util,  # forward/backward only, beside the one with prefill
-            "gpu_utilization_with_prefill": pre.gpu_utilization_with_prefill() if pre else util,
+            "gpu_utilization_with_prefill": self.gpu_utilization_with_prefill(),
+            "gpu_utilization_plan_gpus": self.sim.gpu_utilization(),
+            "gpu_utilization_with_prefill_plan_gpus": pre.gpu_utilization_with_prefill() if pre else
+            self.sim.gpu_utilization(),
+            # rate mode: the share of the offered requests whose prefill finished (None with a backlog)
+            "prefill_served_share": pre.summary()["prefill_offered_share_served"] if pre else None,
             "prefill_tokens_per_s": pre.prefill_tokens_per_s() if pre else 0.0,
             "prefill": pre.summary() if pre else None,
             "training_unchanged_by_prefill": self.training_unchanged,
@@ -240,22 +322,18 @@ def run_prefill(scenario: GeoScenario, plan: GeoPlan, sim: SimResult) -> tuple[P
 
 
 def simulate_geo(scenario: GeoScenario, schedule: str = "1f1b", baselines: bool = True) -> GeoReport:
-    """Plan `scenario` with Atlas, simulate it, its baselines and BubbleTea's prefill. The plan is the
-    fastest of the search's shortlist and the pipeline baselines' plans (simulated alike)."""
+    """Plan `scenario` with Atlas, simulate it, then its baselines apart (none is a candidate of the
+    search: `GeoReport.slower_than` names those faster than the plan) and BubbleTea's prefill."""
     t0 = time.perf_counter()
     costs = GeoCosts(scenario, schedule)
     inf = scenario.inference
     need = None if inf is None else prefill_memory_bytes(get_model(inf.model), min(t for t, _ in inf.prompt_tokens),
                                                           scenario.dtype)
+    atlas = solve_atlas(scenario, costs, schedule, prefill_bytes=need)
+    solve_s = time.perf_counter() - t0
     base = simulate_baselines(scenario, costs) if baselines else {}
-    atlas = solve_atlas(scenario, costs, schedule, prefill_bytes=need,
-                        compare_with=tuple(b.plan for b in base.values() if b.plan is not None))
     if baselines:
         base["even_layer_split"] = simulate_even_split(scenario, costs, atlas.plan)
-    plan, sim, chosen = atlas.plan, atlas.sim, "search"
-    for name, b in base.items():  # the even split was not among the search's comparisons
-        if b.plan is not None and b.sim is not None and b.sim.iteration_s < sim.iteration_s:
-            plan, sim, chosen = b.plan, b.sim, name
-    solve_s = time.perf_counter() - t0
-    pre, same = run_prefill(scenario, plan, sim)
-    return GeoReport(scenario, plan, sim, base, pre, same, solve_s, atlas.num_candidates, chosen, atlas.exact)
+    pre, same = run_prefill(scenario, atlas.plan, atlas.sim)
+    return GeoReport(scenario, atlas.plan, atlas.sim, base, pre, same, solve_s, atlas.num_candidates, "search",
+                     atlas.exact)

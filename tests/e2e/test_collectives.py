@@ -9,20 +9,18 @@ against contracts/wire.py.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.uneven_collectives import measure_sent_bytes
 from contracts import wire
-from executor.launch import free_port
 from profiler.memtrack import LiveTensorBytes
 from models.collectives import ProcessGroupCollectives
+from testkit.processes import save_rank_result, spawn_ranks
 
 WORLD = 3
 POSITION_TO_RANK = (2, 0, 1)
@@ -178,7 +176,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         solo = ProcessGroupCollectives(0, [0], group=groups[rank])
         res["solo/gather"] = _gather(solo, torch.float32, True, ((0, 5),))
         res["solo/reduce"] = _reduce(solo, rank, torch.float32, False, ((0, 5),))
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
 
@@ -186,8 +184,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("collectives"))
-    mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, start_method="spawn")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out_dir)
 
 
 def expected_full(bounds=BOUNDS) -> torch.Tensor:

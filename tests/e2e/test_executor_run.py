@@ -7,7 +7,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ from contracts.paths import ENV_DATA_DIR
 from contracts.plan import Assignment, Plan
 from contracts.run import RunConfig
 from contracts.specs import get_model, with_max_seq
-from testkit.processes import processes_with_data_dir
+from testkit.processes import kill_rank_and_wait_teardown, processes_with_data_dir
 from testkit.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -186,18 +185,7 @@ def test_zero3_trains_a_model_that_cannot_fit_replicated_in_an_emulated_device(d
 
 def test_a_killed_rank_fails_the_run_within_30_s_and_leaves_no_process(data_dir, tmp_path):
     h = start_run(manual_plan([(2, 1, 0.5), (2, 1, 0.5)]), 100_000, str(tmp_path / "killed"), seed=SEED)
-    m = wait_until(lambda: (lambda m: m if len(m["steps"]) >= 2 else None)(read_metrics(h.run_dir)), 150, "2 steps")
-    pids = {r["rank"]: r["pid"] for r in m["ranks"]}
-    torchrun_pid = int(open(os.path.join(h.run_dir, "torchrun.pid")).read())
-    os.kill(pids[1], signal.SIGKILL)
-    t0 = time.monotonic()
-    assert h.wait(timeout_s=30) == "failed"
-    assert time.monotonic() - t0 < 30
-    m = read_metrics(h.run_dir)
-    assert m["failed_rank"] == 1 and "rank 1" in m["reason"] and "SIGKILL" in m["reason"], m["reason"]
-    wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                          for p in [*pids.values(), torchrun_pid, h.pid]), 30, "every process to end")
-    assert processes_with_data_dir(data_dir) == []
+    kill_rank_and_wait_teardown(h, 1, data_dir)
 
 
 def test_emulated_memory_limit_fails_the_rank_with_an_out_of_memory_message(data_dir, tmp_path):

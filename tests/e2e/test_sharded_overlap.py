@@ -14,19 +14,16 @@ several configurations from the same initial weights and saves every step's glob
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from contracts.specs import PRESETS
-from executor.launch import free_port
 from models.collectives import LocalCollectives, ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
-from testkit.processes import leave_rank
+from testkit.processes import leave_rank, save_rank_result, spawn_ranks
 
 WORLD = 3
 SPEC = PRESETS["tiny"]
@@ -90,7 +87,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             fsdp_losses.append(float(loss))
         res["fsdp2"] = {"losses": fsdp_losses}
         res["bf16_reduce_bf16"] = _train(runtime(reduce_dtype=torch.bfloat16, **bf16), rank, BF16_STEPS, 1)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
     leave_rank()
@@ -99,8 +96,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("sharded_overlap"))
-    mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, start_method="spawn")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out_dir)
 
 
 def one_rank_losses(steps: int, n: int) -> list[float]:

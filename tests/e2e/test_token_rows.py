@@ -6,21 +6,18 @@ at zero 3 (prefetch, a reduce left in flight) and zero 2; the ranks' TCP payload
 contracts.wire's bytes for the collectives it issues."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from contracts import wire
 from contracts.specs import PRESETS
 from contracts.units import runtime_units
-from executor.launch import free_port
 from models.collectives import LocalCollectives, ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
-from testkit.processes import leave_rank
+from testkit.processes import leave_rank, save_rank_result, spawn_ranks
 
 WORLD = 3
 FRACTIONS = (0.5, 0.3, 0.2)
@@ -60,7 +57,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 rt.train_step(batches(name, s, rank, MICRO_BATCHES[rank]), NORMALIZER, LR).loss
                 for s in range(1, STEPS + 1)]}
             rt.settle()
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank_result(res, out_dir, rank)
     finally:
         dist.destroy_process_group()
     leave_rank()
@@ -69,8 +66,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("token_rows"))
-    mp.start_processes(_worker, args=(free_port(), out_dir), nprocs=WORLD, start_method="spawn")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_ranks(_worker, WORLD, out_dir)
 
 
 def one_rank_losses(name: str, zero: int) -> list[float]:

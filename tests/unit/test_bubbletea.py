@@ -301,3 +301,102 @@ def test_end_to_end_report_keeps_training_unchanged():
     res = solve_atlas(sc)
     pre, same = run_prefill(sc, res.plan, res.sim)
     assert same is True and pre.placements
+
+
+class LinearUnits:
+    """Unit times of a 2-layer model: 10 µs per token, whatever the context (hand-checkable)."""
+
+    class spec:
+        num_layers = 2
+
+    def unit_s(self, lo: int, c: int) -> float:
+        return 1e-5 * c
+
+
+def walk(gaps, ends=None, tokens=1000):
+    from planner.geo.bubbletea import _Gpu
+
+    gpu = _Gpu((0, 0), gaps, LinearUnits(), {tokens}, ends)
+    out: list[PrefillPlacement] = []
+    gpu.run(0, tokens, 0.0, out)
+    return gpu, out
+
+
+def test_a_chunk_is_the_time_boxs_not_the_gaps():
+    """The 5 ms box aims units at 2.5 ms: at 10 µs per token the largest ladder chunk under it is 128
+    tokens (1.28 ms). A 2 ms gap takes one such unit and leaves its 0.72 ms tail idle (no smaller
+    chunk sized to the gap's rest); long gaps take the same 128-token units."""
+    from planner.geo.bubbletea import chunk_for_box
+
+    units = LinearUnits()
+    assert chunk_for_box(units, 0, 1000) == 128
+    assert chunk_for_box(units, 768, 232) == 232  # the prompt's rest fits the box whole
+    gpu, out = walk([(0.0, 0.002), (1.0, 2.0)])
+    first = [p for p in out if p.start_s < 0.5]
+    assert len(first) == 1 and first[0].units == 1
+    assert first[0].end_s - first[0].start_s == pytest.approx(1.28e-3)
+    # 1000 tokens = 6 chunks of 128, then the rest 232 (2.32 ms) whole, each through 2 layers: 14 units
+    assert sum(p.units for p in out) == 14
+    assert sum(p.end_s - p.start_s for p in out) == pytest.approx(2 * 1000 * 1e-5)
+    assert out[-1].done and gpu.overrun_s == 0.0
+
+
+def test_units_start_only_within_the_forecast_and_a_long_forecast_overruns():
+    """A forecast shorter than the gap leaves its tail idle; one longer than the gap lets the unit
+    running at the gap's true end overrun it (counted, at most one unit)."""
+    _, short = walk([(0.0, 1.0)], ends=[0.005])
+    assert short and max(p.end_s for p in short) <= 0.005 + 1e-12
+    assert sum(p.units for p in short) == 3  # 3 × 1.28 ms fit 5 ms, a fourth would not
+    gpu, long = walk([(0.0, 0.005), (1.0, 2.0)], ends=[0.5, 2.0])
+    in_first = [p for p in long if p.start_s < 0.5]
+    assert in_first[-1].end_s > 0.005  # ran past the gap's true end
+    assert 0 < gpu.overrun_s <= 1.28e-3 + 1e-12
+    assert gpu.overrun_s == pytest.approx(in_first[-1].end_s - 0.005)
+
+
+def test_the_forecast_is_the_shortest_of_the_last_measured_lengths():
+    from planner.geo.bubbletea import GapForecast, forecast_gap_ends
+
+    f = GapForecast(window=2)
+    assert f.forecast_s(("F", 0)) is None  # never measured
+    for length in (0.3, 0.1, 0.2):
+        f.record(("F", 0), length)
+    assert f.forecast_s(("F", 0)) == pytest.approx(0.1)  # window of 2: 0.1 and 0.2
+    f.record(("F", 0), 0.4)
+    assert f.forecast_s(("F", 0)) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="measured -1"):
+        f.record(1, -1.0)
+    # by index: none measured -> no room; the default forecast is each gap's own length (steady state)
+    g = GapForecast()
+    g.record(1, 0.05)
+    assert forecast_gap_ends([(0.0, 1.0), (2.0, 3.0)], g) == [0.0, pytest.approx(2.05)]
+    assert forecast_gap_ends([(0.0, 1.0), (2.0, 3.0)], None) == [1.0, 3.0]
+
+
+def test_a_forecast_too_long_shows_as_overrun_and_changed_training():
+    """Through simulate_bubbletea: forecasts twice each gap's length make units overrun the true ends,
+    and the re-simulation with the prefill reserved then shows training moved."""
+    from planner.geo.bubbletea import GapForecast
+
+    sim = simulate_pipeline(wan_job())
+    big = get_model("llama3-8b")
+    honest = simulate_bubbletea(sim, ["A100-80GB"] * 4, [60 * 2**30] * 4, backlog((2048,)), big)
+    assert honest.overrun_s == 0.0 and training_unchanged(sim, honest)
+    forecasts = {}
+    for r in range(sim.job.num_pipelines):
+        for j in range(4):
+            f = forecasts[(r, j)] = GapForecast()
+            for i, (s, e) in enumerate(compute_idle_gaps(sim, r, j)):
+                f.record(i, 2 * (e - s))
+    greedy = simulate_bubbletea(sim, ["A100-80GB"] * 4, [60 * 2**30] * 4, backlog((2048,)), big, forecasts=forecasts)
+    assert greedy.overrun_s > 0 and greedy.summary()["prefill_overrun_s"] == greedy.overrun_s
+    assert not training_unchanged(sim, greedy)
+
+
+def test_utilization_with_prefill_over_more_gpus_than_the_plans():
+    sim = simulate_pipeline(wan_job())
+    pre = simulate_bubbletea(sim, ["A100-80GB"] * 4, [40 * 2**30] * 4, backlog(), GPT2)
+    n = sim.job.num_gpus
+    assert pre.gpu_utilization_with_prefill(2 * n) == pytest.approx(pre.gpu_utilization_with_prefill() / 2)
+    with pytest.raises(ValueError, match="fewer than the plan's"):
+        pre.gpu_utilization_with_prefill(n - 1)

@@ -307,18 +307,24 @@ def random_scenario(seed: int) -> GeoScenario:
                                   "seq": rng.choice([512, 1024])})
 
 
-def test_plan_is_never_slower_than_any_baseline_on_random_scenarios():
+def test_the_search_against_baselines_computed_apart_on_random_scenarios():
+    """No baseline's plan is a candidate of the search, so it can lose: the report names exactly the
+    faster baselines. The search's layer split minimizes its estimate, not the simulation, so an even
+    split can beat it by a little (3.4 % on one of these scenarios); it loses to no baseline by more
+    than 5 %, and never to DP, the fair one-connection pipeline or the best single datacenter here."""
     checked = 0
     for seed in range(20):
         report = simulate_geo(random_scenario(seed))
         t = report.sim.iteration_s
         assert set(report.baselines) == {"dp_across_dcs", "pp_single_connection_fair", "best_single_dc",
                                          "even_layer_split"}
+        faster = [k for k, b in report.baselines.items() if b.iteration_s is not None and b.iteration_s < t * (1 - 1e-9)]
+        assert report.slower_than() == faster
         for name, b in report.baselines.items():
             if b.iteration_s is not None:
-                assert t <= b.iteration_s * (1 + 1e-9), (seed, name, t, b.iteration_s)
+                limit = 1.05 if name == "even_layer_split" else 1 + 1e-9
+                assert t <= b.iteration_s * limit, (seed, name, t, b.iteration_s)
                 checked += 1
-        assert report.slower_than() == []
         # the plan's own timeline is what is reported: re-simulating it gives the same time
         again = simulate_pipeline(build_job(report.scenario, GeoCosts(report.scenario), report.plan))
         assert again.iteration_s == pytest.approx(t)
@@ -337,3 +343,77 @@ def test_optimizer_step_and_stage_collectives_are_in_the_plans_timeline(report):
     assert sim.iteration_s >= max(o.end_s for o in steps) - 1e-12
     if plan.num_pipelines > 1:
         assert all(s.allreduce_s > 0 for s in plan.stages)
+
+
+def test_utilization_is_over_every_gpu_of_the_scenario(report):
+    """GPUs the plan leaves out count as idle: forward/backward time over all 12 GPUs × iteration,
+    recounted here from the plan's operations; the plan's own GPUs' figure is reported beside."""
+    sim = report.sim
+    busy = sum(o.end_s - o.start_s for o in sim.ops if o.kind in ("F", "B"))
+    every = sum(sum(dc["gpus"].values()) for dc in small_dict()["datacenters"])
+    assert every == 12 and report.plan.num_gpus < every  # c is left out
+    assert report.gpu_utilization() == pytest.approx(busy / (every * sim.iteration_s))
+    out = report.to_dict()
+    assert out["num_scenario_gpus"] == every and out["num_plan_gpus"] == report.plan.num_gpus
+    assert out["gpu_utilization"] == pytest.approx(busy / (every * sim.iteration_s))
+    assert out["gpu_utilization_plan_gpus"] == pytest.approx(busy / (report.plan.num_gpus * sim.iteration_s))
+    assert out["gpu_utilization"] < out["gpu_utilization_plan_gpus"]
+    pre = report.prefill
+    with_prefill = (pre.training_busy_s + sum(p.end_s - p.start_s for p in pre.placements)) / (every * sim.iteration_s)
+    assert out["gpu_utilization_with_prefill"] == pytest.approx(with_prefill)
+    for b in report.baselines.values():
+        if b.iteration_s is not None:
+            assert b.gpu_utilization == pytest.approx(b.gpu_utilization_plan_gpus * b.num_gpus / every)
+
+
+def test_the_baselines_are_no_candidates_and_a_faster_one_is_reported(monkeypatch):
+    """The plan is the search's alone (the same as solve_atlas on the scenario): a baseline made to
+    look twice as fast, its plan and timeline included, is named in slower_than, not taken."""
+    import dataclasses
+
+    from planner.geo import evaluate
+
+    sc = GeoScenario.from_dict(small_dict(inference=None))
+    alone = solve_atlas(sc, GeoCosts(sc))
+    real = evaluate.simulate_baselines
+
+    def with_a_fast_one(scenario, costs):
+        out = real(scenario, costs)
+        b = out["pp_single_connection_fair"]
+        fast = 0.5 * alone.iteration_s
+        out["pp_single_connection_fair"] = dataclasses.replace(b, iteration_s=fast,
+                                                               sim=dataclasses.replace(b.sim, iteration_s=fast))
+        return out
+
+    monkeypatch.setattr(evaluate, "simulate_baselines", with_a_fast_one)
+    report = simulate_geo(sc)
+    assert report.baselines["pp_single_connection_fair"].plan != alone.plan  # across all three DCs
+    assert report.plan == alone.plan and report.chosen_from == "search"
+    assert report.sim.iteration_s == pytest.approx(alone.iteration_s)
+    assert report.slower_than() == ["pp_single_connection_fair"]
+    assert report.to_dict()["speedup_vs_pp_single_connection_fair"] == pytest.approx(0.5)
+
+
+def test_dp_across_datacenters_overlaps_its_all_reduce_with_the_backward():
+    """DP over a and b (100 Gbit/s, 2 ms; c's 50 Mbit/s link is not on their path): the step is the
+    slower datacenter's iteration on its half of the batch plus what of the bucketed WAN all-reduce
+    the backward does not hide: more than the iteration alone, less than the all-reduce after it
+    unoverlapped (costs.wan_allreduce_s over the a-b link, the no-overlap price). On the 10 Gbit/s,
+    50 ms link of the other tests the all-reduce is 14x the iteration and one bucket is the best."""
+    import dataclasses
+
+    from planner.costmodel.collectives import Link, bytes_per_s
+    from planner.geo.evaluate import simulate_dp_baseline, solve_each_dc
+
+    wan = [{"a": "a", "b": "b", "gbps": 100, "rtt_ms": 2, "per_connection_gbps": 25.0},
+           {"a": "b", "b": "c", "gbps": 0.05, "rtt_ms": 200}]
+    sc = GeoScenario.from_dict(small_dict(inference=None, wan=wan))
+    costs = GeoCosts(sc)
+    dp = simulate_dp_baseline(sc, costs, ["a", "b"], solve_each_dc(sc))
+    compute = max(solve_atlas(dataclasses.replace(sc, datacenters=(sc.datacenter(n),), wan=(), global_batch=16))
+                  .iteration_s for n in ("a", "b"))  # a and b are alike: half the batch each
+    link, per_dc = sc.link("a", "b"), dp.num_gpus // 2
+    no_overlap = costs.wan_allreduce_s(costs.spec.num_params, 2, Link(
+        bytes_per_s(link.throughput_gbps(per_dc)), link.one_way_latency_s, call_latency_s=2 * link.one_way_latency_s))
+    assert compute < dp.iteration_s < compute + no_overlap * 0.9
+    assert "after the backward" in dp.note

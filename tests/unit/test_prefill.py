@@ -172,3 +172,34 @@ def test_stages_and_bad_configs():
 def test_a_box_no_token_fits_is_refused():
     with pytest.raises(ValueError, match="over the time box"):
         worker(model="small", max_chunk_s=1e-7)
+
+
+def test_inside_a_wait_a_unit_starts_only_within_the_forecast_from_earlier_waits():
+    """The worker never knows when a wait ends: the first wait on a receive runs no unit (nothing
+    measured yet), the next runs units while they fit its measured length, and a wait measured too
+    short for one unit runs none. Outside gap_begin/gap_end, step() runs a unit whenever asked."""
+    w = worker()
+    t = 1000.0
+    assert w.gap_begin(("F", 0), now=t) == t  # never measured: its deadline is now
+    assert not w.step() and w.skipped_units == 1 and w.summary()["num_chunks"] == 0
+    w.gap_end(now=t + 60.0)  # that wait lasted 60 s
+    deadline = w.gap_begin(("F", 0))
+    assert deadline > time_now() + 50  # forecast: the 60 s measured
+    assert all(w.step() for _ in range(5))
+    w.gap_end()
+    w.gap_begin(("B", 3), now=0.0)
+    w.gap_end(now=1e-9)  # a wait measured far shorter than any unit
+    w.gap_begin(("B", 3))
+    done = w.summary()["num_chunks"]
+    assert w.predicted_unit_s() > 1e-9
+    assert not w.step() and w.summary()["num_chunks"] == done
+    w.gap_end()
+    assert w.step()  # no wait open: a unit whenever asked
+    with pytest.raises(ValueError, match="without gap_begin"):
+        w.gap_end()
+
+
+def time_now() -> float:
+    import time
+
+    return time.perf_counter()
