@@ -19,19 +19,22 @@ Keeping the option set small (a decision must stay in milliseconds):
   `MAX_NEW_SOLVES` gangs not seen before (the rest wait for a later decision).
 
 A gang where the planner leaves a device idle is not offered (a smaller gang runs the same plan).
+`idle_speedup` measures what the offered gangs add to a job's speed on an idle cluster (the bench's
+bound on what gangs can gain).
 
 More: docs/models/scheduling.md ("Mixed-type gangs").
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Sequence
 
 from contracts.catalog import device_dtype
 from contracts.cluster import ClusterSpec, NetworkSpec, NodeSpec
 from contracts.constants import MEMORY_HEADROOM, RECOMPUTE
 from contracts.jobs import JobSpec
-from planner.schedule.options import GANG_PLANS as _PLANS, Pool, ResourceOption, estimate_option
+from planner.schedule.options import GANG_PLANS as _PLANS, Pool, ResourceOption, estimate_option, options_on_pools
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +174,33 @@ def gang_bound(job: JobSpec, parts: Sequence[tuple[Pool, int]], dtype: str, inte
     rates = [part_rate(job, p, n, dtype, inter_node_gbps) for p, n in parts]
     total = sum(rates)
     return 0.0 if total <= 0 or min(rates) < MIN_PART_SHARE * total else total
+
+
+def idle_speedup(job: JobSpec, pools: Sequence[Pool], dtype: str = "bf16", inter_node_gbps=None) -> float:
+    """How much faster the job's fastest mixed gang is than its fastest one-pool option on an idle
+    cluster (every device of `pools` free): 1 where no gang is faster. The gangs are those a policy
+    offers (`gang_parts` at the targets of Sizing.mixed_entries: the fastest one-pool option's
+    count, twice it where that takes a whole pool, and the request), priced where `gang_bound`
+    could beat the one-pool rate by MIXED_GAIN. What gangs can add to a job's speed, not counting
+    waits: the speed half of the opportunity the bench reports."""
+    one = replace(job, steps=1)
+    options = options_on_pools(one, pools, inter_node_gbps, dtype)
+    options += [o for p in pools if p.count <= job.global_batch
+                for o in [estimate_option(one, p, p.count, dtype, inter_node_gbps)] if o is not None]
+    if not options:
+        return 1.0
+    top = max(options, key=lambda o: o.samples_per_s)
+    targets = {top.num_gpus} | ({job.requested_gpus} if job.requested_gpus else set())
+    if any(p.device == top.pool and p.count == top.num_gpus for p in pools):
+        targets.add(2 * top.num_gpus)
+    free_n = [p.count for p in pools]
+    best = top.samples_per_s
+    for target in sorted(targets):
+        for parts_ix in gang_parts(pools, free_n, target):
+            parts = tuple((pools[k], n) for k, n in parts_ix)
+            if gang_bound(one, parts, dtype, inter_node_gbps) * MIXED_GAIN <= best:
+                continue
+            o = estimate_mixed_option(one, parts, dtype, inter_node_gbps)
+            if o is not None and o.samples_per_s > best:
+                best = o.samples_per_s
+    return best / top.samples_per_s

@@ -257,4 +257,10 @@ def clear_caches() -> None:
     """Forget cached memory and profile figures (after new profiles were measured)."""
     _best_config.cache_clear()
     _PROFILE_CACHES.clear()
+    clear_gang_plans()
+
+
+def clear_gang_plans() -> None:
+    """Forget the priced mixed gangs only: a policy replayed next prices its gangs within its own
+    budget (planner/schedule/sizing.py), not with the plans an earlier replay paid for."""
     GANG_PLANS.clear()

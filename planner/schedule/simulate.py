@@ -97,12 +97,22 @@ def fragmented(free: dict, waiting: Sequence[JobSpec], options) -> bool:
     """Are the free devices fragmented across types for a waiting job: does one wait that none of
     its one-pool options (`options(job)`) fits on the free devices of its pool, while the free
     devices of all pools together number at least one option's count?"""
+    return bool(fragmented_jobs(free, waiting, options, first_only=True))
+
+
+def fragmented_jobs(free: dict, waiting: Sequence[JobSpec], options, first_only: bool = False) -> list[str]:
+    """The waiting jobs for which the free devices are fragmented across types (`fragmented`): no
+    pool's free devices hold one of their one-pool options, all pools' together would (a gang could
+    at most start them now); the first only where `first_only`."""
     total = sum(free.values())
+    out = []
     for job in waiting:
         counts = [(o.pool, o.num_gpus) for o in options(job) if not o.mix]
         if counts and all(free.get(d, 0) < n for d, n in counts) and any(n <= total for _, n in counts):
-            return True
-    return False
+            out.append(job.job_id)
+            if first_only:
+                break
+    return out
 
 
 def build_policy(name: str, cluster: ClusterSpec, dtype: str = "bf16", mixed: bool = True) -> Policy:
@@ -164,6 +174,9 @@ class ScheduleResult:
     # share of the replay's span (first arrival to last event) with the free devices fragmented
     # across types for a waiting job (`fragmented`), after each decision's placements; None: not measured
     fragmented_share: float | None = None
+    # the jobs' waiting seconds, summed, spent while the free devices were fragmented for them
+    # (`fragmented_jobs`): all the queueing a gang could have saved; None: not measured
+    fragmented_wait_s: float | None = None
 
     @property
     def num_failed(self) -> int:
@@ -184,6 +197,7 @@ class ScheduleResult:
              "error_sigma": self.error_sigma, "error_seed": self.error_seed}
         if self.fragmented_share is not None:
             d["fragmented_share"] = self.fragmented_share
+            d["fragmented_wait_s"] = self.fragmented_wait_s
         if jobs:
             d["jobs"] = [r.to_dict() for r in self.records]
         return d
@@ -278,11 +292,13 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
     ended: dict[str, tuple[float, ResourceOption]] = {}
     decide_s, decisions = 0.0, 0
     frag_s, frag_since = 0.0, None  # fragmented seconds so far; since when it is now (None: it is not)
+    frag_wait_s, frag_waiting = 0.0, 0  # job-seconds waited while fragmented; how many jobs are so now
     options = getattr(pol, "options", None) if fragmentation else None  # a job's options (none: not measured)
     while events:
         now = events[0].time_s
         if frag_since is not None:
             frag_s += now - frag_since
+            frag_wait_s += frag_waiting * (now - frag_since)
         while events and events[0].time_s == now:
             ev = heapq.heappop(events)
             if ev.order == 0:
@@ -350,7 +366,8 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
         waiting = [j for j in waiting if j.job_id not in started and j.job_id not in failed] + back
         if options is not None:
             free = {p.device: n for p, n in state.free_counts().items()}
-            frag_since = now if fragmented(free, waiting, options) else None
+            frag_waiting = len(fragmented_jobs(free, waiting, options))
+            frag_since = now if frag_waiting else None
     if suspended:
         raise RuntimeError(f"policy {pol.name} never resumed suspended jobs {sorted(suspended)[:5]}")
     records: dict[str, JobRecord] = {}
@@ -378,4 +395,5 @@ def simulate_schedule(jobs: Sequence[JobSpec], cluster: ClusterSpec, policy: str
         scheduling_overhead_ms_per_job=1000.0 * decide_s / len(jobs), num_decisions=decisions,
         error_sigma=error_sigma, error_seed=error_seed, mixed=mixed,
         fragmented_share=None if options is None else frag_s / span if span > 0 else 0.0,
+        fragmented_wait_s=None if options is None else frag_wait_s,
     )

@@ -15,6 +15,7 @@ GPU-seconds load the cluster to `load`.
 from __future__ import annotations
 
 import csv
+import heapq
 import io
 import math
 import random
@@ -364,6 +365,39 @@ def load_public_trace(path: str, cluster: ClusterSpec, seed: int, start_s: float
     """`convert_public_trace` of a public trace file (read, never copied)."""
     return convert_public_trace(parse_public_trace(read_text_file(path, "trace file"), source=path), cluster, seed,
                                 start_s, end_s, dtype)
+
+
+def fragmentation_exposure(rows: Sequence[PublicJob], pool_counts: Sequence[int], start_s: float = 0.0,
+                           end_s: float = math.inf) -> float:
+    """How often a window's jobs would meet free devices fragmented across types, from the trace and
+    the cluster's composition alone (no policy, no replay): the share of the window's requested
+    GPU-seconds whose job, at its arrival, finds the devices of the trace's own concurrency free in
+    all pools together but not in the largest one. The concurrency is every earlier job still
+    running as recorded (started on arrival, its recorded duration); it is spread over the pools in
+    proportion to their sizes, so the largest pool's free devices are its size × the free share.
+    Counts are capped at the largest pool (as `convert_public_trace`). 0 for an empty window."""
+    if not pool_counts or min(pool_counts) <= 0:
+        raise ValueError(f"pool_counts must be positive device counts, got {list(pool_counts)}")
+    total, largest = sum(pool_counts), max(pool_counts)
+    ends: list[tuple[float, int]] = []  # (recorded end, GPUs) of the jobs running, a heap
+    used = 0
+    asked = exposed = 0.0
+    for row in sorted(rows, key=lambda r: (r.submit_s, r.job_id)):
+        if row.submit_s >= end_s:
+            break
+        while ends and ends[0][0] <= row.submit_s:
+            used -= heapq.heappop(ends)[1]
+        n = min(row.num_gpus, largest)
+        heapq.heappush(ends, (row.submit_s + row.duration_s, n))
+        if row.submit_s < start_s:  # before the window: only its concurrency counts
+            used += n
+            continue
+        free = max(0, total - used)
+        used += n
+        asked += n * row.duration_s
+        if largest * free / total < n <= free:
+            exposed += n * row.duration_s
+    return exposed / asked if asked else 0.0
 
 
 def request_duration_s(job: JobSpec, cluster: ClusterSpec, dtype: str = "bf16") -> float:
