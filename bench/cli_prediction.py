@@ -1,7 +1,7 @@
 """Does the README's command-line path predict the step it then measures? Each run from an empty data folder.
 
     python bench/cli_prediction.py [--runs 3] [--steps 60] [--global-batch 8] [--model tiny]
-                                   [--cluster FILE] [--no-busy] [--json]    (defaults shown)
+                                   [--cluster FILE] [--no-busy] [--every-device] [--json]    (defaults shown)
 
 One run is the README's command-line path, each command its own process, in a fresh
 $GPUMIX_DATA_DIR: `profiler inventory --out cluster.json` (or the `--cluster` file), `planner plan`,
@@ -14,6 +14,13 @@ then as many with one extra busy process (a Python loop, started before the run'
 and killed after its last; `--no-busy` skips them). Prints per run the load average, predicted and
 measured iteration, the error and PASS/FAIL against 15 %, and where the step went (each rank's
 measured compute and wait against the predicted ones). Exit 1 when a run fails the 15 %.
+
+`--every-device` checks the prediction of a plan that trains on every device of the cluster (on this
+machine: two CPU ranks), whatever the planner would pick: `planner plan`, `profiler profile --cluster`
+at the plan's seq (every device together, then the collectives between them), the plan's assignments rewritten to an
+even split of the batch and the state over every device at zero 3, `planner evaluate --json` (the cost
+model re-prices that plan from the profiles; its file is what is launched), `executor launch
+--rebalance off` (the split priced is the split run).
 """
 from __future__ import annotations
 
@@ -65,6 +72,26 @@ def busy_process(on: bool) -> Iterator[None]:
         proc.wait()
 
 
+def even_split(plan_path: str, env: dict[str, str]) -> None:
+    """Rewrite the plan file to train on every device of its cluster, the batch and the state split
+    evenly at zero 3, one micro-batch each, priced again by `planner evaluate` (its plan file replaces
+    the old one). ValueError where the global batch does not split evenly."""
+    with open(plan_path, encoding="utf-8") as fh:
+        plan = json.load(fh)
+    k = len(plan["assignments"])
+    if plan["global_batch"] % k:
+        raise ValueError(f"--every-device: global batch {plan['global_batch']} does not split over {k} devices")
+    m = plan["global_batch"] // k
+    for a in plan["assignments"]:
+        a.update(micro_batch=m, accum_steps=1, batch=m, shard_fraction=1.0 / k)
+    plan["zero"] = 3
+    with open(plan_path, "w", encoding="utf-8") as fh:
+        json.dump(plan, fh)
+    priced = run_cmd(["-m", "planner", "evaluate", "--plan", plan_path, "--json"], env)
+    with open(plan_path, "w", encoding="utf-8") as fh:
+        fh.write(priced)
+
+
 def one_run(args: argparse.Namespace, busy: bool) -> dict[str, Any]:
     """The README's path from an empty data folder; the figures of its run."""
     with tempfile.TemporaryDirectory(prefix="gpumix-cli-") as data, busy_process(busy):
@@ -78,11 +105,20 @@ def one_run(args: argparse.Namespace, busy: bool) -> dict[str, Any]:
         plan_cmd = ["-m", "planner", "plan", "--cluster", cluster, "--model", args.model, "--global-batch",
                     str(args.global_batch), "--out", plan_path]
         profiled = 0
-        while PROFILE_FIRST in run_cmd(plan_cmd, env) and profiled < MAX_PROFILES:
-            run_cmd(["-m", "profiler", "profile", "--plan", plan_path], env)
-            profiled += 1
-        run_cmd(["-m", "executor", "launch", "--plan", plan_path, "--steps", str(args.steps), "--run-dir", run_dir],
-                env)
+        launch = ["-m", "executor", "launch", "--plan", plan_path, "--steps", str(args.steps), "--run-dir", run_dir]
+        if args.every_device:
+            run_cmd(plan_cmd, env)
+            with open(plan_path, encoding="utf-8") as fh:
+                seq = json.load(fh)["seq"]
+            run_cmd(["-m", "profiler", "profile", "--cluster", cluster, "--model", args.model, "--seq", str(seq)], env)
+            profiled = 1
+            even_split(plan_path, env)
+            launch += ["--rebalance", "off"]
+        else:
+            while PROFILE_FIRST in run_cmd(plan_cmd, env) and profiled < MAX_PROFILES:
+                run_cmd(["-m", "profiler", "profile", "--plan", plan_path], env)
+                profiled += 1
+        run_cmd(launch, env)
         m = json.loads(run_cmd(["-m", "executor", "metrics", "--run-dir", run_dir, "--json"], env))
         with open(plan_path, encoding="utf-8") as fh:
             notes = json.load(fh).get("notes", [])
@@ -127,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--cluster", default=None, help="a cluster file instead of `profiler inventory --out`")
     p.add_argument("--no-busy", action="store_true", help="skip the runs with a busy process beside them")
+    p.add_argument("--every-device", action="store_true",
+                   help="launch an even split over every device of the cluster, priced by planner evaluate")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # killed: the busy process is still ended (finally)
@@ -137,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.runs):
             try:
                 results.append(one_run(args, busy))
-            except (RuntimeError, subprocess.TimeoutExpired) as e:  # a command failed: this run fails, the next runs
+            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:  # a command failed: this run fails, the next runs
                 results.append({"busy": busy, "load_before": os.getloadavg()[0], "failed": str(e), "error": None,
                                 "pass": False})
             if not args.json:

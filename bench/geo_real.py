@@ -1,20 +1,37 @@
 """Geo plans run for real on emulated datacenters, measured beside their predictions.
 
-    sudo python bench/geo_real.py [--dcs 2|3] [--gbps 0.1] [--steps 12] [--repeats 2] [--json] [--keep DIR]
+    sudo python bench/geo_real.py [--part cuts|steps|both] [--link-mbit 10,50,200] [--wall-s 40]
+                                  [--scenario S] [--dcs 2|3] [--gbps 0.1] [--steps 12] [--repeats 2]
+                                  [--json] [--keep DIR]
 
-One run (CPU ranks, gloo, root for the network namespaces, docs/emulated_wan.md): profile the
-model on this machine; plan a 2- or 3-datacenter scenario with `python -m planner geo --out`;
-predict that plan file (planner/geo/emulated.py) and the data-parallel plan over the same links;
-then launch the geo plan, the geo plan with `--prefill` (alternating, ABAB) and the DP plan with
-`executor launch --emulate-wan`. Prints the measured median step against the prediction (target:
-within 15 %), the geo plan's measured speedup over DP (target: > 1), the step with prefill over
-without (target: <= 1.05), and prefill tokens/s and TTFT beside BubbleTea's simulated figure.
-Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs;
-about 3-5 minutes); every figure is a median or a ratio of runs made side by side.
+CPU ranks, gloo, root for the network namespaces (docs/emulated_wan.md). First the model is
+profiled on this machine. Then two parts:
+
+* cuts (DESIGN.md "Geo with low-communication training"): at every --link-mbit rate, `planner geo`
+  chooses the kind of the datacenters' cut (pipeline, DiLoCo with its H, or synchronous DP) by
+  predicted time to a target loss, and writes the best plan of each kind (`--cut-kind`). Each of the
+  three runs with `executor launch --emulate-wan` for the steps its prediction fits in --wall-s
+  seconds (the same wall time for all three; a plan Atlas keeps in one datacenter runs as a local
+  launch on "localhost", nothing on the WAN); its validation loss at the end, its measured training
+  seconds, and the TCP payload its ranks put on the emulated WAN links (the links' interface
+  counters, read inside the namespaces while it runs) per trained token are recorded. Checks: the
+  planner's choice has the lowest measured loss or is within 3 % of it, and DiLoCo's WAN bytes per
+  token are at most 1/50 of DP's. Output: {"links": [{"mbit", "loss_at_equal_time": {"dp",
+  "pipeline", "diloco"}, "chosen", "wan_bytes_per_token": {...}, ...}]}.
+* steps: plan a 2- or 3-datacenter scenario at --gbps with `planner geo --cut-kind pipeline --out`;
+  predict that plan file (planner/geo/emulated.py) and the data-parallel plan over the same links;
+  launch the geo plan, the geo plan with `--prefill` (alternating, ABAB) and the DP plan. Prints the
+  measured median step against the prediction (target: within 15 %), the geo plan's measured speedup
+  over DP (target: > 1), the step with prefill over without (target: <= 1.05), and prefill tokens/s
+  and TTFT beside BubbleTea's simulated figure.
+
+Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs; the
+cuts part about 5-6 minutes at three rates, the steps part 3-5 minutes).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -127,10 +144,24 @@ def dp_plan(geo, rtt: bool):
                                                  for a in asg))
 
 
-def measured_run(plan_path: str, run_dir: str, steps: int, env: dict, prefill_path: str | None = None) -> dict:
-    """Launch one emulated run; its median step after the warm-up and its prefill summaries."""
+
+def read_metrics_in(run_dir: str, data_dir: str) -> dict:
+    """executor.store.read_metrics of a run whose store lives under the data folder `data_dir`."""
     from executor.store import read_metrics
 
+    old = os.environ.get("GPUMIX_DATA_DIR")
+    os.environ["GPUMIX_DATA_DIR"] = data_dir
+    try:
+        return read_metrics(run_dir)
+    finally:
+        if old is None:
+            os.environ.pop("GPUMIX_DATA_DIR", None)
+        else:
+            os.environ["GPUMIX_DATA_DIR"] = old
+
+
+def measured_run(plan_path: str, run_dir: str, steps: int, env: dict, prefill_path: str | None = None) -> dict:
+    """Launch one emulated run; its median step after the warm-up and its prefill summaries."""
     args = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps),
             "--run-dir", run_dir, "--emulate-wan"]
     if prefill_path is not None:
@@ -138,15 +169,7 @@ def measured_run(plan_path: str, run_dir: str, steps: int, env: dict, prefill_pa
     t0 = time.perf_counter()
     run_cmd(args, env, f"launch {os.path.basename(run_dir)}")
     wall = time.perf_counter() - t0
-    old = os.environ.get("GPUMIX_DATA_DIR")
-    os.environ["GPUMIX_DATA_DIR"] = env["GPUMIX_DATA_DIR"]
-    try:
-        metrics = read_metrics(run_dir)
-    finally:
-        if old is None:
-            os.environ.pop("GPUMIX_DATA_DIR", None)
-        else:
-            os.environ["GPUMIX_DATA_DIR"] = old
+    metrics = read_metrics_in(run_dir, env["GPUMIX_DATA_DIR"])
     step_s = [s["step_s"] for s in metrics["steps"] if s.get("step_s") is not None]
     if len(step_s) <= WARMUP_STEPS:
         raise RuntimeError(f"{run_dir}: {len(step_s)} steps recorded, need more than the {WARMUP_STEPS} of warm-up")
@@ -205,26 +228,35 @@ def prefill_figures(runs: list[dict]) -> dict:
     return {k: med([p[k] for p in per_run]) for k in per_run[0]} if per_run else {}
 
 
-def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int) -> dict:
+def bench_env(work: str) -> dict:
+    """The runs' environment: a data dir of the bench's own (profiles, runs' store) under `work`."""
     data = os.path.join(work, "data")
     os.makedirs(data, exist_ok=True)
-    env = {**os.environ, "GPUMIX_DATA_DIR": data, "PYTHONPATH": ROOT}
     os.environ["GPUMIX_DATA_DIR"] = data  # the in-process predictions read the same profile store
+    return {**os.environ, "GPUMIX_DATA_DIR": data, "PYTHONPATH": ROOT}
+
+
+def profiled_model(dcs: int, work: str, env: dict) -> tuple[str, int]:
+    """The training model written and profiled: (its config path, the profile's workers)."""
+    workers = 1 if dcs <= (os.cpu_count() or 1) else dcs
+    model = write_model(work)
+    log(f"profiling {MODEL_NAME} (seq {SEQ}) with {workers} worker(s) ...")
+    profile(model, workers, env)
+    return model, workers
+
+
+def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int, env: dict, model: str, workers: int) -> dict:
     from executor.wan import probe_netem
     from contracts.plan import Plan
     from planner.geo.emulated import simulate_plan
 
     load_before = os.getloadavg()[0]
-    workers = 1 if dcs <= (os.cpu_count() or 1) else dcs
-    model = write_model(work)
-    log(f"profiling {MODEL_NAME} (seq {SEQ}) with {workers} worker(s) ...")
-    profile(model, workers, env)
     scn = scenario(dcs, gbps, model)
     scn_path, geo_path = os.path.join(work, "scenario.json"), os.path.join(work, "geo_plan.json")
     with open(scn_path, "w", encoding="utf-8") as fh:
         json.dump(scn, fh, indent=1)
     report = json.loads(run_cmd([sys.executable, "-m", "planner", "geo", "--scenario", scn_path, "--out", geo_path,
-                                 "--json"], env, "planner geo"))
+                                 "--cut-kind", "pipeline", "--json"], env, "planner geo"))
     geo = Plan.load(geo_path)
     if geo.pipeline is None:
         raise RuntimeError(f"planner geo chose a one-stage plan for {scn['name']}: nothing to pipeline")
@@ -301,6 +333,200 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int) -> dict:
     return out
 
 
+# ---- the cuts part: pipeline, DiLoCo and DP at equal wall time ------------------------------------
+KINDS = ("dp", "pipeline", "diloco")
+TARGET_LOSS_MARGIN = 0.03  # the choice's measured loss within 3 % of the best
+TARGET_BYTES_RATIO = 1 / 50  # DiLoCo's WAN bytes per token at most 1/50 of DP's
+POLL_S = 0.1  # how often the WAN links' counters are read while a run trains
+MIN_STEPS = 2
+
+
+def read_wan_counters(setup) -> dict[str, tuple[int, int]]:
+    """(tx_bytes, tx_packets) of every WAN interface of every namespace of `setup`, read inside it
+    (/proc/net/dev follows the reader's namespace); an interface already gone is left out."""
+    out = {}
+    for i, node in enumerate(setup.nodes):
+        try:
+            r = subprocess.run(setup.exec_prefix(i) + ["cat", "/proc/net/dev"], capture_output=True, text=True,
+                               timeout=5)
+        except subprocess.TimeoutExpired:
+            continue
+        if r.returncode != 0:
+            continue
+        for line in r.stdout.splitlines()[2:]:
+            name, _, rest = line.partition(":")
+            if name.strip().startswith("wan"):
+                f = rest.split()
+                out[f"{node}/{name.strip()}"] = (int(f[8]), int(f[9]))
+    return out
+
+
+def one_datacenter_here(plan):
+    """A plan whose used devices sit in one datacenter, as a plan for this machine: its node named
+    "localhost" (a local launch; nothing crosses a WAN), or None when it uses several nodes."""
+    used = {a.node for a in plan.assignments if a.used}
+    if len(used) != 1:
+        return None
+    [dc] = used
+    nodes = tuple(dataclasses.replace(n, name="localhost") for n in plan.cluster.nodes if n.name == dc)
+    if len(nodes) != len(plan.cluster.nodes):
+        raise ValueError(f"one-datacenter plan: its cluster has nodes besides {dc!r}")
+    pipe = plan.pipeline
+    if pipe is not None:
+        pipe = dataclasses.replace(pipe, stages=tuple(dataclasses.replace(st, datacenter="localhost")
+                                                      for st in pipe.stages))
+    return dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, nodes=nodes), pipeline=pipe,
+                               assignments=tuple(dataclasses.replace(a, node="localhost") for a in plan.assignments),
+                               wan=(), connections={}, cuts=())
+
+
+def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bool = True) -> dict:
+    """Launch one emulated run and read its WAN links' counters every POLL_S until it ends: the TCP
+    payload its ranks sent over the WAN (netns.payload_bytes of the last reading), whether the
+    counters had stopped moving before the links were removed (`counters_settled`), its steps.
+    Without `emulate` (a one-datacenter plan) a plain local launch: no WAN, 0 bytes on it."""
+    from executor import netns
+    from executor.wan import WAN_FILE, WanSetup
+
+    args = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps),
+            "--run-dir", run_dir] + (["--emulate-wan"] if emulate else [])
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    t0, setup, last, prev = time.perf_counter(), None, {}, {}
+    try:
+        while proc.poll() is None:
+            if time.perf_counter() - t0 > RUN_TIMEOUT_S:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+                raise RuntimeError(f"launch {os.path.basename(run_dir)}: still running after {RUN_TIMEOUT_S} s, stopped")
+            if setup is None and os.path.exists(os.path.join(run_dir, WAN_FILE)):
+                with contextlib.suppress(ValueError, KeyError, OSError):
+                    setup = WanSetup.load(os.path.join(run_dir, WAN_FILE))
+            if setup is not None:
+                now = read_wan_counters(setup)
+                if now:
+                    prev, last = last, {**last, **now}
+            time.sleep(POLL_S)
+        out, err = proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"launch {os.path.basename(run_dir)}: exit code {proc.returncode}: {(err or out)[-1500:]}")
+    metrics = read_metrics_in(run_dir, env["GPUMIX_DATA_DIR"])
+    if emulate and not last:
+        raise RuntimeError(f"{run_dir}: the WAN links' counters were never read (no {WAN_FILE}?)")
+    steps_rec = metrics["steps"]
+    vals = [s["val_loss"] for s in steps_rec if s.get("val_loss") is not None]
+    return {"run_dir": run_dir, "status": metrics["status"], "steps": len(steps_rec),
+            "train_s": sum(s["step_s"] for s in steps_rec if s.get("step_s") is not None),
+            "val_loss": vals[-1] if vals else None,
+            "loss_curve": loss_curve(steps_rec),
+            "wan_payload_bytes": sum(netns.payload_bytes(b, p) for b, p in last.values()),
+            "counters_settled": (bool(prev) and all(prev.get(k) == v for k, v in last.items())) if emulate else None,
+            "launch_wall_s": wall}
+
+
+def loss_curve(steps: list[dict]) -> list[list[float]]:
+    """[training seconds so far (the steps' step_s summed), step, training loss] per recorded step."""
+    out, t = [], 0.0
+    for s in steps:
+        t += s.get("step_s") or 0.0
+        out.append([t, s["step"], s["loss"]])
+    return out
+
+
+def steps_for(plan, wall_s: float) -> int:
+    """The steps the plan's prediction fits in `wall_s`; a DiLoCo plan's rounded down to whole H."""
+    n = max(MIN_STEPS, int(wall_s / plan.predicted_iteration_s))
+    if plan.diloco is not None and n >= plan.diloco.inner_steps:
+        n -= n % plan.diloco.inner_steps
+    return n
+
+
+def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: dict) -> dict:
+    """At `mbit` Mbit/s: the planner's choice, and the best plan of every kind run for `wall_s`."""
+    from contracts.plan import Plan
+
+    scn = {**template, "name": f"{template.get('name', 'geo')}-{mbit:g}mbit",
+           "wan": [{**l, "gbps": mbit / 1e3} for l in template["wan"]]}
+    folder = os.path.join(work, f"link-{mbit:g}")
+    os.makedirs(folder, exist_ok=True)
+    scn_path = os.path.join(folder, "scenario.json")
+    with open(scn_path, "w", encoding="utf-8") as fh:
+        json.dump(scn, fh, indent=1)
+    geo = [sys.executable, "-m", "planner", "geo", "--scenario", scn_path, "--no-baselines", "--json"]
+    auto = json.loads(run_cmd(geo + ["--out", os.path.join(folder, "chosen.json")], env, "planner geo"))
+    choice = auto["cut_choice"]
+    chosen = next(c for c in choice["candidates"] if c["name"] == choice["chosen"])
+    chosen_key = chosen["kind"]
+    runs, plans = {}, {}
+    for kind in KINDS:
+        path = os.path.join(folder, f"{kind}.json")
+        run_cmd(geo + ["--cut-kind", kind, "--out", path], env, f"planner geo --cut-kind {kind}")
+        plans[kind] = Plan.load(path)
+        n = steps_for(plans[kind], wall_s)
+        here = one_datacenter_here(plans[kind])
+        if here is not None:
+            path = os.path.join(folder, f"{kind}-localhost.json")
+            here.save(path)
+        log(f"{mbit:g} Mbit/s: {kind} for {n} steps (predicted {plans[kind].predicted_iteration_s:.3f} s each"
+            + (", one datacenter: a local launch" if here is not None else "") + ") ...")
+        runs[kind] = counted_run(path, os.path.join(folder, "runs", kind), n, env, emulate=here is None)
+    tokens = {k: r["steps"] * plans[k].global_batch * plans[k].seq for k, r in runs.items()}
+    loss = {k: r["val_loss"] for k, r in runs.items()}
+    per_token = {k: runs[k]["wan_payload_bytes"] / tokens[k] for k in KINDS}
+    best = min(loss, key=lambda k: loss[k])
+    dl = plans["diloco"].diloco
+    pipe = plans["pipeline"].pipeline
+    return {
+        "mbit": mbit, "chosen": chosen_key, "chosen_plan": chosen["name"],
+        "predicted_time_to_target_s": {c["name"]: c["time_to_target_s"] for c in choice["candidates"]},
+        "diloco_inner_steps": dl.inner_steps if dl else None,
+        "pipeline_plan": ([f"{st.datacenter}:{st.num_layers}L" for st in pipe.stages] if pipe else
+                          "one datacenter (Atlas kept the model in one)"),
+        "loss_at_equal_time": loss, "measured_best": best,
+        "wan_bytes_per_token": per_token, "wan_bytes_per_step": {k: runs[k]["wan_payload_bytes"] / runs[k]["steps"]
+                                                                 for k in KINDS},
+        "steps": {k: r["steps"] for k, r in runs.items()}, "tokens": tokens,
+        "train_s": {k: r["train_s"] for k, r in runs.items()}, "wall_s_asked": wall_s,
+        # the steps were sized by the predictions: how far the measured training times ended apart
+        "train_s_max_over_min": max(r["train_s"] for r in runs.values()) / min(r["train_s"] for r in runs.values()),
+        "predicted_iteration_s": {k: p.predicted_iteration_s for k, p in plans.items()},
+        "counters_settled": {k: r["counters_settled"] for k, r in runs.items()},
+        "loss_curves": {k: r["loss_curve"] for k, r in runs.items()},
+        "status": {k: r["status"] for k, r in runs.items()},
+        "notes": choice.get("notes", []),
+        "checks": {
+            "choice_best_or_within_3pct": loss[chosen_key] is not None and loss[best] is not None
+            and loss[chosen_key] <= loss[best] * (1 + TARGET_LOSS_MARGIN),
+            "diloco_wan_bytes_per_token_le_dp_over_50": per_token["diloco"] <= per_token["dp"] * TARGET_BYTES_RATIO},
+    }
+
+
+def two_dc_template(model: str, dcs: int) -> dict:
+    """The cuts part's default scenario: the steps part's, its link rate set per --link-mbit."""
+    return scenario(dcs, 0.1, model)
+
+
+def print_links(links: list[dict]) -> None:
+    print("Per-cut choice against measured loss at equal wall time (emulated WAN, CPU ranks)")
+    print(f"{'Mbit/s':>7} {'chosen':>9} {'measured best':>14}  " + "  ".join(f"{k + ' loss':>14}" for k in KINDS)
+          + "  " + "  ".join(f"{k + ' B/token':>16}" for k in KINDS))
+    for l in links:
+        print(f"{l['mbit']:>7g} {l['chosen']:>9} {l['measured_best']:>14}  "
+              + "  ".join(f"{l['loss_at_equal_time'][k]:>14.4f}" for k in KINDS) + "  "
+              + "  ".join(f"{l['wan_bytes_per_token'][k]:>16.1f}" for k in KINDS))
+        print(f"        steps {l['steps']}, training seconds "
+              + ", ".join(f"{k} {v:.1f}" for k, v in l["train_s"].items())
+              + f" (asked {l['wall_s_asked']:g}, max/min {l['train_s_max_over_min']:.2f}); "
+              f"DiLoCo H={l['diloco_inner_steps']}")
+        for name, ok in l["checks"].items():
+            print(f"        {'PASS' if ok else 'FAIL'}  {name}")
+
+
 def fmt_s(x) -> str:
     return "-" if x is None else f"{x:.3f} s"
 
@@ -348,8 +574,14 @@ def print_report(r: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("cuts", "steps", "both"), default="both",
+                    help="cuts: pipeline/DiLoCo/DP at equal wall time per link rate; steps: the geo plan's step checks")
+    ap.add_argument("--link-mbit", default="10,50,200", help="cuts part: WAN link rates in Mbit/s, comma separated")
+    ap.add_argument("--wall-s", type=float, default=40.0, help="cuts part: the wall time every candidate trains")
+    ap.add_argument("--scenario", metavar="S", help="cuts part: a geo scenario JSON whose links take each rate "
+                    "(default: the bench's own, --dcs datacenters of one CPU rank)")
     ap.add_argument("--dcs", type=int, choices=(2, 3), default=2, help="datacenters, one CPU rank each")
-    ap.add_argument("--gbps", type=float, default=0.1, help="WAN link rate in Gbit/s (0.02-0.2)")
+    ap.add_argument("--gbps", type=float, default=0.1, help="steps part: WAN link rate in Gbit/s (0.02-0.2)")
     ap.add_argument("--steps", type=int, default=10, help=f"steps per geo run ({WARMUP_STEPS} of warm-up)")
     ap.add_argument("--repeats", type=int, default=2, help="geo runs without/with prefill, alternated")
     ap.add_argument("--json", action="store_true")
@@ -361,11 +593,35 @@ def main() -> int:
     if args.steps <= WARMUP_STEPS + 1 or args.repeats < 1:
         print(f"--steps must exceed {WARMUP_STEPS + 1} and --repeats be >= 1", file=sys.stderr)
         return 2
+    try:
+        rates = [float(x) for x in args.link_mbit.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or any(not 1 <= r <= 10_000 for r in rates) or args.wall_s <= 0:
+        print("--link-mbit: comma-separated rates within 1-10000 Mbit/s; --wall-s > 0", file=sys.stderr)
+        return 2
+    template = None
+    if args.scenario:
+        try:
+            with open(args.scenario, encoding="utf-8") as fh:
+                template = json.load(fh)
+            if not isinstance(template, dict) or not template.get("wan"):
+                raise ValueError("a scenario object with wan links")
+        except (OSError, ValueError) as e:
+            print(f"--scenario {args.scenario}: {e}", file=sys.stderr)
+            return 2
     work = args.keep or tempfile.mkdtemp(prefix="gpumix-geo-real-")
     os.makedirs(work, exist_ok=True)
     t0 = time.perf_counter()
+    r: dict = {}
     try:
-        r = bench(args.dcs, args.gbps, args.steps, work, args.repeats)
+        env = bench_env(work)
+        model, workers = profiled_model(args.dcs, work, env)
+        if args.part in ("cuts", "both"):
+            tpl = template or two_dc_template(model, args.dcs)
+            r["links"] = [link_comparison(m, tpl, args.wall_s, work, env) for m in rates]
+        if args.part in ("steps", "both"):
+            r.update(bench(args.dcs, args.gbps, args.steps, work, args.repeats, env, model, workers))
     except (RuntimeError, ValueError) as e:
         print(f"geo_real: {e}", file=sys.stderr)
         return 1
@@ -373,12 +629,18 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     r["bench_wall_s"] = time.perf_counter() - t0
+    checks = dict(r.get("checks", {}))
+    for l in r.get("links", []):
+        checks.update({f"{l['mbit']:g}mbit_{k}": v for k, v in l["checks"].items()})
     if args.json:
         print(json.dumps(r, indent=2))
     else:
-        print_report(r)
+        if "links" in r:
+            print_links(r["links"])
+        if "checks" in r:
+            print_report(r)
         print(f"bench wall time {r['bench_wall_s']:.0f} s")
-    return 0 if all(r["checks"].values()) else 1
+    return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

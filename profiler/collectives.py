@@ -140,6 +140,19 @@ def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], 
         dist.destroy_process_group()
 
 
+
+def wait_ranks(procs: list, timeout_s: float) -> bool:
+    """Wait for rank processes to end; stop early when one fails (the others would wait for it
+    forever). True when `timeout_s` passed first. The caller kills what is left."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)
+    return False
+
 def _run_ranks(config: dict, tmp: str, timeout_s: float, cgroup_table: str | None = None) -> dict:
     """Run one `python -m profiler.collectives` per rank (each inside its cgroups from
     `cgroup_table`, when given); the timings rank 0 wrote."""
@@ -158,15 +171,7 @@ def _run_ranks(config: dict, tmp: str, timeout_s: float, cgroup_table: str | Non
                     [sys.executable, *(cgroups.exec_command(argv) if cgroup_table else argv)],
                     cwd=PROJECT_ROOT, env={**env, "RANK": str(rank), "OMP_NUM_THREADS": "1"},
                     stdout=fh, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout_s
-        timed_out = False
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break  # one rank died: the others would wait for it forever
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
+        timed_out = wait_ranks(procs, timeout_s)
     finally:
         for p in procs:
             if p.poll() is None:

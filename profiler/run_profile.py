@@ -6,7 +6,8 @@ ranks, so both are measured as the run will meet them: the CPU devices of the ru
 (profiler.step_profile.profile_together: one timed child per device, each under its own limits —
 cgroup CPU quota, memory, or a `slowdown` sleep — in one window of time, under one load from the
 rest of the machine, each size's call repeated once untimed so the allocator has settled), then the
-collectives between them, one rank per device under the same limits (profiler.collectives). A GPU
+collectives between them, one rank per device under the same limits (profiler.collectives), and on
+the same ranks the calls as a step issues them: after compute, and beside it (`_probe_rank`). A GPU
 type, or a lone device, is timed by itself (profile_local; a CPU by wall time, as together: the
 share of the cores the rest of the machine leaves it is part of what the run will meet). Every
 profile records when and how it was taken (planner.core.profiles.StepProfile: how, limits, load,
@@ -14,14 +15,23 @@ noise). docs/profiler.md has the commands and the fields.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from contracts.catalog import CPU_TYPE, GIB
 from contracts.cluster import ClusterSpec, DeviceSpec
 from contracts.plan import Plan
-from planner.core.profiles import StepProfile
+from planner.core.profiles import CollectiveFit, StepProfile
+from planner.costmodel.collectives import ASYNC_BESIDE_COMPUTE, BESIDE_COMPUTE
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +42,25 @@ COLLECTIVE_SIZES = tuple(1024 * 4**i for i in range(8))
 COLLECTIVE_REPEATS = 5  # medians of this many samples per size (profiler.collectives' default)
 # a fit whose time does not grow with size is noise: time again with twice the repeats, this many times
 NOISY_COLLECTIVE_RETRIES = 2
+
+
+# ---- the collectives as a run issues them: between compute, and beside it -----------------------------------
+# A run's rank computes a unit, then waits on a collective, or leaves one in flight beside the next unit's
+# compute. profiler.collectives times ops right after the ranks computed, one op at a time; a step issues
+# many small calls, each after a burst of compute, and each pays the other ranks' skew and the scheduler's
+# wake-up of the rank and of gloo's thread. The probe times those per call, and how much an async
+# all-gather adds to compute running beside it (on CPU ranks gloo's thread needs a core the compute holds).
+# The compute between two calls (thread CPU time): a call's time grows with it (two ranks' bursts end
+# further apart; measured on this 2-core machine at load 2: 0.9 ms a call after 0.5-1 ms, 1.5 ms after
+# 2 ms, 2.4 ms after 5 ms), so the probe computes what a step computes between two of its calls:
+# probe_chunk_s, within these bounds; PROBE_CHUNK_S where no step profile says
+PROBE_CHUNK_S = 1e-3
+PROBE_CHUNK_BOUNDS_S = (2e-4, 2e-2)
+PROBE_SMALL_BYTES = 4 * 1024  # a call whose time is its latency
+PROBE_LARGE_BYTES = 1024 * 1024  # a call whose time is mostly bytes
+PROBE_ROUNDS = 16  # of 8 calls each: a call's time is heavy-tailed, and the step sums its mean
+PROBE_CALLS_PER_ROUND = 8
+PROBE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +115,8 @@ def profile_devices(model: str, seq: int, dtype: str, devices: Sequence[DeviceSp
         profiles.append(_profile_gpu(model, seq, dtype, device_type, common, part))
     key = None
     if collectives and len(cpus) > 1:
-        key = _profile_collectives(cpus, _part(progress, parts - 1, parts), store_dir, save)
+        chunk_s = probe_chunk_s(model, [p for p in profiles if p.device_type in {d.profile_key for d in cpus}])
+        key = _profile_collectives(cpus, _part(progress, parts - 1, parts), store_dir, save, chunk_s)
     progress(1.0, "done: " + "; ".join(f"{p.device_type} α={p.alpha_s * 1e3:.2f} ms, β={p.beta_s * 1e3:.2f} ms/sample"
                                         for p in profiles))
     return RunProfile(tuple(profiles), key)
@@ -132,7 +162,28 @@ def _profile_gpu(model: str, seq: int, dtype: str, device_type: str, common: dic
     return profile_local(model, seq, dtype, device="cuda", progress=progress, **common)
 
 
-def _profile_collectives(cpus: Sequence[DeviceSpec], progress: Progress, store_dir: str | None, save: bool) -> str:
+def probe_chunk_s(model: str, profiles: Sequence[StepProfile]) -> float:
+    """The compute a step of `model` does between two of its waits: a profiled kind's t(m) = α + β·m
+    at the lower middle of its profiled micro-batches (4 of 1..32), over one forward and one
+    backward pass per runtime unit (contracts.units: each pass ends waiting on a gather or a
+    reduce); the least over the kinds (the fastest rank waits for the others at every call), within
+    PROBE_CHUNK_BOUNDS_S; PROBE_CHUNK_S without a measured profile."""
+    from contracts.specs import get_model
+    from contracts.units import runtime_units
+
+    passes = 2 * len(runtime_units(get_model(model)))
+    chunks = []
+    for p in profiles:
+        sizes = sorted(p.micro_batches) or [1]
+        chunks.append((p.alpha_s + p.beta_s * sizes[(len(sizes) - 1) // 2]) / passes)
+    if not chunks:
+        return PROBE_CHUNK_S
+    lo, hi = PROBE_CHUNK_BOUNDS_S
+    return min(max(min(chunks), lo), hi)
+
+
+def _profile_collectives(cpus: Sequence[DeviceSpec], progress: Progress, store_dir: str | None, save: bool,
+                         chunk_s: float = PROBE_CHUNK_S) -> str:
     """All-reduce and all-gather between the run's CPU devices, one rank per device, each under its
     CPU quota and memory limit as the run's ranks will be (a throttled rank slows every collective it
     takes part in), each op issued after the ranks computed; saved under collective_set_key of their
@@ -160,7 +211,143 @@ def _profile_collectives(cpus: Sequence[DeviceSpec], progress: Progress, store_d
                                  "busy to time them, profile on a quieter one") from None
             log.warning("collectives between %s: %s; timing again", key, e)
             repeats *= 2
+    # the same ranks again, the calls issued as a run issues them (the cost model's per-call latency and
+    # overlap on CPU ranks: planner/costmodel/training.py build_comm_model)
+    progress(0.8, "timing collectives between compute and beside it, as a step issues them")
+    profile = dataclasses.replace(profile, fits=profile.fits + _probe_collectives_in_step(cpus, limits, chunk_s))
     if save:
         save_collective_profile(profile, store_dir)
     progress(1.0, "collectives timed")
     return key
+
+
+
+
+def _probe_collectives_in_step(cpus: Sequence[DeviceSpec], limits: list | None,
+                               chunk_s: float = PROBE_CHUNK_S) -> tuple[CollectiveFit, CollectiveFit]:
+    """Start one probe rank per device (each inside its cgroups when `limits`), time the calls as a run
+    issues them, `chunk_s` of compute (thread CPU time) before each (_probe_rank), and return
+    (BESIDE_COMPUTE fit, ASYNC_BESIDE_COMPUTE record)."""
+    from profiler import cgroups
+    from profiler.collectives import PROJECT_ROOT, free_port
+
+    with tempfile.TemporaryDirectory(prefix="gpumix-probe-") as tmp, contextlib.ExitStack() as stack:
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        env.pop(cgroups.ENV_CGROUPS, None)
+        if limits is not None:
+            env[cgroups.ENV_CGROUPS] = os.path.join(tmp, "cgroups.json")
+            groups = {r: stack.enter_context(cgroups.created(f"{cgroups.PREFIX}probe-{os.getpid()}-r{r}", lim))
+                      for r, lim in enumerate(limits)}
+            cgroups.save_table(env[cgroups.ENV_CGROUPS], "cgroup", "probe of collectives beside compute", groups)
+        config = {"world": len(cpus), "port": free_port(), "out_path": os.path.join(tmp, "probe.json"),
+                  "chunk_s": chunk_s}
+        argvs = [["-m", "profiler.run_profile", json.dumps({**config, "rank": r})] for r in range(len(cpus))]
+        _run_probe_ranks([cgroups.exec_command(a) if limits is not None else a for a in argvs], env, PROJECT_ROOT, tmp)
+        with open(config["out_path"], encoding="utf-8") as fh:
+            t = json.load(fh)
+    return _probe_fits(t["small_s"], t["large_s"], t["compute_s"], t["both_s"])
+
+
+def _run_probe_ranks(argvs: Sequence[list[str]], env: dict[str, str], cwd: str, log_dir: str) -> None:
+    """One Python process per rank (argument lists, no shell), its output in log_dir, until all end;
+    RuntimeError naming the first rank that failed, with its log's tail, or TimeoutError after
+    PROBE_TIMEOUT_S."""
+    from profiler.collectives import wait_ranks
+
+    logs = [os.path.join(log_dir, f"probe-rank{r}.log") for r in range(len(argvs))]
+    procs = []
+    for r, argv in enumerate(argvs):
+        with open(logs[r], "w", encoding="utf-8") as fh:
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd, env={**env, "RANK": str(r)},
+                                          stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+    try:
+        timed_out = wait_ranks(procs, PROBE_TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    if timed_out:
+        raise TimeoutError(f"probe of collectives beside compute did not finish in {PROBE_TIMEOUT_S:.0f} s")
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        r, code = failed[0]
+        with open(logs[r], encoding="utf-8", errors="replace") as fh:
+            tail = fh.read()[-800:]
+        raise RuntimeError(f"probe of collectives beside compute: rank {r} exited {code}: {tail}")
+
+
+def _probe_fits(small_s: float, large_s: float, compute_s: float, both_s: float) -> tuple[CollectiveFit, CollectiveFit]:
+    """The probe's mean times as profile records: a line through the two blocking calls (latency, and
+    bandwidth where the large call took longer), and the async gather's three times."""
+    extra = large_s - small_s
+    # the large call no slower than the small one (noise): its bytes priced at its whole time
+    bandwidth = (PROBE_LARGE_BYTES - PROBE_SMALL_BYTES) / extra if extra > 0 else PROBE_LARGE_BYTES / max(large_s, 1e-9)
+    latency = max(small_s - PROBE_SMALL_BYTES / bandwidth, 0.0)  # the line's value at 0 bytes
+    fit = CollectiveFit(BESIDE_COMPUTE, latency, bandwidth, 1.0, (PROBE_SMALL_BYTES, PROBE_LARGE_BYTES),
+                        (small_s, large_s))
+    beside = CollectiveFit(ASYNC_BESIDE_COMPUTE, 0.0, bandwidth, 1.0, (0, PROBE_LARGE_BYTES, PROBE_LARGE_BYTES),
+                           (compute_s, large_s, both_s))
+    return fit, beside
+
+
+def _probe_rank(cfg: dict) -> None:
+    """One probe rank: compute chunks (a 1-thread matmul loop of about cfg["chunk_s"]) with, in rotation,
+    nothing, a blocking small all-gather after it, a blocking large one after it, and a large async one
+    issued before it and waited after it. Rank 0 writes the mean times (the slowest rank's, per call)."""
+    import torch
+    import torch.distributed as dist
+
+    from profiler import cgroups
+
+    rank, world = cfg["rank"], cfg["world"]
+    cgroups.start_rank(rank)
+    torch.set_num_threads(1)  # as every executor rank
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
+    try:
+        a = torch.randn(96, 96)
+        t0 = time.thread_time()
+        for _ in range(50):
+            a @ a
+        per = torch.tensor([(time.thread_time() - t0) / 50])
+        dist.all_reduce(per, op=dist.ReduceOp.MIN)  # every rank the same work per chunk
+        reps = max(1, round(cfg["chunk_s"] / max(per.item(), 1e-7)))
+
+        def chunk() -> None:
+            for _ in range(reps):
+                a @ a
+
+        bufs = {}
+        for size in (PROBE_SMALL_BYTES, PROBE_LARGE_BYTES):
+            n = size // 4 // world
+            bufs[size] = (torch.ones(n), torch.empty(n * world))
+        times: dict[str, list[float]] = {"small_s": [], "large_s": [], "compute_s": [], "both_s": []}
+        for r in range(PROBE_ROUNDS + 1):  # the first round warms up, untimed
+            for _ in range(PROBE_CALLS_PER_ROUND):
+                for what in times:
+                    w0 = time.perf_counter()
+                    if what == "both_s":
+                        shard, full = bufs[PROBE_LARGE_BYTES]
+                        work = dist.all_gather_into_tensor(full, shard, async_op=True)
+                        chunk()
+                        work.wait()
+                    else:
+                        chunk()
+                        if what != "compute_s":
+                            shard, full = bufs[PROBE_SMALL_BYTES if what == "small_s" else PROBE_LARGE_BYTES]
+                            w0 = time.perf_counter()
+                            dist.all_gather_into_tensor(full, shard)
+                    if r:
+                        times[what].append(time.perf_counter() - w0)
+        means = torch.tensor([sum(v) / len(v) for v in times.values()], dtype=torch.float64)
+        dist.all_reduce(means, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
+        if rank == 0:
+            with open(cfg["out_path"], "w", encoding="utf-8") as fh:
+                json.dump(dict(zip(times, means.tolist())), fh)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # one probe rank, started by _probe_collectives_in_step
+    _probe_rank(json.loads(sys.argv[1]))

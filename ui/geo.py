@@ -5,6 +5,11 @@ Widgets (datacenters, WAN links, model and batch, inference workload) -> one lib
 simulated iteration (training and prefill in different colours), GPU utilization and
 iteration time against the baselines. Those figures are simulated from the cost model.
 
+The kind of every cut between datacenters (pipeline, DiLoCo with its H, or synchronous DP), chosen
+by predicted time to a target loss (`planner.geo.cuts.choose_geo_cuts`, its own background job), with
+each candidate's WAN bytes per step; and, from a `bench/geo_real.py --json` output, the candidates'
+measured loss curves at equal wall time per link rate.
+
 Below them, measured runs: a run of a pipeline plan (`executor launch`, rank 0 writes
 `timeline.json`: every forward, backward, send, receive, sync and prefill of one step, on one
 machine clock) drawn as a Gantt beside the plan's own simulated timeline (`plan.pipeline.
@@ -29,12 +34,13 @@ import streamlit as st
 from contracts.catalog import CATALOG
 from contracts.plan import Plan
 from planner.geo.bubbletea import reservations
+from planner.geo.cuts import CutChoice, choose_geo_cuts
 from planner.geo.evaluate import GeoReport, simulate_geo
 from planner.geo.scenario import DEFAULT_INTRA_DC_GBPS, DEFAULT_TCP_WINDOW_BYTES, GeoScenario
-from contracts.paths import EXAMPLES_DIR as EXAMPLES_ROOT
+from contracts.paths import EXAMPLES_DIR as EXAMPLES_ROOT, confined_path
 from contracts.specs import PRESETS
 from ui import background
-from ui.charts import bar_chart, gantt_chart
+from ui.charts import bar_chart, gantt_chart, line_chart
 from ui.common import (MEASURED, SIMULATED, error_message, fmt_cell, fmt_percent, fmt_rate, fmt_seconds, metric,
                        number_field, page_header, show_errors, show_figure, show_table)
 from contracts.constants import GIB
@@ -58,6 +64,8 @@ BUSY_OPS = ("forward", "backward")  # what a stage's busy time counts, measured 
 TIMELINE_FILE = "timeline.json"
 WARMUP_STEPS = 1  # the measured iteration is the median step after these
 JOB = "geo"  # this page's background job (ui/background.py)
+CUTS_JOB = "geo_cuts"  # the cut choice's background job
+CUT_KINDS = ("dp", "pipeline", "diloco")
 REQUEST = "geo_request"  # session key: the scenario JSON asked for and not yet answered
 
 
@@ -67,6 +75,14 @@ def compute(scenario_json: str) -> GeoReport:
     process (ui/background.py: cancellable, killed with the session). Raises ValueError, and
     background.Pending while it runs (not cached)."""
     return background.result_of(JOB, simulate_geo, GeoScenario.from_dict(json.loads(scenario_json)))
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def compute_cuts(scenario_json: str, _report: GeoReport) -> CutChoice:
+    """choose_geo_cuts for the scenario and its Atlas plan (`_report`'s, the one the scenario gave: not
+    hashed), in the background job CUTS_JOB."""
+    return background.result_of(CUTS_JOB, choose_geo_cuts, GeoScenario.from_dict(json.loads(scenario_json)),
+                                _report.plan)
 
 
 def examples() -> dict[str, str]:
@@ -227,7 +243,8 @@ def comparison_figures(report: GeoReport):
     labelled with its value; utilization also with prefill in the bubbles when a workload is given."""
     names = ["atlas (plan)"] + [name.replace("_", " ") for name in report.baselines]
     its = [report.sim.iteration_s] + [b.iteration_s for b in report.baselines.values()]
-    utils = [report.sim.gpu_utilization()] + [b.gpu_utilization for b in report.baselines.values()]
+    # every bar over all the scenario's GPUs (a GPU a plan leaves out counts as idle), as the baselines' are
+    utils = [report.gpu_utilization()] + [b.gpu_utilization for b in report.baselines.values()]
     keep = [i for i, t in enumerate(its) if t is not None]
     x = [names[i] for i in keep]
     it_name = "iteration (simulated)"
@@ -236,8 +253,9 @@ def comparison_figures(report: GeoReport):
                       labels={it_name: [fmt_seconds(its[i]) for i in keep]})
     util = {"training only": [100 * utils[i] for i in keep]}
     if report.prefill is not None:
-        util["with prefill (BubbleTea)"] = [100 * report.prefill.gpu_utilization_with_prefill()] + [None] * (len(x) - 1)
-    fig_u = bar_chart(x, util, "plan", "GPU utilization (%, simulated)", "GPU utilization, simulated",
+        util["with prefill (BubbleTea)"] = [100 * report.gpu_utilization_with_prefill()] + [None] * (len(x) - 1)
+    fig_u = bar_chart(x, util, "plan", "GPU utilization (%, simulated, over all the scenario's GPUs)",
+                      "GPU utilization over all the scenario's GPUs, simulated",
                       labels={k: [fmt_percent(v) if v is not None else "" for v in vs] for k, vs in util.items()},
                       colors={"training only": COLORS["F"], "with prefill (BubbleTea)": COLORS["P"]})
     return fig_t, fig_u
@@ -292,6 +310,88 @@ def render(report: GeoReport) -> None:
                    f"on stage{'s' if len(pre['eligible_stages']) != 1 else ''} "
                    f"{', '.join(str(x) for x in pre['eligible_stages']) or 'none'}; the training timeline is "
                    f"{'unchanged' if out['training_unchanged_by_prefill'] else 'CHANGED'} by prefill. {pre['note']}")
+
+
+# ---- the cuts between datacenters ----------------------------------------------------------------
+
+
+def cut_rows(choice: CutChoice) -> list[dict[str, str]]:
+    """The chosen plan's cuts, one row each."""
+    return [{"cut": f"{c.a} – {c.b}", "kind": c.kind, "inner steps H": fmt_cell(c.inner_steps)}
+            for c in choice.chosen.plan.cuts]
+
+
+def candidate_rows(choice: CutChoice) -> list[dict[str, str]]:
+    return [{"candidate": c.name + (" (chosen)" if i == 0 else ""),
+             "iteration (s, predicted)": f"{c.iteration_s:.4g}", "tokens ×k": f"{c.multiplier:.2f}",
+             "time to target (s, predicted)": f"{c.time_to_target_s:.4g}",
+             "WAN bytes per step (per rank)": f"{c.wan_bytes_per_step / MIB:.2f} MiB"}
+            for i, c in enumerate(choice.candidates)]
+
+
+def render_cuts(scenario_json: str, report: GeoReport) -> None:
+    st.subheader("Cuts between datacenters")
+    try:
+        with show_errors("Cannot choose the cuts"):
+            choice = compute_cuts(scenario_json, report)
+            show_table(pd.DataFrame(cut_rows(choice) or [{"cut": "none: the plan uses one datacenter"}]))
+            show_table(pd.DataFrame(candidate_rows(choice)))
+            st.caption(f"Each candidate's predicted time to the loss synchronous DP reaches in "
+                       f"{choice.target_tokens:,} tokens: iterations × k × iteration (k: DiLoCo's extra tokens, "
+                       "planner/geo/convergence.py, measured on small CPU runs). "
+                       + " ".join(f"Note: {n}." for n in choice.notes))
+    except background.Pending:
+        background.show_pending(CUTS_JOB, "Choosing the cuts…", "geo_cuts_cancel")
+
+
+def load_bench(path: str) -> list[dict[str, Any]]:
+    """The "links" of a `bench/geo_real.py --json` output; ValueError naming what is wrong."""
+    real = confined_path(path, "bench JSON")
+    try:
+        with open(real, encoding="utf-8") as fh:
+            d = json.load(fh)
+    except OSError as e:
+        raise ValueError(f"bench JSON {path!r}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bench JSON {path!r}: not valid JSON ({e.msg}, line {e.lineno})") from e
+    links = d.get("links") if isinstance(d, dict) else None
+    if not isinstance(links, list) or not links:
+        raise ValueError(f"bench JSON {path!r}: no 'links' list (write it with `python bench/geo_real.py --json`)")
+    for l in links:
+        if not isinstance(l, dict) or not {"mbit", "chosen", "loss_at_equal_time", "wan_bytes_per_token"} <= set(l):
+            raise ValueError(f"bench JSON {path!r}: every link needs mbit, chosen, loss_at_equal_time and "
+                             "wan_bytes_per_token")
+    return links
+
+
+def loss_figure(link: dict[str, Any]):
+    """The candidates' measured training loss against training seconds at one link rate."""
+    curves = link.get("loss_curves") or {}
+    series = {k: ([p[0] for p in curves[k]], [p[2] for p in curves[k]]) for k in CUT_KINDS if curves.get(k)}
+    return line_chart(series, "training time (s, measured)", "training loss (measured)",
+                      f"{link['mbit']:g} Mbit/s: loss at equal wall time, chosen {link['chosen']}")
+
+
+def render_cut_runs() -> None:
+    st.subheader("Measured: pipeline, DiLoCo and DP at equal wall time")
+    path = st.text_input("bench/geo_real.py --json output", key="geo_bench_json",
+                         placeholder="a file under the data folder or GPUMIX_ALLOWED_ROOTS")
+    if not path.strip():
+        st.caption("Run `sudo python bench/geo_real.py --part cuts --json > FILE` and name FILE here.")
+        return
+    try:
+        links = load_bench(path)
+    except ValueError as e:
+        st.error(error_message(e))
+        return
+    show_table(pd.DataFrame([{
+        "link (Mbit/s)": f"{l['mbit']:g}", "chosen": l["chosen"], "measured best": l.get("measured_best", "-"),
+        **{f"{k} loss": fmt_cell(l["loss_at_equal_time"].get(k), lambda x: f"{x:.4f}") for k in CUT_KINDS},
+        **{f"{k} WAN B/token": fmt_cell(l["wan_bytes_per_token"].get(k), lambda x: f"{x:,.0f}") for k in CUT_KINDS},
+    } for l in links]))
+    for i, l in enumerate(links):
+        if l.get("loss_curves"):
+            show_figure(loss_figure(l), key=f"geo_cut_loss_{i}")
 
 
 # ---- measured runs of pipeline plans ------------------------------------------------------------
@@ -544,4 +644,6 @@ if shown is not None:
     if shown[0] != current:
         st.info("The inputs changed since this plan: press Plan to update it.")
     render(shown[1])
+    render_cuts(shown[0], shown[1])
+render_cut_runs()
 render_measured()

@@ -24,6 +24,23 @@ INTRA_NODE_HOP_LATENCY_S = 5e-6
 INTER_NODE_HOP_LATENCY_S = 25e-6
 
 
+# What the profiling path records beside its latency/bandwidth fits (profiler/run_profile.py, the
+# collectives of a run's CPU ranks): an all-gather issued as a step issues it, after a burst of compute
+# (a CollectiveFit: t = latency + size / bandwidth), and an async one issued before compute and waited
+# after it (times_s: compute alone, the gather alone, both).
+BESIDE_COMPUTE = "all_gather_beside_compute"
+ASYNC_BESIDE_COMPUTE = "all_gather_async_beside_compute"
+
+
+def exposed_share(compute_s: float, alone_s: float, both_s: float) -> float:
+    """The share of an async collective that compute beside it does not hide, in [0, 1]:
+    (both − compute) / alone. 0: hidden entirely; 1: it runs as if issued after the compute (on CPU
+    ranks gloo's thread needs a core the compute holds)."""
+    if alone_s <= 0:
+        raise ValueError(f"a collective timed alone at {alone_s} s: cannot say how much of it overlaps")
+    return min(max((both_s - compute_s) / alone_s, 0.0), 1.0)
+
+
 def bytes_per_s(gbps: float) -> float:
     """Gbit/s (cluster file, scenario, catalog link figures in Gbit/s) -> bytes/s."""
     return gbps * GBIT / BITS_PER_BYTE

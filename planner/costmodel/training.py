@@ -19,7 +19,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from contracts.catalog import CPU_TYPE, device_dtype
 from contracts.cluster import PROFILE_KEY_SHARE, ClusterSpec, DeviceSpec, NodeSpec
@@ -27,9 +27,13 @@ from contracts.plan import DEFAULT_PREFETCH, check_step_dtypes
 from contracts.specs import ModelSpec
 from contracts.units import runtime_units, step_collectives
 from contracts.wire import TOKEN_ID_BYTES
-from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, INTRA_NODE_HOP_LATENCY_S, Link, all_reduce_s,
-                                          bytes_per_s, ring_wire_bytes, sharded_step_comm_s)
+from planner.costmodel.collectives import (ASYNC_BESIDE_COMPUTE, BESIDE_COMPUTE, INTER_NODE_HOP_LATENCY_S,
+                                          INTRA_NODE_HOP_LATENCY_S, Link, all_reduce_s, bytes_per_s, exposed_share,
+                                          ring_wire_bytes, sharded_step_comm_s)
 from contracts.constants import FP32_BYTES, HALF_BYTES, MAX_MICRO_BATCH, check_zero
+
+if TYPE_CHECKING:
+    from planner.core.profiles import CollectiveProfile
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ RUNTIME_ZERO_STAGE = 1
 # `--param-dtype auto`: gather in the compute dtype at zero 3, fp32 at zero 1 and 2
 PARAM_DTYPE_AUTO = "auto"
 DTYPE_BYTES = {"fp32": FP32_BYTES, "bf16": HALF_BYTES, "fp16": HALF_BYTES}
+# collective calls a step issues beside those of contracts.units.step_collectives: the all-reduce of the
+# step's statistics before the update (models/sharded.py _reduce_stats), 24 bytes, latency only
+STATS_CALLS = 1
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,12 @@ class CommModel:
     exposed_gather_bytes: float | None = None
     exposed_reduce_bytes: float | None = None
     exposed_calls: int | None = None
+    # the share of the collectives compute may hide that it measurably does not (profiler/run_profile.py's
+    # async gather beside compute; 0: all of it hidden, as on GPUs, where nothing measured otherwise)
+    overlap_exposed_share: float = 0.0
+    # calls beside the units' collectives, each a latency with nothing beside it (STATS_CALLS where the
+    # profiling path measured a call as a step issues it; 0 elsewhere, a few µs on a GPU link)
+    stats_calls: int = 0
 
     @property
     def gather_link(self) -> Link:
@@ -200,17 +213,21 @@ class CommModel:
     def comm_s(self, world_size: int) -> float:
         """planner.costmodel.collectives.sharded_step_comm_s of this step's bytes on k ranks: every
         collective, hidden or not."""
-        return sharded_step_comm_s(self.gather_bytes, self.reduce_bytes, self.num_calls, world_size,
-                                   self.gather_link, self.reduce_link)
+        return sharded_step_comm_s(self.gather_bytes, self.reduce_bytes, self.num_calls + self.stats_calls,
+                                   world_size, self.gather_link, self.reduce_link)
 
     def step(self, world_size: int) -> StepComm:
-        """The collectives on k ranks split into what stays exposed and what compute may hide."""
+        """The collectives on k ranks split into what stays exposed and what compute may hide; of the
+        latter, `overlap_exposed_share` counts as exposed (measured not to overlap)."""
         total = self.comm_s(world_size)
         if self.exposed_gather_bytes is None:
             return StepComm(total, 0.0)
         exposed = sharded_step_comm_s(self.exposed_gather_bytes, self.exposed_reduce_bytes or 0.0,
-                                      self.exposed_calls or 0, world_size, self.gather_link, self.reduce_link)
-        return StepComm(exposed, max(total - exposed, 0.0))
+                                      (self.exposed_calls or 0) + self.stats_calls, world_size, self.gather_link,
+                                      self.reduce_link)
+        hidden = max(total - exposed, 0.0)
+        unhidden = self.overlap_exposed_share * hidden  # runs beside compute but slows it by as much
+        return StepComm(exposed + unhidden, hidden - unhidden)
 
     def wire_bytes(self, world_size: int) -> int:
         """Bytes one step puts on the network, every rank's sends together."""
@@ -607,14 +624,35 @@ def build_device_coeffs(device: DeviceSpec, spec: ModelSpec, seq: int, dtype: st
     )
 
 
+def step_issue_figures(prof: "CollectiveProfile", latency_s: float) -> tuple[float, float, str]:
+    """(latency of one call, overlap_exposed_share, a note) from what the profiling path measured of
+    the collectives issued as a step issues them (planner.costmodel.collectives.BESIDE_COMPUTE,
+    ASYNC_BESIDE_COMPUTE): a call after a burst of compute pays the ranks' skew and their wake-up,
+    which ops timed one after another do not; an async gather beside compute may slow the compute by
+    most of its own time. `latency_s` and a share of 0 where the profile has neither (older profiles)."""
+    beside, both = prof.fit(BESIDE_COMPUTE), prof.fit(ASYNC_BESIDE_COMPUTE)
+    share = 0.0
+    if both is not None and len(both.times_s) == 3 and both.times_s[1] > 0:
+        share = exposed_share(*both.times_s)
+    if beside is not None:
+        latency_s = max(beside.latency_s, 0.0)
+    if beside is None and both is None:
+        return latency_s, share, ""
+    return latency_s, share, (f"; as a step issues them: {latency_s * 1e3:.2f} ms a call, "
+                              f"{share:.0%} of an async one not hidden by compute")
+
+
 def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: ClusterSpec, spec: ModelSpec,
                      zero: int, dtype: str, profiles_dir: str | None = None,
-                     step: StepConfig | None = None) -> CommModel:
+                     step: StepConfig | None = None, interleaved: bool = True) -> CommModel:
     """Link figures for a scope and the bytes the runtime moves at `zero` (contracts.units), gathers
     in `step.param_dtype` and reduce-scatters in `step.reduce_dtype` (default: `auto` resolved for
     these devices, fp32 reduces), and what no compute hides (`step_overlap`): measured gloo/NCCL
     fits for local CPU workers on one node when `profiler bench` has them, else the cluster file's
-    bandwidth (slowest link among the devices)."""
+    bandwidth (slowest link among the devices). `interleaved` (the sharded runtime's step: each
+    collective waited between bursts of compute): CPU ranks' calls are priced at the probe's per-call
+    latency and overlap share where the profile has them (`step_issue_figures`); False prices calls
+    issued back to back (a pipeline stage's syncs after its last backward) at the benchmark's fit."""
     devices = list(devices)
     if step is None:
         step = StepConfig(resolve_param_dtype(PARAM_DTYPE_AUTO, zero, dtype, (d.type for d in devices)))
@@ -657,8 +695,10 @@ def build_comm_model(devices: Iterable[DeviceSpec], multi_node: bool, cluster: C
             reduce_bus = reduce.bandwidth_bytes_per_s * 2 * (w - 1) / w
             latency = max(gather.latency_s, 0.0)
             how = f"{w} ranks" + (f" of {prof.device_type}, each under its CPU quota" if PROFILE_KEY_SHARE in prof.device_type else "")
+            latency, share, as_run = step_issue_figures(prof, latency) if interleaved else (latency, 0.0, "")
             return CommModel(gather_bus, 0.0, gather_bytes, reduce_bytes, calls,
-                             f"measured {prof.backend} collectives, {how}", reduce_bus, latency, **exposed)
+                             f"measured {prof.backend} collectives, {how}{as_run}", reduce_bus, latency, **exposed,
+                             overlap_exposed_share=share, stats_calls=STATS_CALLS if as_run else 0)
     net = cluster.network
     gbps = min(net.intra_node_gbps, net.inter_node_gbps) if multi_node else net.intra_node_gbps
     hop = INTER_NODE_HOP_LATENCY_S if multi_node else INTRA_NODE_HOP_LATENCY_S

@@ -63,7 +63,7 @@ def _collective_links(cluster: ClusterSpec, node: NodeSpec, devices: list[Device
                       dtype: str, profiles_dir: str | None) -> tuple[Link, Link]:
     """(all-gather, reduce-scatter) links among ranks of one node: the measured gloo fits for CPU
     ranks when `profiler bench` has them, else the cluster's intra_node_gbps (training.build_comm_model)."""
-    comm = build_comm_model(devices, False, cluster, spec, 1, dtype, profiles_dir)
+    comm = build_comm_model(devices, False, cluster, spec, 1, dtype, profiles_dir, interleaved=False)
     return comm.gather_link, comm.reduce_link
 
 
@@ -218,7 +218,7 @@ def _ranks_links(plan: Plan, ranks: list[int], node: NodeSpec, spec: ModelSpec,
     (`_measured_kinds`), else `_collective_links` of the node's kinds among them."""
     kinds = _measured_kinds(plan, ranks, profiles_dir)
     if kinds is not None:
-        comm = build_comm_model(kinds, False, plan.cluster, spec, 1, plan.dtype, profiles_dir)
+        comm = build_comm_model(kinds, False, plan.cluster, spec, 1, plan.dtype, profiles_dir, interleaved=False)
         return comm.gather_link, comm.reduce_link
     devices = plan.cluster.devices()
     here = sorted({devices[i][1] for i in ranks if devices[i][0].name == node.name}, key=lambda k: k.label)
