@@ -101,9 +101,17 @@ def scenario_dp_plan(scenario: GeoScenario, profiles_dir: str | None = None, rtt
 
 
 def _dp_plan(scenario: GeoScenario, zero: int, profiles_dir: str | None, rtt: bool) -> Plan:
-    """scenario_dp_plan at one ZeRO level, priced and checked."""
-    nodes = tuple(NodeSpec(dc.name, dc.name, tuple(DeviceSpec(t) for t, n in dc.gpus for _ in range(n)))
-                  for dc in scenario.datacenters)
+    """scenario_dp_plan at one ZeRO level, priced and checked. Round-robin dealing gives work only to
+    the first (global batch / micro-batch) devices in scenario order, so only those are written: the
+    others would be unused assignments (a scenario may declare more GPUs than a plan can list)."""
+    left = max(scenario.global_batch // scenario.micro_batch, 1)
+    nodes = []
+    for dc in scenario.datacenters:
+        take = [t for t, n in dc.gpus for _ in range(min(n, left))][:left]
+        left -= len(take)
+        if take:
+            nodes.append(NodeSpec(dc.name, dc.name, tuple(DeviceSpec(t) for t in take)))
+    nodes = tuple(nodes)
     intra = min(dc.intra_dc_gbps for dc in scenario.datacenters)
     cluster = ClusterSpec(f"{scenario.name}-dp", nodes,
                           NetworkSpec(intra, min((l.gbps for l in scenario.wan), default=intra)))
@@ -118,14 +126,15 @@ def _dp_plan(scenario: GeoScenario, zero: int, profiles_dir: str | None, rtt: bo
         m = scenario.micro_batch if n else 0
         asg.append(Assignment(i, node.name, dev.type, m, n, m * n, n / num_mb, 0, 0.0, dev.emulated, dev.slowdown,
                               dev.memory_gb))
-    wan = tuple(WanLink(l.a, l.b, l.gbps, l.rtt_ms, l.per_connection_gbps) for l in scenario.wan)
+    names = [node.name for node in nodes]
+    wan = tuple(WanLink(l.a, l.b, l.gbps, l.rtt_ms, l.per_connection_gbps) for l in scenario.wan
+                if l.a in names and l.b in names)
     draft = Plan(cluster, scenario.model, scenario.global_batch, scenario.seq, scenario.dtype, "none", tuple(asg),
                  0.0, 0.0, zero=zero, wan=wan, notes=("data parallelism over every datacenter (planner/geo/cuts.py)",))
     it, steps = predict_dp_plan(draft, profiles_dir, rtt)
     mem = dp_memory_bytes(draft, profiles_dir)
     asg = tuple(replace(a, predicted_memory_bytes=mem.get(a.device_index, 0),
                         predicted_step_s=steps.get(a.device_index, 0.0)) for a in draft.assignments)
-    names = [dc.name for dc in scenario.datacenters]
     plan = replace(draft, assignments=asg, predicted_iteration_s=it, predicted_samples_per_s=scenario.global_batch / it,
                    cuts=tuple(Cut(a, b, "dp") for a, b in combinations(names, 2)))
     check_runnable(plan)
