@@ -3,43 +3,18 @@
     python bench/scheduler.py [--quick] [--check] [--json] [--seeds 0 1 2] [--window cluster02:6 ...]
                               [--no-synthetic] [--repeats 3] [--fragmented-windows 3]
 
-Real windows (REAL_WINDOWS): two-day windows of the public Microsoft ITP traces
-(/work/shared/traces/elasticflow/, read in place, never copied), converted by
-planner.schedule.trace.convert_public_trace onto the 256-GPU mixed pool (H100, A100, V100, T4):
-arrivals, GPU counts and durations on the request are the trace's; models, batches and requested
-types are drawn per seed. The windows were picked from the traces' own statistics (requested
-GPU-hours against 256 GPUs, share of 8+-GPU work, share of 1-GPU jobs), before any policy ran:
-big-job windows, 1-GPU-dominated ones and overloaded ones (requested load > 1), from four clusters.
-Each runs under three seeds (the conversion's draws and the duration errors' seed). Every policy
-(`gpumix`, `frenzy`, `fifo`, `fifo-backfill`, `fifo-backfill-sized`, `sjf`, `srtf`, `las`, `gavel`)
-replays the same jobs in the same simulator (planner/schedule/simulate.py) with the same seeded
-lognormal errors, and `gpumix --no-mixed` beside it: the gain of mixed-type gangs. Every replay
-simulates the runs as launched (`rebalance=True`: a gang whose types' errors differ re-splits its
-batch live, executor/rebalance.py); each policy prices its own gangs (the priced plans are
-forgotten between policies). Per window the gangs' effect is printed per seed beside:
-the share of time its free devices were fragmented across types under `gpumix --no-mixed`
-(simulate.fragmented); what gangs could save there at all, as shares of its total JCT (the jobs'
-waits while a gang could have started them, `fragmented_wait_s`, and their running time times what
-a gang could speed them up on an idle cluster, mixed.idle_speedup); and the selection rule's figure.
-
-Windows where fragmentation matters (`--fragmented-windows K`, 3 by default in the full run): the
-selection rule ranks every two-day window (even days) of every trace file with >= MIN_WINDOW_JOBS
-jobs by trace.fragmentation_exposure (the share of requested GPU-hours arriving when the trace's own
-concurrency leaves all pools together, but not the largest one, room for the job: from the trace
-and the pools alone, before any replay) and runs the K highest under gpumix with and without gangs.
-
-Targets (the real windows, each policy's figures the mean over the seeds): gpumix's average JCT
->= 12 % below the strongest baseline's (lowest average JCT) on the median window and never more
-than 5 % above it on any window; its p99 JCT and makespan <= 1.05x that baseline's on every
-window; mixed gangs worth >= 10 % average JCT (gpumix against gpumix --no-mixed) on at least one
-window (REAL_WINDOWS and the rule's); decision time (CPU time of gpumix's decisions per job,
-caches cleared first) <= 10 ms per job at 1,024 GPUs (the synthetic 1,024-GPU trace, median of
-`--repeats` replays). Overloaded windows also print the short jobs' (<= 1 h on their request) max
-and p99 slowdown (JCT / that hour) per policy: a first-come-first-served collapse shows there.
-
-Synthetic traces (planner/schedule/trace.py: models 124M-13B, sweeps in bursts, durations 5
-minutes to a day), each on its own mixed cluster and load (64 GPUs at 0.3, 256 at 0.6, 1,024 at
-0.9), are printed beside with the same per-trace targets. Every JCT is simulated.
+Real two-day windows of the public traces (/work/shared/traces/elasticflow/, read in place) converted
+onto a 256-GPU mixed pool (planner.schedule.trace.convert_public_trace), three seeds each, and
+synthetic traces at 64, 256 and 1,024 GPUs. Every policy (`gpumix`, `frenzy`, `fifo`, `fifo-backfill`,
+`fifo-backfill-sized`, `sjf`, `srtf`, `las`, `gavel`) and `gpumix --no-mixed` (the gain of mixed-type
+gangs) replays the same jobs in planner/schedule/simulate.py with the same seeded errors; each prices
+its own gangs. `--fragmented-windows K` adds the K windows ranked highest by
+trace.fragmentation_exposure (from the trace and the pools alone). Per window it prints the JCT
+figures, fragmentation and what gangs could save at all; with `--check`, PASS/FAIL per target:
+gpumix's average JCT >= 12 % below the strongest baseline's on the median real window and never
+> 5 % above it, p99 and makespan <= 1.05x, mixed gangs >= 10 % on at least one window, decision
+time <= 10 ms per job at 1,024 GPUs. Every JCT is simulated; the window choice, the targets and the
+measured figures: docs/models/scheduling.md.
 """
 from __future__ import annotations
 

@@ -1,49 +1,18 @@
-"""DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
-Models") over the uneven sharded runtime.
+"""DiLoCo (Douillard et al. 2023) over the uneven sharded runtime.
 
-The plan's groups (contracts/plan.py `DilocoSpec`, one per datacenter) each train as today's uneven
-sharded data parallelism (models/sharded.py) on their own process group and their own part of the
-step's samples, for H inner steps of the usual inner optimizer (models/optim.py). Then an outer step
-over the WAN, everything in fp32 on each rank's own master slices:
+The plan's groups (contracts/plan.py `DilocoSpec`, one per datacenter) each train as uneven sharded
+data parallelism (models/sharded.py) on their own process group and part of the step's samples, for
+H inner steps of the inner optimizer (models/optim.py, AdamW or SGD). Then an outer step over the WAN,
+in fp32 on each rank's master slices: the outer gradient Δ = Σ_g w_g · (θ_synced − θ_g), w_g the
+group's share of the batch's tokens, applied by SGD with (Nesterov) momentum (torch.optim.SGD's
+update); every group restarts from the result. With H = 1, inner SGD, outer_lr 1 and momentum 0 this
+is synchronous data parallelism.
 
-    Δ      = Σ_g w_g · (θ_synced - θ_g)          the outer gradient; w_g = group g's share of the
-                                                 global batch's tokens (1/G when the groups are even)
-    m      = μ · m + Δ                           (outer_momentum μ; m starts at 0)
-    d      = Δ + μ · m  (nesterov)  or  m
-    θ_synced -= outer_lr · d ;  θ_g = θ_synced   every group starts its next H steps from there
-
-(torch.optim.SGD(momentum=μ, nesterov=...)'s update). Weighting by tokens instead of 1/G keeps the
-identity below when the groups train on unequal batches. With H = 1, inner SGD (OptimConfig.kind
-"sgd", no clipping: clipping uses each group's own norm), outer_lr 1 and μ = 0 this is synchronous
-data parallelism over all groups' samples: θ - Σ_g w_g · lr · ḡ_g = θ - lr · ḡ. AdamW as the inner
-optimizer keeps moments per group, so H = 1 is then NOT data parallelism.
-
-The outer exchange. Groups shard each unit differently (their own uneven fractions), so a rank's
-slice of group g overlaps several ranks' slices of group h. For each unit of the fragment being
-synchronised every rank fills a zero vector of the unit's full length with w_g · Δ_g on its own
-slice, and ONE world all-reduce (sum) of the fragment's concatenated vectors gives every element
-its Σ_g from the G ranks that own it; each rank reads back its slice. Payload per rank and sync:
-the fragment's numel × the wire dtype's size, i.e. what one synchronous data-parallel all-reduce of
-the same parameters carries, once per H inner steps instead of every step (`OuterSync.payload_bytes`).
-Wire dtypes (`compress`): fp32; bf16 (the sum rounds in bf16); int8 with a per-fragment scale:
-s = max |w_g Δ_g| (a scalar max all-reduce) / ⌊127 / G⌋, q = round(w_g Δ_g / s), so the sum of the
-G owners' q stays in int8; the error of an element is at most G · s / 2 (`int8_error_bound`).
-
-Streaming (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): with F
-fragments (contiguous runs of the units) fragment f is synchronised after inner step t when
-t % H == f · H // F, so the WAN carries 1/F of the model at a time. With `overlap` the exchange
-issued after step t is an asynchronous all-reduce (on the world's process group, beside the group's
-own collectives) that step t + 1 trains over; after step t + 1 it is waited for, the outer step
-applied to the synced slices, and the masters merged: θ_g = α · θ_g + (1 − α) · θ_synced
-(α = `merge_alpha`), keeping that share of step t + 1's local progress. Without it the exchange
-blocks and θ_g = θ_synced.
-
-Why not torchft: torchft's DiLoCo wraps a torch.optim optimizer over whole nn.Parameters and a
-Manager (a lighthouse, quorum and replica-group fault tolerance); its outer step all-reduces the
-parameters as the replicas hold them. This runtime holds neither: each rank owns an uneven slice of
-a flat fp32 unit, different per group, and steps it itself. The math above (Nesterov outer SGD on
-the averaged delta, fragments in turn) is the same idea; the exchange over mismatched slices and
-the compression are written here.
+Groups shard each unit differently, so the exchange fills a zero vector of each unit's full length
+with the rank's own slice of w_g · Δ_g and sums it with one world all-reduce per fragment (wire dtype
+fp32, bf16, or int8 with a per-fragment scale); fragments are synchronised in turn (streaming), and
+the exchange may overlap the next inner step. The derivation, the bytes, the int8 bound and why this
+is not torchft's implementation: docs/models/diloco.md.
 """
 from __future__ import annotations
 

@@ -141,6 +141,14 @@ def _worker(rank: int, world: int, port: int, backend: str, ops: Sequence[str], 
 
 
 
+def stop_ranks(procs: list) -> None:
+    """Kill the rank processes still running and reap them."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def wait_ranks(procs: list, timeout_s: float) -> bool:
     """Wait for rank processes to end; stop early when one fails (the others would wait for it
     forever). True when `timeout_s` passed first. The caller kills what is left."""
@@ -173,10 +181,7 @@ def _run_ranks(config: dict, tmp: str, timeout_s: float, cgroup_table: str | Non
                     stdout=fh, stderr=subprocess.STDOUT))
         timed_out = wait_ranks(procs, timeout_s)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        stop_ranks(procs)
     if timed_out:
         raise TimeoutError(f"collective benchmark did not finish in {timeout_s:.0f} s")
     # the rank that failed by itself first, not one we killed after it

@@ -253,7 +253,7 @@ def _run_probe_ranks(argvs: Sequence[list[str]], env: dict[str, str], cwd: str, 
     """One Python process per rank (argument lists, no shell), its output in log_dir, until all end;
     RuntimeError naming the first rank that failed, with its log's tail, or TimeoutError after
     PROBE_TIMEOUT_S."""
-    from profiler.collectives import wait_ranks
+    from profiler.collectives import stop_ranks, wait_ranks
 
     logs = [os.path.join(log_dir, f"probe-rank{r}.log") for r in range(len(argvs))]
     procs = []
@@ -264,10 +264,7 @@ def _run_probe_ranks(argvs: Sequence[list[str]], env: dict[str, str], cwd: str, 
     try:
         timed_out = wait_ranks(procs, PROBE_TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop_ranks(procs)
     if timed_out:
         raise TimeoutError(f"probe of collectives beside compute did not finish in {PROBE_TIMEOUT_S:.0f} s")
     failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
