@@ -25,7 +25,9 @@ DiLoCo (DESIGN.md "Geo with low-communication training"; models/diloco.py): `"di
 groups (each a list of nodes, i.e. datacenters) that train H = `inner_steps` inner steps apart before
 an outer step, and its outer optimizer, fragments and wire compression. Each group holds a whole copy
 of the training state, so shard fractions sum to 1 PER GROUP; batches still sum to the global batch
-over every device. `"cuts"` names the kind of every cut between datacenters:
+over every device. With a pipeline, every group holds a whole pipeline: each stage lists its devices
+group by group, shard fractions sum to 1 per group and stage, and a group takes the same rows of every
+micro-batch in every stage. `"cuts"` names the kind of every cut between datacenters:
 `[{"a", "b", "kind": "pipeline"|"diloco"|"dp", "inner_steps": H}]` (H for "diloco" cuts only).
 """
 from __future__ import annotations
@@ -565,20 +567,18 @@ class Plan:
                 same = d.group_of(c.a) == d.group_of(c.b)
                 if c.kind == "diloco" and same:
                     raise ValueError(f"{what}: kind diloco, but both nodes are in diloco group {d.group_of(c.a)}")
-                if c.kind == "dp" and not same:
-                    raise ValueError(f"{what}: kind dp, but the nodes are in different diloco groups "
+                if c.kind in ("dp", "pipeline") and not same:
+                    raise ValueError(f"{what}: kind {c.kind}, but the nodes are in different diloco groups "
                                      f"({d.group_of(c.a)} and {d.group_of(c.b)})")
 
     def _check_diloco(self, nodes: set[str]) -> None:
-        """A DiLoCo plan: sharded data parallelism (no pipeline, no tensor parallelism), every group's
-        nodes in the cluster, every used device's node in one group, every group with a used device
-        and shard fractions summing to 1 per group; batches sum to the global batch over all."""
+        """A DiLoCo plan: no tensor parallelism, every group's nodes in the cluster, every used device's
+        node in one group. Without a pipeline: every group with a device with samples and shard
+        fractions summing to 1 per group, batches to the global batch over all; with one: every group
+        a whole pipeline (_check_diloco_pipeline)."""
         d = self.diloco
         if not isinstance(d, DilocoSpec):
             raise ValueError("plan: diloco must be a DilocoSpec")
-        if self.pipeline is not None:
-            raise ValueError("plan: diloco runs groups of sharded data parallelism; a plan with a pipeline "
-                             "cannot have a diloco section yet")
         if self.tensor_parallel:
             raise ValueError("plan: diloco does not run tensor-parallel plans (every tp must be 1)")
         for g, group in enumerate(d.groups):
@@ -591,6 +591,9 @@ class Plan:
             if a.node not in d.groups_nodes():
                 raise ValueError(f"plan: diloco: device {a.device_index} is used but its node {a.node!r} is in no "
                                  "group")
+        if self.pipeline is not None:
+            self._check_diloco_pipeline()
+            return
         total = sum(a.batch for a in used)
         if total != self.global_batch:
             raise ValueError(f"plan: batches sum to {total}, not the global batch {self.global_batch}")
@@ -602,6 +605,61 @@ class Plan:
             if abs(frac - 1.0) > 1e-6:
                 raise ValueError(f"plan: diloco: groups[{g}]'s shard fractions sum to {frac:.6f}, not 1 (each "
                                  "group holds a whole copy of the training state)")
+
+    def _check_diloco_pipeline(self) -> None:
+        """DiLoCo over pipeline replicas: every group holds a whole pipeline of the plan's stages. Each
+        stage lists its devices group by group (group 0's first), every group has a device in every
+        stage, takes the same rows of every micro-batch in each stage, and its shard fractions sum to 1
+        per stage; one fragment (a stage's few units cannot be split per stage and kept in step)."""
+        d, p = self.diloco, self.pipeline
+        assert d is not None and p is not None
+        if d.fragments != 1:
+            raise ValueError(f"plan: diloco: fragments {d.fragments} with a pipeline; DiLoCo over pipelines "
+                             "synchronises each stage whole (fragments 1)")
+        rows_of: dict[int, int] = {}
+        for s, group in enumerate(self._stage_assignments()):
+            total = sum(a.batch for a in group)
+            if total != self.global_batch:
+                raise ValueError(f"plan: pipeline stage {s}: batches sum to {total}, not the global batch "
+                                 f"{self.global_batch}")
+            order = [d.group_of(a.node) for a in group]
+            if order != sorted(order):
+                raise ValueError(f"plan: diloco: pipeline stage {s} lists its devices in groups {order}: list "
+                                 "each group's devices together, in group order (group 0 first)")
+            for g, nodes in enumerate(d.groups):
+                mine = [a for a, h in zip(group, order) if h == g]
+                if not mine:
+                    raise ValueError(f"plan: diloco: groups[{g}] ({', '.join(nodes)}) has no device in pipeline "
+                                     f"stage {s}: every group holds a whole pipeline")
+                rows = sum(a.micro_batch for a in mine)
+                if rows_of.setdefault(g, rows) != rows:
+                    raise ValueError(f"plan: diloco: groups[{g}] takes {rows_of[g]} rows of every micro-batch in "
+                                     f"pipeline stage 0 but {rows} in stage {s}: a group's pipeline passes the "
+                                     "same rows through every stage")
+                frac = sum(a.shard_fraction for a in mine)
+                if abs(frac - 1.0) > 1e-6:
+                    raise ValueError(f"plan: diloco: groups[{g}]'s shard fractions in pipeline stage {s} sum to "
+                                     f"{frac:.6f}, not 1 (each group holds a whole copy of the stage's state)")
+
+    def diloco_pipeline(self, g: int) -> tuple[PipelineSpec, int]:
+        """DiLoCo group g's own pipeline (the plan's stages, each with the group's devices and rows) and
+        the offset of its rows in every micro-batch of the plan's pipeline; ValueError for a plan
+        without both sections or a group that is not one of them."""
+        d, p = self.diloco, self.pipeline
+        if d is None or p is None:
+            raise ValueError("plan: a DiLoCo group's pipeline needs a plan with a pipeline and a diloco section")
+        if not 0 <= g < d.num_groups:
+            raise ValueError(f"plan: diloco has {d.num_groups} group(s), no group {g}")
+        node = {a.device_index: a.node for a in self.assignments}
+        stages, offset = [], 0
+        for s, st in enumerate(p.stages):
+            mine = [(x, r) for x, r in zip(st.devices, st.rows) if d.group_of(node[x]) == g]
+            if s == 0:  # the groups' devices come in group order: the earlier groups' rows come first
+                offset = sum(r for x, r in zip(st.devices, st.rows) if d.group_of(node[x]) < g)
+            stages.append(PipelineStage(st.first_layer, st.num_layers, tuple(x for x, _ in mine),
+                                        tuple(r for _, r in mine), node[mine[0][0]] if mine else st.datacenter))
+        rows = sum(stages[0].rows)
+        return PipelineSpec(p.schedule, rows, p.num_microbatches, tuple(stages)), offset
 
     def _check_devices(self) -> None:
         """Every assignment names a device of the plan's cluster, once, with that device's node and type."""

@@ -20,7 +20,8 @@ Emulated devices run inside the cgroups the launcher made (profiler/cgroups.py),
 and check the measured peak against `memory_gb`. A DiLoCo plan (`diloco`) runs models/diloco.py: each
 group of nodes trains on its own process group, normalising its loss by its own tokens, with an
 outer step every H inner steps (a `diloco_sync` event each) and one at the last step, so every group
-ends with the same parameters; the step's loss is the groups' token-weighted mean. It writes no
+ends with the same parameters; the step's loss is the groups' token-weighted mean. With a pipeline,
+each group runs a whole pipeline and the outer step is exchanged per stage. It writes no
 checkpoint (the format holds one layout, not the outer state). More: docs/executor.md,
 docs/models/diloco.md, docs/models/pipeline_simulation.md.
 """
@@ -53,7 +54,7 @@ from executor.store import MetricsStore, RankStep
 from models.collectives import ProcessGroupCollectives
 from models.diloco import DilocoRuntime
 from models.optim import OptimConfig, lr_at
-from models.pipeline import PipelineRuntime
+from models.pipeline import PipelineRuntime, build_pipeline_groups
 from models.tensor_runtime import TensorParallelRuntime, build_groups
 from models.runtime import use_tf32_as_priced
 from models.sharded import ShardedRuntime
@@ -244,9 +245,13 @@ class Trainer:
         self.diloco = plan.diloco
         self.global_tokens = plan.global_batch * plan.seq
         self.step_tokens = self.global_tokens  # the loss normaliser of a step (DiLoCo: the group's tokens)
+        self.row_offset = 0  # DiLoCo over pipelines: where this group's rows start in every micro-batch
         if self.diloco is not None:
             check_diloco(plan, resume=args.resume, checkpoint_every=args.checkpoint_every)
-            self._build_diloco(args, spec, kernel.expand_kv, loss_scaling, comm)
+            if self.pipe is not None:
+                self._build_diloco_pipeline(args, spec, kernel.expand_kv, loss_scaling)
+            else:
+                self._build_diloco(args, spec, kernel.expand_kv, loss_scaling, comm)
         elif self.pipe is not None:
             self._build_pipeline(args, spec, kernel.expand_kv, loss_scaling)
         elif self.tp > 1:
@@ -265,7 +270,7 @@ class Trainer:
         if self.pipe is None:
             self.slices = batch_slices(self.batches, self.dp_position, self.a.micro_batch) if self.a.batch else []
         else:  # micro-batch k = windows [k·mb, (k+1)·mb) of the step; this rank takes its rows of each
-            off, mb = self.runtime.my_rows[0], self.pipe.micro_batch
+            off, mb = self.row_offset + self.pipe_rt.my_rows[0], self.pipe.micro_batch
             self.slices = [slice(k * mb + off, k * mb + off + self.a.micro_batch)
                            for k in range(self.pipe.num_microbatches)]
         self.memory_limit_bytes = int(self.a.memory_gb * GIB) if self.a.memory_gb is not None else None
@@ -276,7 +281,7 @@ class Trainer:
         store.register_rank(rank, self.position, self.a, os.getpid(), shard,
                             PeakMemory(self.device).method)
         self.relay()  # a multi-node run: every rank's row written by rank 0 before the first step
-        where = "" if self.pipe is None else f", pipeline stage {self.runtime.stage} dp {self.runtime.dp_index}"
+        where = "" if self.pipe is None else f", pipeline stage {self.pipe_rt.stage} dp {self.pipe_rt.dp_index}"
         if self.tp > 1:
             where += f", tp {self.runtime.tp.rank} of {self.tp} (data-parallel position {self.dp_position})"
         log.info("rank %d = plan device %d (%s, micro_batch %d x %d, zero %d, %d of %d parameters%s)%s", rank,
@@ -381,13 +386,61 @@ class Trainer:
         self.group_leads = [next(p for p in range(world) if group_of[p] == k) for k in range(d.num_groups)]
         self.runtime = DilocoRuntime(inner, d, group=g, weight=group_batch / plan.global_batch, outer=world_comm)
 
+    def _build_diloco_pipeline(self, args, spec, expand_kv: bool, loss_scaling: bool) -> None:
+        """DiLoCo over pipeline replicas: this rank's stage of its group's own pipeline (Plan.diloco_pipeline;
+        models/pipeline.py, on the pipeline's own process groups), the outer exchange of the stage among
+        the ranks holding it in every group, and a tied embedding's among every group's first and last
+        stages. Every rank creates every process group, in the same order: the pipelines' in group
+        order, then one per stage, then the tied one."""
+        plan, d, pipe, used = self.plan, self.diloco, self.pipe, self.plan.used
+        if plan.zero != 1:
+            raise ValueError(f"pipeline plans run ZeRO-1 inside each stage; this plan says zero {plan.zero}")
+        timeout = collective_timeout(plan, args.run_dir)
+        rank_of = {a.device_index: self.owner[p] for p, a in enumerate(used)}
+        subs = [plan.diloco_pipeline(g) for g in range(d.num_groups)]
+        stage_ranks = [[[rank_of[x] for x in st.devices] for st in sub.stages] for sub, _ in subs]
+        groups = [build_pipeline_groups(spec, sr, own_world=True, timeout=timeout) for sr in stage_ranks]
+        stage_pgs = [dist.new_group(sorted(rank_of[x] for x in st.devices), timeout=timeout) for st in pipe.stages]
+        ends = sorted(rank_of[x] for x in pipe.stages[0].devices + pipe.stages[-1].devices)
+        tied_pg = dist.new_group(ends, timeout=timeout) if spec.tied_embeddings and len(pipe.stages) > 1 else None
+        g = d.group_of(self.a.node)
+        sub, self.row_offset = subs[g]
+        s, i = sub.stage_of(self.a.device_index)
+        by_index = {a.device_index: a for a in used}
+        inner = PipelineRuntime(
+            spec, sub, stage=s, dp_index=i, stage_ranks=stage_ranks[g],
+            fractions=[by_index[x].shard_fraction for x in sub.stages[s].devices], device=self.device, seq=plan.seq,
+            recompute=plan.recompute, autocast_dtype=self.autocast, optim=self.optim, seed=args.seed,
+            loss_scaling=loss_scaling, expand_kv=expand_kv, materialize=not args.init_from, groups=groups[g])
+        group_batch = sub.micro_batch * sub.num_microbatches
+        self.step_tokens = group_batch * plan.seq
+        self.group_weights = [p.micro_batch * p.num_microbatches / plan.global_batch for p, _ in subs]
+        position = {a.device_index: p for p, a in enumerate(used)}
+        self.group_leads = [position[p.stages[0].devices[0]] for p, _ in subs]
+        tied = self._group_collectives(tied_pg) if tied_pg is not None and (inner.first or inner.last) else None
+        self.runtime = DilocoRuntime(inner, d, group=g, weight=group_batch / plan.global_batch,
+                                     outer=self._group_collectives(stage_pgs[s]), tied=tied)
+
+    def _group_collectives(self, pg) -> ProcessGroupCollectives:
+        """Collectives over `pg`, its ranks' positions in increasing global rank."""
+        n = dist.get_world_size(pg)
+        return ProcessGroupCollectives(dist.get_rank(pg), list(range(n)), group=pg)
+
+    @property
+    def pipe_rt(self) -> PipelineRuntime:
+        """A pipeline plan's PipelineRuntime (DiLoCo's inner one over pipelines)."""
+        return self.runtime.inner if self.diloco is not None else self.runtime
+
     def _record_syncs(self, syncs) -> None:
-        """World rank 0: one `diloco_sync` event per outer step of a fragment, with its bytes and time."""
+        """World rank 0: one `diloco_sync` event per outer step of a fragment, with its bytes and time
+        (over pipelines: rank 0's stage's, named in `stage`)."""
         if self.rank != 0:
             return
         for o in syncs:
             detail = {"fragment": o.fragment, "units": o.num_units, "payload_bytes": o.payload_bytes,
                       "seconds": o.seconds, "ranks": len(self.plan.used), "compress": self.diloco.compress}
+            if self.pipe is not None:
+                detail["stage"] = self.pipe_rt.stage
             self.store.add_step_event("diloco_sync", o.step, detail,
                                       f"outer step of fragment {o.fragment} ({o.num_units} units) after inner step "
                                       f"{o.step}: {o.payload_bytes} bytes per rank ({self.diloco.compress}), "
@@ -442,6 +495,8 @@ class Trainer:
         """The BubbleTea prefill worker of `--prefill JSON` on the stages it names (default: all)."""
         if self.pipe is None:
             raise ValueError("--prefill needs a pipeline plan: prefill runs while a stage waits for a receive")
+        if self.diloco is not None:
+            raise ValueError("--prefill does not run with DiLoCo (its inner steps take no idle callback)")
         try:
             config = json.loads(args.prefill)
         except json.JSONDecodeError as e:
@@ -463,7 +518,7 @@ class Trainer:
         out = [self._tensors(starts[sl], self.train_tokens) for sl in self.slices]
         if self.pipe is None:
             return out
-        rt = self.runtime
+        rt = self.pipe_rt
         return [(x if rt.first else None, y if rt.last else None) for x, y in out]
 
     def train_step(self, step: int, measure_memory: bool, timeline: bool = False) -> dict[str, float | int | None]:
@@ -636,7 +691,7 @@ class Trainer:
         for step in range(first, args.steps + 1):
             every = args.measure_memory_every
             measure = step == first or (every > 0 and step % every == 0)
-            timeline = self.pipe is not None and step == (args.timeline_step or args.steps)
+            timeline = self.pipe is not None and self.diloco is None and step == (args.timeline_step or args.steps)
             m = self.train_step(step, measure, timeline)
             if timeline:
                 self.write_timeline(step, *m.pop("timeline"))

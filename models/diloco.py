@@ -1,4 +1,4 @@
-"""DiLoCo (Douillard et al. 2023) over the uneven sharded runtime.
+"""DiLoCo (Douillard et al. 2023) over the uneven sharded runtime, or over pipeline replicas.
 
 The plan's groups (contracts/plan.py `DilocoSpec`, one per datacenter) each train as uneven sharded
 data parallelism (models/sharded.py) on their own process group and part of the step's samples, for
@@ -11,8 +11,11 @@ is synchronous data parallelism.
 Groups shard each unit differently, so the exchange fills a zero vector of each unit's full length
 with the rank's own slice of w_g · Δ_g and sums it with one world all-reduce per fragment (wire dtype
 fp32, bf16, or int8 with a per-fragment scale); fragments are synchronised in turn (streaming), and
-the exchange may overlap the next inner step. The derivation, the bytes, the int8 bound and why this
-is not torchft's implementation: docs/models/diloco.md.
+the exchange may overlap the next inner step. Over pipelines (models/pipeline.py) each group runs a
+whole pipeline and a rank exchanges its stage's units with the ranks holding that stage in the other
+groups; a tied embedding's copies (first and last stage) are exchanged together, half a delta each.
+The derivation, the bytes, the int8 bound and why this is not torchft's implementation:
+docs/models/diloco.md.
 """
 from __future__ import annotations
 
@@ -35,17 +38,32 @@ INT8_MAX = 127
 
 
 @dataclass
-class _Exchange:
-    """A fragment's outer exchange, issued: the summed buffer (wire dtype) and what to apply it to."""
-    fragment: int
-    step: int
+class _Part:
+    """One all-reduce of a fragment's exchange, issued: the summed buffer (wire dtype) and what to apply
+    it to."""
     units: list[UnitState]
     offsets: list[int]  # each unit's start in `wire`
     wire: torch.Tensor
-    scale: torch.Tensor | None  # int8: the world's scale
+    scale: torch.Tensor | None  # int8: the scale agreed over the part's ranks
     work: Any  # the all-reduce's Work while in flight; None once done
     payload_bytes: int
+
+
+@dataclass
+class _Exchange:
+    """A fragment's outer exchange, issued: one part per set of ranks it is summed over."""
+    fragment: int
+    step: int
+    parts: list[_Part]
     send_s: float  # wall seconds this rank spent issuing it
+
+    @property
+    def units(self) -> list[UnitState]:
+        return [u for p in self.parts for u in p.units]
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.payload_bytes for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -110,12 +128,17 @@ def outer_update_(synced: torch.Tensor, outer_grad: torch.Tensor, momentum: torc
 
 
 class DilocoRuntime:
-    """One rank of a DiLoCo run: its group's ShardedRuntime (`inner`, on the group's process group)
-    plus the outer state of its slices: `synced` (the parameters at the last sync) and the outer
-    momentum, per unit. `outer` reaches every rank of every group (its all_reduce only)."""
+    """One rank of a DiLoCo run: its group's runtime (`inner`: a ShardedRuntime on the group's process
+    group, or one stage of the group's pipeline, models/pipeline.py) plus the outer state of its
+    slices: `synced` (the parameters at the last sync) and the outer momentum, per unit. `outer`
+    reaches the ranks holding these units in every group (its all_reduce only): every rank of every
+    group, or of a pipeline the ranks of this stage in every group. `tied` (a pipeline of a tied model,
+    on its first and last stages): the ranks of both stages in every group, over which the embedding
+    (unit 0) is exchanged instead, each of its two copies adding half its delta, so both copies get
+    the one same sum."""
 
     def __init__(self, inner: ShardedRuntime, spec: DilocoSpec, *, group: int, weight: float,
-                 outer: Collectives):
+                 outer: Collectives, tied: Collectives | None = None):
         if not 0 <= group < spec.num_groups:
             raise ValueError(f"diloco: group {group} is not one of the plan's {spec.num_groups} groups")
         if not 0.0 < weight <= 1.0:
@@ -124,8 +147,11 @@ class DilocoRuntime:
         if inner.tp is not None:
             raise ValueError("diloco: tensor-parallel groups are not supported")
         self.inner, self.spec, self.group, self.weight, self.outer = inner, spec, group, float(weight), outer
+        self.tied = tied if any(u.index == 0 for u in inner.units) else None
         self.wire_dtype = WIRE_DTYPES[spec.compress]
-        self.levels = int8_levels(spec.num_groups) if spec.compress == "int8" else 0
+        if spec.compress == "int8":  # refused here, not at the first outer step
+            int8_levels(spec.num_groups * (2 if self.tied is not None else 1))
+        self._slot = {u.index: i for i, u in enumerate(inner.units)}  # unit index -> its place in `synced`
         self.fragments = split_fragments(len(inner.units), spec.fragments)
         self.synced: list[torch.Tensor] = []
         self.momentum: list[torch.Tensor | None] = []
@@ -144,7 +170,7 @@ class DilocoRuntime:
     @torch.no_grad()
     def snapshot(self) -> None:
         """Take the current master slices as the synced parameters; the outer momentum restarts."""
-        self.synced = [u.master.detach().clone() for u in self.inner.units]
+        self.synced = [u.master.detach().clone() for u in self.inner.units]  # by place in inner.units
         mu = self.spec.outer_momentum
         self.momentum = [torch.zeros_like(s) if mu > 0 else None for s in self.synced]
 
@@ -185,38 +211,51 @@ class DilocoRuntime:
 
     @torch.no_grad()
     def _start(self, f: int, async_op: bool) -> _Exchange:
-        """Fragment f's weighted delta on this rank's slices (zeros elsewhere), cast to the wire dtype
-        and its world sum issued (int8: the scale's max all-reduce first, blocking)."""
+        """Fragment f's exchange issued: the tied embedding (if this rank holds a copy) over `tied`,
+        the other units over `outer`."""
         t0 = time.perf_counter()
         units = [self.inner.units[i] for i in self.fragments[f]]
         self.inner.settle()  # zero 3: the gathers issued beside the update hold the pre-sync weights
+        shared = [u for u in units if self.tied is not None and u.index == 0]
+        own = [u for u in units if not shared or u.index != 0]
+        parts = [self._issue(own, self.outer, self.weight, self.spec.num_groups, async_op)]
+        if shared:  # the G groups' 2 copies each: half a delta per copy, so the sum is Σ w_g Δ_g
+            parts.append(self._issue(shared, self.tied, self.weight / 2, 2 * self.spec.num_groups, async_op))
+        self.since_sync[f] = 0
+        return _Exchange(f, self.inner_step, parts, time.perf_counter() - t0)
+
+    def _issue(self, units: list[UnitState], outer: Collectives, weight: float, contributors: int,
+               async_op: bool) -> _Part:
+        """`weight` · (synced − masters) on this rank's slices of `units` (zeros elsewhere), cast to the
+        wire dtype and its sum over `outer` issued; int8: the scale's max all-reduce first (blocking),
+        each value within the levels `contributors` summands may each send."""
         offsets, total = [], 0
         for u in units:
             offsets.append(total)
             total += u.numel
         delta = torch.zeros(total, dtype=torch.float32, device=self.inner.device)
         for u, o in zip(units, offsets):  # w_g · (synced - current) on this rank's slice, zeros elsewhere
-            torch.sub(self.synced[u.index], u.master, out=delta[o + u.start:o + u.end]).mul_(self.weight)
+            torch.sub(self.synced[self._slot[u.index]], u.master, out=delta[o + u.start:o + u.end]).mul_(weight)
         scale, extra = None, 0
         if self.wire_dtype == torch.float32:
             wire = delta
         elif self.wire_dtype == torch.bfloat16:
             wire = delta.to(torch.bfloat16)
         else:
+            levels = int8_levels(contributors)
             amax = delta.abs().max().reshape(1) if total else torch.zeros(1, device=delta.device)
-            self.outer.all_reduce(amax, "max")
-            scale = (amax[0] / self.levels).clamp_min(torch.finfo(torch.float32).tiny)
-            wire, extra = quantize_int8(delta, scale, self.levels), amax.numel() * amax.element_size()
-        work = self._sum(wire, async_op)
-        self.since_sync[f] = 0
-        return _Exchange(f, self.inner_step, units, offsets, wire, scale, work,
-                         wire.numel() * wire.element_size() + extra, time.perf_counter() - t0)
+            outer.all_reduce(amax, "max")
+            scale = (amax[0] / levels).clamp_min(torch.finfo(torch.float32).tiny)
+            wire, extra = quantize_int8(delta, scale, levels), amax.numel() * amax.element_size()
+        work = self._sum(wire, outer, async_op)
+        return _Part(units, offsets, wire, scale, work, wire.numel() * wire.element_size() + extra)
 
-    def _sum(self, t: torch.Tensor, async_op: bool) -> Any:
-        """The world sum of `t` in place; with `async_op` on a process group, its Work (else done)."""
-        if async_op and isinstance(self.outer, ProcessGroupCollectives):
-            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.outer.group, async_op=True)
-        self.outer.all_reduce(t, "sum")
+    @staticmethod
+    def _sum(t: torch.Tensor, outer: Collectives, async_op: bool) -> Any:
+        """The sum of `t` over `outer` in place; with `async_op` on a process group, its Work (else done)."""
+        if async_op and isinstance(outer, ProcessGroupCollectives):
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=outer.group, async_op=True)
+        outer.all_reduce(t, "sum")
         return None
 
     @torch.no_grad()
@@ -225,21 +264,23 @@ class DilocoRuntime:
         `merge` (an exchange overlapped by one inner step): masters = α · masters + (1 - α) · synced,
         α = merge_alpha, keeping that share of the step trained meanwhile."""
         t0 = time.perf_counter()
-        if x.work is not None:
-            x.work.wait()
-        summed = x.wire.float()
-        if x.scale is not None:
-            summed.mul_(x.scale)
         alpha = self.spec.merge_alpha if merge else 0.0
         self.inner.settle()
-        for u, o in zip(x.units, x.offsets):
-            synced = self.synced[u.index]
-            outer_update_(synced, summed[o + u.start:o + u.end], self.momentum[u.index],
-                          self.spec.outer_lr, self.spec.outer_momentum, self.spec.nesterov)
-            if alpha > 0:
-                u.master.mul_(alpha).add_(synced, alpha=1 - alpha)
-            else:
-                u.master.copy_(synced)
+        for part in x.parts:
+            if part.work is not None:
+                part.work.wait()
+            summed = part.wire.float()
+            if part.scale is not None:
+                summed.mul_(part.scale)
+            for u, o in zip(part.units, part.offsets):
+                i = self._slot[u.index]
+                synced = self.synced[i]
+                outer_update_(synced, summed[o + u.start:o + u.end], self.momentum[i],
+                              self.spec.outer_lr, self.spec.outer_momentum, self.spec.nesterov)
+                if alpha > 0:
+                    u.master.mul_(alpha).add_(synced, alpha=1 - alpha)
+                else:
+                    u.master.copy_(synced)
         if alpha == 0 and merge:
             self.since_sync[x.fragment] = 0  # the step trained meanwhile is replaced for this fragment
         self._refresh(x.units)

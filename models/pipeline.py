@@ -83,6 +83,46 @@ def row_pieces(mine: tuple[int, int], rows: Sequence[int]) -> list[tuple[int, in
     return out
 
 
+def _by_tp_index(stage_ranks, tp_size: int) -> list[list[list[int]]]:
+    """By TP index k: the ranks of every (stage, dp index) with that index (tp 1: stage_ranks itself)."""
+    if tp_size == 1:
+        return [[list(r) for r in stage_ranks]]
+    return [[[g[k] for g in r] for r in stage_ranks] for k in range(tp_size)]
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """The process groups of one pipeline: per TP index each stage's data-parallel group and the tied
+    embedding's group (first and last stages; None without one), the TP groups per (stage, dp index)
+    (None at tp 1), and `everyone`, all the pipeline's ranks (None: the world), over which the step's
+    norm, overflow flag and loss are summed."""
+    dp: list[list[Any]]
+    tied: list[Any]
+    tp: list[list[Any]] | None
+    everyone: Any = None
+
+
+def build_pipeline_groups(spec: ModelSpec, stage_ranks, tp_size: int = 1, own_world: bool = False,
+                          timeout: Any = None) -> PipelineGroups:
+    """Create a pipeline's process groups (`stage_ranks` as PipelineRuntime takes it); every rank of
+    the world calls this for every pipeline, in the same order (torch.distributed requires it).
+    `own_world`: the pipeline is one of several in the world (DiLoCo's groups), so it gets a group of
+    its own ranks for the step's sums."""
+    kw = {} if timeout is None else {"timeout": timeout}
+    S = len(stage_ranks)
+    dp, tied = [], []
+    for ranks in _by_tp_index(stage_ranks, tp_size):
+        dp.append([dist.new_group(r, **kw) for r in ranks])
+        both = sorted(set(ranks[0]) | set(ranks[-1]))
+        tied.append(dist.new_group(both, **kw) if spec.tied_embeddings and S > 1 else None)
+    tp = [[dist.new_group(list(g), **kw) for g in r] for r in stage_ranks] if tp_size > 1 else None
+    everyone = None
+    if own_world:
+        flat = [x for r in stage_ranks for g in r for x in ([g] if tp_size == 1 else g)]
+        everyone = dist.new_group(sorted(flat), **kw)
+    return PipelineGroups(dp, tied, tp, everyone)
+
+
 class _Transfer:
     """The works of one send or receive. gloo's point-to-point Work.is_completed() stays False until
     wait() is called (measured on torch 2.13), so polling it cannot see a receive land: with
@@ -160,7 +200,8 @@ class PipelineRuntime(TensorParallelRuntime):
                  stage_ranks: Sequence[Sequence[int] | Sequence[Sequence[int]]], fractions: Sequence[float],
                  device: torch.device, seq: int, recompute: str = "none", autocast_dtype: torch.dtype | None = None,
                  optim: OptimConfig | None = None, seed: int = 0, loss_scaling: bool = False,
-                 materialize: bool = True, expand_kv: bool = False, tp_size: int = 1, tp_index: int = 0):
+                 materialize: bool = True, expand_kv: bool = False, tp_size: int = 1, tp_index: int = 0,
+                 groups: PipelineGroups | None = None):
         S = len(pipeline.stages)
         if len(stage_ranks) != S or any(len(r) != len(st.devices) for r, st in zip(stage_ranks, pipeline.stages)):
             raise ValueError("stage_ranks must list one rank per device of every pipeline stage")
@@ -174,26 +215,16 @@ class PipelineRuntime(TensorParallelRuntime):
         if not 0 <= stage < S or not 0 <= dp_index < len(stage_ranks[stage]):
             raise ValueError(f"no rank (stage {stage}, dp index {dp_index}) in this pipeline")
         self.pipeline, self.stage, self.dp_index, self.num_stages = pipeline, stage, dp_index, S
-        # by TP index k: the ranks of every (stage, dp index) with that index (tp 1: stage_ranks itself)
-        by_k = [[list(r) for r in stage_ranks]] if tp_size == 1 else \
-            [[[g[k] for g in r] for r in stage_ranks] for k in range(tp_size)]
-        self.stage_ranks = by_k[tp_index]  # this rank's pipeline: its peers have its TP index
+        self.stage_ranks = _by_tp_index(stage_ranks, tp_size)[tp_index]  # this rank's pipeline: its TP index
         self.seq = seq
         self.first, self.last = stage == 0, stage == S - 1
         self.replica = self.last and not self.first and spec.tied_embeddings
-        # every rank creates every group, in the same order (torch.distributed requires it): per TP index
-        # the stages' DP groups and the tied embedding's group, then the TP groups
-        tied_groups, dp_groups = [], []
-        for ranks in by_k:
-            dp_groups.append([dist.new_group(r) for r in ranks])
-            tied = sorted(set(ranks[0]) | set(ranks[-1]))
-            tied_groups.append(dist.new_group(tied) if spec.tied_embeddings and S > 1 else None)
-        tp = None
-        if tp_size > 1:
-            tp_groups = [[dist.new_group(list(g)) for g in r] for r in stage_ranks]
-            tp = TensorParallel(tp_size, tp_index, tp_groups[stage][dp_index])
-        self.tied_group = tied_groups[tp_index] if (self.first or self.last) else None
-        group = dp_groups[tp_index][stage]
+        # None: this is the world's only pipeline, so every rank is building it and creates its groups now
+        groups = groups if groups is not None else build_pipeline_groups(spec, stage_ranks, tp_size)
+        self.everyone = groups.everyone
+        tp = TensorParallel(tp_size, tp_index, groups.tp[stage][dp_index]) if tp_size > 1 else None
+        self.tied_group = groups.tied[tp_index] if (self.first or self.last) else None
+        group = groups.dp[tp_index][stage]
         order = sorted(self.stage_ranks[stage])
         comm = ProcessGroupCollectives(dp_index, [order.index(r) for r in self.stage_ranks[stage]], group=group)
         self._unit_ids = stage_unit_indices(spec, pipeline, stage)
@@ -394,12 +425,13 @@ class PipelineRuntime(TensorParallelRuntime):
         return self._tp_norm_views([u for u in self.units if not (self.replica and u.index == 0)])
 
     def _reduce_stats(self, stats: torch.Tensor) -> None:
-        """The step's (squared norm, overflow flag, loss) summed over the WORLD: every stage's squares
+        """The step's (squared norm, overflow flag, loss) summed over the pipeline's ranks (`everyone`:
+        the world, or its own group when it is one of DiLoCo's pipelines): every stage's squares
         and the last stage's losses (the all-gathers of the updated slices stay inside the stage); every
         rank of a TP group computed the same loss, TP index 0 adds it."""
         if self.tp is not None and self.tp.rank:
             stats[2].zero_()
-        dist.all_reduce(stats)
+        dist.all_reduce(stats, group=self.everyone)
         self.comm_done = time.time()
         self._note("grad_sync", -1, self._t_sync, self.comm_done)
 
@@ -439,8 +471,9 @@ class PipelineRuntime(TensorParallelRuntime):
             if self.last:
                 loss = float(self._loss(logits, targets, targets.numel()))
                 out += loss if self.tp is None or self.tp.rank == 0 else 0.0
-        dist.all_reduce(out)
+        dist.all_reduce(out, group=self.everyone)
         return float(out)
 
 
-__all__ = ["PipelineRuntime", "PipelineStepResult", "schedule_ops", "in_flight", "stage_unit_indices", "row_pieces"]
+__all__ = ["PipelineGroups", "PipelineRuntime", "PipelineStepResult", "build_pipeline_groups", "schedule_ops",
+           "in_flight", "stage_unit_indices", "row_pieces"]

@@ -67,6 +67,22 @@ def rank_result_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.pt")
 
 
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, world: int):
+    """A spawned rank's gloo process group on 127.0.0.1:`port` (one torch thread): destroyed on the
+    way out; after a body that returned, the rank leaves (`leave_rank`), an error propagates."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+    leave_rank()
+
+
 def save_rank_result(result: Any, out_dir: str, rank: int) -> None:
     """A spawned rank's results (torch.save), for `spawn_ranks` to read back."""
     import torch

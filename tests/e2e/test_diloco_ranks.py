@@ -22,7 +22,7 @@ from models.collectives import ProcessGroupCollectives
 from models.diloco import DilocoRuntime
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
-from testkit.processes import leave_rank, save_rank_result, spawn_ranks
+from testkit.processes import gloo_rank, save_rank_result, spawn_ranks
 
 WORLD = 3
 SPEC = PRESETS["tiny"]
@@ -64,9 +64,7 @@ def diloco(rank: int, pgs, zero: int, optim: OptimConfig, spec: DilocoSpec) -> D
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
+    with gloo_rank(rank, port, WORLD):
         pgs = [dist.new_group(list(ranks)) for ranks in GROUPS]
         res: dict = {"group": group_of(rank)}
         dp = ShardedRuntime(SPEC, zero=1, fractions=list(DP_FRACTIONS), position=rank,
@@ -98,9 +96,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         res["overlap"] = {"losses": losses, "syncs": syncs, "state": rt.full_state_dict()}
         rt.settle()
         save_rank_result(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
-    leave_rank()
 
 
 @pytest.fixture(scope="module")

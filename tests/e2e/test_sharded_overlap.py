@@ -23,7 +23,7 @@ from contracts.specs import PRESETS
 from models.collectives import LocalCollectives, ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
-from testkit.processes import leave_rank, save_rank_result, spawn_ranks
+from testkit.processes import gloo_rank, save_rank_result, spawn_ranks
 
 WORLD = 3
 SPEC = PRESETS["tiny"]
@@ -64,9 +64,7 @@ def _train(rt: ShardedRuntime, rank: int, steps: int, n: int) -> dict:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from testkit.fsdp2 import Fsdp2Reference
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
+    with gloo_rank(rank, port, WORLD):
         def runtime(**kw) -> ShardedRuntime:
             return ShardedRuntime(SPEC, zero=3, fractions=list(FRACTIONS), position=rank,
                                   comm=ProcessGroupCollectives(rank, list(range(WORLD))), device=CPU, optim=OPTIM,
@@ -88,9 +86,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         res["fsdp2"] = {"losses": fsdp_losses}
         res["bf16_reduce_bf16"] = _train(runtime(reduce_dtype=torch.bfloat16, **bf16), rank, BF16_STEPS, 1)
         save_rank_result(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
-    leave_rank()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from contracts import wire
 from contracts.specs import PRESETS
@@ -17,7 +16,7 @@ from contracts.units import runtime_units
 from models.collectives import LocalCollectives, ProcessGroupCollectives
 from models.optim import OptimConfig
 from models.sharded import ShardedRuntime
-from testkit.processes import leave_rank, save_rank_result, spawn_ranks
+from testkit.processes import gloo_rank, save_rank_result, spawn_ranks
 
 WORLD = 3
 FRACTIONS = (0.5, 0.3, 0.2)
@@ -44,9 +43,7 @@ NORMALIZER = sum(MICRO_BATCHES) * MICRO_BATCH * SEQ
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
+    with gloo_rank(rank, port, WORLD):
         res = {}
         for case, (name, kw) in CASES.items():
             rt = ShardedRuntime(PRESETS[name], fractions=list(FRACTIONS), position=rank,
@@ -58,9 +55,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 for s in range(1, STEPS + 1)]}
             rt.settle()
         save_rank_result(res, out_dir, rank)
-    finally:
-        dist.destroy_process_group()
-    leave_rank()
 
 
 @pytest.fixture(scope="module")
