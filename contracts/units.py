@@ -58,8 +58,9 @@ class StepCollectives:
 
 def step_collectives(spec: ModelSpec, zero: int) -> StepCollectives:
     """What one optimizer step all-gathers and reduce-scatters (docs/models/memory.md): every unit
-    once; at zero 3 each block twice (forward and backward) and a tied embedding unit once more for
-    the head; at zero 2 and 3 a tied embedding unit's gradient reduced once more (after the head)."""
+    once; at zero 3 each block twice (forward and backward; a tied embedding unit stays gathered from
+    its forward to the head's); at zero 2 and 3 a tied embedding unit's gradient reduced once more
+    (after the head)."""
     check_zero(zero)
     units = runtime_units(spec)
     n = sum(u.numel for u in units)
@@ -70,7 +71,7 @@ def step_collectives(spec: ModelSpec, zero: int) -> StepCollectives:
     if zero == 2:
         return StepCollectives(gather_numel=n, reduce_numel=n + embed, num_calls=2 * len(units) + int(tied))
     blocks = sum(u.numel for u in units[1:-1])
-    gather = n + blocks + embed
-    calls = len(units) + spec.num_layers + int(tied)  # gathers
+    gather = n + blocks
+    calls = len(units) + spec.num_layers  # gathers
     calls += len(units) + int(tied)  # reduce-scatters
     return StepCollectives(gather_numel=gather, reduce_numel=n + embed, num_calls=calls)

@@ -618,7 +618,8 @@ class ShardedRuntime:
             with torch.no_grad(), self._autocast():
                 return [self.model.embed_tokens(x) for x, _ in batches]
         xs = self._timed(embed_fwd)
-        self._free(embed)  # a tied embedding is gathered again for the head
+        if not tied:  # a tied embedding stays gathered for the head (as FSDP2 keeps its root's parameters)
+            self._free(embed)
         bounds_in: list[list[torch.Tensor]] = []  # bounds_in[b][j]: input of block b, micro-batch j
         graphs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         for b, unit in enumerate(blocks):

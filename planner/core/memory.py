@@ -470,8 +470,8 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         in a block's backward, L+1 per micro-batch in all (inputs still to consume, the incoming
         and the finished gradients);
     and on top, the unit buffers alive at that moment: the unit's full gradient, at zero 3 its
-    gathered parameters and the `prefetch` units gathered ahead (a tied embedding is gathered again
-    for the head and its gradient reduced right after it), a reduce-scatter left in flight; and each
+    gathered parameters and the `prefetch` units gathered ahead (a tied embedding stays gathered
+    from its forward to the head's and its gradient reduced right after it), a reduce-scatter left in flight; and each
     unit's reduce as a moment of its own (docs/models/memory.md)."""
     f = cfg.fraction
     shards = _shard_numels(spec, f, cfg.tp)
@@ -603,6 +603,11 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # `prefetch` blocks after it) are each gathered right after its update, beside the rest of it
         "step": (one["step"][0], one["step"][1] + extra_inputs + slice_grads + max(step_temps, update_peak())),
     }
+    if tied and gathered and L:
+        # the first block's forward: a tied embedding stays gathered from its forward to the head's,
+        # beside the block and the units prefetched after it (its activations: at most the head's)
+        phases["forward"] = (0, inputs_all + shared + g(embed) + g(block) * (1 + min(k, L - 1))
+                             + (g(head) if k >= L else 0))
     if rows:
         # the rows exchange waited (the first block's reduce before it, freed): every rank's rows (and an
         # fp32 copy of them unless fp32), the slice's rows table (fp32, a spare row; the slice may start

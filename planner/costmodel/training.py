@@ -553,7 +553,7 @@ def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Seq
     """Bytes one optimizer step puts on the network, every rank's sends together, at the shard
     fractions of the plan's positions: each collective contracts.units.step_collectives counts (zero
     1/2: every unit gathered and reduced once; zero 3: each block gathered twice; a tied embedding unit
-    gathered once more for the head at zero 3 and reduced once more at zero 2 and 3), priced by contracts.wire as
+    (held from its forward to the head's) reduced once more at zero 2 and 3), priced by contracts.wire as
     models/collectives.py runs it on `backend` ("gloo": its framing included; "nccl": ring payload)."""
     from contracts.wire import gather_send_bytes, reduce_scatter_send_bytes, token_rows_send_bytes
 
@@ -569,8 +569,6 @@ def step_wire_bytes(spec: ModelSpec, zero: int, step: StepConfig, fractions: Seq
         reduces[u.numel] = reduces.get(u.numel, 0) + 1
     if spec.tied_embeddings:  # the whole embedding unit again (gpt2: its positions too)
         tied = units[0].numel
-        if zero == 3:  # gathered again for the head
-            gathers[tied] = gathers.get(tied, 0) + 1
         if zero >= 2:  # layer-wise steps reduce it after the head and again after the embedding
             reduces[tied] = reduces.get(tied, 0) + 1
     pbytes, rbytes = DTYPE_BYTES[step.param_dtype], DTYPE_BYTES[step.reduce_dtype]
