@@ -603,6 +603,12 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
         # `prefetch` blocks after it) are each gathered right after its update, beside the rest of it
         "step": (one["step"][0], one["step"][1] + extra_inputs + slice_grads + max(step_temps, update_peak())),
     }
+    mid = min(k, L - 1)  # the backward's block holding the most: its prefetched blocks beside the slices made above it
+    if 0 < mid < L - 1:
+        # the first block's activations (a lower bound of this moment's); its buffers exactly
+        phases["middle_block"] = plus("last_block", (bd if keep else (2 * n - L) * bd) - (L - 1) * graph_bytes,
+                                      g(block) * (1 + mid) + (0 if keep else gw * block) - pending + early
+                                      + FP32_BYTES * shards[1] * (L - 1 - mid) + flight_first)
     if tied and gathered and L:
         # the first block's forward: a tied embedding stays gathered from its forward to the head's,
         # beside the block and the units prefetched after it (its activations: at most the head's)
@@ -644,6 +650,9 @@ def _runtime_phases(spec: ModelSpec, cfg: MemoryConfig,
                                   base + gathers_block + early + reduce_bytes(block, shards[1]))
         phases["reduce_first_block"] = (bd if keep else n * bd, base + g(block) + early
                                         + FP32_BYTES * shards[1] * (L - 1) + reduce_bytes(block, shards[1]))
+        if 0 < mid < L - 1:  # the block holding the most blocks gathered (the first's activations, a lower bound)
+            phases["reduce_middle_block"] = (bd if keep else n * bd, base + g(block) * (1 + mid) + early
+                                             + FP32_BYTES * shards[1] * (L - 1 - mid) + reduce_bytes(block, shards[1]))
     if "forward_end" in one:
         # the head's autocast region is its own: in boundary mode no block's weight copies are cached
         # (keep mode: they are saved in the blocks' graphs, as `_phases` counts them)
