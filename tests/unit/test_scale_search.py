@@ -17,7 +17,8 @@ from planner.core.layer_profiles import LayerMeasurement, LayerProfiles
 from planner.geo.scale.costs import ScaleCosts, tables_from_layer_profiles
 from planner.geo.scale.plan_file import to_plan_dict
 from planner.geo.scale.price import price_exactly
-from planner.geo.scale.search import _divisors, enumerate_layouts, fluid_bound_s, node_kinds, solve_scale
+from planner.geo.scale.search import (_divisors, _proportional, block_rates, enumerate_layouts, fluid_bound_s,
+                                      node_kinds, solve_scale)
 from planner.geo.scale.structure import Structure, StructurePricer
 
 SPEC = ModelSpec("t6", "gpt2", 6, 256, 8, 8, 1024, 1000, 256, tied_embeddings=False, linear_bias=True)
@@ -55,7 +56,7 @@ def _every_structure(cluster, costs, max_tp=2, max_stages=4):
         if max(tps) > max_tp:
             continue
         tp_of = {k.device_type: t for k, t in zip(kinds, tps)}
-        for layouts in enumerate_layouts(kinds, tp_of, max_stages):
+        for layouts in enumerate_layouts(kinds, tp_of, max_stages, SPEC.num_layers, block_rates(costs, kinds, max_tp)):
             for b in _divisors(BATCH):
                 yield Structure(layouts, b, BATCH // b)
 
@@ -171,3 +172,31 @@ def test_bad_input_is_refused():
                                                            "gpus": {"A100-40GB": 1, "V100-16GB": 1}}]})
     with pytest.raises(ValueError, match="one GPU type"):
         solve_scale(mixed, _costs(cluster), BATCH)
+
+
+def test_proportional_split_follows_the_blocks():
+    nodes = tuple(range(20))
+    assert [len(g) for g in _proportional(nodes, [6, 6, 2])] == [9, 8, 3]
+    assert [len(g) for g in _proportional(nodes, [1, 1])] == [10, 10]
+    assert [len(g) for g in _proportional((0, 1, 2), [1, 2])] == [1, 2]
+    assert _proportional((0, 1), [1, 1, 1]) is None
+
+
+def test_uneven_node_splits_are_searched():
+    """On 2 + 5 nodes, the V100s' 5 nodes over 3 stages split (3, 1, 1) as well as evenly (2, 2, 1); the
+    search's answer is no slower than every structure of the families (uneven ones included) simulated."""
+    cluster = _cluster(a_nodes=2, v_nodes=5, gpus=2)
+    costs = _costs(cluster)
+    kinds = node_kinds(cluster)
+    layouts = enumerate_layouts(kinds, {k.device_type: 1 for k in kinds}, 4, SPEC.num_layers,
+                                block_rates(costs, kinds, 1))
+    v100 = [tuple(lay.num_nodes for lay in stages if lay.parts[0].device_type == "V100-16GB") for stages in layouts
+            if all(len(lay.parts) == 1 for lay in stages)]
+    assert (2, 2, 1) in v100 and (3, 1, 1) in v100
+    result = solve_scale(cluster, costs, BATCH, max_tp=1, max_stages=4, time_limit_s=60)
+    pricer = StructurePricer(costs, BATCH)
+    sims = [price_exactly(cluster, pricer, p) for p in
+            (pricer.price(st) for st in _every_structure(cluster, costs, max_tp=1, max_stages=4)) if p is not None]
+    assert result.plan.iteration_s <= min(s.iteration_s for s in sims if s is not None) * (1 + 1e-9)
+    print("tiny 2+5: search", result.plan.iteration_s, "every structure simulated", len(sims),
+          [lay.num_nodes for lay in result.plan.structure.stages])

@@ -7,7 +7,10 @@ Hierarchical (docs/models/scale.md):
    B (a divisor of the global batch) and so M. Node groups come in two families: *pure* stages (each
    stage one GPU type; the types' stages in either order, a type's nodes split evenly over its
    stages, a type may be left out whole) and *mixed* stages (every stage holds an even share of
-   every type's nodes). S = 1 mixed is flat (uneven) data parallelism with TP.
+   every type's nodes). S = 1 mixed is flat (uneven) data parallelism with TP. The pure family also
+   splits a type's nodes unevenly, in proportion to the blocks its stages would hold, for every
+   division of the blocks over the types within `UNEVEN_WINDOW_BLOCKS` of the types' shares of the
+   cluster's block rate (a heuristic restriction, for speed).
 2. **Each structure** gets its least-bottleneck layer split and each stage its exact row split
    (planner/geo/scale/structure.py, planner/geo/scale/split.py) and is ranked by the closed-form 1F1B
    estimate.
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_STAGES = 8
 DEFAULT_SHORTLIST = 4
 TP_DEGREES = (1, 2, 4, 8)
+# uneven node splits: a kind's blocks within this many of its share of the cluster's block rate
+UNEVEN_WINDOW_BLOCKS = 3
 
 
 @dataclass(frozen=True)
@@ -87,13 +92,61 @@ def _chunks(nodes: tuple[int, ...], k: int) -> list[tuple[int, ...]]:
     return out
 
 
-def enumerate_layouts(kinds: list[NodeKind], tps: dict[str, int], max_stages: int) -> list[tuple[StageLayout, ...]]:
-    """The node groups of both families (module docstring) at one TP degree per type."""
+def _proportional(nodes: tuple[int, ...], weights: list[int]) -> list[tuple[int, ...]] | None:
+    """`nodes` in contiguous groups in proportion to `weights` (largest remainders, every group at least
+    one node); None where there are fewer nodes than groups."""
+    if len(nodes) < len(weights):
+        return None
+    total = sum(weights)
+    exact = [len(nodes) * w / total for w in weights]
+    counts = [max(1, math.floor(x)) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda j: (counts[j] - exact[j], j))
+    i = 0
+    while sum(counts) < len(nodes):
+        counts[by_remainder[i % len(counts)]] += 1
+        i += 1
+    while sum(counts) > len(nodes):
+        j = max((j for j in range(len(counts)) if counts[j] > 1), key=lambda j: (counts[j] - exact[j], -j))
+        counts[j] -= 1
+    out, i = [], 0
+    for n in counts:
+        out.append(nodes[i:i + n])
+        i += n
+    return out
+
+
+def _block_totals(stage_counts: list[int], num_layers: int, centre: list[float], window: int):
+    """Every way to give each kind's stages (stage_counts[i] of them) a total of blocks, at least one per
+    stage, the totals summing to num_layers, each within `window` blocks of its `centre`."""
+    if len(stage_counts) == 1:
+        if num_layers >= stage_counts[0] and abs(num_layers - centre[0]) <= window:
+            yield (num_layers,)
+        return
+    rest = sum(stage_counts[1:])
+    for k in range(stage_counts[0], num_layers - rest + 1):
+        if abs(k - centre[0]) <= window:
+            for tail in _block_totals(stage_counts[1:], num_layers - k, centre[1:], window):
+                yield (k,) + tail
+
+
+def enumerate_layouts(kinds: list[NodeKind], tps: dict[str, int], max_stages: int,
+                      num_layers: int | None = None, block_rates: dict[str, float] | None = None,
+                      window: int = UNEVEN_WINDOW_BLOCKS) -> list[tuple[StageLayout, ...]]:
+    """The node groups of both families (module docstring) at one TP degree per type. With
+    `num_layers`, the pure family also splits each kind's nodes over its stages in proportion to the
+    blocks they would hold: for every division of the blocks over the kinds within `window` blocks of
+    the kinds' shares of `block_rates` (blocks per second per node; None: every division), each kind's
+    total as even as possible over its stages (the first stages one more), its nodes in proportion."""
     out: list[tuple[StageLayout, ...]] = []
     seen = set()
 
     def part(k: NodeKind, nodes: tuple[int, ...]) -> StagePart:
         return StagePart(k.device_type, k.gpus_per_node, tps[k.device_type], nodes)
+
+    def add(stages: tuple[StageLayout, ...]) -> None:
+        if stages not in seen:
+            seen.add(stages)
+            out.append(stages)
 
     # pure: s_k stages of kind k (0: the kind left out)
     ranges = [range(0, min(len(k.nodes), max_stages) + 1) for k in kinds]
@@ -103,18 +156,22 @@ def enumerate_layouts(kinds: list[NodeKind], tps: dict[str, int], max_stages: in
             continue
         used = [(k, c) for k, c in zip(kinds, counts) if c > 0]
         for order in itertools.permutations(used):
-            stages = tuple(StageLayout((part(k, g),)) for k, c in order for g in _chunks(k.nodes, c))
-            if stages not in seen:
-                seen.add(stages)
-                out.append(stages)
+            add(tuple(StageLayout((part(k, g),)) for k, c in order for g in _chunks(k.nodes, c)))
+            if num_layers is None or S == len(order) or S > num_layers:
+                continue  # one stage per kind: nothing to split unevenly
+            rates = [len(k.nodes) * (block_rates or {}).get(k.device_type, 1.0) for k, _ in order]
+            centre = [num_layers * r / sum(rates) for r in rates]
+            reach = window if block_rates else num_layers
+            for totals in _block_totals([c for _, c in order], num_layers, centre, reach):
+                groups = [_proportional(k.nodes, [len(b) for b in _chunks(tuple(range(t)), c)])
+                          for (k, c), t in zip(order, totals)]
+                if all(g is not None for g in groups):
+                    add(tuple(StageLayout((part(k, g),)) for (k, _), gs in zip(order, groups) for g in gs))
     # mixed: every stage an even share of every kind
     if len(kinds) > 1:
         for S in range(1, min(max_stages, min(len(k.nodes) for k in kinds)) + 1):
             groups = [_chunks(k.nodes, S) for k in kinds]
-            stages = tuple(StageLayout(tuple(part(k, groups[i][s]) for i, k in enumerate(kinds))) for s in range(S))
-            if stages not in seen:
-                seen.add(stages)
-                out.append(stages)
+            add(tuple(StageLayout(tuple(part(k, groups[i][s]) for i, k in enumerate(kinds))) for s in range(S)))
     return out
 
 
@@ -141,10 +198,11 @@ def solve_scale(cluster: ClusterSpec, costs: ScaleCosts, global_batch: int, *, m
                              f"(measured: {costs.tp_degrees(k.device_type) or 'none'})")
         tp_options[k.device_type] = opts
     pricer = StructurePricer(costs, global_batch)
+    rates = block_rates(costs, kinds, max_tp)
     candidates: list[tuple[float, int, Structure]] = []
     for tps in itertools.product(*(tp_options[k.device_type] for k in kinds)):
         tp_of = {k.device_type: t for k, t in zip(kinds, tps)}
-        for layouts in enumerate_layouts(kinds, tp_of, max_stages):
+        for layouts in enumerate_layouts(kinds, tp_of, max_stages, costs.spec.num_layers, rates):
             if len(layouts) > costs.spec.num_layers:
                 continue
             most = min(sum(p.num_replicas * costs.max_rows(p.device_type, p.tp) for p in lay.parts) for lay in layouts)
@@ -200,6 +258,33 @@ def solve_scale(cluster: ClusterSpec, costs: ScaleCosts, global_batch: int, *, m
                        len(plans), time.perf_counter() - start)
 
 
+def block_rates(costs: ScaleCosts, kinds: list[NodeKind], max_tp: int) -> dict[str, float]:
+    """Per GPU type, the blocks per second one node computes per sample at its cheapest measured
+    GPU-seconds per sample of the middle unit (any TP degree ≤ max_tp dividing the node, any measured
+    micro-batch): how the uneven node splits share the blocks among the kinds."""
+    unit = costs.num_units // 2
+    out = {}
+    for k in kinds:
+        best = cheapest_sample_s(costs, k, unit, max_tp)
+        out[k.device_type] = k.gpus_per_node / best if best < math.inf else 0.0
+    return out
+
+
+def cheapest_sample_s(costs: ScaleCosts, kind: NodeKind, unit: int, max_tp: int) -> float:
+    """The least GPU-seconds per sample of `unit` on `kind` over its measured TP degrees (≤ max_tp,
+    dividing the node) and micro-batches; inf where nothing is measured."""
+    best = math.inf
+    for tp in costs.tp_degrees(kind.device_type):
+        if tp > max_tp or kind.gpus_per_node % tp:
+            continue
+        table = costs.tables[(kind.device_type, tp)]
+        for r in table.micro_batches:
+            fb = table.range_s(unit, unit + 1, r)
+            if fb is not None:
+                best = min(best, tp * (fb[0] + fb[1]) / r)
+    return best
+
+
 def fluid_bound_s(costs: ScaleCosts, kinds: list[NodeKind], global_batch: int, max_tp: int) -> float:
     """The fluid compute bound (module docstring): min T such that fractions y[t,u] of every unit's
     samples over the types satisfy Σ_t y[t,u] = B and Σ_u w[t,u]·y[t,u] ≤ n_t·T, with w[t,u] the
@@ -210,16 +295,7 @@ def fluid_bound_s(costs: ScaleCosts, kinds: list[NodeKind], global_batch: int, m
     w = {}
     for k in kinds:
         for u in units:
-            best = math.inf
-            for tp in costs.tp_degrees(k.device_type):
-                if tp > max_tp or k.gpus_per_node % tp:
-                    continue
-                table = costs.tables[(k.device_type, tp)]
-                for r in table.micro_batches:
-                    fb = table.range_s(u, u + 1, r)
-                    if fb is not None:
-                        best = min(best, tp * (fb[0] + fb[1]) / r)
-            w[(k.device_type, u)] = best
+            w[(k.device_type, u)] = cheapest_sample_s(costs, k, u, max_tp)
     prob = pulp.LpProblem("fluid_bound", pulp.LpMinimize)
     # T: the iteration's compute time
     T = pulp.LpVariable("T", lowBound=0)
@@ -238,5 +314,5 @@ def fluid_bound_s(costs: ScaleCosts, kinds: list[NodeKind], global_batch: int, m
     return float(T.value())
 
 
-__all__ = ["NodeKind", "ScaleResult", "node_kinds", "enumerate_layouts", "solve_scale", "fluid_bound_s",
+__all__ = ["NodeKind", "ScaleResult", "node_kinds", "enumerate_layouts", "solve_scale", "fluid_bound_s", "block_rates",
            "DEFAULT_MAX_STAGES", "TP_DEGREES"]
