@@ -10,14 +10,19 @@ profiled on this machine. Then two parts:
 * cuts (DESIGN.md "Geo with low-communication training"): at every --link-mbit rate, `planner geo`
   chooses the kind of the datacenters' cut (pipeline, DiLoCo with its H, or synchronous DP) by
   predicted time to a target loss, and writes the best plan of each kind (`--cut-kind`). Each of the
-  three runs with `executor launch --emulate-wan` for the steps its prediction fits in --wall-s
-  seconds (the same wall time for all three; a plan Atlas keeps in one datacenter runs as a local
-  launch on "localhost", nothing on the WAN); its validation loss at the end, its measured training
+  three runs with `executor launch --emulate-wan` (a plan Atlas keeps in one datacenter runs as a
+  local launch on "localhost", nothing on the WAN), for the same training time W measured on the
+  runs' own clock (the sum of their recorded step times): a first run of the steps its prediction
+  fits in --wall-s; then W is set where the coarsest candidate can end (a DP step over a slow link,
+  DiLoCo's H steps ending on an outer step) and the others' ends come nearest (common_wall_s), and
+  every run off W by more than 5 % runs again for the steps its own measured step times fit in W
+  (steps_measured). Recorded: the validation loss at the end of the final run, its training
   seconds, and the TCP payload its ranks put on the emulated WAN links (the links' interface
-  counters, read inside the namespaces while it runs) per trained token are recorded. Checks: the
-  planner's choice has the lowest measured loss or is within 3 % of it, and DiLoCo's WAN bytes per
-  token are at most 1/50 of DP's. Output: {"links": [{"mbit", "loss_at_equal_time": {"dp",
-  "pipeline", "diloco"}, "chosen", "wan_bytes_per_token": {...}, ...}]}.
+  counters, read inside the namespaces while it runs) per trained token. Checks: the planner's
+  choice has the lowest measured loss or is within 3 % of it, DiLoCo's WAN bytes per token are at
+  most 1/50 of DP's, and the training seconds' longest over shortest is at most 1.1. Output:
+  {"links": [{"mbit", "loss_at_equal_time": {"dp", "pipeline", "diloco"}, "chosen",
+  "wan_bytes_per_token": {...}, "train_s", "wall_s_common", ...}]}.
 * steps: plan a 2- or 3-datacenter scenario at --gbps with `planner geo --cut-kind pipeline --out`;
   predict that plan file (planner/geo/emulated.py) and the data-parallel plan over the same links;
   launch the geo plan, the geo plan with `--prefill` (alternating, ABAB) and the DP plan. Prints the
@@ -26,7 +31,7 @@ profiled on this machine. Then two parts:
   and TTFT beside BubbleTea's simulated figure.
 
 Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs; the
-cuts part about 5-6 minutes at three rates, the steps part 3-5 minutes).
+cuts part about 10-15 minutes at three rates, the steps part 3-5 minutes).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -338,7 +344,9 @@ KINDS = ("dp", "pipeline", "diloco")
 TARGET_LOSS_MARGIN = 0.03  # the choice's measured loss within 3 % of the best
 TARGET_BYTES_RATIO = 1 / 50  # DiLoCo's WAN bytes per token at most 1/50 of DP's
 POLL_S = 0.1  # how often the WAN links' counters are read while a run trains
-MIN_STEPS = 2
+MIN_STEPS = 1
+EQUAL_TIME_SLACK = 0.05  # a candidate's training seconds this far from the common wall time is rerun
+TARGET_TIME_RATIO = 1.1  # the candidates' training seconds, longest over shortest
 
 
 def read_wan_counters(setup) -> dict[str, tuple[int, int]]:
@@ -421,6 +429,7 @@ def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bo
     steps_rec = metrics["steps"]
     vals = [s["val_loss"] for s in steps_rec if s.get("val_loss") is not None]
     return {"run_dir": run_dir, "status": metrics["status"], "steps": len(steps_rec),
+            "step_s": [s["step_s"] for s in steps_rec if s.get("step_s") is not None],
             "train_s": sum(s["step_s"] for s in steps_rec if s.get("step_s") is not None),
             "val_loss": vals[-1] if vals else None,
             "loss_curve": loss_curve(steps_rec),
@@ -439,11 +448,56 @@ def loss_curve(steps: list[dict]) -> list[list[float]]:
 
 
 def steps_for(plan, wall_s: float) -> int:
-    """The steps the plan's prediction fits in `wall_s`; a DiLoCo plan's rounded down to whole H."""
+    """The steps the plan's prediction fits in `wall_s`; a DiLoCo plan's rounded down to whole H, at
+    least one round (its validation then follows an outer step, whose time the run measures)."""
     n = max(MIN_STEPS, int(wall_s / plan.predicted_iteration_s))
-    if plan.diloco is not None and n >= plan.diloco.inner_steps:
-        n -= n % plan.diloco.inner_steps
+    if plan.diloco is not None:
+        n = max(plan.diloco.inner_steps, n - n % plan.diloco.inner_steps)
     return n
+
+
+def granule_s(step_s: list[float], inner_steps: int | None) -> tuple[float, float]:
+    """(first step's seconds, seconds of one further granule) measured: a granule is one step, or H
+    steps for DiLoCo (its validation is taken right after an outer step). The first step carries the
+    warm-up (DiLoCo's: the groups' first broadcast), so the granule is the mean of the later steps
+    (outer steps included) times H; the first alone when there is no other."""
+    if not step_s:
+        raise ValueError("granule_s: the run recorded no step times")
+    rest = step_s[1:] or step_s[:1]
+    return step_s[0], statistics.fmean(rest) * (inner_steps or 1)
+
+
+def steps_measured(step_s: list[float], inner_steps: int | None, wall_s: float) -> int:
+    """The steps whose training seconds come nearest `wall_s`, sized by a run's measured step times
+    (granule_s): the first step, then whole granules; a DiLoCo run ends on an outer step."""
+    first, g = granule_s(step_s, inner_steps)
+    granules = round(max(0.0, wall_s - first) / g)
+    if inner_steps is None:
+        return max(MIN_STEPS, 1 + granules)
+    return inner_steps * max(1, granules)
+
+
+def least_s(step_s: list[float], inner_steps: int | None) -> float:
+    """The shortest training a candidate can run: its first step, or DiLoCo's first whole round."""
+    first, g = granule_s(step_s, inner_steps)
+    return first + (g if inner_steps else 0.0)
+
+
+def common_wall_s(wall_s: float, measured: list[tuple[float, float]], stretch: float = 3.0) -> float:
+    """The wall time every candidate trains, from each one's (least seconds, granule seconds): of the
+    times the coarsest candidate (the longest least + granule: a DP step over a slow link, DiLoCo's H
+    steps) can end on within [wall_s, stretch x wall_s] (its least time when that lies beyond), the one
+    where the candidates' nearest end times lie closest together (longest over shortest), the
+    earliest of those within 1 % of each other."""
+    least, g = max(measured, key=lambda lg: lg[0] + lg[1])
+    first = least + g * max(0, math.ceil((wall_s - least) / g - 1e-9))
+    times = [first + j * g for j in range(int(max(0.0, stretch * wall_s - first) // g) + 1)]
+
+    def spread(t: float) -> float:
+        ends = [l + gg * max(0, round((t - l) / gg)) for l, gg in measured]
+        return max(ends) / min(ends)
+
+    return min(times, key=lambda t: (round(spread(t), 2), t))  # within 1 %: the earliest
 
 
 def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: dict) -> dict:
@@ -462,8 +516,8 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
     choice = auto["cut_choice"]
     chosen = next(c for c in choice["candidates"] if c["name"] == choice["chosen"])
     chosen_key = chosen["kind"]
-    runs, plans = {}, {}
-    for kind in KINDS:
+    runs, plans, paths = {}, {}, {}
+    for kind in KINDS:  # pass 1: the steps each prediction fits in wall_s
         path = os.path.join(folder, f"{kind}.json")
         run_cmd(geo + ["--cut-kind", kind, "--out", path], env, f"planner geo --cut-kind {kind}")
         plans[kind] = Plan.load(path)
@@ -472,13 +526,27 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
         if here is not None:
             path = os.path.join(folder, f"{kind}-localhost.json")
             here.save(path)
+        paths[kind] = (path, here is None)
         log(f"{mbit:g} Mbit/s: {kind} for {n} steps (predicted {plans[kind].predicted_iteration_s:.3f} s each"
             + (", one datacenter: a local launch" if here is not None else "") + ") ...")
         runs[kind] = counted_run(path, os.path.join(folder, "runs", kind), n, env, emulate=here is None)
+    inner = {k: plans[k].diloco.inner_steps if plans[k].diloco else None for k in KINDS}
+    common = common_wall_s(wall_s, [(least_s(runs[k]["step_s"], inner[k]), granule_s(runs[k]["step_s"], inner[k])[1])
+                                    for k in KINDS])
+    for kind in KINDS:  # pass 2: a run off the common wall time again, sized by its own measured steps
+        if abs(runs[kind]["train_s"] / common - 1) <= EQUAL_TIME_SLACK:
+            continue
+        n = steps_measured(runs[kind]["step_s"], inner[kind], common)
+        if n == runs[kind]["steps"]:  # the nearest it can get: the same run again
+            continue
+        log(f"{mbit:g} Mbit/s: {kind} trained {runs[kind]['train_s']:.1f} s, not {common:.1f}: again for {n} steps ...")
+        runs[kind] = counted_run(paths[kind][0], os.path.join(folder, "runs", f"{kind}-2"), n, env,
+                                 emulate=paths[kind][1])
     tokens = {k: r["steps"] * plans[k].global_batch * plans[k].seq for k, r in runs.items()}
     loss = {k: r["val_loss"] for k, r in runs.items()}
     per_token = {k: runs[k]["wan_payload_bytes"] / tokens[k] for k in KINDS}
     best = min(loss, key=lambda k: loss[k])
+    ratio = max(r["train_s"] for r in runs.values()) / min(r["train_s"] for r in runs.values())
     dl = plans["diloco"].diloco
     pipe = plans["pipeline"].pipeline
     return {
@@ -488,12 +556,13 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
         "pipeline_plan": ([f"{st.datacenter}:{st.num_layers}L" for st in pipe.stages] if pipe else
                           "one datacenter (Atlas kept the model in one)"),
         "loss_at_equal_time": loss, "measured_best": best,
-        "wan_bytes_per_token": per_token, "wan_bytes_per_step": {k: runs[k]["wan_payload_bytes"] / runs[k]["steps"]
+        "wan_bytes_per_token": per_token,
+        "diloco_over_dp_wan_bytes_per_token": per_token["diloco"] / per_token["dp"] if per_token["dp"] else None,
+        "wan_bytes_per_step": {k: runs[k]["wan_payload_bytes"] / runs[k]["steps"]
                                                                  for k in KINDS},
         "steps": {k: r["steps"] for k, r in runs.items()}, "tokens": tokens,
-        "train_s": {k: r["train_s"] for k, r in runs.items()}, "wall_s_asked": wall_s,
-        # the steps were sized by the predictions: how far the measured training times ended apart
-        "train_s_max_over_min": max(r["train_s"] for r in runs.values()) / min(r["train_s"] for r in runs.values()),
+        "train_s": {k: r["train_s"] for k, r in runs.items()}, "wall_s_asked": wall_s, "wall_s_common": common,
+        "train_s_max_over_min": ratio,
         "predicted_iteration_s": {k: p.predicted_iteration_s for k, p in plans.items()},
         "counters_settled": {k: r["counters_settled"] for k, r in runs.items()},
         "loss_curves": {k: r["loss_curve"] for k, r in runs.items()},
@@ -502,7 +571,8 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
         "checks": {
             "choice_best_or_within_3pct": loss[chosen_key] is not None and loss[best] is not None
             and loss[chosen_key] <= loss[best] * (1 + TARGET_LOSS_MARGIN),
-            "diloco_wan_bytes_per_token_le_dp_over_50": per_token["diloco"] <= per_token["dp"] * TARGET_BYTES_RATIO},
+            "diloco_wan_bytes_per_token_le_dp_over_50": per_token["diloco"] <= per_token["dp"] * TARGET_BYTES_RATIO,
+            "train_s_max_over_min_le_1.1": ratio <= TARGET_TIME_RATIO},
     }
 
 
@@ -521,7 +591,7 @@ def print_links(links: list[dict]) -> None:
               + "  ".join(f"{l['wan_bytes_per_token'][k]:>16.1f}" for k in KINDS))
         print(f"        steps {l['steps']}, training seconds "
               + ", ".join(f"{k} {v:.1f}" for k, v in l["train_s"].items())
-              + f" (asked {l['wall_s_asked']:g}, max/min {l['train_s_max_over_min']:.2f}); "
+              + f" (asked {l['wall_s_asked']:g}, common {l['wall_s_common']:.1f}, max/min {l['train_s_max_over_min']:.2f}); "
               f"DiLoCo H={l['diloco_inner_steps']}")
         for name, ok in l["checks"].items():
             print(f"        {'PASS' if ok else 'FAIL'}  {name}")

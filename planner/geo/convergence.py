@@ -13,6 +13,10 @@ interpolates those measurements:
     k(H, G)   = 1 + (k(H, G_m) − 1) · (G − 1) / (G_m − 1)   G_m the measured group count nearest G
     k(H, 1)   = 1 (one group is data parallelism), and k is never below 1
 
+each for the wire dtype of the outer deltas (`compress`: fp32, bf16, int8; models/diloco.py) it was
+measured at: a compression is priced only where its k was measured (`compresses`), never borrowed
+from another's.
+
 No shape in H is imposed: on the runs measured (`convergence_fit.json`'s provenance) k fell as H
 grew, the opposite of the papers' large-model trend, and a formula fitted to the papers' shape would
 hide that. Where (H, G) lies outside what was measured the estimate says EXTRAPOLATED (`estimate`);
@@ -27,24 +31,27 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+WIRE_DTYPES = ("fp32", "bf16", "int8")  # models/diloco.py's outer-delta wire dtypes
 FIT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "convergence_fit.json")
 
 
 @dataclass(frozen=True)
 class MeasuredMultiplier:
-    """One measured k: DiLoCo at (inner_steps, num_groups) against DP on the same runs' settings."""
+    """One measured k: DiLoCo at (inner_steps, num_groups, compress) against DP on the same runs' settings."""
     inner_steps: int
     num_groups: int
     multiplier: float  # tokens DiLoCo took to its loss / tokens DP took to the same loss
     num_points: int = 1  # loss points of the DiLoCo curve the multiplier is the mean of
+    compress: str = "fp32"  # the outer deltas' wire dtype in the runs measured
 
     def to_dict(self) -> dict[str, Any]:
         return {"inner_steps": self.inner_steps, "num_groups": self.num_groups, "multiplier": self.multiplier,
-                "num_points": self.num_points}
+                "num_points": self.num_points, "compress": self.compress}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "MeasuredMultiplier":
-        return cls(int(d["inner_steps"]), int(d["num_groups"]), float(d["multiplier"]), int(d.get("num_points", 1)))
+        return cls(int(d["inner_steps"]), int(d["num_groups"]), float(d["multiplier"]), int(d.get("num_points", 1)),
+                   str(d.get("compress", "fp32")))
 
 
 @dataclass(frozen=True)
@@ -64,34 +71,51 @@ class ConvergenceFit:
     def __post_init__(self) -> None:
         if not self.measured:
             raise ValueError("convergence fit: no measured multiplier")
-        keys = [(m.inner_steps, m.num_groups) for m in self.measured]
+        keys = [(m.inner_steps, m.num_groups, m.compress) for m in self.measured]
         if len(set(keys)) != len(keys):
-            raise ValueError("convergence fit: an (H, G) is measured twice; merge them first (fit_multipliers)")
+            raise ValueError("convergence fit: an (H, G, compress) is measured twice; merge them first "
+                             "(fit_multipliers)")
         for m in self.measured:
             _check(m.inner_steps, m.num_groups)
+            _check_compress(m.compress)
             if m.num_groups < 2 or not math.isfinite(m.multiplier) or m.multiplier <= 0:
                 raise ValueError(f"convergence fit: measured k {m.multiplier!r} at H={m.inner_steps}, "
                                  f"G={m.num_groups}: need G >= 2 and a positive k")
 
     @property
-    def groups_measured(self) -> tuple[int, ...]:
-        return tuple(sorted({m.num_groups for m in self.measured}))
+    def compresses(self) -> tuple[str, ...]:
+        """The wire dtypes some k was measured at (fp32 first)."""
+        return tuple(c for c in WIRE_DTYPES if any(m.compress == c for m in self.measured))
 
-    def inner_steps_range(self, num_groups: int) -> tuple[int, int]:
+    def groups_measured(self, compress: str = "fp32") -> tuple[int, ...]:
+        return tuple(sorted({m.num_groups for m in self._at(compress)}))
+
+    def inner_steps_range(self, num_groups: int, compress: str = "fp32") -> tuple[int, int]:
         """The measured H range at the measured G nearest `num_groups`."""
-        hs = [m.inner_steps for m in self.measured if m.num_groups == self._reference_groups(num_groups)]
+        ref = self._reference_groups(num_groups, compress)
+        hs = [m.inner_steps for m in self._at(compress) if m.num_groups == ref]
         return min(hs), max(hs)
 
-    def _reference_groups(self, num_groups: int) -> int:
-        return min(self.groups_measured, key=lambda g: (abs(g - num_groups), g))
+    def _at(self, compress: str) -> list[MeasuredMultiplier]:
+        """The measurements at `compress`; ValueError naming the measured ones when there are none."""
+        _check_compress(compress)
+        ms = [m for m in self.measured if m.compress == compress]
+        if not ms:
+            raise ValueError(f"convergence fit: no k measured at compress={compress!r} "
+                             f"(measured: {', '.join(self.compresses)})")
+        return ms
 
-    def multiplier(self, inner_steps: int, num_groups: int) -> float:
-        """k(H, G) as the module docstring says (>= 1)."""
+    def _reference_groups(self, num_groups: int, compress: str = "fp32") -> int:
+        return min(self.groups_measured(compress), key=lambda g: (abs(g - num_groups), g))
+
+    def multiplier(self, inner_steps: int, num_groups: int, compress: str = "fp32") -> float:
+        """k(H, G) at `compress` as the module docstring says (>= 1)."""
         _check(inner_steps, num_groups)
+        ms = self._at(compress)
         if num_groups == 1:
             return 1.0
-        ref = self._reference_groups(num_groups)
-        pts = sorted((math.log(m.inner_steps), m.multiplier) for m in self.measured if m.num_groups == ref)
+        ref = self._reference_groups(num_groups, compress)
+        pts = sorted((math.log(m.inner_steps), m.multiplier) for m in ms if m.num_groups == ref)
         x = math.log(inner_steps)
         if x <= pts[0][0]:
             k = pts[0][1]
@@ -102,21 +126,23 @@ class ConvergenceFit:
             k = k0 + (x - x0) / (x1 - x0) * (k1 - k0)
         return max(1.0, 1.0 + (k - 1.0) * (num_groups - 1) / (ref - 1))
 
-    def estimate(self, inner_steps: int, num_groups: int) -> ConvergenceEstimate:
-        """k(H, G) with a note saying where it was measured; `extrapolated` when H lies outside the
-        measured H range or G is not a measured group count."""
-        k = self.multiplier(inner_steps, num_groups)
-        lo, hi = self.inner_steps_range(num_groups)
+    def estimate(self, inner_steps: int, num_groups: int, compress: str = "fp32") -> ConvergenceEstimate:
+        """k(H, G) at `compress` with a note saying where it was measured; `extrapolated` when H lies
+        outside the measured H range or G is not a measured group count."""
+        k = self.multiplier(inner_steps, num_groups, compress)
+        lo, hi = self.inner_steps_range(num_groups, compress)
+        groups = self.groups_measured(compress)
         outside = []
         if num_groups > 1 and not lo <= inner_steps <= hi:
             outside.append(f"H={inner_steps} outside the measured H {lo}-{hi}")
-        if num_groups > 1 and num_groups not in self.groups_measured:
-            outside.append(f"G={num_groups} not measured (G measured: {', '.join(map(str, self.groups_measured))})")
+        if num_groups > 1 and num_groups not in groups:
+            outside.append(f"G={num_groups} not measured (G measured: {', '.join(map(str, groups))})")
         where = self.provenance.get("command", "bench/diloco_convergence.py")
+        what = f"convergence k(H={inner_steps}, G={num_groups}" + ("" if compress == "fp32" else f", {compress}")
         if outside:
-            note = f"convergence k(H={inner_steps}, G={num_groups}) = {k:.3f} EXTRAPOLATED: {'; '.join(outside)} ({where})"
+            note = f"{what}) = {k:.3f} EXTRAPOLATED: {'; '.join(outside)} ({where})"
         else:
-            note = f"convergence k(H={inner_steps}, G={num_groups}) = {k:.3f} interpolated from measured runs ({where})"
+            note = f"{what}) = {k:.3f} interpolated from measured runs ({where})"
         return ConvergenceEstimate(k, bool(outside), note)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,6 +163,11 @@ class ConvergenceFit:
         os.replace(path + ".tmp", path)
 
 
+def _check_compress(compress: str) -> None:
+    if compress not in WIRE_DTYPES:
+        raise ValueError(f"convergence: compress must be one of {', '.join(WIRE_DTYPES)}, got {compress!r}")
+
+
 def _check(inner_steps: int, num_groups: int) -> None:
     if not isinstance(inner_steps, int) or inner_steps < 1:
         raise ValueError(f"convergence: inner_steps H must be an integer >= 1, got {inner_steps!r}")
@@ -146,15 +177,15 @@ def _check(inner_steps: int, num_groups: int) -> None:
 
 def fit_multipliers(measured: Sequence[MeasuredMultiplier], provenance: dict[str, Any] | None = None
                     ) -> ConvergenceFit:
-    """The model over `measured`: several measurements of one (H, G) (repeats, seeds) merged into
-    their mean weighted by their points; ValueError when none has G >= 2."""
-    by_key: dict[tuple[int, int], list[MeasuredMultiplier]] = {}
+    """The model over `measured`: several measurements of one (H, G, compress) (repeats, seeds)
+    merged into their mean weighted by their points; ValueError when none has G >= 2."""
+    by_key: dict[tuple[str, int, int], list[MeasuredMultiplier]] = {}
     for m in measured:
-        by_key.setdefault((m.inner_steps, m.num_groups), []).append(m)
+        by_key.setdefault((m.compress, m.inner_steps, m.num_groups), []).append(m)
     merged = []
-    for (h, g), ms in sorted(by_key.items()):
+    for (c, h, g), ms in sorted(by_key.items(), key=lambda kv: (WIRE_DTYPES.index(kv[0][0]), kv[0][1:])):
         n = sum(m.num_points for m in ms)
-        merged.append(MeasuredMultiplier(h, g, sum(m.multiplier * m.num_points for m in ms) / n, n))
+        merged.append(MeasuredMultiplier(h, g, sum(m.multiplier * m.num_points for m in ms) / n, n, c))
     if not any(m.num_groups >= 2 for m in merged):
         raise ValueError("convergence fit: no measured point with G >= 2")
     return ConvergenceFit(tuple(m for m in merged if m.num_groups >= 2), dict(provenance or {}))
@@ -176,12 +207,13 @@ def tokens_to_loss(curve: Sequence[tuple[float, float]], loss: float) -> float |
 
 
 def measure_multiplier(dp_curve: Sequence[tuple[float, float]], diloco_curve: Sequence[tuple[float, float]],
-                       inner_steps: int, num_groups: int) -> MeasuredMultiplier | None:
+                       inner_steps: int, num_groups: int, compress: str = "fp32") -> MeasuredMultiplier | None:
     """k from two measured validation curves, (tokens, loss) each: for every DiLoCo point whose loss
     DP's curve reaches, its tokens over DP's tokens to that loss; the mean of those ratios. A DiLoCo
     point below DP's lowest loss or above its first is outside DP's measured curve and skipped; None
     when no point is inside it."""
     _check(inner_steps, num_groups)
+    _check_compress(compress)
     ratios = []
     for tokens, loss in diloco_curve:
         dp_tokens = tokens_to_loss(dp_curve, loss)
@@ -189,7 +221,7 @@ def measure_multiplier(dp_curve: Sequence[tuple[float, float]], diloco_curve: Se
             ratios.append(tokens / dp_tokens)
     if not ratios:
         return None
-    return MeasuredMultiplier(inner_steps, num_groups, sum(ratios) / len(ratios), len(ratios))
+    return MeasuredMultiplier(inner_steps, num_groups, sum(ratios) / len(ratios), len(ratios), compress)
 
 
 def load_fit(path: str = FIT_PATH) -> ConvergenceFit | None:

@@ -8,13 +8,15 @@ Candidates, each a plan file the runtime runs (contracts/plan.py), priced by pla
   (the candidate is still named pipeline: Atlas's search chose it);
 * dp: synchronous data parallelism over every datacenter's devices (`scenario_dp_plan`), ZeRO-1,
   its collectives over the WAN every step (emulated.predict_dp_plan);
-* diloco: for every way to group the datacenters into G >= 2 groups and every H of INNER_STEPS,
-  that DP plan as DiLoCo (diloco_plan.to_diloco_plan): cuts inside a group dp, between groups diloco.
+* diloco: for every way to group the datacenters into G >= 2 groups, every H of INNER_STEPS and
+  every outer-delta wire dtype (fp32, bf16, int8) the convergence fit measured k at (a compressed
+  one only within the H range measured for it), that DP plan as DiLoCo (diloco_plan.to_diloco_plan):
+  cuts inside a group dp, between groups diloco.
 
 Time to a target of `target_tokens` (identical tokens per iteration in every candidate):
 
     pipeline, dp:  iterations = target_tokens / tokens per iteration,  × predicted iteration_s
-    diloco:        iterations × k(H, G) (planner/geo/convergence.py),  × (inner step + exchange_s / H)
+    diloco:        iterations × k(H, G, dtype) (planner/geo/convergence.py),  × (inner step + exchange_s / H)
 
 the inner step being the slowest group's data-parallel step on its own devices, the exchange one
 world all-reduce of the model's parameters in the wire dtype (what models/diloco.py sends: numel ×
@@ -223,12 +225,28 @@ def wan_bytes_per_step_pipeline(plan: Plan) -> float:
 
 # ---- the choice ----------------------------------------------------------------------------------
 def diloco_candidates(dp: Plan, fit: ConvergenceFit, iterations: float, inner_steps: Sequence[int] = INNER_STEPS,
-                      compress: str = "fp32", profiles_dir: str | None = None, rtt: bool = True
+                      compresses: Sequence[str] | None = None, profiles_dir: str | None = None, rtt: bool = True
                       ) -> list[CutCandidate]:
-    """DiLoCo over every grouping of the DP plan's used nodes into >= 2 groups, at every H."""
+    """DiLoCo over every grouping of the DP plan's used nodes into >= 2 groups, at every H and every
+    wire dtype of `compresses` (None: each the fit measured k at; one it did not measure is refused)."""
+    compresses = fit.compresses if compresses is None else tuple(compresses)
+    missing = [c for c in compresses if c not in fit.compresses]
+    if missing or not compresses:
+        raise ValueError(f"diloco candidates: compress {missing or '(none)'} has no measured k "
+                         f"(the fit measured {', '.join(fit.compresses)}; bench/diloco_convergence.py --compress)")
+    out = []
+    for compress in compresses:
+        out += _diloco_at(dp, fit, iterations, inner_steps, compress, profiles_dir, rtt)
+    return out
+
+
+def _diloco_at(dp: Plan, fit: ConvergenceFit, iterations: float, inner_steps: Sequence[int], compress: str,
+               profiles_dir: str | None, rtt: bool) -> list[CutCandidate]:
+    """diloco_candidates at one wire dtype: the exchange carries numel x WIRE_BYTES[compress]."""
     nodes = list(dict.fromkeys(a.node for a in dp.assignments if a.used))
     n = sum(1 for a in dp.assignments if a.used)
     payload = model_spec(dp).num_params * WIRE_BYTES[compress]
+    suffix = "" if compress == "fp32" else f" {compress}"
     out = []
     for groups in set_partitions(nodes):
         if len(groups) < 2:
@@ -244,20 +262,24 @@ def diloco_candidates(dp: Plan, fit: ConvergenceFit, iterations: float, inner_st
         if inner is None:
             continue
         ex = exchange_s(base, groups, payload, rtt)
+        lo, hi = fit.inner_steps_range(len(groups), compress)
         for h in inner_steps:
-            est = fit.estimate(h, len(groups))
+            if compress != "fp32" and not lo <= h <= hi:
+                continue  # a compressed exchange is priced only at the H its k was measured over
+            est = fit.estimate(h, len(groups), compress)
             plan = to_diloco_plan(base, h, groups=groups, compress=compress)
             it = inner + ex / h
             plan = replace(plan, predicted_iteration_s=it, predicted_samples_per_s=dp.global_batch / it,
                            notes=(*plan.notes, est.note))
-            out.append(CutCandidate(f"diloco H={h} groups={'|'.join(','.join(g) for g in groups)}", "diloco", plan,
+            out.append(CutCandidate(f"diloco H={h} groups={'|'.join(','.join(g) for g in groups)}{suffix}", "diloco", plan,
                                     it, est.multiplier, iterations * est.multiplier * it,
                                     2 * (n - 1) / n * payload / h, h, ex, est.note))
     return out
 
 
 def choose_cuts(scenario: GeoScenario, pipeline: Plan | None, fit: ConvergenceFit | None, *,
-                target_tokens: int | None = None, inner_steps: Sequence[int] = INNER_STEPS, compress: str = "fp32",
+                target_tokens: int | None = None, inner_steps: Sequence[int] = INNER_STEPS,
+                compresses: Sequence[str] | None = None,
                 profiles_dir: str | None = None, rtt: bool = True) -> CutChoice:
     """Price the pipeline plan (Atlas's, as a plan file; None: not offered), synchronous DP over every
     datacenter and DiLoCo (when a convergence fit exists) by time to `target_tokens` (default: 1000
@@ -285,7 +307,7 @@ def choose_cuts(scenario: GeoScenario, pipeline: Plan | None, fit: ConvergenceFi
     if dp is not None and fit is None:
         notes.append("diloco not priced: no convergence fit (python bench/diloco_convergence.py writes it)")
     elif dp is not None:
-        cands += diloco_candidates(dp, fit, iterations, inner_steps, compress, profiles_dir, rtt)
+        cands += diloco_candidates(dp, fit, iterations, inner_steps, compresses, profiles_dir, rtt)
     if not cands:
         raise ValueError("choose_cuts: nothing to choose from (no pipeline plan and one datacenter)")
     cands.sort(key=lambda c: c.time_to_target_s if math.isfinite(c.time_to_target_s) else math.inf)  # stable

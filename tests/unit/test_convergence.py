@@ -72,3 +72,27 @@ def test_round_trip_and_the_committed_fit(tmp_path):
     if committed is not None:  # written by bench/diloco_convergence.py, with how
         assert {"command", "model", "inner_steps_measured", "written_at_utc"} <= set(committed.provenance)
         assert all(committed.multiplier(m.inner_steps, m.num_groups) >= 1.0 for m in committed.measured)
+
+
+def test_k_is_kept_apart_per_wire_dtype():
+    fit = fit_multipliers([MeasuredMultiplier(5, 2, 3.0), MeasuredMultiplier(50, 2, 2.0),
+                           MeasuredMultiplier(50, 2, 2.5, compress="bf16"),
+                           MeasuredMultiplier(50, 2, 1.5, compress="bf16")])
+    assert fit.compresses == ("fp32", "bf16")
+    assert fit.multiplier(50, 2) == 2.0 and fit.multiplier(50, 2, "bf16") == pytest.approx(2.0)
+    assert fit.multiplier(5, 2, "bf16") == pytest.approx(2.0)  # bf16 measured only at H = 50: flat
+    est = fit.estimate(5, 2, "bf16")
+    assert est.extrapolated and "bf16" in est.note and "outside the measured H 50-50" in est.note
+    with pytest.raises(ValueError, match="no k measured at compress='int8'"):
+        fit.multiplier(50, 2, "int8")
+    with pytest.raises(ValueError, match="compress must be one of"):
+        fit.multiplier(50, 2, "fp16")
+
+
+def test_a_file_without_compress_reads_as_fp32(tmp_path):
+    m = MeasuredMultiplier.from_dict({"inner_steps": 10, "num_groups": 2, "multiplier": 1.5})
+    assert m.compress == "fp32"
+    fit = fit_multipliers([m, MeasuredMultiplier(10, 2, 1.7, compress="bf16")])
+    path = str(tmp_path / "fit.json")
+    fit.save(path)
+    assert load_fit(path) == fit
