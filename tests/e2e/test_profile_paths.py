@@ -88,29 +88,14 @@ def _within_noise(a, b, what: str) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_cli_profile_and_the_plan_page_s_profile_of_the_same_kinds_agree_within_their_noise(data_dir, tmp_path):
-    from profiler import cgroups
-
-    if cgroups.unavailable_reason() is not None:
-        pytest.skip(f"profiling under CPU quotas needs cgroups: {cgroups.unavailable_reason()}")
-    from streamlit.testing.v1 import AppTest
-
-    from contracts.cluster import ClusterSpec
-    from planner.core.profiles import load_step_profiles
-    from tests.unit.test_ui_plan import PAGE, settle
-
-    mixed = ClusterSpec.from_dict({"name": "mixed", "nodes": [{"name": "localhost", "datacenter": "local", "gpus": [
-        {"type": "cpu", "cpu_share": 1.0}, {"type": "cpu", "cpu_share": 0.33}]}]})
-    at = AppTest.from_file(PAGE, default_timeout=300)
-    at.session_state["cluster"] = mixed
-    settle(at.run())
-    plan = at.session_state["plan"]
+def test_cli_profile_and_the_plan_page_s_profile_of_the_same_kinds_agree_within_their_noise(mixed_page_profiled,
+                                                                                            tmp_path):
+    at, plan = mixed_page_profiled.at, mixed_page_profiled.plan_before  # the page's profile (tests/e2e/conftest.py)
     assert [a.used for a in plan.assignments] == [True, True]
     plan_path = str(tmp_path / "plan.json")
     plan.save(plan_path)
-    settle(at.button(key="plan_profile_now").click().run())  # the page's path, saved in the store
     assert not at.exception and not at.error
-    page = {p.device_type: p for p in load_step_profiles() if p.seq == plan.seq}
+    page = mixed_page_profiled.profiles
 
     r = _cli("-m", "profiler", "profile", "--plan", plan_path, "--no-save", "--json")  # the command line's
     assert r.returncode == 0, r.stderr[-2000:]

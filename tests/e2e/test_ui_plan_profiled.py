@@ -1,10 +1,11 @@
 """The Plan page's one-click profile, which measures in worker processes: this machine profiled and
 planned again on measured figures, and an emulated mixed cluster profiled under its cgroups and
-split unevenly (the rest of the page: tests/unit/test_ui_plan.py)."""
+split unevenly (the page's profile of that cluster: tests/e2e/conftest.py's mixed_page_profiled, which
+tests/e2e/test_profile_paths.py checks against the command line's; the rest of the page:
+tests/unit/test_ui_plan.py)."""
 import pytest
-from streamlit.testing.v1 import AppTest
 
-from tests.unit.test_ui_plan import PAGE, _page, settle
+from tests.unit.test_ui_plan import _page, settle
 
 # profiling on a loaded 2-core machine: 170 s measured beside two busy cores; the page's own run may take 300 s
 pytestmark = pytest.mark.timeout(600)
@@ -28,20 +29,10 @@ def test_one_click_profiles_this_machine_and_plans_again_on_measured_figures():
 
 
 @pytest.mark.slow
-def test_emulated_mixed_cluster_is_profiled_under_its_cgroups_and_split_unevenly():
-    from profiler import cgroups
-
-    if cgroups.unavailable_reason() is not None:
-        pytest.skip(f"no cgroups here: {cgroups.unavailable_reason()}")
-    from contracts.cluster import ClusterSpec
-
-    mixed = ClusterSpec.from_dict({"name": "emulated-mixed", "nodes": [{"name": "localhost", "datacenter": "local", "gpus": [
-        {"type": "cpu", "cpu_share": 1.0}, {"type": "cpu", "cpu_share": 0.333, "memory_gb": 2.0}]}]})
-    at = AppTest.from_file(PAGE, default_timeout=300)
-    at.session_state["cluster"] = mixed
-    settle(at.run())
-    assert any("cpu@share0.333" in w.value and "Estimated" in w.value for w in at.warning)
-    settle(at.button(key="plan_profile_now").click().run())
+def test_emulated_mixed_cluster_is_profiled_under_its_cgroups_and_split_unevenly(mixed_page_profiled):
+    # the page on a whole core and a third of one, before and after its click (tests/e2e/conftest.py)
+    assert any("cpu@share0.33" in w and "Estimated" in w for w in mixed_page_profiled.warnings_before)
+    at = mixed_page_profiled.at
     assert not at.exception and not at.error
     assert not any("Estimated" in w.value for w in at.warning)  # both kinds measured under their quotas
     fast, slow = at.session_state["plan"].assignments
