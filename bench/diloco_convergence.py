@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 MODEL = "tiny"
 SEQ = 64
 BATCH_PER_GROUP = 4
-VAL_EVERY = 50  # executor/worker.py's default --val-every: the runs' validation points
+from contracts.run import VAL_EVERY  # noqa: E402  the runs' validation points (executor launch --val-every default)
 NODE_NAMES = ("localhost", "127.0.0.1", "local")  # names of this machine: a plain local launch
 LR = 3e-3
 SEED = 0

@@ -11,14 +11,15 @@ profiled on this machine. Then two parts:
   chooses the kind of the datacenters' cut (pipeline, DiLoCo with its H, or synchronous DP) by
   predicted time to a target loss, and writes the best plan of each kind (`--cut-kind`). Each of the
   three runs with `executor launch --emulate-wan` (a plan Atlas keeps in one datacenter runs as a
-  local launch on "localhost", nothing on the WAN), for the same training time W measured on the
-  runs' own clock (the sum of their recorded step times): a first run of the steps its prediction
-  fits in --wall-s; then W is set where the coarsest candidate can end (a DP step over a slow link,
-  DiLoCo's H steps ending on an outer step) and the others' ends come nearest (common_wall_s), and
-  every run off W by more than 5 % runs again for the steps its own measured step times fit in W
-  (steps_measured). Recorded: the validation loss at the end of the final run, its training
-  seconds, and the TCP payload its ranks put on the emulated WAN links (the links' interface
-  counters, read inside the namespaces while it runs) per trained token. Checks: the planner's
+  local launch on "localhost", nothing on the WAN) once, for the steps its prediction fits in
+  STRETCH x --wall-s, with a validation loss about every 1/VAL_POINTS of --wall-s (`--val-every`;
+  DiLoCo's right after an outer step). The training time W every candidate is judged at, measured on
+  the runs' own clock (their recorded step times summed), is one of the coarsest candidate's
+  validation times (a DP step over a slow link, DiLoCo's H steps) at or after --wall-s, where the
+  other candidates' nearest validation times lie closest (equal_time_points). Recorded per candidate:
+  the validation loss at its point nearest W, that point's training seconds, and the TCP payload its
+  ranks put on the emulated WAN links (the links' interface counters, read inside the namespaces
+  while it runs) per token of the whole run. Checks: the planner's
   choice has the lowest measured loss or is within 3 % of it, DiLoCo's WAN bytes per token are at
   most 1/50 of DP's, and the training seconds' longest over shortest is at most 1.1. Output:
   {"links": [{"mbit", "loss_at_equal_time": {"dp", "pipeline", "diloco"}, "chosen",
@@ -345,8 +346,9 @@ TARGET_LOSS_MARGIN = 0.03  # the choice's measured loss within 3 % of the best
 TARGET_BYTES_RATIO = 1 / 50  # DiLoCo's WAN bytes per token at most 1/50 of DP's
 POLL_S = 0.1  # how often the WAN links' counters are read while a run trains
 MIN_STEPS = 1
-EQUAL_TIME_SLACK = 0.05  # a candidate's training seconds this far from the common wall time is rerun
-TARGET_TIME_RATIO = 1.1  # the candidates' training seconds, longest over shortest
+VAL_POINTS = 20  # validation points per asked wall time: a candidate's loss is read every ~1/20 of it
+STRETCH = 3.0  # every candidate trains for the steps its prediction fits in STRETCH x the asked wall time
+TARGET_TIME_RATIO = 1.1  # the candidates' training seconds at the points compared, longest over shortest
 
 
 def read_wan_counters(setup) -> dict[str, tuple[int, int]]:
@@ -388,16 +390,19 @@ def one_datacenter_here(plan):
                                wan=(), connections={}, cuts=())
 
 
-def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bool = True) -> dict:
+def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bool = True,
+                val_every: int | None = None) -> dict:
     """Launch one emulated run and read its WAN links' counters every POLL_S until it ends: the TCP
     payload its ranks sent over the WAN (netns.payload_bytes of the last reading), whether the
-    counters had stopped moving before the links were removed (`counters_settled`), its steps.
+    counters had stopped moving before the links were removed (`counters_settled`), its steps and
+    its validation points (`executor launch --val-every`; default: the launcher's).
     Without `emulate` (a one-datacenter plan) a plain local launch: no WAN, 0 bytes on it."""
     from executor import netns
     from executor.wan import WAN_FILE, WanSetup
 
     args = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps),
-            "--run-dir", run_dir] + (["--emulate-wan"] if emulate else [])
+            "--run-dir", run_dir] + (["--emulate-wan"] if emulate else []) + (
+        ["--val-every", str(val_every)] if val_every is not None else [])
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     t0, setup, last, prev = time.perf_counter(), None, {}, {}
@@ -432,6 +437,7 @@ def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bo
             "step_s": [s["step_s"] for s in steps_rec if s.get("step_s") is not None],
             "train_s": sum(s["step_s"] for s in steps_rec if s.get("step_s") is not None),
             "val_loss": vals[-1] if vals else None,
+            "val_points": val_points(steps_rec),
             "loss_curve": loss_curve(steps_rec),
             "wan_payload_bytes": sum(netns.payload_bytes(b, p) for b, p in last.values()),
             "counters_settled": (bool(prev) and all(prev.get(k) == v for k, v in last.items())) if emulate else None,
@@ -447,57 +453,64 @@ def loss_curve(steps: list[dict]) -> list[list[float]]:
     return out
 
 
+def val_points(steps: list[dict]) -> list[tuple[float, int, float]]:
+    """(training seconds through the step: its and the earlier steps' step_s summed, step, validation
+    loss) of every recorded step that took a validation loss."""
+    out, t = [], 0.0
+    for s in steps:
+        t += s.get("step_s") or 0.0
+        if s.get("val_loss") is not None:
+            out.append((t, s["step"], s["val_loss"]))
+    return out
+
+
 def steps_for(plan, wall_s: float) -> int:
-    """The steps the plan's prediction fits in `wall_s`; a DiLoCo plan's rounded down to whole H, at
+    """The steps the plan's prediction fits in `wall_s`, rounded up; a DiLoCo plan's up to whole H, at
     least one round (its validation then follows an outer step, whose time the run measures)."""
-    n = max(MIN_STEPS, int(wall_s / plan.predicted_iteration_s))
+    n = max(MIN_STEPS, math.ceil(wall_s / plan.predicted_iteration_s))
     if plan.diloco is not None:
-        n = max(plan.diloco.inner_steps, n - n % plan.diloco.inner_steps)
+        n = plan.diloco.inner_steps * max(1, math.ceil(n / plan.diloco.inner_steps))
     return n
 
 
-def granule_s(step_s: list[float], inner_steps: int | None) -> tuple[float, float]:
-    """(first step's seconds, seconds of one further granule) measured: a granule is one step, or H
-    steps for DiLoCo (its validation is taken right after an outer step). The first step carries the
-    warm-up (DiLoCo's: the groups' first broadcast), so the granule is the mean of the later steps
-    (outer steps included) times H; the first alone when there is no other."""
-    if not step_s:
-        raise ValueError("granule_s: the run recorded no step times")
-    rest = step_s[1:] or step_s[:1]
-    return step_s[0], statistics.fmean(rest) * (inner_steps or 1)
+def val_every_for(plan, wall_s: float) -> int:
+    """Steps between validation points: about VAL_POINTS per `wall_s` by the plan's prediction; a
+    DiLoCo plan's a whole number of rounds (each point just after an outer step)."""
+    k = max(1, round(wall_s / VAL_POINTS / plan.predicted_iteration_s))
+    if plan.diloco is not None:
+        h = plan.diloco.inner_steps
+        k = h * max(1, round(k / h))
+    return k
 
 
-def steps_measured(step_s: list[float], inner_steps: int | None, wall_s: float) -> int:
-    """The steps whose training seconds come nearest `wall_s`, sized by a run's measured step times
-    (granule_s): the first step, then whole granules; a DiLoCo run ends on an outer step."""
-    first, g = granule_s(step_s, inner_steps)
-    granules = round(max(0.0, wall_s - first) / g)
-    if inner_steps is None:
-        return max(MIN_STEPS, 1 + granules)
-    return inner_steps * max(1, granules)
+def equal_time_points(points: dict[str, list[tuple[float, int, float]]], wall_s: float) -> tuple[float, dict]:
+    """The common training time W and, per candidate, its validation point nearest W. W is one of the
+    coarsest candidate's point times (the widest median gap between points: a DP step over a slow
+    link, DiLoCo's H steps), at or after `wall_s` where one lies no later than every candidate's last
+    point; of those, the one where the chosen points' times lie closest together (longest over
+    shortest, to 1 %), the earliest of equals. ValueError naming a candidate without a point."""
+    empty = [k for k, p in points.items() if not p]
+    if empty:
+        raise ValueError(f"no validation point recorded by {', '.join(empty)}")
 
+    def gap(p):
+        return statistics.median(b[0] - a[0] for a, b in zip(p, p[1:])) if len(p) > 1 else p[0][0]
 
-def least_s(step_s: list[float], inner_steps: int | None) -> float:
-    """The shortest training a candidate can run: its first step, or DiLoCo's first whole round."""
-    first, g = granule_s(step_s, inner_steps)
-    return first + (g if inner_steps else 0.0)
+    coarsest = max(points, key=lambda k: gap(points[k]))
+    last = min(p[-1][0] for p in points.values())
+    times = [t for t, _, _ in points[coarsest] if t <= last * (1 + 1e-9)] or [points[coarsest][0][0]]
+    later = [t for t in times if t >= wall_s]
+    times = later or times
 
-
-def common_wall_s(wall_s: float, measured: list[tuple[float, float]], stretch: float = 3.0) -> float:
-    """The wall time every candidate trains, from each one's (least seconds, granule seconds): of the
-    times the coarsest candidate (the longest least + granule: a DP step over a slow link, DiLoCo's H
-    steps) can end on within [wall_s, stretch x wall_s] (its least time when that lies beyond), the one
-    where the candidates' nearest end times lie closest together (longest over shortest), the
-    earliest of those within 1 % of each other."""
-    least, g = max(measured, key=lambda lg: lg[0] + lg[1])
-    first = least + g * max(0, math.ceil((wall_s - least) / g - 1e-9))
-    times = [first + j * g for j in range(int(max(0.0, stretch * wall_s - first) // g) + 1)]
+    def nearest(t: float) -> dict:
+        return {k: min(p, key=lambda x: abs(x[0] - t)) for k, p in points.items()}
 
     def spread(t: float) -> float:
-        ends = [l + gg * max(0, round((t - l) / gg)) for l, gg in measured]
-        return max(ends) / min(ends)
+        ts = [x[0] for x in nearest(t).values()]
+        return max(ts) / min(ts)
 
-    return min(times, key=lambda t: (round(spread(t), 2), t))  # within 1 %: the earliest
+    w = min(times, key=lambda t: (round(spread(t), 2), t))
+    return w, nearest(w)
 
 
 def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: dict) -> dict:
@@ -516,37 +529,29 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
     choice = auto["cut_choice"]
     chosen = next(c for c in choice["candidates"] if c["name"] == choice["chosen"])
     chosen_key = chosen["kind"]
-    runs, plans, paths = {}, {}, {}
-    for kind in KINDS:  # pass 1: the steps each prediction fits in wall_s
+    runs, plans = {}, {}
+    for kind in KINDS:  # each for the steps its prediction fits in STRETCH x wall_s, validated on the way
         path = os.path.join(folder, f"{kind}.json")
         run_cmd(geo + ["--cut-kind", kind, "--out", path], env, f"planner geo --cut-kind {kind}")
         plans[kind] = Plan.load(path)
-        n = steps_for(plans[kind], wall_s)
+        n, every = steps_for(plans[kind], STRETCH * wall_s), val_every_for(plans[kind], wall_s)
         here = one_datacenter_here(plans[kind])
         if here is not None:
             path = os.path.join(folder, f"{kind}-localhost.json")
             here.save(path)
-        paths[kind] = (path, here is None)
-        log(f"{mbit:g} Mbit/s: {kind} for {n} steps (predicted {plans[kind].predicted_iteration_s:.3f} s each"
-            + (", one datacenter: a local launch" if here is not None else "") + ") ...")
-        runs[kind] = counted_run(path, os.path.join(folder, "runs", kind), n, env, emulate=here is None)
-    inner = {k: plans[k].diloco.inner_steps if plans[k].diloco else None for k in KINDS}
-    common = common_wall_s(wall_s, [(least_s(runs[k]["step_s"], inner[k]), granule_s(runs[k]["step_s"], inner[k])[1])
-                                    for k in KINDS])
-    for kind in KINDS:  # pass 2: a run off the common wall time again, sized by its own measured steps
-        if abs(runs[kind]["train_s"] / common - 1) <= EQUAL_TIME_SLACK:
-            continue
-        n = steps_measured(runs[kind]["step_s"], inner[kind], common)
-        if n == runs[kind]["steps"]:  # the nearest it can get: the same run again
-            continue
-        log(f"{mbit:g} Mbit/s: {kind} trained {runs[kind]['train_s']:.1f} s, not {common:.1f}: again for {n} steps ...")
-        runs[kind] = counted_run(paths[kind][0], os.path.join(folder, "runs", f"{kind}-2"), n, env,
-                                 emulate=paths[kind][1])
-    tokens = {k: r["steps"] * plans[k].global_batch * plans[k].seq for k, r in runs.items()}
-    loss = {k: r["val_loss"] for k, r in runs.items()}
-    per_token = {k: runs[k]["wan_payload_bytes"] / tokens[k] for k in KINDS}
+        log(f"{mbit:g} Mbit/s: {kind} for {n} steps, validated every {every} (predicted "
+            f"{plans[kind].predicted_iteration_s:.3f} s each" + (", one datacenter: a local launch" if here is not None
+                                                                 else "") + ") ...")
+        runs[kind] = counted_run(path, os.path.join(folder, "runs", kind), n, env, emulate=here is None,
+                                 val_every=every)
+    common, at = equal_time_points({k: runs[k]["val_points"] for k in KINDS}, wall_s)
+    tokens = {k: at[k][1] * plans[k].global_batch * plans[k].seq for k in KINDS}  # trained by the point
+    loss = {k: at[k][2] for k in KINDS}
+    run_tokens = {k: r["steps"] * plans[k].global_batch * plans[k].seq for k, r in runs.items()}
+    per_token = {k: runs[k]["wan_payload_bytes"] / run_tokens[k] for k in KINDS}  # the whole run's
     best = min(loss, key=lambda k: loss[k])
-    ratio = max(r["train_s"] for r in runs.values()) / min(r["train_s"] for r in runs.values())
+    train_s = {k: at[k][0] for k in KINDS}
+    ratio = max(train_s.values()) / min(train_s.values())
     dl = plans["diloco"].diloco
     pipe = plans["pipeline"].pipeline
     return {
@@ -560,8 +565,9 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
         "diloco_over_dp_wan_bytes_per_token": per_token["diloco"] / per_token["dp"] if per_token["dp"] else None,
         "wan_bytes_per_step": {k: runs[k]["wan_payload_bytes"] / runs[k]["steps"]
                                                                  for k in KINDS},
-        "steps": {k: r["steps"] for k, r in runs.items()}, "tokens": tokens,
-        "train_s": {k: r["train_s"] for k, r in runs.items()}, "wall_s_asked": wall_s, "wall_s_common": common,
+        "steps": {k: at[k][1] for k in KINDS}, "tokens": tokens, "run_steps": {k: r["steps"] for k, r in runs.items()},
+        "train_s": train_s, "wall_s_asked": wall_s, "wall_s_common": common,
+        "val_points": {k: r["val_points"] for k, r in runs.items()},
         "train_s_max_over_min": ratio,
         "predicted_iteration_s": {k: p.predicted_iteration_s for k, p in plans.items()},
         "counters_settled": {k: r["counters_settled"] for k, r in runs.items()},

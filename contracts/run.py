@@ -19,6 +19,7 @@ from typing import Any
 from contracts.jsonio import load_json_file, save_json_file
 
 RUN_FILE = "run.json"
+VAL_EVERY = 50  # the default validation interval in steps (executor/worker.py's --val-every)
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -45,12 +46,14 @@ class RunConfig:
     stall_timeout_s: float | None = None  # no progress this long fails the run; None: derived from the predicted step
     keep_checkpoints: int = 0  # keep the newest N checkpoints (0: keep every one)
     overwrite: bool = False  # a used run folder is emptied first (without it or resume, refused)
+    val_every: int = VAL_EVERY  # the validation loss every K steps and at the last (0: at the last only)
 
     def __post_init__(self) -> None:
         _check_int("steps", self.steps, 1)
         _check_int("checkpoint_every", self.checkpoint_every, 0)
         _check_int("seed", self.seed, 0)
         _check_int("keep_checkpoints", self.keep_checkpoints, 0)
+        _check_int("val_every", self.val_every, 0)
         for name in ("resume", "emulate_wan", "overwrite"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -75,7 +75,7 @@ def worker_args(plan_path: str, config: RunConfig, tokens_path: str | None = Non
     Without `tokens_path` each node builds (and caches) its own token file."""
     args = ["-m", "executor.worker", "--plan", plan_path, "--steps", str(config.steps), "--run-dir", config.run_dir,
             "--seed", str(config.seed), "--checkpoint-every", str(config.checkpoint_every),
-            "--keep-checkpoints", str(config.keep_checkpoints),
+            "--keep-checkpoints", str(config.keep_checkpoints), "--val-every", str(config.val_every),
             "--optim", json.dumps(default_optim(config.steps, config.optim).to_dict())]
     if tokens_path:
         args += ["--tokens", tokens_path]
@@ -136,7 +136,7 @@ def launcher_command(plan_path: str, config: RunConfig, extra_args: Sequence[str
     the prefill object travels as a file, so the caller passes `--prefill FILE` among them)."""
     cmd = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(config.steps),
            "--run-dir", config.run_dir, "--seed", str(config.seed), "--checkpoint-every", str(config.checkpoint_every),
-           "--keep-checkpoints", str(config.keep_checkpoints)]
+           "--keep-checkpoints", str(config.keep_checkpoints), "--val-every", str(config.val_every)]
     if config.resume:
         cmd.append("--resume")
     for value, flag in ((config.corpus_dir, "--data"), (config.tokenizer, "--tokenizer"),

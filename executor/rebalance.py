@@ -193,10 +193,12 @@ class Rebalancer:
     its median step time and each rank's rate on its own shapes (a profile's error differs from one
     micro-batch to another, so the rates a split assumes are those measured on it). Measured no
     faster than the split before it, the trial is undone (one more change, back to the previous
-    split and its rates); faster, it is kept, and the split is re-solved once more with the rates
-    measured on it (a window that straddled the slowdown under-measured it), a new trial only where
-    the model's split is MIN_GAIN faster than the step measured. So the run never keeps a split that
-    measured slower than the one it replaced.
+    split and its rates), unless the rates measured on the trial price the split before it MIN_GAIN
+    slower than the trial (the speeds changed after the split before was measured: its step is no
+    yardstick); kept, the split is re-solved once more with the rates measured on it (a window that
+    straddled the slowdown under-measured it), a new trial only where the model's split is MIN_GAIN
+    faster than the step measured. So the run keeps a split measured slower than the one it replaced
+    only where the speeds measured on it say the one it replaced would be slower still.
 
     `compute_s(i, m, n)`, `fits(i, m, n)`: position i's profile compute and memory check
     (planner/costmodel's DeviceCoeffs at its kind and shard); `devices[i]`: how events name it."""
@@ -269,7 +271,14 @@ class Rebalancer:
         trial, self.trial = self.trial, None
         rates = _median_rates(history)
         now_s = statistics.median(h[3] for h in history)
-        if now_s >= trial.before_s:
+        overhead_now = _overheads(history, rates)
+        # the split before, priced at the rates measured now: MIN_GAIN slower than this one there, its
+        # measured step predates a change of speeds (a window that straddled a slowdown measured it
+        # in part) and is no yardstick
+        old_now = max(r * c + o for r, c, o in zip(rates, self.predicted(trial.pieces), overhead_now))
+        this_now = max(r * c + o for r, c, o in zip(rates, self.predicted(), overhead_now))
+        stale = this_now < (1.0 - self.min_gain) * old_now
+        if now_s >= trial.before_s and not stale:
             reason = (f"the new split measured {now_s:.4f} s a step (median of steps {history[0][0]}-{step}), "
                       f"the split before it {trial.before_s:.4f} s: back to that split")
             overhead = _overheads(history, trial.rates)
@@ -278,9 +287,11 @@ class Rebalancer:
             return self._apply(step, trial.pieces, trial.rates, reason, None, before, back,
                                {"rank": trial.rank, "undone": True, "measured_step_s": round(now_s, 6)})
         self.assumed = list(rates)
-        reason = (f"the new split measured {now_s:.4f} s a step against {trial.before_s:.4f} s before it: "
-                  f"re-solved with the rates measured on it (steps {history[0][0]}-{step})")
-        return self._decide(step, rates, _overheads(history, rates), now_s, reason, trial.rank, measured_s=now_s)
+        reason = (f"the new split measured {now_s:.4f} s a step against {trial.before_s:.4f} s before it"
+                  + (f" (at the rates measured now the split before it prices at {old_now:.4f} s, this one at "
+                     f"{this_now:.4f} s: the speeds changed since it was measured)" if now_s >= trial.before_s else "")
+                  + f": re-solved with the rates measured on it (steps {history[0][0]}-{step})")
+        return self._decide(step, rates, overhead_now, now_s, reason, trial.rank, measured_s=now_s)
 
     def _decide(self, step: int, rates: list[float], overhead_s: list[float], before_s: float, reason: str,
                 rank: int, departure: float | None = None, measured_s: float | None = None) -> Decision | None:

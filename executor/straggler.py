@@ -10,7 +10,9 @@ A profile may be off for every rank alike (an estimated profile, a machine busy 
 and then no rank holds the others up. So a rank's *slowdown* is its ratio over the median ratio of
 the other ranks: r_i / median_{j != i} r_j, "how much slower than its profile, against how the
 others match theirs". A rank is the straggler when the median of its slowdown over the newest
-WINDOW_STEPS steps is at least SLOWDOWN_THRESHOLD; the worst such rank is named, and it is cleared
+WINDOW_STEPS steps is at least SLOWDOWN_THRESHOLD; the worst such rank is named, named again when
+that median reaches SLOWDOWN_THRESHOLD times the slowdown it was named with (a straggler that got
+worse: a device slowed further, or a mild one named on noise before a real slowdown), and cleared
 when that median falls below CLEAR_THRESHOLD. `since_step` is the first step of its run of steps at
 or above the threshold. Its cost to the step is what its compute exceeds both its compute at the
 others' pace (compute / slowdown) and the slowest other rank's compute: the seconds the others wait
@@ -108,13 +110,17 @@ class StragglerDetector:
         med = [statistics.median(h[1][i] for h in self.history) for i in range(len(self.devices))]
         worst = max(range(len(med)), key=lambda i: med[i])
         cur = self.current
-        if cur is not None and med[cur.rank] >= self.clear_threshold and (med[worst] < self.threshold
-                                                                            or worst == cur.rank):
+        worse = cur is not None and worst == cur.rank and med[worst] >= cur.slowdown * self.threshold
+        if cur is not None and med[cur.rank] >= self.clear_threshold and not worse and (
+                med[worst] < self.threshold or worst == cur.rank):
             return None  # still the same straggler
-        if med[worst] >= self.threshold:
+        if worse:  # named again: slower by the threshold's factor than when named, since that began
+            since = next(h[0] for h in self.history if h[1][worst] >= cur.slowdown * self.threshold)
+        elif med[worst] >= self.threshold:
             first_window_step = self.history[0][0]
             since = self.above_since[worst] if self.above_since[worst] is not None else first_window_step
             since = min(since, next((h[0] for h in self.history if h[1][worst] >= self.threshold), since))
+        if worse or med[worst] >= self.threshold:
             cost = statistics.median(straggler_cost_s(h[3], worst, h[1][worst]) for h in self.history)
             ratio = statistics.median(h[2][worst] for h in self.history)
             self.current = Straggler(worst, self.devices[worst], med[worst], since, cost, ratio, step)

@@ -46,6 +46,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from profiler import cgroups
 from executor import checkpoint as ckpt
 from executor.checks import check_diloco, check_tensor_parallel
+from contracts.run import VAL_EVERY
 from executor.links import ENV_LINK_IF, LinkCounter
 from executor.corpus import NUM_VAL_WINDOWS, Corpus, build_corpus, GlobalSampler, batch_slices, val_starts, windows
 from profiler.memtrack import PeakMemory
@@ -125,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also a checkpoint every K steps (the last: always)")
     p.add_argument("--keep-checkpoints", type=int, default=0, help="keep the newest N checkpoints (0: every one)")
-    p.add_argument("--val-every", type=int, default=50, help="validation loss every K steps (and at the last)")
+    p.add_argument("--val-every", type=int, default=VAL_EVERY, help="validation loss every K steps (and at the last)")
     p.add_argument("--optim", default=None, help="OptimConfig as JSON (models/optim.py); default: its defaults")
     p.add_argument("--measure-memory-every", type=int, default=0,
                    help="measure peak memory every K steps (0: the first step of the process only)")

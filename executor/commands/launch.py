@@ -1,5 +1,5 @@
 """`python -m executor launch --plan P --steps N --run-dir R [--seed K] [--resume | --overwrite] [--checkpoint-every K]
-[--keep-checkpoints N] [--stall-timeout S]
+[--keep-checkpoints N] [--stall-timeout S] [--val-every K]
 [--data PATH] [--tokenizer TOKENIZER_JSON] [--init-from HF_DIR] [optimizer flags] [--emulate-wan | --emulate-links GBPS]
 [--prefill FILE] [--rebalance auto|off]
 [--backend local|slurm [--gres-name NAME] [--partition P] [--time-limit MIN] [--type-map T=CATALOG] [--elastic]]`
@@ -28,6 +28,8 @@ HELP = "run a plan for real with torchrun (uneven batches and shards); blocks un
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from contracts.run import VAL_EVERY
+
     p.add_argument("--plan", required=True, help="plan file (python -m planner plan --out P)")
     p.add_argument("--steps", type=int, required=True, help="global steps to train")
     p.add_argument("--run-dir", required=True, help="run folder: plan.json, logs/, metrics.sqlite, checkpoints/")
@@ -44,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=None, metavar="S",
                    help="fail the run, naming the rank, when no step completes for S seconds (default: derived "
                         "from the plan's predicted step time)")
+    p.add_argument("--val-every", type=int, default=VAL_EVERY, metavar="K",
+                   help=f"the validation loss every K steps and at the last step (0: at the last only; default "
+                        f"{VAL_EVERY})")
     p.add_argument("--data", "--corpus", dest="corpus", default=None, metavar="PATH",
                    help="training data: a folder of text files, a JSON Lines file with a 'text' field, or "
                         "pre-tokenized token files (default: the Python standard library's sources)")
@@ -171,7 +176,7 @@ def run_config_of(args: argparse.Namespace):
                        checkpoint_every=args.checkpoint_every, corpus_dir=args.corpus, tokenizer=args.tokenizer,
                        init_from=args.init_from, emulate_wan=args.emulate_wan,
                        emulate_links_gbps=args.emulate_links, keep_checkpoints=args.keep_checkpoints,
-                       overwrite=args.overwrite, stall_timeout_s=args.stall_timeout)  # the numbers first: optim uses steps
+                       overwrite=args.overwrite, stall_timeout_s=args.stall_timeout, val_every=args.val_every)  # the numbers first: optim uses steps
     optim = optim_from_args(args)
     return replace(config, optim=None if optim is None else optim.to_dict(), prefill=read_prefill(args.prefill))
 

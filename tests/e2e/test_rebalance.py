@@ -23,6 +23,7 @@ from contracts.cluster import ClusterSpec, DeviceSpec, NodeSpec
 from contracts.plan import Assignment, Plan
 from executor.launch import EMULATION_FILE, launch_run, start_run
 from executor.store import read_metrics
+from executor.straggler import WINDOW_STEPS
 from profiler import cgroups
 from testkit.wait import wait_until
 
@@ -97,7 +98,10 @@ def test_a_slowed_rank_is_named_and_the_split_follows_it_with_the_same_losses(da
     assert named, [(e["kind"], e["step"], e["message"]) for e in auto["events"]]
     s = named[0]["detail"]
     assert s["rank"] == 0 and named[0]["step"] <= changed + NAMED_WITHIN, named[0]
-    assert s["device"].startswith("cpu@share1 ") and s["slowdown"] >= 1.3 and s["since_step"] >= changed - 1
+    # since: the first step of its run of steps at or above the threshold; on two shared cores a step or
+    # two before the change can read 1.3x already (noise), at most the detector's window before it
+    assert s["device"].startswith("cpu@share1 ") and s["slowdown"] >= 1.3
+    assert changed - WINDOW_STEPS <= s["since_step"] <= changed + NAMED_WITHIN, (s, changed)
     assert s["cost_s"] > 0
     assert auto["straggler"] is None or auto["straggler"]["rank"] == 0
 

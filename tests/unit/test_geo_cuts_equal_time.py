@@ -1,7 +1,8 @@
-"""bench/geo_real.py's equal wall time: the common wall time on the coarsest candidate's granule,
-and each candidate's steps sized by its own measured step times."""
+"""bench/geo_real.py's equal wall time: each candidate's validation points on its own measured
+clock, and the common training time on the coarsest candidate's points."""
 import importlib.util
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,31 +12,54 @@ geo_real = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(geo_real)
 
 
-def test_granule_is_the_mean_later_step_times_h():
-    assert geo_real.granule_s([5.0, 1.0, 3.0, 2.0], None) == (5.0, 2.0)
-    # DiLoCo: the outer step's slow step counts in the mean (4 steps of 0.5 s and one of 10.5 s)
-    assert geo_real.granule_s([5.0, 0.5, 0.5, 0.5, 0.5, 10.5], 5) == (5.0, pytest.approx(12.5))
-    assert geo_real.granule_s([40.0], None) == (40.0, 40.0)  # one step: it is its own granule
-    with pytest.raises(ValueError, match="no step times"):
-        geo_real.granule_s([], None)
+def plan(iteration_s: float, h: int | None = None):
+    return SimpleNamespace(predicted_iteration_s=iteration_s,
+                           diloco=SimpleNamespace(inner_steps=h) if h is not None else None)
 
 
-def test_steps_fill_the_wall_time_from_measured_steps():
-    # a 5 s first step, then 0.5 s steps: 1 + 35 / 0.5 = 71 steps train 40 s
-    assert geo_real.steps_measured([5.0] + [0.5] * 9, None, 40.0) == 71
-    # DiLoCo at H = 10, 0.5 s a step: 5 s a round; 35 s after the first step is 7 rounds
-    assert geo_real.steps_measured([5.0] + [0.5] * 9, 10, 40.0) == 70
-    assert geo_real.steps_measured([5.0] + [0.5] * 9, 100, 10.0) == 100  # at least one round
-    assert geo_real.steps_measured([60.0], None, 40.0) == 1
+def points(first: float, every: float, n: int, loss0: float = 5.0):
+    return [(first + i * every, i + 1, loss0 - 0.01 * i) for i in range(n)]
 
 
-def test_common_wall_time_brings_the_candidates_ends_together():
-    # DP: 41 s steps (least 41); DiLoCo: a 22 s first step, 47 s rounds (least 69); a pipeline of
-    # 0.4 s steps. At 69 s DP ends at 82 (1.19x); at 116 DP ends at 123 (1.06x): 116 is chosen
-    measured = [(41.0, 41.0), (69.0, 47.0), (1.0, 0.4)]
-    assert geo_real.common_wall_s(40.0, measured) == pytest.approx(116.0)
-    assert geo_real.common_wall_s(40.0, measured, stretch=2.0) == pytest.approx(69.0)  # 116 is past 80
-    # fine candidates alone: the first coarsest end at or after the asked time
-    assert geo_real.common_wall_s(40.0, [(20.0, 11.0), (1.0, 0.4)]) == pytest.approx(42.0)
-    assert geo_real.least_s([22.0] + [0.47] * 99, 100) == pytest.approx(22.0 + 47.0)
-    assert geo_real.least_s([41.0], None) == 41.0
+def test_validation_points_are_on_the_runs_own_clock():
+    steps = [{"step": 1, "step_s": 5.0, "loss": 6.0}, {"step": 2, "step_s": 0.5, "loss": 5.5, "val_loss": 5.4},
+             {"step": 3, "step_s": 0.5, "loss": 5.2}, {"step": 4, "step_s": 1.0, "loss": 5.0, "val_loss": 4.9}]
+    assert geo_real.val_points(steps) == [(5.5, 2, 5.4), (7.0, 4, 4.9)]
+    assert geo_real.val_points(steps[:1]) == []
+
+
+def test_steps_and_validation_interval_from_the_prediction():
+    assert geo_real.steps_for(plan(0.5), 120.0) == 240
+    assert geo_real.steps_for(plan(41.0), 120.0) == 3  # rounded up: the run reaches the time asked
+    assert geo_real.steps_for(plan(0.47, h=100), 120.0) == 300  # whole rounds of H
+    assert geo_real.steps_for(plan(0.47, h=100), 10.0) == 100  # at least one round
+    assert geo_real.val_every_for(plan(0.1), 40.0) == 20  # 20 points in 40 s
+    assert geo_real.val_every_for(plan(41.0), 40.0) == 1
+    assert geo_real.val_every_for(plan(0.47, h=10), 40.0) == 0 + 10  # a whole round, never a part of one
+    assert geo_real.val_every_for(plan(0.05, h=10), 40.0) == 40
+
+
+def test_the_common_time_brings_the_candidates_points_together():
+    # DP: a point every 41 s step; DiLoCo: 22 s first step then 47 s rounds (69, 116, 163);
+    # a pipeline's points every 2 s. At 69 s DP's nearest is 82 (1.19x), at 116 s 123 (1.07x), at
+    # 163 s 164 (1.01x): 163 s
+    pts = {"dp": points(41.0, 41.0, 4), "diloco": points(69.0, 47.0, 3), "pipeline": points(1.0, 2.0, 90)}
+    w, at = geo_real.equal_time_points(pts, 40.0)
+    assert w == pytest.approx(163.0)
+    assert at["dp"][0] == pytest.approx(164.0) and at["diloco"][0] == pytest.approx(163.0)
+    assert at["pipeline"][0] == pytest.approx(163.0) and at["pipeline"][1] == 82
+    # DiLoCo's third round not reached: 116 s, where the points lie within 7 %
+    w, at = geo_real.equal_time_points(dict(pts, diloco=points(69.0, 47.0, 2)), 40.0)
+    assert w == pytest.approx(116.0) and at["dp"][0] == pytest.approx(123.0)
+    # a candidate whose run ended before 116 s bounds W: only DiLoCo's 69 s point is left
+    short = dict(pts, pipeline=points(1.0, 2.0, 45))  # last point at 89 s
+    w, at = geo_real.equal_time_points(short, 40.0)
+    assert w == pytest.approx(69.0) and at["dp"][0] in (pytest.approx(82.0), pytest.approx(41.0))
+    # fine candidates alone: the first coarsest point at or after the asked time
+    w, _ = geo_real.equal_time_points({"a": points(20.0, 11.0, 5), "b": points(1.0, 0.4, 200)}, 40.0)
+    assert w == pytest.approx(42.0)
+
+
+def test_a_candidate_without_a_validation_point_is_named():
+    with pytest.raises(ValueError, match="no validation point recorded by diloco"):
+        geo_real.equal_time_points({"dp": points(1.0, 1.0, 3), "diloco": []}, 2.0)

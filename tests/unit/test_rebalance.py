@@ -175,6 +175,26 @@ def test_a_trial_split_measured_slower_is_undone():
     assert rb.changes == 2
 
 
+def test_a_trial_measured_slower_than_a_yardstick_taken_before_a_further_slowdown_is_kept():
+    """The split before was measured while rank 0 was 3x its profile; during the trial it slowed to
+    8x. The trial measures slower than that yardstick, but at the rates measured on it the split
+    before prices MIN_GAIN slower still: kept and re-solved, not undone."""
+    rb = rebalancer()
+    old = list(rb.pieces)
+    d = _slow_rank_0(rb, (1, 2, 3))[-1]
+    before = d.detail["measured_step_s_before"]
+    rb.observe(4, [1.0, 1.0], 9.9)
+    pred = rb.predicted()
+    computes = [8 * pred[0], pred[1]]
+    assert max(computes) + 0.05 > before  # slower than the yardstick
+    judged = [rb.observe(step, computes, max(computes) + 0.05) for step in (5, 6, 7)]
+    assert judged[:2] == [None, None] and judged[2] is not None
+    assert not judged[2].detail.get("undone") and "the speeds changed" in judged[2].detail["reason"]
+    assert rb.pieces != old and rb.assumed[0] == pytest.approx(8.0)
+    # re-solved for 8x: rank 0 takes fewer samples still (0.85 s priced for the split before, 0.45 s this one)
+    assert judged[2].detail["new_split"][0]["batch"] < d.detail["new_split"][0]["batch"]
+
+
 def test_a_kept_trial_is_re_solved_on_the_rates_measured_on_it():
     """The rates measured on the new split (rank 0 at 5x its profile there, the window before saw 2x:
     a slowdown still growing, or one the window saw in part) re-solve the split once more, a trial of

@@ -58,6 +58,18 @@ def test_hysteresis_keeps_the_straggler_between_the_thresholds():
     assert det.current is not None and det.current.rank == 1
 
 
+def test_a_named_straggler_that_gets_worse_by_the_threshold_is_named_again_from_then():
+    det = StragglerDetector(DEVICES)
+    first = feed(det, 1, 5, [1, 1.35, 1])  # a mild straggler (noise, or a slightly slow device)
+    assert [c[1] for c in first] == ["named"] and first[0][2].slowdown == pytest.approx(1.35)
+    assert feed(det, 6, 8, [1, 1.35 * SLOWDOWN_THRESHOLD * 0.95, 1]) == []  # not worse enough: no new event
+    again = feed(det, 9, 14, [1, 3, 1])
+    assert [(c[0], c[1]) for c in again] == [(10, "named")], again  # the window's median, after 2 of 3 steps
+    s = again[0][2]
+    assert (s.rank, s.since_step) == (1, 9) and s.slowdown == pytest.approx(3.0)
+    assert feed(det, 15, 20, [1, 3, 1]) == []  # named once more, not on every step
+
+
 def test_the_worse_rank_replaces_the_named_one():
     det = StragglerDetector(DEVICES)
     feed(det, 1, 5, [1.5, 1, 1])
