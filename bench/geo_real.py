@@ -13,10 +13,13 @@ profiled on this machine. Then two parts:
   three runs with `executor launch --emulate-wan` (a plan Atlas keeps in one datacenter runs as a
   local launch on "localhost", nothing on the WAN) once, for the steps its prediction fits in
   STRETCH x --wall-s, with a validation loss about every 1/VAL_POINTS of --wall-s (`--val-every`;
-  DiLoCo's right after an outer step). The training time W every candidate is judged at, measured on
-  the runs' own clock (their recorded step times summed), is one of the coarsest candidate's
-  validation times (a DP step over a slow link, DiLoCo's H steps) at or after --wall-s, where the
-  other candidates' nearest validation times lie closest (equal_time_points). Recorded per candidate:
+  DiLoCo's right after an outer step), at a constant learning rate (CONSTANT_LR: the loss at a time
+  does not depend on how long the run goes on). The training time W every candidate is judged at,
+  measured on the runs' own clock (their recorded step times summed), is one of the coarsest
+  candidate's validation times (a DP step over a slow link, DiLoCo's H steps) at or after --wall-s,
+  where the other candidates' nearest validation times lie closest (equal_time_points), chosen as if
+  every run went on to the latest end; a run that ended before its point nearest that W trains
+  again, for the steps its measured step time fits (steps_to_reach). Recorded per candidate:
   the validation loss at its point nearest W, that point's training seconds, and the TCP payload its
   ranks put on the emulated WAN links (the links' interface counters, read inside the namespaces
   while it runs) per token of the whole run. Checks: the planner's
@@ -349,6 +352,10 @@ MIN_STEPS = 1
 VAL_POINTS = 20  # validation points per asked wall time: a candidate's loss is read every ~1/20 of it
 STRETCH = 3.0  # every candidate trains for the steps its prediction fits in STRETCH x the asked wall time
 TARGET_TIME_RATIO = 1.1  # the candidates' training seconds at the points compared, longest over shortest
+# the learning rate constant from the first step: a candidate's loss at W then does not depend on how
+# long its run goes on past W (a cosine schedule would still be higher in a longer run)
+CONSTANT_LR = ("--warmup-steps", "0", "--min-lr-ratio", "1")
+RUN_TIMEOUT_STRETCH = 5.0  # a cuts run is stopped after this many times its predicted training time
 
 
 def read_wan_counters(setup) -> dict[str, tuple[int, int]]:
@@ -391,7 +398,7 @@ def one_datacenter_here(plan):
 
 
 def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bool = True,
-                val_every: int | None = None) -> dict:
+                val_every: int | None = None, timeout_s: float = RUN_TIMEOUT_S, extra_args: tuple = ()) -> dict:
     """Launch one emulated run and read its WAN links' counters every POLL_S until it ends: the TCP
     payload its ranks sent over the WAN (netns.payload_bytes of the last reading), whether the
     counters had stopped moving before the links were removed (`counters_settled`), its steps and
@@ -402,16 +409,16 @@ def counted_run(plan_path: str, run_dir: str, steps: int, env: dict, emulate: bo
 
     args = [sys.executable, "-m", "executor", "launch", "--plan", plan_path, "--steps", str(steps),
             "--run-dir", run_dir] + (["--emulate-wan"] if emulate else []) + (
-        ["--val-every", str(val_every)] if val_every is not None else [])
+        ["--val-every", str(val_every)] if val_every is not None else []) + list(extra_args)
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     t0, setup, last, prev = time.perf_counter(), None, {}, {}
     try:
         while proc.poll() is None:
-            if time.perf_counter() - t0 > RUN_TIMEOUT_S:
+            if time.perf_counter() - t0 > timeout_s:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)
-                raise RuntimeError(f"launch {os.path.basename(run_dir)}: still running after {RUN_TIMEOUT_S} s, stopped")
+                raise RuntimeError(f"launch {os.path.basename(run_dir)}: still running after {timeout_s:.0f} s, stopped")
             if setup is None and os.path.exists(os.path.join(run_dir, WAN_FILE)):
                 with contextlib.suppress(ValueError, KeyError, OSError):
                     setup = WanSetup.load(os.path.join(run_dir, WAN_FILE))
@@ -483,6 +490,32 @@ def val_every_for(plan, wall_s: float) -> int:
     return k
 
 
+def extended(points: dict[str, list[tuple[float, int, float]]]) -> dict[str, list[tuple]]:
+    """Every candidate's points, continued past its last at its median gap (as (time, None, None))
+    up to the latest last point of any candidate: where a run that ended early would have its
+    points had it trained on (the time W is then chosen as if every run reached it)."""
+    until = max(p[-1][0] for p in points.values() if p)
+    out = {}
+    for k, p in points.items():
+        p = list(p)
+        if p:
+            g = statistics.median(b[0] - a[0] for a, b in zip(p, p[1:])) if len(p) > 1 else p[0][0]
+            while g > 0 and p[-1][0] + g <= until * (1 + 1e-9):
+                p.append((p[-1][0] + g, None, None))
+        out[k] = p
+    return out
+
+
+def steps_to_reach(run: dict, t: float, inner_steps: int | None) -> int:
+    """The steps that train `t` seconds (and 5 % more) at the run's measured mean step time; DiLoCo's
+    up to whole rounds of H."""
+    mean = run["train_s"] / max(1, run["steps"])
+    n = max(run["steps"] + 1, math.ceil(1.05 * t / mean))
+    if inner_steps:
+        n = inner_steps * math.ceil(n / inner_steps)
+    return n
+
+
 def equal_time_points(points: dict[str, list[tuple[float, int, float]]], wall_s: float) -> tuple[float, dict]:
     """The common training time W and, per candidate, its validation point nearest W. W is one of the
     coarsest candidate's point times (the widest median gap between points: a DP step over a slow
@@ -529,21 +562,36 @@ def link_comparison(mbit: float, template: dict, wall_s: float, work: str, env: 
     choice = auto["cut_choice"]
     chosen = next(c for c in choice["candidates"] if c["name"] == choice["chosen"])
     chosen_key = chosen["kind"]
-    runs, plans = {}, {}
+    runs, plans, paths, emulated, every = {}, {}, {}, {}, {}
+    timeout_s = max(RUN_TIMEOUT_S, RUN_TIMEOUT_STRETCH * STRETCH * wall_s)
     for kind in KINDS:  # each for the steps its prediction fits in STRETCH x wall_s, validated on the way
         path = os.path.join(folder, f"{kind}.json")
         run_cmd(geo + ["--cut-kind", kind, "--out", path], env, f"planner geo --cut-kind {kind}")
         plans[kind] = Plan.load(path)
-        n, every = steps_for(plans[kind], STRETCH * wall_s), val_every_for(plans[kind], wall_s)
+        n, every[kind] = steps_for(plans[kind], STRETCH * wall_s), val_every_for(plans[kind], wall_s)
         here = one_datacenter_here(plans[kind])
         if here is not None:
             path = os.path.join(folder, f"{kind}-localhost.json")
             here.save(path)
-        log(f"{mbit:g} Mbit/s: {kind} for {n} steps, validated every {every} (predicted "
+        paths[kind], emulated[kind] = path, here is None
+        log(f"{mbit:g} Mbit/s: {kind} for {n} steps, validated every {every[kind]} (predicted "
             f"{plans[kind].predicted_iteration_s:.3f} s each" + (", one datacenter: a local launch" if here is not None
                                                                  else "") + ") ...")
         runs[kind] = counted_run(path, os.path.join(folder, "runs", kind), n, env, emulate=here is None,
-                                 val_every=every)
+                                 val_every=every[kind], timeout_s=timeout_s, extra_args=CONSTANT_LR)
+    # W as if every run reached the latest end; a run that ended before its point nearest W trains
+    # again, long enough by its measured step time, then W is chosen on the points measured
+    _, wanted = equal_time_points(extended({k: runs[k]["val_points"] for k in KINDS}), wall_s)
+    for kind in KINDS:
+        if wanted[kind][1] is not None:
+            continue
+        inner = plans[kind].diloco.inner_steps if plans[kind].diloco else None
+        n = steps_to_reach(runs[kind], wanted[kind][0], inner)
+        log(f"{mbit:g} Mbit/s: {kind} ended at {runs[kind]['train_s']:.1f} s, before {wanted[kind][0]:.1f} s: "
+            f"again for {n} steps ...")
+        runs[kind] = counted_run(paths[kind], os.path.join(folder, "runs", f"{kind}-2"), n, env,
+                                 emulate=emulated[kind], val_every=every[kind], timeout_s=timeout_s,
+                                 extra_args=CONSTANT_LR)
     common, at = equal_time_points({k: runs[k]["val_points"] for k in KINDS}, wall_s)
     tokens = {k: at[k][1] * plans[k].global_batch * plans[k].seq for k in KINDS}  # trained by the point
     loss = {k: at[k][2] for k in KINDS}

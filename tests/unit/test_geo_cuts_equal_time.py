@@ -63,3 +63,18 @@ def test_the_common_time_brings_the_candidates_points_together():
 def test_a_candidate_without_a_validation_point_is_named():
     with pytest.raises(ValueError, match="no validation point recorded by diloco"):
         geo_real.equal_time_points({"dp": points(1.0, 1.0, 3), "diloco": []}, 2.0)
+
+
+def test_a_run_that_ended_early_is_continued_at_its_gap_and_sized_again_by_its_measured_steps():
+    # the 10 Mbit/s shape measured: DP 41 s steps to 246 s, DiLoCo rounds to 297 s, the pipeline's
+    # 2 s points ending at 130 s. As if all ran on, W = 219 s (DP's 205 s point: 1.07x)
+    pts = {"dp": points(41.0, 41.0, 6), "diloco": points(63.0, 78.0, 4), "pipeline": points(2.0, 2.0, 65)}
+    ext = geo_real.extended(pts)
+    assert ext["pipeline"][-1][0] == pytest.approx(296.0) and ext["pipeline"][-1][1:] == (None, None)
+    assert ext["diloco"] == pts["diloco"]  # the latest end: nothing added
+    w, at = geo_real.equal_time_points(ext, 40.0)
+    assert w == pytest.approx(219.0) and at["pipeline"][1] is None and at["dp"][1] == 5
+    # the pipeline trained 130 s in 130 steps: 1.05 x 220 s needs 231 steps; DiLoCo's up to whole H
+    assert geo_real.steps_to_reach({"train_s": 130.0, "steps": 130}, 220.0, None) == 231
+    assert geo_real.steps_to_reach({"train_s": 130.0, "steps": 200}, 200.0, 100) == 400
+    assert geo_real.steps_to_reach({"train_s": 300.0, "steps": 3}, 10.0, None) == 4  # never fewer than before
