@@ -35,7 +35,7 @@ profiled on this machine. Then two parts:
   and TTFT beside BubbleTea's simulated figure.
 
 Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs; the
-cuts part about 10-15 minutes at three rates, the steps part 3-5 minutes).
+cuts part about 50 minutes at three rates: most of it DP over 10 Mbit/s and the runs that train again, the steps part 3-5 minutes).
 """
 from __future__ import annotations
 
