@@ -206,7 +206,7 @@ class Rebalancer:
     def __init__(self, global_batch: int, pieces: Sequence[tuple[int, int]], devices: Sequence[str],
                  compute_s: Callable[[int, int, int], float], fits: Callable[[int, int, int], bool],
                  micro_batches: Sequence[int], threshold: float = DEPARTURE_THRESHOLD, min_gain: float = MIN_GAIN,
-                 window: int = WINDOW_STEPS):
+                 window: int = WINDOW_STEPS, last_step: int | None = None):
         if threshold <= 1.0 or not 0.0 <= min_gain < 1.0 or window < 1:
             raise ValueError(f"rebalancer: need threshold > 1, 0 <= min_gain < 1, window >= 1; got {threshold}, "
                              f"{min_gain}, {window}")
@@ -222,6 +222,14 @@ class Rebalancer:
         self.skip_next = False
         self.changes = 0
         self.trial: Trial | None = None  # the split being judged, and what it replaced
+        # the run's last step: a new split whose first window would not be measured by then is not
+        # tried (an unjudged trial could only cost: nothing would undo it were it slower)
+        self.last_step = last_step
+
+    def judgeable_from(self, first: int) -> bool:
+        """Whether a split taken from step `first` has its first step (skipped) and a measured window
+        before the run's last step ends (always, without a last step)."""
+        return self.last_step is None or first + self.window <= self.last_step
 
     def predicted(self, pieces: Sequence[tuple[int, int]] | None = None) -> list[float]:
         """The profile's compute (s) of each position's micro-batches (the current split by default)."""
@@ -316,6 +324,11 @@ class Rebalancer:
             log.info("rebalance at step %d: kept the split (predicted %.3f s, best %.3f s)", step, old_s, new_s)
             self.assumed = list(rates)
             return None
+        if not self.judgeable_from(step + 1):
+            log.info("rebalance at step %d: kept the split: a new one from step %d would not be judged by the last "
+                     "step %d (its first step and a window of %d)", step, step + 1, self.last_step, self.window)
+            self.assumed = list(rates)
+            return None
         trial = Trial(tuple(self.pieces), list(rates), before_s, rank)
         extra = {"rank": rank, "predicted_compute_s": [round(c - o, 6) for c, o in zip(result.compute_s, overhead_s)],
                  "overhead_s": [round(o, 6) for o in overhead_s], "solve_s": round(result.solve_time_s, 6),
@@ -401,7 +414,7 @@ class SplitMonitor:
     Built from the planner's cost model of the plan (its kinds' profiles, memory model and
     collectives at the plan's ZeRO stage and runtime settings)."""
 
-    def __init__(self, plan, run_dir: str, store, owner: dict[int, int], auto: bool):
+    def __init__(self, plan, run_dir: str, store, owner: dict[int, int], auto: bool, last_step: int | None = None):
         from contracts.constants import MEMORY_HEADROOM
         from contracts.specs import get_model, with_max_seq
         from executor.straggler import StragglerDetector
@@ -427,7 +440,7 @@ class SplitMonitor:
             plan.global_batch, [(a.micro_batch, a.accum_steps) for a in used], self.names,
             compute_s=lambda i, m, n: self.coeffs[i].compute_s(m, n),
             fits=lambda i, m, n: self.coeffs[i].fits(m, n, self.shards[i]),
-            micro_batches=self.cost.micro_batch_candidates(plan.global_batch, None))
+            micro_batches=self.cost.micro_batch_candidates(plan.global_batch, None), last_step=last_step)
         self._cluster_index = [a.device_index for a in used]
         self._predicted: tuple | None = None  # (split, compute, wait) of the last split asked
 

@@ -307,7 +307,8 @@ class Trainer:
         from executor.rebalance import SplitMonitor
 
         try:
-            return SplitMonitor(self.plan, self.args.run_dir, self.store, self.owner, auto=self.rebalance)
+            return SplitMonitor(self.plan, self.args.run_dir, self.store, self.owner, auto=self.rebalance,
+                                last_step=self.args.steps)
         except (ValueError, KeyError, OSError) as e:
             self.store.add_event("note", f"no straggler detection or rebalancing: the plan's cost model: {e}", 0)
             if self.rebalance:

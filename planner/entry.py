@@ -219,7 +219,9 @@ def baseline_plan(cluster: ClusterSpec, name: str, model: str, global_batch: int
 
 def even_plan(plan: Plan, headroom: float = MEMORY_HEADROOM) -> Plan:
     """The even split of `plan`'s devices at its model, global batch, seq, dtype, recompute, ZeRO stage
-    and runtime settings (param and reduce dtypes, prefetch, reduce-scatters in flight)."""
-    return baseline_plan(plan.cluster, EVEN, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute,
+    and runtime settings (param and reduce dtypes, prefetch, reduce-scatters in flight), with live
+    rebalancing off: a baseline measured against the plan is run as split, never moved toward the plan."""
+    even = baseline_plan(plan.cluster, EVEN, plan.model, plan.global_batch, plan.seq, plan.dtype, plan.recompute,
                          plan.zero, headroom=headroom, param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype,
                          prefetch=plan.prefetch, reduce_in_flight=plan.reduce_in_flight)
+    return replace(even, rebalance="off")

@@ -42,6 +42,8 @@ def test_the_even_plan_keeps_everything_but_the_split():
     assert even.assignments[1].predicted_step_s > even.assignments[0].predicted_step_s
     assert [a.emulated for a in even.assignments] == [True, True]
     assert not already_even(plan, even)  # the planner gives the slow device less
+    # the baseline is measured as split: live rebalancing would move it toward the plan mid-run
+    assert plan.rebalance == "auto" and even.rebalance == "off"
 
 
 def test_a_homogeneous_plan_is_already_even():

@@ -213,3 +213,18 @@ def test_a_kept_trial_is_re_solved_on_the_rates_measured_on_it():
     assert again[:3] == [None] * 3 and again[3] is not None  # 0.30 s measured, 0.35 s before: kept
     assert again[3].detail["rates_vs_profile"] == [5.0, 1.0] and again[3].detail["new_split"][0]["batch"] < first
     assert "re-solved with the rates measured on it" in again[3].detail["reason"] and rb.changes == 2
+
+
+def test_no_new_split_is_tried_where_its_window_would_end_after_the_last_step():
+    """The departure of the first test, decided at step 5: a split from step 6 is judged on steps 7-9
+    (window 3, its first step skipped), so it is tried with a last step of 9 and not with 8."""
+    def decisions(last_step: int | None) -> list:
+        rb = rebalancer(last_step=last_step)
+        for step in (1, 2, 3):
+            assert rb.observe(step, [0.2, 0.2], 0.25) is None
+        return [rb.observe(step, [0.2, 0.6], 0.65) for step in (4, 5)]
+
+    assert decisions(9)[1] is not None and decisions(None)[1] is not None
+    assert decisions(8) == [None, None]
+    rb = rebalancer(last_step=8)
+    assert rb.judgeable_from(5) and not rb.judgeable_from(6)
