@@ -25,9 +25,9 @@ batch, so the step is the cost model's max-plus chain, max over ranks of (comput
 non-compute time), and only the compute depends on the split. Rank i's step with b samples is its
 measured rate × the cost model's `compute_s(m, n)` (α n + β m n, or the recompute profile where the
 plan accumulates layer by layer) for the best (m, n = b / m) that fits, m among the planner's
-candidate micro-batches (powers of two), plus its own non-compute time: measured on the slowest
-rank of each step of the window (its step time beyond its compute), per unit of its rate, times
-rank i's rate (a quota slows a device's collectives' CPU work and optimizer as much as its compute).
+candidate micro-batches (powers of two), plus the step's non-compute time, the same for every
+rank: measured on the slowest rank of each step of the window (its step time beyond its compute;
+`_overheads`).
 `solve_split` finds the split whose slowest rank is least, exactly: the least bound T for which
 batches within T sum to the global batch, by bisection over the candidate times, each tested by a
 subset-sum over bitsets. The event's `predicted_step_s` is that bound.
@@ -217,7 +217,7 @@ class Rebalancer:
         self.micro_batches = sorted(micro_batches)
         self.threshold, self.min_gain, self.window = threshold, min_gain, window
         self.assumed = [1.0] * len(self.pieces)
-        # (step, ratios, the slowest rank's non-compute seconds per unit of its rate, step seconds)
+        # (step, ratios, the slowest rank's non-compute seconds, step seconds)
         self.history: collections.deque = collections.deque(maxlen=window)
         self.skip_next = False
         self.changes = 0
@@ -246,7 +246,7 @@ class Rebalancer:
             return None
         ratios = [c / p for c, p in zip(computes, pred)]
         slowest = max(range(len(computes)), key=lambda i: computes[i])
-        self.history.append((step, ratios, max(0.0, step_s - computes[slowest]) / ratios[slowest], step_s))
+        self.history.append((step, ratios, max(0.0, step_s - computes[slowest]), step_s))
         if len(self.history) < self.window:
             return None
         history = list(self.history)
@@ -376,11 +376,15 @@ def _median_rates(history: Sequence[tuple]) -> list[float]:
 
 
 def _overheads(history: Sequence[tuple], rates: Sequence[float]) -> list[float]:
-    """Each rank's own non-compute time (its collectives' CPU work, its optimizer): measured on the
-    slowest rank of each step (the step's time beyond its compute, where it waits for no one), per
-    unit of its rate, and scaled to each rank's rate (a slowed device is slowed throughout)."""
-    per_rate_s = statistics.median(h[2] for h in history)
-    return [per_rate_s * r for r in rates]
+    """The step's non-compute time (the gradient collectives, the optimizer on the fixed shards),
+    the same for every rank: measured on the slowest rank of each step (the step's time beyond its
+    compute, where it waits for no one). A split moves only compute: the collectives are the ranks'
+    together (one all-reduce or reduce-scatter, as slow as its slowest member whoever computed
+    more), and each rank's optimizer works on its shard, which no split changes. (Scaled to each
+    rank's rate, a slowed rank was charged the collectives' time again, a split measured on one
+    rank's slowness priced by another's.)"""
+    common_s = statistics.median(h[2] for h in history)
+    return [common_s for _ in rates]
 
 
 def kind_rates(kinds: Sequence[str], rates: Sequence[float]) -> dict[str, float]:

@@ -228,3 +228,14 @@ def test_no_new_split_is_tried_where_its_window_would_end_after_the_last_step():
     assert decisions(8) == [None, None]
     rb = rebalancer(last_step=8)
     assert rb.judgeable_from(5) and not rb.judgeable_from(6)
+
+
+def test_the_step_s_non_compute_time_is_the_same_for_every_rank():
+    """The slowest rank's step time beyond its compute (0.65 - 0.6 s) is every rank's: the collectives
+    are the ranks' together, so a rank slowed 3x is not charged them 3x, and the split balances compute."""
+    rb = rebalancer()
+    for step in (1, 2, 3):
+        assert rb.observe(step, [0.2, 0.2], 0.25) is None
+    d = [rb.observe(step, [0.2, 0.6], 0.65) for step in (4, 5)][1]
+    assert d.detail["overhead_s"] == [pytest.approx(0.05), pytest.approx(0.05)]
+    assert d.detail["predicted_step_s"] == pytest.approx(max(d.detail["predicted_compute_s"]) + 0.05, abs=1e-5)
