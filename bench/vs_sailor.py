@@ -282,7 +282,7 @@ def print_table(report: dict) -> None:
                               f"mem {v['memory_gib_max']}/{v['capacity_gib']} GiB" for t, v in s["by_type"].items())
             print(f"  stage {i}: {s['nodes']}, blocks {s['first_layer']}-{s['first_layer'] + s['num_layers'] - 1}, "
                   f"tp {s['tp']}, dp {s['dp']}, f+b {s['forward_backward_s']} s, hop {s['hop_s']} s, "
-                  f"rs {s['reduce_scatter_s']} s; {types}")
+                  f"rs {s['reduce_scatter_s']} s, ag {s['all_gather_s']} s; {types}")
 
 
 JUDGED_READING = "sailor"
