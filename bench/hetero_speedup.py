@@ -88,7 +88,8 @@ def launch(plan: Any, steps: int, root: str, name: str) -> dict[str, Any]:
     from executor.store import read_metrics
 
     run_dir = os.path.join(root, name)
-    status = launch_run(plan, steps, run_dir, seed=0)
+    # each split as planned: live rebalancing would move the baselines toward the plan mid-run
+    status = launch_run(plan, steps, run_dir, seed=0, rebalance="off")
     m = read_metrics(run_dir)
     if status != "done":
         raise RuntimeError(f"{name}: run {status}: {m['reason']}")
