@@ -380,9 +380,8 @@ def _overheads(history: Sequence[tuple], rates: Sequence[float]) -> list[float]:
     the same for every rank: measured on the slowest rank of each step (the step's time beyond its
     compute, where it waits for no one). A split moves only compute: the collectives are the ranks'
     together (one all-reduce or reduce-scatter, as slow as its slowest member whoever computed
-    more), and each rank's optimizer works on its shard, which no split changes. (Scaled to each
-    rank's rate, a slowed rank was charged the collectives' time again, a split measured on one
-    rank's slowness priced by another's.)"""
+    more), and each rank's optimizer works on its shard, which no split changes; so a slowed rank
+    is not charged the collectives' time again at its rate. `rates`: one entry per rank."""
     common_s = statistics.median(h[2] for h in history)
     return [common_s for _ in rates]
 
