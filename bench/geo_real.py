@@ -1,7 +1,7 @@
 """Geo plans run for real on emulated datacenters, measured beside their predictions.
 
     sudo python bench/geo_real.py [--part cuts|steps|both] [--link-mbit 10,50,200] [--wall-s 40]
-                                  [--scenario S] [--dcs 2|3] [--gbps 0.1] [--steps 12] [--repeats 2]
+                                  [--scenario S] [--dcs 2|3] [--gbps 0.1] [--steps 20] [--repeats 3]
                                   [--json] [--keep DIR]
 
 CPU ranks, gloo, root for the network namespaces (docs/emulated_wan.md). First the model is
@@ -28,14 +28,16 @@ profiled on this machine. Then two parts:
   {"links": [{"mbit", "loss_at_equal_time": {"dp", "pipeline", "diloco"}, "chosen",
   "wan_bytes_per_token": {...}, "train_s", "wall_s_common", ...}]}.
 * steps: plan a 2- or 3-datacenter scenario at --gbps with `planner geo --cut-kind pipeline --out`;
-  predict that plan file (planner/geo/emulated.py) and the data-parallel plan over the same links;
-  launch the geo plan, the geo plan with `--prefill` (alternating, ABAB) and the DP plan. Prints the
-  measured median step against the prediction (target: within 15 %), the geo plan's measured speedup
-  over DP (target: > 1), the step with prefill over without (target: <= 1.05), and prefill tokens/s
-  and TTFT beside BubbleTea's simulated figure.
+  then --repeats times, as the README's command-line path does it: `profiler profile --plan` (the plan's
+  devices timed together, as the run trains them), the plan file simulated on that newest profile
+  (planner/geo/emulated.py), the geo plan launched, and the geo plan with `--prefill` (ABAB); last the
+  data-parallel plan over the same links, priced on the newest profile. Prints every geo run's
+  measured median step against the prediction made right before it (target: each within 15 %), the
+  geo plan's measured speedup over DP (target: > 1), the step with prefill over without (target:
+  <= 1.05), and prefill tokens/s and TTFT beside BubbleTea's simulated figure.
 
 Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs; the
-cuts part about 50 minutes at three rates: most of it DP over 10 Mbit/s and the runs that train again, the steps part 3-5 minutes).
+cuts part about 50 minutes at three rates: most of it DP over 10 Mbit/s and the runs that train again, the steps part about 6 minutes).
 """
 from __future__ import annotations
 
@@ -125,6 +127,13 @@ def profile(model: str, workers: int, env: dict) -> None:
     """`profiler profile` of the training model with `workers` concurrent processes, into env's data dir."""
     run_cmd([sys.executable, "-m", "profiler", "profile", "--model", model, "--seq", str(SEQ), "--micro-batches",
              PROFILE_SIZES, "--workers", str(workers), "--json"], env, "profile", timeout_s=300)
+
+
+def profile_plan(plan_path: str, env: dict) -> dict:
+    """`profiler profile --plan`: the plan's devices timed together, then its stages run as they will
+    (docs/profiler.md), into env's data dir; its JSON."""
+    return json.loads(run_cmd([sys.executable, "-m", "profiler", "profile", "--plan", plan_path, "--json"], env,
+                              "profile --plan", timeout_s=300))
 
 
 def dp_plan(geo, rtt: bool):
@@ -272,32 +281,33 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int, env: dict,
         raise RuntimeError(f"planner geo chose a one-stage plan for {scn['name']}: nothing to pipeline")
     netem = probe_netem()  # None: the kernel adds the RTT, so the prediction counts it
     rtt = netem is None
-    geo_sim = simulate_plan(geo, rtt=rtt)
-    geo_pred = geo_sim.iteration_s
-    dp = dp_plan(geo, rtt)
-    dp_pred = dp.predicted_iteration_s
-    dp_path = os.path.join(work, "dp_plan.json")
-    dp.save(dp_path)
     prefill_path = os.path.join(work, "prefill.json")
     with open(prefill_path, "w", encoding="utf-8") as fh:
         json.dump({**INFERENCE, "max_chunk_s": MAX_CHUNK_S}, fh)
 
+    # every run as the README's command-line path takes it: `profiler profile --plan` (the plan's devices
+    # timed together, as the run trains them), the plan file simulated on that newest profile, then the
+    # launch; each plain run is judged against the prediction made right before it
     runs = os.path.join(work, "runs")
-    plain, with_prefill = [], []
+    plain, with_prefill, geo_sims = [], [], []
     for k in range(repeats):  # ABAB: without and with prefill side by side
-        log(f"geo plan, run {k + 1}/{repeats}: without prefill ...")
+        log(f"run {k + 1}/{repeats}: profiler profile --plan (the plan's devices together) ...")
+        stage_run = [st.get("run_step_s") for st in profile_plan(geo_path, env).get("stages") or []]
+        geo_sims.append(simulate_plan(geo, rtt=rtt))
+        log(f"run {k + 1}/{repeats}: geo plan without prefill (predicted {geo_sims[-1].iteration_s:.3f} s) ...")
         plain.append(measured_run(geo_path, os.path.join(runs, f"geo-{k}"), steps, env))
-        log(f"geo plan, run {k + 1}/{repeats}: with prefill ...")
+        plain[-1]["predicted_s"] = geo_sims[-1].iteration_s
+        plain[-1]["stage_run_step_s"] = stage_run[0] if stage_run else None
+        log(f"run {k + 1}/{repeats}: geo plan with prefill ...")
         with_prefill.append(measured_run(geo_path, os.path.join(runs, f"geo-prefill-{k}"), steps, env, prefill_path))
+    geo_sim = geo_sims[0]
+    geo_pred = statistics.median(r["predicted_s"] for r in plain)
+    dp = dp_plan(geo, rtt)  # priced on the newest profile, like the geo runs
+    dp_pred = dp.predicted_iteration_s
+    dp_path = os.path.join(work, "dp_plan.json")
+    dp.save(dp_path)
     log("data-parallel plan across the same links ...")
     dp_run = measured_run(dp_path, os.path.join(runs, "dp"), DP_STEPS, env)
-
-    # the same profile once more after the runs, into a store of its own: how far the machine's speed
-    # drifted while they ran (the prediction above used the profile taken before them)
-    after = os.path.join(work, "data-after")
-    log("profiling again after the runs ...")
-    profile(model, workers, {**env, "GPUMIX_DATA_DIR": after})
-    geo_pred_after = simulate_plan(geo, os.path.join(after, "profiles"), rtt=rtt).iteration_s
     load_after = os.getloadavg()[0]
 
     geo_meas = statistics.median(r["median_step_s"] for r in plain)
@@ -311,8 +321,10 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int, env: dict,
                      "num_microbatches": geo.pipeline.num_microbatches, "connections": geo.connections},
         "load_average_before": load_before, "load_average_after": load_after,
         "geo_predicted_s": geo_pred, "geo_predicted_in_plan_file_s": geo.predicted_iteration_s,
-        "geo_predicted_after_runs_s": geo_pred_after,
         "geo_measured_s": geo_meas, "geo_error": (geo_meas - geo_pred) / geo_pred,
+        "geo_runs": [{"predicted_s": r["predicted_s"], "measured_s": r["median_step_s"],
+                      "stage_run_step_s": r["stage_run_step_s"],
+                      "error": (r["median_step_s"] - r["predicted_s"]) / r["predicted_s"]} for r in plain],
         "dp_predicted_s": dp_pred, "dp_measured_s": dp_run["median_step_s"],
         "dp_error": (dp_run["median_step_s"] - dp_pred) / dp_pred,
         "geo_speedup_vs_dp_measured": dp_run["median_step_s"] / geo_meas,
@@ -335,7 +347,7 @@ def bench(dcs: int, gbps: float, steps: int, work: str, repeats: int, env: dict,
         "status": {os.path.basename(r["run_dir"]): r["status"] for r in [*plain, *with_prefill, dp_run]},
     }
     out["checks"] = {
-        "geo_within_15pct_of_prediction": abs(out["geo_error"]) <= TARGET_ERROR,
+        "geo_every_run_within_15pct_of_its_prediction": all(abs(g["error"]) <= TARGET_ERROR for g in out["geo_runs"]),
         "geo_faster_than_dp_measured": out["geo_speedup_vs_dp_measured"] > 1.0,
         "step_with_prefill_le_1.05x": out["prefill_slowdown"] <= TARGET_PREFILL_SLOWDOWN,
         "prefill_served_requests": (pre.get("requests_done") or 0) > 0,
@@ -666,9 +678,11 @@ def print_report(r: dict) -> None:
     print(f"{'plan':28} {'measured (median step)':>24} {'predicted':>12} {'error':>8}")
     for name, m, p, e in rows:
         print(f"{name:28} {fmt_s(m):>24} {fmt_s(p):>12} {('-' if e is None else f'{100 * e:+.1f} %'):>8}")
-    print(f"geo plan predicted from the profile taken after the runs: {fmt_s(r['geo_predicted_after_runs_s'])} "
-          f"(the machine's drift while they ran); load average {r['load_average_before']:.1f} before, "
-          f"{r['load_average_after']:.1f} after")
+    for k, g in enumerate(r["geo_runs"]):
+        print(f"  geo run {k + 1}: measured {fmt_s(g['measured_s'])}, predicted {fmt_s(g['predicted_s'])} from the "
+              f"profile taken right before it: {100 * g['error']:+.1f} % (that profile's stages' run measured "
+              f"{fmt_s(g.get('stage_run_step_s'))} a step)")
+    print(f"load average {r['load_average_before']:.1f} before, {r['load_average_after']:.1f} after")
     print(f"geo vs DP: {r['geo_speedup_vs_dp_measured']:.2f}x faster measured "
           f"({r['geo_speedup_vs_dp_predicted']:.2f}x predicted)")
     print(f"training step with prefill / without: {r['prefill_slowdown']:.3f}x (measured, ABAB)")
@@ -706,8 +720,9 @@ def main() -> int:
                     "(default: the bench's own, --dcs datacenters of one CPU rank)")
     ap.add_argument("--dcs", type=int, choices=(2, 3), default=2, help="datacenters, one CPU rank each")
     ap.add_argument("--gbps", type=float, default=0.1, help="steps part: WAN link rate in Gbit/s (0.02-0.2)")
-    ap.add_argument("--steps", type=int, default=10, help=f"steps per geo run ({WARMUP_STEPS} of warm-up)")
-    ap.add_argument("--repeats", type=int, default=2, help="geo runs without/with prefill, alternated")
+    ap.add_argument("--steps", type=int, default=20, help=f"steps per geo run ({WARMUP_STEPS} of warm-up)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="steps part: rounds of profile --plan, geo run without prefill, geo run with prefill")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep the plans and run folders in DIR (default: a temp folder)")
     args = ap.parse_args()

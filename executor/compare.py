@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from contracts.plan import Plan
+from planner.geo.plan_file import PRICED
 
 SKIP_STEPS = 2  # warm-up + the memory-tracked first step; then the allocator settles
 MIN_COMPARED_STEPS = 5  # a median of fewer steps after the warm-up is not a measurement to compare
@@ -182,6 +183,13 @@ def profile_of_kind(plan: Plan, kind: str) -> str:
                 f"{kind}: not named in the plan (planned before plans named their profiles)")
 
 
+def priced_from(plan: Plan, stage: int) -> str | None:
+    """The plan's note naming the measurement stage `stage`'s compute was priced from (a stage profile or
+    its kind's step profile: planner/geo/plan_file.py), None where the plan does not name it."""
+    prefix = f"{PRICED} stage {stage}: "
+    return next((n[len(prefix):] for n in plan.notes if n.startswith(prefix)), None)
+
+
 def predicted_vs_measured(metrics: dict[str, Any], plan: Plan, skip: int = PREDICTION_SKIP_STEPS) -> dict[str, Any]:
     """The run's measured medians (steps skip + 1 onwards) against the plan's predictions: the
     iteration, each rank (its device, kind, the profile its prediction came from) and, where the
@@ -223,5 +231,5 @@ def _stages(plan: Plan, ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
         m, p = (max(measured) if measured else None), (max(predicted) if predicted else None)
         out.append({"stage": s, "layers": f"{stage.first_layer}-{stage.first_layer + stage.num_layers - 1}",
                     "ranks": [r["rank"] for r in mine], "measured_step_s": m, "predicted_step_s": p,
-                    "error": _gap_or_none(m, p)})
+                    "error": _gap_or_none(m, p), "priced_from": priced_from(plan, s)})
     return out

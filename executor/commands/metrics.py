@@ -97,3 +97,6 @@ def _print_predicted(p: dict | None) -> None:
                       "error": _pct(s["error"])} for s in p["stages"]])
     for profile in dict.fromkeys(r["profile"] for r in p["ranks"]):
         print(f"predicted from profile {profile}")
+    for s in p["stages"]:
+        if s.get("priced_from"):
+            print(f"stage {s['stage']} priced from {s['priced_from']}")

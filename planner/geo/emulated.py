@@ -29,6 +29,7 @@ from planner.costmodel.collectives import (INTER_NODE_HOP_LATENCY_S, Link, all_r
                                           sharded_step_comm_s)
 from planner.core.profiles import collective_set_key, get_collective_profile
 from planner.core.stage_memory import estimate_plan_stage_memory
+from planner.core.stage_profiles import StageProfile, get_stage_profile
 from planner.costmodel.pipeline import PipelineCostModel, base_type, tied_sync_s
 from planner.costmodel.training import CostModel, build_comm_model
 from planner.geo.pipeline_sim import Channel, PipelineJob, SimResult, Stage, iteration_times, simulate_pipeline
@@ -143,6 +144,36 @@ def device_memory_bytes(plan: Plan, device_index: int, kind: str) -> int:
     return estimate_plan_stage_memory(plan, device_index, base_type(kind)).peak_bytes
 
 
+def measured_stage(plan: Plan, j: int, kind: str, rows: int, model: PipelineCostModel,
+                   profiles_dir: str | None) -> StageProfile | None:
+    """Stage j's stage profile (planner/core/stage_profiles.py) on `kind` at `rows` rows, where one is
+    stored and is not older than the kind's step profile (the newest measurement prices the stage)."""
+    st, num = plan.pipeline.stages[j], len(plan.pipeline.stages)
+    sp = get_stage_profile(kind, model.spec, plan.seq, model.dtype_of(kind), plan.recompute, st.first_layer,
+                           st.num_layers, j == 0, j == num - 1, rows, profiles_dir)
+    if sp is None:
+        return None
+    step = model.profile(kind, plan.recompute)
+    return sp if not step.measured or sp.created >= step.created else None
+
+
+def stage_sources(plan: Plan, profiles_dir: str | None = None) -> list[str]:
+    """One line per stage of a pipeline plan: the measurement its compute is priced from (a stage
+    profile, or the step profile of its device kind split over its layers by FLOPs)."""
+    uniform = _stage_layout(plan)
+    if plan.pipeline is None or uniform is None:
+        return []
+    _, rows, layout = uniform
+    model = PipelineCostModel(model_spec(plan), plan.seq, rows, plan.dtype, plan.pipeline.schedule, profiles_dir)
+    out = []
+    for j, (_, dev) in enumerate(layout):
+        sp = measured_stage(plan, j, dev.profile_key, rows, model, profiles_dir)
+        out.append(f"stage {j}: " + (sp.describe() if sp is not None else
+                                     "step profile " + model.profile(dev.profile_key, plan.recompute).describe()
+                                     + " (split over the stage's layers by FLOPs)"))
+    return out
+
+
 def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True) -> tuple[PipelineJob, dict]:
     """The simulator's job of a pipeline plan (docs/models/pipeline_simulation.md), and each device's predicted memory."""
     p = plan.pipeline
@@ -164,11 +195,18 @@ def build_plan_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = True
     for j, (st, (node, dev)) in enumerate(zip(p.stages, layout)):
         kind = dev.profile_key
         gather, reduce = links[node.name]
-        fwd, bwd = model.compute_s(kind, plan.recompute, st.num_layers, j == 0, j == num - 1)
+        measured = measured_stage(plan, j, kind, rows, model, profiles_dir)
+        if measured is None:
+            fwd, bwd = model.compute_s(kind, plan.recompute, st.num_layers, j == 0, j == num - 1)
+        else:
+            fwd, bwd = measured.forward_s, measured.backward_s
         _, _, state_params, _ = model.runtime_state(st.num_layers, j, num)
         rs_s, ag_s = model.runtime_sync_parts_s(kind, st.num_layers, j, num, d, gather, reduce)
         share = max(by_index[i].shard_fraction for i in st.devices)  # the largest shard's step ends last
-        adamw = model.profile(kind, plan.recompute).optimizer_time_s(state_params * share) * dev.slowdown
+        if measured is not None and measured.optimizer_s_per_param is not None:
+            adamw = measured.optimizer_s_per_param * state_params * share * dev.slowdown
+        else:
+            adamw = model.profile(kind, plan.recompute).optimizer_time_s(state_params * share) * dev.slowdown
         stages.append(Stage(fwd * dev.slowdown, bwd * dev.slowdown, rs_s,
                             f"{node.name} {dev.label} L{st.first_layer}-{st.first_layer + st.num_layers - 1}",
                             adamw + ag_s))

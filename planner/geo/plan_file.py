@@ -19,7 +19,8 @@ from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
 from contracts.constants import MEMORY_HEADROOM
 from contracts.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
 from planner.geo.atlas import GeoPlan
-from planner.geo.emulated import dp_memory_bytes, predict_dp_plan, predict_plan_iteration_s, simulate_plan
+from planner.geo.emulated import (dp_memory_bytes, predict_dp_plan, predict_plan_iteration_s, simulate_plan,
+                                   stage_sources)
 from planner.geo.scenario import DEFAULT_TCP_WINDOW_BYTES, MAX_MICROBATCHES, GeoScenario
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def _assignments(cluster: ClusterSpec, per_device: dict[int, tuple[int, int, flo
 
 
 NO_TIMELINE = "no simulated timeline"
+PRICED = "priced from:"  # a note per stage: the measurement its compute is priced from (emulated.stage_sources)
 
 
 def no_timeline_note(num_microbatches: int) -> str:
@@ -189,6 +191,7 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
     check_runnable(draft)  # a stage without layers is refused before it is priced
     sim = simulate_plan(draft, profiles_dir, rtt)
     pipe = draft.pipeline
+    notes = (*notes, *(f"{PRICED} {line}" for line in stage_sources(draft, profiles_dir)))
     if not sim.ops:
         notes = (*notes, no_timeline_note(pipe.num_microbatches))
     plan = Plan(cluster=cluster, assignments=_assignments(cluster, per_device, sim.memory_bytes, sim.step_s),
@@ -209,7 +212,8 @@ def evaluate_pipeline_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profil
     check_runnable(plan, headroom=float("inf"))  # the stages and links; memory is said below, not refused
     sim = simulate_plan(plan, profiles_dir, rtt)
     devices = plan.cluster.devices()
-    notes = [n for n in plan.notes if not n.startswith((NO_TIMELINE, "re-evaluated:"))]
+    notes = [n for n in plan.notes if not n.startswith((NO_TIMELINE, "re-evaluated:", PRICED))]
+    notes += [f"{PRICED} {line}" for line in stage_sources(plan, profiles_dir)]
     assignments = []
     for a in plan.assignments:
         if a.device_index in sim.memory_bytes:

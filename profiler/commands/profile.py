@@ -9,8 +9,12 @@ collectives between them. `--cpu-share S [--memory-gb G]` with `--workers N`: th
 devices, one at S and N − 1 at `--companion-cpu-share` (default S); `--workers N` alone: N plain
 CPU workers together. One device (the default): timed by itself.
 
+`--plan` of a pipeline on CPU devices then runs the plan's stages together here and saves a stage
+profile per stage (profiler/stage_run.py; `--no-stages` skips it, `--stage-steps N` sets its steps).
+
 `--json` prints the profile object (StepProfile.to_dict() plus `store_path`) when one kind was
-profiled, else `{"profiles": [...], "collectives_key"}`."""
+profiled, else `{"profiles": [...], "collectives_key"}`, with `"stages": [StageProfile.to_dict()]`
+where the stages were profiled."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cpu-share and --workers > 1: the other workers each under a CPU quota of S cores")
     p.add_argument("--no-collectives", action="store_true",
                    help="several devices: do not time the collectives between them")
+    p.add_argument("--no-stages", action="store_true",
+                   help="--plan of a pipeline on CPU devices: do not run its stages here to profile each stage")
+    p.add_argument("--stage-steps", type=int_arg(5, 1000), default=None, metavar="N",
+                   help="steps of the stages' run (default 20, the first 2 not counted)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-save", action="store_true", help="do not write the profile store")
 
@@ -149,11 +157,34 @@ def run(args: argparse.Namespace) -> int:
                                  micro_batches=args.micro_batches, repeats=args.repeats,
                                  collectives=not args.no_collectives, progress=progress, save=not args.no_save)
         profiles, collectives_key = list(result.profiles), result.collectives_key
-    _print(profiles, collectives_key, args)
+    stages = _stages(args, progress)
+    _print(profiles, collectives_key, args, stages)
     return 0
 
 
-def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace) -> None:
+def _stages(args: argparse.Namespace, progress) -> list | None:
+    """--plan of a pipeline whose devices are all CPUs: its stages run here, each profiled as it runs
+    (profiler/stage_run.py); None where that does not apply."""
+    from contracts.catalog import CPU_TYPE
+    from contracts.plan import Plan
+    from contracts.specs import get_model
+
+    if not args.plan or args.no_stages:
+        return None
+    plan = Plan.load(args.plan)
+    if plan.pipeline is None or plan.diloco is not None:
+        return None
+    if any(d.type != CPU_TYPE for _, d in plan.cluster.devices()):
+        log.info("stage profiles: the plan's stages run on GPUs of other nodes; only CPU-device pipelines are run here")
+        return None
+    from profiler.stage_run import DEFAULT_STEPS, measure_stages
+
+    progress(0.95, "the plan's stages, run together here")
+    return measure_stages(plan, get_model(plan.model), steps=args.stage_steps or DEFAULT_STEPS,
+                          save=not args.no_save)
+
+
+def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace, stages: list | None = None) -> None:
     from planner.core.profiles import collectives_path, step_profile_path
 
     def path(p) -> str | None:
@@ -161,8 +192,11 @@ def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace
 
     if args.json:
         rows = [dict(p.to_dict(), store_path=path(p), taken_at=p.taken_at) for p in profiles]
-        print_json(rows[0] if len(rows) == 1 and collectives_key is None else
-                   {"profiles": rows, "collectives_key": collectives_key})
+        out = (rows[0] if len(rows) == 1 and collectives_key is None and stages is None else
+               {"profiles": rows, "collectives_key": collectives_key})
+        if stages is not None:
+            out["stages"] = [s.to_dict() for s in stages]
+        print_json(out)
         return
     for p in profiles:
         print(f"{p.model} on {p.device_type}, seq {p.seq}, {p.dtype}, recompute {p.recompute} — {p.kind}")
@@ -178,3 +212,12 @@ def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace
         print()
     if collectives_key and not args.no_save:
         print(f"collectives between {collectives_key} saved to {collectives_path(collectives_key)}")
+    if stages:
+        print("\nthe plan's stages, run together here (one micro-batch, wall time):")
+        print_table([{"stage": j, "device": s.device_type, "layers": f"{s.first_layer}-{s.first_layer + s.num_layers - 1}",
+                      "rows": s.rows, "forward_s": s.forward_s, "backward_s": s.backward_s,
+                      "send_s": s.send_s, "noise": s.noise} for j, s in enumerate(stages)])
+        for s in stages:
+            print(f"stage profile {s.describe()}")
+        if stages[0].run_step_s is not None:
+            print(f"the stages' run: median step {stages[0].run_step_s:.4f} s")
