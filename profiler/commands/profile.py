@@ -9,8 +9,8 @@ collectives between them. `--cpu-share S [--memory-gb G]` with `--workers N`: th
 devices, one at S and N − 1 at `--companion-cpu-share` (default S); `--workers N` alone: N plain
 CPU workers together. One device (the default): timed by itself.
 
-`--plan` of a pipeline on CPU devices then runs the plan's stages together here and saves a stage
-profile per stage (profiler/stage_run.py; `--no-stages` skips it, `--stage-steps N` sets its steps).
+`--plan` of a pipeline on CPU devices whose ranks run on this machine (`runs_here`) then runs the
+plan's stages together here and saves a stage profile per stage (profiler/stage_run.py; `--no-stages` skips it, `--stage-steps N` sets its steps).
 
 `--json` prints the profile object (StepProfile.to_dict() plus `store_path`) when one kind was
 profiled, else `{"profiles": [...], "collectives_key"}`, with `"stages": [StageProfile.to_dict()]`
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 
 from contracts.cli import device_arg, float_arg, int_arg, print_json, print_table
 from contracts.constants import PROFILE_MICRO_BATCHES
@@ -162,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def runs_here(plan) -> bool:
+    """Whether every rank of the plan runs on this machine: its nodes are this host, its devices are
+    emulated, or it is CPU datacenters joined by WAN links that `executor launch --emulate-wan` builds
+    here (docs/emulated_wan.md)."""
+    local = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
+    return (all(n.name in local for n in plan.cluster.nodes) or plan.cluster.emulated
+            or plan.cluster.emulate_links_gbps is not None or bool(plan.wan))
+
+
 def _stages(args: argparse.Namespace, progress) -> list | None:
     """--plan of a pipeline whose devices are all CPUs: its stages run here, each profiled as it runs
     (profiler/stage_run.py); None where that does not apply."""
@@ -176,6 +186,10 @@ def _stages(args: argparse.Namespace, progress) -> list | None:
         return None
     if any(d.type != CPU_TYPE for _, d in plan.cluster.devices()):
         log.info("stage profiles: the plan's stages run on GPUs of other nodes; only CPU-device pipelines are run here")
+        return None
+    if not runs_here(plan):
+        log.info("stage profiles: the plan's ranks run on other machines (%s); their stages are not run here",
+                 ", ".join(n.name for n in plan.cluster.nodes))
         return None
     from profiler.stage_run import DEFAULT_STEPS, measure_stages
 

@@ -115,3 +115,14 @@ def _state_params(plan: Plan, j: int) -> int:
     model = PipelineCostModel(model_spec(plan), plan.seq, 1, plan.dtype, "1f1b")
     return model.runtime_state(st.num_layers, j, len(plan.pipeline.stages))[2]
 
+
+
+def test_only_a_plan_whose_ranks_run_here_has_its_stages_run_here():
+    from profiler.commands.profile import runs_here
+
+    plan = _plan()
+    assert runs_here(plan)  # CPU datacenters joined by a WAN link: emulated on this machine
+    remote = copy.copy(plan)
+    object.__setattr__(remote, "wan", ())  # the same nodes as real machines elsewhere
+    assert not runs_here(remote)
+    assert runs_here(local_stage_plan(plan))
