@@ -28,9 +28,10 @@ profiled on this machine. Then two parts:
   {"links": [{"mbit", "loss_at_equal_time": {"dp", "pipeline", "diloco"}, "chosen",
   "wan_bytes_per_token": {...}, "train_s", "wall_s_common", ...}]}.
 * steps: plan a 2- or 3-datacenter scenario at --gbps with `planner geo --cut-kind pipeline --out`;
-  then --repeats times, as the README's command-line path does it: `profiler profile --plan` (the plan's
-  devices timed together, as the run trains them), the plan file simulated on that newest profile
-  (planner/geo/emulated.py), the geo plan launched, and the geo plan with `--prefill` (ABAB); last the
+  then --repeats times, as the README's command-line path profiles it: `profiler profile --plan` (the
+  plan's devices timed together, then its stages run as they will), the same plan file simulated on
+  that newest profile (planner/geo/emulated.py: what `planner geo --out` writes for it; the bench does
+  not plan again, so every round judges one plan), the geo plan launched, and the geo plan with `--prefill` (ABAB); last the
   data-parallel plan over the same links, priced on the newest profile. Prints every geo run's
   measured median step against the prediction made right before it (target: each within 15 %), the
   geo plan's measured speedup over DP (target: > 1), the step with prefill over without (target:
