@@ -37,8 +37,7 @@ profiled on this machine. Then two parts:
   geo plan's measured speedup over DP (target: > 1), the step with prefill over without (target:
   <= 1.05), and prefill tokens/s and TTFT beside BubbleTea's simulated figure.
 
-Sized for a 2-core machine (at most 3 ranks, an 8-layer width-256 GPT-2 style model, short runs; the
-cuts part about 50 minutes at three rates: most of it DP over 10 Mbit/s and the runs that train again, the steps part about 6 minutes).
+Sized for 2 cores (at most 3 ranks, an 8-layer width-256 GPT-2 style model): cuts ~50 min, steps ~6 min.
 """
 from __future__ import annotations
 
