@@ -185,9 +185,12 @@ def profile_of_kind(plan: Plan, kind: str) -> str:
 
 def priced_from(plan: Plan, stage: int) -> str | None:
     """The plan's note naming the measurement stage `stage`'s compute was priced from (a stage profile or
-    its kind's step profile: planner/geo/plan_file.py), None where the plan does not name it."""
-    prefix = f"{PRICED} stage {stage}: "
-    return next((n[len(prefix):] for n in plan.notes if n.startswith(prefix)), None)
+    its kind's step profile: planner/geo/plan_file.py; a stage of several kinds or row counts has one note
+    per replica, "stage J (kind, rows): …", joined by "; "), None where the plan does not name it."""
+    whole, replica = f"{PRICED} stage {stage}: ", f"{PRICED} stage {stage} ("
+    found = [n[len(whole):] if n.startswith(whole) else n[len(f"{PRICED} stage {stage} "):]
+             for n in plan.notes if n.startswith(whole) or n.startswith(replica)]
+    return "; ".join(found) if found else None
 
 
 def predicted_vs_measured(metrics: dict[str, Any], plan: Plan, skip: int = PREDICTION_SKIP_STEPS) -> dict[str, Any]:

@@ -11,7 +11,9 @@ dropped). From the run's store and its timeline, per stage:
 
 * forward + backward of one micro-batch: the median over the steps after `warmup` of the rank's compute
   seconds (forward and backward only, wall time) ÷ its micro-batches, split into forward and backward
-  by the two's shares of the timeline's recorded step; the slowest replica's where a stage has several;
+  by the two's shares of the timeline's recorded step; one profile per kind and rows of the stage's
+  replicas (a stage of mixed kinds or uneven rows is priced replica by replica), the slowest where
+  several replicas share both;
 * the optimizer step per parameter: the median AdamW seconds ÷ the rank's shard numel;
 * a send's own time on the rank (the call, not the wire), the timeline's mean;
 * the run's own median step (`run_step_s`, the same for every stage): what the stages' run measured
@@ -128,41 +130,53 @@ def measure_stages(plan: Plan, spec: ModelSpec, steps: int = DEFAULT_STEPS, warm
     kinds = tuple(devices[i][1].profile_key for i in sorted(device_of.values()))
     out = []
     for j, st in enumerate(p.stages):
-        best = None
-        for dev in st.devices:
+        # one profile per (kind, rows) of the stage's replicas: a stage of mixed kinds or uneven rows is
+        # priced replica by replica; replicas of one kind and rows keep the slowest
+        slowest: dict[tuple[str, int], tuple[int, float, list[float], list[float]]] = {}
+        for dev, asg_rows in zip(st.devices, st.rows):
             rows = per_rank.get(dev)
             if not rows or len(rows) < 3:
                 raise RuntimeError(f"the stages' run recorded {len(rows or [])} steps after the warm-up for device {dev}")
             compute = [c for c, _ in rows]
             med = statistics.median(compute)
-            if best is None or med > best[1]:
-                best = (dev, med, compute, [o for _, o in rows if o is not None])
-        dev, med, compute, opt = best
-        mine = ops.get(dev, [])
-        fwd = sum(o["end_s"] - o["start_s"] for o in mine if o["op"] == "forward")
-        bwd = sum(o["end_s"] - o["start_s"] for o in mine if o["op"] == "backward")
-        if fwd <= 0 or bwd <= 0:
-            raise RuntimeError(f"the stages' timeline has no forward or backward of stage {j}")
-        per_mb = med / p.num_microbatches
-        sends = [o["end_s"] - o["start_s"] for o in mine if o["op"].startswith("send")]
-        rank_numel = next((numel[r] for r, d in device_of.items() if d == dev), None)
-        asg = {a.device_index: a for a in local.assignments}[dev]
-        sp = StageProfile(
-            device_type=devices[dev][1].profile_key, model=spec.name, num_matmul_params=spec.matmul_params(),
-            seq=plan.seq, dtype=device_dtype(split_profile_key(devices[dev][1].profile_key)[0], plan.dtype),
-            recompute=plan.recompute,
-            first_layer=st.first_layer, num_layers=st.num_layers, first=j == 0, last=j == len(p.stages) - 1,
-            rows=asg.micro_batch, forward_s=per_mb * fwd / (fwd + bwd), backward_s=per_mb * bwd / (fwd + bwd),
-            optimizer_s_per_param=(statistics.median(opt) / rank_numel if opt and rank_numel else None),
-            send_s=statistics.fmean(sends) if sends else None, num_microbatches=p.num_microbatches,
-            schedule=p.schedule, steps=len(compute), noise=_iqr_over_median(compute), created=created,
-            host=socket.gethostname(), load_avg=load, num_cpus=os.cpu_count() or 0, together_with=kinds,
-            how=HOW_ON_LINKS if emulate else HOW_STAGE_RUN,
-            run_step_s=statistics.median(run_steps) if run_steps else None)
-        if save:
-            save_stage_profile(sp, store_dir)
-        out.append(sp)
+            key = (devices[dev][1].profile_key, asg_rows)
+            if key not in slowest or med > slowest[key][1]:
+                slowest[key] = (dev, med, compute, [o for _, o in rows if o is not None])
+        for dev, med, compute, opt in slowest.values():
+            sp = _stage_profile(j, st, len(p.stages), dev, med, compute, opt, ops.get(dev, []), plan, local, spec,
+                                devices, device_of, numel, kinds, created, load, emulate, run_steps)
+            if save:
+                save_stage_profile(sp, store_dir)
+            out.append(sp)
     return out
+
+
+def _stage_profile(j: int, st, num_stages: int, dev: int, med: float, compute: list[float], opt: list[float],
+                   mine: list[dict], plan: Plan, local: Plan, spec: ModelSpec, devices, device_of: dict[int, int],
+                   numel: dict, kinds: tuple[str, ...], created: str, load: float, emulate: bool,
+                   run_steps: list[float]) -> StageProfile:
+    """Stage j's profile on device `dev` from its rank's per-step compute (median `med`), AdamW times and ops."""
+    p = local.pipeline
+    fwd = sum(o["end_s"] - o["start_s"] for o in mine if o["op"] == "forward")
+    bwd = sum(o["end_s"] - o["start_s"] for o in mine if o["op"] == "backward")
+    if fwd <= 0 or bwd <= 0:
+        raise RuntimeError(f"the stages' timeline has no forward or backward of stage {j} on device {dev}")
+    per_mb = med / p.num_microbatches
+    sends = [o["end_s"] - o["start_s"] for o in mine if o["op"].startswith("send")]
+    rank_numel = next((numel[r] for r, d in device_of.items() if d == dev), None)
+    asg = {a.device_index: a for a in local.assignments}[dev]
+    return StageProfile(
+        device_type=devices[dev][1].profile_key, model=spec.name, num_matmul_params=spec.matmul_params(),
+        seq=plan.seq, dtype=device_dtype(split_profile_key(devices[dev][1].profile_key)[0], plan.dtype),
+        recompute=plan.recompute,
+        first_layer=st.first_layer, num_layers=st.num_layers, first=j == 0, last=j == num_stages - 1,
+        rows=asg.micro_batch, forward_s=per_mb * fwd / (fwd + bwd), backward_s=per_mb * bwd / (fwd + bwd),
+        optimizer_s_per_param=(statistics.median(opt) / rank_numel if opt and rank_numel else None),
+        send_s=statistics.fmean(sends) if sends else None, num_microbatches=p.num_microbatches,
+        schedule=p.schedule, steps=len(compute), noise=_iqr_over_median(compute), created=created,
+        host=socket.gethostname(), load_avg=load, num_cpus=os.cpu_count() or 0, together_with=kinds,
+        how=HOW_ON_LINKS if emulate else HOW_STAGE_RUN,
+        run_step_s=statistics.median(run_steps) if run_steps else None)
 
 
 __all__ = ["local_stage_plan", "measure_stages", "DEFAULT_STEPS", "DEFAULT_WARMUP"]

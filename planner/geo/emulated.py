@@ -160,17 +160,26 @@ def measured_stage(plan: Plan, j: int, kind: str, rows: int, model: PipelineCost
 def stage_sources(plan: Plan, profiles_dir: str | None = None) -> list[str]:
     """One line per stage of a pipeline plan: the measurement its compute is priced from (a stage
     profile, or the step profile of its device kind split over its layers by FLOPs)."""
-    uniform = _stage_layout(plan)
-    if plan.pipeline is None or uniform is None:
+    if plan.pipeline is None:
         return []
-    _, rows, layout = uniform
-    model = PipelineCostModel(model_spec(plan), plan.seq, rows, plan.dtype, plan.pipeline.schedule, profiles_dir)
+    devices, models = plan.cluster.devices(), {}
     out = []
-    for j, (_, dev) in enumerate(layout):
-        sp = measured_stage(plan, j, dev.profile_key, rows, model, profiles_dir)
-        out.append(f"stage {j}: " + (sp.describe() if sp is not None else
-                                     "step profile " + model.profile(dev.profile_key, plan.recompute).describe()
-                                     + " (split over the stage's layers by FLOPs)"))
+    for j, st in enumerate(plan.pipeline.stages):
+        seen = set()
+        for i, rows in zip(st.devices, st.rows):
+            kind = devices[i][1].profile_key
+            if (kind, rows) in seen:
+                continue
+            seen.add((kind, rows))
+            if rows not in models:
+                models[rows] = PipelineCostModel(model_spec(plan), plan.seq, rows, plan.dtype,
+                                                 plan.pipeline.schedule, profiles_dir)
+            model = models[rows]
+            sp = measured_stage(plan, j, kind, rows, model, profiles_dir)
+            where = f"stage {j}" if len(st.devices) == 1 else f"stage {j} ({kind}, {rows} row(s))"
+            out.append(f"{where}: " + (sp.describe() if sp is not None else
+                                       "step profile " + model.profile(kind, plan.recompute).describe()
+                                       + " (split over the stage's layers by FLOPs)"))
     return out
 
 
@@ -364,10 +373,17 @@ def build_replica_job(plan: Plan, profiles_dir: str | None = None, rtt: bool = T
         fwd = bwd = update = 0.0
         for i, rows in zip(st.devices, st.rows):
             node, dev = devices[i]
-            f, b = model_of(rows).compute_s(dev.profile_key, plan.recompute, st.num_layers, first, last)
             _, _, state_params, _ = whole.runtime_state(st.num_layers, j, num)
-            adamw = whole.profile(dev.profile_key, plan.recompute).optimizer_time_s(
-                state_params * by_index[i].shard_fraction)
+            measured = measured_stage(plan, j, dev.profile_key, rows, model_of(rows), profiles_dir)
+            if measured is None:
+                f, b = model_of(rows).compute_s(dev.profile_key, plan.recompute, st.num_layers, first, last)
+            else:
+                f, b = measured.forward_s, measured.backward_s
+            if measured is not None and measured.optimizer_s_per_param is not None:
+                adamw = measured.optimizer_s_per_param * state_params * by_index[i].shard_fraction
+            else:
+                adamw = whole.profile(dev.profile_key, plan.recompute).optimizer_time_s(
+                    state_params * by_index[i].shard_fraction)
             fwd, bwd = max(fwd, f * dev.slowdown), max(bwd, b * dev.slowdown)
             update = max(update, adamw * dev.slowdown)
             memory[i] = device_memory_bytes(plan, i, dev.profile_key)

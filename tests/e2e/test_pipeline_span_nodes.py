@@ -2,11 +2,15 @@
 
 Stage 0 (embedding and layer 0 of `small`) runs on node-a at half a core; stage 1 (layers 1-3 and the head) on
 two ranks: node-a at a third of a core with 2 rows of every micro-batch, node-b at half a core with 3 rows. The
-devices are profiled as the run trains them (profiler/run_profile.profile_devices: all at once, each under its
-quota, then the collectives between them); planner/geo/emulated.py predicts the iteration from those profiles
-(each stage at its slowest replica, the boundary's pieces on their own paths, the stage's syncs as rings across
-both nodes). The run's median step after the warm-up is within 15 % of that prediction, and its losses are one
-rank's. Sized for a 2-core machine: 3 ranks, 1.33 cores of quota in all."""
+plan is profiled as `profiler profile --plan` does: its devices as the run trains them
+(profiler/run_profile.profile_devices: all at once, each under its quota, then the collectives between them),
+then its stages as they run (profiler/stage_run.measure_stages: a short run of the plan on its emulated link,
+one stage profile per stage and replica kind). planner/geo/emulated.py predicts the iteration from those
+profiles (each replica's forward and backward from its stage profile, the stage at its slowest replica, the
+boundary's pieces on their own paths, the stage's syncs as rings across both nodes priced from the
+collectives). A separate run of the plan, after the profiling, is measured: its median step after the
+warm-up is within 15 % of that prediction, and its losses are one rank's. Sized for a 2-core machine: 3
+ranks, 1.33 cores of quota in all."""
 from __future__ import annotations
 
 import json
@@ -36,6 +40,7 @@ OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, max_grad_norm=0.5, decay_steps=STEP
 LINK_GBPS = 1.0
 PROFILE_SIZES = (1, 2, 3, 5)  # the rows a rank of the plan computes at once (2, 3 and 5), and 1
 PROFILE_REPEATS = 3
+STAGE_STEPS = 8  # the stages' run of the profile: 2 warm-up steps, 6 timed
 TOLERANCE = 0.15
 
 
@@ -69,7 +74,9 @@ def one_rank_plan() -> Plan:
 def runs(tmp_path_factory):
     """Profile the plan's devices, predict the plan from those profiles, run it, then the 1-rank reference."""
     from planner.geo.emulated import build_plan_job, simulate_plan
+    from planner.geo.emulated import model_spec
     from profiler.run_profile import plan_devices, profile_devices
+    from profiler.stage_run import measure_stages
 
     plan = span_plan()
     with pytest.MonkeyPatch.context() as mp:
@@ -77,11 +84,12 @@ def runs(tmp_path_factory):
         root = tmp_path_factory.mktemp("runs")
         measured = profile_devices(MODEL, SEQ, "fp32", plan_devices(plan), micro_batches=PROFILE_SIZES,
                                    repeats=PROFILE_REPEATS)
+        stages = measure_stages(plan, model_spec(plan), steps=STAGE_STEPS, links=True)
         predicted, job = simulate_plan(plan), build_plan_job(plan)[0]
         pipe, one = str(root / "pipe"), str(root / "one")
         status = launch_run(plan, STEPS, pipe, seed=SEED, optim=OPTIM, emulate_wan=True)
         ref = launch_run(one_rank_plan(), REFERENCE_STEPS, one, seed=SEED, optim=OPTIM)
-        yield {"plan": plan, "profiles": measured, "predicted": predicted, "job": job, "pipe": (pipe, status),
+        yield {"plan": plan, "profiles": measured, "stages": stages, "predicted": predicted, "job": job, "pipe": (pipe, status),
                "one": (one, ref)}
 
 
@@ -101,6 +109,11 @@ def test_the_plan_priced_from_its_devices_profiles_matches_its_run(runs):
     job = runs["job"]  # one pipeline: stage 1 at its slowest replica, its syncs a ring across both nodes
     assert job.num_pipelines == 1 and "node-a" in job.stages[1].label and "node-b" in job.stages[1].label
     assert job.stages[1].allreduce_s > 0 and job.stages[0].allreduce_s == 0
+    # one stage profile for stage 0 and one per kind of stage 1's replicas, each pricing its stage
+    assert sorted((s.first_layer, s.device_type, s.rows) for s in runs["stages"]) == sorted(
+        (st.first_layer, runs["plan"].cluster.devices()[i][1].profile_key, r)
+        for st in runs["plan"].pipeline.stages for i, r in zip(st.devices, st.rows))
+    assert job.stages[1].forward_s == max(s.forward_s for s in runs["stages"] if s.first_layer > 0)
     steps = [s["step_s"] for s in m["steps"]]
     assert len(steps) == STEPS
     measured, predicted = statistics.median(steps[WARMUP_STEPS:]), runs["predicted"].iteration_s
@@ -115,7 +128,9 @@ def test_the_plan_priced_from_its_devices_profiles_matches_its_run(runs):
     print(f"median step {measured:.3f} s (steps {', '.join(f'{s:.3f}' for s in steps)}), predicted {predicted:.3f} s, "
           f"error {measured / predicted - 1:+.1%}; profiles: " + "; ".join(
               f"{p.device_type} α {p.alpha_s * 1e3:.1f} ms β {p.beta_s * 1e3:.1f} ms/sample"
-              for p in runs["profiles"].profiles))
+              for p in runs["profiles"].profiles) + "; stages: " + "; ".join(
+              f"L{s.first_layer}+{s.num_layers} {s.device_type} r{s.rows} fwd {s.forward_s * 1e3:.1f} ms "
+              f"bwd {s.backward_s * 1e3:.1f} ms (their run's step {s.run_step_s:.3f} s)" for s in runs["stages"]))
     assert {(r["stage"], r["datacenter"]) for r in timeline["ranks"]} == {(0, "node-a"), (1, "node-a+node-b")}
     assert abs(measured / predicted - 1) <= TOLERANCE, (measured, predicted)
 

@@ -126,3 +126,31 @@ def test_only_a_plan_whose_ranks_run_here_has_its_stages_run_here():
     object.__setattr__(remote, "wan", ())  # the same nodes as real machines elsewhere
     assert not runs_here(remote)
     assert runs_here(local_stage_plan(plan))
+
+
+def test_a_stage_across_nodes_of_two_kinds_is_priced_replica_by_replica_from_their_stage_profiles():
+    from executor.compare import priced_from
+    from tests.e2e.test_pipeline_span_nodes import MODEL, SEQ, span_plan
+
+    plan = span_plan()
+    devices = plan.cluster.devices()
+    before, _ = build_plan_job(plan)  # stages across nodes: build_replica_job
+    st = plan.pipeline.stages[1]
+    spec = PRESETS[MODEL]
+    kinds = [devices[i][1].profile_key for i in st.devices]
+    assert len(set(kinds)) == 2 and st.rows == (2, 3)
+    for kind, rows, fwd, bwd in zip(kinds, st.rows, (0.05, 0.07), (0.10, 0.09)):
+        save_stage_profile(StageProfile(kind, spec.name, spec.matmul_params(), SEQ, "fp32", "none", st.first_layer,
+                                        st.num_layers, False, True, rows, fwd, bwd, None, 4e-4, 10, "1f1b", 10, 0.05,
+                                        "2026-12-05T10:05:00+00:00", together_with=tuple(kinds)))
+    job, _ = build_plan_job(plan)
+    # the stage runs at its slowest replica: the larger forward of one, the larger backward of the other
+    assert (job.stages[1].forward_s, job.stages[1].backward_s) == (0.07, 0.10)
+    assert (job.stages[0].forward_s, job.stages[0].backward_s) == (before.stages[0].forward_s,
+                                                                    before.stages[0].backward_s)
+    lines = stage_sources(plan)
+    assert lines[0].startswith("stage 0: step profile")
+    assert [line.split(":")[0] for line in lines[1:]] == [f"stage 1 ({k}, {r} row(s))" for k, r in zip(kinds, st.rows)]
+    assert all("stage run" in line for line in lines[1:])
+    noted = replace(plan, notes=(*plan.notes, *(f"{PRICED} {line}" for line in lines)))
+    assert priced_from(noted, 1).count("stage run") == 2 and priced_from(noted, 0).startswith("step profile")
