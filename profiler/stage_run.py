@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import shutil
 import socket
@@ -36,13 +37,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Sequence
+from typing import Callable, Sequence
 
-from contracts.catalog import device_dtype
+from contracts.catalog import CPU_TYPE, device_dtype
 from contracts.cluster import ClusterSpec, NodeSpec, split_profile_key
 from contracts.plan import Plan
 from contracts.specs import ModelSpec
 from planner.core.stage_profiles import HOW_ON_LINKS, HOW_STAGE_RUN, StageProfile, save_stage_profile
+
+log = logging.getLogger(__name__)
 
 LOCAL_NODE = "localhost"
 DEFAULT_STEPS = 20
@@ -69,6 +72,37 @@ def local_stage_plan(plan: Plan) -> Plan:
         raise ValueError("plan: its devices interleave kinds in an order one node's cluster entry cannot keep; "
                          "profile its kinds with --cluster instead")
     return local
+
+
+def stages_run_here(plan: Plan) -> bool:
+    """Whether every rank of the plan runs on this machine: its nodes are this host, its devices are
+    emulated, or it is CPU datacenters joined by WAN links that `executor launch --emulate-wan` builds
+    here (docs/emulated_wan.md)."""
+    local = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
+    return (all(n.name in local for n in plan.cluster.nodes) or plan.cluster.emulated
+            or plan.cluster.emulate_links_gbps is not None or bool(plan.wan))
+
+
+def profile_plan_stages(plan: Plan, steps: int = DEFAULT_STEPS, save: bool = True,
+                        progress: Callable[[float, str], None] | None = None) -> list[StageProfile] | None:
+    """The one stage-profiling step of `profiler profile --plan` and the Plan page's "Profile now": a
+    synchronous pipeline plan whose devices are all CPUs and whose ranks run on this machine
+    (`stages_run_here`) has its stages run here and profiled (`measure_stages`); None (and a log line
+    saying why) otherwise."""
+    from contracts.specs import get_model
+
+    if plan.pipeline is None or plan.diloco is not None:
+        return None
+    if any(d.type != CPU_TYPE for _, d in plan.cluster.devices()):
+        log.info("stage profiles: the plan's stages run on GPUs of other nodes; only CPU-device pipelines are run here")
+        return None
+    if not stages_run_here(plan):
+        log.info("stage profiles: the plan's ranks run on other machines (%s); their stages are not run here",
+                 ", ".join(n.name for n in plan.cluster.nodes))
+        return None
+    if progress is not None:
+        progress(0.95, "the plan's stages, run together here")
+    return measure_stages(plan, get_model(plan.model), steps=steps, save=save)
 
 
 def can_emulate_links() -> bool:
@@ -179,4 +213,5 @@ def _stage_profile(j: int, st, num_stages: int, dev: int, med: float, compute: l
         run_step_s=statistics.median(run_steps) if run_steps else None)
 
 
-__all__ = ["local_stage_plan", "measure_stages", "DEFAULT_STEPS", "DEFAULT_WARMUP"]
+__all__ = ["local_stage_plan", "measure_stages", "profile_plan_stages", "stages_run_here", "DEFAULT_STEPS",
+           "DEFAULT_WARMUP"]

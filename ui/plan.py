@@ -24,6 +24,7 @@ from contracts.specs import get_model as get_model_spec
 from contracts.specs import with_max_seq
 from contracts.uploads import cluster_from_upload
 from ui import background
+from ui.compute import profile_kinds
 from ui.charts import bar_chart, capacity_chart
 from ui.common import (MEASURED, PREDICTED, error_message, fmt_bytes, fmt_percent, fmt_rate, fmt_seconds, labelled,
                        metric, number_field, page_header, page_link, parse_upload, profiles_version,
@@ -217,17 +218,6 @@ def render_estimated(plan: Plan) -> None:
             st.session_state[REQUEST] = (json.dumps(plan.cluster.to_dict()), plan.model, plan.global_batch,
                                          plan.seq, plan.dtype, profiles_version())
             st.rerun()
-
-
-def profile_kinds(plan: Plan, kinds: list[str], progress) -> None:
-    """Measure the plan's devices of these kinds as the run will use them, through the profiler's one
-    path (profiler.run_profile.profile_devices, what `profiler profile --plan` runs too); a CPU kind
-    with every CPU device of the plan, the window the run's CPU devices share."""
-    from profiler.run_profile import plan_devices, profile_devices  # torch: only when asked
-
-    cpu = any(split_profile_key(k)[0] == "cpu" for k in kinds)
-    devices = [d for d in plan_devices(plan) if d.profile_key in kinds or (cpu and d.type == "cpu")]
-    profile_devices(plan.model, plan.seq, plan.dtype, devices, recompute=plan.recompute, progress=progress)
 
 
 def render(plan: Plan) -> None:

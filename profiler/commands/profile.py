@@ -9,8 +9,10 @@ collectives between them. `--cpu-share S [--memory-gb G]` with `--workers N`: th
 devices, one at S and N − 1 at `--companion-cpu-share` (default S); `--workers N` alone: N plain
 CPU workers together. One device (the default): timed by itself.
 
-`--plan` of a pipeline on CPU devices whose ranks run on this machine (`runs_here`) then runs the
-plan's stages together here and saves a stage profile per stage (profiler/stage_run.py; `--no-stages` skips it, `--stage-steps N` sets its steps).
+`--plan` of a pipeline on CPU devices whose ranks run on this machine (`profiler.stage_run.stages_run_here`)
+then runs the plan's stages together here and saves a stage profile per stage and replica kind
+(profiler/stage_run.profile_plan_stages, what the Plan page's "Profile now" runs too; `--no-stages` skips
+it, `--stage-steps N` sets its steps).
 
 `--json` prints the profile object (StepProfile.to_dict() plus `store_path`) when one kind was
 profiled, else `{"profiles": [...], "collectives_key"}`, with `"stages": [StageProfile.to_dict()]`
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 
 from contracts.cli import device_arg, float_arg, int_arg, print_json, print_table
 from contracts.constants import PROFILE_MICRO_BATCHES
@@ -163,39 +164,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def runs_here(plan) -> bool:
-    """Whether every rank of the plan runs on this machine: its nodes are this host, its devices are
-    emulated, or it is CPU datacenters joined by WAN links that `executor launch --emulate-wan` builds
-    here (docs/emulated_wan.md)."""
-    local = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
-    return (all(n.name in local for n in plan.cluster.nodes) or plan.cluster.emulated
-            or plan.cluster.emulate_links_gbps is not None or bool(plan.wan))
-
-
 def _stages(args: argparse.Namespace, progress) -> list | None:
-    """--plan of a pipeline whose devices are all CPUs: its stages run here, each profiled as it runs
-    (profiler/stage_run.py); None where that does not apply."""
-    from contracts.catalog import CPU_TYPE
-    from contracts.plan import Plan
-    from contracts.specs import get_model
-
+    """--plan of a pipeline whose devices are all CPUs and whose ranks run here: its stages run here,
+    each profiled as it runs (profiler/stage_run.profile_plan_stages); None where that does not apply."""
     if not args.plan or args.no_stages:
         return None
-    plan = Plan.load(args.plan)
-    if plan.pipeline is None or plan.diloco is not None:
-        return None
-    if any(d.type != CPU_TYPE for _, d in plan.cluster.devices()):
-        log.info("stage profiles: the plan's stages run on GPUs of other nodes; only CPU-device pipelines are run here")
-        return None
-    if not runs_here(plan):
-        log.info("stage profiles: the plan's ranks run on other machines (%s); their stages are not run here",
-                 ", ".join(n.name for n in plan.cluster.nodes))
-        return None
-    from profiler.stage_run import DEFAULT_STEPS, measure_stages
+    from contracts.plan import Plan
+    from profiler.stage_run import DEFAULT_STEPS, profile_plan_stages
 
-    progress(0.95, "the plan's stages, run together here")
-    return measure_stages(plan, get_model(plan.model), steps=args.stage_steps or DEFAULT_STEPS,
-                          save=not args.no_save)
+    return profile_plan_stages(Plan.load(args.plan), steps=args.stage_steps or DEFAULT_STEPS,
+                               save=not args.no_save, progress=progress)
 
 
 def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace, stages: list | None = None) -> None:

@@ -118,14 +118,14 @@ def _state_params(plan: Plan, j: int) -> int:
 
 
 def test_only_a_plan_whose_ranks_run_here_has_its_stages_run_here():
-    from profiler.commands.profile import runs_here
+    from profiler.stage_run import stages_run_here
 
     plan = _plan()
-    assert runs_here(plan)  # CPU datacenters joined by a WAN link: emulated on this machine
+    assert stages_run_here(plan)  # CPU datacenters joined by a WAN link: emulated on this machine
     remote = copy.copy(plan)
     object.__setattr__(remote, "wan", ())  # the same nodes as real machines elsewhere
-    assert not runs_here(remote)
-    assert runs_here(local_stage_plan(plan))
+    assert not stages_run_here(remote)
+    assert stages_run_here(local_stage_plan(plan))
 
 
 def test_a_stage_across_nodes_of_two_kinds_is_priced_replica_by_replica_from_their_stage_profiles():
@@ -154,3 +154,29 @@ def test_a_stage_across_nodes_of_two_kinds_is_priced_replica_by_replica_from_the
     assert all("stage run" in line for line in lines[1:])
     noted = replace(plan, notes=(*plan.notes, *(f"{PRICED} {line}" for line in lines)))
     assert priced_from(noted, 1).count("stage run") == 2 and priced_from(noted, 0).startswith("step profile")
+
+
+def test_the_plan_page_s_profile_now_runs_a_pipeline_s_stages_through_the_cli_s_one_step(monkeypatch):
+    """ui/compute.profile_kinds (the Plan page's "Profile now") and `profiler profile --plan` both end in
+    profiler.stage_run.profile_plan_stages: the kinds timed together, then a CPU pipeline whose ranks run
+    here has its stages run; a plan without stages, or whose ranks run elsewhere, runs none."""
+    import profiler.run_profile as run_profile
+    import profiler.stage_run as stage_run
+    from ui.compute import profile_kinds
+
+    timed, ran = [], []
+    monkeypatch.setattr(run_profile, "profile_devices", lambda model, seq, dtype, devices, **kw: timed.append(
+        [d.profile_key for d in devices]))
+    monkeypatch.setattr(stage_run, "measure_stages", lambda plan, spec, steps, save: ran.append(
+        (plan.model, spec.name, steps, save)) or ["profiled"])
+    plan = _plan()
+    profile_kinds(plan, ["cpu"], lambda f, m: None)
+    assert timed == [["cpu", "cpu"]] and ran == [(plan.model, plan.model, stage_run.DEFAULT_STEPS, True)]
+    remote = copy.copy(plan)
+    object.__setattr__(remote, "wan", ())  # the same nodes as real machines elsewhere
+    assert stage_run.profile_plan_stages(remote) is None
+    flat = copy.copy(plan)
+    object.__setattr__(flat, "pipeline", None)
+    profile_kinds(flat, ["cpu"], lambda f, m: None)
+    assert len(timed) == 2 and len(ran) == 1
+    assert stage_run.profile_plan_stages(plan, steps=7, save=False) == ["profiled"] and ran[-1][2:] == (7, False)
