@@ -135,7 +135,8 @@ def _executor(args: list[str], what: str) -> str:
 
 def measure_stages(plan: Plan, spec: ModelSpec, steps: int = DEFAULT_STEPS, warmup: int = DEFAULT_WARMUP,
                    store_dir: str | None = None, save: bool = True, links: bool | None = None) -> list[StageProfile]:
-    """Run the plan's stages for `steps` steps and return (and save) one StageProfile per stage. `links`:
+    """Run the plan's stages for `steps` steps and return (and save) one StageProfile per stage and kind
+    and rows of its replicas (module docstring). `links`:
     on the plan's emulated WAN links (True), here without them (False), or where they can be had (None)."""
     if steps < warmup + 3:
         raise ValueError(f"stage profile: need at least {warmup + 3} steps, got {steps}")
@@ -154,14 +155,15 @@ def measure_stages(plan: Plan, spec: ModelSpec, steps: int = DEFAULT_STEPS, warm
             timeline = json.load(fh)
     run_steps = [x["step_s"] for x in metrics["steps"] if x["step"] > warmup and x.get("step_s") is not None]
     device_of = {r["rank"]: r["device_index"] for r in metrics["ranks"]}
-    numel = {r["rank"]: r.get("shard_numel") for r in metrics["ranks"]}
     per_rank: dict[int, list[tuple[float, float | None]]] = {}
     for row in metrics["rank_steps"]:
         if row["step"] > warmup and row.get("compute_s") is not None:
             per_rank.setdefault(device_of[row["rank"]], []).append((row["compute_s"], row.get("optimizer_s")))
-    ops = {r["device_index"]: r["ops"] for r in timeline["ranks"]}
     devices = local.cluster.devices()
-    kinds = tuple(devices[i][1].profile_key for i in sorted(device_of.values()))
+    run = _StagesRun(plan, local, spec, {r["device_index"]: r["ops"] for r in timeline["ranks"]},
+                     {r["device_index"]: r.get("shard_numel") for r in metrics["ranks"]},
+                     tuple(devices[i][1].profile_key for i in sorted(device_of.values())), created, load, emulate,
+                     statistics.median(run_steps) if run_steps else None)
     out = []
     for j, st in enumerate(p.stages):
         # one profile per (kind, rows) of the stage's replicas: a stage of mixed kinds or uneven rows is
@@ -170,47 +172,59 @@ def measure_stages(plan: Plan, spec: ModelSpec, steps: int = DEFAULT_STEPS, warm
         for dev, asg_rows in zip(st.devices, st.rows):
             rows = per_rank.get(dev)
             if not rows or len(rows) < 3:
-                raise RuntimeError(f"the stages' run recorded {len(rows or [])} steps after the warm-up for device {dev}")
+                raise RuntimeError(f"the stages' run recorded {len(rows or [])} steps after the warm-up "
+                                   f"for device {dev}")
             compute = [c for c, _ in rows]
             med = statistics.median(compute)
             key = (devices[dev][1].profile_key, asg_rows)
             if key not in slowest or med > slowest[key][1]:
                 slowest[key] = (dev, med, compute, [o for _, o in rows if o is not None])
-        for dev, med, compute, opt in slowest.values():
-            sp = _stage_profile(j, st, len(p.stages), dev, med, compute, opt, ops.get(dev, []), plan, local, spec,
-                                devices, device_of, numel, kinds, created, load, emulate, run_steps)
+        for dev, _, compute, opt in slowest.values():
+            sp = _stage_profile(run, j, dev, compute, opt)
             if save:
                 save_stage_profile(sp, store_dir)
             out.append(sp)
     return out
 
 
-def _stage_profile(j: int, st, num_stages: int, dev: int, med: float, compute: list[float], opt: list[float],
-                   mine: list[dict], plan: Plan, local: Plan, spec: ModelSpec, devices, device_of: dict[int, int],
-                   numel: dict, kinds: tuple[str, ...], created: str, load: float, emulate: bool,
-                   run_steps: list[float]) -> StageProfile:
-    """Stage j's profile on device `dev` from its rank's per-step compute (median `med`), AdamW times and ops."""
-    p = local.pipeline
+@dataclasses.dataclass(frozen=True)
+class _StagesRun:
+    """What every stage profile of one stages' run shares."""
+    plan: Plan
+    local: Plan
+    spec: ModelSpec
+    ops: dict[int, list[dict]]  # device index -> its rank's timeline ops (the recorded step)
+    numel: dict[int, int | None]  # device index -> its rank's shard numel
+    kinds: tuple[str, ...]  # every rank's kind, in device order
+    created: str
+    load: float
+    emulate: bool
+    run_step_s: float | None
+
+
+def _stage_profile(run: _StagesRun, j: int, dev: int, compute: list[float], opt: list[float]) -> StageProfile:
+    """Stage j's profile on device `dev` from its rank's per-step compute seconds, AdamW seconds and ops."""
+    p, devices = run.local.pipeline, run.local.cluster.devices()
+    st, mine = p.stages[j], run.ops.get(dev, [])
     fwd = sum(o["end_s"] - o["start_s"] for o in mine if o["op"] == "forward")
     bwd = sum(o["end_s"] - o["start_s"] for o in mine if o["op"] == "backward")
     if fwd <= 0 or bwd <= 0:
         raise RuntimeError(f"the stages' timeline has no forward or backward of stage {j} on device {dev}")
-    per_mb = med / p.num_microbatches
+    per_mb = statistics.median(compute) / p.num_microbatches
     sends = [o["end_s"] - o["start_s"] for o in mine if o["op"].startswith("send")]
-    rank_numel = next((numel[r] for r, d in device_of.items() if d == dev), None)
-    asg = {a.device_index: a for a in local.assignments}[dev]
+    numel = run.numel.get(dev)
+    kind = devices[dev][1].profile_key
     return StageProfile(
-        device_type=devices[dev][1].profile_key, model=spec.name, num_matmul_params=spec.matmul_params(),
-        seq=plan.seq, dtype=device_dtype(split_profile_key(devices[dev][1].profile_key)[0], plan.dtype),
-        recompute=plan.recompute,
-        first_layer=st.first_layer, num_layers=st.num_layers, first=j == 0, last=j == num_stages - 1,
-        rows=asg.micro_batch, forward_s=per_mb * fwd / (fwd + bwd), backward_s=per_mb * bwd / (fwd + bwd),
-        optimizer_s_per_param=(statistics.median(opt) / rank_numel if opt and rank_numel else None),
+        device_type=kind, model=run.spec.name, num_matmul_params=run.spec.matmul_params(), seq=run.plan.seq,
+        dtype=device_dtype(split_profile_key(kind)[0], run.plan.dtype), recompute=run.plan.recompute,
+        first_layer=st.first_layer, num_layers=st.num_layers, first=j == 0, last=j == len(p.stages) - 1,
+        rows={a.device_index: a for a in run.local.assignments}[dev].micro_batch,
+        forward_s=per_mb * fwd / (fwd + bwd), backward_s=per_mb * bwd / (fwd + bwd),
+        optimizer_s_per_param=(statistics.median(opt) / numel if opt and numel else None),
         send_s=statistics.fmean(sends) if sends else None, num_microbatches=p.num_microbatches,
-        schedule=p.schedule, steps=len(compute), noise=_iqr_over_median(compute), created=created,
-        host=socket.gethostname(), load_avg=load, num_cpus=os.cpu_count() or 0, together_with=kinds,
-        how=HOW_ON_LINKS if emulate else HOW_STAGE_RUN,
-        run_step_s=statistics.median(run_steps) if run_steps else None)
+        schedule=p.schedule, steps=len(compute), noise=_iqr_over_median(compute), created=run.created,
+        host=socket.gethostname(), load_avg=run.load, num_cpus=os.cpu_count() or 0, together_with=run.kinds,
+        how=HOW_ON_LINKS if run.emulate else HOW_STAGE_RUN, run_step_s=run.run_step_s)
 
 
 __all__ = ["local_stage_plan", "measure_stages", "profile_plan_stages", "stages_run_here", "DEFAULT_STEPS",

@@ -89,8 +89,8 @@ def runs(tmp_path_factory):
         pipe, one = str(root / "pipe"), str(root / "one")
         status = launch_run(plan, STEPS, pipe, seed=SEED, optim=OPTIM, emulate_wan=True)
         ref = launch_run(one_rank_plan(), REFERENCE_STEPS, one, seed=SEED, optim=OPTIM)
-        yield {"plan": plan, "profiles": measured, "stages": stages, "predicted": predicted, "job": job, "pipe": (pipe, status),
-               "one": (one, ref)}
+        yield {"plan": plan, "profiles": measured, "stages": stages, "predicted": predicted, "job": job,
+               "pipe": (pipe, status), "one": (one, ref)}
 
 
 def _op_seconds(rows) -> dict[tuple[int, str], float]:
