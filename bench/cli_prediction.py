@@ -41,7 +41,7 @@ if ROOT not in sys.path:
 from contracts.paths import ENV_DATA_DIR  # noqa: E402
 
 TOLERANCE = 0.15
-PROFILE_FIRST = "profiler profile --plan"  # what planner.entry.profile_notes asks for
+PROFILE_FIRST = "profiler profile --plan"  # what planner.core.profiles.profile_notes asks for
 COMMAND_TIMEOUT_S = 900.0
 # plan, profile what the plan asks, plan again: while the notes still ask (a re-plan on measured
 # figures can train on other devices than the profile was timed beside), at most this many profiles

@@ -176,7 +176,7 @@ def rank_step_s(row: dict[str, Any]) -> float | None:
 
 
 def profile_of_kind(plan: Plan, kind: str) -> str:
-    """The plan's note naming the step profile `kind` was priced by (planner.entry.profile_notes), or
+    """The plan's note naming the step profile `kind` was priced by (planner.core.profiles.profile_notes), or
     why there is none: a plan written before plans named their profiles."""
     prefix = f"profile {kind}:"
     return next((n[len("profile "):] for n in plan.notes if n.startswith(prefix)),

@@ -14,15 +14,13 @@ Read docs/ARCHITECTURE.md for who calls what; the models behind each plan are in
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 from contracts.cluster import ClusterSpec, NodeSpec
 from contracts.constants import MEMORY_HEADROOM
 from contracts.plan import DEFAULT_PREFETCH, Assignment, BaselineResult, Plan
 from contracts.specs import get_model, with_max_seq
-from contracts.catalog import CPU_TYPE
-from planner.core.profiles import PROFILE_AGAIN, get_step_profile, profile_note
+from planner.core.profiles import profile_notes, with_profile_notes
 from planner.costmodel.training import PARAM_DTYPE_AUTO, CostModel
 from planner.geo.cluster_plan import choose_plan, solve_cluster_pipeline
 from planner.geo.scale.job import DEFAULT_MAX_TP, applies, solve_job_at_scale
@@ -81,38 +79,11 @@ def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | 
     if pipeline and dtype == "fp32" and recompute == "none" and applies(cluster):
         plan, plan_file, solve_s = _joint(cluster, model, global_batch, plan, dtype, headroom, time_limit_s,
                                           profiles_dir, max_tp)
-    named = profile_notes(plan, profiles_dir)
-    plan = replace(plan, notes=plan.notes + named)
+    plan = with_profile_notes(plan, profiles_dir)  # in place of a pipeline plan's own (planner/geo/plan_file.py)
     if plan_file is not None:
+        named = profile_notes(plan, profiles_dir)
         plan_file = dict(plan_file, notes=list(plan_file.get("notes", ())) + list(named))
     return PlanResult(result.status, result.reason, plan, solve_s, plan_file)
-
-
-def _load_now() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:  # a platform without a load average
-        return None
-
-
-def profile_notes(plan: Plan, profiles_dir: str | None = None) -> tuple[str, ...]:
-    """One note per device kind the plan trains on, naming the step profile it was priced by (the
-    store's profile of that key, which is the newest saved: planner.core.profiles.profile_note), and
-    flagging one taken under a load average more than LOAD_CHANGE_FLAG away from the machine's now
-    or beside other devices than the plan's CPU devices; a kind with no measured profile says how to
-    measure it. A flagged or missing profile's note ends in PROFILE_AGAIN."""
-    spec = with_max_seq(get_model(plan.model), plan.seq)
-    devices = plan.cluster.devices()
-    used = [devices[a.device_index][1] for a in plan.assignments if a.used]
-    cpu_kinds = [d.profile_key for d in used if d.type == CPU_TYPE]
-    load_now, notes = _load_now(), []
-    for kind in dict.fromkeys(d.profile_key for d in used):
-        p = get_step_profile(kind, spec, plan.seq, plan.dtype, plan.recompute, profiles_dir)
-        if p.measured:
-            notes.append(profile_note(p, load_now, cpu_kinds))
-        else:
-            notes.append(f"profile {kind}: none measured, priced by an estimate: {PROFILE_AGAIN}")
-    return tuple(notes)
 
 
 def _joint(cluster: ClusterSpec, model: str, global_batch: int, plan: Plan, dtype: str, headroom: float,

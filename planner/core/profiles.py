@@ -19,14 +19,17 @@ import os
 import re
 import statistics
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from contracts import paths
 from contracts.catalog import CPU_TYPE, GB, get_gpu_type
 from contracts.cluster import split_profile_key
-from contracts.specs import ModelSpec
+from contracts.specs import ModelSpec, get_model, with_max_seq
 from planner.core import roofline
 from contracts.constants import RECOMPUTE
+
+if TYPE_CHECKING:
+    from contracts.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -581,6 +584,42 @@ def profile_note(profile: StepProfile, load_now: float | None = None,
     if load_changed(profile, load_now) or other_devices(profile, run_cpu_kinds):
         note += f": {PROFILE_AGAIN}"
     return note
+
+
+
+def _load_now() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # a platform without a load average
+        return None
+
+
+def profile_notes(plan: Plan, profiles_dir: str | None = None) -> tuple[str, ...]:
+    """One note per device kind the plan trains on, naming the step profile it was priced by (the
+    store's profile of that key, which is the newest saved: profile_note), and
+    flagging one taken under a load average more than LOAD_CHANGE_FLAG away from the machine's now
+    or beside other devices than the plan's CPU devices; a kind with no measured profile says how to
+    measure it. A flagged or missing profile's note ends in PROFILE_AGAIN."""
+    spec = with_max_seq(get_model(plan.model), plan.seq)
+    devices = plan.cluster.devices()
+    used = [devices[a.device_index][1] for a in plan.assignments if a.used]
+    cpu_kinds = [d.profile_key for d in used if d.type == CPU_TYPE]
+    load_now, notes = _load_now(), []
+    for kind in dict.fromkeys(d.profile_key for d in used):
+        p = get_step_profile(kind, spec, plan.seq, plan.dtype, plan.recompute, profiles_dir)
+        if p.measured:
+            notes.append(profile_note(p, load_now, cpu_kinds))
+        else:
+            notes.append(f"profile {kind}: none measured, priced by an estimate: {PROFILE_AGAIN}")
+    return tuple(notes)
+
+
+def with_profile_notes(plan: Plan, profiles_dir: str | None = None) -> Plan:
+    """The plan with its notes naming the step profiles it was priced by (`profile_notes`) written now, in
+    place of any it carried ("profile KIND: …" of its device kinds)."""
+    named = tuple(f"profile {d.profile_key}:" for _, d in plan.cluster.devices())
+    kept = tuple(n for n in plan.notes if not n.startswith(named))
+    return replace(plan, notes=kept + profile_notes(plan, profiles_dir))
 
 
 # ---- least squares (shared by the profiler's fits) --------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 from contracts.cluster import ClusterSpec, DeviceSpec, NetworkSpec, NodeSpec
 from contracts.constants import MEMORY_HEADROOM
 from contracts.plan import (Assignment, BaselineResult, PipelineSpec, PipelineStage, Plan, WanLink, link_key)
+from planner.core.profiles import with_profile_notes
 from planner.geo.atlas import GeoPlan
 from planner.geo.emulated import (dp_memory_bytes, predict_dp_plan, predict_plan_iteration_s, simulate_plan,
                                    stage_sources)
@@ -187,7 +188,7 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
                     predicted_iteration_s=it, predicted_samples_per_s=scenario.global_batch / it,
                     notes=(*notes, "one stage: written as a data-parallel plan (no pipeline)"), **common)
         check_runnable(plan)
-        return plan
+        return with_profile_notes(plan, profiles_dir)
     check_runnable(draft)  # a stage without layers is refused before it is priced
     sim = simulate_plan(draft, profiles_dir, rtt)
     pipe = draft.pipeline
@@ -199,7 +200,7 @@ def geo_plan_to_plan(scenario: GeoScenario, geo: GeoPlan, *, schedule: str = "1f
                 pipeline=PipelineSpec(schedule, pipe.micro_batch, pipe.num_microbatches, pipe.stages, sim.ops),
                 notes=notes, **common)
     check_runnable(plan)
-    return plan
+    return with_profile_notes(plan, profiles_dir)
 
 
 def evaluate_pipeline_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profiles_dir: str | None = None,
@@ -228,9 +229,9 @@ def evaluate_pipeline_plan(plan: Plan, headroom: float = MEMORY_HEADROOM, profil
     p = plan.pipeline
     if not sim.ops:
         notes.append(no_timeline_note(p.num_microbatches))
-    return replace(plan, assignments=tuple(assignments), predicted_iteration_s=sim.iteration_s,
-                   predicted_samples_per_s=plan.global_batch / sim.iteration_s, notes=tuple(notes),
-                   pipeline=replace(p, simulated_ops=sim.ops))
+    return with_profile_notes(replace(plan, assignments=tuple(assignments), predicted_iteration_s=sim.iteration_s,
+                                      predicted_samples_per_s=plan.global_batch / sim.iteration_s,
+                                      notes=tuple(notes), pipeline=replace(p, simulated_ops=sim.ops)), profiles_dir)
 
 
 def report_baselines(baselines: dict[str, Any]) -> dict[str, BaselineResult]:

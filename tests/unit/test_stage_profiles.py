@@ -180,3 +180,22 @@ def test_the_plan_page_s_profile_now_runs_a_pipeline_s_stages_through_the_cli_s_
     profile_kinds(flat, ["cpu"], lambda f, m: None)
     assert len(timed) == 2 and len(ran) == 1
     assert stage_run.profile_plan_stages(plan, steps=7, save=False) == ["profiled"] and ran[-1][2:] == (7, False)
+
+
+def test_a_geo_plan_file_names_the_step_profile_of_each_kind_once():
+    """`planner geo --out` and its re-evaluation write the step-profile notes a `planner plan` file has
+    (planner.core.profiles.profile_notes), so `executor metrics` names the profile a rank was priced by."""
+    from executor.compare import profile_of_kind
+
+    bare = _plan()
+    assert [n for n in bare.notes if n.startswith("profile cpu:")] == [
+        "profile cpu: none measured, priced by an estimate: profile the plan's devices (python -m profiler profile "
+        "--plan PLAN_FILE), then plan again"]
+    save_step_profile(replace(_step_profile("2026-12-05T10:00:00+00:00"), how="together", together_with=("cpu", "cpu"),
+                              load_avg=None))
+    plan = _plan()
+    named = [n for n in plan.notes if n.startswith("profile cpu:")]
+    assert len(named) == 1 and "measured 2026-12-05T10:00:00" in named[0] and "profile again" not in named[0]
+    again = evaluate_pipeline_plan(bare)  # re-evaluated on the profile now stored: its note replaced, not added
+    assert [n for n in again.notes if n.startswith("profile cpu:")] == named
+    assert profile_of_kind(again, "cpu") == named[0][len("profile "):]
