@@ -93,10 +93,16 @@ def test_the_choice_follows_the_link_rate():
         chosen = plan_job(c, MODEL, BATCH, seq=SEQ, dtype=DTYPE).plan  # what every caller gets
         assert (chosen.pipeline is not None) == (gains[-1] > 1)
         expected = choose_plan(dp, option)
-        # the same plan; plan_job adds one note per device kind naming the profile it was priced by
+        # the same plan; plan_job ends its notes with one per device kind naming the profile it was priced
+        # by, in place of any the pipeline plan carried
         assert chosen.to_dict() | {"solve_s": 0, "notes": []} == expected.to_dict() | {"solve_s": 0, "notes": []}
-        assert chosen.notes[:len(expected.notes)] == expected.notes
-        assert all(n.startswith("profile ") for n in chosen.notes[len(expected.notes):])
+        kinds = list(dict.fromkeys(chosen.cluster.devices()[a.device_index][1].profile_key
+                                   for a in chosen.assignments if a.used))
+        named = tuple(f"profile {k}:" for k in kinds)
+        assert [n for n in chosen.notes if not n.startswith(named)] == [n for n in expected.notes
+                                                                         if not n.startswith(named)]
+        assert [n.split(":")[0] for n in chosen.notes[-len(kinds):]] == [f"profile {k}" for k in kinds]
+        assert sum(n.startswith(named) for n in chosen.notes) == len(kinds)
     assert gains[0] > 1 and gains[1] > 1 > gains[2]
 
 
