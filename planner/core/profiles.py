@@ -586,7 +586,6 @@ def profile_note(profile: StepProfile, load_now: float | None = None,
     return note
 
 
-
 def _load_now() -> float | None:
     try:
         return os.getloadavg()[0]
