@@ -41,4 +41,7 @@ def profile_kinds(plan: Plan, kinds: list[str], progress) -> None:
     cpu = any(split_profile_key(k)[0] == "cpu" for k in kinds)
     devices = [d for d in plan_devices(plan) if d.profile_key in kinds or (cpu and d.type == "cpu")]
     profile_devices(plan.model, plan.seq, plan.dtype, devices, recompute=plan.recompute, progress=progress)
-    profile_plan_stages(plan, progress=progress)
+    try:
+        profile_plan_stages(plan, progress=progress)
+    except RuntimeError as e:  # the stages' run failed: said on the page (the kinds' profiles are kept)
+        raise ValueError(f"the device kinds were profiled and saved, but the plan's stages' run failed: {e}") from e

@@ -199,3 +199,21 @@ def test_a_geo_plan_file_names_the_step_profile_of_each_kind_once():
     again = evaluate_pipeline_plan(bare)  # re-evaluated on the profile now stored: its note replaced, not added
     assert [n for n in again.notes if n.startswith("profile cpu:")] == named
     assert profile_of_kind(again, "cpu") == named[0][len("profile "):]
+
+
+def test_a_failed_stages_run_on_the_plan_page_is_a_message_that_keeps_the_kinds_profiles(monkeypatch):
+    import profiler.run_profile as run_profile
+    import profiler.stage_run as stage_run
+    from ui.compute import profile_kinds
+
+    timed = []
+    monkeypatch.setattr(run_profile, "profile_devices", lambda *a, **kw: timed.append(a))
+
+    def fail(plan, spec, steps, save):
+        raise RuntimeError("the stages' run failed (exit code 1): boom")
+
+    monkeypatch.setattr(stage_run, "measure_stages", fail)
+    with pytest.raises(ValueError, match="kinds were profiled and saved, but the plan's stages' run failed.*boom"):
+        profile_kinds(_plan(), ["cpu"], lambda f, m: None)
+    assert len(timed) == 1
+
