@@ -5,10 +5,8 @@ K the test drops rank 0's quota from one core to a third (cpu.cfs_quota_us, foun
 emulation.json). Checked:
 - the straggler is named within 5 steps: rank 0, on its device, slower than its profile (measured);
 - with `--rebalance auto` the split changes at a step boundary and, within 20 steps of the change,
-  the step time is within 10 % of a fresh plan's measured step time on the new speeds (the planner's
-  plan for a cluster whose rank 0 has a third of a core, run under that quota; the slower of its
-  medians in a run before and a run after the auto run, which the machine's drift sits between, the
-  10 % widened by the spread of those two runs);
+  the step time is within 10 % of a fresh plan's measured step time on the new speeds (the
+  planner's plan for a cluster whose rank 0 has a third of a core, run under that quota);
 - the losses equal those of a `--rebalance off` run of the same plan (relative <= 1e-5): every sample
   of a step is still used once, only summed in another order.
 The fresh plan runs first, on the data folder's unlearned profiles (the auto run writes its learned
@@ -119,18 +117,16 @@ def test_a_slowed_rank_is_named_and_the_split_follows_it_with_the_same_losses(da
 
     # within 20 steps of the change the step time is a fresh plan's, within 10 %: the newest 10 of
     # those 20 steps (the first step of each new split aside: it warms up its shapes) against the fresh
-    # plan's median step, measured in a run before and in a run after the auto run. The machine's speed
-    # drifts between runs (bench/machine_drift.py), so the fresh plan's step is the slower of its two
-    # medians (the auto run sat between them), and the bound grows by the spread of those two runs of
-    # one plan (slower / faster): what the same plan measured run to run in this test
+    # plan's steps, measured before and after the auto run (the machine's load drifts)
     assert moves[0]["step"] <= changed + AFTER - 10, f"first rebalance at step {moves[0]['step']}: too late"
     firsts = {e["step"] for e in moves}
     rebalanced = statistics.median(s["step_s"] for s in auto["steps"]
                                    if changed + AFTER - 10 < s["step"] <= changed + AFTER and s["step"] not in firsts)
-    before, after = statistics.median(fresh_steps), statistics.median(fresh_run(fresh, str(tmp_path / "fresh-after")))
-    fresh_step, spread = max(before, after), max(before, after) / min(before, after)
+    after_steps = fresh_run(fresh, str(tmp_path / "fresh-after"))
+    fresh_step = statistics.median(fresh_steps + after_steps)
+    before, after = statistics.median(fresh_steps), statistics.median(after_steps)  # printed: the drift
     print(f"step time: rebalanced {rebalanced:.4f} s, fresh plan {fresh_step:.4f} s (before {before:.4f}, after "
-          f"{after:.4f}, spread {spread:.3f}; ratio {rebalanced / fresh_step:.3f}); straggler named at step {named[0]['step']} (change at {changed}); "
+          f"{after:.4f}; ratio {rebalanced / fresh_step:.3f}); straggler named at step {named[0]['step']} (change at {changed}); "
           f"rebalances at {[e['step'] for e in moves]} to {[r['batch'] for r in last['new_split']]}; fresh plan "
           f"{[a.batch for a in fresh.used]}")
     tail = range(changed + AFTER - 9, changed + AFTER + 1)
@@ -141,7 +137,7 @@ def test_a_slowed_rank_is_named_and_the_split_follows_it_with_the_same_losses(da
             f"rank {k} compute {statistics.median(r['compute_s'] for r in rows if r['rank'] == k):.4f} s, optimizer "
             f"{statistics.median(r['optimizer_s'] for r in rows if r['rank'] == k):.4f} s"
             for k in (0, 1) if any(r["rank"] == k for r in rows)))
-    assert rebalanced <= (1 + STEP_TOLERANCE) * fresh_step * spread, (rebalanced, fresh_step, spread)
+    assert rebalanced <= (1 + STEP_TOLERANCE) * fresh_step, (rebalanced, fresh_step)
 
     # the same losses as the static split: every sample used once per step
     off = {s["step"]: s["loss"] for s in read_metrics(off_dir)["steps"]}
