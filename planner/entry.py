@@ -79,9 +79,9 @@ def plan_job(cluster: ClusterSpec, model: str, global_batch: int, *, seq: int | 
     if pipeline and dtype == "fp32" and recompute == "none" and applies(cluster):
         plan, plan_file, solve_s = _joint(cluster, model, global_batch, plan, dtype, headroom, time_limit_s,
                                           profiles_dir, max_tp)
-    plan = with_profile_notes(plan, profiles_dir)  # in place of a pipeline plan's own (planner/geo/plan_file.py)
+    named = profile_notes(plan, profiles_dir)
+    plan = with_profile_notes(plan, notes=named)  # in place of a pipeline plan's own (planner/geo/plan_file.py)
     if plan_file is not None:
-        named = profile_notes(plan, profiles_dir)
         plan_file = dict(plan_file, notes=list(plan_file.get("notes", ())) + list(named))
     return PlanResult(result.status, result.reason, plan, solve_s, plan_file)
 

@@ -613,12 +613,12 @@ def profile_notes(plan: Plan, profiles_dir: str | None = None) -> tuple[str, ...
     return tuple(notes)
 
 
-def with_profile_notes(plan: Plan, profiles_dir: str | None = None) -> Plan:
-    """The plan with its notes naming the step profiles it was priced by (`profile_notes`) written now, in
-    place of any it carried ("profile KIND: …" of its device kinds)."""
+def with_profile_notes(plan: Plan, profiles_dir: str | None = None, notes: tuple[str, ...] | None = None) -> Plan:
+    """The plan with its notes naming the step profiles it was priced by (`notes`, else `profile_notes`
+    written now), in place of any it carried ("profile KIND: …" of its device kinds)."""
     named = tuple(f"profile {d.profile_key}:" for _, d in plan.cluster.devices())
     kept = tuple(n for n in plan.notes if not n.startswith(named))
-    return replace(plan, notes=kept + profile_notes(plan, profiles_dir))
+    return replace(plan, notes=kept + (profile_notes(plan, profiles_dir) if notes is None else notes))
 
 
 # ---- least squares (shared by the profiler's fits) --------------------------------------------------
