@@ -4,7 +4,7 @@
 each rank's measured compute against the profile's prediction of its micro-batches (`Rebalancer`);
 when a rank's ratio departs from the one the current split assumed by more than
 DEPARTURE_THRESHOLD (relative to the other ranks, median over WINDOW_STEPS steps), it re-solves
-the split (`solve_split`) with the measured rates and, when that is predicted at least MIN_GAIN
+the split (`solve_split`) with the rates measured in the window's newer half and, when that is predicted at least MIN_GAIN
 faster, every rank takes the new split at the next step (rank 0 decides, executor/worker.py
 broadcasts it). A new split is a trial: its first window's measured step must beat the split it
 replaced, or the split before it comes back.
@@ -264,13 +264,18 @@ class Rebalancer:
         if max(d, 1 / d) < self.threshold:
             self.history.extend(history[1:])  # a sliding window while nothing departs
             return None
-        # the step time the new split must beat: the window's newer half (a slowdown that began inside
-        # the window is measured whole there)
+        # the rates and the step time the new split is solved with and must beat: the window's newer
+        # half. The whole window's median says that a rank departed; where the change began inside the
+        # window, that median mixes steps before it with steps after it and prices the new speed only
+        # in part (a rank slowed 3x from the window's second step reads 2x), and a split solved for
+        # that would be re-solved only after its own trial window. The newer half measures it whole.
         recent = history[len(history) // 2:]
+        rates = _median_rates(recent)
         reason = (f"rank {worst} on {self.devices[worst]} measured {max(d, 1 / d):.2f}x "
                   f"{'slower' if d > 1 else 'faster'} than its split assumed (relative to the other ranks, "
-                  f"median of steps {history[0][0]}-{step})")
-        return self._decide(step, rates, _overheads(history, rates), statistics.median(h[3] for h in recent),
+                  f"median of steps {history[0][0]}-{step}; the split solved at the rates of steps "
+                  f"{recent[0][0]}-{step})")
+        return self._decide(step, rates, _overheads(recent, rates), statistics.median(h[3] for h in recent),
                             reason, worst, departure=d)
 
     def _judge(self, step: int, history: list) -> Decision | None:

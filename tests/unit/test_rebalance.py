@@ -196,14 +196,14 @@ def test_a_trial_measured_slower_than_a_yardstick_taken_before_a_further_slowdow
 
 
 def test_a_kept_trial_is_re_solved_on_the_rates_measured_on_it():
-    """The rates measured on the new split (rank 0 at 5x its profile there, the window before saw 2x:
-    a slowdown still growing, or one the window saw in part) re-solve the split once more, a trial of
-    its own; the step the decision must beat is the window's newer half."""
+    """The rates measured on the new split (rank 0 at 5x its profile there, the window before saw 3x:
+    a slowdown still growing) re-solve the split once more, a trial of its own; the rates and the step
+    the decision must beat are the window's newer half."""
     rb = rebalancer(window=4)
     for step in (1, 2):
         assert rb.observe(step, [0.1, 0.1], 0.15) is None
     d = _slow_rank_0(rb, (3, 4))[-1]
-    assert d is not None and d.detail["rates_vs_profile"] == [2.0, 1.0]  # the window's median
+    assert d is not None and d.detail["rates_vs_profile"] == [3.0, 1.0]  # the window's newer half
     assert d.detail["measured_step_s_before"] == pytest.approx(0.35)  # its newer half
     first = d.detail["new_split"][0]["batch"]
     rb.observe(5, [1.0, 1.0], 9.9)
@@ -239,3 +239,27 @@ def test_the_step_s_non_compute_time_is_the_same_for_every_rank():
     d = [rb.observe(step, [0.2, 0.6], 0.65) for step in (4, 5)][1]
     assert d.detail["overhead_s"] == [pytest.approx(0.05), pytest.approx(0.05)]
     assert d.detail["predicted_step_s"] == pytest.approx(max(d.detail["predicted_compute_s"]) + 0.05, abs=1e-5)
+
+
+def test_a_slowdown_that_began_inside_the_window_is_solved_at_its_whole_speed():
+    """Rank 0 slowed to 3x from the window's second step, read in part there (2x: the quota changed
+    mid-step): the whole window's median (2.5x) says it departed, and the split is solved at the newer
+    half's 3x, the split a window wholly after the change gives (solved at the straddled 2.5x, it would
+    be re-solved only after its own trial window); its trial is kept and nothing moves again."""
+    def at(rate: float, rb: Rebalancer, step: int):
+        pred = rb.predicted()
+        computes = [rate * pred[0], pred[1]]
+        return rb.observe(step, computes, max(computes) + 0.05)
+
+    rb = rebalancer(global_batch=32, window=4)
+    rb.pieces = [(8, 2), (8, 2)]
+    assert at(1.0, rb, 1) is None and at(2.0, rb, 2) is None and at(3.0, rb, 3) is None
+    d = at(3.0, rb, 4)
+    assert d is not None and d.detail["rates_vs_profile"] == [3.0, 1.0]
+    whole = Rebalancer(32, [(8, 2), (8, 2)], ["a", "b"], compute_s=rb.compute_s, fits=rb.fits, micro_batches=MBS,
+                       window=4)
+    wd = [at(3.0, whole, s) for s in (1, 2, 3, 4)][-1]
+    assert wd is not None and list(d.pieces) == list(wd.pieces)
+    rb.observe(5, [1.0, 1.0], 9.9)  # the new split's first step: skipped
+    assert all(at(3.0, rb, s) is None for s in range(6, 30))
+    assert rb.changes == 1 and rb.trial is None
