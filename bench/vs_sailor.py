@@ -1,6 +1,7 @@
 """GPUMix's joint planner against Sailor (SOSP'25) on Sailor's own heterogeneous scenario.
 
-    python bench/vs_sailor.py [--sailor-dir DIR] [--max-tp T] [--network both|flows|sailor] [--json] [--check]
+    python bench/vs_sailor.py [--sailor-dir DIR] [--max-tp T] [--network both|flows|sailor] [--sailor-structure]
+                              [--json] [--check]
 
 Sailor's data (../shared/sailor/, read in place, never copied: its README says what each file is):
 OPT-350 (24 layers + embedding + head, untied), global batch 1024, seq 2048, fp32, Adam, on A100-40 and
@@ -183,6 +184,54 @@ def _bucketed_all_reduce_s(size: float, workers: int, coeffs: list[float], time_
     return total
 
 
+# ---- Sailor's structure, priced by both pricings ------------------------------------------------------
+
+# Sailor's plan at 128 + 384 GPUs as its README describes it ("2 or 7 pipeline stages, tensor parallelism
+# 4 on the V100s, data parallel 20-32 per stage"): 7 stages of data parallelism 32, so the 96 V100 nodes
+# at TP 4 make 3 stages of 32 nodes and the 32 A100 nodes 4 stages of 8 nodes at TP 1. Its layer split,
+# stage order and micro-batch are not given; those are tried (below). The other two sizes' structures
+# are not described closely enough to rebuild.
+SAILOR_STRUCTURES = {512: {"V100-16GB": (3, 4), "A100-40GB": (4, 1)}}  # type: (stages, TP)
+SAILOR_STRUCTURE_SOURCE = "../shared/sailor/README.md: 7 stages, TP 4 on the V100s, DP 32 per stage"
+SAILOR_STRUCTURE_STAGE_ROWS = (32, 64, 128, 256)  # rows per micro-batch of a stage (1 to 8 per TP group)
+
+
+def price_sailor_structure(cluster: ClusterSpec, costs: ScaleCosts, global_batch: int, sailor: SailorPricing,
+                           shape: dict[str, tuple[int, int]]) -> dict:
+    """Sailor's structure (`shape`: per GPU type, its number of stages and TP degree, the type's nodes
+    split evenly over its stages) priced by GPUMix's simulator and by the bench's copy of Sailor's
+    pricing, for each stage order (one type's stages first) and micro-batch, every structure at
+    GPUMix's best layer split for it; the best by GPUMix's simulator (and by Sailor's pricing) with all."""
+    from planner.geo.scale.price import price_exactly
+    from planner.geo.scale.structure import StageLayout, StagePart, Structure, StructurePricer
+
+    pricer = StructurePricer(costs, global_batch)
+    by_type: dict[str, list[StageLayout]] = {}
+    for gpu_type, (stages, tp) in shape.items():
+        nodes = [i for i, n in enumerate(cluster.nodes) if all(d.type == gpu_type for d in n.devices)]
+        per = len(nodes) // stages
+        gpus = len(cluster.nodes[nodes[0]].devices)
+        by_type[gpu_type] = [StageLayout((StagePart(gpu_type, gpus, tp, tuple(nodes[k * per:(k + 1) * per])),))
+                             for k in range(stages)]
+    tried = []
+    for order in (tuple(shape), tuple(reversed(tuple(shape)))):
+        layouts = tuple(x for t in order for x in by_type[t])
+        for rows in SAILOR_STRUCTURE_STAGE_ROWS:
+            found = pricer.price(Structure(layouts, rows, global_batch // rows))
+            plan = price_exactly(cluster, pricer, found) if found is not None else None
+            if plan is None:
+                continue
+            tried.append({"order": list(order), "micro_batch": rows, "num_microbatches": global_batch // rows,
+                          "gpumix_it_s": round(1.0 / plan.iteration_s, 4),
+                          "sailor_pricing_it_s": round(1.0 / sailor.iteration_s(plan), 4),
+                          "blocks": [st.num_layers for st in plan.stages]})
+    if not tried:
+        raise ValueError(f"Sailor's structure {shape} fits no micro-batch of {SAILOR_STRUCTURE_STAGE_ROWS}")
+    return {"shape": {t: {"stages": s, "tp": tp} for t, (s, tp) in shape.items()}, "source": SAILOR_STRUCTURE_SOURCE,
+            "best_gpumix": max(tried, key=lambda x: x["gpumix_it_s"]),
+            "best_sailor_pricing": max(tried, key=lambda x: x["sailor_pricing_it_s"]), "tried": tried}
+
+
 # ---- the bench ----------------------------------------------------------------------------------------
 
 
@@ -217,7 +266,8 @@ def _counts(xs) -> dict[str, int]:
     return out
 
 
-def run(sailor_dir: str, max_tp: int, time_limit_s: float, reading: str = "flows") -> dict:
+def run(sailor_dir: str, max_tp: int, time_limit_s: float, reading: str = "flows",
+        with_sailor_structure: bool = False) -> dict:
     sc = read_scenario(sailor_dir)
     job = sc["job"]
     layers, spec = read_sailor_profiles(os.path.join(sailor_dir, "profiles_tmp.json"), job["model"],
@@ -253,6 +303,11 @@ def run(sailor_dir: str, max_tp: int, time_limit_s: float, reading: str = "flows
                                                       "simulated": result.num_simulated},
             "structure": structure_of(plan),
         })
+        if with_sailor_structure and num_gpus in SAILOR_STRUCTURES:
+            ss = price_sailor_structure(cluster, costs, job["global_batch_size"], sailor, SAILOR_STRUCTURES[num_gpus])
+            ss["gpumix_plan_over_it"] = round(gpumix / ss["best_gpumix"]["gpumix_it_s"], 3)
+            ss["gpumix_plan_over_it_sailor_pricing"] = round(like / ss["best_sailor_pricing"]["sailor_pricing_it_s"], 3)
+            rows[-1]["sailor_structure"] = ss
     return {"sizes": rows, "sailor_source": SAILOR_RECORDED_SOURCE, "profiles_source": layers.source,
             "max_tp": max_tp, "network": reading}
 
@@ -283,6 +338,22 @@ def print_table(report: dict) -> None:
             print(f"  stage {i}: {s['nodes']}, blocks {s['first_layer']}-{s['first_layer'] + s['num_layers'] - 1}, "
                   f"tp {s['tp']}, dp {s['dp']}, f+b {s['forward_backward_s']} s, hop {s['hop_s']} s, "
                   f"rs {s['reduce_scatter_s']} s, ag {s['all_gather_s']} s; {types}")
+    for r in report["sizes"]:
+        ss = r.get("sailor_structure")
+        if ss is None:
+            continue
+        shape = ", ".join(f"{v['stages']} {t} stage(s) at TP {v['tp']}" for t, v in ss["shape"].items())
+        print(f"\nSailor's structure at {r['num_gpus']} GPUs ({ss['source']}): {shape}; the stage order and the "
+              f"micro-batch tried, each at GPUMix's best layer split:")
+        for x in ss["tried"]:
+            print(f"  {' stages, then '.join(x['order'])} stages; micro-batch {x['micro_batch']} rows × "
+                  f"{x['num_microbatches']}, blocks {x['blocks']}: GPUMix's simulator {x['gpumix_it_s']:.4f} it/s, "
+                  f"Sailor's pricing {x['sailor_pricing_it_s']:.4f} it/s")
+        b, bs = ss["best_gpumix"], ss["best_sailor_pricing"]
+        print(f"  best: {b['gpumix_it_s']:.4f} it/s in GPUMix's simulator (Sailor records {r['sailor_it_s']}), "
+              f"{bs['sailor_pricing_it_s']:.4f} in Sailor's pricing; GPUMix's plan against it: "
+              f"{ss['gpumix_plan_over_it']:.3f}x (GPUMix's simulator), {ss['gpumix_plan_over_it_sailor_pricing']:.3f}x "
+              f"(Sailor's pricing)")
 
 
 JUDGED_READING = "sailor"
@@ -305,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--network", choices=("both",) + tuple(NETWORK_READINGS), default="both",
                    help="how GPUMix plans and prices with the inter-node curves: flows (a node's traffic one flow "
                         "per GPU), sailor (as Sailor's simulator reads them) or both (default)")
+    p.add_argument("--sailor-structure", action="store_true",
+                   help="also price Sailor's own structure where its README describes it (512 GPUs) with both "
+                        "pricings, and print GPUMix's plan against it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--check", action="store_true",
                    help=f"exit 1 unless, on the {JUDGED_READING} reading, every ratio >= {TARGET_RATIO} and every "
@@ -314,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check and JUDGED_READING not in readings:
         readings += (JUDGED_READING,)
     try:
-        reports = {r: run(args.sailor_dir, args.max_tp, args.time_limit, r) for r in readings}
+        reports = {r: run(args.sailor_dir, args.max_tp, args.time_limit, r, args.sailor_structure) for r in readings}
     except (ValueError, OSError) as e:
         print(f"vs_sailor: {e}", file=sys.stderr)
         return 2

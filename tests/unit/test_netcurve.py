@@ -114,3 +114,27 @@ def test_scale_costs_read_the_inter_node_curves_per_gpu_flows_or_as_sailor_does(
     costs.network_reading = "sailor"
     assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb, ring=True) == pytest.approx(6.0)  # one flow, 2 GB/s
     assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb) == pytest.approx(1.5)  # 4 flows of 3 GB at 2 GB/s
+    # a TP-4 stage's step: 4 rings side by side, each its rank's quarter as one flow at 2 GB/s
+    assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb, ring=True, rings=4) == pytest.approx(1.5)
+    costs.network_reading = "flows"  # there the node's traffic is its GPUs' flows at their aggregate already
+    assert costs.inter_s("A100-40GB", "A100-40GB", 4, 12 * gb, ring=True, rings=4) == pytest.approx(2.0)
+
+
+def test_a_tensor_parallel_stage_s_sync_read_as_sailor_is_one_ring_per_tp_rank_over_its_slice():
+    """Sailor's simulator prices a TP-t stage's data-parallel all-reduce as a ring over the stage's
+    bytes / t at the one-GPU curve (its rings, one per TP rank, side by side): a TP-4 stage of two nodes
+    syncs its state in a quarter of a TP-1 stage's time on the same nodes."""
+    from contracts.specs import get_model
+    from planner.geo.scale.costs import ScaleCosts
+    from planner.geo.scale.structure import StageLayout, StagePart, ring_s
+
+    flat = lambda n, gbs: BandwidthCurve("A100-40GB", n, "A100-40GB", n, (gbs,), 100e9, "z", "z")  # noqa: E731
+    costs = ScaleCosts(get_model("tiny"), 32, "fp32", {}, NetworkProfile("lab", "inter_node", "t", (flat(1, 2.0),)),
+                       None, "z", network_reading="sailor")
+    tp1 = StageLayout((StagePart("A100-40GB", 4, 1, (0, 1)),))
+    tp4 = StageLayout((StagePart("A100-40GB", 4, 4, (0, 1)),))
+    mixed = StageLayout((StagePart("A100-40GB", 4, 4, (0,)), StagePart("A100-40GB", 4, 2, (1,))))
+    gb = 1e9
+    assert ring_s(costs, tp1, 8, 1 / 8, 16 * gb) == pytest.approx(7 * 1.0)  # 7 steps of 2 GB at 2 GB/s
+    assert ring_s(costs, tp4, 2, 1 / 2, 16 * gb) == pytest.approx(1 * 8 / 4 / 2.0)
+    assert ring_s(costs, mixed, 3, 1 / 3, 12 * gb) == pytest.approx(2 * 4 / 2 / 2.0)  # its smallest TP, 2

@@ -249,19 +249,22 @@ class ScaleCosts:
         return self._mem[key]
 
     # --- network ---
-    def inter_s(self, type_a: str, type_b: str, flows: int, total_bytes: float, ring: bool = False) -> float:
+    def inter_s(self, type_a: str, type_b: str, flows: int, total_bytes: float, ring: bool = False,
+                rings: int = 1) -> float:
         """`total_bytes` between a node of type a and one of type b as `flows` concurrent GPU flows (one
         per GPU of the node): the measured curve of that many GPUs per node gives their aggregate
         bandwidth at each flow's message size (docs/models/scale.md, "Network"). Read as Sailor does
-        (`network_reading` "sailor"): a ring step (`ring`) is one flow at the one-GPU curve, other
-        traffic `flows` flows in parallel, each at the one-GPU curve."""
+        (`network_reading` "sailor"): a ring step (`ring`) of `rings` parallel rings (one per TP rank
+        of a tensor-parallel stage, each ring over that rank's 1/tp slice) is one flow per ring at the
+        one-GPU curve, each carrying total_bytes / rings; other traffic `flows` flows in parallel, each
+        at the one-GPU curve."""
         if total_bytes <= 0:
             return 0.0
         if self.inter is None:
             return FlatCurve(self.inter_gbps).message_time_s(total_bytes)
         if self.network_reading == "sailor":
             one = self._curve(type_a, type_b, 1)
-            per = total_bytes if ring else total_bytes / flows
+            per = total_bytes / max(1, rings) if ring else total_bytes / flows
             return per / one.bandwidth_bytes_per_s(per)
         return total_bytes / self._curve(type_a, type_b, flows).bandwidth_bytes_per_s(total_bytes / flows)
 

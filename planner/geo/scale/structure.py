@@ -311,7 +311,10 @@ def ring_s(costs: ScaleCosts, layout: StageLayout, k: int, fmax: float, total_by
     if layout.num_nodes == 1:
         return (k - 1) * costs.intra_s(layout.parts[0].device_type, flows, step)
     types = [p.device_type for p in layout.parts]
-    return (k - 1) * max(costs.inter_s(a, b, flows, step, ring=True) for a in types for b in types)
+    # a TP-t stage syncs as t rings side by side, one per TP rank over its 1/t slice (the smallest t
+    # of the stage's parts: its largest slice)
+    rings = min(p.tp for p in layout.parts)
+    return (k - 1) * max(costs.inter_s(a, b, flows, step, ring=True, rings=rings) for a in types for b in types)
 
 
 def _node_rows(layout: StageLayout, split: RowSplit | None) -> list[tuple[str, int, int]]:
