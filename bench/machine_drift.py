@@ -9,7 +9,11 @@ other tenants on the host's cores, caches and memory bandwidth), no cost model c
 closer than that drift. This bench measures it, apart from the profiler, the planner and the
 executor: one process, one torch thread, forward+backward of `--model` at `--micro-batch` samples of
 `--seq` tokens, each call timed by its thread's CPU time (time spent waiting for a core is not
-counted: what is left is how fast the core ran the work), for `--seconds`.
+counted: what is left is how fast the core ran the work), for `--seconds`. Beside each window: the
+median wall time over the median CPU time of its calls (1.0: the thread was never kept from a core),
+and the hypervisor's steal share of the machine's CPU time in it (/proc/stat): a window slower in
+CPU time with neither is the host's cores running the same work slower, which nothing in this guest
+sees but a yardstick like this one.
 
 Printed: per window of `--window` seconds its median call and the load average; then over the whole
 run the median call, the spread of single calls (IQR / median), and the slowest window's median over
@@ -34,6 +38,17 @@ from contracts.specs import get_model, with_max_seq  # noqa: E402
 from models.decoder import build_model  # noqa: E402
 
 
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(steal, all) jiffies of the machine's CPUs so far (/proc/stat's first line), None where unreadable:
+    steal is the time the hypervisor ran something else while this guest's vCPUs wanted to run."""
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields[:8])) if len(fields) >= 8 else None
+
+
 def measure(model: str, seq: int, micro_batch: int, seconds: float, window: float) -> dict:
     torch.set_num_threads(1)
     spec = with_max_seq(get_model(model), seq)
@@ -43,21 +58,28 @@ def measure(model: str, seq: int, micro_batch: int, seconds: float, window: floa
     tokens = torch.randint(0, spec.vocab_size, (micro_batch, seq), generator=gen)
     targets = torch.randint(0, spec.vocab_size, (micro_batch, seq), generator=gen)
 
+    walls: list[float] = []
+
     def call() -> float:
-        t0 = time.thread_time()
+        w, t0 = time.perf_counter(), time.thread_time()
         logits = net(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        walls.append(time.perf_counter() - w)
         return time.thread_time() - t0
 
     call()  # untimed: first-touch of the buffers
     windows: list[dict] = []
     start = time.monotonic()
     while time.monotonic() - start < seconds:
-        w0, times = time.monotonic(), []
+        w0, times, j0 = time.monotonic(), [], cpu_jiffies()
+        walls.clear()
         while time.monotonic() - w0 < window:
             times.append(call())
+        j1 = cpu_jiffies()
+        steal = (j1[0] - j0[0]) / (j1[1] - j0[1]) if j0 and j1 and j1[1] > j0[1] else None
         windows.append({"start_s": round(w0 - start, 1), "calls": len(times), "median_s": statistics.median(times),
-                        "load_avg": os.getloadavg()[0], "times_s": times})
+                        "wall_over_cpu": statistics.median(walls) / statistics.median(times),
+                        "steal_share": steal, "load_avg": os.getloadavg()[0], "times_s": times})
     every = [t for w in windows for t in w["times_s"]]
     q = statistics.quantiles(every, n=4)
     medians = [w["median_s"] for w in windows]
@@ -86,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forward+backward of {a.model}, {a.micro_batch} x {a.seq} tokens, one torch thread, thread CPU time "
           f"(measured):")
     for w in r["windows"]:
+        steal = "-" if w["steal_share"] is None else f"{w['steal_share']:.1%}"
         print(f"  {w['start_s']:6.1f} s  median {w['median_s'] * 1e3:7.1f} ms over {w['calls']:3d} calls  "
-              f"(load {w['load_avg']:.2f})")
+              f"(wall / CPU time {w['wall_over_cpu']:.2f}, steal {steal}, load {w['load_avg']:.2f})")
     print(f"all {r['calls']} calls: median {r['median_s'] * 1e3:.1f} ms, IQR/median {r['iqr_over_median']:.1%}; "
           f"slowest window's median / fastest's {r['slowest_over_fastest_window']:.3f}x")
     return 0

@@ -196,7 +196,7 @@ def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace
                      for m, t in zip(p.micro_batches, p.step_times_s)])
         print(f"alpha = {p.alpha_s * 1e3:.3f} ms, beta = {p.beta_s * 1e3:.3f} ms/sample, R² = {p.r2:.4f}")
         print(f"FLOPs/sample (counted) = {p.flops_per_sample:.4g}, achieved {p.achieved_tflops:.3g} TFLOP/s"
-              + (f" = {p.efficiency:.2f} of peak {p.peak_tflops:.3g}" if p.efficiency else ""))
+              + _of_peak(p))
         print(f"optimizer step: {p.optimizer_s_per_param * 1e9:.3f} ns/parameter")
         print(f"profile {p.describe()}")
         if path(p):
@@ -213,3 +213,14 @@ def _print(profiles: list, collectives_key: str | None, args: argparse.Namespace
             print(f"stage profile {s.describe()}")
         if stages[0].run_step_s is not None:
             print(f"the stages' run: median step {stages[0].run_step_s:.4f} s")
+
+
+def _of_peak(p) -> str:
+    """The achieved rate as a share of the type's catalogue peak; where it is above that peak, the peak is
+    no datasheet ceiling (the catalogue's CPU figure is nominal) and no share is printed."""
+    if not p.efficiency or not p.peak_tflops:
+        return ""
+    if p.efficiency > 1.0:
+        return (f", above the catalogue's nominal {p.peak_tflops:.3g} TFLOP/s for {p.device_type.split('@')[0]} "
+                "(not a measured peak: no share of it is given)")
+    return f" = {p.efficiency:.2f} of peak {p.peak_tflops:.3g}"

@@ -69,3 +69,18 @@ def test_a_noise_dominated_fit_is_timed_again_then_refused(data_dir, monkeypatch
     assert len(calls) == 1 + sp.NOISY_RETRIES
 
 
+
+
+def test_the_profile_command_gives_no_share_of_a_peak_the_kind_ran_above():
+    """`profiler profile` prints the achieved rate as a share of the catalogue peak only where it is below
+    it: above it (the CPU's nominal catalogue figure) a share would be no fraction of any ceiling."""
+    from types import SimpleNamespace
+
+    from profiler.commands.profile import _of_peak
+
+    below = SimpleNamespace(efficiency=0.41, peak_tflops=312.0, device_type="A100-40GB")
+    above = SimpleNamespace(efficiency=1.37, peak_tflops=0.05, device_type="cpu@share0.5")
+    assert _of_peak(below) == " = 0.41 of peak 312"
+    text = _of_peak(above)
+    assert "of peak" not in text and "1.37" not in text and "nominal 0.05 TFLOP/s for cpu" in text
+    assert _of_peak(SimpleNamespace(efficiency=None, peak_tflops=0.05, device_type="cpu")) == ""
