@@ -4,7 +4,7 @@
 each rank's measured compute against the profile's prediction of its micro-batches (`Rebalancer`);
 when a rank's ratio departs from the one the current split assumed by more than
 DEPARTURE_THRESHOLD (relative to the other ranks, median over WINDOW_STEPS steps), it re-solves
-the split (`solve_split`) with the rates measured in the window's newer half and, when that is predicted at least MIN_GAIN
+the split (`solve_split`) with the rates measured since that rank departed (DEPARTED_STEPS steps) and, when that is predicted at least MIN_GAIN
 faster, every rank takes the new split at the next step (rank 0 decides, executor/worker.py
 broadcasts it). A new split is a trial: its first window's measured step must beat the split it
 replaced, or the split before it comes back.
@@ -51,6 +51,9 @@ MIN_GAIN = 0.10
 # straggler's window, so a passing disturbance of a step or two on a shared machine moves nothing
 WINDOW_STEPS = 4
 MIN_BATCH = 1  # every rank keeps at least one sample (a rank without samples would still gather)
+# steps since a rank departed that a new split is solved on (fewer than the window where the change
+# began inside it; the decision waits a step or two for them)
+DEPARTED_STEPS = 3
 # a coarser split (batches in multiples of a power of two, so micro-batches stay large) is taken
 # when its predicted compute is within this of the finest split's: a profile's α (the fixed cost of
 # a micro-batch) is its least certain figure, and a split of odd batches runs micro-batches of one
@@ -264,12 +267,21 @@ class Rebalancer:
         if max(d, 1 / d) < self.threshold:
             self.history.extend(history[1:])  # a sliding window while nothing departs
             return None
-        # the rates and the step time the new split is solved with and must beat: the window's newer
-        # half. The whole window's median says that a rank departed; where the change began inside the
-        # window, that median mixes steps before it with steps after it and prices the new speed only
-        # in part (a rank slowed 3x from the window's second step reads 2x), and a split solved for
-        # that would be re-solved only after its own trial window. The newer half measures it whole.
-        recent = history[len(history) // 2:]
+        # the rates and the step time the new split is solved with and must beat: the window's steps
+        # from the first one in which that rank departed on, once there are DEPARTED_STEPS of them. The
+        # whole window's median says that a rank departed; where the change began inside the window,
+        # that median mixes steps before it with steps after it and prices the new speed only in part
+        # (a rank slowed 3x from the window's second step reads 2x), and a split solved for that would
+        # be re-solved only after its own trial window. The steps since the change measure it whole,
+        # and a median of three of them stands one disturbed step.
+        need = min(DEPARTED_STEPS, self.window)
+        first = next((k for k, h in enumerate(history)
+                      if _departed(slowdowns([r / a for r, a in zip(h[1], self.assumed)])[worst], d, self.threshold)),
+                     len(history))
+        recent = history[first:]
+        if len(recent) < need:
+            self.history.extend(history[1:])  # the next step may make them enough
+            return None
         rates = _median_rates(recent)
         reason = (f"rank {worst} on {self.devices[worst]} measured {max(d, 1 / d):.2f}x "
                   f"{'slower' if d > 1 else 'faster'} than its split assumed (relative to the other ranks, "
@@ -373,6 +385,12 @@ class Trial:
     rates: list[float]
     before_s: float
     rank: int
+
+
+def _departed(step_departure: float, departure: float, threshold: float) -> bool:
+    """Whether one step's departure of a rank lies as far as `threshold` on the side of the window's
+    `departure` (slower: > 1, faster: < 1)."""
+    return step_departure >= threshold if departure > 1 else step_departure <= 1 / threshold
 
 
 def _median_rates(history: Sequence[tuple]) -> list[float]:

@@ -102,7 +102,7 @@ def test_a_slowed_rank_is_named_and_the_split_follows_it_with_the_same_losses(da
     # two before the change can read 1.3x already (noise), at most the detector's window before it
     assert s["device"].startswith("cpu@share1 ") and s["slowdown"] >= 1.3
     assert changed - WINDOW_STEPS <= s["since_step"] <= changed + NAMED_WITHIN, (s, changed)
-    assert s["cost_s"] > 0
+    assert s["cost_s"] > 0, [(e["kind"], e["step"], e["message"]) for e in auto["events"]]
     assert auto["straggler"] is None or auto["straggler"]["rank"] == 0
 
     # rebalanced at a step boundary: rank 0 now has fewer samples than rank 1, every sample kept
