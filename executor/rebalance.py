@@ -6,8 +6,8 @@ when a rank's ratio departs from the one the current split assumed by more than
 DEPARTURE_THRESHOLD (relative to the other ranks, median over WINDOW_STEPS steps), it re-solves
 the split (`solve_split`) with the rates measured since that rank departed (DEPARTED_STEPS steps)
 and, when that is predicted at least MIN_GAIN faster, every rank takes the new split at the next
-step (rank 0 decides, executor/worker.py broadcasts it). A new split is a trial: its first window's measured step must beat the split it
-replaced, or the split before it comes back.
+step (rank 0 decides, executor/worker.py broadcasts it). A new split is a trial: its first
+window's measured step must beat the split it replaced, or the split before it comes back.
 
 What changes and what does not:
 - only each rank's batch and its micro-batch × accumulation steps; the shard fractions stay (the
