@@ -23,7 +23,11 @@ GiB), and prices the plan with GPUMix's pipeline simulator (planner/geo/scale/pr
 By default both network readings are run and printed (`--network flows|sailor` runs one). `--check`
 judges on the "sailor" reading (Sailor's own reading of its curves): it exits 1 unless GPUMix's
 simulated throughput there is at least 1.1 × Sailor's recorded one at every size and every solve takes
-at most 60 s here. The models: docs/models/scale.md.
+at most 60 s here. `--sailor-structure` also prices Sailor's own plan where its README describes it
+closely enough to rebuild (512 GPUs: `SAILOR_STRUCTURES`), by GPUMix's simulator and by the copy of
+Sailor's pricing above, each stage order and micro-batch at GPUMix's best layer split, and prints
+GPUMix's plan against the best (`sizes[i].sailor_structure` under `--json`; judged by nothing). The
+models: docs/models/scale.md.
 """
 from __future__ import annotations
 
